@@ -1,0 +1,1 @@
+"""The `tqstore` command (installed as the import package `tqstore_cli`)."""

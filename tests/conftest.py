@@ -1,0 +1,24 @@
+import os
+
+import mlx.core as mx
+import pytest
+
+# Keep every test on one backend; the GPU kernels have their own marked tests.
+mx.set_default_device(mx.cpu)
+
+
+def pytest_collection_modifyitems(config, items):
+    has_gpu = _has_gpu()
+    skip_gpu = pytest.mark.skip(reason="needs an MLX GPU backend (CUDA or Metal)")
+    for item in items:
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(skip_gpu)
+
+
+def _has_gpu() -> bool:
+    if os.environ.get("TQSTORE_FORCE_CPU"):
+        return False
+    try:
+        return mx.cuda.is_available() or mx.metal.is_available()
+    except AttributeError:
+        return False

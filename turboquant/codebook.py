@@ -1,0 +1,90 @@
+"""Exact Lloyd-Max codebooks for the coordinates of a uniformly random unit vector.
+
+After a random rotation every coordinate of a unit vector in R^d follows
+f(x) = C (1 - x^2)^((d-3)/2) on [-1, 1] (x = 2B - 1, B ~ Beta((d-1)/2, (d-1)/2)).
+Every cell moment of f has a closed form, so the continuous Lloyd-Max iteration
+runs without a grid; reference implementations that k-means a float32 grid are
+off by up to 1.6e-3 at 4 bits (turboquant.md section 1.4).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import special
+
+MIN_DIM = 16
+MAX_ITERATIONS = 10_000
+TOLERANCE = 1e-15
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """Centroids and decision boundaries of one (d, bits) quantizer, float64, ascending."""
+
+    d: int
+    bits: int
+    centroids: np.ndarray
+    boundaries: np.ndarray
+    cell_probabilities: np.ndarray
+    d_mse: float
+
+    @property
+    def levels(self) -> int:
+        return 1 << self.bits
+
+
+def _beta_parameters(d: int) -> tuple[float, float, float]:
+    """Shape a of the Beta law, exponent k of f and its normalising constant C."""
+    a = (d - 1) / 2.0
+    k = (d - 3) / 2.0
+    log_c = special.gammaln(d / 2) - 0.5 * math.log(math.pi) - special.gammaln((d - 1) / 2)
+    return a, k, math.exp(log_c)
+
+
+def _cells(d: int, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Boundaries (with the -1, +1 ends), cell probabilities P_i and first moments M_i."""
+    a, k, c_norm = _beta_parameters(d)
+    t = np.concatenate([[-1.0], (centroids[:-1] + centroids[1:]) / 2, [1.0]])
+    cdf = special.betainc(a, a, (t + 1) / 2)
+    p = cdf[1:] - cdf[:-1]
+    one_minus = 1 - t**2
+    m = c_norm * (one_minus[:-1] ** (k + 1) - one_minus[1:] ** (k + 1)) / (2 * (k + 1))
+    return t, p, m
+
+
+def lloyd_max_codebook(d: int, bits: int) -> Codebook:
+    """Exact Lloyd-Max codebook for head dim `d` (>= 16) at `bits` bits (1..4).
+
+    Iterates c_i <- M_i / P_i from the quantile start until max|dc| < 1e-15.
+    """
+    if isinstance(d, bool) or not isinstance(d, int) or d < MIN_DIM:
+        raise ValueError(f"lloyd_max_codebook needs an integer d >= {MIN_DIM}, got {d!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (1, 2, 3, 4):
+        raise ValueError(f"lloyd_max_codebook supports bits 1..4, got {bits!r}")
+    return _codebook(d, bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook(d: int, bits: int) -> Codebook:
+    a, _, _ = _beta_parameters(d)
+    levels = 1 << bits
+    c = 2 * special.betaincinv(a, a, (np.arange(levels) + 0.5) / levels) - 1
+    for _ in range(MAX_ITERATIONS):
+        _, p, m = _cells(d, c)
+        new = m / p
+        converged = np.max(np.abs(new - c)) < TOLERANCE
+        c = new
+        if converged:
+            break
+    t, p, _ = _cells(d, c)
+    boundaries = t[1:-1].copy()
+    # The middle boundary is 0 by symmetry; drop rounding noise so ties behave the same everywhere.
+    boundaries[np.abs(boundaries) < 1e-12] = 0.0
+    d_mse = float(d * (1.0 / d - np.sum(p * c**2)))
+    for arr in (c, boundaries, p):
+        arr.setflags(write=False)
+    return Codebook(d=d, bits=bits, centroids=c, boundaries=boundaries, cell_probabilities=p, d_mse=d_mse)

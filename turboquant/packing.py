@@ -1,0 +1,91 @@
+"""LSB-first bit-stream packing of small unsigned codes into uint32 words.
+
+Code j of a row occupies bits [j*b, j*b + b) of the row's little-endian bit stream, so a
+3-bit field may straddle two words; a row of d codes takes ceil(d*b/32) words. Any 32
+consecutive codes fill exactly b words, which lets the packer work on 32-code chunks with
+static per-column (word, shift) tables: vectorized, no loop over rows or columns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+SUPPORTED_BITS = (1, 2, 3, 4, 8)
+CHUNK = 32
+
+
+def packed_width(d: int, bits: int) -> int:
+    """Words per packed row: ceil(d * bits / 32)."""
+    _check_bits(bits)
+    return -(-d * bits // 32)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"packing supports bits {SUPPORTED_BITS}, got {bits!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Per column of a 32-code chunk: word index, shift, spill flag, spill shift."""
+    offsets = np.arange(CHUNK) * bits
+    word = offsets // 32
+    shift = offsets % 32
+    spill = shift + bits > 32
+    spill_shift = np.where(spill, 32 - shift, 0)
+    return (
+        mx.array(word.astype(np.uint32)),
+        mx.array(shift.astype(np.uint32)),
+        mx.array(spill),
+        mx.array(spill_shift.astype(np.uint32)),
+    )
+
+
+def pack(indices: mx.array, bits: int) -> mx.array:
+    """Pack codes [..., d] (each < 2**bits) into uint32 words [..., ceil(d*bits/32)]."""
+    _check_bits(bits)
+    d = indices.shape[-1]
+    lead = indices.shape[:-1]
+    n_chunks = -(-d // CHUNK)
+    codes = indices.astype(mx.uint32)
+    if n_chunks * CHUNK != d:
+        pad = [(0, 0)] * (codes.ndim - 1) + [(0, n_chunks * CHUNK - d)]
+        codes = mx.pad(codes, pad)
+    codes = codes.reshape(*lead, n_chunks, CHUNK)
+    word, shift, spill, spill_shift = _layout(bits)
+    low = mx.left_shift(codes, shift)
+    high = mx.where(spill, mx.right_shift(codes, spill_shift), mx.array(0, mx.uint32))
+    zero = mx.array(0, mx.uint32)
+    # Fields never overlap, so summing the masked fields of a word equals OR-ing them.
+    words = [
+        mx.sum(mx.where(word == k, low, zero), axis=-1)
+        + mx.sum(mx.where(spill & (word + 1 == k), high, zero), axis=-1)
+        for k in range(bits)
+    ]
+    out = mx.stack(words, axis=-1).astype(mx.uint32).reshape(*lead, n_chunks * bits)
+    return out[..., : packed_width(d, bits)]
+
+
+def unpack(words: mx.array, bits: int, d: int) -> mx.array:
+    """Unpack uint32 words [..., ceil(d*bits/32)] into codes [..., d] (uint32)."""
+    _check_bits(bits)
+    width = packed_width(d, bits)
+    if words.shape[-1] != width:
+        raise ValueError(f"expected {width} words per row for d={d}, bits={bits}, got {words.shape[-1]}")
+    lead = words.shape[:-1]
+    n_chunks = -(-d // CHUNK)
+    words = words.astype(mx.uint32)
+    if n_chunks * bits != width:
+        pad = [(0, 0)] * (words.ndim - 1) + [(0, n_chunks * bits - width)]
+        words = mx.pad(words, pad)
+    words = words.reshape(*lead, n_chunks, bits)
+    word, shift, spill, spill_shift = _layout(bits)
+    low = mx.right_shift(mx.take(words, word, axis=-1), shift)
+    next_word = mx.take(words, mx.minimum(word + 1, bits - 1), axis=-1)
+    high = mx.where(spill, mx.left_shift(next_word, spill_shift), mx.array(0, mx.uint32))
+    mask = mx.array((1 << bits) - 1, mx.uint32)
+    codes = mx.bitwise_and(mx.bitwise_or(low, high), mask)
+    return codes.reshape(*lead, n_chunks * CHUNK)[..., :d]

@@ -1,0 +1,116 @@
+"""The scheme grammar: a name such as `turbo8v3` -> a typed, canonical SchemeSpec.
+
+    raw                 native K and V (the dtype the model produces, never cast)
+    affine8, affine4    MLX affine K and V (QuantizedKVCache-compatible)
+    turbo0vN            native K, TurboQuant V at N bits          (N in 2..4)
+    turbo8vN            8-bit affine K, TurboQuant V at N bits
+    turboN              TurboQuant K and V at N bits, keys calibrated
+    turboKvN            TurboQuant K at K bits and V at N bits (turbo4v4 is turbo4)
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+from .affine import UnsupportedHeadDim, affine_group_size
+from .packing import packed_width
+
+TURBO_BITS = (2, 3, 4)
+NORM_BYTES = 4  # one float32 norm per TurboQuant row
+
+
+class Format(str, enum.Enum):
+    """How one side (K or V) of a layer is stored."""
+
+    NATIVE = "native"
+    AFFINE = "affine"
+    TURBO = "turbo"
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """A parsed scheme. `name` is canonical and is what identities hash."""
+
+    name: str
+    key_format: Format
+    value_format: Format
+    key_bits: int  # 0 for native keys
+    value_bits: int  # 0 for native values
+
+    @property
+    def calibrated(self) -> bool:
+        """TurboQuant keys are always calibrated (per-dimension scales from the prefill)."""
+        return self.key_format is Format.TURBO
+
+    @property
+    def fragile(self) -> bool:
+        """Boundary-layer protection applies: TurboQuant keys, or 2-bit TurboQuant values."""
+        return self.key_format is Format.TURBO or (self.value_format is Format.TURBO and self.value_bits <= 2)
+
+    @property
+    def compressed(self) -> bool:
+        return self.name != "raw"
+
+    @property
+    def uses_affine(self) -> bool:
+        return Format.AFFINE in (self.key_format, self.value_format)
+
+    def side_bytes(self, side: Format, bits: int, d: int, dtype_bytes: int) -> int:
+        """Bytes per token per KV head of one side (K or V) at head dim d."""
+        if side is Format.NATIVE:
+            return d * dtype_bytes
+        if side is Format.AFFINE:
+            return d * bits // 8 + 2 * (d // affine_group_size(d)) * dtype_bytes
+        return 4 * packed_width(d, bits) + NORM_BYTES
+
+    def bytes_per_token(self, d: int, dtype_bytes: int = 2) -> int:
+        """K + V bytes per token per KV head; layers no affine group size fits stay native."""
+        try:
+            return (self.side_bytes(self.key_format, self.key_bits, d, dtype_bytes)
+                    + self.side_bytes(self.value_format, self.value_bits, d, dtype_bytes))
+        except UnsupportedHeadDim:
+            return 2 * d * dtype_bytes
+
+    def compression(self, d: int, dtype_bytes: int = 2) -> float:
+        """Compression against an fp16 cache (always fp16, whatever the model's dtype)."""
+        return (2 * d * 2) / self.bytes_per_token(d, dtype_bytes)
+
+
+def _spec(name: str, kf: Format, vf: Format, kb: int, vb: int) -> SchemeSpec:
+    return SchemeSpec(name=name, key_format=kf, value_format=vf, key_bits=kb, value_bits=vb)
+
+
+def _build_table() -> dict[str, SchemeSpec]:
+    table = {"raw": _spec("raw", Format.NATIVE, Format.NATIVE, 0, 0)}
+    for b in (8, 4):
+        table[f"affine{b}"] = _spec(f"affine{b}", Format.AFFINE, Format.AFFINE, b, b)
+    for k, kf in ((0, Format.NATIVE), (8, Format.AFFINE)):
+        for v in reversed(TURBO_BITS):
+            table[f"turbo{k}v{v}"] = _spec(f"turbo{k}v{v}", kf, Format.TURBO, k, v)
+    for b in reversed(TURBO_BITS):
+        table[f"turbo{b}"] = _spec(f"turbo{b}", Format.TURBO, Format.TURBO, b, b)
+    for k in reversed(TURBO_BITS):
+        for v in reversed(TURBO_BITS):
+            if k != v:
+                table[f"turbo{k}v{v}"] = _spec(f"turbo{k}v{v}", Format.TURBO, Format.TURBO, k, v)
+    return table
+
+
+SCHEMES: dict[str, SchemeSpec] = _build_table()
+_ALIAS = re.compile(r"turbo([234])v\1")
+
+
+def parse_scheme(name: str) -> SchemeSpec:
+    """Parse a scheme name (case-insensitive); raises ValueError listing the valid names."""
+    if not isinstance(name, str):
+        raise ValueError(f"a scheme name is a string, got {type(name).__name__}")
+    key = name.strip().lower()
+    alias = _ALIAS.fullmatch(key)
+    if alias:
+        key = f"turbo{alias.group(1)}"
+    try:
+        return SCHEMES[key]
+    except KeyError:
+        raise ValueError(f"unknown scheme {name!r}; valid schemes: {', '.join(SCHEMES)}") from None
