@@ -82,13 +82,9 @@ class KeyCalibration:
         """Rotated-basis scale shaped to broadcast over [B, H, T, D], or None."""
         return None if self.rotated_scale is None else self.rotated_scale[:, None, :]
 
-    def query_in(self, queries: mx.array, n_kv_heads: int) -> mx.array:
-        """Original-basis query transform for queries [B, Hq, L, D] (GQA: heads grouped by KV head)."""
-        if self.scale is None:
-            return queries
-        B, hq, L, D = queries.shape
-        q = queries.reshape(B, n_kv_heads, hq // n_kv_heads, L, D) * self.scale[:, None, None, :]
-        return q.reshape(B, hq, L, D)
+    def query_in(self, queries: mx.array) -> mx.array:
+        """Original-basis query transform; queries grouped by KV head: [B, H, rows, D]."""
+        return queries if self.scale is None else queries * self.scale[:, None, :]
 
 
 def fit_key_calibration(keys: mx.array, rotation: Rotation, config: CalibrationConfig) -> KeyCalibration | None:

@@ -1,0 +1,149 @@
+import mlx.core as mx
+import pytest
+
+from kv_data import kv_rows
+from turboquant import parse_scheme
+from turboquant.cache import CompressedKeys, TurboQuantKVCache
+from turboquant.calibration import fit_key_calibration
+from turboquant.integration import protected_layers, restore, snapshot
+from turboquant.plan import plan_layer
+from turboquant.snapshot import Layout
+
+
+def _cache(scheme="turbo4", H=2, D=64, dtype=mx.float32):
+    return TurboQuantKVCache(plan_layer(parse_scheme(scheme), H, D, D, dtype))
+
+
+def test_follows_mlx_lm_protocol_without_bits():
+    cache = _cache()
+    for name in ("update_and_fetch", "offset", "make_mask", "is_trimmable", "trim", "nbytes", "empty", "state"):
+        assert hasattr(cache, name)
+    assert not hasattr(cache, "bits")
+    assert cache.empty() and cache.offset == 0 and cache.is_trimmable()
+    assert cache.make_mask(1) is None and cache.make_mask(4) == "causal"
+    assert cache.make_mask(3, return_array=True).shape == (3, 3)
+
+
+@pytest.mark.parametrize("scheme", ["turbo0v4", "turbo8v3", "turbo4", "turbo3", "affine8", "turbo4v2"])
+def test_incremental_state_equals_batch_encoding_across_the_growth_step(scheme):
+    """Prefill 250 rows, then 20 single-token steps across the 256 boundary: the stored arrays
+    equal encoding all 270 rows at once with the same codecs and calibration."""
+    cache = _cache(scheme)
+    k, v = kv_rows(1, 2, 270, 64, seed=3)
+    cache.update_and_fetch(k[:, :, :250], v[:, :, :250])
+    for t in range(250, 270):
+        keys, _ = cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        assert isinstance(keys, CompressedKeys)
+    assert cache.offset == 270 and cache._store.capacity == 512
+    if cache.plan.calibrated:
+        expected = fit_key_calibration(k[:, :, :250], cache.plan.key.turbo.rotation, cache.plan.calibration)
+        for name, arr in expected.arrays().items():
+            assert mx.array_equal(arr, cache.calibration.arrays()[name]).item()
+    batch = {**cache._key_side.encode(k), **cache._value_side.encode(v)}
+    stored = cache.to_record().arrays
+    assert set(batch) == set(stored)
+    for name in batch:
+        assert mx.array_equal(batch[name], stored[name]).item(), name
+
+
+def test_compresses_on_first_single_token_step_only():
+    cache = _cache("turbo4")
+    k, v = kv_rows(1, 2, 300, 64)
+    cache.update_and_fetch(k[:, :, :100], v[:, :, :100])
+    cache.update_and_fetch(k[:, :, 100:200], v[:, :, 100:200])
+    assert not cache.compressed and cache.layout is Layout.RAW
+    cache.update_and_fetch(k[:, :, 200:201], v[:, :, 200:201])
+    assert cache.compressed and cache.layout is Layout.CALIBRATED
+    # Multi-token updates after compression go through the compressed path (follow-up turns).
+    keys, _ = cache.update_and_fetch(k[:, :, 201:260], v[:, :, 201:260])
+    assert isinstance(keys, CompressedKeys) and cache.offset == 260
+
+
+def test_trim_then_decode():
+    cache = _cache("turbo4")
+    k, v = kv_rows(1, 2, 40, 64)
+    cache.update_and_fetch(k[:, :, :32], v[:, :, :32])
+    cache.update_and_fetch(k[:, :, 32:33], v[:, :, 32:33])
+    assert cache.offset == 33
+    assert cache.trim(5) == 5 and cache.offset == 28
+    for t in (28, 29):
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    assert cache.offset == 30
+    stored = cache.to_record().arrays
+    fresh = {**cache._key_side.encode(k[:, :, :30]), **cache._value_side.encode(v[:, :, :30])}
+    for name in fresh:
+        assert mx.array_equal(fresh[name], stored[name]).item()
+
+
+def test_trim_to_zero_starts_over():
+    cache = _cache("turbo4")
+    k, v = kv_rows(1, 2, 40, 64)
+    cache.update_and_fetch(k, v)
+    cache.compress()
+    assert cache.trim(100) == 40
+    assert cache.empty() and not cache.compressed and cache.calibration is None
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_zero_and_one_token_caches(n):
+    cache = _cache("turbo4")
+    if n:
+        k, v = kv_rows(1, 2, 1, 64)
+        cache.update_and_fetch(k, v)  # a single token compresses at once (no calibration: too few rows)
+        assert cache.layout is Layout.TURBO
+    cache.compress()
+    (restored,) = restore(snapshot([cache]))
+    assert restored.offset == n and restored.compressed
+    k2, v2 = kv_rows(1, 2, 1, 64, seed=9)
+    cache.update_and_fetch(k2, v2)
+    restored.update_and_fetch(k2, v2)
+    q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(0))
+    assert mx.array_equal(cache.attention(q, 0.125), restored.attention(q, 0.125)).item()
+
+
+def test_nbytes_counts_held_tokens_only():
+    cache = _cache("turbo4", H=2, D=64)
+    k, v = kv_rows(1, 2, 10, 64)
+    cache.update_and_fetch(k, v)
+    assert cache.nbytes == k.nbytes + v.nbytes
+    cache.compress()
+    per_token = parse_scheme("turbo4").bytes_per_token(64, dtype_bytes=4)
+    calib = sum(a.nbytes for a in cache.calibration.arrays().values()) if cache.calibration else 0
+    assert cache.nbytes == 2 * 10 * per_token + calib
+
+
+def test_memory_stays_flat_over_a_long_generation():
+    cache = _cache("turbo4", H=2, D=64)
+    k, v = kv_rows(1, 2, 600, 64)
+    cache.update_and_fetch(k[:, :, :64], v[:, :, :64])
+    q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(0))
+    readings = []
+    for t in range(64, 600):
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        mx.eval(cache.attention(q, 0.125))
+        if t in (300, 500):
+            readings.append(mx.get_active_memory())
+    # Between the two readings the buffers do not cross a growth step (256..511 tokens):
+    # nothing may accumulate per token beyond the preallocated capacity.
+    assert readings[1] - readings[0] < 64 * 1024
+
+
+def test_protection_positions():
+    assert protected_layers(list(range(24)), True) == {0, 1, 22, 23}
+    assert protected_layers(list(range(6)), True) == {0, 5}
+    assert protected_layers([2, 5], True) == set()  # at least half stay TurboQuant
+    assert protected_layers(list(range(24)), False) == set()
+
+
+def test_restore_rejects_inconsistent_records():
+    cache = _cache("turbo0v4")
+    k, v = kv_rows(1, 2, 40, 64)
+    cache.update_and_fetch(k, v)
+    cache.compress()
+    snap = snapshot([cache])
+    record = snap.layers[0]
+    bad = type(record)(Layout.TURBO, record.offset, record.arrays, record.config)
+    with pytest.raises(ValueError, match="arrays"):
+        restore(type(snap)([bad], snap.codecs))
+    with pytest.raises(ValueError, match="codec"):
+        restore(type(snap)([record], {}))

@@ -1,0 +1,37 @@
+"""Tiny random-weight mlx-lm models built from configs (no files, no downloads)."""
+
+from __future__ import annotations
+
+import importlib
+
+import mlx.core as mx
+
+CONFIGS = {
+    "llama": dict(model_type="llama", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=512, rms_norm_eps=1e-5),
+    "qwen2": dict(model_type="qwen2", hidden_size=448, num_hidden_layers=8, intermediate_size=512,
+                  num_attention_heads=7, num_key_value_heads=1, vocab_size=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", hidden_size=256, num_hidden_layers=8, intermediate_size=512,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=512, rms_norm_eps=1e-6,
+                  max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=1000000.0),
+    "gemma3_text": dict(model_type="gemma3_text", hidden_size=256, num_hidden_layers=6, intermediate_size=512,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=512,
+                        rms_norm_eps=1e-6, sliding_window=64, sliding_window_pattern=3,
+                        query_pre_attn_scalar=256),
+}
+
+
+def build_model(kind: str, seed: int = 0, dtype=mx.float32, **overrides):
+    """A random-weight model of `kind` (see CONFIGS), evaluated, in `dtype`."""
+    cfg = {**CONFIGS[kind], **overrides}
+    module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def prompt_tokens(n: int, seed: int = 1, vocab: int = 512) -> mx.array:
+    return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed))

@@ -1,0 +1,72 @@
+"""Attention over compressed storage in plain MLX ops: the reference path and the CPU path.
+
+Queries are grouped by KV head (query head h reads KV head h // R, as in mlx-lm), scored in
+float32 against whatever the key side stores, softmaxed in float32, mixed with whatever the
+value side stores, and returned in the activation dtype so later layers are never promoted.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .sides import Side
+
+MaskLike = None | str | mx.array
+
+
+def causal_mask(L: int, T: int) -> mx.array:
+    """[L, T] bool: query i (absolute position T - L + i) sees keys t <= T - L + i."""
+    return mx.arange(T)[None, :] <= (T - L + mx.arange(L))[:, None]
+
+
+def _grouped_mask(mask: mx.array, B: int, H: int, R: int) -> mx.array:
+    """Bring an mlx-lm mask ([L, T], [B, L, T] or [B, 1 | Hq, L, T]) to [B, H, R, L, T] broadcasting."""
+    if mask.ndim <= 2:
+        return mask
+    if mask.ndim == 3:
+        return mask[:, None, None]
+    if mask.shape[1] == 1:
+        return mx.expand_dims(mask, 2)
+    return mask.reshape(mask.shape[0], H, R, *mask.shape[2:])
+
+
+def apply_mask(scores: mx.array, mask: MaskLike) -> mx.array:
+    """Mask scores [B, H, R, L, T] (bool: True attends; float: added)."""
+    if mask is None:
+        return scores
+    B, H, R, L, T = scores.shape
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask {mask!r}; expected None, 'causal' or an array")
+        if L == 1:
+            return scores
+        mask = causal_mask(L, T)
+    else:
+        mask = _grouped_mask(mask, B, H, R)
+    if mask.dtype == mx.bool_:
+        return mx.where(mask, scores, mx.finfo(mx.float32).min)
+    return scores + mask.astype(mx.float32)
+
+
+def compressed_attention(
+    queries: mx.array,
+    key_side: Side,
+    key_arrays: dict[str, mx.array],
+    value_side: Side,
+    value_arrays: dict[str, mx.array],
+    scale: float,
+    mask: MaskLike = None,
+) -> mx.array:
+    """softmax(q K^T * scale + mask) V for queries [B, Hq, L, D] over stored K/V [B, H, T, ...]."""
+    B, Hq, L, D = queries.shape
+    H = next(iter(key_arrays.values())).shape[1]
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads cannot share {H} KV heads evenly")
+    R = Hq // H
+    q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
+    scores = key_side.scores(key_arrays, q)
+    T = scores.shape[-1]
+    scores = apply_mask(scores.reshape(B, H, R, L, T), mask)
+    weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, H, R * L, T)
+    out = value_side.mix(value_arrays, weights)
+    return out.reshape(B, Hq, L, out.shape[-1]).astype(queries.dtype)

@@ -1,0 +1,174 @@
+"""LayerPlan: the data-independent configuration of one compressed layer.
+
+A plan is fixed when the cache is made (head dims and dtype come from a one-token probe of
+the model) and is what the codec identity hashes: formats, bits, codecs, group sizes, the
+calibration recipe and boundary protection. Data-dependent choices (whether calibration came
+out flat) live in the cache and its snapshot, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .affine import AffineCodec, UnsupportedHeadDim
+from .calibration import CalibrationConfig
+from .codec import NormMode, TurboCodec
+from .rotation import Rotation
+from .schemes import Format, SchemeSpec
+from .sides import AffineSide, NativeSide, TurboSide
+from .snapshot import CodecRecord, Scalar
+
+PROTECTED_BITS = 8
+DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=False)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_codec(d: int, bits: int, seed: int, norm_mode: NormMode = NormMode.RAW) -> TurboCodec:
+    """One codec per (d, bits, seed, norm mode), shared by every layer (an explicit registry)."""
+    return TurboCodec(d, bits, seed, norm_mode)
+
+
+def codec_name(codec: TurboCodec, seed: int) -> str:
+    return f"turbo-d{codec.d}-b{codec.bits}-s{seed}-{codec.norm_mode.value}"
+
+
+def codec_record(codec: TurboCodec) -> CodecRecord:
+    arrays = {"centroids": codec.centroids, "boundaries": codec.boundaries, **codec.rotation.arrays()}
+    return CodecRecord(rotation_kind=codec.rotation.kind.value, norm_mode=codec.norm_mode.value, arrays=arrays)
+
+
+def codec_from_record(record: CodecRecord) -> TurboCodec:
+    a = record.arrays
+    rotation = Rotation.from_arrays(record.rotation_kind, a.get("signs"), a.get("matrix"))
+    return TurboCodec.from_arrays(a["centroids"], a["boundaries"], rotation, record.norm_mode)
+
+
+@dataclass(frozen=True, eq=False)
+class SidePlan:
+    """How one side (K or V) is stored."""
+
+    format: Format
+    bits: int = 0
+    turbo: TurboCodec | None = None
+    turbo_name: str | None = None
+    affine: AffineCodec | None = None
+
+    def side(self, name: str, calibration=None):
+        """The side object that encodes and attends for this plan."""
+        if self.format is Format.NATIVE:
+            return NativeSide(name)
+        if self.format is Format.AFFINE:
+            return AffineSide(name, self.affine)
+        return TurboSide(name, self.turbo, calibration)
+
+    def meta(self, prefix: str) -> dict[str, Scalar]:
+        return {f"{prefix}_format": self.format.value, f"{prefix}_bits": self.bits,
+                f"{prefix}_codec": self.turbo_name,
+                f"{prefix}_group_size": self.affine.group_size if self.affine else None}
+
+
+@dataclass(frozen=True, eq=False)
+class LayerPlan:
+    """Everything needed to build, persist and rebuild one compressed layer."""
+
+    scheme: str
+    key: SidePlan
+    value: SidePlan
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    dtype: str
+    seed: int = 0
+    calibration: CalibrationConfig = DEFAULT_CALIBRATION
+    protected: bool = False
+
+    @property
+    def calibrated(self) -> bool:
+        return self.key.format is Format.TURBO and self.calibration.enabled
+
+    def meta(self) -> dict[str, Scalar]:
+        """Data-independent scalars for the snapshot's layer config (hashed by the codec identity)."""
+        return {
+            "class": "TurboQuantKVCache", "scheme": self.scheme, "seed": self.seed,
+            "n_kv_heads": self.n_kv_heads, "head_dim_k": self.head_dim_k, "head_dim_v": self.head_dim_v,
+            "dtype": self.dtype, "protected": self.protected,
+            "calibration_center": self.calibrated and self.calibration.center,
+            "calibration_channel_scale": self.calibrated and self.calibration.channel_scale,
+            "calibration_rotated_scale": self.calibrated and self.calibration.rotated_scale,
+            **self.key.meta("key"), **self.value.meta("value"),
+        }
+
+    def codecs(self) -> dict[str, CodecRecord]:
+        """The TurboQuant codecs this layer references, by name."""
+        return {s.turbo_name: codec_record(s.turbo) for s in (self.key, self.value) if s.turbo is not None}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":
+        """Rebuild a plan from persisted scalars and codec arrays (nothing regenerated)."""
+
+        def side(prefix: str) -> SidePlan:
+            fmt = Format(meta[f"{prefix}_format"])
+            bits = int(meta[f"{prefix}_bits"])
+            if fmt is Format.TURBO:
+                name = meta[f"{prefix}_codec"]
+                if name not in codecs:
+                    raise ValueError(f"layer references codec {name!r}, which the snapshot lacks")
+                return SidePlan(fmt, bits, turbo=codec_from_record(codecs[name]), turbo_name=name)
+            if fmt is Format.AFFINE:
+                return SidePlan(fmt, bits, affine=AffineCodec(bits, int(meta[f"{prefix}_group_size"])))
+            return SidePlan(fmt)
+
+        calibration = CalibrationConfig(bool(meta["calibration_center"]), bool(meta["calibration_channel_scale"]),
+                                        bool(meta["calibration_rotated_scale"]))
+        return cls(scheme=str(meta["scheme"]), key=side("key"), value=side("value"),
+                   n_kv_heads=int(meta["n_kv_heads"]), head_dim_k=int(meta["head_dim_k"]),
+                   head_dim_v=int(meta["head_dim_v"]), dtype=str(meta["dtype"]), seed=int(meta["seed"]),
+                   calibration=calibration, protected=bool(meta["protected"]))
+
+
+def _side_plan(fmt: Format, bits: int, d: int, seed: int) -> SidePlan:
+    if fmt is Format.TURBO:
+        codec = shared_codec(d, bits, seed)
+        return SidePlan(fmt, bits, turbo=codec, turbo_name=codec_name(codec, seed))
+    if fmt is Format.AFFINE:
+        return SidePlan(fmt, bits, affine=AffineCodec.for_dim(d, bits))
+    return SidePlan(Format.NATIVE)
+
+
+def plan_layer(
+    spec: SchemeSpec,
+    n_kv_heads: int,
+    head_dim_k: int,
+    head_dim_v: int,
+    dtype: mx.Dtype,
+    *,
+    seed: int = 0,
+    protected: bool = False,
+    calibration: CalibrationConfig = DEFAULT_CALIBRATION,
+) -> LayerPlan | None:
+    """The plan of one attention layer under `spec`, or None when the layer stays native.
+
+    A layer stays native for the raw scheme, and when an affine side is needed but no MLX
+    group size divides the head dim (turbo8vN and affine schemes at d = 80).
+    """
+    if not spec.compressed and not protected:
+        return None
+    formats = (spec.key_format, spec.key_bits, spec.value_format, spec.value_bits)
+    if protected:
+        formats = (Format.AFFINE, PROTECTED_BITS, Format.AFFINE, PROTECTED_BITS)
+    kf, kb, vf, vb = formats
+    try:
+        key = _side_plan(kf, kb, head_dim_k, seed)
+        value = _side_plan(vf, vb, head_dim_v, seed + 1)
+    except UnsupportedHeadDim:
+        return None
+    return LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
+                     head_dim_v=head_dim_v, dtype=_dtype_name(dtype), seed=seed, calibration=calibration,
+                     protected=protected)
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]

@@ -1,0 +1,119 @@
+"""One side (K or V) of a layer: how its rows are stored and how attention reads them.
+
+Every side implements the same small protocol, so attention never special-cases a layout:
+`encode` rows into named per-token arrays, `decode` them back (tests, exports), `scores` of
+grouped queries against stored keys, and `mix` attention weights with stored values.
+Queries arrive grouped by KV head, [B, H, rows, D] float32, already multiplied by the scale.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .affine import AffineCodec
+from .calibration import KeyCalibration
+from .codec import TurboCodec
+from .schemes import Format
+
+
+def _t(x: mx.array) -> mx.array:
+    return x.swapaxes(-1, -2)
+
+
+class NativeSide:
+    """Rows kept in the dtype the model produced (never cast in storage)."""
+
+    format = Format.NATIVE
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def encode(self, x: mx.array) -> dict[str, mx.array]:
+        return {self.name: x}
+
+    def decode(self, arrays: dict[str, mx.array]) -> mx.array:
+        return arrays[self.name]
+
+    def scores(self, arrays: dict[str, mx.array], q: mx.array) -> mx.array:
+        # Scores in float32: Qwen2.5-class f16 dot products overflow.
+        return q @ _t(arrays[self.name].astype(mx.float32))
+
+    def mix(self, arrays: dict[str, mx.array], p: mx.array) -> mx.array:
+        return p @ arrays[self.name].astype(mx.float32)
+
+
+class AffineSide:
+    """MLX affine quantization (words, scales, biases), dequantized transiently for attention."""
+
+    format = Format.AFFINE
+
+    def __init__(self, name: str, codec: AffineCodec):
+        self.name = name
+        self.codec = codec
+
+    def _names(self) -> tuple[str, str, str]:
+        return f"{self.name}_w", f"{self.name}_scales", f"{self.name}_biases"
+
+    def encode(self, x: mx.array) -> dict[str, mx.array]:
+        return dict(zip(self._names(), self.codec.encode(x)))
+
+    def decode(self, arrays: dict[str, mx.array]) -> mx.array:
+        return self.codec.decode(*(arrays[n] for n in self._names()))
+
+    def scores(self, arrays: dict[str, mx.array], q: mx.array) -> mx.array:
+        return q @ _t(self.decode(arrays).astype(mx.float32))
+
+    def mix(self, arrays: dict[str, mx.array], p: mx.array) -> mx.array:
+        return p @ self.decode(arrays).astype(mx.float32)
+
+
+class TurboSide:
+    """TurboQuant rows: packed codes and one norm per row; keys optionally calibrated.
+
+    Attention never un-rotates keys: the query is rotated once and scored against codebook
+    values; values are summed in the rotated basis and rotated back once per output row.
+    """
+
+    format = Format.TURBO
+
+    def __init__(self, name: str, codec: TurboCodec, calibration: KeyCalibration | None = None):
+        self.name = name
+        self.codec = codec
+        self.calibration = calibration
+
+    def _names(self) -> tuple[str, str]:
+        return f"{self.name}_packed", f"{self.name}_norms"
+
+    def _scale(self) -> mx.array | None:
+        return None if self.calibration is None else self.calibration.codec_scale()
+
+    def encode(self, x: mx.array) -> dict[str, mx.array]:
+        if self.calibration is not None:
+            x = self.calibration.keys_in(x)
+        return dict(zip(self._names(), self.codec.encode(x, scale=self._scale())))
+
+    def decode(self, arrays: dict[str, mx.array]) -> mx.array:
+        packed, norms = (arrays[n] for n in self._names())
+        x = self.codec.decode(packed, norms, scale=self._scale())
+        return x if self.calibration is None else self.calibration.keys_out(x)
+
+    def rotate_queries(self, q: mx.array) -> mx.array:
+        """Grouped queries into the basis the stored codes live in."""
+        if self.calibration is not None:
+            q = self.calibration.query_in(q)
+        q = self.codec.rotation.forward(q)
+        scale = self._scale()
+        return q if scale is None else q * scale
+
+    def scores(self, arrays: dict[str, mx.array], q: mx.array) -> mx.array:
+        packed, norms = (arrays[n] for n in self._names())
+        # The one transient expansion of this plain-ops path: codebook values of one layer.
+        c = self.codec.centroids[self.codec.codes(packed)]
+        return (self.rotate_queries(q) @ _t(c)) * norms[:, :, None, :]
+
+    def mix(self, arrays: dict[str, mx.array], p: mx.array) -> mx.array:
+        packed, norms = (arrays[n] for n in self._names())
+        return self.codec.rotation.inverse(p @ self.codec.decode_rotated(packed, norms))
+
+
+Side = NativeSide | AffineSide | TurboSide
