@@ -22,3 +22,7 @@ def _has_gpu() -> bool:
         return mx.cuda.is_available() or mx.metal.is_available()
     except AttributeError:
         return False
+
+
+# A real S3 server (moto) for the tier and store tests: `s3` fixture, one server per session.
+from s3_server import moto_server, s3  # noqa: E402, F401

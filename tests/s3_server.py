@@ -1,0 +1,67 @@
+"""A real S3 HTTP server for tests: moto's ThreadedMotoServer on loopback, one per session.
+
+tests/conftest.py imports the fixtures (`from s3_server import moto_server, s3  # noqa: F401`).
+`s3` resets the server before each test, sets fake credentials (and hides ~/.aws and AWS_PROFILE
+so a developer's real account is never used) and creates an empty bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from dataclasses import dataclass
+
+import boto3
+import botocore.config
+import pytest
+from moto.server import ThreadedMotoServer
+
+from tqstore.tiers.s3 import S3Tier
+
+BUCKET = "tqstore-test"
+
+
+@dataclass
+class S3Server:
+    """The server of one test: its endpoint, its (empty) bucket and a plain boto3 client that
+    bypasses tqstore (to damage objects, or to look at what tqstore wrote)."""
+
+    endpoint: str
+    bucket: str
+    client: object
+
+    def tier(self, prefix: str = "kv", **kw: object) -> S3Tier:
+        """An S3Tier on this server with fast retries (tests must not wait on backoff)."""
+        settings = {"endpoint_url": self.endpoint, "region": "us-east-1", "max_attempts": 2,
+                    "retry_delay": 0.0, "connect_timeout": 2.0, "read_timeout": 10.0} | kw
+        return S3Tier(self.bucket, prefix, **settings)
+
+
+@pytest.fixture(scope="session")
+def moto_server():
+    """Endpoint URL of a moto S3 server on 127.0.0.1 (an ephemeral port)."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto_server, monkeypatch, tmp_path) -> S3Server:
+    """The session's moto server, reset, with fake credentials and an empty bucket."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    urllib.request.urlopen(urllib.request.Request(f"{moto_server}/moto-api/reset", method="POST")).close()
+    client = boto3.client(
+        "s3", endpoint_url=moto_server, region_name="us-east-1",
+        config=botocore.config.Config(request_checksum_calculation="when_required"),
+    )
+    client.create_bucket(Bucket=BUCKET)
+    return S3Server(moto_server, BUCKET, client)

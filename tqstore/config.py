@@ -1,0 +1,360 @@
+"""Configuration: defaults, `home/config.toml`, `TQSTORE_*` environment variables and overrides.
+
+Precedence, highest first: explicit overrides (CLI flags) > environment > config file > defaults.
+The config file has two tables, each key documented in docs/tiers.md:
+
+    [store]
+    lmdb_budget = "20GiB"
+    segment_size = "1MiB"
+
+    [s3]
+    url = "s3://my-bucket/kv"
+    endpoint = "http://127.0.0.1:9000"
+
+Every key `store.K` is also the environment variable `TQSTORE_K` and every `s3.K` is
+`TQSTORE_S3_K` (upper case). A bad value raises ConfigError naming where it came from, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+import tomllib
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+
+CONFIG_FILE = "config.toml"
+DEFAULT_HOME = "~/.cache/tqstore"
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved settings of one tqstore home. Build it with `load_config`."""
+
+    home: Path
+    lmdb_budget_bytes: int = 10 * GiB
+    memory_budget_bytes: int = 2 * GiB
+    segment_size: int = 1 * MiB
+    min_free_disk_bytes: int = 1 * GiB
+    # Initial LMDB map size: address space, not disk (the file grows as pages are written);
+    # the map is grown on demand past it.
+    lmdb_map_size: int = 1 * GiB
+    default_scheme: str = "turbo0v4"
+    s3_url: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_multipart_threshold: int = 16 * MiB
+    s3_part_size: int = 8 * MiB
+    s3_concurrency: int = 8
+    s3_max_attempts: int = 5
+    s3_connect_timeout: float = 10.0
+    s3_read_timeout: float = 60.0
+
+    @property
+    def lmdb_path(self) -> Path:
+        """Directory of the LMDB environment (data.mdb, lock.mdb)."""
+        return self.home / "lmdb"
+
+    @property
+    def config_path(self) -> Path:
+        """The TOML file read by `load_config`."""
+        return self.home / CONFIG_FILE
+
+    @property
+    def s3_bucket(self) -> str | None:
+        """Bucket part of `s3_url` (None when S3 is not configured)."""
+        return _split_s3_url(self.s3_url)[0] if self.s3_url else None
+
+    @property
+    def s3_prefix(self) -> str:
+        """Key prefix inside the bucket: "" or "some/path/" (always ends with '/')."""
+        return _split_s3_url(self.s3_url)[1] if self.s3_url else ""
+
+
+# --- value parsers: (where, raw) -> value; `where` names the source in error messages ---------
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+}
+_UNIT_HELP = "bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB"
+
+
+def parse_size(raw: object, where: str = "size") -> int:
+    """Parse 4096, "10GB" (decimal) or "512MiB" (binary) into bytes; ConfigError otherwise."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        if raw < 0:
+            raise ConfigError(f"{where}={raw!r} is negative: use {_UNIT_HELP}")
+        return raw
+    if isinstance(raw, str):
+        m = _SIZE.fullmatch(raw)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(f"{where}={raw!r} is not a size: use {_UNIT_HELP}")
+
+
+def _size(lo: int, hi: int | None = None) -> Callable[[str, object], int]:
+    def parse(where: str, raw: object) -> int:
+        value = parse_size(raw, where)
+        if value < lo or (hi is not None and value > hi):
+            allowed = f"from {format_size(lo)} to {format_size(hi)}" if hi else f"of at least {format_size(lo)}"
+            raise ConfigError(f"{where}={raw!r} is out of range: use a size {allowed}")
+        return value
+
+    return parse
+
+
+def _number(kind: type, lo: float, hi: float) -> Callable[[str, object], float]:
+    def parse(where: str, raw: object) -> float:
+        try:
+            if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+                raise ValueError
+            value = kind(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{where}={raw!r} is not {'an integer' if kind is int else 'a number'}: "
+                f"use one from {lo} to {hi}"
+            ) from None
+        if not lo <= value <= hi:
+            raise ConfigError(f"{where}={raw!r} is out of range: use one from {lo} to {hi}")
+        return value
+
+    return parse
+
+
+def _text(where: str, raw: object) -> str:
+    if not isinstance(raw, str) or not raw.strip() or not raw.isprintable():
+        raise ConfigError(f"{where}={raw!r} is not valid: use a non-empty printable string")
+    return raw.strip()
+
+
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def _split_s3_url(url: str) -> tuple[str, str]:
+    rest = url[len("s3://"):]
+    bucket, _, prefix = rest.partition("/")
+    prefix = prefix.strip("/")
+    return bucket, (prefix + "/" if prefix else "")
+
+
+def _s3_url(where: str, raw: object) -> str:
+    help_ = "use s3://BUCKET or s3://BUCKET/PREFIX (bucket: 3-63 of a-z 0-9 . -)"
+    if not isinstance(raw, str) or not raw.startswith("s3://") or not raw.isprintable():
+        raise ConfigError(f"{where}={raw!r} is not an S3 URL: {help_}")
+    bucket, prefix = _split_s3_url(raw)
+    if not _BUCKET.fullmatch(bucket) or "//" in prefix or " " in prefix:
+        raise ConfigError(f"{where}={raw!r} is not a valid S3 URL: {help_}")
+    return f"s3://{bucket}/{prefix}"
+
+
+def _endpoint(where: str, raw: object) -> str:
+    parsed = urllib.parse.urlsplit(raw) if isinstance(raw, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(
+            f"{where}={raw!r} is not an endpoint URL: use http(s)://HOST[:PORT], "
+            "e.g. http://127.0.0.1:9000 (MinIO) or https://ACCOUNT.r2.cloudflarestorage.com (R2)"
+        )
+    try:
+        parsed.port  # noqa: B018 - raises ValueError on a malformed port
+    except ValueError:
+        raise ConfigError(f"{where}={raw!r} has a malformed port: use http(s)://HOST[:PORT]") from None
+    return raw.rstrip("/")
+
+
+def format_size(n: int) -> str:
+    """Bytes for messages: "5 MiB" when exact, else one decimal ("12.3 GiB")."""
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= size:
+            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class _Setting:
+    field: str
+    table: str
+    key: str
+    parse: Callable[[str, object], object]
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.table}.{self.key}"
+
+    @property
+    def env(self) -> str:
+        return "TQSTORE_" + ("S3_" if self.table == "s3" else "") + self.key.upper()
+
+
+_SETTINGS = (
+    _Setting("lmdb_budget_bytes", "store", "lmdb_budget", _size(0)),
+    _Setting("memory_budget_bytes", "store", "memory_budget", _size(0)),
+    _Setting("segment_size", "store", "segment_size", _size(4 * KiB, 256 * MiB)),
+    _Setting("min_free_disk_bytes", "store", "min_free_disk", _size(0)),
+    _Setting("lmdb_map_size", "store", "lmdb_map_size", _size(1 * MiB)),
+    _Setting("default_scheme", "store", "default_scheme", _text),
+    _Setting("s3_url", "s3", "url", _s3_url),
+    _Setting("s3_endpoint", "s3", "endpoint", _endpoint),
+    _Setting("s3_region", "s3", "region", _text),
+    # S3 multipart limits: parts of at least 5 MiB (but the last), at most 5 GiB.
+    _Setting("s3_multipart_threshold", "s3", "multipart_threshold", _size(5 * MiB, 5 * GiB)),
+    _Setting("s3_part_size", "s3", "part_size", _size(5 * MiB, 5 * GiB)),
+    _Setting("s3_concurrency", "s3", "concurrency", _number(int, 1, 64)),
+    _Setting("s3_max_attempts", "s3", "max_attempts", _number(int, 1, 20)),
+    _Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
+    _Setting("s3_read_timeout", "s3", "read_timeout", _number(float, 0.1, 3600.0)),
+)
+_BY_FIELD = {s.field: s for s in _SETTINGS}
+_BY_DOTTED = {s.dotted: s for s in _SETTINGS}
+
+
+def config_keys() -> list[str]:
+    """The keys a config file may hold, as `table.key` (what `save_config_value` accepts)."""
+    return [s.dotted for s in _SETTINGS]
+
+
+def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
+    """The home folder: `home` if given, else `$TQSTORE_HOME`, else ~/.cache/tqstore."""
+    chosen = home if home is not None else os.environ.get("TQSTORE_HOME") or DEFAULT_HOME
+    path = Path(chosen).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"tqstore home {str(path)!r} exists and is not a folder: choose another --home")
+    return path
+
+
+def load_config(
+    home: str | os.PathLike[str] | None = None, overrides: Mapping[str, object] | None = None
+) -> Config:
+    """Resolve the configuration of `home` (see `resolve_home`).
+
+    `overrides` maps Config field names (e.g. "segment_size") or `table.key` names to values
+    (strings are parsed like the environment); None values mean "not given" and are skipped.
+    """
+    home_path = resolve_home(home)
+    values: dict[str, object] = {}
+    path = home_path / CONFIG_FILE
+    for table, entries in _read_toml(path).items():
+        for key, raw in entries.items():
+            setting = _BY_DOTTED.get(f"{table}.{key}")
+            if setting is None:
+                raise ConfigError(
+                    f"unknown key [{table}] {key} in {path}: known keys are {', '.join(config_keys())}"
+                )
+            values[setting.field] = setting.parse(f"{path} [{table}] {key}", raw)
+    for setting in _SETTINGS:
+        raw = os.environ.get(setting.env)
+        if raw:  # an empty variable counts as unset, as shells make that easy to do by accident
+            values[setting.field] = setting.parse(setting.env, raw)
+    for name, raw in (overrides or {}).items():
+        setting = _BY_FIELD.get(name) or _BY_DOTTED.get(name)
+        if setting is None:
+            raise ConfigError(f"unknown setting {name!r}: known settings are {', '.join(_BY_FIELD)}")
+        if raw is not None:
+            values[setting.field] = setting.parse(name, raw)
+    return Config(home=home_path, **values)
+
+
+def save_config_value(home: str | os.PathLike[str] | None, key: str, value: object) -> Path:
+    """Set `key` ("s3.url", or the field name "s3_url") in home/config.toml; None removes it.
+
+    The value is validated first. The file is replaced atomically (tmp file, fsync, rename, fsync
+    of the folder), so a crash leaves the old file or the new one, never a torn one. Comments in
+    the file are not kept. Returns the path written.
+    """
+    setting = _BY_DOTTED.get(key) or _BY_FIELD.get(key)
+    if setting is None:
+        raise ConfigError(f"unknown config key {key!r}: known keys are {', '.join(config_keys())}")
+    if value is not None:
+        setting.parse(key, value)
+    home_path = resolve_home(home)
+    path = home_path / CONFIG_FILE
+    data = _read_toml(path)
+    table = data.setdefault(setting.table, {})
+    if value is None:
+        table.pop(setting.key, None)
+    else:
+        table[setting.key] = value
+    home_path.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, _dump_toml(data).encode())
+    return path
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, object]]:
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        return {}
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot parse {path}: {exc}; fix the file or delete it") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+    for table, entries in data.items():
+        if not isinstance(entries, dict):
+            raise ConfigError(
+                f"{path}: {table!r} must be a table ([store] or [s3]); keys go inside a table"
+            )
+    return data
+
+
+def _dump_toml(data: Mapping[str, Mapping[str, object]]) -> str:
+    lines = ["# tqstore configuration (docs/tiers.md lists the keys)"]
+    for table, entries in data.items():
+        if not entries:
+            continue
+        lines += ["", f"[{table}]"]
+        for key, value in entries.items():
+            # JSON string escapes are valid TOML basic-string escapes.
+            rendered = json.dumps(value) if isinstance(value, str) else repr(value)
+            lines.append(f"{key} = {rendered}")
+    return "\n".join(lines) + "\n"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` atomically and durably.
+
+    Unique O_EXCL temp file in the same folder (so concurrent writers never share one), fsync
+    (F_FULLFSYNC on macOS, where fsync does not flush the drive cache), rename, fsync the folder.
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            _full_fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new file in `folder` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _full_fsync(fd: int) -> None:
+    full = getattr(fcntl, "F_FULLFSYNC", None)  # macOS only
+    if full is not None:
+        fcntl.fcntl(fd, full)
+    else:
+        os.fsync(fd)
+

@@ -1,0 +1,273 @@
+"""One LMDB environment as the LMDB tier uses it: transactions, map growth, the free-disk guard,
+compaction and the fork guard. The data layout lives in lmdb.py.
+
+Rules from py-lmdb 3.0 / LMDB 0.9 (docs/tiers.md explains them):
+- all writes on one writer thread; reads in short transactions on the caller's thread;
+- `set_mapsize` invalidates every open transaction of the process, so it runs under the
+  exclusive side of a gate that every transaction holds shared;
+- MapFullError -> grow the map (double, bounded by the free disk) and retry; MapResizedError
+  (another process grew it) -> `set_mapsize(0)` and retry;
+- `reader_check()` at open; never use an environment in a forked child.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import shutil
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import lmdb
+
+from ..config import MiB, format_size, fsync_dir
+from ..errors import ConflictError, DiskFull, FormatVersionTooNew, TqstoreError
+from .writer import ResizeGate, WriterThread
+
+T = TypeVar("T")
+
+_MAX_TXN_ATTEMPTS = 16
+_MAX_READERS = 510  # the default 126 slots run out with many threads in several processes
+
+
+class LmdbEnv:
+    """An open environment with named databases `dbs`, used through `read` and `write`."""
+
+    def __init__(
+        self, path: Path, db_names: tuple[bytes, ...], schema_version: int, map_size: int,
+        min_free_disk_bytes: int,
+    ) -> None:
+        self.path = path
+        self.min_free_disk_bytes = min_free_disk_bytes
+        self._db_names = db_names
+        self._schema_version = schema_version
+        self._pid = os.getpid()
+        self._closed = False
+        self._gate = ResizeGate()
+        self._env, self.dbs = self._open(map_size)
+        # Never closed while the environment is open: closing any descriptor of lock.mdb drops
+        # every fcntl lock this process holds on it, LMDB's own liveness locks included.
+        self._lock_fd = os.open(path / "lock.mdb", os.O_RDWR)
+        self._writer = WriterThread(f"tqstore-lmdb-writer:{path}")
+
+    def check_usable(self) -> None:
+        """Raise unless this process opened the environment and it is still open."""
+        if self._pid != os.getpid():
+            raise TqstoreError(
+                f"the LMDB store at {self.path} was opened by process {self._pid} before it forked; "
+                "LMDB environments must not be used across fork(): open the store in the child "
+                "(use multiprocessing's 'spawn' start method) or open it only after forking"
+            )
+        if self._closed:
+            raise TqstoreError(f"the LMDB store at {self.path} is closed: open it again")
+
+    def read(self, fn: Callable[[lmdb.Transaction], T]) -> T:
+        """Run `fn(txn)` in a short read transaction on this thread; `fn` must copy what it
+        returns (values are buffers valid only inside the transaction)."""
+        self.check_usable()
+        for _ in range(_MAX_TXN_ATTEMPTS):
+            try:
+                with self._gate.shared(), self._env.begin(buffers=True) as txn:
+                    return fn(txn)
+            except lmdb.MapResizedError:
+                self._adopt_map_size()
+            except lmdb.Error as exc:
+                raise lmdb_failure(self.path, exc) from exc
+        raise TqstoreError(f"the LMDB store at {self.path} keeps being resized by another process: retry")
+
+    def write(self, fn: Callable[..., T], *args: object, needed: int = 0) -> T:
+        """Run `fn(txn, *args)` in one write transaction on the writer thread and return its
+        result; `needed` (bytes the job writes) sizes the map growth if the map is full."""
+        self.check_usable()
+
+        def job() -> T:
+            for _ in range(_MAX_TXN_ATTEMPTS):
+                try:
+                    with self._gate.shared(), self._env.begin(write=True) as txn:
+                        return fn(txn, *args)
+                except lmdb.MapFullError:
+                    self._grow_map(needed)
+                except lmdb.MapResizedError:
+                    self._adopt_map_size()
+                except lmdb.Error as exc:
+                    raise lmdb_failure(self.path, exc, needed) from exc
+            raise TqstoreError(f"the LMDB store at {self.path} could not grow its map: retry")
+
+        return self._writer.run(job)
+
+    def check_free_disk(self, needed: int) -> None:
+        """DiskFull if writing `needed` bytes would leave less than the configured free space.
+
+        Conservative: LMDB may reuse free pages inside the file, but cannot promise to.
+        """
+        free = shutil.disk_usage(self.path).free
+        if needed and free - needed < self.min_free_disk_bytes:
+            raise self._disk_full(needed, f"only {format_size(free)} is free")
+
+    def info(self) -> tuple[int, int, int]:
+        """(data.mdb size, map size, page size)."""
+        self.check_usable()
+        with self._gate.shared():  # compaction swaps the environment under the exclusive side
+            return (self.path / "data.mdb").stat().st_size, self._env.info()["map_size"], self._env.stat()["psize"]
+
+    def main_db_stat(self) -> dict[str, int]:
+        """Page counts of the main database (which holds the named databases' records)."""
+        return self._env.stat()
+
+    def compact(self) -> tuple[int, int]:
+        """Rewrite data.mdb without free pages; returns its size before and after.
+
+        Copies compactly to a temp file in the same folder, then atomically replaces data.mdb and
+        reopens. Refused (ConflictError) if another process has the environment open, checked
+        before and after the copy; a process opening it in the last instant before the replace
+        would keep writing to the old file, so stop other tqstore processes first.
+        """
+        self.check_usable()
+        return self._writer.run(self._compact)
+
+    def close(self) -> None:
+        """Finish queued writes and close. In a forked child, only forget the environment."""
+        if self._closed or self._pid != os.getpid():
+            self._closed = True  # a child must not close the parent's environment (its slots)
+            return
+        self._closed = True
+        self._writer.stop()
+        with self._gate.exclusive():
+            self._env.close()
+            os.close(self._lock_fd)
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _open(self, map_size: int) -> tuple[lmdb.Environment, dict[bytes, object]]:
+        try:
+            env = lmdb.open(
+                str(self.path), map_size=map_size, max_dbs=len(self._db_names) + 2,
+                max_readers=_MAX_READERS,
+            )
+        except lmdb.Error as exc:
+            raise lmdb_failure(self.path, exc) from exc
+        try:
+            env.reader_check()  # free the reader slots left by killed processes
+            dbs = {name: env.open_db(name) for name in self._db_names}
+            with env.begin(write=True) as txn:
+                found = txn.get(b"schema", db=dbs[b"meta"])
+                if found is None:
+                    txn.put(b"schema", str(self._schema_version).encode(), db=dbs[b"meta"])
+        except lmdb.Error as exc:
+            env.close()  # or this process could never open it again
+            raise lmdb_failure(self.path, exc) from exc
+        if found is not None and int(found) > self._schema_version:
+            env.close()
+            raise FormatVersionTooNew(
+                f"the LMDB store at {self.path} has layout version {int(found)}, newer than this "
+                f"tqstore's {self._schema_version}: upgrade tqstore, or use another --home"
+            )
+        return env, dbs
+
+    def _grow_map(self, needed: int) -> None:
+        with self._gate.exclusive():
+            current = self._env.info()["map_size"]
+            new = next_map_size(
+                current, needed, (self.path / "data.mdb").stat().st_size,
+                shutil.disk_usage(self.path).free, self.min_free_disk_bytes,
+            )
+            if new is None:
+                raise self._disk_full(needed, "the LMDB map cannot grow past the free disk")
+            self._env.set_mapsize(new)
+
+    def _adopt_map_size(self) -> None:
+        with self._gate.exclusive():
+            self._env.set_mapsize(0)  # another process grew the map: adopt its size
+
+    def _disk_full(self, needed: int, why: str) -> DiskFull:
+        return DiskFull(
+            f"cannot write {format_size(needed)} to the LMDB store at {self.path}: {why}, and "
+            f"tqstore keeps {format_size(self.min_free_disk_bytes)} free (store.min_free_disk). "
+            "Free space on that disk, lower store.lmdb_budget, or run `tqstore gc`"
+        )
+
+    def _compact(self) -> tuple[int, int]:
+        data = self.path / "data.mdb"
+        with self._gate.exclusive():
+            self._refuse_if_shared()
+            before = data.stat().st_size
+            self.check_free_disk((self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"])
+            tmp = self.path / f".data.mdb.{secrets.token_hex(6)}.compact"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                try:
+                    self._env.copyfd(fd, compact=True)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                self._refuse_if_shared()  # opened during the copy: its writes would be lost
+                map_size = self._env.info()["map_size"]
+                os.replace(tmp, data)
+                fsync_dir(self.path)
+            except lmdb.Error as exc:
+                raise lmdb_failure(self.path, exc, before) from exc
+            finally:
+                tmp.unlink(missing_ok=True)
+            self._env.close()
+            self._env, self.dbs = self._open(map_size)
+            return before, data.stat().st_size
+
+    def _refuse_if_shared(self) -> None:
+        pid = lock_holder(self._lock_fd)
+        if pid is not None:
+            raise ConflictError(
+                f"process {pid} has the LMDB store at {self.path} open; compaction needs it alone: "
+                "stop the other tqstore processes (e.g. `tqstore serve`) and run it again"
+            )
+
+
+def next_map_size(current: int, needed: int, file_bytes: int, free_bytes: int, min_free: int) -> int | None:
+    """The map size to grow to after MapFullError, or None if the disk cannot hold more.
+
+    Doubles (or makes room for twice `needed` if more), capped at what the file can reach while
+    leaving `min_free` bytes free; rounded up to whole MiB (a multiple of every OS page size).
+    """
+    cap = file_bytes + max(0, free_bytes - min_free)
+    new = min(max(2 * current, current + 2 * needed), cap)
+    new = -(-new // MiB) * MiB
+    return new if new > current else None
+
+
+def lock_holder(fd: int) -> int | None:
+    """The pid of another process that has the environment open, if any.
+
+    LMDB holds a shared fcntl lock on byte 0 of lock.mdb for as long as a process has the
+    environment open, so an F_GETLK probe for a write lock names another user. struct flock
+    differs per OS; elsewhere None is returned (the check is skipped).
+    """
+    if sys.platform.startswith("linux"):
+        fmt = "hhqqi4x"  # type, whence, start, len, pid
+        probe = struct.pack(fmt, fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        kind, _, _, _, pid = struct.unpack(fmt, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+    elif sys.platform == "darwin":
+        fmt = "qqihh"  # start, len, pid, type, whence
+        probe = struct.pack(fmt, 0, 1, 0, fcntl.F_WRLCK, os.SEEK_SET)
+        _, _, pid, kind, _ = struct.unpack(fmt, fcntl.fcntl(fd, fcntl.F_GETLK, probe))
+    else:
+        return None
+    return None if kind == fcntl.F_UNLCK else pid
+
+
+def lmdb_failure(path: Path, exc: lmdb.Error, needed: int = 0) -> TqstoreError:
+    """The tqstore error for an LMDB failure (no lmdb exception leaves the tier)."""
+    if isinstance(exc, lmdb.DiskError):
+        return DiskFull(
+            f"the disk holding the LMDB store at {path} is full ({format_size(needed)} to write): "
+            "free space on that disk, lower store.lmdb_budget, or run `tqstore gc`"
+        )
+    if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)):
+        return TqstoreError(
+            f"the LMDB store at {path} is damaged ({exc}); move the folder aside and pull or save again"
+        )
+    if "already open" in str(exc):
+        return TqstoreError(f"the LMDB store at {path} is already open in this process under another path")
+    return TqstoreError(f"the LMDB store at {path} failed: {exc}")
