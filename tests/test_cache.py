@@ -7,6 +7,7 @@ from turboquant.cache import CompressedKeys, TurboQuantKVCache
 from turboquant.calibration import fit_key_calibration
 from turboquant.integration import protected_layers, restore, snapshot
 from turboquant.plan import plan_layer
+from turboquant.sides import per_token_shifts
 from turboquant.snapshot import Layout
 
 
@@ -24,26 +25,46 @@ def test_follows_mlx_lm_protocol_without_bits():
     assert cache.make_mask(3, return_array=True).shape == (3, 3)
 
 
+def _encoded(cache, k, v, start, end, shift_rows=None):
+    """What the cache's sides store for rows [start, end), with the given block means."""
+    shift = None
+    if cache._shifts is not None:
+        shift = per_token_shifts(cache._shifts if shift_rows is None else shift_rows, end)[:, :, start:]
+    return {**cache._key_side.encode(k[:, :, start:end], shift), **cache._value_side.encode(v[:, :, start:end])}
+
+
+def _assert_arrays_equal(a, b):
+    assert set(a) == set(b)
+    for name in a:
+        assert mx.array_equal(a[name], b[name]).item(), name
+
+
 @pytest.mark.parametrize("scheme", ["turbo0v4", "turbo8v3", "turbo4", "turbo3", "affine8", "turbo4v2"])
-def test_incremental_state_equals_batch_encoding_across_the_growth_step(scheme):
-    """Prefill 250 rows, then 20 single-token steps across the 256 boundary: the stored arrays
-    equal encoding all 270 rows at once with the same codecs and calibration."""
+def test_blocks_are_compressed_with_their_own_means_and_the_tail_stays_raw(scheme):
+    """Prefill 250 rows, then single tokens up to 530: block 0 is compressed at the first decode
+    step (mean of its 250 rows) and its last 6 rows are encoded as they arrive; block 1 collects
+    raw in the tail and is compressed with its own mean when full; 18 rows stay raw."""
     cache = _cache(scheme)
-    k, v = kv_rows(1, 2, 270, 64, seed=3)
+    k, v = kv_rows(1, 2, 530, 64, seed=3)
     cache.update_and_fetch(k[:, :, :250], v[:, :, :250])
-    for t in range(250, 270):
+    for t in range(250, 530):
         keys, _ = cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        assert isinstance(keys, CompressedKeys)
-    assert cache.offset == 270 and cache._store.capacity == 512
-    if cache.plan.calibrated:
-        expected = fit_key_calibration(k[:, :, :250], cache.plan.key.turbo.rotation, cache.plan.calibration)
-        for name, arr in expected.arrays().items():
+        assert isinstance(keys, CompressedKeys) and keys.shape[2] == t + 1
+    assert (cache.offset, cache.stored) == (530, 512)
+    record = cache.to_record()
+    if cache.centered:
+        means = record.arrays["keys_shift"][0]
+        assert mx.allclose(means[:, 0], mx.mean(k[0, :, :250], axis=1), atol=1e-5).item()
+        assert mx.allclose(means[:, 1], mx.mean(k[0, :, 256:512], axis=1), atol=1e-5).item()
+        calibration = fit_key_calibration(k[:, :, :250], cache.plan.key.turbo.rotation if cache.plan.key.turbo
+                                          else None, cache.plan.calibration)
+        for name, arr in (calibration.arrays() if calibration else {}).items():
             assert mx.array_equal(arr, cache.calibration.arrays()[name]).item()
-    batch = {**cache._key_side.encode(k), **cache._value_side.encode(v)}
-    stored = cache.to_record().arrays
-    assert set(batch) == set(stored)
-    for name in batch:
-        assert mx.array_equal(batch[name], stored[name]).item(), name
+    stored = {n: a for n, a in record.arrays.items() if n not in ("keys_shift", "tail_keys", "tail_values")}
+    _assert_arrays_equal(stored, {n: mx.concatenate([a, b], axis=2) for (n, a), b in zip(
+        _encoded(cache, k, v, 0, 256).items(), _encoded(cache, k, v, 256, 512).values())})
+    assert mx.array_equal(record.arrays["tail_keys"], k[:, :, 512:]).item()
+    assert mx.array_equal(record.arrays["tail_values"], v[:, :, 512:]).item()
 
 
 def test_compresses_on_first_single_token_step_only():
@@ -53,10 +74,28 @@ def test_compresses_on_first_single_token_step_only():
     cache.update_and_fetch(k[:, :, 100:200], v[:, :, 100:200])
     assert not cache.compressed and cache.layout is Layout.RAW
     cache.update_and_fetch(k[:, :, 200:201], v[:, :, 200:201])
-    assert cache.compressed and cache.layout is Layout.CALIBRATED
+    assert cache.compressed and cache.layout is Layout.CALIBRATED and cache.stored == 201
     # Multi-token updates after compression go through the compressed path (follow-up turns).
-    keys, _ = cache.update_and_fetch(k[:, :, 201:260], v[:, :, 201:260])
-    assert isinstance(keys, CompressedKeys) and cache.offset == 260
+    keys, _ = cache.update_and_fetch(k[:, :, 201:290], v[:, :, 201:290])
+    assert isinstance(keys, CompressedKeys) and (cache.offset, cache.stored) == (290, 256)
+    cache.compress()  # what save does: the tail too, with the mean of its 34 rows
+    assert (cache.offset, cache.stored) == (290, 290)
+    assert mx.allclose(cache._shifts[:, 1], mx.mean(k[0, :, 256:290], axis=1), atol=1e-5).item()
+
+
+def test_queries_seen_in_prefill_make_the_scales_query_aware():
+    a, b = _cache("turbo4"), _cache("turbo4")
+    k, v = kv_rows(1, 2, 300, 64)
+    for c in (a, b):
+        c.update_and_fetch(k, v)
+    q = mx.random.normal((1, 4, 300, 64), key=mx.random.key(0)) * mx.linspace(0.1, 3.0, 64)
+    b.observe_queries(q)
+    a.compress()
+    b.compress()
+    assert not mx.array_equal(a.calibration.scale, b.calibration.scale).item()
+    power = mx.mean(q[:, :, :256].reshape(1, 2, 2, 256, 64) ** 2, axis=(0, 2, 3))
+    expected = fit_key_calibration(k, None, b.plan.calibration, power)
+    assert mx.allclose(expected.scale, b.calibration.scale, rtol=1e-5).item()
 
 
 def test_trim_then_decode():
@@ -68,11 +107,10 @@ def test_trim_then_decode():
     assert cache.trim(5) == 5 and cache.offset == 28
     for t in (28, 29):
         cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
-    assert cache.offset == 30
-    stored = cache.to_record().arrays
-    fresh = {**cache._key_side.encode(k[:, :, :30]), **cache._value_side.encode(v[:, :, :30])}
-    for name in fresh:
-        assert mx.array_equal(fresh[name], stored[name]).item()
+    assert cache.offset == 30 and cache.stored == 30
+    record = cache.to_record()
+    stored = {n: a for n, a in record.arrays.items() if n != "keys_shift"}
+    _assert_arrays_equal(stored, _encoded(cache, k, v, 0, 30))
 
 
 def test_trim_to_zero_starts_over():
@@ -108,8 +146,9 @@ def test_nbytes_counts_held_tokens_only():
     assert cache.nbytes == k.nbytes + v.nbytes
     cache.compress()
     per_token = parse_scheme("turbo4").bytes_per_token(64, dtype_bytes=4)
+    means = 2 * 64 * 4  # one block mean per KV head
     calib = sum(a.nbytes for a in cache.calibration.arrays().values()) if cache.calibration else 0
-    assert cache.nbytes == 2 * 10 * per_token + calib
+    assert cache.nbytes == 2 * 10 * per_token + means + calib
 
 
 def test_memory_stays_flat_over_a_long_generation():
@@ -145,5 +184,8 @@ def test_restore_rejects_inconsistent_records():
     bad = type(record)(Layout.TURBO, record.offset, record.arrays, record.config)
     with pytest.raises(ValueError, match="arrays"):
         restore(type(snap)([bad], snap.codecs))
+    short = type(record)(record.layout, record.offset + 1, record.arrays, record.config, record.state)
+    with pytest.raises(ValueError, match="tail"):
+        restore(type(snap)([short], snap.codecs))
     with pytest.raises(ValueError, match="codec"):
         restore(type(snap)([record], {}))

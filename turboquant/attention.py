@@ -51,22 +51,37 @@ def apply_mask(scores: mx.array, mask: MaskLike) -> mx.array:
 def compressed_attention(
     queries: mx.array,
     key_side: Side,
-    key_arrays: dict[str, mx.array],
     value_side: Side,
-    value_arrays: dict[str, mx.array],
+    arrays: dict[str, mx.array],
     scale: float,
     mask: MaskLike = None,
+    shifts: mx.array | None = None,
+    tail: tuple[mx.array, mx.array] | None = None,
 ) -> mx.array:
-    """softmax(q K^T * scale + mask) V for queries [B, Hq, L, D] over stored K/V [B, H, T, ...]."""
+    """softmax(q K^T * scale + mask) V for queries [B, Hq, L, D].
+
+    Keys and values are the stored rows (`arrays`, read through the sides; `shifts` are the
+    per-block key means of calibrated keys) followed by an optional raw tail (K, V native,
+    [B, H, n, D]) of the newest rows that do not yet fill a block.
+    """
     B, Hq, L, D = queries.shape
-    H = next(iter(key_arrays.values())).shape[1]
+    some = next(iter(arrays.values())) if arrays else tail[0]
+    H = some.shape[1]
     if Hq % H:
         raise ValueError(f"{Hq} query heads cannot share {H} KV heads evenly")
     R = Hq // H
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
-    scores = key_side.scores(key_arrays, q)
+    parts = []
+    if arrays:
+        parts.append(key_side.scores(arrays, q, shifts))
+    if tail is not None:
+        parts.append(q @ tail[0].astype(mx.float32).swapaxes(-1, -2))
+    scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     T = scores.shape[-1]
     scores = apply_mask(scores.reshape(B, H, R, L, T), mask)
     weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, H, R * L, T)
-    out = value_side.mix(value_arrays, weights)
+    stored = T - (tail[0].shape[2] if tail is not None else 0)
+    out = value_side.mix(arrays, weights[..., :stored]) if arrays else 0.0
+    if tail is not None:
+        out = out + weights[..., stored:] @ tail[1].astype(mx.float32)
     return out.reshape(B, Hq, L, out.shape[-1]).astype(queries.dtype)

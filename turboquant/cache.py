@@ -1,11 +1,17 @@
 """TurboQuantKVCache: a two-phase compressed KV cache for mlx-lm models.
 
 Prefill (multi-token updates before the first decode step) stores raw rows in the model's
-dtype and returns them, so mlx-lm's own fused attention runs and prefill costs nothing
-extra. The first single-token update (or `compress()`) compresses the whole cache once,
-fitting key calibration from the first 256 tokens; from then on every update is encoded
-incrementally and `update_and_fetch` returns handles that the attention dispatch recognises,
-so attention reads the compressed storage directly.
+dtype and returns them, so mlx-lm's own fused attention runs and prefill costs nothing extra.
+The first single-token update (or `compress()`) compresses the whole cache once, fitting key
+calibration from the first 256 tokens (and the queries seen there); from then on
+`update_and_fetch` returns handles that the attention dispatch recognises, and attention reads
+the compressed storage directly.
+
+Rows are compressed in blocks of 256 absolute positions. Calibrated keys store each block
+minus its own mean (scores add q . mean back: exact). A block that starts after compression
+collects its rows raw (the "tail", at most 255 rows, attended exactly) and is compressed when it
+is full, with its own mean; rows that land in a block compressed earlier are encoded at once
+with that block's mean. `compress()` compresses the tail too (what `save` does).
 
 The class deliberately has no attribute named `bits`: mlx-lm would route it to its own
 quantized attention.
@@ -16,11 +22,15 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .attention import MaskLike, causal_mask, compressed_attention
-from .buffers import TokenBuffers
-from .calibration import KeyCalibration, fit_key_calibration
+from .buffers import TokenBuffers, detach
+from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration
 from .plan import LayerPlan
 from .schemes import Format
-from .snapshot import LAYOUT_ARRAYS, CodecRecord, LayerRecord, Layout
+from .sides import SHIFT_BLOCK, per_token_shifts
+from .snapshot import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
+
+BLOCK = SHIFT_BLOCK
+assert BLOCK == BLOCK_TOKENS, "key means are kept per storage block"
 
 
 class CompressedKeys:
@@ -44,10 +54,14 @@ class TurboQuantKVCache:
     def __init__(self, plan: LayerPlan):
         self.plan = plan
         self.offset = 0
+        self.stored = 0  # rows [0, stored) are compressed; [stored, offset) are raw (the tail)
         self.compressed = False
         self.calibration: KeyCalibration | None = None
-        self._raw = TokenBuffers(self.step)
         self._store = TokenBuffers(self.step)
+        self._tail = TokenBuffers(self.step)
+        self._shifts: mx.array | None = None  # [H, blocks, D] float32 block means of the keys
+        self._query_power: mx.array | None = None  # sum of q^2 per (KV head, channel), first 256 positions
+        self._query_rows = 0
         self._key_side = None
         self._value_side = None
 
@@ -57,8 +71,14 @@ class TurboQuantKVCache:
 
     @property
     def batch(self) -> int:
-        buffers = self._store if self.compressed else self._raw
-        return next(iter(buffers.arrays.values())).shape[0] if buffers.arrays else 1
+        for buffers in (self._store, self._tail):
+            if buffers.arrays:
+                return next(iter(buffers.arrays.values())).shape[0]
+        return 1
+
+    @property
+    def centered(self) -> bool:
+        return self.plan.calibrated and self.plan.calibration.center
 
     @property
     def layout(self) -> Layout:
@@ -68,11 +88,11 @@ class TurboQuantKVCache:
         kf, vf = self.plan.key.format, self.plan.value.format
         if kf is Format.AFFINE and vf is Format.AFFINE:
             return Layout.AFFINE
-        if vf is Format.TURBO and kf is Format.NATIVE:
+        if kf is Format.NATIVE:
             return Layout.RAWK_TURBO
-        if vf is Format.TURBO and kf is Format.AFFINE:
+        if kf is Format.AFFINE:
             return Layout.AFFINEK_TURBO
-        return Layout.CALIBRATED if self.calibration is not None else Layout.TURBO
+        return Layout.CALIBRATED if self.calibration is not None or self._shifts is not None else Layout.TURBO
 
     # -- mlx-lm cache protocol -------------------------------------------------------------
 
@@ -80,16 +100,31 @@ class TurboQuantKVCache:
         """Store new rows; return raw arrays in prefill, handles once compressed."""
         n = keys.shape[2]
         if not self.compressed and n > 1:
-            self._raw.write(self.offset, {"keys": keys, "values": values})
+            self._tail.write(self.offset, {"keys": keys, "values": values})
             self.offset += n
-            view = self._raw.view(self.offset)
+            view = self._tail.view(self.offset)
             return view["keys"], view["values"]
         if not self.compressed:
             self.compress()
-        encoded = {**self._key_side.encode(keys), **self._value_side.encode(values)}
-        self._store.write(self.offset, encoded)
-        self.offset += n
+        self._append(keys, values)
         return CompressedKeys(self, self.plan.head_dim_k), CompressedValues(self, self.plan.head_dim_v)
+
+    def observe_queries(self, queries: mx.array) -> None:
+        """Record the power of the queries at positions < 256 (called by the attention dispatch
+        in prefill, after `update_and_fetch`): it makes the key channel scales query-aware."""
+        if self.compressed or not self.plan.calibrated:
+            return
+        L = queries.shape[2]
+        first = self.offset - L
+        n = min(L, CALIBRATION_TOKENS - first)
+        if n <= 0:
+            return
+        B, hq, _, D = queries.shape
+        q = queries[:, :, :n].astype(mx.float32).reshape(B, self.plan.n_kv_heads, hq // self.plan.n_kv_heads, n, D)
+        power = mx.sum(q * q, axis=(0, 2, 3))
+        self._query_power = power if self._query_power is None else self._query_power + power
+        self._query_rows += B * (hq // self.plan.n_kv_heads) * n
+        mx.eval(self._query_power)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Same masks as mlx-lm's KVCache."""
@@ -110,6 +145,11 @@ class TurboQuantKVCache:
         self.offset -= n
         if self.offset == 0:
             self._reset()
+        elif self.offset < self.stored:
+            self.stored = self.offset
+            self._tail.clear()
+            if self._shifts is not None:
+                self._shifts = self._shifts[:, : -(-self.stored // BLOCK)]
         return n
 
     def size(self) -> int:
@@ -121,85 +161,171 @@ class TurboQuantKVCache:
     @property
     def state(self) -> list[mx.array]:
         """The arrays holding this cache (what mlx-lm evaluates); see `snapshot` to persist."""
-        buffers = self._store if self.compressed else self._raw
-        arrays = list(buffers.arrays.values())
-        return arrays + (list(self.calibration.arrays().values()) if self.calibration else [])
+        record = self.to_record()
+        return [*record.arrays.values(), *record.calibration.values()]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the held tokens (offset-sliced, not the spare capacity)."""
-        buffers = self._store if self.compressed else self._raw
-        arrays = buffers.view(self.offset).values() if buffers.arrays else []
-        calib = self.calibration.arrays().values() if self.calibration else []
-        return sum(a.nbytes for a in arrays) + sum(a.nbytes for a in calib)
+        return self.to_record().nbytes
 
-    # -- compression and attention ---------------------------------------------------------
+    # -- compression -----------------------------------------------------------------------
 
     def compress(self) -> None:
-        """Compress the raw prefill rows now (once); later rows are encoded as they arrive."""
-        if self.compressed:
-            return
-        raw = self._raw.view(self.offset) if self._raw.arrays else {}
-        if self.plan.calibrated and raw:
-            self.calibration = fit_key_calibration(raw["keys"], self.plan.key.turbo.rotation, self.plan.calibration)
-        self._build_sides()
-        self.compressed = True
-        self._raw.clear()
-        if raw:
-            self._store.write(0, {**self._key_side.encode(raw["keys"]), **self._value_side.encode(raw["values"])})
-            mx.eval(*self._store.arrays.values())
+        """Compress every raw row now: the prefill on first use, the tail afterwards (save)."""
+        if not self.compressed:
+            raw = self._tail.view(self.offset) if self.offset else {}
+            if self.plan.calibrated and raw:
+                power = None if not self._query_rows else self._query_power / self._query_rows
+                rotation = self.plan.key.turbo.rotation if self.plan.key.turbo is not None else None
+                self.calibration = fit_key_calibration(raw["keys"], rotation, self.plan.calibration, power)
+            self._query_power, self._query_rows = None, 0
+            self._key_side = self.plan.key.side("keys", self.calibration)
+            self._value_side = self.plan.value.side("values")
+            self.compressed = True
+        if self.offset > self.stored:
+            tail = self._tail.view(self.offset - self.stored)
+            self._tail.clear()
+            self._encode(tail["keys"], tail["values"])
+            mx.eval(*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else []))
 
-    def _build_sides(self) -> None:
-        self._key_side = self.plan.key.side("keys", self.calibration)
-        self._value_side = self.plan.value.side("values")
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        n = keys.shape[2]
+        into_open_block = 0
+        if self.stored == self.offset and self.stored % BLOCK:
+            into_open_block = min(n, BLOCK - self.stored % BLOCK)
+            self._encode(keys[:, :, :into_open_block], values[:, :, :into_open_block])
+            self.offset = self.stored
+        if n > into_open_block:
+            self._tail.write(self.offset - self.stored,
+                             {"keys": keys[:, :, into_open_block:], "values": values[:, :, into_open_block:]})
+            self.offset += n - into_open_block
+        if self.offset - self.stored >= BLOCK:
+            full = (self.offset - self.stored) // BLOCK * BLOCK
+            tail = self._tail.view(self.offset - self.stored)
+            self._tail.clear()
+            if self.offset - self.stored > full:
+                self._tail.write(0, {k: v[:, :, full:] for k, v in tail.items()})
+            self._encode(tail["keys"][:, :, :full], tail["values"][:, :, :full])
+
+    def _encode(self, keys: mx.array, values: mx.array) -> None:
+        """Compress rows starting at position `stored` (block means for new blocks)."""
+        n = keys.shape[2]
+        shift = None
+        if self.centered:
+            self._extend_shifts(keys)
+            shift = per_token_shifts(self._shifts, self.stored + n)[:, :, self.stored:]
+        self._store.write(self.stored, {**self._key_side.encode(keys, shift), **self._value_side.encode(values)})
+        self.stored += n
+
+    def _extend_shifts(self, keys: mx.array) -> None:
+        """Add the means of blocks that start at or after `stored` (earlier blocks keep theirs)."""
+        have = 0 if self._shifts is None else self._shifts.shape[1]
+        first_new = -(-self.stored // BLOCK)
+        end = self.stored + keys.shape[2]
+        blocks = -(-end // BLOCK) - first_new
+        if blocks <= 0:
+            return
+        assert have == first_new, "block means must cover every compressed block"
+        skip = first_new * BLOCK - self.stored
+        rows = keys[:, :, skip:].astype(mx.float32)
+        B, H, n, D = rows.shape
+        padded = mx.pad(rows, [(0, 0), (0, 0), (0, blocks * BLOCK - n), (0, 0)])
+        sums = mx.sum(padded.reshape(B, H, blocks, BLOCK, D), axis=(0, 3))
+        counts = mx.minimum(n - mx.arange(blocks) * BLOCK, BLOCK).astype(mx.float32) * B
+        means = sums / counts[None, :, None]
+        self._shifts = means if self._shifts is None else mx.concatenate([self._shifts, means], axis=1)
+
+    # -- attention ---------------------------------------------------------------------------
 
     def attention(self, queries: mx.array, scale: float, mask: MaskLike = None) -> mx.array:
-        """Attention of queries [B, Hq, L, D] over the compressed rows (activation dtype out)."""
-        arrays = self._store.view(self.offset)
-        return compressed_attention(queries, self._key_side, arrays, self._value_side, arrays, scale, mask)
+        """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail."""
+        arrays = self._store.view(self.stored) if self.stored else {}
+        tail = None
+        if self.offset > self.stored:
+            view = self._tail.view(self.offset - self.stored)
+            tail = (view["keys"], view["values"])
+        return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
+                                    self._shifts, tail)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
-        """Reconstructed K and V [B, H, T, D] (float32 for TurboQuant sides) for tests and exports."""
-        if not self.compressed:
-            view = self._raw.view(self.offset)
-            return view["keys"], view["values"]
-        arrays = self._store.view(self.offset)
-        return self._key_side.decode(arrays), self._value_side.decode(arrays)
+        """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""
+        parts_k, parts_v = [], []
+        if self.compressed and self.stored:
+            arrays = self._store.view(self.stored)
+            parts_k.append(self._key_side.decode(arrays, self._shifts).astype(mx.float32))
+            parts_v.append(self._value_side.decode(arrays).astype(mx.float32))
+        if self.offset > self.stored:
+            view = self._tail.view(self.offset - self.stored)
+            parts_k.append(view["keys"])
+            parts_v.append(view["values"])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return (mx.concatenate([p.astype(mx.float32) for p in parts_k], axis=2),
+                mx.concatenate([p.astype(mx.float32) for p in parts_v], axis=2))
 
     def _reset(self) -> None:
-        self.compressed = False
-        self.calibration = None
-        self._raw.clear()
-        self._store.clear()
-        self._key_side = self._value_side = None
+        self.__init__(self.plan)
 
     # -- snapshot ----------------------------------------------------------------------------
 
     def to_record(self) -> LayerRecord:
-        """This layer as a LayerRecord (arrays sliced to offset; nothing copied)."""
-        buffers = self._store if self.compressed else self._raw
-        arrays = buffers.view(self.offset) if buffers.arrays else {}
+        """This layer as a LayerRecord (arrays sliced to what is held; nothing copied).
+
+        Uncompressed: `keys`, `values` (tokens [0, offset)) plus the observed query power.
+        Compressed: the layout's arrays (tokens [0, stored)), `tail_keys`/`tail_values`
+        (tokens [stored, offset)) and `keys_shift` ([1, H, blocks, D], one row per block).
+        """
         calibration = self.calibration.arrays() if self.calibration else {}
-        return LayerRecord(self.layout, self.offset, arrays, self.plan.meta(), {}, calibration)
+        state = {"stored": self.stored}
+        if not self.compressed:
+            arrays = self._tail.view(self.offset) if self.offset else {}
+            if self._query_rows:
+                calibration = {"query_power": self._query_power}
+                state["query_rows"] = self._query_rows
+            return LayerRecord(Layout.RAW, self.offset, arrays, self.plan.meta(), state, calibration)
+        arrays = self._store.view(self.stored) if self.stored else {}
+        if self.offset > self.stored:
+            arrays.update({f"tail_{k}": v for k, v in self._tail.view(self.offset - self.stored).items()})
+        if self._shifts is not None:
+            arrays["keys_shift"] = self._shifts[None]
+        return LayerRecord(self.layout, self.offset, arrays, self.plan.meta(), state, calibration)
 
     @classmethod
-    def from_record(cls, record: LayerRecord, codecs: dict[str, CodecRecord]) -> "TurboQuantKVCache":
-        """Rebuild a layer from its record and the snapshot's codecs (nothing regenerated)."""
-        cache = cls(LayerPlan.from_meta(record.config, codecs))
-        expected = set(LAYOUT_ARRAYS[record.layout]) if record.offset else set()
-        if set(record.arrays) != expected and record.offset:
-            raise ValueError(f"a {record.layout.value} layer needs arrays {sorted(expected)}, "
-                             f"got {sorted(record.arrays)}")
+    def from_record(cls, record: LayerRecord, codecs: dict[str, CodecRecord],
+                    plan: LayerPlan | None = None) -> "TurboQuantKVCache":
+        """Rebuild a layer from its record and the snapshot's codecs (nothing regenerated).
+
+        `plan` replaces the recorded one for an uncompressed (RAW) record: raw rows prefilled
+        once can then be compressed under any scheme.
+        """
+        check_record_arrays(record)
+        if plan is not None and record.layout is not Layout.RAW:
+            raise ValueError("only an uncompressed layer can take another plan")
+        cache = cls(plan or LayerPlan.from_meta(record.config, codecs))
         cache.offset = record.offset
+        cache.stored = int(record.state.get("stored", 0))
+        arrays = dict(record.arrays)
+        if record.layout is Layout.RAW:
+            if "query_power" in record.calibration:
+                cache._query_power = record.calibration["query_power"]
+                cache._query_rows = int(record.state["query_rows"])
+            if record.offset:
+                cache._tail.adopt(arrays)
+            return cache
         if record.calibration:
             cache.calibration = KeyCalibration.from_arrays(record.calibration)
-        if record.layout is not Layout.RAW:
-            cache.compressed = True
-            cache._build_sides()
-            if record.layout is not cache.layout:
-                raise ValueError(f"layer record says {record.layout.value} but its plan and calibration "
-                                 f"make it {cache.layout.value}")
-            cache._store.adopt(record.arrays)
-        elif record.offset:
-            cache._raw.adopt(record.arrays)
+        cache._key_side = cache.plan.key.side("keys", cache.calibration)
+        cache._value_side = cache.plan.value.side("values")
+        cache.compressed = True
+        if "keys_shift" in arrays:
+            cache._shifts = detach(arrays.pop("keys_shift"))[0]
+        tail = {k[len("tail_"):]: arrays.pop(k) for k in list(arrays) if k.startswith("tail_")}
+        if record.layout is not cache.layout:
+            raise ValueError(f"layer record says {record.layout.value} but its plan and calibration "
+                             f"make it {cache.layout.value}")
+        if arrays:
+            cache._store.adopt(arrays)
+        if tail:
+            cache._tail.adopt(tail)
         return cache

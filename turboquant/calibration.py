@@ -1,16 +1,20 @@
-"""Per-dimension key calibration, computed once from the prefill keys of a layer.
+"""Per-dimension key calibration, fitted once from a layer's first 256 prefill tokens.
 
 Keys of models like Qwen2.5 carry a few huge channels (a k_proj bias: |K| ~ 200 against a
-median channel maximum of ~4). A per-row norm is then dominated by those channels and the
-codebook drowns everything else. Three exact-for-attention transforms, each optional:
+median channel maximum of ~4), and after RoPE those biases rotate slowly with position. A
+per-row norm is then dominated by them and the codebook drowns everything else. Three
+transforms, each exact for attention:
 
-- centering (original basis): k - mu. q.mu is the same for every key of a query, so the
-  softmax ignores it: scores are computed without it.
-- channel scaling (original basis): k / s, with q * s on the query side (q.k = (q*s).(k/s)).
-- rotated-basis scaling (mlx-swift-lm): the rotated unit coordinates are divided by r
-  before quantization and the query is multiplied by r after rotation.
+- block centering: each 256-token block of keys is stored minus its own mean mu_b, and scores
+  add q . mu_b back (the cache holds the per-block means; see cache.py).
+- channel scaling (original basis): k / s, with q * s on the query side. s = sqrt(rms_k / rms_q)
+  per channel minimises the expected squared score error for isotropic quantization noise
+  (Cauchy-Schwarz); without observed queries, s = sqrt(rms_k).
+- rotated-basis scaling (mlx-swift-lm): rotated unit coordinates divided by r before
+  quantization, query multiplied by r after rotation.
 
-All arrays are per KV head ([H, D]) and are persisted with the cache.
+Measured on Qwen2.5-Coder-0.5B (docs/quality.md): block centering and query-aware channel scales
+are what bring symmetric 4-bit keys from collapse to the quality of per-channel 4-bit keys.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ CALIBRATION_TOKENS = 256
 MIN_ROWS = 32
 FLAT_TOLERANCE = 0.1
 ROTATED_CLIP = (0.25, 4.0)
-CHANNEL_FLOOR = 1e-3
+SCALE_CLIP = (1 / 64, 64.0)
 
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """Which of the three transforms a scheme applies."""
+    """Which of the three transforms a layer applies."""
 
     center: bool = True
     channel_scale: bool = True
@@ -43,40 +47,29 @@ class CalibrationConfig:
 
 @dataclass(frozen=True, eq=False)
 class KeyCalibration:
-    """Fitted calibration of one layer; any part may be absent."""
+    """Fitted per-layer scales ([H, D] float32); either may be absent."""
 
-    shift: mx.array | None = None  # [H, D] original basis
-    scale: mx.array | None = None  # [H, D] original basis
-    rotated_scale: mx.array | None = None  # [H, D] rotated basis
+    scale: mx.array | None = None  # original basis
+    rotated_scale: mx.array | None = None  # rotated basis
 
     def arrays(self) -> dict[str, mx.array]:
         """The arrays a snapshot persists, by name."""
-        return {k: v for k, v in (("shift", self.shift), ("scale", self.scale),
-                                  ("rotated_scale", self.rotated_scale)) if v is not None}
+        return {k: v for k, v in (("scale", self.scale), ("rotated_scale", self.rotated_scale)) if v is not None}
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, mx.array]) -> "KeyCalibration":
-        unknown = set(arrays) - {"shift", "scale", "rotated_scale"}
+        unknown = set(arrays) - {"scale", "rotated_scale"}
         if unknown:
             raise ValueError(f"unknown calibration arrays: {sorted(unknown)}")
         return cls(**{k: v.astype(mx.float32) for k, v in arrays.items()})
 
     def keys_in(self, keys: mx.array) -> mx.array:
-        """Original-basis transform of keys [B, H, T, D] before encoding (float32)."""
-        k = keys.astype(mx.float32)
-        if self.shift is not None:
-            k = k - self.shift[:, None, :]
-        if self.scale is not None:
-            k = k / self.scale[:, None, :]
-        return k
+        """Original-basis transform of (centred) keys [B, H, T, D] before encoding."""
+        return keys if self.scale is None else keys / self.scale[:, None, :]
 
     def keys_out(self, keys: mx.array) -> mx.array:
-        """Inverse of `keys_in` (for dequantized views such as exports)."""
-        if self.scale is not None:
-            keys = keys * self.scale[:, None, :]
-        if self.shift is not None:
-            keys = keys + self.shift[:, None, :]
-        return keys
+        """Inverse of `keys_in`."""
+        return keys if self.scale is None else keys * self.scale[:, None, :]
 
     def codec_scale(self) -> mx.array | None:
         """Rotated-basis scale shaped to broadcast over [B, H, T, D], or None."""
@@ -87,40 +80,55 @@ class KeyCalibration:
         return queries if self.scale is None else queries * self.scale[:, None, :]
 
 
-def fit_key_calibration(keys: mx.array, rotation: Rotation, config: CalibrationConfig) -> KeyCalibration | None:
-    """Fit the calibration of one layer from its prefill keys [B, H, T, D].
+def block_mean(keys: mx.array) -> mx.array:
+    """Mean key of a block, pooled over batch and tokens: [B, H, T, D] -> [H, D] float32."""
+    return mx.mean(keys.astype(mx.float32), axis=(0, 2))
 
-    Uses the first CALIBRATION_TOKENS tokens only, so the result depends on the first storage
-    block alone. Returns None when disabled, when there are fewer than MIN_ROWS rows per head,
-    or when every part is already flat.
+
+def fit_key_calibration(
+    keys: mx.array,
+    rotation: Rotation | None,
+    config: CalibrationConfig,
+    query_power: mx.array | None = None,
+) -> KeyCalibration | None:
+    """Fit one layer's scales from its first prefill keys [B, H, T, D].
+
+    `query_power` ([H, D], mean squared query per channel over the same tokens, pooled over
+    the query heads of each KV head) makes the channel scales query-aware. Uses the first
+    CALIBRATION_TOKENS tokens only, so the result depends on the first storage block alone.
+    Returns None when there are fewer than MIN_ROWS rows or every part comes out flat.
     """
-    if not config.enabled:
+    if not (config.channel_scale or config.rotated_scale):
         return None
     keys = keys[..., :CALIBRATION_TOKENS, :].astype(mx.float32)
     B, H, T, D = keys.shape
     if B * T < MIN_ROWS:
         return None
     rows = keys.transpose(1, 0, 2, 3).reshape(H, B * T, D)
-    shift = mx.mean(rows, axis=1) if config.center else None
-    centered = rows - shift[:, None, :] if shift is not None else rows
+    if config.center:
+        rows = rows - mx.mean(rows, axis=1, keepdims=True)
     scale = None
     if config.channel_scale:
-        rms = mx.sqrt(mx.mean(centered * centered, axis=1))
-        scale = mx.maximum(rms / mx.mean(rms, axis=-1, keepdims=True), CHANNEL_FLOOR)
-        centered = centered / scale[:, None, :]
+        power = mx.mean(rows * rows, axis=1)
+        ratio = mx.sqrt(power) if query_power is None else mx.sqrt(power / mx.maximum(query_power, 1e-12))
+        scale = mx.clip(mx.sqrt(ratio / mx.mean(ratio, axis=-1, keepdims=True)), *SCALE_CLIP)
+        scale = scale / mx.mean(scale, axis=-1, keepdims=True)
         if _flat(scale):
             scale = None
+        else:
+            rows = rows / scale[:, None, :]
     rotated_scale = None
     if config.rotated_scale:
-        norms = mx.sqrt(mx.sum(centered * centered, axis=-1, keepdims=True))
-        u = rotation.forward(centered / mx.maximum(norms, 1e-8))
-        sigma = mx.sqrt(mx.var(u, axis=1))
+        if rotation is None:
+            raise ValueError("rotated-basis calibration needs the key codec's rotation")
+        norms = mx.sqrt(mx.sum(rows * rows, axis=-1, keepdims=True))
+        sigma = mx.sqrt(mx.var(rotation.forward(rows / mx.maximum(norms, 1e-8)), axis=1))
         rotated_scale = mx.clip(sigma / mx.mean(sigma, axis=-1, keepdims=True), *ROTATED_CLIP)
         if _flat(rotated_scale):
             rotated_scale = None
-    if shift is None and scale is None and rotated_scale is None:
+    if scale is None and rotated_scale is None:
         return None
-    result = KeyCalibration(shift=shift, scale=scale, rotated_scale=rotated_scale)
+    result = KeyCalibration(scale=scale, rotated_scale=rotated_scale)
     mx.eval(*result.arrays().values())
     return result
 

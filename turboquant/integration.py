@@ -34,6 +34,8 @@ def compressed_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None
         if sinks is not None:
             raise NotImplementedError("attention sinks are not supported over compressed storage; use scheme 'raw'")
         return keys.cache.attention(queries, scale, mask)
+    if isinstance(cache, TurboQuantKVCache):
+        cache.observe_queries(queries)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -151,6 +153,33 @@ def _restore_native(record: LayerRecord):
             cache.offset = record.offset
         return cache
     raise ValueError(f"unknown cache class {cls!r} in snapshot")
+
+
+def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
+    """Load an uncompressed snapshot into fresh caches of another scheme (`make_prompt_cache`).
+
+    Raw rows (and the queries observed in prefill) are taken over as if prefilled; nothing is
+    compressed until the caller compresses or decodes. Used to evaluate many schemes from one
+    prefill, and to compress an imported mlx-lm prompt cache.
+    """
+    install_attention_dispatch()
+    if len(snap.layers) != len(caches):
+        raise ValueError(f"snapshot has {len(snap.layers)} layers, the model has {len(caches)}")
+    out = []
+    for record, cache in zip(snap.layers, caches):
+        if record.layout not in (Layout.RAW, Layout.ROTATING):
+            raise ValueError(f"restore_as needs uncompressed layers, got {record.layout.value}")
+        if isinstance(cache, TurboQuantKVCache):
+            if record.layout is Layout.ROTATING:
+                raise ValueError("a sliding-window layer cannot become a compressed one")
+            out.append(TurboQuantKVCache.from_record(record, snap.codecs, plan=cache.plan))
+        elif record.layout is Layout.ROTATING:
+            out.append(_restore_native(record))
+        else:
+            if record.offset:
+                cache.update_and_fetch(record.arrays["keys"], record.arrays["values"])
+            out.append(cache)
+    return out
 
 
 def restore(snap: Snapshot) -> list[Any]:

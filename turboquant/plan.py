@@ -9,7 +9,7 @@ out flat) live in the cache and its snapshot, not here.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -17,7 +17,7 @@ from .affine import AffineCodec, UnsupportedHeadDim
 from .calibration import CalibrationConfig
 from .codec import NormMode, TurboCodec
 from .rotation import Rotation
-from .schemes import Format, SchemeSpec
+from .schemes import Format, SchemeSpec, side_bytes
 from .sides import AffineSide, NativeSide, TurboSide
 from .snapshot import CodecRecord, Scalar
 
@@ -61,7 +61,7 @@ class SidePlan:
         if self.format is Format.NATIVE:
             return NativeSide(name)
         if self.format is Format.AFFINE:
-            return AffineSide(name, self.affine)
+            return AffineSide(name, self.affine, calibration)
         return TurboSide(name, self.turbo, calibration)
 
     def meta(self, prefix: str) -> dict[str, Scalar]:
@@ -87,7 +87,7 @@ class LayerPlan:
 
     @property
     def calibrated(self) -> bool:
-        return self.key.format is Format.TURBO and self.calibration.enabled
+        return self.key.format is not Format.NATIVE and self.calibration.enabled
 
     def meta(self) -> dict[str, Scalar]:
         """Data-independent scalars for the snapshot's layer config (hashed by the codec identity)."""
@@ -100,6 +100,12 @@ class LayerPlan:
             "calibration_rotated_scale": self.calibrated and self.calibration.rotated_scale,
             **self.key.meta("key"), **self.value.meta("value"),
         }
+
+    def bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K + V bytes per token over all KV heads of this layer at the given activation width."""
+        k = side_bytes(self.key.format, self.key.bits, self.head_dim_k, dtype_bytes)
+        v = side_bytes(self.value.format, self.value.bits, self.head_dim_v, dtype_bytes)
+        return self.n_kv_heads * (k + v)
 
     def codecs(self) -> dict[str, CodecRecord]:
         """The TurboQuant codecs this layer references, by name."""
@@ -148,11 +154,15 @@ def plan_layer(
     seed: int = 0,
     protected: bool = False,
     calibration: CalibrationConfig = DEFAULT_CALIBRATION,
+    calibrate_affine_keys: bool = True,
 ) -> LayerPlan | None:
     """The plan of one attention layer under `spec`, or None when the layer stays native.
 
     A layer stays native for the raw scheme, and when an affine side is needed but no MLX
-    group size divides the head dim (turbo8vN and affine schemes at d = 80).
+    group size divides the head dim (turbo8vN and affine schemes at d = 80). TurboQuant keys
+    use `calibration`; the affine keys of turbo8vN schemes and of protected layers use its
+    original-basis part when `calibrate_affine_keys`; affine schemes stay plain
+    (QuantizedKVCache-compatible).
     """
     if not spec.compressed and not protected:
         return None
@@ -160,6 +170,10 @@ def plan_layer(
     if protected:
         formats = (Format.AFFINE, PROTECTED_BITS, Format.AFFINE, PROTECTED_BITS)
     kf, kb, vf, vb = formats
+    if kf is Format.AFFINE:
+        plain = spec.key_format is Format.AFFINE and spec.value_format is Format.AFFINE and not protected
+        calibration = (CalibrationConfig(False, False, False) if plain or not calibrate_affine_keys
+                       else replace(calibration, rotated_scale=False))
     try:
         key = _side_plan(kf, kb, head_dim_k, seed)
         value = _side_plan(vf, vb, head_dim_v, seed + 1)

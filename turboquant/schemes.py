@@ -29,6 +29,15 @@ class Format(str, enum.Enum):
     TURBO = "turbo"
 
 
+def side_bytes(side: Format, bits: int, d: int, dtype_bytes: int) -> int:
+    """Bytes per token per KV head of one side (K or V) at head dim d, scales and norms included."""
+    if side is Format.NATIVE:
+        return d * dtype_bytes
+    if side is Format.AFFINE:
+        return d * bits // 8 + 2 * (d // affine_group_size(d)) * dtype_bytes
+    return 4 * packed_width(d, bits) + NORM_BYTES
+
+
 @dataclass(frozen=True)
 class SchemeSpec:
     """A parsed scheme. `name` is canonical and is what identities hash."""
@@ -57,19 +66,11 @@ class SchemeSpec:
     def uses_affine(self) -> bool:
         return Format.AFFINE in (self.key_format, self.value_format)
 
-    def side_bytes(self, side: Format, bits: int, d: int, dtype_bytes: int) -> int:
-        """Bytes per token per KV head of one side (K or V) at head dim d."""
-        if side is Format.NATIVE:
-            return d * dtype_bytes
-        if side is Format.AFFINE:
-            return d * bits // 8 + 2 * (d // affine_group_size(d)) * dtype_bytes
-        return 4 * packed_width(d, bits) + NORM_BYTES
-
     def bytes_per_token(self, d: int, dtype_bytes: int = 2) -> int:
         """K + V bytes per token per KV head; layers no affine group size fits stay native."""
         try:
-            return (self.side_bytes(self.key_format, self.key_bits, d, dtype_bytes)
-                    + self.side_bytes(self.value_format, self.value_bits, d, dtype_bytes))
+            return (side_bytes(self.key_format, self.key_bits, d, dtype_bytes)
+                    + side_bytes(self.value_format, self.value_bits, d, dtype_bytes))
         except UnsupportedHeadDim:
             return 2 * d * dtype_bytes
 

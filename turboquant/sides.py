@@ -4,6 +4,10 @@ Every side implements the same small protocol, so attention never special-cases 
 `encode` rows into named per-token arrays, `decode` them back (tests, exports), `scores` of
 grouped queries against stored keys, and `mix` attention weights with stored values.
 Queries arrive grouped by KV head, [B, H, rows, D] float32, already multiplied by the scale.
+
+Calibrated key sides store each block of keys minus the block's mean (`shift`, one row per
+token, [1, H, T, D]); their scores add q . mean back, so the shift changes the quantization
+error and nothing else.
 """
 
 from __future__ import annotations
@@ -16,8 +20,24 @@ from .codec import TurboCodec
 from .schemes import Format
 
 
+SHIFT_BLOCK = 256
+
+
 def _t(x: mx.array) -> mx.array:
     return x.swapaxes(-1, -2)
+
+
+def per_token_shifts(shifts: mx.array, T: int) -> mx.array:
+    """Block means [H, nblocks, D] -> one row per token [1, H, T, D]."""
+    return mx.repeat(shifts, SHIFT_BLOCK, axis=1)[None, :, :T]
+
+
+def shift_scores(q: mx.array, shifts: mx.array | None, T: int) -> mx.array | float:
+    """q . mean of each token's block: [B, H, rows, T] (0 without shifts)."""
+    if shifts is None:
+        return 0.0
+    per_block = q @ _t(shifts)[None]
+    return mx.repeat(per_block, SHIFT_BLOCK, axis=-1)[..., :T]
 
 
 class NativeSide:
@@ -28,13 +48,13 @@ class NativeSide:
     def __init__(self, name: str):
         self.name = name
 
-    def encode(self, x: mx.array) -> dict[str, mx.array]:
+    def encode(self, x: mx.array, shift: mx.array | None = None) -> dict[str, mx.array]:
         return {self.name: x}
 
-    def decode(self, arrays: dict[str, mx.array]) -> mx.array:
+    def decode(self, arrays: dict[str, mx.array], shifts: mx.array | None = None) -> mx.array:
         return arrays[self.name]
 
-    def scores(self, arrays: dict[str, mx.array], q: mx.array) -> mx.array:
+    def scores(self, arrays: dict[str, mx.array], q: mx.array, shifts: mx.array | None = None) -> mx.array:
         # Scores in float32: Qwen2.5-class f16 dot products overflow.
         return q @ _t(arrays[self.name].astype(mx.float32))
 
@@ -43,28 +63,47 @@ class NativeSide:
 
 
 class AffineSide:
-    """MLX affine quantization (words, scales, biases), dequantized transiently for attention."""
+    """MLX affine quantization (words, scales, biases), dequantized transiently for attention.
+
+    Keys may carry an original-basis calibration (centering, channel scales): Qwen2.5's bias
+    channels otherwise set every group's step size.
+    """
 
     format = Format.AFFINE
 
-    def __init__(self, name: str, codec: AffineCodec):
+    def __init__(self, name: str, codec: AffineCodec, calibration: KeyCalibration | None = None):
         self.name = name
         self.codec = codec
+        self.calibration = calibration
 
     def _names(self) -> tuple[str, str, str]:
         return f"{self.name}_w", f"{self.name}_scales", f"{self.name}_biases"
 
-    def encode(self, x: mx.array) -> dict[str, mx.array]:
+    def encode(self, x: mx.array, shift: mx.array | None = None) -> dict[str, mx.array]:
+        if shift is not None:
+            x = (x.astype(mx.float32) - shift).astype(x.dtype)
+        if self.calibration is not None:
+            x = self.calibration.keys_in(x.astype(mx.float32)).astype(x.dtype)
         return dict(zip(self._names(), self.codec.encode(x)))
 
-    def decode(self, arrays: dict[str, mx.array]) -> mx.array:
+    def _stored(self, arrays: dict[str, mx.array]) -> mx.array:
         return self.codec.decode(*(arrays[n] for n in self._names()))
 
-    def scores(self, arrays: dict[str, mx.array], q: mx.array) -> mx.array:
-        return q @ _t(self.decode(arrays).astype(mx.float32))
+    def decode(self, arrays: dict[str, mx.array], shifts: mx.array | None = None) -> mx.array:
+        x = self._stored(arrays)
+        if self.calibration is not None:
+            x = self.calibration.keys_out(x.astype(mx.float32))
+        if shifts is not None:
+            x = x.astype(mx.float32) + per_token_shifts(shifts, x.shape[2])
+        return x
+
+    def scores(self, arrays: dict[str, mx.array], q: mx.array, shifts: mx.array | None = None) -> mx.array:
+        k = self._stored(arrays).astype(mx.float32)
+        qc = q if self.calibration is None else self.calibration.query_in(q)
+        return qc @ _t(k) + shift_scores(q, shifts, k.shape[2])
 
     def mix(self, arrays: dict[str, mx.array], p: mx.array) -> mx.array:
-        return p @ self.decode(arrays).astype(mx.float32)
+        return p @ self._stored(arrays).astype(mx.float32)
 
 
 class TurboSide:
@@ -87,15 +126,19 @@ class TurboSide:
     def _scale(self) -> mx.array | None:
         return None if self.calibration is None else self.calibration.codec_scale()
 
-    def encode(self, x: mx.array) -> dict[str, mx.array]:
+    def encode(self, x: mx.array, shift: mx.array | None = None) -> dict[str, mx.array]:
+        if shift is not None:
+            x = x.astype(mx.float32) - shift
         if self.calibration is not None:
-            x = self.calibration.keys_in(x)
+            x = self.calibration.keys_in(x.astype(mx.float32))
         return dict(zip(self._names(), self.codec.encode(x, scale=self._scale())))
 
-    def decode(self, arrays: dict[str, mx.array]) -> mx.array:
+    def decode(self, arrays: dict[str, mx.array], shifts: mx.array | None = None) -> mx.array:
         packed, norms = (arrays[n] for n in self._names())
         x = self.codec.decode(packed, norms, scale=self._scale())
-        return x if self.calibration is None else self.calibration.keys_out(x)
+        if self.calibration is not None:
+            x = self.calibration.keys_out(x)
+        return x if shifts is None else x + per_token_shifts(shifts, x.shape[2])
 
     def rotate_queries(self, q: mx.array) -> mx.array:
         """Grouped queries into the basis the stored codes live in."""
@@ -105,11 +148,11 @@ class TurboSide:
         scale = self._scale()
         return q if scale is None else q * scale
 
-    def scores(self, arrays: dict[str, mx.array], q: mx.array) -> mx.array:
+    def scores(self, arrays: dict[str, mx.array], q: mx.array, shifts: mx.array | None = None) -> mx.array:
         packed, norms = (arrays[n] for n in self._names())
         # The one transient expansion of this plain-ops path: codebook values of one layer.
         c = self.codec.centroids[self.codec.codes(packed)]
-        return (self.rotate_queries(q) @ _t(c)) * norms[:, :, None, :]
+        return (self.rotate_queries(q) @ _t(c)) * norms[:, :, None, :] + shift_scores(q, shifts, c.shape[2])
 
     def mix(self, arrays: dict[str, mx.array], p: mx.array) -> mx.array:
         packed, norms = (arrays[n] for n in self._names())

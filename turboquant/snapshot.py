@@ -6,7 +6,10 @@ in it depends on a random generator or on the process that made it.
 Array naming: every per-token array is named `<side><suffix>` (side = `keys` or `values`) and
 has the token axis at position 2 ([B, H, T, ...]), so a record can be cut into token blocks
 along one axis and joined back. Suffixes by side format: native `""`, affine `_w` / `_scales` /
-`_biases`, TurboQuant `_packed` / `_norms`.
+`_biases`, TurboQuant `_packed` / `_norms`. A compressed layer also holds the raw rows that do
+not yet fill a block (`tail_keys`, `tail_values`) and the per-block key means (`keys_shift`,
+[1, H, blocks, D]: axis 2 counts 256-token blocks). `token_span` says which tokens an array
+covers.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 TOKEN_AXIS = 2
+BLOCK_TOKENS = 256  # the block of per-block arrays (keys_shift), equal to the storage block
+TAIL_ARRAYS = ("tail_keys", "tail_values")
+BLOCK_ARRAYS = ("keys_shift",)
 Scalar = int | float | str | bool | None
 
 
@@ -44,6 +50,42 @@ LAYOUT_ARRAYS: dict[Layout, tuple[str, ...]] = {
     Layout.AFFINE: ("keys_w", "keys_scales", "keys_biases", "values_w", "values_scales", "values_biases"),
     Layout.ROTATING: ("keys", "values"),
 }
+
+
+def token_span(record: "LayerRecord", name: str) -> tuple[int, int] | None:
+    """Tokens [start, end) that array `name` of `record` covers along axis 2; None for arrays
+    that are not per token (ring buffers, and per-block arrays whose axis 2 counts blocks)."""
+    if record.layout is Layout.ROTATING or name in BLOCK_ARRAYS:
+        return None
+    stored = int(record.state.get("stored", 0))
+    if record.layout is Layout.RAW:
+        return (0, record.offset)
+    if name in TAIL_ARRAYS:
+        return (stored, record.offset)
+    return (0, stored)
+
+
+def check_record_arrays(record: "LayerRecord") -> None:
+    """Raise ValueError unless the record holds exactly the arrays its layout and spans need."""
+    stored = int(record.state.get("stored", 0))
+    if record.layout in (Layout.RAW, Layout.ROTATING):
+        expected = set(LAYOUT_ARRAYS[record.layout]) if record.offset or record.arrays else set()
+    else:
+        expected = set(LAYOUT_ARRAYS[record.layout]) if stored else set()
+        if record.offset > stored:
+            expected |= set(TAIL_ARRAYS)
+        if "keys_shift" in record.arrays:
+            expected.add("keys_shift")
+    if set(record.arrays) != expected:
+        raise ValueError(f"a {record.layout.value} layer with {record.offset} tokens ({stored} compressed) "
+                         f"needs arrays {sorted(expected)}, got {sorted(record.arrays)}")
+    for name, array in record.arrays.items():
+        span = token_span(record, name)
+        if span is not None and array.shape[TOKEN_AXIS] != span[1] - span[0]:
+            raise ValueError(f"array {name} holds {array.shape[TOKEN_AXIS]} tokens, expected {span[1] - span[0]}")
+    if "keys_shift" in record.arrays and record.arrays["keys_shift"].shape[TOKEN_AXIS] != -(-stored // BLOCK_TOKENS):
+        raise ValueError(f"keys_shift holds {record.arrays['keys_shift'].shape[TOKEN_AXIS]} blocks, "
+                         f"expected {-(-stored // BLOCK_TOKENS)}")
 
 
 @dataclass(frozen=True, eq=False)
