@@ -38,12 +38,10 @@ def experiment_runs(name: str, schemes: list[str]):
             "center+channel": CalibrationConfig(True, True, False),
             "all three": CalibrationConfig(True, True, True),
         }
-        runs = []
-        for s in schemes:
-            for label, cfg in configs.items():
-                runs.append((s, f"{label}, protected", {"calibration": cfg}))
-                runs.append((s, f"{label}, unprotected", {"calibration": cfg, "protect_boundaries": False}))
-        return runs
+        return [(s, f"{label}, {mode}", {"calibration": cfg, "protect": mode})
+                for s in schemes for label, cfg in configs.items() for mode in ("position", "none")]
+    if name == "protection":
+        return [(s, mode, {"protect": mode}) for s in schemes for mode in ("stats", "position", "none")]
     raise SystemExit(f"unknown experiment {name!r}")
 
 
@@ -67,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--schemes", nargs="+", default=ALL_SCHEMES)
-    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration"])
+    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection"])
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")

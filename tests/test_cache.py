@@ -94,7 +94,7 @@ def test_queries_seen_in_prefill_make_the_scales_query_aware():
     b.compress()
     assert not mx.array_equal(a.calibration.scale, b.calibration.scale).item()
     power = mx.mean(q[:, :, :256].reshape(1, 2, 2, 256, 64) ** 2, axis=(0, 2, 3))
-    expected = fit_key_calibration(k, None, b.plan.calibration, power)
+    expected = fit_key_calibration(k, b.plan.key.turbo.rotation, b.plan.calibration, power)
     assert mx.allclose(expected.scale, b.calibration.scale, rtol=1e-5).item()
 
 
@@ -189,3 +189,50 @@ def test_restore_rejects_inconsistent_records():
         restore(type(snap)([short], snap.codecs))
     with pytest.raises(ValueError, match="codec"):
         restore(type(snap)([record], {}))
+
+
+def _guarded_cache(guard, boundary=False):
+    plan = plan_layer(parse_scheme("turbo4"), 2, 64, 64, mx.float32, guard=guard, boundary=boundary)
+    return TurboQuantKVCache(plan)
+
+
+@pytest.mark.parametrize("query_gain, protected", [(0.01, False), (100.0, True)])
+def test_statistics_guard_protects_layers_whose_predicted_noise_is_high(query_gain, protected):
+    cache = _guarded_cache(guard=0.35)
+    k, v = kv_rows(1, 2, 300, 64)
+    cache.update_and_fetch(k, v)
+    cache.observe_queries(mx.random.normal((1, 4, 300, 64), key=mx.random.key(0)) * query_gain, scale=0.125)
+    cache.compress()
+    assert cache.guarded is protected
+    assert cache.layout is (Layout.AFFINE if protected else Layout.CALIBRATED)
+    (restored,) = restore(snapshot([cache]))
+    assert restored.guarded is protected and restored.layout is cache.layout
+
+
+@pytest.mark.parametrize("boundary", [True, False])
+def test_statistics_guard_falls_back_to_position_without_queries(boundary):
+    cache = _guarded_cache(guard=0.35, boundary=boundary)
+    k, v = kv_rows(1, 2, 300, 64)
+    cache.update_and_fetch(k, v)
+    cache.compress()
+    assert cache.guarded is boundary
+
+
+def test_predicted_noise_matches_measured_score_error():
+    """The guard's statistic: std of q . (k - k~) predicted from powers, against a measurement."""
+    from turboquant.calibration import predicted_logit_noise
+    from turboquant.codebook import lloyd_max_codebook
+
+    cache = _guarded_cache(guard=None)
+    k, v = kv_rows(1, 2, 256, 64, seed=4)
+    q = mx.random.normal((1, 2, 256, 64), key=mx.random.key(7)) * 0.3
+    cache.update_and_fetch(k, v)
+    cache.observe_queries(q)
+    power = cache._query_power / cache._query_rows
+    cache.compress()
+    k_hat, _ = cache.dequantized()
+    measured = mx.sqrt(mx.mean(mx.sum(q * (k - k_hat), axis=-1) ** 2, axis=(0, 2)))
+    predicted = predicted_logit_noise(k, cache.calibration, power, lloyd_max_codebook(64, 4).d_mse)
+    # Rotated-basis scaling lowers the real error below the isotropic prediction: it is an upper
+    # estimate, within a factor of two here.
+    assert mx.all(measured <= predicted * 1.1).item() and mx.all(measured >= predicted / 2).item()

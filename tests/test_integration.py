@@ -46,7 +46,7 @@ def _decode(model, caches, tokens, steps):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_scheme_generates_with_expected_layouts(models, kind, scheme):
     model = models[kind]
-    caches = make_prompt_cache(model, scheme)
+    caches = make_prompt_cache(model, scheme, protect="position")
     prompt = prompt_tokens(48)
     tokens = [t for t, _ in zip(generate_step(prompt, model, prompt_cache=caches, max_tokens=4), range(4))]
     assert len(tokens) == 4

@@ -23,7 +23,8 @@ import mlx.core as mx
 
 from .attention import MaskLike, causal_mask, compressed_attention
 from .buffers import TokenBuffers, detach
-from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration
+from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, predicted_logit_noise
+from .codebook import lloyd_max_codebook
 from .plan import LayerPlan
 from .schemes import Format
 from .sides import SHIFT_BLOCK, per_token_shifts
@@ -52,7 +53,8 @@ class TurboQuantKVCache:
     step = 256
 
     def __init__(self, plan: LayerPlan):
-        self.plan = plan
+        self.plan = plan  # as configured (what the codec identity hashes)
+        self.active = plan  # as stored: plan.protected_plan() once the guard protects this layer
         self.offset = 0
         self.stored = 0  # rows [0, stored) are compressed; [stored, offset) are raw (the tail)
         self.compressed = False
@@ -78,14 +80,19 @@ class TurboQuantKVCache:
 
     @property
     def centered(self) -> bool:
-        return self.plan.calibrated and self.plan.calibration.center
+        return self.active.calibrated and self.active.calibration.center
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the statistics guard switched this layer to affine8."""
+        return self.active is not self.plan
 
     @property
     def layout(self) -> Layout:
         """Storage layout now (RAW until compressed)."""
         if not self.compressed:
             return Layout.RAW
-        kf, vf = self.plan.key.format, self.plan.value.format
+        kf, vf = self.active.key.format, self.active.value.format
         if kf is Format.AFFINE and vf is Format.AFFINE:
             return Layout.AFFINE
         if kf is Format.NATIVE:
@@ -109,9 +116,10 @@ class TurboQuantKVCache:
         self._append(keys, values)
         return CompressedKeys(self, self.plan.head_dim_k), CompressedValues(self, self.plan.head_dim_v)
 
-    def observe_queries(self, queries: mx.array) -> None:
-        """Record the power of the queries at positions < 256 (called by the attention dispatch
-        in prefill, after `update_and_fetch`): it makes the key channel scales query-aware."""
+    def observe_queries(self, queries: mx.array, scale: float = 1.0) -> None:
+        """Record the power of the (scaled) queries at positions < 256 (called by the attention
+        dispatch in prefill, after `update_and_fetch`): it makes the key channel scales
+        query-aware and lets the guard predict the damage quantization would do."""
         if self.compressed or not self.plan.calibrated:
             return
         L = queries.shape[2]
@@ -120,7 +128,8 @@ class TurboQuantKVCache:
         if n <= 0:
             return
         B, hq, _, D = queries.shape
-        q = queries[:, :, :n].astype(mx.float32).reshape(B, self.plan.n_kv_heads, hq // self.plan.n_kv_heads, n, D)
+        q = queries[:, :, :n].astype(mx.float32) * scale
+        q = q.reshape(B, self.plan.n_kv_heads, hq // self.plan.n_kv_heads, n, D)
         power = mx.sum(q * q, axis=(0, 2, 3))
         self._query_power = power if self._query_power is None else self._query_power + power
         self._query_rows += B * (hq // self.plan.n_kv_heads) * n
@@ -175,19 +184,34 @@ class TurboQuantKVCache:
         """Compress every raw row now: the prefill on first use, the tail afterwards (save)."""
         if not self.compressed:
             raw = self._tail.view(self.offset) if self.offset else {}
+            power = None if not self._query_rows else self._query_power / self._query_rows
             if self.plan.calibrated and raw:
-                power = None if not self._query_rows else self._query_power / self._query_rows
-                rotation = self.plan.key.turbo.rotation if self.plan.key.turbo is not None else None
-                self.calibration = fit_key_calibration(raw["keys"], rotation, self.plan.calibration, power)
+                self.calibration = self._fit(self.plan, raw["keys"], power)
+                if self.plan.guard is not None and self._guard_trips(raw["keys"], power):
+                    self.active = self.plan.protected_plan()
+                    self.calibration = self._fit(self.active, raw["keys"], power)
             self._query_power, self._query_rows = None, 0
-            self._key_side = self.plan.key.side("keys", self.calibration)
-            self._value_side = self.plan.value.side("values")
+            self._key_side = self.active.key.side("keys", self.calibration)
+            self._value_side = self.active.value.side("values")
             self.compressed = True
         if self.offset > self.stored:
             tail = self._tail.view(self.offset - self.stored)
             self._tail.clear()
             self._encode(tail["keys"], tail["values"])
             mx.eval(*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else []))
+
+    @staticmethod
+    def _fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
+        rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
+        return fit_key_calibration(keys, rotation, plan.calibration, power)
+
+    def _guard_trips(self, keys: mx.array, power: mx.array | None) -> bool:
+        """Statistics-chosen protection; position-based when no queries were observed."""
+        if power is None:
+            return self.plan.boundary
+        d_mse = lloyd_max_codebook(self.plan.head_dim_k, self.plan.key.bits).d_mse
+        noise = predicted_logit_noise(keys, self.calibration, power, d_mse)
+        return bool(mx.max(noise).item() > self.plan.guard)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]
@@ -277,7 +301,7 @@ class TurboQuantKVCache:
         (tokens [stored, offset)) and `keys_shift` ([1, H, blocks, D], one row per block).
         """
         calibration = self.calibration.arrays() if self.calibration else {}
-        state = {"stored": self.stored}
+        state = {"stored": self.stored, "guarded": self.guarded}
         if not self.compressed:
             arrays = self._tail.view(self.offset) if self.offset else {}
             if self._query_rows:
@@ -315,8 +339,10 @@ class TurboQuantKVCache:
             return cache
         if record.calibration:
             cache.calibration = KeyCalibration.from_arrays(record.calibration)
-        cache._key_side = cache.plan.key.side("keys", cache.calibration)
-        cache._value_side = cache.plan.value.side("values")
+        if record.state.get("guarded"):
+            cache.active = cache.plan.protected_plan()
+        cache._key_side = cache.active.key.side("keys", cache.calibration)
+        cache._value_side = cache.active.value.side("values")
         cache.compressed = True
         if "keys_shift" in arrays:
             cache._shifts = detach(arrays.pop("keys_shift"))[0]

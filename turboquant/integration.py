@@ -20,8 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from .buffers import detach
 from .cache import CompressedKeys, TurboQuantKVCache
 from .calibration import CalibrationConfig
-from .plan import DEFAULT_CALIBRATION, plan_layer
-from .schemes import SchemeSpec, parse_scheme
+from .plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, plan_layer
+from .schemes import Format, SchemeSpec, parse_scheme
 from .snapshot import LayerRecord, Layout, Snapshot
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
@@ -35,7 +35,7 @@ def compressed_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None
             raise NotImplementedError("attention sinks are not supported over compressed storage; use scheme 'raw'")
         return keys.cache.attention(queries, scale, mask)
     if isinstance(cache, TurboQuantKVCache):
-        cache.observe_queries(queries)
+        cache.observe_queries(queries, scale)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -78,19 +78,29 @@ def protected_layers(eligible: list[int], fragile: bool) -> set[int]:
     return set(eligible[:k]) | set(eligible[-k:])
 
 
+PROTECTION_MODES = ("stats", "position", "none")
+
+
 def make_prompt_cache(
     model,
     scheme: str | SchemeSpec = "turbo0v4",
     *,
     seed: int = 0,
-    protect_boundaries: bool = True,
+    protect: str = "stats",
     calibration: CalibrationConfig = DEFAULT_CALIBRATION,
+    guard: float = DEFAULT_GUARD,
 ) -> list[Any]:
     """One cache per layer as the scheme decides; honours `model.make_cache()` (sliding layers).
 
     Plain attention layers become TurboQuantKVCache (or stay mlx-lm KVCache where the layer
     stays native); sliding-window layers stay RotatingKVCache with a one-time notice.
+    Protection of fragile schemes: "stats" lets each TurboQuant-key layer decide at compression
+    from its prefill statistics whether to store affine8 instead (falling back to the boundary
+    rule without observed queries); "position" makes the first and last two eligible layers
+    affine8; "none" protects nothing.
     """
+    if protect not in PROTECTION_MODES:
+        raise ValueError(f"protect must be one of {PROTECTION_MODES}, got {protect!r}")
     spec = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     install_attention_dispatch()
     base = mlx_make_prompt_cache(model)
@@ -98,7 +108,9 @@ def make_prompt_cache(
         return base
     shapes = probe_kv_shapes(model)
     eligible = [i for i, c in enumerate(base) if type(c) is KVCache and shapes[i] is not None]
-    protected = protected_layers(eligible, spec.fragile and protect_boundaries)
+    boundary = protected_layers(eligible, spec.fragile)
+    by_stats = protect == "stats" and spec.key_format is Format.TURBO
+    static = boundary if protect == "position" or (protect == "stats" and not by_stats) else set()
     if any(isinstance(c, RotatingKVCache) for c in base):
         _notice_once("sliding-window (rotating) layers keep their native KV cache; only global layers are compressed")
     caches = []
@@ -106,8 +118,8 @@ def make_prompt_cache(
         plan = None
         if i in eligible:
             heads, dk, dv, dtype = shapes[i]
-            plan = plan_layer(spec, heads, dk, dv, dtype, seed=seed, protected=i in protected,
-                              calibration=calibration)
+            plan = plan_layer(spec, heads, dk, dv, dtype, seed=seed, protected=i in static,
+                              calibration=calibration, guard=guard if by_stats else None, boundary=i in boundary)
         caches.append(TurboQuantKVCache(plan) if plan is not None else c)
     return caches
 

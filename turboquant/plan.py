@@ -22,7 +22,12 @@ from .sides import AffineSide, NativeSide, TurboSide
 from .snapshot import CodecRecord, Scalar
 
 PROTECTED_BITS = 8
-DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=False)
+# Measured on Qwen2.5-Coder-0.5B (docs/quality.md): all three parts together are best.
+DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=True)
+# Predicted logit-noise std (nats) above which a TurboQuant-key layer is stored as affine8 instead
+# (softmax KL ~ sigma^2 / 2 ~ 0.06). On Qwen2.5-Coder-0.5B it picks layers 0 and 8 (0.44, 0.39;
+# the rest <= 0.31), the two layers the per-layer diagnosis blames most.
+DEFAULT_GUARD = 0.35
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,18 +88,35 @@ class LayerPlan:
     dtype: str
     seed: int = 0
     calibration: CalibrationConfig = DEFAULT_CALIBRATION
-    protected: bool = False
+    protected: bool = False  # a boundary layer under position-based protection: affine8 from the start
+    guard: float | None = None  # statistics-chosen protection: see DEFAULT_GUARD
+    boundary: bool = False  # what the guard falls back to when no queries were observed
 
     @property
     def calibrated(self) -> bool:
         return self.key.format is not Format.NATIVE and self.calibration.enabled
+
+    def protected_plan(self) -> "LayerPlan":
+        """This layer stored as affine8 K and V (keys calibrated in the original basis only)."""
+        key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
+        value = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_v, PROTECTED_BITS))
+        return replace(self, key=key, value=value, calibration=replace(self.calibration, rotated_scale=False),
+                       protected=True, guard=None)
+
+    @property
+    def can_protect(self) -> bool:
+        try:
+            self.protected_plan()
+        except UnsupportedHeadDim:
+            return False
+        return True
 
     def meta(self) -> dict[str, Scalar]:
         """Data-independent scalars for the snapshot's layer config (hashed by the codec identity)."""
         return {
             "class": "TurboQuantKVCache", "scheme": self.scheme, "seed": self.seed,
             "n_kv_heads": self.n_kv_heads, "head_dim_k": self.head_dim_k, "head_dim_v": self.head_dim_v,
-            "dtype": self.dtype, "protected": self.protected,
+            "dtype": self.dtype, "protected": self.protected, "guard": self.guard, "boundary": self.boundary,
             "calibration_center": self.calibrated and self.calibration.center,
             "calibration_channel_scale": self.calibrated and self.calibration.channel_scale,
             "calibration_rotated_scale": self.calibrated and self.calibration.rotated_scale,
@@ -132,7 +154,8 @@ class LayerPlan:
         return cls(scheme=str(meta["scheme"]), key=side("key"), value=side("value"),
                    n_kv_heads=int(meta["n_kv_heads"]), head_dim_k=int(meta["head_dim_k"]),
                    head_dim_v=int(meta["head_dim_v"]), dtype=str(meta["dtype"]), seed=int(meta["seed"]),
-                   calibration=calibration, protected=bool(meta["protected"]))
+                   calibration=calibration, protected=bool(meta["protected"]),
+                   guard=None if meta["guard"] is None else float(meta["guard"]), boundary=bool(meta["boundary"]))
 
 
 def _side_plan(fmt: Format, bits: int, d: int, seed: int) -> SidePlan:
@@ -155,6 +178,8 @@ def plan_layer(
     protected: bool = False,
     calibration: CalibrationConfig = DEFAULT_CALIBRATION,
     calibrate_affine_keys: bool = True,
+    guard: float | None = None,
+    boundary: bool = False,
 ) -> LayerPlan | None:
     """The plan of one attention layer under `spec`, or None when the layer stays native.
 
@@ -162,7 +187,8 @@ def plan_layer(
     group size divides the head dim (turbo8vN and affine schemes at d = 80). TurboQuant keys
     use `calibration`; the affine keys of turbo8vN schemes and of protected layers use its
     original-basis part when `calibrate_affine_keys`; affine schemes stay plain
-    (QuantizedKVCache-compatible).
+    (QuantizedKVCache-compatible). `guard` enables statistics-chosen protection for
+    TurboQuant-key layers (decided at compression; `boundary` is its fallback).
     """
     if not spec.compressed and not protected:
         return None
@@ -179,9 +205,12 @@ def plan_layer(
         value = _side_plan(vf, vb, head_dim_v, seed + 1)
     except UnsupportedHeadDim:
         return None
-    return LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
+    plan = LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
                      head_dim_v=head_dim_v, dtype=_dtype_name(dtype), seed=seed, calibration=calibration,
                      protected=protected)
+    if guard is not None and kf is Format.TURBO and plan.can_protect:
+        plan = replace(plan, guard=guard, boundary=boundary)
+    return plan
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:

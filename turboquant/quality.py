@@ -49,7 +49,7 @@ def prefill(model, tokens: mx.array, caches: list[Any], chunk: int = 512) -> Non
 
 def raw_prefix(model, tokens: mx.array, chunk: int = 512) -> Snapshot:
     """Prefill once, uncompressed, remembering the queries that calibration uses."""
-    recorder = make_prompt_cache(model, "turbo4", protect_boundaries=False)
+    recorder = make_prompt_cache(model, "turbo4", protect="none")
     prefill(model, tokens, recorder, chunk)
     return snapshot(recorder)
 
