@@ -23,8 +23,7 @@ import mlx.core as mx
 
 from .attention import MaskLike, causal_mask, compressed_attention
 from .buffers import TokenBuffers, detach
-from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, predicted_logit_noise
-from .codebook import lloyd_max_codebook
+from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, noise_gain
 from .plan import LayerPlan
 from .schemes import Format
 from .sides import SHIFT_BLOCK, per_token_shifts
@@ -209,9 +208,7 @@ class TurboQuantKVCache:
         """Statistics-chosen protection; position-based when no queries were observed."""
         if power is None:
             return self.plan.boundary
-        d_mse = lloyd_max_codebook(self.plan.head_dim_k, self.plan.key.bits).d_mse
-        noise = predicted_logit_noise(keys, self.calibration, power, d_mse)
-        return bool(mx.max(noise).item() > self.plan.guard)
+        return bool(mx.max(noise_gain(keys, self.calibration, power)).item() > self.plan.guard)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         n = keys.shape[2]

@@ -133,15 +133,14 @@ def fit_key_calibration(
     return result
 
 
-def predicted_logit_noise(
-    keys: mx.array, calibration: "KeyCalibration | None", query_power: mx.array, d_mse: float
-) -> mx.array:
-    """Std of the score error (nats) per KV head that key quantization is expected to cause.
+def noise_gain(keys: mx.array, calibration: "KeyCalibration | None", query_power: mx.array) -> mx.array:
+    """How strongly key quantization noise reaches the scores of a layer, per KV head.
 
     For isotropic quantization noise of relative power D_mse in the calibrated domain,
-    E[(q' . dk')^2] = D_mse / d * E|q'|^2 * E|k'|^2 with q' = q * s and k' = (k - mean) / s.
-    `query_power` is the mean squared (already scaled) query per channel, [H, D]; keys are the
-    first block [B, H, T, D]. The softmax KL a layer suffers is about sigma^2 / 2.
+    E[(q' . dk')^2] = D_mse * gain^2 with gain^2 = E|q'|^2 * E|k'|^2 / d, q' = q * s and
+    k' = (k - mean) / s: the score error's std is gain * sqrt(D_mse) nats and the softmax KL
+    about D_mse * gain^2 / 2. `query_power` is the mean squared (already scaled) query per
+    channel, [H, D]; keys are the first block [B, H, T, D].
     """
     keys = keys[..., :CALIBRATION_TOKENS, :].astype(mx.float32)
     k = keys - mx.mean(keys, axis=(0, 2), keepdims=True)
@@ -151,7 +150,7 @@ def predicted_logit_noise(
         q_power = q_power * calibration.scale**2
     d = keys.shape[-1]
     key_power = mx.mean(mx.sum(k * k, axis=-1), axis=(0, 2))
-    return mx.sqrt(d_mse / d * mx.sum(q_power, axis=-1) * key_power)
+    return mx.sqrt(mx.sum(q_power, axis=-1) * key_power / d)
 
 
 def _flat(s: mx.array) -> bool:

@@ -77,7 +77,7 @@ def bits_per_element(caches: list[Any]) -> float:
     stored = elements = 0
     for c in caches:
         if isinstance(c, TurboQuantKVCache):
-            plan = c.plan
+            plan = c.active
             stored += 8 * plan.bytes_per_token(NATIVE_BYTES)
             elements += plan.n_kv_heads * (plan.head_dim_k + plan.head_dim_v)
         elif getattr(c, "keys", None) is not None:
