@@ -38,6 +38,10 @@ class MalformedHeader(FormatError):
     """The header or tensor table cannot be parsed or is inconsistent."""
 
 
+class UnsupportedCache(FormatError):
+    """A cache class or layout that cannot be converted (mlx-lm prompt-cache interop)."""
+
+
 class IdentityMismatch(TqstoreError):
     """A cache was made for another model, tokenizer, template, scheme or codec."""
 

@@ -1,0 +1,348 @@
+"""Token blocks, chained keys, split/join (tqstore.blocks).
+
+`make_snapshot` (used by the format tests too) builds a Snapshot for any layouts with random
+arrays of the right shapes and dtypes, including values that only a bit-exact path keeps
+(NaN payloads, -0.0, infinities, 70000 in bfloat16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tqstore.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calibration_digest, join_blocks,
+                            split_snapshot)
+from tqstore.identity import tensor_bytes
+from turboquant.codec import TurboCodec
+from turboquant.plan import codec_record, codec_name
+from turboquant.snapshot import LayerRecord, Layout, Snapshot, check_record_arrays
+
+B, H, D = 1, 2, 64
+WINDOW = 64
+CODECS = {"k": (64, 4, 0), "v": (64, 3, 1), "m": (80, 2, 0)}  # d=80 has a hadamard_m matrix
+HETEROGENEOUS = [Layout.AFFINE, Layout.CALIBRATED, Layout.TURBO, Layout.ROTATING, Layout.RAWK_TURBO,
+                 Layout.AFFINEK_TURBO, Layout.RAW, Layout.RAW, Layout.CALIBRATED, Layout.AFFINE]
+TOKEN_COUNTS = (0, 1, 255, 256, 257, 1000)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+
+def _codecs():
+    out = {}
+    for d, bits, seed in CODECS.values():
+        codec = TurboCodec(d, bits, seed)
+        out[codec_name(codec, seed)] = codec_record(codec)
+    return out
+
+
+def _floats(rng, shape, dtype, special=False):
+    x = rng.standard_normal(shape).astype(np.float32)
+    if x.size and len(shape) == 4 and shape[-1] > 3:
+        x[..., 3] += 40.0  # an outlier channel, as real keys have
+    a = mx.array(x).astype(dtype)
+    if special and x.size >= 4:
+        bits = {mx.float16: np.uint16, mx.bfloat16: np.uint16, mx.float32: np.uint32}[dtype]
+        raw = np.array(tensor_bytes(a)).view(bits).copy().reshape(-1)
+        nan_payload = {np.uint16: 0x7E01, np.uint32: 0x7FC00001}[bits]
+        neg_zero = {np.uint16: 0x8000, np.uint32: 0x80000000}[bits]
+        inf = {np.uint16: 0x7C00 if dtype == mx.float16 else 0x7F80, np.uint32: 0x7F800000}[bits]
+        raw[:3] = [nan_payload, neg_zero, inf]
+        a = mx.array(raw.reshape(shape)).view(dtype)
+        if dtype == mx.bfloat16:
+            a[..., -1] = 70000.0
+    return a
+
+
+def _words(rng, shape):
+    return mx.array(rng.integers(0, 2**32, shape, dtype=np.uint64).astype(np.uint32))
+
+
+def _side(rng, side, fmt, T, dtype):
+    if fmt == "native":
+        return {side: _floats(rng, (B, H, T, D), dtype, special=True)}
+    if fmt == "affine":
+        return {f"{side}_w": _words(rng, (B, H, T, D // 4)), f"{side}_scales": _floats(rng, (B, H, T, 1), dtype),
+                f"{side}_biases": _floats(rng, (B, H, T, 1), dtype)}
+    return {f"{side}_packed": _words(rng, (B, H, T, 8)), f"{side}_norms": _floats(rng, (B, H, T), mx.float32)}
+
+
+_FORMATS = {Layout.RAW: ("native", "native"), Layout.RAWK_TURBO: ("native", "turbo"),
+            Layout.AFFINEK_TURBO: ("affine", "turbo"), Layout.TURBO: ("turbo", "turbo"),
+            Layout.CALIBRATED: ("turbo", "turbo"), Layout.AFFINE: ("affine", "affine")}
+
+
+def _turbo_config(kf: str, vf: str, dtype) -> dict:
+    return {"class": "TurboQuantKVCache", "scheme": "turbo4", "seed": 0, "n_kv_heads": H, "head_dim_k": D,
+            "head_dim_v": D, "dtype": str(dtype).split(".")[-1], "protected": kf == vf == "affine",
+            "key_format": kf, "key_bits": {"native": 0, "affine": 8, "turbo": 4}[kf],
+            "key_codec": "turbo-d64-b4-s0-raw" if kf == "turbo" else None,
+            "key_group_size": 64 if kf == "affine" else None, "value_format": vf, "value_bits": 3,
+            "value_codec": "turbo-d64-b3-s1-raw" if vf == "turbo" else None, "ratio": 0.25}
+
+
+def make_layer(layout: Layout, T: int, dtype=mx.float16, seed: int = 0, empty: bool = False) -> LayerRecord:
+    """A layer record of `layout` holding T tokens, shaped as turboquant's caches record them.
+
+    Odd seeds make a RAW layer an uncompressed TurboQuant layer (with its observed query power)
+    instead of an mlx-lm KVCache; for compressed layouts, every third seed leaves the tokens
+    after the last full 256-token block in the raw tail, and centred layouts carry per-block key
+    means. `empty` gives 0-token RAW layers no arrays at all.
+    """
+    rng = np.random.default_rng(seed)
+    if layout is Layout.ROTATING:
+        S = min(T, WINDOW)
+        arrays = {} if T == 0 else {"keys": _floats(rng, (B, H, S, D), dtype, True),
+                                    "values": _floats(rng, (B, H, S, D), dtype)}
+        return LayerRecord(layout, T, arrays, {"class": "RotatingKVCache", "max_size": WINDOW, "keep": 4},
+                           {"idx": S if T < WINDOW else 4 + (T - 4) % (WINDOW - 4)})
+    if layout is Layout.RAW:
+        arrays = {} if empty and T == 0 else {"keys": _floats(rng, (B, H, T, D), dtype, special=True),
+                                              "values": _floats(rng, (B, H, T, D), dtype)}
+        if seed % 2 == 0:
+            return LayerRecord(layout, T, arrays, {"class": "KVCache"})
+        calibration = {"query_power": _floats(rng, (H, D), mx.float32)} if T else {}
+        state = {"stored": 0, **({"query_rows": min(T, 256)} if T else {})}
+        return LayerRecord(layout, T, arrays, _turbo_config("turbo", "turbo", dtype), state, calibration)
+    kf, vf = _FORMATS[layout]
+    stored = T if seed % 3 else T // 256 * 256
+    arrays = {**_side(rng, "keys", kf, stored, dtype), **_side(rng, "values", vf, stored, dtype)} if stored else {}
+    if T > stored:
+        arrays.update({"tail_keys": _floats(rng, (B, H, T - stored, D), dtype, special=True),
+                       "tail_values": _floats(rng, (B, H, T - stored, D), dtype)})
+    calibration = {}
+    if layout is Layout.CALIBRATED or (layout is Layout.AFFINEK_TURBO and seed % 2):
+        calibration = {"scale": _floats(rng, (H, D), mx.float32), "rotated_scale": _floats(rng, (H, D), mx.float32)}
+        if stored:
+            arrays["keys_shift"] = _floats(rng, (1, H, -(-stored // 256), D), mx.float32)
+    record = LayerRecord(layout, T, arrays, _turbo_config(kf, vf, dtype), {"stored": stored}, calibration)
+    check_record_arrays(record)
+    return record
+
+
+def make_snapshot(T: int, dtype=mx.float16, layouts=HETEROGENEOUS, seed: int = 0, empty: bool = False) -> Snapshot:
+    """A snapshot with one layer per entry of `layouts`, T tokens, random arrays."""
+    layers = [make_layer(layout, T, dtype, seed + i, empty) for i, layout in enumerate(layouts)]
+    return Snapshot(layers=layers, codecs=_codecs())
+
+
+def assert_same_array(a: mx.array, b: mx.array, what: str = "") -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    assert np.array_equal(tensor_bytes(a), tensor_bytes(b)), f"{what}: bytes differ"
+
+
+def assert_same_snapshot(a: Snapshot, b: Snapshot) -> None:
+    """Every tensor byte-identical (NaN payloads included) and every metadata field equal."""
+    assert len(a.layers) == len(b.layers)
+    for i, (x, y) in enumerate(zip(a.layers, b.layers)):
+        assert (x.layout, x.offset, dict(x.config), dict(x.state)) == (y.layout, y.offset, dict(y.config),
+                                                                        dict(y.state)), f"layer {i}"
+        assert set(x.arrays) == set(y.arrays) and set(x.calibration) == set(y.calibration), f"layer {i}"
+        for n in x.arrays:
+            assert_same_array(x.arrays[n], y.arrays[n], f"layer {i} {n}")
+        for n in x.calibration:
+            assert_same_array(x.calibration[n], y.calibration[n], f"layer {i} calibration {n}")
+    assert set(a.codecs) == set(b.codecs)
+    for name, c in a.codecs.items():
+        d = b.codecs[name]
+        assert (c.rotation_kind, c.norm_mode, set(c.arrays)) == (d.rotation_kind, d.norm_mode, set(d.arrays))
+        for n in c.arrays:
+            assert_same_array(c.arrays[n], d.arrays[n], f"codec {name} {n}")
+
+
+# -- keys ------------------------------------------------------------------------------------
+
+M, C, K = bytes(range(32)), bytes(range(32, 64)), bytes(range(64, 96))
+
+
+def _reference_keys(tokens, model, codec, calibration, size):
+    """The key rule spelled out with hashlib and struct, independently of tqstore."""
+    keys, parent = [], bytes(32)
+    for start in range(0, len(tokens), size):
+        chunk = tokens[start:start + size]
+        extra = calibration if start and calibration else b""
+        body = parent + model + codec + extra + struct.pack(f"<{len(chunk)}I", *chunk) + struct.pack("<I", len(chunk))
+        parent = hashlib.sha256(body).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+def test_keys_follow_the_documented_byte_layout():
+    tokens = list(range(600))
+    assert [k.hex for k in block_keys(tokens, M, C, K)] == _reference_keys(tokens, M, C, K, 256)
+    assert [k.hex for k in block_keys(tokens, M, C)] == _reference_keys(tokens, M, C, None, 256)
+    assert [k.hex for k in block_keys(tokens, M, C, K, block_size=100)] == _reference_keys(tokens, M, C, K, 100)
+    assert block_keys([], M, C) == []
+    # The first block never hashes calibration, later ones do.
+    assert block_keys(tokens, M, C, K)[0] == block_keys(tokens, M, C)[0]
+    assert block_keys(tokens, M, C, K)[1] != block_keys(tokens, M, C)[1]
+
+
+def test_keys_are_identical_in_another_process():
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 2**32, 700)]
+    here = [k.hex for k in block_keys(tokens, M, C, K)]
+    code = ("import sys; from tqstore.blocks import block_keys; "
+            f"print(' '.join(k.hex for k in block_keys({tokens!r}, {M!r}, {C!r}, {K!r})))")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={"PYTHONHASHSEED": "123", "PATH": ""})
+    assert out.stdout.split() == here
+
+
+def test_keys_change_with_every_input():
+    tokens = list(range(700))
+    base = block_keys(tokens, M, C, K)
+    flip = lambda d: bytes([d[0] ^ 1]) + d[1:]  # noqa: E731
+    for keys in (block_keys(tokens, flip(M), C, K), block_keys(tokens, M, flip(C), K)):
+        assert not set(keys) & set(base)
+    changed_cal = block_keys(tokens, M, C, flip(K))
+    assert changed_cal[0] == base[0] and not set(changed_cal[1:]) & set(base)
+    for pos in (0, 255, 256, 699):
+        other = list(tokens)
+        other[pos] += 1
+        keys = block_keys(other, M, C, K)
+        b = pos // BLOCK_SIZE
+        assert keys[:b] == base[:b] and all(x != y for x, y in zip(keys[b:], base[b:]))
+    shorter = block_keys(tokens[:-1], M, C, K)
+    assert shorter[:-1] == base[:-1] and shorter[-1] != base[-1]
+    assert block_keys(tokens + [0], M, C, K)[-1] not in base
+
+
+def test_key_inputs_are_validated():
+    with pytest.raises(ValueError, match="u32"):
+        block_keys([2**32], M, C)
+    with pytest.raises(ValueError, match="u32"):
+        block_keys([-1], M, C)
+    with pytest.raises(ValueError, match="32 raw bytes"):
+        block_keys([1], M.hex().encode(), C)
+    with pytest.raises(ValueError):
+        BlockKey(b"short")
+    assert BlockKey.from_hex(block_keys([1], M, C)[0].hex) == block_keys([1], M, C)[0]
+
+
+def test_spans():
+    assert block_spans(0) == []
+    assert block_spans(1) == [(0, 1)]
+    assert block_spans(256) == [(0, 256)]
+    assert block_spans(257) == [(0, 256), (256, 257)]
+    assert block_spans(1000)[-1] == (768, 1000)
+
+
+def test_calibration_digest_covers_only_calibration():
+    snap = make_snapshot(40)
+    digest = calibration_digest(snap)
+    assert digest is not None and len(digest) == 32
+    assert calibration_digest(make_snapshot(40, layouts=[Layout.RAW, Layout.TURBO])) is None
+    other = make_snapshot(40, seed=0)
+    assert calibration_digest(other) == digest  # same seed, same arrays
+    layers = list(snap.layers)
+    cal = dict(layers[1].calibration)
+    cal["scale"] = cal["scale"] + 1
+    layers[1] = LayerRecord(layers[1].layout, layers[1].offset, layers[1].arrays, layers[1].config, {}, cal)
+    assert calibration_digest(Snapshot(layers, snap.codecs)) != digest
+
+
+# -- split / join ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_split_join_heterogeneous(T, dtype):
+    snap = make_snapshot(T, dtype)
+    split = split_snapshot(snap)
+    assert len(split.blocks) == len(block_spans(T))
+    assert all(blk.n_tokens == min(256, T - blk.start) for blk in split.blocks)
+    assert all(not r.calibration for blk in split.blocks[1:] for r in blk.layers.values())
+    assert 3 not in (split.blocks[0].layers if split.blocks else {})  # the rotating layer lives in the window
+    assert_same_snapshot(join_blocks(split), snap)
+
+
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+@pytest.mark.parametrize("T", TOKEN_COUNTS)
+def test_split_join_every_layout(layout, T):
+    snap = make_snapshot(T, mx.bfloat16, layouts=[layout, layout])
+    assert_same_snapshot(join_blocks(split_snapshot(snap)), snap)
+
+
+def test_empty_layers_without_arrays_round_trip():
+    snap = make_snapshot(0, empty=True)
+    assert all(not r.arrays for r in snap.layers)
+    assert_same_snapshot(join_blocks(split_snapshot(snap)), snap)
+
+
+def _first_tokens(r: LayerRecord, n: int) -> dict:
+    """The arrays holding tokens [0, n) of a layer, written out per array kind."""
+    if "stored" not in r.state or r.layout is Layout.RAW:
+        return {name: a[:, :, :n] for name, a in r.arrays.items()}
+    stored = min(int(r.state["stored"]), n)
+    out = {}
+    for name, a in r.arrays.items():
+        if name == "keys_shift":
+            out[name] = a[:, :, :-(-stored // 256)]
+        elif name.startswith("tail_"):
+            if n > r.state["stored"]:
+                out[name] = a[:, :, :n - r.state["stored"]]
+        elif stored:
+            out[name] = a[:, :, :stored]
+    return out
+
+
+def test_prefix_join_equals_the_first_tokens():
+    snap = make_snapshot(600, layouts=[Layout.CALIBRATED, Layout.RAW, Layout.AFFINEK_TURBO, Layout.CALIBRATED,
+                                       Layout.TURBO, Layout.RAW])
+    assert {r.state.get("stored") for r in snap.layers} >= {512, 600}  # a layer with a raw tail
+    split = split_snapshot(snap)
+    for k in (0, 1, 2, 3):
+        prefix = join_blocks(split, k)
+        n = min(600, 256 * k)
+        assert prefix.offset == n
+        for r, p in zip(snap.layers, prefix.layers):
+            assert p.offset == n
+            want = _first_tokens(r, n)
+            assert set(p.arrays) == set(want) or n == 0
+            for name, a in want.items():
+                if n:
+                    assert_same_array(a, p.arrays[name], name)
+            if "stored" in r.state and r.layout is not Layout.RAW:
+                assert p.state["stored"] == min(r.state["stored"], n)
+            assert set(p.calibration) == (set(r.calibration) if k else set())
+
+
+def test_per_block_rows_need_whole_storage_blocks():
+    snap = make_snapshot(600, layouts=[Layout.CALIBRATED])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        split_snapshot(snap, block_size=100)
+    split = split_snapshot(snap, block_size=512)
+    assert [blk.layers[0].arrays["keys_shift"].shape[2] for blk in split.blocks] == [2, 0]  # the last 88 tokens are raw
+    assert_same_snapshot(join_blocks(split), snap)
+    assert_same_snapshot(join_blocks(split_snapshot(make_snapshot(600, layouts=[Layout.TURBO]), block_size=100)),
+                         make_snapshot(600, layouts=[Layout.TURBO]))
+
+
+def test_prefix_of_a_rotating_entry_is_refused():
+    split = split_snapshot(make_snapshot(600))
+    with pytest.raises(ValueError, match="ROTATING.*whole entry"):
+        join_blocks(split, 1)
+    assert join_blocks(split).offset == 600
+
+
+def test_split_refuses_layers_with_different_token_counts():
+    snap = make_snapshot(10, layouts=[Layout.RAW])
+    snap = Snapshot(snap.layers + [make_layer(Layout.TURBO, 9)], snap.codecs)
+    with pytest.raises(ValueError, match="layer 1 holds 9 tokens"):
+        split_snapshot(snap)
+
+
+def test_join_refuses_blocks_of_different_saves():
+    a = split_snapshot(make_snapshot(300, layouts=[Layout.TURBO]))
+    b = split_snapshot(make_snapshot(300, layouts=[Layout.RAW]))
+    mixed = type(a)([a.blocks[0], b.blocks[1]], a.window, a.shared)
+    with pytest.raises(ValueError, match="another config"):
+        join_blocks(mixed)
+    with pytest.raises(ValueError, match="out of order"):
+        join_blocks(type(a)([a.blocks[1], a.blocks[0]], a.window, a.shared))

@@ -1,0 +1,494 @@
+"""The container (tqstore.format): bit-exact round trips, verification, fail-closed errors.
+
+Property tests mutate valid objects (byte flips, truncation, inserted bytes, header edits) and
+require one of tqstore's own errors or the original data, nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import safetensors
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapshot, make_layer, make_snapshot
+from tiny_models import build_model, prompt_tokens
+from tqstore import format as F
+from tqstore.blocks import BlockKey, SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
+from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
+                            TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
+from tqstore.bundle import read_bundle
+from tqstore.identity import CodecIdentity, ModelIdentity, tensor_bytes
+from turboquant import make_prompt_cache, restore, snapshot
+from turboquant.snapshot import LayerRecord, Layout, Snapshot
+
+M, C = hashlib.sha256(b"model").digest(), hashlib.sha256(b"codec").digest()
+DTYPE_IDS = [str(d).split(".")[-1] for d in DTYPES]
+
+
+def store(snap: Snapshot, tokens: list[int], model: bytes = M, codec: bytes = C):
+    """What the Store writes for an entry: one object per block, the window and the codecs."""
+    split = split_snapshot(snap)
+    cal = calibration_digest(snap)
+    keys = block_keys(tokens, model, codec, cal)
+    blocks = [F.dumps(blk, F.Provenance(model, codec, cal, tuple(tokens[blk.start:blk.start + blk.n_tokens]),
+                                        parent=keys[blk.index - 1] if blk.index else None))
+              for blk in split.blocks]
+    window = F.dumps(split.window, F.Provenance(model, codec, cal, key=keys[-1] if keys else None))
+    return keys, blocks, window, F.dumps(split.shared, F.Provenance(codec=codec))
+
+
+def reload(keys, blocks, window, shared, tokens, n_blocks=None, model=M, codec=C) -> Snapshot:
+    """What a restore reads back, every object checked against what is expected of it."""
+    loaded = [F.loads(data, expect=F.Expect("block", model, codec, tokens[256 * i:256 * (i + 1)], keys[i]))
+              for i, data in enumerate(blocks[:n_blocks])]
+    w = F.loads(window, expect=F.Expect("window", model, codec, key=keys[-1] if keys else None))
+    s = F.loads(shared, expect=F.Expect("shared", codec=codec))
+    return join_blocks(SplitSnapshot(loaded, w, s), n_blocks)
+
+
+def tokens_for(n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(n).integers(0, 2**32, n)]
+
+
+# -- round trips -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_heterogeneous_round_trips(T, dtype):
+    snap = make_snapshot(T, dtype)
+    assert_same_snapshot(F.loads(F.dumps(snap), expect=F.Expect(kind="snapshot")), snap)
+    tokens = tokens_for(T)
+    assert_same_snapshot(reload(*store(snap, tokens), tokens), snap)
+
+
+@pytest.mark.parametrize("layout", list(Layout), ids=lambda x: x.value)
+@pytest.mark.parametrize("T", TOKEN_COUNTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_layout_round_trips(layout, T, dtype):
+    snap = make_snapshot(T, dtype, layouts=[layout])
+    data = F.dumps(snap)
+    assert_same_snapshot(F.loads(data, expect=F.Expect()), snap)
+    assert F.dumps(snap) == data  # deterministic bytes
+    tokens = tokens_for(T)
+    assert_same_snapshot(reload(*store(snap, tokens), tokens), snap)
+
+
+def test_zero_token_layers_without_arrays_round_trip():
+    snap = make_snapshot(0, empty=True)
+    assert_same_snapshot(F.loads(F.dumps(snap), expect=F.Expect()), snap)
+    assert_same_snapshot(reload(*store(snap, []), []), snap)
+
+
+def test_prefix_of_stored_blocks():
+    snap = make_snapshot(600, layouts=[Layout.CALIBRATED, Layout.RAW])
+    tokens = tokens_for(600)
+    stored = store(snap, tokens)
+    prefix = reload(*stored, tokens, n_blocks=2)
+    assert prefix.offset == 512
+    assert_same_snapshot(prefix, join_blocks(split_snapshot(snap), 2))
+
+
+def test_every_storable_dtype_round_trips_bit_exactly():
+    from tqstore.identity import DTYPES
+
+    rng = np.random.default_rng(5)
+    calibration = {}
+    for name, (dtype, _, unsigned) in DTYPES.items():
+        width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[unsigned.size]
+        bits = rng.integers(0, 2 ** (8 * unsigned.size), (3, 40), dtype=np.uint64).astype(width)
+        calibration[name] = mx.array(bits).view(dtype)
+    layer = make_layer(Layout.RAW, 2)
+    snap = Snapshot([LayerRecord(layer.layout, 2, layer.arrays, layer.config, {}, calibration)], {})
+    assert_same_snapshot(F.loads(F.dumps(snap), expect=F.Expect()), snap)
+
+
+def test_payload_is_standard_safetensors():
+    snap = make_snapshot(40, mx.bfloat16)
+    data = F.dumps(snap)
+    payload = data[F.FRAME_SIZE:]
+    header = F.inspect(data)
+    parsed = {name: t for name, t in safetensors.deserialize(payload)}
+    arrays, meta = mx.load(io.BytesIO(payload), format="safetensors", return_metadata=True)
+    assert set(parsed) == set(arrays) == set(header.tensors())
+    assert json.loads(meta["tqstore"])["kind"] == "snapshot"
+    for name, info in header.tensors().items():
+        if info.encoding == "raw":
+            assert arrays[name].dtype == getattr(mx, info.dtype) and list(arrays[name].shape) == list(info.shape)
+            assert hashlib.sha256(parsed[name]["data"]).hexdigest() == info.sha256
+
+
+def test_inspect_reads_the_header_only():
+    snap = make_snapshot(300)
+    tokens = tokens_for(300)
+    keys, blocks, window, _ = store(snap, tokens)
+    h = F.inspect(blocks[1])
+    assert (h.kind, h.block.index, h.block.start, h.block.n_tokens) == ("block", 1, 256, 44)
+    assert h.provenance.tokens == tuple(tokens[256:]) and h.provenance.key == keys[1]
+    assert h.provenance.parent == keys[0] and h.provenance.calibration == calibration_digest(snap)
+    assert [li.layout for li in h.layers] == [x for x in HETEROGENEOUS if x is not Layout.ROTATING]
+    stop = F.FRAME_SIZE + 8 + header_len(blocks[1])
+    assert F.inspect(blocks[1][:stop], verify_digest=False) == h
+    with pytest.raises(TruncatedData):
+        F.inspect(blocks[1][:stop])
+
+
+def test_identity_and_tokens_are_checked():
+    tokens = tokens_for(300)
+    keys, blocks, _, _ = store(make_snapshot(300), tokens)
+    other = hashlib.sha256(b"other").digest()
+    with pytest.raises(IdentityMismatch, match="another model.*save the cache again"):
+        F.loads(blocks[0], expect=F.Expect(model=other))
+    with pytest.raises(IdentityMismatch, match="another codec"):
+        F.loads(blocks[0], expect=F.Expect(codec=other))
+    wrong = list(tokens[:256])
+    wrong[17] += 1
+    with pytest.raises(TokenMismatch, match="position 17"):
+        F.loads(blocks[0], expect=F.Expect(tokens=wrong))
+    with pytest.raises(TokenMismatch, match="holds 256 tokens, 255"):
+        F.loads(blocks[0], expect=F.Expect(tokens=tokens[:255]))
+    with pytest.raises(IdentityMismatch, match="key"):
+        F.loads(blocks[0], expect=F.Expect(key=keys[1]))
+    with pytest.raises(MalformedHeader, match="not a window"):
+        F.loads(blocks[0], expect=F.Expect(kind="window"))
+
+
+def _reframe(data: bytes, payload: bytes, version: int | None = None) -> bytes:
+    """A frame that matches `payload` (what a writer with a bug or a newer version produces)."""
+    magic, v, reserved, _, _, _ = F._FRAME.unpack_from(data)
+    (n,) = struct.unpack_from("<Q", payload)
+    frame = F._FRAME.pack(magic, v if version is None else version, reserved, n, len(payload),
+                          hashlib.sha256(payload).digest())
+    return frame + payload
+
+
+@functools.lru_cache(maxsize=None)
+def valid_object() -> tuple[bytes, Snapshot]:
+    snap = make_snapshot(20, mx.float16)
+    return F.dumps(snap), snap
+
+
+def test_frame_errors():
+    data, _ = valid_object()
+    with pytest.raises(BadMagic):
+        F.loads(b"PK\x03\x04" + data[4:], expect=F.Expect())
+    with pytest.raises(BadMagic):
+        F.loads(b"hello", expect=F.Expect())
+    with pytest.raises(TruncatedData):
+        F.loads(data[:10], expect=F.Expect())
+    with pytest.raises(TruncatedData, match="truncated"):
+        F.loads(data[:-1], expect=F.Expect())
+    with pytest.raises(TruncatedData):
+        F.loads(data + b"\0", expect=F.Expect())
+    with pytest.raises(ChecksumMismatch):
+        F.loads(data[:-1] + bytes([data[-1] ^ 1]), expect=F.Expect())
+    with pytest.raises(FormatVersionTooNew, match="upgrade tqstore"):
+        F.loads(_reframe(data, data[F.FRAME_SIZE:], version=max(F.READABLE_VERSIONS) + 1), expect=F.Expect())
+    with pytest.raises(UnsupportedFormatVersion):
+        F.loads(_reframe(data, data[F.FRAME_SIZE:], version=0), expect=F.Expect())
+
+
+def test_tensor_digests_are_checked_after_the_frame():
+    data, _ = valid_object()
+    n = header_len(data)
+    table = json.loads(data[F.FRAME_SIZE + 8:F.FRAME_SIZE + 8 + n])
+    encodings = {name: info.encoding for name, info in F.inspect(data).tensors().items()}
+    assert {"raw", "shuffle-zstd"} <= set(encodings.values())
+    infos = F.inspect(data).tensors()
+    picks = {next(n for n, t in infos.items() if t.encoding == enc and t.nbytes) for enc in ("raw", "shuffle-zstd")}
+    for name in sorted(picks | {"layer/6/keys", "layer/1/keys_packed"}):
+        payload = bytearray(data[F.FRAME_SIZE:])
+        payload[8 + n + table[name]["data_offsets"][0] + 3] ^= 0x10
+        with pytest.raises(ChecksumMismatch, match=name):
+            F.loads(_reframe(data, bytes(payload)), expect=F.Expect())
+
+
+def header_len(data: bytes) -> int:
+    return struct.unpack_from("<Q", data, 16)[0]
+
+
+def test_dumps_refuses_objects_outside_the_data_model():
+    r = make_layer(Layout.TURBO, 4, seed=1)
+    snap = Snapshot([r], make_snapshot(0).codecs)
+    assert r.state == {"stored": 4}
+    bad = [
+        LayerRecord(Layout.RAW, 4, r.arrays, r.config, r.state),  # arrays of another layout
+        LayerRecord(r.layout, 5, r.arrays, r.config, r.state),  # offset disagrees with the arrays
+        LayerRecord(r.layout, 4, r.arrays, r.config, {"stored": 3}),
+        LayerRecord(r.layout, 4, r.arrays, {"x": [1, 2]}, r.state),  # not a scalar
+        LayerRecord(r.layout, 4, r.arrays, {"x": float("nan")}, r.state),
+        LayerRecord(r.layout, 4, {**r.arrays, "keys_norms": r.arrays["keys_norms"].astype(mx.float16)}, r.config,
+                    r.state),
+        LayerRecord(r.layout, 4, {**r.arrays, "keys_packed": r.arrays["keys_packed"][:, :1]}, r.config, r.state),
+    ]
+    for layer in bad:
+        with pytest.raises(ValueError):
+            F.dumps(Snapshot([layer], snap.codecs))
+    with pytest.raises(ValueError, match="needs the model"):
+        F.dumps(split_snapshot(snap).blocks[0])
+    with pytest.raises(TypeError):
+        F.dumps({"not": "an object"})
+
+
+# -- property tests --------------------------------------------------------------------------
+
+PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _loads_or_tqstore_error(data: bytes):
+    try:
+        return F.loads(data, expect=F.Expect())
+    except TqstoreError:
+        return None
+
+
+@PROPERTY
+@given(st.data())
+def test_byte_flips(data):
+    blob, snap = valid_object()
+    mutated = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 3))):
+        mutated[data.draw(st.integers(0, len(blob) - 1))] ^= data.draw(st.integers(1, 255))
+    obj = _loads_or_tqstore_error(bytes(mutated))
+    if obj is not None:
+        assert_same_snapshot(obj, snap)
+
+
+@PROPERTY
+@given(st.data())
+def test_truncations_and_insertions(data):
+    blob, snap = valid_object()
+    if data.draw(st.booleans()):
+        mutated = blob[:data.draw(st.integers(0, len(blob) - 1))]
+    else:
+        at = data.draw(st.integers(0, len(blob)))
+        mutated = blob[:at] + data.draw(st.binary(min_size=1, max_size=16)) + blob[at:]
+    obj = _loads_or_tqstore_error(mutated)
+    if obj is not None:
+        assert_same_snapshot(obj, snap)
+
+
+@PROPERTY
+@given(st.data())
+def test_header_edits(data):
+    blob, snap = valid_object()
+    start, stop = F.FRAME_SIZE, F.FRAME_SIZE + 8 + header_len(blob)
+    at = data.draw(st.integers(start, stop - 1))
+    char = data.draw(st.sampled_from(b'0123456789"{}[],:.-eE ntfrux\\abc'))
+    mutated = blob[:at] + bytes([char]) + blob[at + data.draw(st.integers(0, 1)):]
+    obj = _loads_or_tqstore_error(mutated)
+    if obj is not None:
+        assert_same_snapshot(obj, snap)
+
+
+@PROPERTY
+@given(st.data())
+def test_parser_survives_edits_behind_a_valid_frame(data):
+    """A writer bug that frames damaged bytes: only tqstore errors, or a well-formed object."""
+    blob, snap = valid_object()
+    payload = bytearray(blob[F.FRAME_SIZE:])
+    in_header = data.draw(st.booleans())
+    end = 8 + header_len(blob) if in_header else len(payload)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0 if in_header else 8 + header_len(blob), end - 1))
+        payload[at] = data.draw(st.sampled_from(b'0123456789"{}[],:-eE ntfrux')) if in_header else \
+            payload[at] ^ data.draw(st.integers(1, 255))
+    obj = _loads_or_tqstore_error(_reframe(blob, bytes(payload)))
+    if obj is not None and not in_header:
+        assert_same_snapshot(obj, snap)  # tensor digests catch every change to tensor bytes
+    assert obj is None or isinstance(obj, Snapshot)
+
+
+def _json_paths(obj, path=()):
+    yield path
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for k, v in items:
+        yield from _json_paths(v, path + (k,))
+
+
+EDIT_VALUES = [None, True, 0, -1, 3, 20, 2**40, 2**70, 1.5, "", "x", [], [1], [1, 2, 20, 64], {}, {"a": 1}, "raw",
+               "zstd", "shuffle-zstd", "turbo", "calibrated", "rotating", "float32", "uint32", "0" * 64]
+
+
+@PROPERTY
+@given(st.data())
+def test_structural_header_edits_behind_a_valid_frame(data):
+    """Values replaced or members deleted anywhere in the JSON header (frame recomputed)."""
+    blob, _ = valid_object()
+    n = header_len(blob)
+    table = json.loads(blob[F.FRAME_SIZE + 8:F.FRAME_SIZE + 8 + n])
+    header = json.loads(table["__metadata__"]["tqstore"])
+    paths = [p for p in _json_paths(header) if p]
+    for _ in range(data.draw(st.integers(1, 2))):
+        path = data.draw(st.sampled_from(paths))
+        parent = header
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            if data.draw(st.booleans()):
+                del parent[path[-1]]
+            else:
+                parent[path[-1]] = data.draw(st.sampled_from(EDIT_VALUES))
+        except (KeyError, IndexError, TypeError):
+            pass  # an earlier edit removed or replaced this path
+    table["__metadata__"]["tqstore"] = json.dumps(header)
+    st_header = json.dumps(table).encode()
+    payload = struct.pack("<Q", len(st_header)) + st_header + blob[F.FRAME_SIZE + 8 + n:]
+    obj = _loads_or_tqstore_error(_reframe(blob, payload))
+    assert obj is None or isinstance(obj, Snapshot)
+
+
+# -- end to end: restore, then decode exactly like the never-serialized cache ----------------
+
+
+def _decode(model, caches, first: mx.array, steps: int = 8) -> list[mx.array]:
+    y, out = first, []
+    for _ in range(steps):
+        logits = model(y[None], cache=caches)[0, -1]
+        mx.eval(logits)
+        out.append(logits)
+        y = mx.argmax(logits)[None]
+    return out
+
+
+def _prefill(model, scheme: str, tokens: mx.array):
+    caches = make_prompt_cache(model, scheme)
+    model(tokens[None], cache=caches)
+    for c in caches:
+        if hasattr(c, "compress"):
+            c.compress()
+    return caches
+
+
+E2E = [("llama", "turbo4", 260, mx.float32), ("llama", "turbo8v3", 40, mx.bfloat16),
+       ("llama", "affine8", 24, mx.float16), ("qwen3", "turbo0v4", 30, mx.float32),
+       ("gemma3_text", "turbo0v4", 100, mx.float32), ("qwen2", "raw", 20, mx.bfloat16)]
+
+
+@pytest.mark.filterwarnings("ignore:sliding-window")
+@pytest.mark.parametrize("kind,scheme,n,dtype", E2E, ids=[f"{k}-{s}-{n}" for k, s, n, _ in E2E])
+def test_restored_cache_decodes_like_the_original(kind, scheme, n, dtype):
+    model = build_model(kind, dtype=dtype)
+    prompt = prompt_tokens(n + 1)
+    caches = _prefill(model, scheme, prompt[:-1])
+    snap = snapshot(caches)
+    model_id = ModelIdentity.from_model(model).digest
+    codec_id = CodecIdentity.from_snapshot(snap, scheme).digest
+    tokens = prompt[:-1].tolist()
+    stored = store(snap, tokens, model_id, codec_id)
+    restored = restore(reload(*stored, tokens, model=model_id, codec=codec_id))
+    for a, b in zip(_decode(model, caches, prompt[-1:]), _decode(model, restored, prompt[-1:])):
+        assert mx.array_equal(a, b, equal_nan=True).item()
+
+
+def test_restored_prefix_decodes_like_a_fresh_prefill():
+    model = build_model("llama")
+    prompt = prompt_tokens(261)
+    tokens = prompt[:260].tolist()
+    caches = _prefill(model, "turbo4", prompt[:260])
+    snap = snapshot(caches)
+    codec_id = CodecIdentity.from_snapshot(snap, "turbo4").digest
+    prefix = restore(reload(*store(snap, tokens, M, codec_id), tokens, n_blocks=1, codec=codec_id))
+    fresh = _prefill(model, "turbo4", prompt[:256])
+    for a, b in zip(_decode(model, fresh, prompt[256:257]), _decode(model, prefix, prompt[256:257])):
+        assert mx.array_equal(a, b).item()
+
+
+# -- golden files: format version 1 must keep loading ----------------------------------------
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "format-v1"
+# Pinned so that re-running make_golden.py (which rewrites expected.json) shows up in review.
+EXPECTED_SHA256 = "0f064ffac54487b3aebc6ad870e6a719c15c3f3a5d8cf78148cbee3f74f5d0c4"
+
+
+@functools.lru_cache(maxsize=None)
+def golden_expected() -> dict:
+    return json.loads((GOLDEN / "expected.json").read_text())
+
+
+def _describe_arrays(arrays) -> dict:
+    return {n: {"dtype": str(a.dtype).split(".")[-1], "shape": list(a.shape),
+                "sha256": hashlib.sha256(tensor_bytes(a)).hexdigest(), "head": tensor_bytes(a)[:16].tobytes().hex()}
+            for n, a in sorted(arrays.items())}
+
+
+def _describe(obj) -> dict:
+    layers = getattr(obj, "layers", [])
+    items = layers.items() if isinstance(layers, dict) else enumerate(layers)
+    return {"layers": [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
+                        "state": dict(r.state), "arrays": _describe_arrays(r.arrays),
+                        "calibration": _describe_arrays(r.calibration)} for i, r in items],
+            "codecs": {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
+                              "arrays": _describe_arrays(c.arrays)} for name, c in getattr(obj, "codecs", {}).items()}}
+
+
+def test_golden_expectations_are_pinned():
+    assert hashlib.sha256((GOLDEN / "expected.json").read_bytes()).hexdigest() == EXPECTED_SHA256
+
+
+@pytest.mark.parametrize("name", sorted(n for n in json.loads((GOLDEN / "expected.json").read_text())
+                                        if n.endswith(".tqs")))
+def test_golden_objects_keep_loading(name):
+    want = golden_expected()[name]
+    data = (GOLDEN / name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == want["file_sha256"]
+    e = want["expect"]
+    expect = F.Expect(kind=e["kind"], model=bytes.fromhex(e["model"]) if "model" in e else None,
+                      codec=bytes.fromhex(e["codec"]) if "codec" in e else None, tokens=e.get("tokens"),
+                      key=BlockKey.from_hex(e["key"]) if "key" in e else None)
+    obj = F.loads(data, expect=expect)
+    assert _describe(obj) == {"layers": want["layers"], "codecs": want["codecs"]}
+    assert F.inspect(data).version == 1
+
+
+def test_golden_entry_and_bundle():
+    want = golden_expected()
+    manifest, objects = read_bundle(GOLDEN / "entry.tqb")
+    assert manifest.decode() == want["entry.tqb"]["manifest"]
+    assert sorted(k.hex() for k in objects) == want["entry.tqb"]["objects"]
+    files = {n: (GOLDEN / n).read_bytes() for n in want if n.startswith("entry-")}
+    assert sorted(objects.values()) == sorted(files.values())
+    tokens = json.loads(manifest)["tokens"]
+    model, codec = hashlib.sha256(b"golden model").digest(), hashlib.sha256(b"golden codec").digest()
+    blocks = [F.loads(files[f"entry-block{i}.tqs"], expect=F.Expect("block", model, codec)) for i in (0, 1)]
+    window = F.loads(files["entry-window.tqs"], expect=F.Expect("window"))
+    shared = F.loads(files["entry-shared.tqs"], expect=F.Expect("shared", codec=codec))
+    entry = join_blocks(SplitSnapshot(blocks, window, shared, block_size=2))
+    assert _describe(entry) == {"layers": want["entry"]["layers"], "codecs": want["entry"]["codecs"]}
+    cal = calibration_digest(entry)
+    assert cal.hex() == want["entry"]["calibration"]
+    assert [k.hex for k in block_keys(tokens, model, codec, cal, block_size=2)] == want["entry"]["keys"]
+
+
+def test_raw_tails_and_uncompressed_caches_restore_exactly():
+    """A cache decoding past a block boundary after compression (a raw tail), and a cache
+    still in its prefill phase (raw rows and observed queries), both survive storage."""
+    model = build_model("llama")
+    prompt = prompt_tokens(262)
+    for compress_at in (250, None):
+        caches = make_prompt_cache(model, "turbo4")
+        model(prompt[None, :250], cache=caches)
+        if compress_at:
+            for c in caches:
+                c.compress()
+            _decode(model, caches, prompt[250:251], steps=8)  # tokens 256.. collect raw
+        snap = snapshot(caches)
+        tokens = list(range(snap.offset))
+        layouts = {r.layout for r in snap.layers}
+        tails = [r.layout is not Layout.RAW and int(r.state["stored"]) < r.offset for r in snap.layers]
+        assert (Layout.RAW in layouts) == (compress_at is None) and any(tails) == bool(compress_at)
+        codec_id = CodecIdentity.from_snapshot(snap, "turbo4").digest
+        restored = restore(reload(*store(snap, tokens, M, codec_id), tokens, codec=codec_id))
+        first = prompt[snap.offset:snap.offset + 1]
+        for a, b in zip(_decode(model, caches, first), _decode(model, restored, first)):
+            assert mx.array_equal(a, b).item()

@@ -1,0 +1,193 @@
+"""Model and codec identities (tqstore.identity)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import mlx.core as mx
+import pytest
+
+from test_blocks import make_snapshot
+from tiny_models import build_model
+from tqstore import identity
+from tqstore.errors import ConfigError, NotFound
+from tqstore.identity import CodecIdentity, ModelIdentity, describe_difference
+from turboquant import make_prompt_cache, snapshot
+from turboquant.snapshot import CodecRecord, LayerRecord, Snapshot
+
+CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "hidden_size": 64, "rope_theta": 1000000.0, "max_position_embeddings": 2048, "torch_dtype": "bfloat16",
+          "vocab_size": 10, "architectures": ["Qwen3ForCausalLM"]}
+
+
+def write_model(root, config=CONFIG, template="{{ messages }}", weights=None):
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(root / "model.safetensors"), weights or {"w": mx.ones((4, 4), mx.bfloat16)})
+    (root / "tokenizer.json").write_text('{"version": "1.0", "model": {"vocab": {"a": 0}}}')
+    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return root
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return write_model(tmp_path / "Tiny-Model")
+
+
+def test_from_path_is_stable_and_cached(model_dir, tmp_path, monkeypatch):
+    a = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    assert (tmp_path / "cache" / identity.DIGEST_CACHE_FILE).is_file()
+    assert a.kv_dtype == "bfloat16" and a.source == "Tiny-Model" and a.chat_template and a.tokenizer
+    hashed = []
+    real = identity._file_sha256
+    monkeypatch.setattr(identity, "_file_sha256", lambda p: hashed.append(p.name) or real(p))
+    b = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    assert "model.safetensors" not in hashed  # size and mtime unchanged: cached
+    assert a == b and a.digest == b.digest and len(a.digest) == 32 and a.hexdigest == a.digest.hex()
+
+
+def test_weights_are_hashed_by_content(model_dir, tmp_path):
+    a = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    st = os.stat(model_dir / "model.safetensors")
+    mx.save_safetensors(str(model_dir / "model.safetensors"), {"w": mx.full((4, 4), 2.0, mx.bfloat16)})
+    os.utime(model_dir / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    b = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    assert a.weights != b.weights and a.digest != b.digest
+    assert describe_difference(a, b) == [f"weights: {a.weights[:12]}… vs {b.weights[:12]}…"]
+
+
+def test_a_damaged_digest_cache_is_rebuilt(model_dir, tmp_path):
+    a = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    (tmp_path / "cache" / identity.DIGEST_CACHE_FILE).write_text("{not json")
+    assert ModelIdentity.from_path(model_dir, tmp_path / "cache") == a
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"rope_theta": 500000.0}, "config.rope_theta: 1000000.0 vs 500000.0"),
+    ({"rope_scaling": {"factor": 4.0}}, "config.rope_scaling.factor: none vs 4.0"),
+    ({"num_key_value_heads": 4}, "config.num_key_value_heads: 2 vs 4"),
+    ({"sliding_window": 64}, "config.sliding_window: none vs 64"),
+    ({"head_dim": 32}, "config.head_dim: 16 vs 32"),
+])
+def test_kv_config_changes_are_named(tmp_path, change, field):
+    a = ModelIdentity.from_path(write_model(tmp_path / "a"), tmp_path / "cache")
+    b = ModelIdentity.from_path(write_model(tmp_path / "b", {**CONFIG, **change}), tmp_path / "cache")
+    assert a.digest != b.digest
+    assert describe_difference(a, b) == [field]
+
+
+def test_irrelevant_config_and_spelled_out_defaults_keep_the_identity(tmp_path):
+    a = ModelIdentity.from_path(write_model(tmp_path / "a"), tmp_path / "cache")
+    same = {**CONFIG, "architectures": ["Other"], "vocab_size": 11, "head_dim": 16}
+    assert ModelIdentity.from_path(write_model(tmp_path / "b", same), tmp_path / "cache").digest == a.digest
+
+
+def test_tokenizer_template_adapter_and_dtype_count(model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    base = ModelIdentity.from_path(model_dir, cache)
+    other = ModelIdentity.from_path(write_model(tmp_path / "t", template="{{ other }}"), cache)
+    assert describe_difference(base, other)[0].startswith("chat_template:")
+    (model_dir / "tokenizer.json").write_text('{"version": "1.0", "model": {"vocab": {"b": 0}}}')
+    assert describe_difference(base, ModelIdentity.from_path(model_dir, cache))[0].startswith("tokenizer:")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    mx.save_safetensors(str(adapter / "adapters.safetensors"), {"lora_a": mx.ones((2, 2))})
+    with_adapter = ModelIdentity.from_path(model_dir, cache, adapter_path=adapter)
+    assert with_adapter.adapter is not None and with_adapter.digest != ModelIdentity.from_path(model_dir, cache).digest
+    assert ModelIdentity.from_path(model_dir, cache, kv_dtype="float32").kv_dtype == "float32"
+
+
+def test_kv_dtype_falls_back_to_the_weights(tmp_path):
+    config = {k: v for k, v in CONFIG.items() if k != "torch_dtype"}
+    weights = {"a": mx.ones((64,), mx.float16), "b": mx.ones((4,), mx.float32)}
+    ident = ModelIdentity.from_path(write_model(tmp_path / "m", config, weights=weights), tmp_path / "cache")
+    assert ident.kv_dtype == "float16"
+
+
+def test_missing_or_broken_model_folders(tmp_path):
+    with pytest.raises(NotFound, match="config.json"):
+        ModelIdentity.from_path(tmp_path, tmp_path / "cache")
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ConfigError, match="config.json"):
+        ModelIdentity.from_path(tmp_path, tmp_path / "cache")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(NotFound, match="no weight files"):
+        ModelIdentity.from_path(tmp_path, tmp_path / "cache")
+
+
+def test_from_model_hashes_parameters_and_args():
+    a, b = build_model("llama", seed=0), build_model("llama", seed=0)
+    ia = ModelIdentity.from_model(a)
+    assert ia == ModelIdentity.from_model(b) and ia.kv_dtype == "float32" and ia.config["head_dim"] == 128
+    b.layers[0].self_attn.k_proj.weight[0, 0] += 1
+    assert ModelIdentity.from_model(b).weights != ia.weights
+    c = build_model("llama", seed=0, rope_theta=5000.0)
+    assert "config.rope_theta: 10000 vs 5000.0" in describe_difference(ia, ModelIdentity.from_model(c))
+    half = build_model("llama", seed=0, dtype=mx.bfloat16)
+    assert ModelIdentity.from_model(half).kv_dtype == "bfloat16"
+
+
+@pytest.mark.filterwarnings("ignore:sliding-window")
+@pytest.mark.parametrize("kind,scheme", [("llama", "turbo4"), ("gemma3_text", "turbo8v3"), ("qwen3", "raw")])
+def test_codec_identity_is_data_independent(kind, scheme):
+    model = build_model(kind)
+    fresh = CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme)
+    caches = make_prompt_cache(model, scheme)
+    model(mx.arange(40)[None], cache=caches)
+    for c in caches:
+        if hasattr(c, "compress"):
+            c.compress()
+    full = CodecIdentity.from_snapshot(snapshot(caches), scheme)
+    assert fresh == full and fresh.digest == full.digest
+
+
+def test_codec_identity_changes_with_every_field():
+    snap = make_snapshot(3)
+    base = CodecIdentity.from_snapshot(snap, "turbo4")
+    assert CodecIdentity.from_snapshot(snap, "TURBO4v4").digest == base.digest  # canonical scheme name
+    assert describe_difference(base, CodecIdentity.from_snapshot(snap, "turbo3")) == ["scheme: turbo4 vs turbo3"]
+    layers = list(snap.layers)
+    r = layers[2]
+    layers[2] = LayerRecord(r.layout, r.offset, r.arrays, {**r.config, "key_bits": 3}, r.state, r.calibration)
+    changed = CodecIdentity.from_snapshot(Snapshot(layers, snap.codecs), "turbo4")
+    assert describe_difference(base, changed) == ["layers.2.key_bits: 4 vs 3"]
+    name, codec = next(iter(snap.codecs.items()))
+    arrays = {**codec.arrays, "centroids": codec.arrays["centroids"] * 1.0001}
+    for other in (CodecRecord(codec.rotation_kind, codec.norm_mode, arrays),
+                  CodecRecord(codec.rotation_kind, "matched", codec.arrays),
+                  CodecRecord("dense", codec.norm_mode, codec.arrays)):
+        changed = CodecIdentity.from_snapshot(Snapshot(snap.layers, {**snap.codecs, name: other}), "turbo4")
+        assert changed.digest != base.digest and len(describe_difference(base, changed)) == 1
+    newer = CodecIdentity(base.scheme, base.layers, base.codecs, format_version=base.format_version + 1)
+    assert describe_difference(base, newer) == [f"format_version: {base.format_version} vs {base.format_version + 1}"]
+
+
+def test_codec_identity_ignores_data():
+    a = CodecIdentity.from_snapshot(make_snapshot(3, seed=1), "turbo4")
+    assert a.digest == CodecIdentity.from_snapshot(make_snapshot(300, seed=7), "turbo4").digest
+
+
+def _tokenizer(vocab: dict[str, int], template: str | None):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    tok.chat_template = template
+    return tok
+
+
+def test_from_model_fingerprints_the_tokenizer_and_template():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    model = build_model("qwen3")
+    vocab = {"a": 0, "b": 1, "[UNK]": 2}
+    base = ModelIdentity.from_model(model, _tokenizer(vocab, "{{ messages }}"))
+    assert base.tokenizer and base.chat_template
+    assert ModelIdentity.from_model(model, TokenizerWrapper(_tokenizer(vocab, "{{ messages }}"))) == base
+    assert describe_difference(base, ModelIdentity.from_model(model, _tokenizer(vocab, "{{ other }}")))[0] \
+        .startswith("chat_template:")
+    other_vocab = ModelIdentity.from_model(model, _tokenizer({"a": 0, "c": 1, "[UNK]": 2}, "{{ messages }}"))
+    assert describe_difference(base, other_vocab)[0].startswith("tokenizer:")

@@ -1,0 +1,645 @@
+"""Snapshot parts <-> bytes: a verified frame around a safetensors payload (docs/format.md).
+
+    frame (64 bytes)  magic "\\x89TQS\\r\\n\\x1a\\n", u32 format version, u32 reserved (0),
+                      u64 safetensors header length, u64 payload length, sha256 of the payload
+    payload           safetensors written by mx.save_safetensors; its metadata holds one key,
+                      "tqstore", whose value is the JSON header (kind, identity digests, tokens,
+                      keys, per-layer records with every tensor's dtype, shape, sha256, encoding)
+
+Three verbs, like safetensors: `dumps(obj, provenance)`, `loads(data, expect=...)` and
+`inspect(data)`. `loads` checks the frame (magic, readable version, length, digest) before it
+parses anything, then the header schema and its internal consistency (block key, calibration
+digest), then the expected identity and tokens, then every tensor's sha256, and only then
+builds arrays: it returns a whole object or raises one of tqstore's error types, never a part.
+Payloads are parsed here (numpy views of the bytes), not by mx.load, so damaged input never
+reaches a C++ parser and nothing is written to a temporary file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import mlx.core as mx
+import numpy as np
+import zstandard
+
+from turboquant.snapshot import BLOCK_ARRAYS, CodecRecord, LayerRecord, Layout, Snapshot, check_record_arrays
+
+from .blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
+from .errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
+                     TokenMismatch, TruncatedData, UnsupportedFormatVersion)
+from .identity import DTYPES, FORMAT_VERSION, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
+
+MAGIC = b"\x89TQS\r\n\x1a\n"
+READABLE_VERSIONS = frozenset({1})
+META_KEY = "tqstore"
+KINDS = ("snapshot", "block", "window", "shared")
+ENCODINGS = ("raw", "zstd", "shuffle-zstd")
+_FRAME = struct.Struct("<8sIIQQ32s")
+FRAME_SIZE = _FRAME.size  # 64
+ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller than 3 (docs/format.md)
+MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
+MIN_COMPRESS_BYTES = 256
+SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
+_FLOATS = ("float16", "bfloat16", "float32")
+MAX_ELEMENTS = 2**48  # per tensor: bounds what a header may claim before any allocation
+
+__all__ = ["dumps", "loads", "inspect", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+           "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
+
+Obj = Snapshot | Block | Window | SharedCodecs
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Whom an object belongs to: identity digests (32 raw bytes each), tokens and keys.
+
+    A block needs model, codec and tokens (and `parent`, except block 0; `calibration` for
+    later blocks of a calibrated entry); its key is computed. A window is bound to its entry
+    by `key` (the entry's last block key, which chains every token).
+    """
+
+    model: bytes | None = None
+    codec: bytes | None = None
+    calibration: bytes | None = None
+    tokens: tuple[int, ...] | None = None
+    key: BlockKey | None = None
+    parent: BlockKey | None = None
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What `loads` must find; None fields are not checked."""
+
+    kind: str | None = None
+    model: bytes | None = None
+    codec: bytes | None = None
+    tokens: Sequence[int] | None = None
+    key: BlockKey | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    sha256: str
+    encoding: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype][0].size
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    index: int
+    layout: Layout
+    offset: int
+    config: Mapping[str, Any]
+    state: Mapping[str, Any]
+    arrays: Mapping[str, TensorInfo]
+    calibration: Mapping[str, TensorInfo]
+
+
+@dataclass(frozen=True)
+class CodecInfo:
+    rotation_kind: str
+    norm_mode: str
+    arrays: Mapping[str, TensorInfo]
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    index: int
+    start: int
+    n_tokens: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """An object's header: everything but the tensor bytes."""
+
+    version: int
+    kind: str
+    provenance: Provenance
+    block: BlockInfo | None
+    layers: tuple[LayerInfo, ...]
+    codecs: Mapping[str, CodecInfo]
+    payload_nbytes: int
+
+    def tensors(self) -> dict[str, TensorInfo]:
+        """Every tensor by its safetensors name."""
+        out = {}
+        for li in self.layers:
+            out.update({_layer_tensor(li.index, n): t for n, t in li.arrays.items()})
+            out.update({_layer_tensor(li.index, n, calibration=True): t for n, t in li.calibration.items()})
+        for name, c in self.codecs.items():
+            out.update({_codec_tensor(name, n): t for n, t in c.arrays.items()})
+        return out
+
+
+def _layer_tensor(index: int, name: str, calibration: bool = False) -> str:
+    return f"layer/{index}/calibration/{name}" if calibration else f"layer/{index}/{name}"
+
+
+def _codec_tensor(codec: str, name: str) -> str:
+    return f"codec/{codec}/{name}"
+
+
+def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
+    """Serialize a Snapshot, Block, Window or SharedCodecs with its provenance.
+
+    A block's key is computed here from the provenance, so a stored block always matches its
+    key; for block 0 and snapshots the calibration digest is computed from the data. Raises
+    ValueError for an object that breaks the data model (arrays of another layout, shapes,
+    dtypes, non-scalar config values).
+    """
+    kind, layers, codecs = _parts(obj)
+    _check_names(layers, codecs)
+    pending: dict[str, tuple[mx.array, np.ndarray, dict[str, Any]]] = {}
+
+    def put(name: str, a: mx.array) -> dict[str, Any]:
+        raw = tensor_bytes(a)
+        entry = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "sha256": hashlib.sha256(raw).hexdigest(),
+                 "encoding": "raw"}
+        pending[name] = (a, raw, entry)
+        return entry
+
+    header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
+                      "state": dict(r.state),
+                      "arrays": {n: put(_layer_tensor(i, n), a) for n, a in sorted(r.arrays.items())},
+                      "calibration": {n: put(_layer_tensor(i, n, calibration=True), a)
+                                      for n, a in sorted(r.calibration.items())}}
+                     for i, r in layers]
+    header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
+                            "arrays": {n: put(_codec_tensor(name, n), a) for n, a in sorted(c.arrays.items())}}
+                     for name, c in sorted(codecs.items())}
+    prov = _complete(kind, obj, header_layers, provenance)
+    header = {
+        "kind": kind,
+        "identity": {"model": _hex(prov.model), "codec": _hex(prov.codec), "calibration": _hex(prov.calibration)},
+        "tokens": None if prov.tokens is None else [int(t) for t in prov.tokens],
+        "key": None if prov.key is None else prov.key.hex,
+        "parent": None if prov.parent is None else prov.parent.hex,
+        "block": None if kind != "block" else {"index": obj.index, "start": obj.start, "n_tokens": obj.n_tokens,
+                                               "block_size": obj.block_size},
+        "layers": header_layers,
+        "codecs": header_codecs,
+    }
+    try:
+        _parse_header(json.loads(canonical_json(header)), FORMAT_VERSION, 0)  # what is written must read back
+    except (MalformedHeader, TypeError, ValueError) as e:
+        raise ValueError(f"cannot serialize this {kind}: {e}") from None
+    tensors = {}
+    for name, (a, raw, entry) in pending.items():
+        entry["encoding"], stored = _encode(raw, a.dtype.size)
+        tensors[name] = a if stored is None else mx.array(np.frombuffer(stored, dtype=np.uint8))
+    buf = io.BytesIO()
+    mx.save_safetensors(buf, tensors, metadata={META_KEY: canonical_json(header).decode()})
+    payload = buf.getvalue()
+    (n,) = struct.unpack_from("<Q", payload)
+    return _FRAME.pack(MAGIC, FORMAT_VERSION, 0, n, len(payload), hashlib.sha256(payload).digest()) + payload
+
+
+def inspect(data: bytes, *, verify_digest: bool = True) -> Header:
+    """An object's header, without decoding any tensor.
+
+    With verify_digest=False, `data` may be only the first bytes of an object (the frame and
+    the safetensors header, e.g. from a ranged read); nothing is then known about the rest.
+    """
+    return _read(data, verify_digest)[0]
+
+
+def loads(data: bytes, *, expect: Expect) -> Obj:
+    """The object in `data`, verified completely (frame, header, identity, tokens, every tensor).
+
+    Raises BadMagic, FormatVersionTooNew, UnsupportedFormatVersion, TruncatedData,
+    ChecksumMismatch, MalformedHeader, IdentityMismatch or TokenMismatch; returns only whole
+    objects, with every array evaluated.
+    """
+    header, table, blob = _read(data, True)
+    _check_expect(header, expect)
+    arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
+    mx.eval(*arrays.values())
+    return _build(header, arrays)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _parts(obj: Obj) -> tuple[str, list[tuple[int, LayerRecord]], dict[str, CodecRecord]]:
+    if isinstance(obj, Snapshot):
+        return "snapshot", list(enumerate(obj.layers)), obj.codecs
+    if isinstance(obj, Block):
+        return "block", sorted(obj.layers.items()), {}
+    if isinstance(obj, Window):
+        return "window", list(enumerate(obj.layers)), {}
+    if isinstance(obj, SharedCodecs):
+        return "shared", [], obj.codecs
+    raise TypeError(f"cannot serialize a {type(obj).__name__}: pass a Snapshot, Block, Window or SharedCodecs")
+
+
+def _check_names(layers, codecs) -> None:
+    names = [n for _, r in layers for n in (*r.arrays, *r.calibration)]
+    names += [n for name, c in codecs.items() for n in (name, *c.arrays)]
+    bad = next((n for n in names if not isinstance(n, str) or not n or "/" in n), None)
+    if bad is not None:
+        raise ValueError(f"array and codec names are non-empty strings without '/', got {bad!r}")
+
+
+def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) -> Provenance:
+    """The provenance as written: block keys and calibration digests computed from the data."""
+    calibration = prov.calibration
+    if kind == "snapshot" or (kind == "block" and obj.index == 0):
+        calibration = digest_calibration([(li["index"], li["calibration"]) for li in header_layers])
+        if prov.calibration is not None and prov.calibration != calibration:
+            raise ValueError("the provenance's calibration digest does not match the calibration arrays")
+    if kind != "block":
+        if prov.parent is not None:
+            raise ValueError(f"only blocks have a parent key, not a {kind}")
+        return dataclasses.replace(prov, calibration=calibration)
+    if prov.model is None or prov.codec is None or prov.tokens is None:
+        raise ValueError("a block needs the model and codec digests and its tokens")
+    if len(prov.tokens) != obj.n_tokens or (obj.index == 0) != (prov.parent is None):
+        raise ValueError(f"block {obj.index} holds {obj.n_tokens} tokens and the provenance gives "
+                         f"{len(prov.tokens)}, or the parent key is wrong (only block 0 has none)")
+    key = block_key(prov.parent, prov.tokens, prov.model, prov.codec, calibration)
+    if prov.key is not None and prov.key != key:
+        raise ValueError(f"the provenance's key {prov.key.hex} is not this block's key {key.hex}")
+    return dataclasses.replace(prov, calibration=calibration, key=key)
+
+
+def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
+    """The smallest of raw, zstd and zstd over byte planes; zstd only where it saves MIN_SAVING."""
+    if raw.size < MIN_COMPRESS_BYTES:
+        return "raw", None
+    candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
+    if raw.size > 2 * SAMPLE_BYTES:
+        sample = raw[:SAMPLE_BYTES - SAMPLE_BYTES % itemsize]
+        best = min(candidates, key=lambda enc: len(_compress(sample, itemsize, enc)))
+        stored = _compress(raw, itemsize, best)
+    else:
+        best, stored = min(((enc, _compress(raw, itemsize, enc)) for enc in candidates), key=lambda es: len(es[1]))
+    if len(stored) > (1 - MIN_SAVING) * raw.size:
+        return "raw", None
+    return best, stored
+
+
+def _compress(raw: np.ndarray, itemsize: int, encoding: str) -> bytes:
+    if encoding == "shuffle-zstd":
+        # Byte planes: the sign/exponent bytes of floats repeat and compress; mantissa bytes barely.
+        raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw.data)
+
+
+def _hex(digest: bytes | None) -> str | None:
+    if digest is None:
+        return None
+    if not isinstance(digest, bytes) or len(digest) != 32:
+        raise ValueError(f"identity digests are 32 raw bytes (use .digest, not .hexdigest), got {digest!r:.80}")
+    return digest.hex()
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _read(data: bytes, verify_digest: bool) -> tuple[Header, dict[str, tuple[TensorInfo, int, int]], memoryview]:
+    """Frame checks first, then the safetensors table and the JSON header, cross-checked."""
+    view = memoryview(data).cast("B")
+    if len(view) < FRAME_SIZE:
+        if not MAGIC.startswith(bytes(view[:len(MAGIC)])):
+            raise BadMagic("not a tqstore object (wrong magic bytes)")
+        raise TruncatedData(f"object truncated to {len(view)} bytes, shorter than its {FRAME_SIZE}-byte frame")
+    magic, version, reserved, header_len, payload_len, digest = _FRAME.unpack_from(view)
+    if magic != MAGIC:
+        raise BadMagic("not a tqstore object (wrong magic bytes)")
+    if version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
+        if version > max(READABLE_VERSIONS):
+            raise FormatVersionTooNew(f"object written by a newer tqstore (format {version}; this one reads "
+                                      f"{readable}): upgrade tqstore")
+        raise UnsupportedFormatVersion(f"object has format {version}, which this tqstore no longer reads (it "
+                                       f"reads {readable}): compute the cache again")
+    payload = view[FRAME_SIZE:]
+    if verify_digest:
+        if len(payload) != payload_len:
+            raise TruncatedData(f"object has {len(payload)} payload bytes, its frame says {payload_len}: it was "
+                                "truncated or padded in storage")
+        if hashlib.sha256(payload).digest() != digest:
+            raise ChecksumMismatch("object is corrupt: its sha256 does not match its frame")
+    if reserved != 0:
+        raise MalformedHeader(f"the reserved frame field is {reserved}, not 0")
+    if 8 + header_len > min(len(payload), payload_len):
+        raise TruncatedData(f"the {header_len}-byte header runs past the {min(len(payload), payload_len)}-byte payload")
+    (st_len,) = struct.unpack_from("<Q", payload)
+    if st_len != header_len:
+        raise MalformedHeader(f"the frame gives a {header_len}-byte header, the safetensors payload {st_len}")
+    st = _json(payload[8:8 + header_len], "safetensors header")
+    if not isinstance(st, dict):
+        raise MalformedHeader("the safetensors header is not a JSON object")
+    meta = st.pop("__metadata__", None)
+    if not isinstance(meta, dict) or set(meta) != {META_KEY} or not isinstance(meta[META_KEY], str):
+        raise MalformedHeader(f"the safetensors metadata must hold exactly one string, {META_KEY!r}")
+    header = _parse_header(_json(meta[META_KEY].encode("utf-8", "surrogatepass"), "tqstore header"), version,
+                           payload_len)
+    table = _tensor_table(st, header, payload_len - 8 - header_len)
+    return header, table, payload[8 + header_len:]
+
+
+def _json(raw, what: str) -> Any:
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice")
+        return dict(pairs)
+
+    try:
+        return json.loads(bytes(raw).decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)
+    except (UnicodeError, ValueError, RecursionError) as e:
+        raise MalformedHeader(f"the {what} is not valid JSON ({e})") from None
+
+
+def _tensor_table(st: dict, header: Header, data_len: int) -> dict[str, tuple[TensorInfo, int, int]]:
+    """Match the safetensors table to the header; the tensors' bytes must tile the data."""
+    infos = header.tensors()
+    if set(st) != set(infos):
+        missing, extra = sorted(set(infos) - set(st)), sorted(set(st) - set(infos))
+        raise MalformedHeader(f"the tensor table does not match the header (missing {missing[:3]}, extra {extra[:3]})")
+    spans = []
+    for name, entry in st.items():
+        info = infos[name]
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise MalformedHeader(f"tensor {name}: the entry needs exactly dtype, shape and data_offsets")
+        offsets = entry["data_offsets"]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise MalformedHeader(f"tensor {name}: bad data offsets {offsets!r:.80}")
+        size = offsets[1] - offsets[0]
+        want = (DTYPES[info.dtype][1], list(info.shape)) if info.encoding == "raw" else ("U8", [size])
+        if (entry["dtype"], entry["shape"]) != want or (info.encoding == "raw" and size != info.nbytes):
+            raise MalformedHeader(f"tensor {name}: stored as {entry['dtype']!r:.20} {entry['shape']!r:.80} in "
+                                  f"{size} bytes, the header says {info.encoding} {info.dtype} {list(info.shape)}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise MalformedHeader(f"tensor {name} starts at byte {start}, expected {end}: data must be contiguous")
+        end = stop
+    if end != data_len:
+        raise MalformedHeader(f"the tensors cover {end} of {data_len} data bytes")
+    return {name: (infos[name], s, e) for s, e, name in spans}
+
+
+def _check_expect(header: Header, expect: Expect) -> None:
+    what = f"this {header.kind}" + (f" (block {header.block.index})" if header.block else "")
+    p = header.provenance
+    if expect.kind is not None and header.kind != expect.kind:
+        raise MalformedHeader(f"{what} is not a {expect.kind}: the wrong object is stored under this key")
+    if expect.model is not None and p.model != expect.model:
+        raise IdentityMismatch(f"{what} was saved for another model (model identity {_short(p.model)}, the model in "
+                               f"use is {_short(expect.model)}): its weights, KV config, tokenizer, chat template, "
+                               "adapter or KV dtype differ; save the cache again with this model")
+    if expect.codec is not None and p.codec != expect.codec:
+        raise IdentityMismatch(f"{what} was encoded with another codec (codec identity {_short(p.codec)}, expected "
+                               f"{_short(expect.codec)}): the scheme, layer configuration, codebooks, rotations or "
+                               "format version differ; save the cache again with this scheme")
+    if expect.tokens is not None:
+        want = [int(t) for t in expect.tokens]
+        if p.tokens is None or list(p.tokens) != want:
+            raise TokenMismatch(_token_difference(what, p.tokens, want))
+    if expect.key is not None and p.key != expect.key:
+        raise IdentityMismatch(f"{what} has key {_short(p.key)}, expected {_short(expect.key)}: it belongs to another "
+                               "prefix chain or calibration; look it up again")
+
+
+def _token_difference(what: str, have: Sequence[int] | None, want: list[int]) -> str:
+    if have is None:
+        return f"{what} records no tokens; {len(want)} were expected"
+    i = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+    stored = have[i] if i < len(have) else "the end"
+    wanted = want[i] if i < len(want) else "the end"
+    return (f"{what} holds {len(have)} tokens, {len(want)} were asked for; they differ first at position {i} "
+            f"({stored} stored, {wanted} asked for)")
+
+
+def _short(digest: bytes | BlockKey | None) -> str:
+    if digest is None:
+        return "none"
+    return (digest.hex if isinstance(digest, BlockKey) else digest.hex())[:12] + "…"
+
+
+def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
+    raw = stored
+    if info.encoding != "raw":
+        try:
+            size = zstandard.frame_content_size(stored)
+            if size != info.nbytes:  # also bounds the allocation below
+                raise ChecksumMismatch(f"tensor {name}: its zstd frame holds {size} bytes, {info.nbytes} expected")
+            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=info.nbytes)
+        except zstandard.ZstdError as e:
+            raise ChecksumMismatch(f"tensor {name}: the compressed data is corrupt ({e})") from None
+        if len(raw) != info.nbytes:
+            raise ChecksumMismatch(f"tensor {name}: decompressed to {len(raw)} bytes, {info.nbytes} expected")
+    if info.encoding == "shuffle-zstd":
+        raw = _unshuffle(np.frombuffer(raw, dtype=np.uint8), DTYPES[info.dtype][0].size)
+    if hashlib.sha256(raw).hexdigest() != info.sha256:
+        raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+    return tensor_from_bytes(raw, info.dtype, info.shape)
+
+
+def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte planes back to little-endian items (shifts over contiguous planes beat a strided copy)."""
+    p = planes.reshape(itemsize, -1)
+    wide = {2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+    out = p[0].astype(wide)
+    for j in range(1, itemsize):
+        out |= p[j].astype(wide) << wide(8 * j)
+    return out.view(np.uint8)
+
+
+def _build(header: Header, arrays: dict[str, mx.array]) -> Obj:
+    def layer(li: LayerInfo) -> LayerRecord:
+        return LayerRecord(li.layout, li.offset, {n: arrays[_layer_tensor(li.index, n)] for n in li.arrays},
+                           dict(li.config), dict(li.state),
+                           {n: arrays[_layer_tensor(li.index, n, calibration=True)] for n in li.calibration})
+
+    codecs = {name: CodecRecord(c.rotation_kind, c.norm_mode, {n: arrays[_codec_tensor(name, n)] for n in c.arrays})
+              for name, c in header.codecs.items()}
+    if header.kind == "snapshot":
+        return Snapshot(layers=[layer(li) for li in header.layers], codecs=codecs)
+    if header.kind == "block":
+        b = header.block
+        return Block(b.index, b.start, b.n_tokens, {li.index: layer(li) for li in header.layers}, b.block_size)
+    if header.kind == "window":
+        return Window([layer(li) for li in header.layers])
+    return SharedCodecs(codecs)
+
+
+# -- the header schema -----------------------------------------------------------------------
+
+_TOP = ("kind", "identity", "tokens", "key", "parent", "block", "layers", "codecs")
+_HEX = frozenset("0123456789abcdef")
+
+
+def _parse_header(h: Any, version: int, payload_nbytes: int) -> Header:
+    """Validate the JSON header completely (raises MalformedHeader) and type it."""
+    h = _exact(h, _TOP, "header")
+    kind = h["kind"]
+    if kind not in KINDS:
+        raise MalformedHeader(f"unknown object kind {kind!r:.40} (known: {', '.join(KINDS)})")
+    ident = _exact(h["identity"], ("model", "codec", "calibration"), "identity")
+    tokens = h["tokens"]
+    if tokens is not None and not (isinstance(tokens, list)
+                                   and all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
+        raise MalformedHeader("tokens must be a list of u32 token ids")
+    key, parent = _digest(h["key"], "key"), _digest(h["parent"], "parent")
+    prov = Provenance(_digest(ident["model"], "identity.model"), _digest(ident["codec"], "identity.codec"),
+                      _digest(ident["calibration"], "identity.calibration"),
+                      None if tokens is None else tuple(tokens), key and BlockKey(key), parent and BlockKey(parent))
+    if not isinstance(h["layers"], list) or not isinstance(h["codecs"], dict):
+        raise MalformedHeader("layers must be a list and codecs an object")
+    layers = tuple(_layer(v, f"layers[{j}]") for j, v in enumerate(h["layers"]))
+    codecs = {}
+    for name, c in h["codecs"].items():
+        c = _exact(c, ("rotation_kind", "norm_mode", "arrays"), f"codec {name!r:.40}")
+        if not _name_ok(name) or not isinstance(c["rotation_kind"], str) or not isinstance(c["norm_mode"], str):
+            raise MalformedHeader(f"codec {name!r:.40}: bad name, rotation_kind or norm_mode")
+        codecs[name] = CodecInfo(c["rotation_kind"], c["norm_mode"], _tensors(c["arrays"], f"codec {name}"))
+    block = None
+    if kind == "block":
+        b = _exact(h["block"], ("index", "start", "n_tokens", "block_size"), "block")
+        block = BlockInfo(*(_int(b[k], f"block.{k}") for k in ("index", "start", "n_tokens", "block_size")))
+    elif h["block"] is not None:
+        raise MalformedHeader(f"a {kind} has no block record")
+    _check_kind(kind, prov, block, layers, codecs)
+    return Header(version, kind, prov, block, layers, codecs, payload_nbytes)
+
+
+def _check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tuple[LayerInfo, ...],
+                codecs: Mapping[str, CodecInfo]) -> None:
+    indices = [li.index for li in layers]
+    if kind in ("snapshot", "window") and indices != list(range(len(layers))):
+        raise MalformedHeader(f"a {kind} lists layers 0..n-1 in order, got {indices[:8]}")
+    if (kind in ("block", "window") and codecs) or (kind == "shared" and layers):
+        raise MalformedHeader(f"a {kind} holds {'no codecs' if kind != 'shared' else 'no layers'}")
+    if kind != "block" and prov.parent is not None:
+        raise MalformedHeader(f"a {kind} has no parent key")
+    n_tokens = max((li.offset for li in layers), default=0)
+    if prov.tokens is not None and (kind == "shared" or (kind != "block" and len(prov.tokens) != n_tokens)):
+        raise MalformedHeader(f"a {kind} of {n_tokens} tokens records {len(prov.tokens)} token ids")
+    if kind == "snapshot" or (block is not None and block.index == 0):
+        found = digest_calibration([(li.index, {n: {"dtype": t.dtype, "shape": list(t.shape), "sha256": t.sha256}
+                                                for n, t in li.calibration.items()}) for li in layers])
+        if found != prov.calibration:
+            raise MalformedHeader("the calibration digest does not match the calibration arrays")
+    if block is None:
+        return
+    if indices != sorted(set(indices)):
+        raise MalformedHeader(f"block layers must be in increasing index order, got {indices[:8]}")
+    if not (0 < block.n_tokens <= block.block_size and block.start == block.index * block.block_size):
+        raise MalformedHeader(f"block {block.index} of size {block.block_size} cannot start at token {block.start} "
+                              f"and hold {block.n_tokens} tokens")
+    for li in layers:
+        if li.layout is Layout.ROTATING or li.offset != block.n_tokens or (block.index and li.calibration):
+            raise MalformedHeader(f"block {block.index}: layer {li.index} is {li.layout.value} with {li.offset} tokens"
+                                  f"{' and calibration' if li.calibration else ''}; a block holds per-token layers of "
+                                  f"{block.n_tokens} tokens, calibration only in block 0")
+    if None in (prov.model, prov.codec, prov.tokens, prov.key) or len(prov.tokens) != block.n_tokens \
+            or (block.index == 0) != (prov.parent is None):
+        raise MalformedHeader(f"block {block.index} needs model and codec digests, its {block.n_tokens} tokens, its "
+                              "key and (after block 0) its parent key")
+    if block_key(prov.parent, prov.tokens, prov.model, prov.codec, prov.calibration) != prov.key:
+        raise MalformedHeader(f"block {block.index}'s key does not match its parent, identity and tokens")
+
+
+def _layer(v: Any, where: str) -> LayerInfo:
+    v = _exact(v, ("index", "layout", "offset", "config", "state", "arrays", "calibration"), where)
+    try:
+        layout = Layout(v["layout"])
+    except (ValueError, TypeError):
+        raise MalformedHeader(f"{where}: unknown layout {v['layout']!r:.40} "
+                              f"(known: {', '.join(x.value for x in Layout)})") from None
+    li = LayerInfo(_int(v["index"], f"{where}.index"), layout, _int(v["offset"], f"{where}.offset"),
+                   _scalars(v["config"], f"{where}.config"), _scalars(v["state"], f"{where}.state"),
+                   _tensors(v["arrays"], f"{where}.arrays"), _tensors(v["calibration"], f"{where}.calibration"))
+    where = f"layer {li.index} ({layout.value})"
+    for n, t in sorted(li.arrays.items()):
+        norms = n.endswith("_norms")
+        dtypes = ("uint32",) if n.endswith(("_packed", "_w")) else ("float32",) if norms else _FLOATS
+        if len(t.shape) != (3 if norms else 4) or t.dtype not in dtypes:
+            raise MalformedHeader(f"{where}: {n} is {t.dtype} {list(t.shape)}; expected {'/'.join(dtypes)} with "
+                                  f"{3 if norms else 4} dims")
+    # The data model's own rule for which arrays a layer holds and how many tokens each covers,
+    # applied to shape-only stand-ins (broadcast views: no memory, whatever the header claims).
+    stand_ins = {n: np.broadcast_to(np.empty((), np.uint8), t.shape) for n, t in li.arrays.items()}
+    try:
+        check_record_arrays(LayerRecord(layout, li.offset, stand_ins, dict(li.config), dict(li.state)))
+    except (ValueError, TypeError, OverflowError) as e:
+        raise MalformedHeader(f"{where}: {e}") from None
+    heads = {t.shape[1] for t in li.arrays.values()}
+    batch = {t.shape[0] for n, t in li.arrays.items() if n not in BLOCK_ARRAYS}
+    if len(heads) > 1 or len(batch) > 1:
+        raise MalformedHeader(f"{where}: arrays disagree on batch or heads ({sorted(batch)}, {sorted(heads)})")
+    return li
+
+
+def _tensors(v: Any, where: str) -> dict[str, TensorInfo]:
+    if not isinstance(v, dict):
+        raise MalformedHeader(f"{where}: expected an object of tensors")
+    out = {}
+    for name, t in v.items():
+        t = _exact(t, ("dtype", "shape", "sha256", "encoding"), f"{where}.{name}")
+        shape = t["shape"]
+        if not _name_ok(name) or not isinstance(t["dtype"], str) or t["dtype"] not in DTYPES \
+                or not isinstance(t["encoding"], str) or t["encoding"] not in ENCODINGS \
+                or not isinstance(shape, list) or len(shape) > 8 \
+                or not all(type(d) is int and 0 <= d < MAX_ELEMENTS for d in shape) \
+                or math.prod(shape) >= MAX_ELEMENTS or _digest(t["sha256"], f"{where}.{name}.sha256") is None:
+            raise MalformedHeader(f"{where}.{name!s:.40}: bad name, dtype, shape, sha256 or encoding")
+        out[name] = TensorInfo(t["dtype"], tuple(shape), t["sha256"], t["encoding"])
+    return out
+
+
+def _exact(v: Any, keys: Sequence[str], where: str) -> dict:
+    if not isinstance(v, dict) or set(v) != set(keys):
+        found = sorted(v)[:12] if isinstance(v, dict) else type(v).__name__
+        raise MalformedHeader(f"{where}: expected exactly {', '.join(keys)}; found {found}")
+    return v
+
+
+def _int(v: Any, where: str) -> int:
+    if type(v) is not int or v < 0:
+        raise MalformedHeader(f"{where}: expected a non-negative integer, got {v!r:.40}")
+    return v
+
+
+def _digest(v: Any, where: str) -> bytes | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or len(v) != 64 or not set(v) <= _HEX:
+        raise MalformedHeader(f"{where}: expected 64 lowercase hex digits, got {v!r:.80}")
+    return bytes.fromhex(v)
+
+
+def _scalars(v: Any, where: str) -> dict[str, Any]:
+    def scalar(x: Any) -> bool:
+        return x is None or isinstance(x, (bool, int, str)) or (type(x) is float and math.isfinite(x))
+
+    if not isinstance(v, dict) or not all(scalar(x) for x in v.values()):
+        raise MalformedHeader(f"{where}: expected an object of scalars (int, float, str, bool, null)")
+    return v
+
+
+def _name_ok(name: Any) -> bool:
+    return isinstance(name, str) and name != "" and "/" not in name
