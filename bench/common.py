@@ -11,32 +11,24 @@ from pathlib import Path
 HOME = Path(os.environ.get("TQSTORE_HOME", Path.home() / ".cache" / "tqstore"))
 DEFAULT_MODEL = HOME / "models" / "qwen2.5-coder-0.5b"
 DEFAULT_TEXT = HOME / "corpus" / "devils_dictionary.txt"
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 LICENCE_CHARS = 5000  # the corpus files open with licence headers
 
 
-def cpu_has_avx512() -> bool:
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def use_openblas(argv: list[str]) -> None:
-    """Re-exec this script with Debian's OpenBLAS preloaded (opt-in; MLX's Linux wheel ships a
-    reference BLAS 50x slower here). OPENBLAS_CORETYPE=SKYLAKEX assumes AVX-512: checked first."""
-    if os.environ.get("TQSTORE_BLAS") == "openblas":
-        return
-    if not OPENBLAS.exists():
-        sys.exit(f"--openblas: {OPENBLAS} not found (apt-get install libopenblas0-pthread)")
-    if not cpu_has_avx512():
-        sys.exit("--openblas: this CPU lacks AVX-512, so OPENBLAS_CORETYPE=SKYLAKEX would crash")
-    env = dict(os.environ, LD_PRELOAD=str(OPENBLAS), OPENBLAS_CORETYPE="SKYLAKEX", TQSTORE_BLAS="openblas")
-    os.execve(sys.executable, [sys.executable, *argv], env)
+    """Re-exec this script with Debian's OpenBLAS preloaded (opt-in; see tqstore/blas.py)."""
+    from tqstore.blas import reexec_with
+    from tqstore.errors import ConfigError
+
+    try:
+        reexec_with("openblas", argv)  # the script path and its arguments
+    except ConfigError as e:
+        sys.exit(f"--openblas: {e}")
 
 
 def blas_name() -> str:
-    return os.environ.get("TQSTORE_BLAS", "bundled reference BLAS (mlx[cpu] wheel)")
+    from tqstore.blas import active_blas
+
+    return "OpenBLAS (preloaded, opt-in)" if active_blas() == "openblas" else "bundled reference BLAS (mlx[cpu] wheel)"
 
 
 def machine_line() -> str:

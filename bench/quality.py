@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--label", default="", help="suffix of the docs section (e.g. another text)")
     args = parser.parse_args(argv[1:])
     if args.openblas:
         use_openblas(argv)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     body = table(results, command)
     print(body)
     if not args.no_write:
-        replace_section(args.out, f"quality-{args.experiment}", body)
+        replace_section(args.out, f"quality-{args.experiment}" + (f"-{args.label}" if args.label else ""), body)
     return 0
 
 
