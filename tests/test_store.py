@@ -1,0 +1,503 @@
+"""The Store on a real LMDB environment (tmp_path): put, lookup, restore, budgets, faults.
+
+Snapshots are synthetic (`test_blocks.make_snapshot`: 2 KV heads, head dim 64) except in the
+end-to-end test, which prefills a tiny random-weight llama. test_store_s3.py covers the bucket,
+test_store_crash.py several processes and SIGKILL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import lmdb
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from test_blocks import assert_same_array, assert_same_snapshot, make_snapshot
+from tiny_models import build_model, prompt_tokens
+from tqstore import Store
+from tqstore import format as F
+from tqstore.blocks import join_blocks, split_snapshot
+from tqstore.config import load_config
+from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, TokenMismatch
+from tqstore.identity import CodecIdentity, ModelIdentity
+from tqstore.tiers.memory import HotObject
+from turboquant import make_prompt_cache, restore, snapshot
+from turboquant.snapshot import Layout
+
+MODEL = ModelIdentity("weights-a", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
+OTHER_MODEL = ModelIdentity("weights-b", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
+CODEC = CodecIdentity("turbo4", (), {})
+OTHER_CODEC = CodecIdentity("turbo3", (), {})
+# make_layer seeds layer i with seed + i: an even seed gives a plain KVCache layer (no calibration)
+# and a TurboQuant layer compressed to the last token, so entries sharing tokens share every block.
+PLAIN = [Layout.RAW, Layout.TURBO]
+
+
+def open_store(home, **settings) -> Store:
+    """A Store on `home` with test settings (no free-disk guard, 64 KiB segments)."""
+    return Store.open(config=load_config(home, {"min_free_disk_bytes": 0, "segment_size": "64KiB", **settings}))
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "home")
+    yield s
+    s.close()
+
+
+def token_ids(n: int, seed: int = 0) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(0, 50_000, n)]
+
+
+def put(store: Store, name: str, snap, tokens, model=MODEL, codec=CODEC, **kw):
+    return store.put(name, snap, tokens, model=model, codec=codec, model_ref="synthetic", prefill_seconds=1.5, **kw)
+
+
+def reopen(store: Store, **settings) -> Store:
+    """Close and open again: the memory tier starts empty."""
+    home = store.home
+    store.close()
+    return open_store(home, **settings)
+
+
+def lmdb_tier(store: Store):
+    return store._tiers.lmdb
+
+
+# -- put, load, ls -----------------------------------------------------------------------------
+
+
+def test_put_load_round_trip(store):
+    snap, tokens = make_snapshot(600, layouts=PLAIN), token_ids(600)
+    result = put(store, "project-x", snap, tokens, metadata={"file": "contract.txt"}, adapter_path="./lora")
+    assert (result.new_blocks, result.reused_blocks, result.warnings) == (3, 0, ())
+    assert result.bytes_written == result.manifest.nbytes > 0
+    assert_same_snapshot(result.snapshot, snap)
+    store = reopen(store)
+    loaded, stats = store.load("project-x")
+    assert_same_snapshot(loaded, snap)
+    assert (stats.tier, stats.tokens, stats.objects) == ("lmdb", 600, {"lmdb": 5})
+    assert stats.bytes == result.manifest.nbytes and stats.seconds > 0 and stats.misses == ()
+    _, again = store.load("project-x")
+    assert again.tier == "memory"  # promoted
+    m = store.get("project-x")
+    assert (m.tokens, m.scheme, m.model_ref, m.adapter_path, m.metadata, m.sliding) == (
+        tuple(tokens), "turbo4", "synthetic", "./lora", {"file": "contract.txt"}, False)
+    assert m.model_identity == MODEL and m.model_identity.source == "synthetic"
+    [info] = store.ls()
+    assert (info.name, info.tokens, info.blocks, info.bytes, info.prefill_seconds) == ("project-x", 600, 3,
+                                                                                         m.nbytes, 1.5)
+    assert store.info("project-x") == info and info.last_used >= info.created
+    assert store.stats().tiers["lmdb"].hits == 5 and store.stats().tiers["memory"].hits == 5
+    assert store.verify() == []
+    store.close()
+
+
+def test_put_returns_the_stored_canonical_snapshot(store):
+    tokens = token_ids(600)
+    first = make_snapshot(600, layouts=PLAIN, seed=0)
+    put(store, "a", first, tokens)
+    second = make_snapshot(700, layouts=PLAIN, seed=6)  # other arrays for the same first 512 tokens
+    result = put(store, "b", second, tokens[:512] + token_ids(188, seed=9))
+    assert (result.new_blocks, result.reused_blocks) == (1, 2)
+    stored = join_blocks(split_snapshot(first), 2)
+    for got, want, mine in zip(result.snapshot.layers, stored.layers, second.layers):
+        for name, a in want.arrays.items():
+            assert_same_array(got.arrays[name][:, :, :512], a, name)  # the stored blocks, not the caller's
+            theirs = np.asarray(mine.arrays[name][:, :, :512])
+            assert not np.array_equal(np.asarray(got.arrays[name][:, :, :512]), theirs)
+    store = reopen(store)
+    assert_same_snapshot(store.load("b")[0], result.snapshot)
+    store.close()
+
+
+def test_an_entry_without_tokens(store):
+    snap = make_snapshot(0, layouts=PLAIN)
+    result = put(store, "empty", snap, [])
+    assert (result.new_blocks, len(result.manifest.objects)) == (0, 2)
+    store = reopen(store)
+    assert_same_snapshot(store.load("empty")[0], snap)
+    assert store.lookup([1, 2, 3], model=MODEL.digest, codec=CODEC.digest) is None
+    store.close()
+
+
+def test_a_put_racing_another_writer_continues_from_the_copy_stored_first(store, tmp_path, monkeypatch):
+    tokens, theirs = token_ids(300), make_snapshot(300, layouts=PLAIN, seed=6)
+    other = open_store(tmp_path / "other")
+    keys = [r.key for r in put(other, "t", theirs, tokens).manifest.objects]
+    their_payloads = {k: lmdb_tier(other).get_object(k) for k in keys}
+    other.close()
+    tier, first = lmdb_tier(store), []
+    real_put_objects = tier.put_objects
+
+    def another_process_wins(objects):
+        if not first:  # between this put's plan and its writes, another process stores its copies
+            first.append(real_put_objects(their_payloads))
+        return real_put_objects(objects)
+
+    monkeypatch.setattr(tier, "put_objects", another_process_wins)
+    result = put(store, "mine", make_snapshot(300, layouts=PLAIN), tokens)
+    assert_same_snapshot(result.snapshot, theirs)
+    assert result.reused_blocks == 2 and result.new_blocks == 0
+    assert_same_snapshot(store.load("mine")[0], theirs) and store.verify() == []
+
+
+def test_put_checks_its_arguments(store):
+    snap = make_snapshot(10, layouts=PLAIN)
+    with pytest.raises(InvalidName):
+        put(store, "../x", snap, token_ids(10))
+    with pytest.raises(TokenMismatch, match="9 tokens were given for a snapshot holding 10"):
+        put(store, "x", snap, token_ids(9))
+    with pytest.raises(ValueError, match="metadata"):
+        put(store, "x", snap, token_ids(10), metadata={"n": 1})
+    with pytest.raises(ValueError, match="ttl"):
+        put(store, "x", snap, token_ids(10), ttl=0)
+    assert store.ls() == [] and lmdb_tier(store).stats().object_count == 0
+
+
+def test_a_first_block_calibrated_otherwise_is_a_conflict(store):
+    tokens = token_ids(600)
+    put(store, "a", make_snapshot(600, layouts=[Layout.CALIBRATED], seed=0), tokens)
+    other = make_snapshot(600, layouts=[Layout.CALIBRATED], seed=3)
+    with pytest.raises(ConflictError, match="restore the stored prefix first"):
+        put(store, "b", other, tokens)
+    assert [e.name for e in store.ls()] == ["a"]
+    assert_same_snapshot(store.load("a")[0], make_snapshot(600, layouts=[Layout.CALIBRATED], seed=0))
+
+
+def test_replacing_an_entry(store):
+    put(store, "x", make_snapshot(300, layouts=PLAIN), token_ids(300))
+    snap = make_snapshot(400, layouts=PLAIN, seed=6)
+    put(store, "x", snap, token_ids(400, seed=5))
+    assert_same_snapshot(store.load("x")[0], snap)
+    assert store.gc().orphans == 3  # the old entry's two blocks and window
+
+
+# -- lookup ------------------------------------------------------------------------------------
+
+
+def test_longest_prefix_lookup(store):
+    base = token_ids(1000)
+    a_tokens, b_tokens = base + token_ids(200, seed=1), base + token_ids(300, seed=2)
+    a = make_snapshot(1200, layouts=PLAIN, seed=0)
+    put(store, "a", a, a_tokens)
+    assert put(store, "b", make_snapshot(1300, layouts=PLAIN, seed=6), b_tokens).reused_blocks == 3
+    store = reopen(store)
+    query = base[:700] + token_ids(300, seed=3)  # diverges at token 700
+    match = store.lookup(query, model=MODEL.digest, codec=CODEC.digest)
+    assert (match.tokens, match.entry, match.tier) == (512, None, "lmdb")
+    assert list(match.keys) == store.get("a").keys[:2]
+    restored, stats = store.restore(match)
+    assert stats.tokens == restored.offset == 512 and stats.tier == "lmdb"
+    assert_same_snapshot(restored, join_blocks(split_snapshot(a), 2))
+    assert store.lookup(query, model=MODEL.digest, codec=CODEC.digest).tier == "memory"
+    assert store.lookup(query, model=OTHER_MODEL.digest, codec=CODEC.digest) is None
+    assert store.lookup(query, model=MODEL.digest, codec=OTHER_CODEC.digest) is None
+    diverge_late = base + token_ids(50, seed=4)
+    assert store.lookup(diverge_late, model=MODEL.digest, codec=CODEC.digest).tokens == 768
+    whole = store.lookup(a_tokens + [7, 8], model=MODEL.digest, codec=CODEC.digest)
+    assert (whole.tokens, whole.entry, len(whole.keys)) == (1200, "a", 5)
+    assert store.lookup(token_ids(900, seed=8), model=MODEL.digest, codec=CODEC.digest) is None
+    store.close()
+
+
+def test_a_partial_last_block_matches_as_a_whole_entry(store):
+    tokens = token_ids(300)
+    put(store, "c", make_snapshot(300, layouts=PLAIN), tokens)
+    match = store.lookup(tokens + [1, 2, 3], model=MODEL.digest, codec=CODEC.digest)
+    assert (match.tokens, match.entry) == (300, "c")
+    assert store.restore(match)[0].offset == 300
+    assert store.lookup(tokens[:290], model=MODEL.digest, codec=CODEC.digest).tokens == 256
+    assert store.lookup(tokens[:200], model=MODEL.digest, codec=CODEC.digest) is None
+
+
+def test_sliding_window_entries_match_only_whole(store):
+    tokens = token_ids(600)
+    snap = make_snapshot(600, layouts=[Layout.RAW, Layout.ROTATING, Layout.TURBO])
+    assert put(store, "s", snap, tokens).manifest.sliding
+    match = store.lookup(tokens + [5], model=MODEL.digest, codec=CODEC.digest)
+    assert (match.tokens, match.entry) == (600, "s")
+    assert_same_snapshot(store.restore(match)[0], snap)
+    assert store.lookup(tokens[:550] + [5] * 10, model=MODEL.digest, codec=CODEC.digest) is None
+
+
+def test_expired_entries_are_not_served(store):
+    tokens = token_ids(300)
+    put(store, "brief", make_snapshot(300, layouts=PLAIN), tokens, ttl=0.05)
+    put(store, "kept", make_snapshot(300, layouts=PLAIN, seed=6), token_ids(300, seed=1), ttl=0.05, pin=True)
+    time.sleep(0.1)
+    assert store.lookup(tokens + [1], model=MODEL.digest, codec=CODEC.digest) is None
+    with pytest.raises(NotFound, match="expired"):
+        store.load("brief")
+    assert [(e.name, e.expired) for e in store.ls()] == [("brief", True), ("kept", False)]  # pins outlive TTLs
+    assert store.gc().expired == ("brief",)
+    assert [e.name for e in store.ls()] == ["kept"] and store.load("kept")[1].tokens == 300
+    store.unpin("kept")
+    assert store.gc().expired == ("kept",)
+
+
+# -- budgets -----------------------------------------------------------------------------------
+
+
+def _budget_entries():
+    base = token_ids(512, seed=20)
+    return [("p", make_snapshot(600, layouts=PLAIN, seed=0), token_ids(600, seed=21), {"pin": True}),
+            ("x", make_snapshot(612, layouts=PLAIN, seed=6), base + token_ids(100, seed=22), {}),
+            ("y", make_snapshot(612, layouts=PLAIN, seed=12), base + token_ids(100, seed=23), {}),
+            ("e", make_snapshot(300, layouts=PLAIN, seed=18), token_ids(300, seed=24), {"ttl": 0.3}),
+            ("z", make_snapshot(1500, layouts=PLAIN, seed=24), token_ids(1500, seed=25), {})]
+
+
+def test_budget_eviction_keeps_pinned_and_referenced_blocks(tmp_path):
+    probe = open_store(tmp_path / "probe")
+    for name, snap, tokens, kw in _budget_entries():
+        put(probe, name, snap, tokens, **kw)
+    manifests = {e.name: probe.get(e.name) for e in probe.ls()}
+    total = lmdb_tier(probe).stats().payload_bytes
+    probe.close()
+    unique = {n: sum(r.size for r in m.objects if all(r.key not in {o.key for o in other.objects}
+                                                      for k, other in manifests.items() if k != n))
+              for n, m in manifests.items()}
+    store = open_store(tmp_path / "home", lmdb_budget_bytes=total - unique["e"] - unique["x"])
+    evicted = []
+    for name, snap, tokens, kw in _budget_entries():
+        if name == "z":
+            time.sleep(0.35)  # e expires: it goes first although it is more recent than x
+        evicted += put(store, name, snap, tokens, **kw).evicted
+    assert evicted == ["e", "x"]
+    assert [e.name for e in store.ls()] == ["p", "y", "z"]
+    assert store.stats().evicted_entries == 2
+    assert lmdb_tier(store).stats().payload_bytes <= store.config.lmdb_budget_bytes
+    shared = set(manifests["x"].keys[:2])
+    assert shared <= set(store.get("y").keys) and all(lmdb_tier(store).has_object(k.raw) for k in shared)
+    for name, snap, _, _ in _budget_entries():
+        if name in ("p", "z"):
+            assert_same_snapshot(store.load(name)[0], snap)
+    store.load("y")
+    assert store.verify() == []
+    store.close()
+
+
+def test_an_entry_alone_over_the_budget_stays_with_a_warning(tmp_path):
+    store = open_store(tmp_path / "home", lmdb_budget_bytes=1000)
+    put(store, "old", make_snapshot(300, layouts=PLAIN), token_ids(300))
+    result = put(store, "big", make_snapshot(600, layouts=PLAIN, seed=6), token_ids(600, seed=1))
+    assert result.evicted == ("old",)
+    assert "over its budget" in result.warnings[0] and "big" in result.warnings[0]
+    assert store.load("big")[1].tokens == 600
+    store.close()
+
+
+def test_the_map_grows_past_a_tiny_initial_size(tmp_path):
+    store = open_store(tmp_path / "home", lmdb_map_size="1MiB")
+    snaps = [make_snapshot(1000, layouts=PLAIN, seed=6 * i) for i in range(6)]
+    for i, snap in enumerate(snaps):
+        put(store, f"e{i}", snap, token_ids(1000, seed=i))
+    assert store.stats().lmdb.map_bytes > 3 * (1 << 20)
+    store = reopen(store, lmdb_map_size="1MiB")
+    for i, snap in enumerate(snaps):
+        assert_same_snapshot(store.load(f"e{i}")[0], snap)
+    store.close()
+
+
+# -- rm, pins, gc ------------------------------------------------------------------------------
+
+
+def test_rm_frees_what_no_other_entry_uses(store):
+    base = token_ids(512)
+    put(store, "a", make_snapshot(600, layouts=PLAIN), base + token_ids(88, seed=1))
+    put(store, "b", make_snapshot(700, layouts=PLAIN, seed=6), base + token_ids(188, seed=2))
+    a, b = store.get("a"), store.get("b")
+    store.rm("a")
+    tier = lmdb_tier(store)
+    assert not tier.has_object(a.blocks[2].key) and not tier.has_object(a.window.key)
+    assert all(tier.has_object(r.key) for r in b.objects)
+    assert store.load("b")[1].tokens == 700
+    with pytest.raises(NotFound, match="tqstore ls"):
+        store.rm("a")
+    with pytest.raises(NotFound):
+        store.load("a")
+
+
+def test_pin_and_unpin(store):
+    put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
+    store.pin("a")
+    assert store.get("a").pinned and store.stats().tiers["memory"].bytes > 0
+    assert store._tiers.memory.stats().pinned_bytes == store._tiers.memory.stats().bytes
+    store.unpin("a")
+    assert not store.get("a").pinned and store._tiers.memory.stats().pinned_bytes == 0
+    with pytest.raises(NotFound):
+        store.pin("nothing")
+
+
+def test_gc_removes_orphans_and_quarantine_records(store):
+    put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
+    tier = lmdb_tier(store)
+    orphans = {hashlib.sha256(b"orphan%d" % i).digest(): b"x" * 100 for i in range(3)}
+    tier.put_objects(orphans)
+    _damage_segment(store, store.get("a").blocks[1].key)
+    store = open_store(store.home)
+    with pytest.raises(CorruptBlock):
+        store.load("a")
+    stats = store.gc()
+    assert (stats.orphans, stats.orphan_bytes, stats.quarantine_cleared) == (3, 300, 1)
+    assert lmdb_tier(store).quarantined() == []
+    store.close()
+
+
+def test_an_unreadable_manifest_stops_collection(store):
+    put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
+    data = store.get("a").to_bytes().replace(b'"version":1', b'"version":9')
+    lmdb_tier(store).put_manifest("future", data)
+    lmdb_tier(store).put_objects({hashlib.sha256(b"orphan").digest(): b"x"})
+    stats = store.gc()
+    assert stats.orphans == 0 and "future" in stats.notes[0] and "newer tqstore" in stats.notes[0]
+    assert [p.kind for p in store.verify()] == ["manifest"]
+
+
+def test_one_store_per_home(tmp_path):
+    a = open_store(tmp_path / "home")
+    b = Store.open(tmp_path / "home" / ".." / "home")
+    assert a is b
+    b.close()
+    assert a.ls() == []  # still open: one close per open
+    a.close()
+    with pytest.raises(Exception, match="closed"):
+        a.ls()
+
+
+# -- faults: a damaged copy is a miss with a reason, never wrong data ----------------------------
+
+
+def _damage_segment(store: Store, key: bytes) -> None:
+    """Flip a byte of the object's first segment in the LMDB file (the store is closed)."""
+    path = str(lmdb_tier(store).path)
+    store.close()
+    env = lmdb.open(path, max_dbs=10)
+    segments = env.open_db(b"segments")
+    with env.begin(write=True) as txn:
+        seg_key = key + (0).to_bytes(4, "big")
+        data = bytearray(txn.get(seg_key, db=segments))
+        data[len(data) // 2] ^= 0xFF
+        txn.put(seg_key, bytes(data), db=segments)
+    env.close()
+
+
+def test_a_corrupt_lmdb_object_is_a_miss_and_quarantined(store):
+    snap, tokens = make_snapshot(600, layouts=PLAIN), token_ids(600)
+    put(store, "a", snap, tokens)
+    key = store.get("a").blocks[1].key
+    _damage_segment(store, key)
+    store = open_store(store.home)
+    with pytest.raises(CorruptBlock, match="checksum|sha256"):
+        store.load("a")
+    [record] = lmdb_tier(store).quarantined()
+    assert record.key == key and "sha256" in record.reason
+    match = store.lookup(tokens + [1], model=MODEL.digest, codec=CODEC.digest)
+    assert match.tokens == 256  # block 1 is gone: the stored prefix is block 0
+    restored, stats = store.restore(match)
+    assert_same_snapshot(restored, join_blocks(split_snapshot(snap), 1))
+    assert [p.kind for p in store.verify("a")] == ["missing"]
+    store.close()
+
+
+def test_a_prefix_restore_stops_before_a_block_lost_meanwhile(store):
+    snap, tokens = make_snapshot(900, layouts=PLAIN), token_ids(900)
+    put(store, "a", snap, tokens)
+    match = store.lookup(tokens[:800], model=MODEL.digest, codec=CODEC.digest)
+    assert match.tokens == 768
+    key = store.get("a").blocks[2].key
+    _damage_segment(store, key)
+    store = open_store(store.home)
+    restored, stats = store.restore(match)
+    assert stats.tokens == restored.offset == 512
+    assert any(key.hex()[:12] in m and "sha256" in m for m in stats.misses)
+    assert_same_snapshot(restored, join_blocks(split_snapshot(snap), 2))
+    store.close()
+
+
+def test_wrong_content_under_a_key_is_quarantined(store):
+    put(store, "a", make_snapshot(600, layouts=PLAIN), token_ids(600))
+    m, tier = store.get("a"), lmdb_tier(store)
+    tier.delete_objects([m.blocks[2].key])
+    tier.put_object(m.blocks[2].key, tier.get_object(m.window.key))  # intact bytes, wrong object
+    store = reopen(store)
+    with pytest.raises(CorruptBlock, match="not a block"):
+        store.load("a")
+    [record] = lmdb_tier(store).quarantined()
+    assert record.key == m.blocks[2].key and "MalformedHeader" in record.reason
+    store.close()
+
+
+def test_a_damaged_memory_copy_is_dropped_and_lmdb_serves(store):
+    snap, tokens = make_snapshot(600, layouts=PLAIN), token_ids(600)
+    put(store, "a", snap, tokens)
+    m, memory = store.get("a"), store._tiers.memory
+    wrong = memory.get(m.blocks[0].key)
+    memory.put(m.blocks[1].key, HotObject(wrong.obj, wrong.kind, wrong.provenance, wrong.sha256, wrong.nbytes))
+    restored, stats = store.load("a")
+    assert_same_snapshot(restored, snap)
+    assert stats.objects == {"memory": 4, "lmdb": 1} and "dropped" in stats.misses[0]
+    assert store.stats().tiers["memory"].hits >= 4
+
+
+def test_verify_finds_missing_and_altered_objects(store):
+    put(store, "a", make_snapshot(600, layouts=PLAIN), token_ids(600))
+    m, tier = store.get("a"), lmdb_tier(store)
+    tier.delete_objects([m.blocks[0].key])
+    tier.delete_objects([m.window.key])
+    tier.put_object(m.window.key, F.dumps(split_snapshot(make_snapshot(0, layouts=PLAIN)).window))
+    kinds = {(p.kind, p.key) for p in store.verify("a")}
+    assert ("missing", m.blocks[0].key) in kinds and ("digest", m.window.key) in kinds
+    assert ("content", m.window.key) in kinds  # and quarantined
+    with pytest.raises(NotFound):
+        store.verify("nothing")
+
+
+# -- end to end: a tiny model decodes from the restored cache exactly as from the original -------
+
+
+def _prefill(model, scheme: str, tokens: mx.array):
+    caches = make_prompt_cache(model, scheme)
+    model(tokens[None], cache=caches)
+    for c in caches:
+        if hasattr(c, "compress"):
+            c.compress()
+    return caches
+
+
+def decode_logits(model, caches, first: mx.array, steps: int = 4) -> list[mx.array]:
+    """Greedy decode `steps` tokens from `first`; the logits of each step."""
+    y, out = first, []
+    for _ in range(steps):
+        logits = model(y[None], cache=caches)[0, -1]
+        mx.eval(logits)
+        out.append(logits)
+        y = mx.argmax(logits)[None]
+    return out
+
+
+def stored_model_entry(scheme: str = "turbo4", n: int = 260):
+    """A tiny llama, a prompt, the original caches after prefill and their snapshot and identities."""
+    model = build_model("llama")
+    prompt = prompt_tokens(n + 1)
+    caches = _prefill(model, scheme, prompt[:-1])
+    snap = snapshot(caches)
+    return model, prompt, caches, snap, ModelIdentity.from_model(model), CodecIdentity.from_snapshot(snap, scheme)
+
+
+def test_restored_entry_decodes_like_the_original(store):
+    model, prompt, caches, snap, model_id, codec_id = stored_model_entry()
+    tokens = prompt[:-1].tolist()
+    store.put("tiny", snap, tokens, model=model_id, codec=codec_id, model_ref="tiny-llama", prefill_seconds=0.1)
+    store = reopen(store)
+    match = store.lookup(tokens, model=model_id.digest, codec=codec_id.digest)
+    assert (match.tokens, match.entry) == (260, "tiny")
+    restored, stats = store.restore(match)
+    expected = decode_logits(model, caches, prompt[-1:])
+    for a, b in zip(expected, decode_logits(model, restore(restored), prompt[-1:])):
+        assert mx.array_equal(a, b).item()
+    store.close()
