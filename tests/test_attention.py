@@ -8,7 +8,7 @@ from kv_data import kv_rows
 from turboquant import parse_scheme
 from turboquant.cache import CompressedKeys, TurboQuantKVCache
 from turboquant.plan import plan_layer
-from turboquant.snapshot import Layout
+from turboquant.records import Layout
 
 SCHEMES = ["turbo0v4", "turbo8v3", "turbo3", "affine8", "affine4", "turbo4v2"]
 ULP = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 2.0**-23}

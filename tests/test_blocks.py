@@ -22,7 +22,7 @@ from tqstore.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calib
 from tqstore.identity import tensor_bytes
 from turboquant.codec import TurboCodec
 from turboquant.plan import codec_record, codec_name
-from turboquant.snapshot import LayerRecord, Layout, Snapshot, check_record_arrays
+from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays
 
 B, H, D = 1, 2, 64
 WINDOW = 64

@@ -8,7 +8,7 @@ from turboquant.calibration import fit_key_calibration
 from turboquant.integration import protected_layers, restore, snapshot
 from turboquant.plan import plan_layer
 from turboquant.sides import per_token_shifts
-from turboquant.snapshot import Layout
+from turboquant.records import Layout
 
 
 def _cache(scheme="turbo4", H=2, D=64, dtype=mx.float32):

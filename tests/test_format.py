@@ -29,7 +29,7 @@ from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, Ide
 from tqstore.bundle import read_bundle
 from tqstore.identity import CodecIdentity, ModelIdentity, tensor_bytes
 from turboquant import make_prompt_cache, restore, snapshot
-from turboquant.snapshot import LayerRecord, Layout, Snapshot
+from turboquant.records import LayerRecord, Layout, Snapshot
 
 M, C = hashlib.sha256(b"model").digest(), hashlib.sha256(b"codec").digest()
 DTYPE_IDS = [str(d).split(".")[-1] for d in DTYPES]

@@ -14,7 +14,7 @@ from tqstore import identity
 from tqstore.errors import ConfigError, NotFound
 from tqstore.identity import CodecIdentity, ModelIdentity, describe_difference
 from turboquant import make_prompt_cache, snapshot
-from turboquant.snapshot import CodecRecord, LayerRecord, Snapshot
+from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
 CONFIG = {"model_type": "qwen3", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
           "hidden_size": 64, "rope_theta": 1000000.0, "max_position_embeddings": 2048, "torch_dtype": "bfloat16",

@@ -15,7 +15,7 @@ from tqstore.interop import export_prompt_cache, import_prompt_cache
 from turboquant import make_prompt_cache as tq_make_prompt_cache
 from turboquant import restore, snapshot
 from turboquant.integration import restore_as
-from turboquant.snapshot import LayerRecord, Layout, Snapshot
+from turboquant.records import LayerRecord, Layout, Snapshot
 
 
 def _decode(model, caches, first, steps=8):

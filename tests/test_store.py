@@ -25,7 +25,7 @@ from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, T
 from tqstore.identity import CodecIdentity, ModelIdentity
 from tqstore.tiers.memory import HotObject
 from turboquant import make_prompt_cache, restore, snapshot
-from turboquant.snapshot import Layout
+from turboquant.records import Layout
 
 MODEL = ModelIdentity("weights-a", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
 OTHER_MODEL = ModelIdentity("weights-b", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")

@@ -30,7 +30,7 @@ PREAMBLE = """
     from tqstore import Store
     from tqstore.config import load_config
     from tqstore.identity import CodecIdentity, ModelIdentity
-    from turboquant.snapshot import Layout
+    from turboquant.records import Layout
 
     MODEL = ModelIdentity("weights-a", {{"num_hidden_layers": 2}}, None, None, None, "float16", "synthetic")
     CODEC = CodecIdentity("turbo4", (), {{}})

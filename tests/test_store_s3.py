@@ -17,7 +17,7 @@ from test_store import CODEC, MODEL, PLAIN, decode_logits, open_store, put, stor
 from tqstore.blocks import join_blocks, split_snapshot
 from tqstore.errors import ConflictError, CorruptBlock, NotFound, RemoteNotConfigured, RemoteUnreachable
 from turboquant import restore
-from turboquant.snapshot import Layout
+from turboquant.records import Layout
 
 
 def s3_store(home, s3, endpoint=None, **settings):

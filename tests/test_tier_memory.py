@@ -10,7 +10,7 @@ import mlx.core as mx
 from tqstore.blocks import SharedCodecs, Window
 from tqstore.format import Provenance
 from tqstore.tiers.memory import HotObject, MemoryTier, decoded_nbytes
-from turboquant.snapshot import LayerRecord, Layout
+from turboquant.records import LayerRecord, Layout
 
 
 def key(i) -> bytes:

@@ -12,7 +12,7 @@ block too (calibration is fitted from the first block's keys and stored in it).
 
 A snapshot splits into three kinds of parts: per-block records (every layer that is not a ring
 buffer, cut to the block's tokens: compressed rows, raw tail rows and per-256-token-block rows
-each by the tokens they cover, `turboquant.snapshot.token_span`; calibration in block 0), one
+each by the tokens they cover, `turboquant.records.token_span`; calibration in block 0), one
 per-entry `Window` (the ROTATING layers whole, since a ring buffer cannot be cut, plus a
 0-token template of every other layer that fixes its layout, config and state) and the shared
 codecs. `join_blocks` puts the first k blocks back together.
@@ -27,7 +27,7 @@ from typing import Iterable, Mapping, Sequence
 
 import mlx.core as mx
 
-from turboquant.snapshot import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
+from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
                                  check_record_arrays, token_span)
 
 from .identity import canonical_json, tensor_summary

@@ -58,6 +58,10 @@ class NotFound(TqstoreError):
     """No entry or object with that name or key."""
 
 
+class BadInput(TqstoreError, ValueError):
+    """A request that cannot be served as given (an empty document, a bad option value)."""
+
+
 class InvalidName(TqstoreError):
     """An entry name outside [A-Za-z0-9][A-Za-z0-9._-]{0,127}."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from turboquant.snapshot import Snapshot
+from turboquant.records import Snapshot
 
 from . import format as F
 from .blocks import BlockKey, SplitSnapshot, join_blocks
@@ -27,7 +27,6 @@ from .errors import ConflictError, CorruptBlock, FormatError, IdentityMismatch, 
 from .identity import codecs_digest
 from .manifest import Manifest
 from .tiers.lmdb import LmdbTier
-from .tiers.lmdb_layout import copy
 from .tiers.memory import HotObject, decoded_nbytes
 from .tierset import TierSet, slowest
 
@@ -252,9 +251,5 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
 
 def quarantine_lmdb(lmdb: LmdbTier, key: bytes, reason: str) -> None:
     """Quarantine an LMDB object whose bytes are intact but whose content is not what its key
-    promises. LmdbTier quarantines checksum failures itself but has no public call for this, so
-    its quarantine job runs here (to be replaced by LmdbTier.quarantine(key, reason))."""
-    env = lmdb._env
-    header = env.read(lambda txn: copy(txn.get(key, db=env.dbs[b"objects"])))
-    if header is not None:
-        env.write(lmdb._quarantine, key, header, reason)
+    promises (LmdbTier quarantines checksum failures itself)."""
+    lmdb.quarantine(key, reason)

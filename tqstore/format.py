@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 import zstandard
 
-from turboquant.snapshot import BLOCK_ARRAYS, CodecRecord, LayerRecord, Layout, Snapshot, check_record_arrays
+from turboquant.records import BLOCK_ARRAYS, CodecRecord, LayerRecord, Layout, Snapshot, check_record_arrays
 
 from .blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
 from .errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,

@@ -23,7 +23,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from turboquant.schemes import parse_scheme
-from turboquant.snapshot import CodecRecord, Snapshot
+from turboquant.records import CodecRecord, Snapshot
 
 from .bundle import write_file_atomic
 from .errors import ConfigError, NotFound

@@ -28,7 +28,7 @@ from turboquant.calibration import CalibrationConfig
 from turboquant.integration import make_prompt_cache, restore_as, snapshot
 from turboquant.plan import LayerPlan, SidePlan, plan_layer
 from turboquant.schemes import Format, parse_scheme
-from turboquant.snapshot import LayerRecord, Layout, Snapshot
+from turboquant.records import LayerRecord, Layout, Snapshot
 
 from .bundle import write_file_atomic
 from .errors import MalformedHeader, NotFound, UnsupportedCache

@@ -20,7 +20,7 @@ from .config import format_size
 from .errors import ConflictError, CorruptBlock, FormatError, NotFound
 from .fetch import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from .manifest import Manifest
-from .tiers.lmdb import CompactResult, LmdbTier
+from .tiers.lmdb import CompactResult
 from .tierset import TierSet, check_name
 
 REMOTE_GRACE = 3600.0  # seconds an unreferenced bucket object is left for a push in flight elsewhere
@@ -137,7 +137,7 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
         else:
             refs = {key for m, _ in entries if m.name not in expired for key in _keys(m)}
             orphans, orphan_bytes = _delete(tiers, [k for k in tiers.lmdb.iter_object_keys() if k not in refs])
-        cleared = _clear_quarantine(tiers.lmdb)
+        cleared = tiers.lmdb.clear_quarantine()
     stats = GcStats(tuple(expired), orphans, orphan_bytes, cleared)
     if remote:
         stats = _gc_remote(tiers, stats, remote_grace, notes)
@@ -239,21 +239,6 @@ def _delete(tiers: TierSet, keys: Iterable[bytes]) -> tuple[int, int]:
     infos = [info for info in map(tiers.lmdb.object_info, keys) if info is not None]
     tiers.lmdb.delete_objects(info.key for info in infos)
     return len(infos), sum(info.size for info in infos)
-
-
-def _clear_quarantine(lmdb: LmdbTier) -> int:
-    """Drop the quarantine records (the objects themselves are already gone). LmdbTier has no
-    public call for this; its environment is used directly (to be replaced by
-    LmdbTier.clear_quarantine())."""
-    env = lmdb._env
-
-    def job(txn) -> int:
-        db = env.dbs[b"quarantine"]
-        count = txn.stat(db)["entries"]
-        txn.drop(db, delete=False)
-        return count
-
-    return env.write(job)
 
 
 def _unreadable_note(names: list[str], where: str) -> str:

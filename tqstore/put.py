@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from turboquant.snapshot import Snapshot
+from turboquant.records import Snapshot
 
 from . import format as F
 from .blocks import SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot

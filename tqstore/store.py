@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from turboquant.snapshot import Snapshot
+from turboquant.records import Snapshot
 
 from .config import Config, load_config, resolve_home
 from .errors import FormatError, NotFound

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .snapshot import TOKEN_AXIS
+from .records import TOKEN_AXIS
 
 
 class TokenBuffers:

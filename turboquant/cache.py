@@ -27,7 +27,7 @@ from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration
 from .plan import LayerPlan
 from .schemes import Format
 from .sides import SHIFT_BLOCK, per_token_shifts
-from .snapshot import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
+from .records import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
 
 BLOCK = SHIFT_BLOCK
 assert BLOCK == BLOCK_TOKENS, "key means are kept per storage block"

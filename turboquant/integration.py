@@ -22,7 +22,7 @@ from .cache import CompressedKeys, TurboQuantKVCache
 from .calibration import CalibrationConfig
 from .plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, plan_layer
 from .schemes import Format, SchemeSpec, parse_scheme
-from .snapshot import LayerRecord, Layout, Snapshot
+from .records import LayerRecord, Layout, Snapshot
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _notices: set[str] = set()

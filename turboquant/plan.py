@@ -19,7 +19,7 @@ from .codec import NormMode, TurboCodec
 from .rotation import Rotation
 from .schemes import Format, SchemeSpec, side_bytes
 from .sides import AffineSide, NativeSide, TurboSide
-from .snapshot import CodecRecord, Scalar
+from .records import CodecRecord, Scalar
 
 PROTECTED_BITS = 8
 # Measured on Qwen2.5-Coder-0.5B (docs/quality.md): all three parts together are best.

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .cache import TurboQuantKVCache
 from .integration import make_prompt_cache, restore, restore_as, snapshot
-from .snapshot import Snapshot
+from .records import Snapshot
 
 NATIVE_BYTES = 2  # ratios are quoted against an fp16 cache
 

@@ -29,7 +29,7 @@ from tqstore.bundle import write_bundle  # noqa: E402
 from tqstore.identity import codecs_digest, tensor_bytes  # noqa: E402
 from turboquant.codec import TurboCodec  # noqa: E402
 from turboquant.plan import codec_name, codec_record  # noqa: E402
-from turboquant.snapshot import LayerRecord, Layout, Snapshot, check_record_arrays  # noqa: E402
+from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "format-v1"
 MODEL = hashlib.sha256(b"golden model").digest()

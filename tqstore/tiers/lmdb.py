@@ -223,6 +223,26 @@ class LmdbTier:
 
     # --- maintenance ---------------------------------------------------------------------------
 
+    def quarantine(self, key: bytes, reason: str) -> bool:
+        """Remove an intact object whose content is not what its key promises (a format or
+        identity failure found by the caller); recorded like a checksum failure. False if absent."""
+        key = check_key(key)
+        header = self._env.read(lambda txn: copy(txn.get(key, db=self._env.dbs[b"objects"])))
+        if header is None:
+            return False
+        self._env.write(self._quarantine, key, header, reason)
+        return True
+
+    def clear_quarantine(self) -> int:
+        """Forget the quarantine records (their objects are already gone); returns how many."""
+        def job(txn: lmdb.Transaction) -> int:
+            db = self._env.dbs[b"quarantine"]
+            count = txn.stat(db)["entries"]
+            txn.drop(db, delete=False)
+            return count
+
+        return self._env.write(job)
+
     def quarantined(self) -> list[QuarantineRecord]:
         """Objects removed because they failed verification (until stored again)."""
         def read(txn: lmdb.Transaction) -> list[QuarantineRecord]:

@@ -1,0 +1,118 @@
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from model_folder import write_model_folder
+from tqstore import Store
+from tqstore.config import load_config
+from tqstore.engine import Engine
+from tqstore.errors import BadInput, IdentityMismatch, NotFound
+from turboquant import TurboQuantKVCache, make_prompt_cache
+
+DOCUMENT = ("The contract says the seller pays for delays. Clause seven covers delivery, payment and "
+            "penalties. ") * 12
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2", kind="qwen2")
+
+
+@pytest.fixture
+def engine(tmp_path):
+    store = Store.open(tmp_path / "home", config=load_config(tmp_path / "home"))
+    yield Engine(store, prefill_chunk=64)
+    store.close()
+
+
+def _reference_caches(engine, loaded, scheme, tokens):
+    """An in-memory run that compresses at the same point as save (same prefill chunks)."""
+    caches = make_prompt_cache(loaded.model, scheme)
+    engine.prefill(loaded, caches, tokens)
+    for c in caches:
+        if isinstance(c, TurboQuantKVCache):
+            c.compress()
+    return caches
+
+
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "raw"])
+def test_save_then_ask_decodes_exactly_like_an_in_memory_run(engine, model_dir, scheme):
+    saved = engine.save("doc", DOCUMENT, model=str(model_dir), scheme=scheme)
+    loaded = engine.model(str(model_dir))
+    tokens = engine.store.get("doc").tokens
+    assert saved.tokens == len(tokens) and saved.reused_tokens == 0
+    question = loaded.prompt.question_tokens(loaded.tokenizer, "Who pays for delays?")
+    prompt = list(tokens) + question
+    started = engine.start(loaded, scheme, prompt[:-1])
+    assert started.matched == len(tokens) and started.tier in ("memory", "lmdb")
+    reference = _reference_caches(engine, loaded, scheme, tokens)
+    if scheme == "raw":
+        assert all(type(c) is KVCache for c in reference)
+    q = mx.array(question)[None]
+    assert mx.array_equal(loaded.model(q, cache=started.caches), loaded.model(q, cache=reference)).item()
+    answer = engine.ask("doc", "Who pays for delays?", max_tokens=6)
+    assert answer.cached_tokens == len(tokens) and answer.prompt_tokens == len(prompt)
+    assert answer.tier in ("memory", "lmdb") and len(answer.tokens) == 6
+    assert answer.recorded_prefill_seconds == pytest.approx(engine.store.get("doc").prefill_seconds)
+
+
+def test_resave_with_a_shared_prefix_prefills_only_the_new_part(engine, model_dir):
+    base = engine.save("base", DOCUMENT * 3, model=str(model_dir))
+    assert base.tokens > 512
+    longer = engine.save("longer", DOCUMENT * 3 + " Extra terms follow here. " * 20, model=str(model_dir))
+    # The whole stored entry is a prefix: restored, and its full blocks shared.
+    assert longer.reused_tokens == base.tokens and longer.reused_blocks == base.tokens // 256
+    assert longer.tokens > longer.reused_tokens
+
+
+def test_ask_refuses_another_model(engine, model_dir, tmp_path):
+    engine.save("doc", DOCUMENT, model=str(model_dir))
+    other = write_model_folder(tmp_path / "other", kind="qwen2", seed=5)
+    with pytest.raises(IdentityMismatch, match="weights"):
+        engine.ask("doc", "Who pays?", model=str(other), max_tokens=2)
+
+
+def test_a_moved_model_is_found_through_the_registry_or_named(engine, model_dir, tmp_path):
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(model_dir, moved)
+    engine.save("doc", DOCUMENT, model=str(moved))
+    fresh = Engine(engine.store)
+    assert fresh.model_for("doc").path == moved.resolve()  # recorded path
+    shutil.rmtree(moved)
+    fresh = Engine(engine.store)
+    with pytest.raises(NotFound, match="pass --model"):
+        fresh.model_for("doc")
+    fresh.model(str(model_dir))  # registering the same weights elsewhere makes it findable again
+    assert Engine(engine.store).model_for("doc").path == model_dir.resolve()
+
+
+def test_chat_turns_are_child_entries_sharing_blocks(engine, model_dir):
+    engine.save("doc", DOCUMENT * 3, model=str(model_dir))
+    first = engine.chat_turn("doc", "Who pays for delays?", "doc.chat-1", max_tokens=4)
+    second = engine.chat_turn("doc.chat-1", "And clause seven?", "doc.chat-2", max_tokens=4)
+    parent, child = engine.store.get("doc"), engine.store.get("doc.chat-2")
+    assert child.tokens[: len(parent.tokens)] == parent.tokens
+    shared = set(ref.key for ref in parent.blocks[:-1]) & set(ref.key for ref in child.blocks)
+    assert len(shared) == len(parent.blocks) - 1 >= 1
+    assert first.cached_tokens >= len(parent.tokens) - 1
+    assert second.cached_tokens >= len(engine.store.get("doc.chat-1").tokens) - 1
+    assert child.metadata["chat.parent"] == "doc.chat-1"
+
+
+def test_prompt_cache_api_gives_mlx_lm_ready_caches(engine, model_dir):
+    from mlx_lm import stream_generate
+
+    engine.save("doc", DOCUMENT, model=str(model_dir))
+    caches, tokens, loaded = engine.prompt_cache("doc")
+    assert caches[0].offset == len(tokens)
+    question = loaded.prompt.question_tokens(loaded.tokenizer, "Who pays?")
+    out = [r.token for r in stream_generate(loaded.model, loaded.tokenizer, question, max_tokens=3,
+                                            prompt_cache=caches)]
+    assert len(out) == 3
+
+
+def test_empty_document_is_refused(engine, model_dir):
+    with pytest.raises(BadInput, match="empty"):
+        engine.save("doc", "  \n", model=str(model_dir))

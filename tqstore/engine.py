@@ -1,0 +1,266 @@
+"""The model side of tqstore: prefill and save a context, restore it and answer questions.
+
+Every path that computes a context restores the longest stored prefix first and prefills only
+the rest, so a re-save shares the stored blocks (and their calibration) and a question costs
+only its own tokens. All MLX work runs on the calling thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import mlx.core as mx
+
+from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
+
+from .errors import BadInput, NotFound
+from .identity import CodecIdentity
+from .loading import LoadedModel, ModelRegistry, check_identity, load_model
+from .store import Store
+
+PREFILL_CHUNK = 512
+CHAT_PARENT = "chat.parent"
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What `save` did."""
+
+    name: str
+    tokens: int
+    reused_tokens: int  # restored from the store instead of prefilled
+    prefill_seconds: float  # this save's own prefill
+    recorded_prefill_seconds: float  # what computing the whole context costs (recorded in the entry)
+    scheme: str
+    new_blocks: int
+    reused_blocks: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class AskResult:
+    """One answer and where its prompt came from."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens restored from the store
+    tier: str  # memory, lmdb, s3 or none
+    restore_seconds: float
+    prefill_seconds: float  # this ask's remainder
+    recorded_prefill_seconds: float  # what the stored context cost to compute
+    generation_seconds: float
+    finish_reason: str | None
+
+
+@dataclass
+class Started:
+    """Caches holding the longest stored prefix of a prompt (or fresh ones)."""
+
+    caches: list[Any]
+    matched: int
+    tier: str
+    restore_seconds: float
+
+
+def _body(model):
+    """The transformer without its output head: prefill needs no logits (the head over every
+    position costs as much as several layers)."""
+    inner = getattr(model, "model", None)
+    return inner if callable(inner) else model
+
+
+class Engine:
+    """Save contexts and answer questions with mlx-lm models over a Store."""
+
+    def __init__(self, store: Store, *, dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
+        self.store = store
+        self.dtype = dtype
+        self.prefill_chunk = prefill_chunk
+        self.registry = ModelRegistry(store.config.home)
+        self._models: dict[tuple[str, str | None], LoadedModel] = {}
+        self._codecs: dict[tuple[bytes, str], CodecIdentity] = {}
+
+    @classmethod
+    def open(cls, home: str | Path | None = None, **options) -> "Engine":
+        """An engine over the store at `home` ($TQSTORE_HOME or ~/.cache/tqstore)."""
+        return cls(Store.open(home), **options)
+
+    # -- models ---------------------------------------------------------------------------
+
+    def model(self, ref: str, adapter_path: str | None = None) -> LoadedModel:
+        """Load (once per process) a model folder or repo id, and remember where it lives."""
+        key = (ref, adapter_path)
+        if key not in self._models:
+            loaded = load_model(ref, cache_dir=Path(self.store.config.home) / "cache", adapter_path=adapter_path,
+                                dtype=self.dtype)
+            self.registry.remember(loaded)
+            self._models[key] = loaded
+        return self._models[key]
+
+    def model_for(self, name: str, ref: str | None = None) -> LoadedModel:
+        """The model an entry was saved with: `ref` if given, else the recorded one, else the
+        registry's folder for its identity; refuses a model with another identity."""
+        manifest = self.store.get(name)
+        expected = manifest.model_identity
+        if ref is None:
+            ref, adapter = manifest.model_ref, manifest.adapter_path
+            if not Path(ref).exists():
+                known = self.registry.find(expected.hexdigest)
+                if known is not None and Path(known["path"]).exists():
+                    ref, adapter = known["path"], known.get("adapter")
+                elif ref.count("/") != 1 or ref.startswith("/"):
+                    raise NotFound(f"model {expected.source or ref!r} of entry {name!r} not found here: "
+                                   "pass --model")
+        else:
+            adapter = manifest.adapter_path
+        loaded = self.model(ref, adapter)
+        check_identity(loaded, expected, name)
+        return loaded
+
+    def codec_identity(self, loaded: LoadedModel, scheme: str) -> CodecIdentity:
+        """The codec identity of `scheme` on this model (data-independent: fresh caches)."""
+        key = (loaded.identity.digest, scheme)
+        if key not in self._codecs:
+            fresh = make_prompt_cache(loaded.model, scheme)
+            self._codecs[key] = CodecIdentity.from_snapshot(snapshot(fresh), scheme)
+        return self._codecs[key]
+
+    # -- the two main jobs ----------------------------------------------------------------
+
+    def start(self, loaded: LoadedModel, scheme: str, tokens: Sequence[int]) -> Started:
+        """Caches holding the longest stored prefix of `tokens` for this model and scheme."""
+        codec = self.codec_identity(loaded, scheme)
+        match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
+        if match is None or match.tokens == 0:
+            return Started(make_prompt_cache(loaded.model, scheme), 0, "none", 0.0)
+        snap, stats = self.store.restore(match)
+        return Started(restore(snap), match.tokens, stats.tier, stats.seconds)
+
+    def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                progress: Progress | None = None) -> float:
+        """Run `tokens` through the model into `caches` in chunks; returns the seconds spent."""
+        body = _body(loaded.model)
+        t0 = time.perf_counter()
+        done = 0
+        while done < len(tokens):
+            chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
+            mx.eval(body(chunk, cache=caches))
+            mx.eval([c.state for c in caches])
+            done += chunk.shape[1]
+            if progress:
+                progress(done, len(tokens))
+        return time.perf_counter() - t0
+
+    def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
+             adapter_path: str | None = None, progress: Progress | None = None, pin: bool = False,
+             ttl: float | None = None, metadata: dict[str, str] | None = None) -> SaveResult:
+        """Prefill `document` (what the store lacks of it), compress and store it as `name`."""
+        if not document.strip():
+            raise BadInput("the document is empty: nothing to save")
+        loaded = self.model(model, adapter_path)
+        tokens = loaded.prompt.context_tokens(loaded.tokenizer, document, system)
+        return self.save_tokens(name, loaded, tokens, scheme=scheme, progress=progress, pin=pin, ttl=ttl,
+                                metadata=metadata)
+
+    def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
+                    progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
+                    metadata: dict[str, str] | None = None) -> SaveResult:
+        """`save` for tokens already framed (chat turns, the server)."""
+        scheme = parse_scheme(scheme or self.store.config.default_scheme).name
+        started = self.start(loaded, scheme, tokens)
+        seconds = self.prefill(loaded, started.caches, tokens[started.matched:], progress)
+        for cache in started.caches:
+            if isinstance(cache, TurboQuantKVCache):
+                cache.compress()
+        new = len(tokens) - started.matched
+        # Prefill cost is close to linear at these lengths: scale what was measured to the whole.
+        recorded = seconds * len(tokens) / new if new else 0.0
+        result = self.store.put(name, snapshot(started.caches), tokens, model=loaded.identity,
+                                codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
+                                adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
+                                metadata=metadata)
+        return SaveResult(name, len(tokens), started.matched, seconds, recorded, scheme, result.new_blocks,
+                          result.reused_blocks, result.bytes_written)
+
+    def ask(self, name: str, question: str, *, model: str | None = None, max_tokens: int = 256,
+            temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+            on_text: Callable[[str], None] | None = None) -> AskResult:
+        """Answer `question` about entry `name`, restoring its context instead of prefilling it."""
+        manifest = self.store.get(name)
+        loaded = self.model_for(name, model)
+        prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
+        return self.generate(loaded, manifest.scheme, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
+                             seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+
+    def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
+        """Generate after `prompt`, restoring its longest stored prefix (all but the last token:
+        one token must run to produce logits). Options as `ask`."""
+        return self._generate(loaded, scheme, prompt, **options)[0]
+
+    def _generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
+                  temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                  on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
+                  stop: Callable[[str], bool] | None = None) -> tuple[AskResult, list[Any]]:
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        if seed is not None:
+            mx.random.seed(seed)
+        started = self.start(loaded, scheme, prompt[:-1])
+        pieces, tokens, prefill, finish = [], [], 0.0, None
+        t0 = time.perf_counter()
+        for response in stream_generate(loaded.model, loaded.tokenizer, prompt=list(prompt[started.matched:]),
+                                        max_tokens=max_tokens, prompt_cache=started.caches,
+                                        sampler=make_sampler(temp=temp, top_p=top_p),
+                                        prefill_step_size=self.prefill_chunk):
+            if not tokens:
+                prefill = response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0
+            tokens.append(response.token)
+            pieces.append(response.text)
+            finish = response.finish_reason
+            if on_text and response.text:
+                on_text(response.text)
+            if stop is not None and stop("".join(pieces)):
+                finish = "stop"
+                break
+        result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
+                           started.restore_seconds, prefill, recorded, time.perf_counter() - t0 - prefill, finish)
+        return result, started.caches
+
+    def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,
+                  **options) -> AskResult:
+        """One chat turn on entry `name`; the finished turn is saved as entry `child`, which
+        shares `name`'s blocks (the next turn continues from `child`)."""
+        manifest = self.store.get(name)
+        loaded = self.model_for(name, model)
+        tokens = list(manifest.tokens)
+        if manifest.metadata.get(CHAT_PARENT):
+            follow = loaded.prompt.turn_tokens(loaded.tokenizer, question)
+            if follow and tokens and follow[0] == tokens[-1]:
+                follow = follow[1:]  # the answer already ended with the turn's closing token
+        else:
+            follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
+        prompt = tokens + follow
+        result, caches = self._generate(loaded, manifest.scheme, prompt, recorded=manifest.prefill_seconds,
+                                        **options)
+        # mlx-lm feeds every token it yields back into the cache: it holds prompt + answer.
+        for cache in caches:
+            if isinstance(cache, TurboQuantKVCache):
+                cache.compress()
+        self.store.put(child, snapshot(caches), prompt + result.tokens, model=loaded.identity,
+                       codec=self.codec_identity(loaded, manifest.scheme), model_ref=str(loaded.path),
+                       adapter_path=loaded.adapter_path, prefill_seconds=manifest.prefill_seconds,
+                       metadata={**manifest.metadata, CHAT_PARENT: name})
+        return result
+
+    def prompt_cache(self, name: str, *, model: str | None = None) -> tuple[list[Any], list[int], LoadedModel]:
+        """mlx-lm caches holding entry `name` (ready for `prompt_cache=`), its tokens and model."""
+        manifest = self.store.get(name)
+        loaded = self.model_for(name, model)
+        snap, _ = self.store.load(name)
+        return restore(snap), list(manifest.tokens), loaded
