@@ -116,3 +116,17 @@ def test_prompt_cache_api_gives_mlx_lm_ready_caches(engine, model_dir):
 def test_empty_document_is_refused(engine, model_dir):
     with pytest.raises(BadInput, match="empty"):
         engine.save("doc", "  \n", model=str(model_dir))
+
+
+def test_store_caches_trims_the_answer_off(engine, model_dir):
+    engine.save("doc", DOCUMENT, model=str(model_dir))
+    loaded = engine.model(str(model_dir))
+    prompt = list(engine.store.get("doc").tokens) + loaded.prompt.question_tokens(loaded.tokenizer, "Who pays?")
+    result, caches = engine.generate_with_caches(loaded, "turbo4", prompt, max_tokens=5)
+    assert caches[0].offset == len(prompt) + 5
+    # All but the last prompt token: the next identical request must run one token for logits.
+    engine.store_caches("prompt-only", loaded, "turbo4", caches, prompt[:-1], prefill_seconds=1.0, ttl=60)
+    stored = engine.store.get("prompt-only")
+    assert list(stored.tokens) == prompt[:-1] and stored.expires is not None
+    again = engine.generate(loaded, "turbo4", prompt, max_tokens=5)
+    assert again.cached_tokens == len(prompt) - 1 and again.tokens == result.tokens

@@ -199,13 +199,15 @@ class Engine:
 
     def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
         """Generate after `prompt`, restoring its longest stored prefix (all but the last token:
-        one token must run to produce logits). Options as `ask`."""
-        return self._generate(loaded, scheme, prompt, **options)[0]
+        one token must run to produce logits). Options as `generate_with_caches`."""
+        return self.generate_with_caches(loaded, scheme, prompt, **options)[0]
 
-    def _generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
+    def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
                   temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                   on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
                   stop: Callable[[str], bool] | None = None) -> tuple[AskResult, list[Any]]:
+        """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
+        every token it yields back into the cache). `stop(text so far)` ends generation early."""
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
@@ -246,17 +248,30 @@ class Engine:
         else:
             follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
         prompt = tokens + follow
-        result, caches = self._generate(loaded, manifest.scheme, prompt, recorded=manifest.prefill_seconds,
-                                        **options)
-        # mlx-lm feeds every token it yields back into the cache: it holds prompt + answer.
+        result, caches = self.generate_with_caches(loaded, manifest.scheme, prompt,
+                                                   recorded=manifest.prefill_seconds, **options)
+        self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
+                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name})
+        return result
+
+    def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
+                     *, prefill_seconds: float, ttl: float | None = None,
+                     metadata: dict[str, str] | None = None) -> None:
+        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed."""
+        extra = caches[0].offset - len(tokens) if caches else 0
+        if extra < 0:
+            raise BadInput(f"the caches hold {caches[0].offset} tokens, fewer than the {len(tokens)} to store")
+        if extra and not all(c.is_trimmable() for c in caches):
+            raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
         for cache in caches:
+            if extra:
+                cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        self.store.put(child, snapshot(caches), prompt + result.tokens, model=loaded.identity,
-                       codec=self.codec_identity(loaded, manifest.scheme), model_ref=str(loaded.path),
-                       adapter_path=loaded.adapter_path, prefill_seconds=manifest.prefill_seconds,
-                       metadata={**manifest.metadata, CHAT_PARENT: name})
-        return result
+        self.store.put(name, snapshot(caches), tokens, model=loaded.identity,
+                       codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
+                       adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
+                       metadata=metadata)
 
     def prompt_cache(self, name: str, *, model: str | None = None) -> tuple[list[Any], list[int], LoadedModel]:
         """mlx-lm caches holding entry `name` (ready for `prompt_cache=`), its tokens and model."""
