@@ -67,3 +67,67 @@ def replace_section(path: Path, marker: str, body: str) -> None:
     else:
         text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
     path.write_text(text)
+
+
+def load_real_model(path: Path):
+    """The real model in float32 (MLX's CPU half-precision matmul is very slow)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    if not path.exists():
+        sys.exit(f"model not found at {path}: run `tqstore model install qwen2.5-coder-0.5b` or pass --model")
+    model, tokenizer = load(str(path))
+    model.set_dtype(mx.float32)
+    return model, tokenizer
+
+
+def text_tokens(tokenizer, path: Path, n: int) -> list[int]:
+    """The first n tokens of a corpus text (after its licence header)."""
+    tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:])
+    if len(tokens) < n:
+        sys.exit(f"{path} has only {len(tokens)} tokens; {n} needed")
+    return tokens[:n]
+
+
+class LocalS3:
+    """A moto S3 server on loopback with fake credentials and one bucket (benchmarks only)."""
+
+    def __init__(self, bucket: str = "tqstore-bench"):
+        import logging
+
+        import boto3
+        from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)
+        for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
+            os.environ.pop(name, None)
+        os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        self.bucket = bucket
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1")
+        self.client.create_bucket(Bucket=bucket)
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def drop_page_cache(path: Path) -> None:
+    """Evict one file from the page cache (posix_fadvise DONTNEED), not the whole machine's."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

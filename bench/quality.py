@@ -22,6 +22,21 @@ from common import (DEFAULT_MODEL, DEFAULT_TEXT, LICENCE_CHARS, git_revision, ma
 
 ALL_SCHEMES = ["raw", "affine8", "affine4", "turbo0v4", "turbo0v3", "turbo0v2", "turbo8v4", "turbo8v3", "turbo8v2",
                "turbo4", "turbo3", "turbo2", "turbo4v2"]
+PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}  # mlx-lm's own QuantizedKVCache (kv_bits), group size 64
+
+
+def mlx_lm_quantized(bits: int):
+    """mlx-lm's QuantizedKVCache holding the raw prefix (what `kv_bits` makes of a KVCache)."""
+
+    def factory(model, raw):
+        from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
+
+        from turboquant import restore_as
+
+        caches = restore_as(raw, mlx_make_prompt_cache(model))
+        return [c.to_quantized(group_size=64, bits=bits) for c in caches]
+
+    return factory
 
 
 def experiment_runs(name: str, schemes: list[str]):
@@ -29,6 +44,8 @@ def experiment_runs(name: str, schemes: list[str]):
 
     if name == "schemes":
         return [(s, "default", {}) for s in schemes]
+    if name == "peers":
+        return [(peer, "mlx-lm QuantizedKVCache", {"factory": mlx_lm_quantized(bits)}) for peer, bits in PEERS.items()]
     if name == "calibration":
         configs = {
             "none": CalibrationConfig(False, False, False),
@@ -65,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--schemes", nargs="+", default=ALL_SCHEMES)
-    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection"])
+    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection", "peers"])
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")

@@ -102,6 +102,10 @@ class Engine:
             self._models[key] = loaded
         return self._models[key]
 
+    def use_model(self, loaded: LoadedModel) -> None:
+        """Share a model another engine (or the caller) already loaded."""
+        self._models[(loaded.ref, loaded.adapter_path)] = loaded
+
     def model_for(self, name: str, ref: str | None = None) -> LoadedModel:
         """The model an entry was saved with: `ref` if given, else the recorded one, else the
         registry's folder for its identity; refuses a model with another identity."""

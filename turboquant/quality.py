@@ -54,8 +54,13 @@ def raw_prefix(model, tokens: mx.array, chunk: int = 512) -> Snapshot:
     return snapshot(recorder)
 
 
-def caches_from_raw(model, raw: Snapshot, scheme: str, **plan_options) -> list[Any]:
-    """The scheme's caches holding the raw prefix, compressed now (one raw prefill, many schemes)."""
+def caches_from_raw(model, raw: Snapshot, scheme: str, factory: Callable | None = None,
+                    **plan_options) -> list[Any]:
+    """The scheme's caches holding the raw prefix, compressed now (one raw prefill, many schemes).
+
+    `factory(model, raw)` builds other caches (a peer's, such as mlx-lm's QuantizedKVCache)."""
+    if factory is not None:
+        return factory(model, raw)
     caches = restore_as(raw, make_prompt_cache(model, scheme, **plan_options))
     for cache in caches:
         if isinstance(cache, TurboQuantKVCache):
@@ -80,6 +85,10 @@ def bits_per_element(caches: list[Any]) -> float:
             plan = c.active
             stored += 8 * plan.bytes_per_token(NATIVE_BYTES)
             elements += plan.n_kv_heads * (plan.head_dim_k + plan.head_dim_v)
+        elif hasattr(c, "bits"):  # mlx-lm QuantizedKVCache: codes plus an fp16 scale and bias per group
+            n = c.keys[0].shape[1] * (c.keys[0].shape[3] * 32 // c.bits + c.values[0].shape[3] * 32 // c.bits)
+            stored += n * (c.bits + 2 * 8 * NATIVE_BYTES / c.group_size)
+            elements += n
         elif getattr(c, "keys", None) is not None:
             n = c.keys.shape[1] * (c.keys.shape[3] + c.values.shape[3])
             stored += 16 * n

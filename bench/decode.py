@@ -1,0 +1,287 @@
+"""Decode-attention time per call: fp16 SDPA against the fused kernels over compressed caches.
+
+B=1, 32 query heads, 8 KV heads, d=128, one query token, at each context length. For every
+method, in one process and run: the time per call with many calls evaluated together
+("batched") and with `mx.eval` after each call ("sync"), the bytes the call must read (K and V
+as stored, scales, norms and key means included) and the achieved bandwidth against a copy
+ceiling measured in the same run. Each method cycles over several layers' worth of caches so
+that the working set is far larger than the L2 cache (as a model's layers are).
+
+  python bench/decode.py                    # table to stdout
+  python bench/decode.py --write-docs       # also into docs/benchmarks.md (decode-kernels section)
+  python bench/decode.py --sweep            # lane-shape / unroll / threadgroup sweep first
+
+Needs an MLX GPU backend (CUDA or Metal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from turboquant import kernels  # noqa: E402
+from turboquant.kernels import host  # noqa: E402
+from turboquant.kernels.reference import attention64, build_cache, dequantized, stored  # noqa: E402
+
+HQ, HKV, D = 32, 8, 128
+SCALE = 1 / math.sqrt(D)
+SCHEMES = ["turbo0v4", "turbo8v3", "turbo4", "turbo3", "affine8"]
+CONTEXTS = [4096, 16384, 65536, 131072]
+CHECK_UP_TO = 16384  # contexts whose fused output is also checked against float64 here
+WORKING_SET = 400 << 20  # fp16 bytes cycled over per context (many times the 50 MB L2)
+
+
+def device_line() -> str:
+    name = "unknown GPU"
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip() or name
+    except (OSError, subprocess.SubprocessError):
+        if kernels.select_backend() == "metal":
+            name = platform.processor() or "Apple GPU"
+    return f"{name}; MLX {mx.__version__} ({kernels.select_backend()} backend), Python {platform.python_version()}"
+
+
+def copy_ceiling() -> float:
+    """Bytes per second of a large elementwise copy (read + write), median of 10."""
+    x = mx.random.uniform(shape=(1 << 28,))  # 1 GiB float32
+    mx.eval(x)
+    times = []
+    for _ in range(12):
+        t = time.perf_counter()
+        mx.eval(x * 1.0)
+        times.append(time.perf_counter() - t)
+    del x
+    return 2 * (1 << 30) / statistics.median(times[2:])
+
+
+def timed(fns, calls: int, reps: int = 5) -> tuple[float, float, float]:
+    """(gpu, host, sync) seconds per call; `fns` cycles over layers. gpu: `calls` calls built
+    first, then evaluated together (the timed part); host: building them (Python and MLX graph);
+    sync: build, `mx.eval` and wait for each call alone."""
+    mx.eval([f() for f in fns])  # warm up: compile, allocate
+    gpu, build = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        outs = [fns[i % len(fns)]() for i in range(calls)]
+        t1 = time.perf_counter()
+        mx.eval(outs)
+        gpu.append((time.perf_counter() - t1) / calls)
+        build.append((t1 - t0) / calls)
+        del outs
+    sync = []
+    for i in range(calls * 2):
+        t = time.perf_counter()
+        mx.eval(fns[i % len(fns)]())
+        sync.append(time.perf_counter() - t)
+    return statistics.median(gpu), statistics.median(build), statistics.median(sync[calls // 2:])
+
+
+def layers_for(T: int) -> int:
+    return max(2, min(48, -(-WORKING_SET // (2 * 2 * T * HKV * D))))
+
+
+def stored_bytes(cache) -> int:
+    n = sum(a.nbytes for a in stored(cache).values())
+    if cache._shifts is not None:
+        n += cache._shifts.nbytes
+    return n
+
+
+def check(cache, q) -> float:
+    """Relative error of the fused call against float64 (guards the numbers below)."""
+    k64, v64 = dequantized(cache)
+    ref, _ = attention64(q, k64, v64, SCALE)
+    out = np.array(cache.attention(q, SCALE).astype(mx.float32)).astype(np.float64)
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain: bool, tail: int) -> list[dict]:
+    nl = layers_for(T)
+    rows = []
+    q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(T)).astype(mx.float16)
+    ks = [mx.random.normal((1, HKV, T, D), key=mx.random.key(i)).astype(mx.float16) for i in range(nl)]
+    vs = [mx.random.normal((1, HKV, T, D), key=mx.random.key(100 + i)).astype(mx.float16) for i in range(nl)]
+    mx.eval(ks, vs)
+    fns = [lambda i=i: mx.fast.scaled_dot_product_attention(q, ks[i], vs[i], scale=SCALE) for i in range(nl)]
+    b, h, s = timed(fns, calls)
+    fp16_bytes = 2 * T * HKV * D * 2
+    rows.append(dict(T=T, method="fp16 SDPA", batched=b, host=h, sync=s, bytes=fp16_bytes, err=None))
+    del ks, vs, fns
+    base = b
+    for scheme in schemes:
+        caches = [build_cache(scheme, HKV, D, mx.float16, T, seed=i) for i in range(nl)]
+        err = check(caches[0], q) if T <= CHECK_UP_TO else None
+        call = host.describe(q, caches[0]._key_side, caches[0]._value_side, stored(caches[0]), caches[0]._shifts)
+        fns = [lambda c=c: c.attention(q, SCALE) for c in caches]
+        b, h, s = timed(fns, calls)
+        nbytes = stored_bytes(caches[0])
+        rows.append(dict(T=T, method=f"{scheme} fused", batched=b, host=h, sync=s, bytes=nbytes, err=err,
+                         kernel=call.pass1.name, vs_fp16=base / b))
+        if plain:
+            os.environ["TQSTORE_KERNELS"] = "0"
+            try:
+                pb, ph, ps = timed(fns[:2], max(4, calls // 16), reps=3)
+            finally:
+                os.environ.pop("TQSTORE_KERNELS")
+            rows.append(dict(T=T, method=f"{scheme} plain ops", batched=pb, host=ph, sync=ps, bytes=nbytes,
+                             err=None, vs_fp16=base / pb))
+        if tail:
+            kt = mx.random.normal((1, HKV, tail, D), key=mx.random.key(7)).astype(mx.float16)
+            for c in caches:
+                c.update_and_fetch(kt, kt)
+            mx.eval([c.state for c in caches])
+            b, h, s = timed(fns, calls)
+            rows.append(dict(T=T, method=f"{scheme} fused + {tail}-row tail", batched=b, host=h, sync=s,
+                             bytes=nbytes + 2 * tail * HKV * D * 2, err=None, vs_fp16=base / b))
+        del caches, fns
+        mx.clear_cache()
+    for r in rows:
+        r["gbs"] = r["bytes"] / r["batched"] / 1e9
+        r["ceiling"] = r["bytes"] / r["batched"] / ceiling
+    return rows
+
+
+SWEEP_CONTEXTS = (4096, 131072)
+CANDIDATES = [(ns, u, tgs) for ns, u in ((1, 2), (1, 4), (2, 2), (1, 8)) for tgs in (512, 1024, 2048, 4096)]
+
+
+def breakdown(scheme: str, T: int, calls: int) -> str:
+    """GPU time per call of the parts: whole attention, q prep + both passes, pass 1, pass 2."""
+    from turboquant.kernels import cuda, metal
+
+    make = cuda.kernel if kernels.select_backend() == "cuda" else metal.kernel
+    nl = layers_for(T)
+    q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(1)).astype(mx.float16)
+    caches = [build_cache(scheme, HKV, D, mx.float16, T, seed=i) for i in range(nl)]
+    parts = []
+    for c in caches:
+        arrays = stored(c)
+        call = host.describe(q, c._key_side, c._value_side, arrays, c._shifts)
+        a1 = host.pass1_args(call, q, c._key_side, c._value_side, arrays, SCALE, c._shifts)
+        po, pm, pl = make(call.pass1)(**a1)
+        a2 = host.pass2_args(call, c._value_side, a1["inputs"][0], po, pm, pl)
+        mx.eval(po, pm, pl, *a1["inputs"])
+        parts.append((c, call, arrays, a1, a2))
+    res = {}
+    res["attention"] = timed([lambda c=c: c.attention(q, SCALE) for c, *_ in parts], calls, 3)[0]
+    res["q prep + passes"] = timed([lambda p=p: host.launch(make, p[1], q, p[0]._key_side, p[0]._value_side, p[2],
+                                                            SCALE, p[0]._shifts)[0] for p in parts], calls, 3)[0]
+    res["pass 1"] = timed([lambda p=p: make(p[1].pass1)(**p[3])[0] for p in parts], calls, 3)[0]
+    res["pass 2"] = timed([lambda p=p: make(p[1].pass2)(**p[4])[0] for p in parts], calls, 3)[0]
+    return ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in res.items())
+
+
+def sweep(calls: int) -> tuple[int, int, int]:
+    """Lane shape (ns), unroll and threadgroup target for the benchmark shape (R = 4): GPU us per
+    call; returns the configuration with the smallest sum of times relative to each case's best."""
+    print("sweep (GPU us per call, batched):", flush=True)
+    scores = {c: 0.0 for c in CANDIDATES}
+    for T in SWEEP_CONTEXTS:
+        nl = layers_for(T)
+        q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(1)).astype(mx.float16)
+        for scheme in ("turbo4", "turbo8v3"):
+            caches = [build_cache(scheme, HKV, D, mx.float16, T, seed=i) for i in range(nl)]
+            fns = [lambda c=c: c.attention(q, SCALE) for c in caches]
+            got = {}
+            for ns, u, tgs in CANDIDATES:
+                host.TUNING.update(ns=ns, unroll=u, threadgroups=tgs)
+                got[(ns, u, tgs)] = timed(fns, calls, reps=3)[0]
+            best = min(got.values())
+            for k, v in got.items():
+                scores[k] += v / best
+            host.TUNING.update(ns=0, unroll=0, threadgroups=0)
+            print(f"  T={T} {scheme}: " + " ".join(f"ns{k[0]}u{k[1]}t{k[2]}={v * 1e6:.1f}" for k, v in got.items()),
+                  flush=True)
+            del caches, fns
+            mx.clear_cache()
+    win = min(scores, key=scores.get)
+    print(f"  chosen: ns={win[0]} unroll={win[1]} threadgroups={win[2]} (score {scores[win]:.2f}; "
+          f"default {scores.get((0, 0, 0), float('nan'))})", flush=True)
+    return win
+
+
+def ctx(T: int) -> str:
+    return f"{T // 1024}k" if T % 1024 == 0 else str(T)
+
+
+def table(rows: list[dict], ceiling: float) -> str:
+    lines = ["| context | method | GPU us/call (batched) | host us/call (graph build) | sync us/call | MB read/call "
+             "| GB/s (batched) | of copy ceiling | speed vs fp16 SDPA (batched) | max rel err vs f64 |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs = "1.00x" if r["method"] == "fp16 SDPA" else f"{r['vs_fp16']:.2f}x"
+        err = "" if r["err"] is None else f"{r['err']:.1e}"
+        lines.append(f"| {ctx(r['T'])} | {r['method']} | {r['batched'] * 1e6:.1f} | {r['host'] * 1e6:.1f} | "
+                     f"{r['sync'] * 1e6:.1f} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['gbs']:.0f} | {100 * r['ceiling']:.0f}% | {vs} | {err} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--calls", type=int, default=64)
+    ap.add_argument("--tail", type=int, default=128, help="also time with this many raw tail rows (0: skip)")
+    ap.add_argument("--plain", action="store_true", help="also time the plain-ops path")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--write-docs", action="store_true")
+    args = ap.parse_args()
+    if kernels.select_backend() is None:
+        sys.exit("bench/decode.py needs an MLX GPU backend (CUDA or Metal) as the default device")
+    mx.set_memory_limit(60 << 30)
+    dev = device_line()
+    print(dev, flush=True)
+    tuning = ""
+    if args.sweep:
+        ns, u, tgs = sweep(args.calls)
+        host.TUNING.update(ns=ns, unroll=u, threadgroups=tgs)
+        tuning = f" Kernel tuning from the sweep: ns={ns}, unroll={u}, threadgroups={tgs}."
+    for scheme in ("turbo4", "turbo8v3"):
+        for T in SWEEP_CONTEXTS:
+            print(f"breakdown {scheme} {ctx(T)}: {breakdown(scheme, T, args.calls)}", flush=True)
+    ceiling = copy_ceiling()
+    print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for T in map(int, args.contexts.split(",")):
+        new = bench_context(T, args.schemes.split(","), args.calls, ceiling, args.plain, args.tail)
+        print(table(new, ceiling), flush=True)
+        rows += new
+    text = table(rows, ceiling)
+    command = "python bench/decode.py " + " ".join(sys.argv[1:])
+    body = (f"### Fused decode kernels vs fp16 SDPA\n\n"
+            f"Device: {dev}. Date: {datetime.date.today().isoformat()}. Command: `{command}`.\n"
+            f"B=1, {HQ} query / {HKV} KV heads, d={D}, fp16 activations, one query token; caches built by "
+            f"`TurboQuantKVCache` from synthetic rows (T stored rows, no tail unless the method says so). "
+            f"Copy ceiling (elementwise copy of 1 GiB, read + write): {ceiling / 1e12:.2f} TB/s. "
+            f"Batched: {args.calls} calls evaluated together; sync: `mx.eval` after each call (median). "
+            f"MB read: K and V as stored (scales, norms, key means included); each method cycles over "
+            f"several layers' caches so the working set exceeds the L2 cache. GPU us/call: the calls' graphs are "
+            f"built first, then evaluated together (timed); host us/call: building them (Python and MLX).{tuning}"
+            f"\n\n{text}\n")
+    print(body)
+    if args.write_docs:
+        from common import replace_section
+
+        replace_section(ROOT / "docs" / "benchmarks.md", "decode-kernels", body)
+        print("wrote docs/benchmarks.md (decode-kernels section)")
+
+
+if __name__ == "__main__":
+    main()
