@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tqstore import bundle
-from tqstore.bundle import parse_bundle, read_bundle, write_bundle, write_file_atomic
+from tqstore.bundle import parse_bundle, read_bundle, write_bundle
+from tqstore.durable import write_file_atomic
 from tqstore.errors import (BadMagic, ChecksumMismatch, DiskFull, FormatVersionTooNew, MalformedHeader,
                             TqstoreError, TruncatedData)
 

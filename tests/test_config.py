@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tqstore.config import Config, config_keys, load_config, parse_size, save_config_value
-from tqstore.errors import ConfigError
+from tqstore.errors import ConfigError, DiskFull
 
 
 @pytest.fixture(autouse=True)
@@ -168,7 +168,7 @@ def test_save_config_value_failure_leaves_old_file_and_no_temp(tmp_path, monkeyp
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError):
+    with pytest.raises(DiskFull, match="no space left"):
         save_config_value(tmp_path, "s3.region", "us-east-2")
     assert (tmp_path / "config.toml").read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.toml"]

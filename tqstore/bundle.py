@@ -14,17 +14,13 @@ anything. Files are published atomically (`write_file_atomic`).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import secrets
 import struct
-import sys
-from pathlib import Path
-from typing import Iterable
 
-from .errors import (BadMagic, ChecksumMismatch, DiskFull, FormatVersionTooNew, MalformedHeader, TruncatedData,
+from .durable import write_file_atomic
+from .errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, MalformedHeader, TruncatedData,
                      UnsupportedFormatVersion)
 
 BUNDLE_MAGIC = b"\x89TQB\r\n\x1a\n"
@@ -33,39 +29,6 @@ READABLE_BUNDLE_VERSIONS = frozenset({1})
 _FRAME = struct.Struct("<8sIIQQ32s")
 FRAME_SIZE = _FRAME.size  # 64
 MAX_KEY_BYTES = 255
-
-
-def write_file_atomic(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part.
-
-    A uniquely named temporary file (O_EXCL) in the same folder is written, flushed to the
-    device (F_FULLFSYNC on macOS, where fsync leaves data in the drive cache), renamed over
-    `path`, and the folder is synced so the rename survives a crash. A failure removes the
-    temporary file; a full disk raises DiskFull.
-    """
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for chunk in chunks:
-                    f.write(chunk)
-                f.flush()
-                _full_fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(path.parent)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DiskFull(f"no space left writing {path}: free some space or write somewhere else") from e
-        raise
 
 
 def write_bundle(path: str | os.PathLike, manifest_bytes: bytes, objects: dict[bytes, bytes]) -> None:
@@ -170,29 +133,3 @@ def _check_piece(p, keys: set[str], name: str) -> None:
             raise MalformedHeader(f"{name}: TOC {k} {p[k]!r} is not a non-negative integer")
     if not isinstance(p["sha256"], str) or len(p["sha256"]) != 64:
         raise MalformedHeader(f"{name}: TOC sha256 {p['sha256']!r:.80} is not 64 hex digits")
-
-
-def _full_fsync(fd: int) -> None:
-    if sys.platform == "darwin":
-        import fcntl
-
-        if hasattr(fcntl, "F_FULLFSYNC"):
-            try:
-                fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-                return
-            except OSError:
-                pass  # some filesystems (network, FAT) refuse it: fall back to fsync
-    os.fsync(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # platforms that cannot open folders (Windows) have no folder sync
-    try:
-        _full_fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

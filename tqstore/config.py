@@ -18,17 +18,16 @@ value and what is allowed.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
-import secrets
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .durable import write_file_atomic
 from .errors import ConfigError
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
@@ -287,7 +286,7 @@ def save_config_value(home: str | os.PathLike[str] | None, key: str, value: obje
     else:
         table[setting.key] = value
     home_path.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, _dump_toml(data).encode())
+    write_file_atomic(path, _dump_toml(data).encode())
     return path
 
 
@@ -320,41 +319,3 @@ def _dump_toml(data: Mapping[str, Mapping[str, object]]) -> str:
             rendered = json.dumps(value) if isinstance(value, str) else repr(value)
             lines.append(f"{key} = {rendered}")
     return "\n".join(lines) + "\n"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably.
-
-    Unique O_EXCL temp file in the same folder (so concurrent writers never share one), fsync
-    (F_FULLFSYNC on macOS, where fsync does not flush the drive cache), rename, fsync the folder.
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            _full_fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new file in `folder` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _full_fsync(fd: int) -> None:
-    full = getattr(fcntl, "F_FULLFSYNC", None)  # macOS only
-    if full is not None:
-        fcntl.fcntl(fd, full)
-    else:
-        os.fsync(fd)
-

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from turboquant.schemes import parse_scheme
 from turboquant.records import CodecRecord, Snapshot
 
-from .bundle import write_file_atomic
+from .durable import write_file_atomic
 from .errors import ConfigError, NotFound
 
 # The snapshot format version. format.py writes it into every frame and the codec identity

@@ -30,7 +30,7 @@ from turboquant.plan import LayerPlan, SidePlan, plan_layer
 from turboquant.schemes import Format, parse_scheme
 from turboquant.records import LayerRecord, Layout, Snapshot
 
-from .bundle import write_file_atomic
+from .durable import write_file_atomic
 from .errors import MalformedHeader, NotFound, UnsupportedCache
 from .identity import dtype_name
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import atomic_write
+from .durable import write_file_atomic
 from .errors import ConfigError, IdentityMismatch, NotFound, TqstoreError
 from .identity import ModelIdentity, describe_difference
 from .prompting import PromptFormat, prompt_format
@@ -116,7 +116,7 @@ class ModelRegistry:
         data = self._read()
         data[loaded.identity.hexdigest] = {"path": str(loaded.path), "ref": loaded.ref,
                                            "adapter": loaded.adapter_path}
-        atomic_write(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def find(self, digest_hex: str) -> dict | None:
         return self._read().get(digest_hex)

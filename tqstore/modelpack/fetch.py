@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
+from ..durable import fsync_dir, fsync_tree
 from .errors import ChecksumError, ChunkLayoutError, DownloadError
 from .progress import ProgressFn, report
 from .registry import ModelSpec
@@ -135,21 +136,6 @@ def assemble_gguf(
     return out
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _, filenames in os.walk(root):
-        for name in filenames:
-            _fsync_path(Path(dirpath, name))
-        _fsync_path(Path(dirpath))
-
-
 def publish_dir(dest: Path, build: Callable[[Path], None]) -> Path:
     """Create ``dest`` atomically: ``build`` fills a staging folder beside it, then a rename.
 
@@ -162,12 +148,12 @@ def publish_dir(dest: Path, build: Callable[[Path], None]) -> Path:
     try:
         build(staging)
         os.chmod(staging, 0o755)  # mkdtemp makes it private
-        _fsync_tree(staging)
+        fsync_tree(staging)
         _move_into_place(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_path(dest.parent)
+    fsync_dir(dest.parent)
     return dest
 
 

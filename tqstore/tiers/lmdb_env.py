@@ -24,7 +24,8 @@ from typing import TypeVar
 
 import lmdb
 
-from ..config import MiB, format_size, fsync_dir
+from ..config import MiB, format_size
+from ..durable import fsync_dir
 from ..errors import ConflictError, DiskFull, FormatVersionTooNew, TqstoreError
 from .writer import ResizeGate, WriterThread
 
