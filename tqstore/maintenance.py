@@ -21,7 +21,7 @@ from .errors import ConflictError, CorruptBlock, FormatError, NotFound
 from .fetch import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from .manifest import Manifest
 from .tiers.lmdb import CompactResult
-from .tierset import TierSet, check_name
+from .tierset import TierSet, not_found
 
 REMOTE_GRACE = 3600.0  # seconds an unreferenced bucket object is left for a push in flight elsewhere
 
@@ -99,7 +99,7 @@ def rm_local(tiers: TierSet, name: str) -> None:
         except FormatError:
             manifest = None  # unreadable: remove it; gc collects its objects
         if not tiers.lmdb.delete_manifest(name):
-            raise NotFound(f"no entry {name} in the store at {tiers.config.home}: `tqstore ls` lists the entries")
+            raise not_found(name, tiers)
         entries, unreadable = tiers.local_manifests()
         if manifest is not None and not unreadable:
             refs = {key for m, _ in entries for key in _keys(m)}
@@ -149,21 +149,14 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
 def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -> GcStats:
     s3 = tiers.require_s3()
     live: list[Manifest] = []
-    unreadable, expired = [], []
+    expired = []
     now = time.time()
-    for info in s3.list_manifests():
-        got = s3.get_manifest(info.name)
-        if got is None:
-            continue
-        try:
-            manifest = check_name(Manifest.from_bytes(got[0]), info.name)
-        except FormatError:
-            unreadable.append(info.name)
-            continue
+    found, unreadable = tiers.remote_manifests()
+    for manifest in (remote.manifest for remote in found):
         if manifest.expired(now):
-            s3.delete_manifest(info.name)
-            tiers.remote.forget(info.name)
-            expired.append(info.name)
+            s3.delete_manifest(manifest.name)
+            tiers.remote.forget(manifest.name)
+            expired.append(manifest.name)
         else:
             live.append(manifest)
     orphans, nbytes = [], 0
@@ -193,10 +186,7 @@ def verify(tiers: TierSet, name: str | None) -> list[Problem]:
     of every object and segment. Damaged copies are quarantined as a restore would."""
     problems: list[Problem] = []
     if name is not None:
-        manifest = tiers.local_manifest(name)
-        if manifest is None:
-            raise NotFound(f"no entry {name} in the store at {tiers.config.home}: `tqstore ls` lists the entries")
-        manifests = [manifest]
+        manifests = [tiers.require_manifest(name)]
     else:
         entries, unreadable = tiers.local_manifests()
         manifests = [m for m, _ in entries]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from turboquant.records import Snapshot
 
 from .config import Config, load_config, resolve_home
-from .errors import FormatError, NotFound
+from .errors import NotFound
 from .fetch import RestoreStats, restore_entry
 from .identity import CodecIdentity, ModelIdentity
 from .lookup import Match, lookup
@@ -36,7 +36,7 @@ from .put import PutResult, put_entry
 from .tiers.lmdb import LmdbStats, LmdbTier
 from .tiers.memory import MemoryTier
 from .tiers.s3 import S3Tier
-from .tierset import TierSet, check_name
+from .tierset import TierSet
 from .transfer import Progress, TransferStats, pull, push
 
 __all__ = ["EntryInfo", "GcStats", "Match", "Problem", "PutResult", "RestoreStats", "Store", "StoreStats",
@@ -207,11 +207,7 @@ class Store:
 
     def get(self, name: str) -> Manifest:
         """The manifest of local entry `name`; NotFound if there is none."""
-        manifest = self._tiers.local_manifest(validate_name(name))
-        if manifest is None:
-            hint = f" or `tqstore pull {name}` it from the bucket" if self._tiers.s3 is not None else ""
-            raise NotFound(f"no entry {name} in the store at {self.home}: `tqstore ls` lists the entries{hint}")
-        return manifest
+        return self._tiers.require_manifest(validate_name(name))
 
     def ls(self, remote: bool = False) -> list[EntryInfo]:
         """Local entries (remote=False) or the bucket's (remote=True, by listing it), by name."""
@@ -300,19 +296,7 @@ class Store:
     def _remote_manifests(self, names: list[str] | None = None) -> list[tuple[Manifest, float]]:
         """The bucket's manifests (all, by listing, or `names`) with their last-modified times;
         unreadable ones are left out. Feeds the remote index."""
-        s3 = self._tiers.require_s3()
-        listed = s3.list_manifests()
-        if names is not None:
-            listed = [i for i in listed if i.name in names]
-        out = []
-        for info in listed:
-            got = s3.get_manifest(info.name)
-            if got is None:
-                continue
-            try:
-                manifest = check_name(Manifest.from_bytes(got[0]), info.name)
-            except FormatError:
-                continue
-            self._tiers.remote.note_manifest(manifest, got[1])
-            out.append((manifest, info.last_used))
-        return out
+        found, _ = self._tiers.remote_manifests(names)
+        for remote in found:
+            self._tiers.remote.note_manifest(remote.manifest, remote.etag)
+        return [(remote.manifest, remote.modified) for remote in found]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .blocks import BLOCK_SIZE
 from .config import Config
-from .errors import FormatError, MalformedHeader, RemoteNotConfigured
+from .errors import FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from .manifest import Manifest
 from .remote_index import RemoteIndex
 from .tiers.lmdb import LmdbTier
@@ -87,6 +87,15 @@ class Counters:
             self.evicted_bytes += nbytes
 
 
+@dataclass(frozen=True)
+class RemoteManifest:
+    """A manifest read from the bucket, with the object's etag and Last-Modified time."""
+
+    manifest: Manifest
+    etag: str
+    modified: float
+
+
 class TierSet:
     """Memory, LMDB and (when configured) S3 tiers of one home, with shared bookkeeping."""
 
@@ -118,6 +127,32 @@ class TierSet:
         if data is None:
             return None
         return check_name(Manifest.from_bytes(data), name)
+
+    def require_manifest(self, name: str) -> Manifest:
+        """The local manifest `name`; NotFound (saying where to look) if there is none."""
+        manifest = self.local_manifest(name)
+        if manifest is None:
+            raise not_found(name, self)
+        return manifest
+
+    def remote_manifests(self, names: list[str] | None = None) -> tuple[list[RemoteManifest], list[str]]:
+        """(each readable bucket manifest, names that failed to parse); all by listing, or only
+        `names`."""
+        s3 = self.require_s3()
+        listed = s3.list_manifests()
+        if names is not None:
+            listed = [info for info in listed if info.name in names]
+        found, unreadable = [], []
+        for info in listed:
+            got = s3.get_manifest(info.name)
+            if got is None:
+                continue  # deleted since the listing
+            try:
+                found.append(RemoteManifest(check_name(Manifest.from_bytes(got[0]), info.name), got[1],
+                                            info.last_used))
+            except FormatError:
+                unreadable.append(info.name)
+        return found, unreadable
 
     def local_manifests(self) -> tuple[list[tuple[Manifest, float]], list[str]]:
         """(every readable local manifest with its last-used time, names that failed to parse).
@@ -167,6 +202,12 @@ class TierSet:
         if self.remote is not None and self.remote.has(key):
             return "s3"
         return None
+
+
+def not_found(name: str, tiers: "TierSet") -> NotFound:
+    """The error for a missing local entry."""
+    hint = f" or `tqstore pull {name}` it from the bucket" if tiers.s3 is not None else ""
+    return NotFound(f"no entry {name} in the store at {tiers.config.home}: `tqstore ls` lists the entries{hint}")
 
 
 def check_name(manifest: Manifest, name: str) -> Manifest:

@@ -71,10 +71,7 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     s3 = tiers.require_s3()
     start = time.perf_counter()
     if name is not None:
-        manifest = tiers.local_manifest(name)
-        if manifest is None:
-            raise NotFound(f"no entry {name} in the store at {tiers.config.home}: `tqstore ls` lists the entries")
-        manifests = [manifest]
+        manifests = [tiers.require_manifest(name)]
     else:
         entries, _ = tiers.local_manifests()  # unreadable ones are left out; `tqstore verify` names them
         manifests = sorted((m for m, _ in entries if not m.expired(time.time())), key=lambda m: m.name)
