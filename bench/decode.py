@@ -118,7 +118,7 @@ def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain:
     ks = [mx.random.normal((1, HKV, T, D), key=mx.random.key(i)).astype(mx.float16) for i in range(nl)]
     vs = [mx.random.normal((1, HKV, T, D), key=mx.random.key(100 + i)).astype(mx.float16) for i in range(nl)]
     mx.eval(ks, vs)
-    fns = [lambda i=i: mx.fast.scaled_dot_product_attention(q, ks[i], vs[i], scale=SCALE) for i in range(nl)]
+    fns = [lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE) for k, v in zip(ks, vs)]
     b, h, s = timed(fns, calls)
     fp16_bytes = 2 * T * HKV * D * 2
     rows.append(dict(T=T, method="fp16 SDPA", batched=b, host=h, sync=s, bytes=fp16_bytes, err=None))
@@ -173,7 +173,7 @@ def breakdown(scheme: str, T: int, calls: int) -> str:
     for c in caches:
         arrays = stored(c)
         call = host.describe(q, c._key_side, c._value_side, arrays, c._shifts)
-        a1 = host.pass1_args(call, q, c._key_side, c._value_side, arrays, SCALE, c._shifts)
+        a1 = host.pass1_args(make, call, q, c._key_side, c._value_side, arrays, SCALE, c._shifts)
         po, pm, pl = make(call.pass1)(**a1)
         a2 = host.pass2_args(call, c._value_side, a1["inputs"][0], po, pm, pl)
         mx.eval(po, pm, pl, *a1["inputs"])

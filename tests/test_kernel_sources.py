@@ -1,0 +1,338 @@
+"""The fused decode kernels without a GPU: source generation for every variant and both
+dialects, backend selection and the attention hook's fallback, the Metal self-check, and the
+kernels themselves run on the CPU through the emulator (one OS thread per GPU thread)."""
+
+import itertools
+import math
+import re
+import shutil
+import subprocess
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant import kernels
+from turboquant.kernels import emulate, host, metal
+from turboquant.kernels import template as tpl
+from turboquant.kernels.cuda import translation_unit
+from turboquant.kernels.reference import build_cache, reference, stored, tail
+from turboquant.sides import NativeSide
+
+D_VALUES = (64, 80, 96, 128, 256)
+
+
+def all_variants():
+    """Every pass-1 structure the layouts can produce (rows bucket 4), plus every rows bucket at
+    d=128, and every pass-0 and pass-2 variant."""
+    sides = []
+    for dt in tpl.NATIVE_DTYPES:
+        sides.append(("native", 0, 0, dt))
+    for bits, group, dt in itertools.product(tpl.AFFINE_BITS, tpl.AFFINE_GROUPS, tpl.NATIVE_DTYPES):
+        sides.append(("affine", bits, group, dt))
+    for bits in tpl.TURBO_BITS:
+        sides.append(("turbo", bits, 0, ""))
+    out = []
+    for d in D_VALUES:
+        for (kf, kb, kg, kd), (vf, vb, vg, vd) in itertools.product(sides, sides):
+            if vf == "native" or (kf == "affine" and d % kg) or (vf == "affine" and d % vg):
+                continue
+            if vf == "affine" and (vb, vg, vd) != (kb, kg, kd) and kf == "affine":
+                continue  # affine layouts use one codec for both sides
+            for shifts in ((False, True) if kf != "native" else (False,)):
+                for rmax in (tpl.ROW_BUCKETS if d == 128 else (4,)):
+                    out.append(tpl.Pass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value=vf,
+                                         value_bits=vb, value_group=vg, value_dtype=vd, rmax=rmax, shifts=shifts))
+        out += [tpl.Pass2(d=d, rotate=True), tpl.Pass2(d=d, rotate=False)]
+        out += [tpl.Pass0(d=d, q_dtype=dt, post=post, qs=qs) for dt in tpl.NATIVE_DTYPES
+                for post in (False, True) for qs in (False, True)]
+    return out
+
+
+VARIANTS = all_variants()
+
+
+def test_every_variant_generates_both_dialects_in_step():
+    names = set()
+    for v in VARIANTS:
+        assert v.name not in names
+        names.add(v.name)
+        bodies = {}
+        for dialect in tpl.DIALECTS:
+            header, body = tpl.source(v, dialect)
+            text = header + body
+            assert not tpl.leftover_markers(text), (v.name, dialect, tpl.leftover_markers(text)[:3])
+            assert text.count("{") == text.count("}"), (v.name, dialect)
+            assert text.count("(") == text.count(")"), (v.name, dialect)
+            assert body.startswith("\n") and tpl.PROLOGUE[dialect] in body
+            bodies[dialect] = body.replace(tpl.PROLOGUE[dialect], "<prologue>")
+        # One template: the two bodies differ only in how they read their thread indices.
+        assert bodies["cuda"] == bodies["metal"], v.name
+    assert len(names) > 1000
+
+
+def test_dialect_headers_and_prologues():
+    cuda, metal_ = tpl.HEADERS["cuda"], tpl.HEADERS["metal"]
+    for token in ("__shfl_xor_sync", "__shared__", "__syncthreads", "__funnelshift_r"):
+        assert token in cuda and token not in metal_
+    for token in ("simd_shuffle_xor", "threadgroup_barrier", "threadgroup const float", "as_type<"):
+        assert token in metal_ and token not in cuda
+    for macro in ("DEV", "TGMEM", "SYNC", "SHFL_XOR", "EXP2", "LOG2", "FMAX", "IMIN", "AS_FLOAT", "NEG_INF",
+                  "CBLOOK", "U2", "U4"):
+        for header in (cuda, metal_, emulate.HEADER):
+            assert re.search(rf"#define {macro}\b|struct {macro}\b", header), (macro, header[:40])
+    assert "threadIdx" in tpl.PROLOGUE["cuda"] and "blockIdx" in tpl.PROLOGUE["cuda"]
+    # Metal adds an attribute argument only for names that appear in the body itself.
+    assert "thread_position_in_threadgroup" in tpl.PROLOGUE["metal"]
+    assert "threadgroup_position_in_grid" in tpl.PROLOGUE["metal"]
+
+
+def test_runtime_sizes_are_not_compiled_in():
+    """T, span, blocks and R come from `params`; the name and source of a variant never change
+    with them (one compile per model layout, not per step)."""
+    v = tpl.Pass1(d=128, key="turbo", key_bits=4, key_group=0, key_dtype="", value="turbo", value_bits=3,
+                  value_group=0, value_dtype="", rmax=4, shifts=True)
+    body = tpl.source(v, "cuda")[1]
+    for size in ("T", "span", "nblk", "R", "H", "NG"):
+        assert re.search(rf"const int {size} = params\[\d\];", body)
+    assert "q_s" in v.input_names() and "mu" in v.input_names()
+
+
+def test_names_carry_dtypes_and_structure():
+    base = dict(d=128, key="native", key_bits=0, key_group=0, value="turbo", value_bits=4, value_group=0,
+                value_dtype="", rmax=4, shifts=False)
+    names = {tpl.Pass1(key_dtype=dt, **base).name for dt in tpl.NATIVE_DTYPES}
+    assert len(names) == 3
+    with pytest.raises(ValueError):
+        tpl.Pass1(key_dtype="float16", **{**base, "d": 84})
+    with pytest.raises(ValueError):
+        tpl.Pass1(key_dtype="float16", **{**base, "shifts": True})
+
+
+@pytest.mark.parametrize("d", D_VALUES)
+@pytest.mark.parametrize("rmax", tpl.ROW_BUCKETS)
+def test_lane_shape_covers_the_head_dim(d, rmax):
+    ns, g = tpl.lane_shape(d, rmax)
+    assert g & (g - 1) == 0 and g <= 32 and g * ns * 8 >= d
+    assert rmax * ns * 8 <= 64 or ns == 1
+
+
+@pytest.mark.parametrize("T", [1, 2, 63, 64, 65, 255, 256, 4096, 70000, 131072, 1 << 20, 4 << 20])
+@pytest.mark.parametrize("rows", [1, 2, 8, 64])
+def test_block_plan_covers_every_token(T, rows):
+    plan = host.plan_blocks(T, rows)
+    assert plan is not None
+    span, nblk = plan
+    assert (nblk - 1) * span < T <= nblk * span
+    assert nblk <= tpl.MAX_BLOCKS and span <= tpl.MAX_SPAN
+    assert nblk <= max(-(-T // host.MIN_SPAN), -(-T // tpl.MAX_SPAN))
+    # a block touches at most MAX_SHIFT_BLOCKS key-mean blocks (what pass 1 keeps in its buffer)
+    assert span // 256 + 2 <= tpl.MAX_SHIFT_BLOCKS
+    assert host.plan_blocks(tpl.MAX_BLOCKS * tpl.MAX_SPAN + 1, rows) is None
+
+
+def test_selection_on_cpu_returns_none(monkeypatch):
+    assert mx.default_device().type == mx.DeviceType.cpu
+    assert kernels.select_backend() is None
+    cache = build_cache("turbo4", 2, 64, mx.float32, 40)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
+    assert kernels.fused_decode(q, cache._key_side, cache._value_side, stored(cache), 0.125, cache._shifts) is None
+    monkeypatch.setenv("TQSTORE_KERNELS", "0")
+    assert kernels.select_backend() is None
+
+
+def test_describe_rejects_what_no_kernel_reads():
+    cache = build_cache("turbo4", 2, 64, mx.float32, 40)
+    ks, vs, arrays = cache._key_side, cache._value_side, stored(cache)
+    q = mx.zeros((1, 4, 1, 64))
+    assert host.describe(q, ks, vs, arrays, cache._shifts) is not None
+    assert host.describe(mx.zeros((1, 4, 2, 64)), ks, vs, arrays, cache._shifts) is None  # L != 1
+    assert host.describe(mx.zeros((1, 3, 1, 64)), ks, vs, arrays, cache._shifts) is None  # 3 q heads, 2 kv
+    assert host.describe(q, ks, vs, {}, None) is None
+    assert host.describe(q, ks, vs, arrays, cache._shifts[:, :0]) is None  # too few key means
+    assert host.describe(q, ks, NativeSide("values"), arrays, None) is None  # native values
+    assert host.describe(q, ks, NativeSide("missing"), arrays, None) is None
+    assert host.describe(mx.zeros((1, 4, 1, 32)), ks, vs, arrays, cache._shifts) is None  # head dim
+
+
+def _force(monkeypatch, backend, factory):
+    """Route fused_decode to `backend` with the emulator standing in for the GPU kernel."""
+    monkeypatch.setattr(kernels, "select_backend", lambda: backend)
+    if backend == "cuda":
+        import turboquant.kernels.cuda as cuda_mod
+
+        monkeypatch.setattr(cuda_mod, "kernel", factory)
+    else:
+        monkeypatch.setattr(metal, "kernel", factory)
+
+
+needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+
+
+@needs_cxx
+def test_hook_merges_the_tail_exactly(monkeypatch):
+    """compressed_attention through the kernel (emulated) and merge_tail equals the f64 reference
+    over [stored | tail], and the kernel is not used where it must not be."""
+    cache = build_cache("turbo3", 2, 64, mx.float16, 256, seed=3, tail=37)
+    assert tail(cache) is not None and cache.stored == 256
+    calls = []
+
+    def factory(v):
+        calls.append(v)
+        return emulate.kernel(v)
+
+    _force(monkeypatch, "cuda", factory)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(1)).astype(mx.float16)
+    ref, _ = reference(cache, q, 0.125)
+    for mask in (None, "causal"):
+        calls.clear()
+        out = cache.attention(q, 0.125, mask)
+        assert len(calls) == 3 and out.dtype == mx.float16  # pass 0 (query), pass 1, pass 2
+        err = np.abs(np.array(out.astype(mx.float32)) - ref).max()
+        assert err <= 2.0**-10 * np.abs(ref).max() * 2 + 1e-4 * np.abs(ref).max()
+    calls.clear()
+    with pytest.raises(ValueError):
+        cache.attention(q, 0.125, "sliding")
+    cache.attention(q, 0.125, mx.ones((1, cache.offset), dtype=mx.bool_))  # array mask: plain ops
+    q2 = mx.random.normal((1, 6, 2, 64), key=mx.random.key(2)).astype(mx.float16)
+    cache.attention(q2, 0.125, "causal")  # L = 2: plain ops
+    assert calls == []
+
+
+def test_hook_falls_back_when_no_kernel_applies(monkeypatch):
+    monkeypatch.setattr(kernels, "select_backend", lambda: "cuda")
+    cache = build_cache("turbo0v4", 2, 64, mx.float32, 40)
+    q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(4))
+    monkeypatch.setattr(host, "describe", lambda *a: None)
+    expected, _ = reference(cache, q, 0.125)
+    out = np.array(cache.attention(q, 0.125))
+    assert np.abs(out - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+def _ref_check(cache, q, scale, out, lse, rtol=1e-5):
+    ref_out, ref_lse = reference(cache, q, scale, with_tail=False)
+    out = np.array(out).astype(np.float64)
+    lse = np.array(lse).astype(np.float64)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    err = np.abs(out - ref_out).max() / np.abs(ref_out).max()
+    assert err <= rtol, err
+    assert np.abs(lse - ref_lse).max() <= rtol * max(1.0, np.abs(ref_lse).max())
+    return err
+
+
+# (scheme, H, R, D, T, dtype): each layout, head dim, bits, rows bucket and dtype at least once
+EMULATED = [
+    ("turbo0v4", 2, 1, 128, 1, mx.float16),
+    ("turbo0v3", 1, 7, 80, 63, mx.bfloat16),
+    ("turbo0v2", 2, 4, 96, 65, mx.float32),
+    ("turbo8v3", 2, 2, 128, 65, mx.float16),
+    ("turbo8v4", 1, 7, 96, 300, mx.bfloat16),
+    ("turbo8v2", 2, 1, 64, 1, mx.float32),
+    ("turbo3", 2, 4, 256, 200, mx.float32),
+    ("turbo2", 1, 2, 80, 70, mx.float16),
+    ("turbo4v2", 2, 7, 64, 513, mx.bfloat16),
+    ("affine8", 2, 4, 128, 130, mx.float16),
+    ("affine4", 1, 2, 96, 64, mx.bfloat16),
+    ("affine4", 2, 1, 256, 64, mx.float32),
+    ("turbo4", 1, 16, 64, 65, mx.float32),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: f"{c[0]}-H{c[1]}R{c[2]}d{c[3]}T{c[4]}")
+def test_emulated_kernel_matches_f64_reference(case):
+    scheme, H, R, D, T, dtype = case
+    cache = build_cache(scheme, H, D, dtype, T, seed=T + D)
+    q = mx.random.normal((1, H * R, 1, D), key=mx.random.key(D)).astype(dtype)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+    assert call is not None
+    args = (call, q, cache._key_side, cache._value_side, stored(cache), 1 / math.sqrt(D), cache._shifts)
+    # The emulator fills every output with NaN first: no NaN left means every element was written.
+    out, lse, po, pm, pl = host.launch(emulate.kernel, *args, init_value=float("nan"), partials=True)
+    assert not any(mx.any(mx.isnan(a)).item() for a in (po, pm, pl))
+    _ref_check(cache, q, 1 / math.sqrt(D), out, lse)
+    again = host.launch(emulate.kernel, *args)
+    assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item()
+
+
+@needs_cxx
+def test_emulated_uncalibrated_turbo_and_strided_views():
+    """Plain turbo layout (no key means), and arrays read through their strides: the cache hands
+    out token slices of larger buffers."""
+    cache = build_cache("turbo4", 2, 64, mx.float32, 100, calibrated=False)
+    assert cache._shifts is None
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(9))
+    arrays = stored(cache)
+    # a view: the first 70 tokens of 100 (non-contiguous along heads)
+    view = {n: a[:, :, :70] for n, a in arrays.items()}
+    call = host.describe(q, cache._key_side, cache._value_side, view, None)
+    # the emulator copies inputs to contiguous arrays; strides still differ per array kind
+    out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, view, 0.125, None)
+    ref_out, ref_lse = host.plain_decode(q, cache._key_side, cache._value_side, view, 0.125, None)
+    assert np.abs(np.array(out) - np.array(ref_out)).max() <= 1e-5 * np.abs(np.array(ref_out)).max()
+
+
+@needs_cxx
+def test_metal_self_check_keeps_a_good_kernel_and_drops_a_bad_one(monkeypatch):
+    metal.reset()
+    cache = build_cache("turbo8v3", 2, 64, mx.float16, 90)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(5)).astype(mx.float16)
+    args = (q, cache._key_side, cache._value_side, stored(cache), 0.125, cache._shifts)
+    refs = []
+    real_plain = host.plain_decode
+
+    def counting_plain(*a):
+        refs.append(1)
+        return real_plain(*a)
+
+    monkeypatch.setattr(host, "plain_decode", counting_plain)
+    _force(monkeypatch, "metal", emulate.kernel)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = kernels.fused_decode(*args)
+        second = kernels.fused_decode(*args)
+    assert first is not None and second is not None and len(refs) == 1  # checked once per shape
+
+    class Broken:
+        def __init__(self, v):
+            self.inner = emulate.kernel(v)
+            self.v = v
+
+        def __call__(self, **kw):
+            outs = self.inner(**kw)
+            return [outs[0] * 1.1, *outs[1:]] if isinstance(self.v, tpl.Pass2) else outs
+
+    metal.reset()
+    _force(monkeypatch, "metal", Broken)
+    with pytest.warns(RuntimeWarning, match="disagrees with the plain-ops path"):
+        assert kernels.fused_decode(*args) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.fused_decode(*args) is None  # verdict cached: no second warning
+        out = cache.attention(q, 0.125)  # the hook falls back to plain ops
+    ref, _ = reference(cache, q, 0.125)
+    assert np.abs(np.array(out.astype(mx.float32)) - ref).max() <= 2e-3 * np.abs(ref).max()
+    metal.reset()
+
+
+nvcc = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(nvcc is None, reason="needs nvcc")
+def test_cuda_sources_compile(tmp_path):
+    """A representative set compiles for sm_90 as MLX assembles it (a stand-in device header)."""
+    picks = [v for v in VARIANTS if isinstance(v, tpl.Pass2)][:4]
+    picks += [v for v in VARIANTS if isinstance(v, tpl.Pass0) and v.d in (80, 128)][::3]
+    seen = set()
+    for v in VARIANTS:
+        if isinstance(v, tpl.Pass1):
+            key = (v.key, v.key_bits if v.key != "affine" else 0, v.value, v.key_dtype[:2], v.d in (80, 96))
+            if key not in seen:
+                seen.add(key)
+                picks.append(v)
+    src = tmp_path / "kernels.cu"
+    src.write_text("\n".join(translation_unit(v) for v in picks))
+    res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]

@@ -1,0 +1,182 @@
+"""The fused decode kernels on a real GPU (CUDA or Metal) against a float64 reference.
+
+Marked `gpu`: skipped without a GPU backend. On the device machine (no moto there, so without
+the repository's conftest): `python3 -m pytest --noconftest -m gpu tests/test_kernels_gpu.py`.
+
+Coverage is a covering design rather than the full product (every compile costs device time):
+every layout meets every head dim, every GQA ratio of {1, 2, 4, 7}, every bit width and every
+activation dtype; each case checks T in {1, 63, 64, 65, 4096} from one cache (token views of it,
+which are strided like the cache's own), NaN-poisoned outputs fully overwritten and bit-identical
+repeats; a few representative cases run at T = 70000, the full attention path (kernels plus
+the raw tail) runs once per layout, and the benchmark shape runs under every lane shape the
+benchmark sweeps. About 4 minutes on an H200, most of it NVRTC compiles.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant import kernels
+from turboquant.kernels import host
+from turboquant.kernels.reference import attention64, build_cache, dequantized, reference, stored
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = {
+    "rawk-turbo": ["turbo0v2", "turbo0v3", "turbo0v4"],
+    "affinek-turbo": ["turbo8v2", "turbo8v3", "turbo8v4"],
+    "calibrated": ["turbo2", "turbo3", "turbo4", "turbo4v2"],
+    "turbo": ["turbo2", "turbo3", "turbo4"],
+    "affine": ["affine8", "affine4"],
+}
+D_VALUES = (64, 80, 96, 128, 256)
+R_VALUES = (1, 2, 4, 7)
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+T_VIEWS = (1, 63, 64, 65, 4096)
+H = 2
+RTOL = 1e-4  # float32 kernel vs float64 reference, relative to max |reference|
+
+
+def covering_cases():
+    cases = []
+    for li, (layout, schemes) in enumerate(LAYOUTS.items()):
+        i = li
+        for d in D_VALUES:
+            if d == 80 and layout in ("affinek-turbo", "affine"):
+                continue  # no MLX affine group size divides 80: such layers stay native
+            for _ in range(1 if layout == "turbo" else 2):
+                cases.append((layout, schemes[i % len(schemes)], d, R_VALUES[i % 4], DTYPES[i % 3]))
+                i += 1
+    return cases
+
+
+CASES = covering_cases()
+
+
+def _id(c):
+    return f"{c[0]}-{c[1]}-d{c[2]}-R{c[3]}-{str(c[4]).split('.')[-1]}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def on_gpu():
+    previous = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    mx.set_memory_limit(40 << 30)
+    yield
+    mx.set_default_device(previous)
+
+
+def _backend_kernel():
+    backend = kernels.select_backend()
+    assert backend in ("cuda", "metal")
+    if backend == "cuda":
+        from turboquant.kernels import cuda
+
+        return cuda.kernel
+    from turboquant.kernels import metal
+
+    return metal.kernel
+
+
+def _check(out, lse, ref_out, ref_lse, what):
+    out = np.array(out).astype(np.float64)
+    lse = np.array(lse).astype(np.float64)
+    assert np.isfinite(out).all() and np.isfinite(lse).all(), what
+    scale = np.abs(ref_out).max()
+    err = np.abs(out - ref_out).max() / scale
+    lerr = np.abs(lse - ref_lse).max() / max(1.0, np.abs(ref_lse).max())
+    assert err <= RTOL and lerr <= RTOL, (what, err, lerr)
+    return err, lerr
+
+
+def _run_views(cache, q, scale, t_values, k64, v64):
+    """Kernel over the first T stored rows for each T: matches f64, fully written, repeatable."""
+    make = _backend_kernel()
+    ks, vs = cache._key_side, cache._value_side
+    full = stored(cache)
+    worst = 0.0
+    for T in t_values:
+        arrays = {n: a[:, :, :T] for n, a in full.items()}
+        shifts = None if cache._shifts is None else cache._shifts[:, : -(-T // 256)]
+        assert kernels.fused_decode(q, ks, vs, arrays, scale, shifts) is not None
+        call = host.describe(q, ks, vs, arrays, shifts)
+        args = (call, q, ks, vs, arrays, scale, shifts)
+        out, lse, po, pm, pl = host.launch(make, *args, init_value=float("nan"), partials=True)
+        for part in (po, pm, pl):
+            assert not mx.any(mx.isnan(part)).item(), (call.pass1.name, T)
+        ref_out, ref_lse = attention64(q, k64[:, :, :T], v64[:, :, :T], scale)
+        err, _ = _check(out, lse, ref_out, ref_lse, (call.pass1.name, T))
+        worst = max(worst, err)
+        again = host.launch(make, *args)
+        assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item(), (call.pass1.name, T)
+    return worst
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_kernel_matches_f64_reference(case):
+    layout, scheme, d, R, dtype = case
+    cache = build_cache(scheme, H, d, dtype, max(T_VIEWS), seed=d * 7 + R, calibrated=layout != "turbo")
+    assert cache is not None and cache.layout.value == layout
+    q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(d + R)).astype(dtype)
+    k64, v64 = dequantized(cache)
+    _run_views(cache, q, 1 / math.sqrt(d), T_VIEWS, k64, v64)
+
+
+LONG = [("affinek-turbo", "turbo8v3", 128, 4, mx.float16), ("rawk-turbo", "turbo0v4", 128, 7, mx.bfloat16),
+        ("calibrated", "turbo4", 64, 2, mx.float32), ("affine", "affine8", 96, 1, mx.float16)]
+
+
+@pytest.mark.parametrize("case", LONG, ids=_id)
+def test_kernel_long_context(case):
+    layout, scheme, d, R, dtype = case
+    cache = build_cache(scheme, H, d, dtype, 70000, seed=11)
+    assert cache.layout.value == layout
+    q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(3)).astype(dtype)
+    k64, v64 = dequantized(cache)
+    _run_views(cache, q, 1 / math.sqrt(d), (70000,), k64, v64)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=str)
+def test_attention_with_tail_in_activation_dtype(layout):
+    """The whole decode step: kernel over stored rows, raw tail merged with plain ops."""
+    scheme = LAYOUTS[layout][-1]
+    dtype = mx.bfloat16 if layout in ("rawk-turbo", "affine") else mx.float16
+    cache = build_cache(scheme, H, 128, dtype, 512, seed=5, tail=77, calibrated=layout != "turbo")
+    assert cache.offset == 589 and cache.stored == 512
+    q = mx.random.normal((1, H * 4, 1, 128), key=mx.random.key(8)).astype(dtype)
+    out = cache.attention(q, 1 / math.sqrt(128), None)
+    assert out.dtype == dtype
+    ref, _ = reference(cache, q, 1 / math.sqrt(128))
+    err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)
+    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype] * np.abs(ref)
+    # the tail's own scores and mix are MLX matmuls (TF32 on CUDA): 2e-3 of the largest output
+    assert np.all(err <= 2 * ulp + 2e-3 * np.abs(ref).max())
+
+
+def test_bfloat16_key_of_70000_stays_finite():
+    cache = build_cache("turbo0v4", H, 128, mx.bfloat16, 300, seed=2)
+    keys = stored(cache)["keys"]
+    keys[:, :, 10, 7] = 70000.0
+    q = mx.random.normal((1, H * 2, 1, 128), key=mx.random.key(0)).astype(mx.bfloat16) * 30
+    res = kernels.fused_decode(q, cache._key_side, cache._value_side, {**stored(cache), "keys": keys}, 1 / 128**0.5)
+    assert res is not None
+    assert mx.all(mx.isfinite(res[0])).item() and mx.all(mx.isfinite(res[1])).item()
+
+
+@pytest.mark.parametrize("lanes", [(1, 2), (1, 4), (2, 2), (1, 8)], ids=lambda x: f"ns{x[0]}u{x[1]}")
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4"])
+def test_benchmark_shape_every_lane_shape(scheme, lanes):
+    """The lane shapes and unrolls the benchmark sweeps (32 query / 8 KV heads, d=128), one
+    block (a long loop) and many blocks."""
+    cache = build_cache(scheme, 8, 128, mx.float16, 3000, seed=4)
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(6)).astype(mx.float16)
+    k64, v64 = dequantized(cache)
+    saved = dict(host.TUNING)
+    try:
+        for tgs in (1, 1024):
+            host.TUNING.update(ns=lanes[0], unroll=lanes[1], threadgroups=tgs)
+            _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64)
+    finally:
+        host.TUNING.update(saved)

@@ -1,0 +1,338 @@
+"""Host side of the fused decode: which kernel fits a layer, its inputs, its launch.
+
+Shared by both backends; `cuda.py` and `metal.py` only say how a kernel object is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from ..rotation import Rotation, RotationKind
+from ..sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
+from .template import MAX_BLOCKS, MAX_SPAN, OUTPUTS1, OUTPUTS2, THREADS, Pass0, Pass1, Pass2, rows_bucket
+
+LOG2E = 1.4426950408889634
+MIN_SPAN = 64  # fewest tokens per pass-1 block
+TARGET_THREADGROUPS = 512  # pass-1 threadgroups per call: about one wave on an H200 (132 SMs, 4 per SM)
+DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One decode step's kernels and sizes (everything `launch` needs besides the arrays)."""
+
+    pass1: Pass1
+    pass2: Pass2
+    B: int
+    H: int
+    R: int
+    T: int
+    D: int
+
+
+# Tuning knobs for benchmarks (0 = the defaults: lane shape and unroll by rows bucket).
+TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0}
+
+
+def target_threadgroups() -> int:
+    return TUNING["threadgroups"] or int(os.environ.get("TQSTORE_KERNEL_THREADGROUPS", TARGET_THREADGROUPS))
+
+
+def plan_blocks(T: int, tg_rows: int, target: int | None = None) -> tuple[int, int] | None:
+    """(span, nblocks) of pass 1: enough threadgroups to fill the GPU, blocks of at least
+    MIN_SPAN and at most MAX_SPAN tokens, at most MAX_BLOCKS blocks; None when T is too long."""
+    if T < 1:
+        return None
+    target = target or target_threadgroups()
+    nblk = min(max(1, -(-target // tg_rows)), -(-T // MIN_SPAN), MAX_BLOCKS)
+    nblk = max(nblk, -(-T // MAX_SPAN))
+    if nblk > MAX_BLOCKS:
+        return None
+    span = -(-T // nblk)
+    span = -(-span // 16) * 16
+    return span, -(-T // span)
+
+
+def _side(side) -> tuple[str, int, int, str] | None:
+    """(format, bits, group, dtype name) of a side, None when no kernel reads it."""
+    if isinstance(side, TurboSide):
+        return "turbo", side.codec.bits, 0, ""
+    if isinstance(side, AffineSide):
+        return "affine", side.codec.bits, side.codec.group_size, ""
+    if isinstance(side, NativeSide):
+        return "native", 0, 0, ""
+    return None
+
+
+def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
+             shifts: mx.array | None) -> Call | None:
+    """The kernels of this decode step, or None when none applies (shape, layout, sizes)."""
+    if queries.ndim != 4 or queries.shape[2] != 1 or not arrays:
+        return None
+    B, Hq, _, D = queries.shape
+    ks, vs = _side(key_side), _side(value_side)
+    if ks is None or vs is None or vs[0] == "native":
+        return None
+    kfmt, kbits, kgroup, _ = ks
+    vfmt, vbits, vgroup, _ = vs
+    try:
+        if kfmt == "turbo":
+            kref = arrays[f"{key_side.name}_packed"]
+            if key_side.codec.d != D:
+                return None
+            kdtype = ""
+        elif kfmt == "affine":
+            kref = arrays[f"{key_side.name}_w"]
+            kdtype = DTYPE_NAMES.get(arrays[f"{key_side.name}_scales"].dtype)
+            if kref.shape[-1] * 32 // kbits != D:
+                return None
+        else:
+            kref = arrays[key_side.name]
+            kdtype = DTYPE_NAMES.get(kref.dtype)
+            if kref.shape[-1] != D:
+                return None
+        if vfmt == "turbo":
+            vref = arrays[f"{value_side.name}_packed"]
+            if value_side.codec.d != D:
+                return None
+            vdtype = ""
+        else:
+            vref = arrays[f"{value_side.name}_w"]
+            vdtype = DTYPE_NAMES.get(arrays[f"{value_side.name}_scales"].dtype)
+            if vref.shape[-1] * 32 // vbits != D:
+                return None
+    except KeyError:
+        return None
+    if kdtype is None or vdtype is None or kref.ndim != 4 or vref.ndim != 4:
+        return None
+    Bk, H, T, _ = kref.shape
+    if Bk != B or vref.shape[:3] != kref.shape[:3] or H == 0 or Hq % H or T < 1:
+        return None
+    if shifts is not None:
+        if kfmt == "native" or shifts.ndim != 3 or shifts.shape[0] != H or shifts.shape[2] != D:
+            return None
+        if shifts.shape[1] * SHIFT_BLOCK < T:
+            return None
+    R = Hq // H
+    pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
+                     shifts is not None, TUNING["ns"], TUNING["unroll"])
+    if pair is None:
+        return None
+    return Call(pair[0], pair[1], B, H, R, T, D)
+
+
+@functools.lru_cache(maxsize=None)
+def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll):
+    try:
+        p1 = Pass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
+                   value_bits=vbits, value_group=vgroup, value_dtype=vdtype, rmax=rmax, shifts=shifts, ns=ns,
+                   unroll=unroll)
+    except ValueError:
+        return None
+    return p1, Pass2(d=D, rotate=vfmt == "turbo")
+
+
+_RINV: dict[int, tuple[Rotation, mx.array]] = {}
+
+
+def inverse_matrix(rotation: Rotation) -> mx.array:
+    """M_inv with inverse(y) = y @ M_inv, exact in float32 (built once, on the CPU)."""
+    hit = _RINV.get(id(rotation))
+    if hit is not None and hit[0] is rotation:
+        return hit[1]
+    with mx.stream(mx.cpu):
+        if rotation.kind is RotationKind.HADAMARD:
+            m = rotation.inverse(mx.eye(rotation.d, dtype=mx.float32))
+        else:
+            m = mx.contiguous(rotation.matrix.astype(mx.float32).T)
+        mx.eval(m)
+    _RINV[id(rotation)] = (rotation, m)
+    return m
+
+
+_QT: dict[tuple, tuple] = {}
+
+
+def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
+    """Per key side (cached): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
+    keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
+    and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, 1, D] or a
+    scalar, c) for native and affine keys (q_k = q * pre)."""
+    key = (id(key_side), c, H, D)
+    hit = _QT.get(key)
+    if hit is not None and hit[0] is key_side:
+        return hit[1]
+    cal = getattr(key_side, "calibration", None)
+    chan = None if cal is None or cal.scale is None else cal.scale.astype(mx.float32)
+    cq = mx.array([c], dtype=mx.float32)
+    with mx.stream(mx.cpu):
+        if isinstance(key_side, TurboSide):
+            pre = mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c
+            m = mx.contiguous(key_side.codec.rotation.forward(mx.eye(D, dtype=mx.float32)))
+            post = key_side._scale()
+            post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
+            result = ("pass0", pre, m, post, cq)
+        else:
+            pre = cq.reshape(()) if chan is None else chan[:, None, :] * c
+            result = ("scale", pre, None, None, cq)
+        mx.eval(*[a for a in result[1:] if isinstance(a, mx.array)])
+    _QT[key] = (key_side, result)
+    return result
+
+
+def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, scale: float,
+                 call: Call) -> tuple[mx.array, mx.array | None]:
+    """(q_k, q_s): the key-side query (rotated and calibrated for TurboQuant keys, channel-scaled
+    for calibrated affine keys) and, for key means, the plain scaled query; [B*Hq, D] float32 in
+    log2 units (scale * log2(e) folded in). TurboQuant keys: one pass-0 kernel."""
+    B, H, R, D = call.B, call.H, call.R, call.D
+    c = scale * LOG2E
+    kind, pre, m, post, cq = _query_transform(key_side, c, H, D)
+    shifts = call.pass1.shifts
+    dtype = DTYPE_NAMES.get(queries.dtype)
+    if kind == "pass0" and dtype is not None:
+        p0 = _pass0(D, dtype, post is not None, shifts)
+        q = mx.contiguous(queries.reshape(B * H * R, D))
+        inputs = {"params": params, "q": q, "cq": cq, "pre": pre, "mf": m, "post": post}
+        outs = make_kernel(p0)(inputs=[inputs[n] for n in p0.input_names()], grid=(p0.threads * B * H * R, 1, 1),
+                               threadgroup=(p0.threads, 1, 1), output_shapes=[(B * H * R, D)] * len(p0.output_names()),
+                               output_dtypes=[mx.float32] * len(p0.output_names()))
+        return outs[0], (outs[1] if shifts else None)
+    q = queries.reshape(B, H, R, D)
+    if kind == "pass0":  # (an activation dtype without a kernel type: plain ops)
+        qk = (q.astype(mx.float32) * pre[:, None, :]) @ m
+        qk = qk if post is None else qk * post[:, None, :]
+    else:
+        qk = q * pre
+    qs = mx.contiguous((q * cq.reshape(())).reshape(B * H * R, D)) if shifts else None
+    # (elementwise results may keep a permuted input's strides; the kernels index rows densely)
+    return mx.contiguous(qk.reshape(B * H * R, D)), qs
+
+
+@functools.lru_cache(maxsize=None)
+def _pass0(d: int, q_dtype: str, post: bool, qs: bool) -> Pass0:
+    return Pass0(d=d, q_dtype=q_dtype, post=post, qs=qs)
+
+
+KernelFactory = Callable[[Pass1 | Pass2], Callable]
+
+
+def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
+               scale: float, shifts: mx.array | None, target: int | None = None) -> dict | None:
+    """Keyword arguments of the pass-1 kernel call (inputs, grid, outputs), or None (T too long)."""
+    p1 = call.pass1
+    NG = -(-call.R // p1.rmax)
+    blocks = plan_blocks(call.T, call.B * call.H * NG, target)
+    if blocks is None:
+        return None
+    span, nblk = blocks
+    rows = call.B * call.H * call.R
+    nb_mu = 0 if shifts is None else shifts.shape[1]
+    params = mx.array([call.T, span, nblk, call.R, call.H, NG, nb_mu, 0], dtype=mx.int32)
+    qk, qs = query_inputs(make_kernel, params, queries, key_side, scale, call)
+    inputs = {"params": params, "q_k": qk}
+    if shifts is not None:
+        inputs["q_s"] = qs
+        inputs["mu"] = mx.contiguous(shifts if shifts.dtype == mx.float32 else shifts.astype(mx.float32))
+    k, v = key_side.name, value_side.name
+    if p1.key == "turbo":
+        inputs.update(k_p=arrays[f"{k}_packed"], k_n=arrays[f"{k}_norms"], k_cb=key_side.codec.centroids)
+    elif p1.key == "affine":
+        inputs.update(k_w=arrays[f"{k}_w"], k_s=arrays[f"{k}_scales"], k_b=arrays[f"{k}_biases"])
+    else:
+        inputs.update(k_raw=arrays[k])
+    if p1.value == "turbo":
+        inputs.update(v_p=arrays[f"{v}_packed"], v_n=arrays[f"{v}_norms"], v_cb=value_side.codec.centroids)
+    else:
+        inputs.update(v_w=arrays[f"{v}_w"], v_s=arrays[f"{v}_scales"], v_b=arrays[f"{v}_biases"])
+    return dict(inputs=[inputs[n] for n in p1.input_names()],
+                grid=(THREADS * nblk, call.B * call.H * NG, 1), threadgroup=(THREADS, 1, 1),
+                output_shapes=[(rows, nblk, call.D), (rows, nblk), (rows, nblk)],
+                output_dtypes=[mx.float32] * len(OUTPUTS1))
+
+
+def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.array, pl: mx.array) -> dict:
+    p2 = call.pass2
+    rows = call.B * call.H * call.R
+    ins = {"params": params, "po": po, "pm": pm, "pl": pl}
+    if p2.rotate:
+        ins["rinv"] = inverse_matrix(value_side.codec.rotation)
+    return dict(inputs=[ins[n] for n in p2.input_names()], grid=(p2.threads * rows, 1, 1),
+                threadgroup=(p2.threads, 1, 1), output_shapes=[(rows, call.D), (rows,)],
+                output_dtypes=[mx.float32] * len(OUTPUTS2))
+
+
+def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, value_side,
+           arrays: dict[str, mx.array], scale: float, shifts: mx.array | None,
+           init_value: float | None = None, target: int | None = None,
+           partials: bool = False) -> tuple[mx.array, ...] | None:
+    """Run both passes; returns (out [B, Hq, 1, D] float32 normalised over the stored rows in the
+    original basis, lse [B, Hq, 1] float32 natural-log log-sum-exp of their scaled scores), plus
+    pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value` fills every output
+    before the kernels run (tests poison them with NaN)."""
+    args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target)
+    if args1 is None:
+        return None
+    po, pm, pl = make_kernel(call.pass1)(**args1, init_value=init_value)
+    out, lse = make_kernel(call.pass2)(**pass2_args(call, value_side, args1["inputs"][0], po, pm, pl),
+                                       init_value=init_value)
+    Hq = call.H * call.R
+    result = (out.reshape(call.B, Hq, 1, call.D), lse.reshape(call.B, Hq, 1))
+    return result + (po, pm, pl) if partials else result
+
+
+def exact_arrays(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
+    """`arrays` with affine scales and biases in float32: mx.dequantize then returns
+    scale * code + bias unrounded, which is what the kernels (and mx.quantized_matmul) use; with
+    half-precision scales it would round every dequantized element to that precision."""
+    return {n: a.astype(mx.float32) if n.endswith(("_scales", "_biases")) else a for n, a in arrays.items()}
+
+
+def plain_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
+                 shifts: mx.array | None) -> tuple[mx.array, mx.array]:
+    """What `launch` returns, computed with the sides' plain ops (the reference path)."""
+    arrays = exact_arrays(arrays)
+    B, Hq, L, D = queries.shape
+    some = next(iter(arrays.values()))
+    H = some.shape[1]
+    R = Hq // H
+    q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
+    s = key_side.scores(arrays, q, shifts)
+    lse = mx.logsumexp(s, axis=-1)
+    out = value_side.mix(arrays, mx.softmax(s, axis=-1, precise=True))
+    return out.reshape(B, Hq, L, -1), lse.reshape(B, Hq, L)
+
+
+def merge_tail(queries: mx.array, out: mx.array, lse: mx.array, tail: tuple[mx.array, mx.array] | None,
+               scale: float) -> mx.array:
+    """Attention over [stored rows | raw tail] from the stored rows' (out, lse) and the tail's own
+    scores (exact; plain ops), in the activation dtype."""
+    if tail is None:
+        return out.astype(queries.dtype)
+    B, Hq, _, D = queries.shape
+    kt, vt = tail
+    H = kt.shape[1]
+    R = Hq // H
+    q = (queries.astype(mx.float32) * scale).reshape(B, H, R, D)
+    s = q @ kt.astype(mx.float32).swapaxes(-1, -2)  # [B, H, R, n]
+    lse_s = lse.reshape(B, H, R, 1)
+    m = mx.maximum(mx.max(s, axis=-1, keepdims=True), lse_s)
+    e = mx.exp(s - m)
+    w = mx.exp(lse_s - m)
+    num = out.reshape(B, H, R, -1) * w + e @ vt.astype(mx.float32)
+    den = w + mx.sum(e, axis=-1, keepdims=True)
+    return (num / den).reshape(B, Hq, 1, -1).astype(queries.dtype)
+
+
+def close(a: mx.array, b: mx.array, rtol: float) -> tuple[bool, float]:
+    """max |a - b| relative to max |b| (NaN counts as a mismatch)."""
+    err = float(mx.max(mx.abs(a - b)).item())
+    ref = float(mx.max(mx.abs(b)).item())
+    rel = err / max(ref, 1e-30)
+    return (math.isfinite(rel) and rel <= rtol), rel

@@ -1,0 +1,62 @@
+"""The fused decode kernels through `mx.fast.metal_kernel` (MLX's Metal backend, for Macs).
+
+Same source as the CUDA kernels (one template, `template.py`). This backend cannot be run where
+it was written, so `checked` makes each kernel prove itself on the user's machine: the first
+call of every shape runs the kernel and the plain-ops path, compares them, and caches the
+verdict; a disagreement falls back to plain ops for that shape with a one-line warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import mlx.core as mx
+
+from .template import Pass0, Pass1, Pass2, output_names, source
+
+RTOL = 2e-3  # relative to max |reference|; the kernel computes in float32 like the plain path
+
+_verdicts: dict[tuple, bool] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def kernel(variant: Pass0 | Pass1 | Pass2):
+    header, body = source(variant, "metal")
+    outputs = output_names(variant)
+    # math_mode "safe" keeps exp2(-inf) == 0, which the online softmax relies on.
+    return mx.fast.metal_kernel(name=variant.name, input_names=variant.input_names(), output_names=outputs,
+                                source=body, header=header, ensure_row_contiguous=False,
+                                compile_options={"math_mode": "safe"})
+
+
+def shape_key(call) -> tuple:
+    return (call.pass1, call.pass2, call.B, call.H, call.R)
+
+
+def verdict(call, run, reference) -> tuple | None:
+    """Run the kernel (`run()` -> (out, lse)); on the first call of a shape also `reference()` and
+    keep the kernel only if both agree. Returns the kernel's result, or None to fall back."""
+    from .host import close
+
+    key = shape_key(call)
+    ok = _verdicts.get(key)
+    if ok is False:
+        return None
+    result = run()
+    if result is None or ok:
+        return result
+    ref = reference()
+    good_out, err_out = close(result[0], ref[0], RTOL)
+    good_lse, err_lse = close(result[1], ref[1], RTOL)
+    _verdicts[key] = good_out and good_lse
+    if not _verdicts[key]:
+        warnings.warn(f"turboquant: Metal decode kernel {call.pass1.name} disagrees with the plain-ops path "
+                      f"(relative error {max(err_out, err_lse):.2e}); using plain ops for this shape",
+                      RuntimeWarning, stacklevel=4)
+        return None
+    return result
+
+
+def reset() -> None:
+    _verdicts.clear()

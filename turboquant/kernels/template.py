@@ -1,0 +1,1065 @@
+"""One template, two dialects: the source of the fused decode kernels for CUDA and Metal.
+
+The kernel bodies below are written once, in C++ that both `mx.fast.cuda_kernel` (NVRTC) and
+`mx.fast.metal_kernel` (MSL, C++14) accept, over a few dialect macros (shuffles, barriers,
+address spaces, bit casts) that each dialect's header defines, and a prologue that reads the
+thread and threadgroup indices (Metal needs the attribute names in the body itself). A variant's
+structure (head dim, formats, bits, rows per threadgroup) is baked into its source as
+constants and into its name; runtime sizes (tokens, block span, block count, GQA ratio) travel
+in the `params` input, so a growing cache never compiles a new kernel.
+
+Pass 0 (TurboQuant keys; one threadgroup per query row): the query in the codes' basis,
+((q * pre) @ M) * post with the rotation as an exact float32 matrix, and the plain scaled query for
+the per-block key means; one launch instead of five elementwise/Hadamard ops.
+
+Pass 1 (one threadgroup per (KV head, row group, block of tokens)): G lanes share one token,
+each lane owns 8*NS dims; every K row (packed codes + norm, or affine words + scales, or native
+rows) and every V row is read once for all RMAX query rows of the KV head; scores in float32 in
+the log2 domain (the host multiplies the queries by log2(e)); per token-group online softmax with
+a lazy rescale once per U tokens; values accumulated in the rotated basis (TurboQuant) or as
+codes (affine); the next U tokens' rows are loaded (raw words) while the current ones are
+used. The groups are merged in threadgroup memory; each (row, block) writes its unnormalised
+output, its max m and its sum l.
+
+Pass 2 (one threadgroup per query row): merge the blocks, normalise, apply the inverse value
+rotation (dense matrix, float32 FMAs, not TF32) and write the output and the log-sum-exp (natural
+log) in float32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MARK = "@@"
+THREADS = 128  # pass 1 threadgroup size (4 SIMD groups)
+MAX_BLOCKS = 1024  # pass 2 keeps one factor per block in threadgroup memory
+MAX_SHIFT_BLOCKS = 18  # 256-token key-mean blocks one pass-1 block may touch
+SHIFT_BLOCK = 256
+MAX_SPAN = (MAX_SHIFT_BLOCKS - 2) * SHIFT_BLOCK  # tokens per pass-1 block: touches <= 17 key-mean blocks
+DIALECTS = ("cuda", "metal")
+KEY_FORMATS = ("native", "affine", "turbo")
+VALUE_FORMATS = ("affine", "turbo")
+NATIVE_DTYPES = ("float16", "bfloat16", "float32")
+TURBO_BITS = (1, 2, 3, 4)
+AFFINE_BITS = (4, 8)
+AFFINE_GROUPS = (32, 64, 128)
+ROW_BUCKETS = (1, 2, 4, 8)
+
+
+def pow2ceil(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def rows_bucket(r: int) -> int:
+    """Query rows one threadgroup serves (compile time): the next power of two, at most 8."""
+    for b in ROW_BUCKETS:
+        if r <= b:
+            return b
+    return ROW_BUCKETS[-1]
+
+
+def lane_shape(d: int, rmax: int) -> tuple[int, int]:
+    """(NS, G): sub-chunks of 8 dims per lane and lanes per token (a power of two <= 32).
+
+    A lane keeps RMAX * 8 * NS query values and as many accumulators in registers, so NS
+    shrinks as the row bucket grows; among the allowed NS the one with the least padding wins
+    (ties: more dims per lane, fewer shuffles)."""
+    nsub = d // 8
+    best = None
+    for ns in range(1, max(1, 4 // rmax) + 1):
+        g = pow2ceil(-(-nsub // ns))
+        if g > 32:
+            continue
+        key = (g * ns - nsub, -ns)
+        if best is None or key < best[0]:
+            best = (key, ns, g)
+    if best is None:
+        raise ValueError(f"head dim {d} needs more than 32 lanes per token")
+    return best[1], best[2]
+
+
+def packed_words(d: int, bits: int) -> int:
+    return -(-d * bits // 32)
+
+
+@dataclass(frozen=True)
+class Pass1:
+    """The structure of one pass-1 kernel (everything that changes its source)."""
+
+    d: int
+    key: str  # native | affine | turbo
+    key_bits: int  # 0 for native keys
+    key_group: int  # affine group size, else 0
+    key_dtype: str  # native K dtype or affine K scale dtype; "" for turbo keys
+    value: str  # affine | turbo
+    value_bits: int
+    value_group: int
+    value_dtype: str  # affine V scale dtype; "" for turbo values
+    rmax: int
+    shifts: bool  # calibrated keys: add q . mean of each token's 256-token block
+    unroll: int = 0  # tokens per group per iteration; 0 = by rmax
+    ns: int = 0  # 0 = by lane_shape
+
+    def __post_init__(self):
+        check_pass1(self)
+
+    @property
+    def lanes(self) -> tuple[int, int]:
+        ns, g = lane_shape(self.d, self.rmax)
+        if self.ns:
+            ns, g = self.ns, pow2ceil(-(-(self.d // 8) // self.ns))
+        return ns, g
+
+    @property
+    def u(self) -> int:
+        return self.unroll or (4 if self.rmax <= 2 else 2)
+
+    @property
+    def groups(self) -> int:
+        """Token groups per threadgroup."""
+        return THREADS // self.lanes[1]
+
+    @property
+    def step(self) -> int:
+        """Tokens a threadgroup consumes per loop iteration."""
+        return self.groups * self.u
+
+    @property
+    def name(self) -> str:
+        def side(fmt, bits, group, dtype):
+            s = f"{fmt[0]}{bits}"
+            if fmt == "affine":
+                s += f"g{group}"
+            if dtype:
+                s += "_" + {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[dtype]
+            return s
+
+        ns, g = self.lanes
+        return (f"tq_decode1_{side(self.key, self.key_bits, self.key_group, self.key_dtype)}_"
+                f"{side(self.value, self.value_bits, self.value_group, self.value_dtype)}_d{self.d}_r{self.rmax}"
+                f"_n{ns}_u{self.u}_s{int(self.shifts)}")
+
+    def input_names(self) -> list[str]:
+        names = ["params", "q_k"]
+        if self.shifts:
+            names += ["q_s", "mu"]
+        names += {"native": ["k_raw"], "affine": ["k_w", "k_s", "k_b"], "turbo": ["k_p", "k_n", "k_cb"]}[self.key]
+        names += {"affine": ["v_w", "v_s", "v_b"], "turbo": ["v_p", "v_n", "v_cb"]}[self.value]
+        return names
+
+
+@dataclass(frozen=True)
+class Pass2:
+    d: int
+    rotate: bool  # apply a dense inverse value rotation
+
+    @property
+    def threads(self) -> int:
+        return 256
+
+    @property
+    def name(self) -> str:
+        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}"
+
+    def input_names(self) -> list[str]:
+        return ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
+
+
+@dataclass(frozen=True)
+class Pass0:
+    """The query transform of TurboQuant keys: q_k = ((q * pre[h]) @ M) * post[h] with the
+    rotation as an exact float32 matrix (one threadgroup per query row), plus q_s = q * c for
+    the key means. Replaces five elementwise/Hadamard ops with one launch."""
+
+    d: int
+    q_dtype: str
+    post: bool
+    qs: bool
+
+    @property
+    def threads(self) -> int:
+        return 256 if self.d > 128 else 128
+
+    @property
+    def name(self) -> str:
+        dt = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.q_dtype]
+        return f"tq_decode0_d{self.d}_{dt}_p{int(self.post)}_s{int(self.qs)}"
+
+    def input_names(self) -> list[str]:
+        return ["params", "q", "cq", "pre", "mf"] + (["post"] if self.post else [])
+
+    def output_names(self) -> list[str]:
+        return ["q_k"] + (["q_s"] if self.qs else [])
+
+
+OUTPUTS1 = ["po", "pm", "pl"]
+OUTPUTS2 = ["out", "lse"]
+
+
+def check_pass1(v: Pass1) -> None:
+    if v.d % 8 or not 8 <= v.d <= 256:
+        raise ValueError(f"head dim must be a multiple of 8 in [8, 256], got {v.d}")
+    if v.key not in KEY_FORMATS or v.value not in VALUE_FORMATS:
+        raise ValueError(f"unsupported formats {v.key}/{v.value}")
+    if v.rmax not in ROW_BUCKETS:
+        raise ValueError(f"rmax must be one of {ROW_BUCKETS}")
+    for fmt, bits, group, dtype in ((v.key, v.key_bits, v.key_group, v.key_dtype),
+                                    (v.value, v.value_bits, v.value_group, v.value_dtype)):
+        if fmt == "turbo" and (bits not in TURBO_BITS or dtype):
+            raise ValueError(f"turbo side: bits {bits}, dtype {dtype!r}")
+        if fmt == "affine" and (bits not in AFFINE_BITS or group not in AFFINE_GROUPS or v.d % group
+                                or dtype not in NATIVE_DTYPES):
+            raise ValueError(f"affine side: bits {bits}, group {group}, dtype {dtype!r}")
+        if fmt == "native" and (bits or dtype not in NATIVE_DTYPES):
+            raise ValueError(f"native side: bits {bits}, dtype {dtype!r}")
+    if v.shifts and v.key == "native":
+        raise ValueError("native keys carry no key means")
+    ns, g = v.lanes
+    if g > 32 or v.u < 1:
+        raise ValueError("bad lane shape")
+
+
+# --------------------------------------------------------------------------------------------
+# Dialects
+# --------------------------------------------------------------------------------------------
+
+_COMMON_MACROS = """
+#define TQ_LN2 0.6931471805599453f
+"""
+
+CUDA_HEADER = _COMMON_MACROS + """
+#define DEV
+#define TGMEM __shared__
+#define SYNC() __syncthreads()
+#define SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define EXP2(x) exp2f(x)
+#define LOG2(x) log2f(x)
+#define FMAX(a, b) fmaxf((a), (b))
+#define IMIN(a, b) min((a), (b))
+#define AS_FLOAT(u) __uint_as_float(u)
+#define NEG_INF __uint_as_float(0xff800000u)
+#define CBLOOK(tbl, off) (*(const float*)((const char*)(tbl) + (off)))
+#define U2 uint2
+#define U4 uint4
+__device__ __forceinline__ uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
+  return __funnelshift_r(lo, hi, sh);
+}
+__device__ __forceinline__ float tq_half(uint32_t bits) {
+  return __half2float(__ushort_as_half((unsigned short)bits));
+}
+__device__ __forceinline__ void tq_h2(uint32_t w, float& a, float& b) {
+  __half2 h = *reinterpret_cast<__half2*>(&w);
+  float2 f = __half22float2(h);
+  a = f.x;
+  b = f.y;
+}
+"""
+
+METAL_HEADER = _COMMON_MACROS + """
+#define DEV device
+#define TGMEM threadgroup
+#define SYNC() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
+#define SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
+#define EXP2(x) metal::exp2(x)
+#define LOG2(x) metal::log2(x)
+#define FMAX(a, b) metal::max((a), (b))
+#define IMIN(a, b) metal::min((a), (b))
+#define AS_FLOAT(u) as_type<float>((uint32_t)(u))
+#define NEG_INF as_type<float>(0xff800000u)
+#define CBLOOK(tbl, off) (*(threadgroup const float*)((threadgroup const char*)(tbl) + (off)))
+#define U2 uint2
+#define U4 uint4
+inline uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
+  return sh == 0 ? lo : ((lo >> sh) | (hi << (32u - sh)));
+}
+inline float tq_half(uint32_t bits) {
+  return float(as_type<half>((ushort)bits));
+}
+inline void tq_h2(uint32_t w, thread float& a, thread float& b) {
+  float2 f = float2(as_type<half2>(w));
+  a = f.x;
+  b = f.y;
+}
+"""
+
+PROLOGUE = {
+    "cuda": """const int tid = (int)threadIdx.x;
+const int blk = (int)blockIdx.x;
+const int gy = (int)blockIdx.y;""",
+    "metal": """const int tid = (int)thread_position_in_threadgroup.x;
+const int blk = (int)threadgroup_position_in_grid.x;
+const int gy = (int)threadgroup_position_in_grid.y;""",
+}
+
+def _guard(text: str) -> str:
+    return "#ifndef TQ_DECODE_HEADER\n#define TQ_DECODE_HEADER\n" + text + "#endif\n"
+
+
+HEADERS = {"cuda": _guard(CUDA_HEADER), "metal": _guard(METAL_HEADER)}
+
+
+def fill(text: str, **values) -> str:
+    for k, v in values.items():
+        text = text.replace(f"{MARK}{k}{MARK}", str(v))
+    return text
+
+
+def leftover_markers(text: str) -> list[str]:
+    return re.findall(re.escape(MARK) + r"\w*" + re.escape(MARK) + "?", text)
+
+
+# --------------------------------------------------------------------------------------------
+# Pass 1
+# --------------------------------------------------------------------------------------------
+
+_PASS1 = """
+constexpr int D = @@D@@;
+constexpr int RMAX = @@RMAX@@;
+constexpr int NS = @@NS@@;
+constexpr int G = @@G@@;
+constexpr int NSUB = D / 8;
+constexpr int E = NS * 8;
+constexpr int NT = @@NT@@;
+constexpr int NGRP = NT / G;
+constexpr int U = @@U@@;
+constexpr int STEP = NGRP * U;
+constexpr int MAXSB = @@MAXSB@@;
+@@PROLOGUE@@
+const int T = params[0];
+const int span = params[1];
+const int nblk = params[2];
+const int R = params[3];
+const int H = params[4];
+const int NG = params[5];
+const int bh = gy / NG;
+const int rg = gy - bh * NG;
+const int b = bh / H;
+const int h = bh - b * H;
+const int r0 = rg * RMAX;
+const int nrows = IMIN(RMAX, R - r0);
+const int qrow0 = bh * R + r0;
+const int t_begin = blk * span;
+const int t_end = IMIN(t_begin + span, T);
+const int gl = tid % G;
+const int tg = tid / G;
+const int lane = tid % 32;
+const int warp = tid / 32;
+const int sb0 = t_begin >> 8;
+@@SHARED@@
+@@SETUP_SHARED@@
+SYNC();
+
+float q[RMAX][E];
+#pragma unroll
+for (int r = 0; r < RMAX; ++r) {
+#pragma unroll
+  for (int k = 0; k < NS; ++k) {
+    const int sc = gl + k * G;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      q[r][k * 8 + i] = (r < nrows && sc < NSUB) ? q_k[(qrow0 + r) * D + sc * 8 + i] : 0.0f;
+    }
+  }
+}
+@@KEY_SETUP@@
+@@VALUE_SETUP@@
+float m[RMAX];
+float l[RMAX];
+float o[RMAX][E];
+#pragma unroll
+for (int r = 0; r < RMAX; ++r) {
+  m[r] = NEG_INF;
+  l[r] = 0.0f;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    o[r][e] = 0.0f;
+  }
+}
+@@VALUE_STATE@@
+
+int tt[U];
+bool ok[U];
+#pragma unroll
+for (int u = 0; u < U; ++u) {
+  const int t = t_begin + tg + u * NGRP;
+  ok[u] = t < t_end;
+  tt[u] = ok[u] ? t : t_begin;
+}
+@@KEY_DECL@@
+@@VALUE_DECL@@
+@@KEY_FILL@@
+@@VALUE_FILL@@
+for (int base = t_begin; base < t_end; base += STEP) {
+  // Prefetch the next chunk's rows while this one is scored and mixed (clamped past the end).
+  int ntt[U];
+  bool nok[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int t = base + STEP + tg + u * NGRP;
+    nok[u] = t < t_end;
+    ntt[u] = nok[u] ? t : t_begin;
+  }
+@@KEY_NDECL@@
+@@VALUE_NDECL@@
+@@KEY_NFILL@@
+@@VALUE_NFILL@@
+  float s[U][RMAX];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+@@KEY_SCORE@@
+  }
+#pragma unroll
+  for (int off = G / 2; off >= 1; off /= 2) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int r = 0; r < RMAX; ++r) {
+        s[u][r] += SHFL_XOR(s[u][r], off);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int r = 0; r < RMAX; ++r) {
+      float x = s[u][r];
+@@KEY_FINISH@@
+      s[u][r] = ok[u] ? x : NEG_INF;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RMAX; ++r) {
+    float mx = s[0][r];
+#pragma unroll
+    for (int u = 1; u < U; ++u) {
+      mx = FMAX(mx, s[u][r]);
+    }
+    if (mx > m[r]) {
+      const float a = EXP2(m[r] - mx);
+      l[r] *= a;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        o[r][e] *= a;
+      }
+@@VALUE_RESCALE@@
+      m[r] = mx;
+    }
+  }
+  float w[U][RMAX];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+#pragma unroll
+    for (int r = 0; r < RMAX; ++r) {
+      const float p = ok[u] ? EXP2(s[u][r] - m[r]) : 0.0f;
+      l[r] += p;
+      w[u][r] = p;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+@@VALUE_ACCUM@@
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    tt[u] = ntt[u];
+    ok[u] = nok[u];
+  }
+@@KEY_COPY@@
+@@VALUE_COPY@@
+}
+
+// Merge the token groups of this threadgroup (SIMD shuffles, then one slot per SIMD group),
+// then write (o, m, l) of each row for this block.
+TGMEM float s_m[NGRP * RMAX];
+TGMEM float s_l[NGRP * RMAX];
+TGMEM float s_red[(NT / 32) * D];
+if (gl == 0) {
+#pragma unroll
+  for (int r = 0; r < RMAX; ++r) {
+    s_m[tg * RMAX + r] = m[r];
+    s_l[tg * RMAX + r] = l[r];
+  }
+}
+SYNC();
+#pragma unroll
+for (int r = 0; r < RMAX; ++r) {
+  if (r < nrows) {
+    float M = NEG_INF;
+    for (int j = 0; j < NGRP; ++j) {
+      M = FMAX(M, s_m[j * RMAX + r]);
+    }
+    const float fac = (m[r] == NEG_INF) ? 0.0f : EXP2(m[r] - M);
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {
+      const int sc = gl + k * G;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float val = (@@VALUE_OUT@@) * fac;
+#pragma unroll
+        for (int off = G; off < 32; off *= 2) {
+          val += SHFL_XOR(val, off);
+        }
+        if (lane < G && sc < NSUB) {
+          s_red[warp * D + sc * 8 + i] = val;
+        }
+      }
+    }
+    SYNC();
+    const int prow = (qrow0 + r) * nblk + blk;
+    for (int d = tid; d < D; d += NT) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NT / 32; ++j) {
+        acc += s_red[j * D + d];
+      }
+      po[prow * D + d] = acc;
+    }
+    if (tid == 0) {
+      float L = 0.0f;
+      for (int j = 0; j < NGRP; ++j) {
+        const float mj = s_m[j * RMAX + r];
+        L += (mj == NEG_INF) ? 0.0f : s_l[j * RMAX + r] * EXP2(mj - M);
+      }
+      pm[prow] = M;
+      pl[prow] = L;
+    }
+    SYNC();
+  }
+}
+"""
+
+_SHIFT_SHARED = "TGMEM float s_qmu[RMAX * MAXSB];"
+
+# q . mean for every (row, 256-token block) this threadgroup touches: one SIMD group per pair.
+_SHIFT_SETUP = """
+{
+  const int nsb = ((t_end - 1) >> 8) - sb0 + 1;
+  const int mu_nb = params[6];
+  for (int pr = warp; pr < RMAX * nsb; pr += NT / 32) {
+    const int r = pr / nsb;
+    const int j = pr - r * nsb;
+    float acc = 0.0f;
+    if (r < nrows) {
+      const DEV float* qrow = q_s + (qrow0 + r) * D;
+      const DEV float* murow = mu + ((int64_t)h * mu_nb + sb0 + j) * D;
+      for (int d = lane; d < D; d += 32) {
+        acc += qrow[d] * murow[d];
+      }
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) {
+      acc += SHFL_XOR(acc, off);
+    }
+    if (lane == 0) {
+      s_qmu[r * MAXSB + j] = acc;
+    }
+  }
+}
+"""
+
+_SHIFT_FINISH = "      x += s_qmu[r * MAXSB + (tt[u] >> 8) - sb0];"
+
+
+def _turbo_parts(side: str, bits: int, d: int) -> dict[str, str]:
+    """Setup / load code of a TurboQuant side (`k` or `v`): per lane, NS sub-chunks of 8 codes;
+    sub-chunk sc starts at bit sc*8*bits of the row's LSB-first bit stream."""
+    x = side
+    pw = packed_words(d, bits)
+    shared = f"TGMEM float s_{x}cb[16];"
+    setup_shared = f"if (tid < 16) {{ s_{x}cb[tid] = {x}_cb[IMIN(tid, {(1 << bits) - 1})]; }}"
+    setup = f"""
+int {x}wi[NS];
+int {x}wj[NS];
+uint32_t {x}sh[NS];
+#pragma unroll
+for (int k = 0; k < NS; ++k) {{
+  const int sc = gl + k * G;
+  const int bit = (sc < NSUB ? sc : 0) * {8 * bits};
+  {x}wi[k] = bit >> 5;
+  {x}wj[k] = IMIN((bit >> 5) + 1, {pw - 1});
+  {x}sh[k] = (uint32_t)(bit & 31);
+}}
+const int64_t {x}base = (int64_t)b * {x}_p_strides[0] + (int64_t)h * {x}_p_strides[1];
+const int64_t {x}ts = {x}_p_strides[2];
+const int64_t {x}nbase = (int64_t)b * {x}_n_strides[0] + (int64_t)h * {x}_n_strides[1];
+const int64_t {x}nts = {x}_n_strides[2];
+"""
+    # Buffers hold the raw words; shifts happen where the codes are used, so a prefetch is never
+    # waited for before the next chunk.
+    if bits == 3:
+        arrays = [("uint32_t", f"{x}c", "[U][NS][2]"), ("float", f"{x}nr", "[U]")]
+        load = f"{{p}}{x}c[u][k][0] = p[{x}wi[k]]; {{p}}{x}c[u][k][1] = p[{x}wj[k]];"
+        word = f"tq_funnel({x}c[u][k][0], {x}c[u][k][1], {x}sh[k])"
+    else:
+        arrays = [("uint32_t", f"{x}c", "[U][NS]"), ("float", f"{x}nr", "[U]")]
+        load = f"{{p}}{x}c[u][k] = p[{x}wi[k]];"
+        word = f"{x}c[u][k]" if bits == 4 else f"({x}c[u][k] >> {x}sh[k])"
+    fill = f"""
+#pragma unroll
+  for (int u = 0; u < U; ++u) {{{{
+    const DEV uint32_t* p = {x}_p + {x}base + (int64_t){{tt}}[u] * {x}ts;
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {{{{
+      {load}
+    }}}}
+    {{p}}{x}nr[u] = {x}_n[{x}nbase + (int64_t){{tt}}[u] * {x}nts];
+  }}}}
+"""
+    return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "arrays": arrays, "fill": fill,
+            "word": word}
+
+
+def _code_offset(word: str, i: int, bits: int) -> str:
+    """Byte offset into a float codebook of code i of `word`: ((word >> i*bits) & mask) * 4."""
+    mask4 = ((1 << bits) - 1) << 2
+    sh = i * bits - 2
+    if sh < 0:
+        return f"(({word} << {-sh}) & {mask4}u)"
+    if sh == 0:
+        return f"({word} & {mask4}u)"
+    return f"(({word} >> {sh}) & {mask4}u)"
+
+
+def _affine_parts(side: str, bits: int, group: int, d: int, dtype: str) -> dict[str, str]:
+    x = side
+    words_per_sub = bits // 4  # 8 codes: 2 words at 8 bits, 1 word at 4 bits
+    setup = f"""
+int {x}wi[NS];
+int {x}gi[NS];
+#pragma unroll
+for (int k = 0; k < NS; ++k) {{
+  const int sc = (gl + k * G) < NSUB ? (gl + k * G) : 0;
+  {x}wi[k] = sc * {words_per_sub};
+  {x}gi[k] = (sc * 8) / {group};
+}}
+const int64_t {x}base = (int64_t)b * {x}_w_strides[0] + (int64_t)h * {x}_w_strides[1];
+const int64_t {x}ts = {x}_w_strides[2];
+const int64_t {x}sbase = (int64_t)b * {x}_s_strides[0] + (int64_t)h * {x}_s_strides[1];
+const int64_t {x}sts = {x}_s_strides[2];
+const int64_t {x}bbase = (int64_t)b * {x}_b_strides[0] + (int64_t)h * {x}_b_strides[1];
+const int64_t {x}bts = {x}_b_strides[2];
+"""
+    if bits == 8:
+        wload = f"""      const U2 v2 = *(const DEV U2*)(p + {x}wi[k]);
+      {{p}}{x}c[u][k][0] = v2.x;
+      {{p}}{x}c[u][k][1] = v2.y;"""
+    else:
+        wload = f"      {{p}}{x}c[u][k][0] = p[{x}wi[k]];"
+    arrays = [("uint32_t", f"{x}c", f"[U][NS][{words_per_sub}]"), ("uint32_t", f"{x}sc", "[U][NS]"),
+              ("uint32_t", f"{x}bi", "[U][NS]")]
+    raw_t = "uint32_t" if dtype == "float32" else "uint16_t"
+    fill = f"""
+#pragma unroll
+  for (int u = 0; u < U; ++u) {{{{
+    const DEV uint32_t* p = {x}_w + {x}base + (int64_t){{tt}}[u] * {x}ts;
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {{{{
+{wload}
+      {{p}}{x}sc[u][k] = (uint32_t)((const DEV {raw_t}*){x}_s)[{x}sbase + (int64_t){{tt}}[u] * {x}sts + {x}gi[k]];
+      {{p}}{x}bi[u][k] = (uint32_t)((const DEV {raw_t}*){x}_b)[{x}bbase + (int64_t){{tt}}[u] * {x}bts + {x}gi[k]];
+    }}}}
+  }}}}
+"""
+    return {"setup": setup, "arrays": arrays, "fill": fill}
+
+
+def _scale(raw: str, dtype: str) -> str:
+    """A float from the raw bits of an affine scale or bias."""
+    if dtype == "float32":
+        return f"AS_FLOAT({raw})"
+    if dtype == "bfloat16":
+        return f"AS_FLOAT({raw} << 16)"
+    return f"tq_half({raw})"
+
+
+def _affine_code(x: str, i: int, bits: int) -> str:
+    """Code i (0..7) of the current sub-chunk as an exact float (magic-number conversion)."""
+    if bits == 8:
+        word, sh = f"{x}c[u][k][{i // 4}]", 8 * (i % 4)
+        mask = 0xFF
+    else:
+        word, sh = f"{x}c[u][k][0]", 4 * i
+        mask = 0xF
+    shifted = word if sh == 0 else f"({word} >> {sh})"
+    return f"(AS_FLOAT(0x4B000000u | ({shifted} & {mask}u)) - 8388608.0f)"
+
+
+def _key_parts(v: Pass1) -> dict[str, str]:
+    if v.key == "turbo":
+        p = _turbo_parts("k", v.key_bits, v.d)
+        lines = ["    float acc[RMAX];",
+                 "#pragma unroll",
+                 "    for (int r = 0; r < RMAX; ++r) { acc[r] = 0.0f; }",
+                 "#pragma unroll",
+                 "    for (int k = 0; k < NS; ++k) {",
+                 f"      const uint32_t cw = {p['word']};"]
+        for i in range(8):
+            lines.append(f"      {{ const float c = CBLOOK(s_kcb, {_code_offset('cw', i, v.key_bits)});")
+            lines.append("#pragma unroll")
+            lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ acc[r] += q[r][k * 8 + {i}] * c; }} }}")
+        lines += ["    }",
+                  "#pragma unroll",
+                  "    for (int r = 0; r < RMAX; ++r) { s[u][r] = acc[r]; }"]
+        return {**p, "score": "\n".join(lines), "finish": "      x *= knr[u];"}
+    if v.key == "affine":
+        p = _affine_parts("k", v.key_bits, v.key_group, v.d, v.key_dtype)
+        setup = p["setup"] + """
+float qsum[RMAX][NS];
+#pragma unroll
+for (int r = 0; r < RMAX; ++r) {
+#pragma unroll
+  for (int k = 0; k < NS; ++k) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc += q[r][k * 8 + i];
+    }
+    qsum[r][k] = acc;
+  }
+}
+"""
+        lines = ["    float acc[RMAX];",
+                 "#pragma unroll",
+                 "    for (int r = 0; r < RMAX; ++r) { acc[r] = 0.0f; }",
+                 "#pragma unroll",
+                 "    for (int k = 0; k < NS; ++k) {",
+                 "      float dot[RMAX];",
+                 "#pragma unroll",
+                 "      for (int r = 0; r < RMAX; ++r) { dot[r] = 0.0f; }"]
+        for i in range(8):
+            lines.append(f"      {{ const float c = {_affine_code('k', i, v.key_bits)};")
+            lines.append("#pragma unroll")
+            lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ dot[r] += q[r][k * 8 + {i}] * c; }} }}")
+        lines += ["#pragma unroll",
+                  "      const float sk = " + _scale("ksc[u][k]", v.key_dtype) + ";",
+                  "      const float bk = " + _scale("kbi[u][k]", v.key_dtype) + ";",
+                  "#pragma unroll",
+                  "      for (int r = 0; r < RMAX; ++r) { acc[r] += sk * dot[r] + bk * qsum[r][k]; }",
+                  "    }",
+                  "#pragma unroll",
+                  "    for (int r = 0; r < RMAX; ++r) { s[u][r] = acc[r]; }"]
+        return {"shared": "", "setup_shared": "", "setup": setup, "arrays": p["arrays"], "fill": p["fill"],
+                "score": "\n".join(lines), "finish": ""}
+    # native keys: 8 contiguous elements per sub-chunk
+    dt = v.key_dtype
+    setup = """
+int kei[NS];
+#pragma unroll
+for (int k = 0; k < NS; ++k) {
+  const int sc = gl + k * G;
+  kei[k] = (sc < NSUB ? sc : 0) * 8;
+}
+const int64_t kbase = (int64_t)b * k_raw_strides[0] + (int64_t)h * k_raw_strides[1];
+const int64_t kts = k_raw_strides[2];
+"""
+    if dt == "float32":
+        fill = """
+#pragma unroll
+  for (int u = 0; u < U; ++u) {{
+    const DEV float* p = k_raw + kbase + (int64_t){tt}[u] * kts;
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {{
+      const U4 a = *(const DEV U4*)(p + kei[k]);
+      const U4 c = *(const DEV U4*)(p + kei[k] + 4);
+      {p}kx[u][k][0] = AS_FLOAT(a.x); {p}kx[u][k][1] = AS_FLOAT(a.y); {p}kx[u][k][2] = AS_FLOAT(a.z);
+      {p}kx[u][k][3] = AS_FLOAT(a.w); {p}kx[u][k][4] = AS_FLOAT(c.x); {p}kx[u][k][5] = AS_FLOAT(c.y);
+      {p}kx[u][k][6] = AS_FLOAT(c.z); {p}kx[u][k][7] = AS_FLOAT(c.w);
+    }}
+  }}
+"""
+        arrays = [("float", "kx", "[U][NS][8]")]
+    else:
+        # keep the raw words (half the registers); convert when scoring
+        fill = """
+#pragma unroll
+  for (int u = 0; u < U; ++u) {{
+    const DEV uint32_t* p = (const DEV uint32_t*)(k_raw + kbase + (int64_t){tt}[u] * kts);
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {{
+      const U4 a = *(const DEV U4*)(p + kei[k] / 2);
+      {p}kh[u][k][0] = a.x; {p}kh[u][k][1] = a.y; {p}kh[u][k][2] = a.z; {p}kh[u][k][3] = a.w;
+    }}
+  }}
+"""
+        arrays = [("uint32_t", "kh", "[U][NS][4]")]
+    if dt == "float32":
+        conv = ""
+    elif dt == "float16":
+        conv = "\n".join(f"      tq_h2(kh[u][k][{j}], kx[{2 * j}], kx[{2 * j + 1}]);" for j in range(4))
+    else:  # bfloat16: the high half of a float32
+        conv = "\n".join(f"      kx[{2 * j}] = AS_FLOAT(kh[u][k][{j}] << 16); "
+                         f"kx[{2 * j + 1}] = AS_FLOAT(kh[u][k][{j}] & 0xffff0000u);" for j in range(4))
+    elem = "kx[u][k][i]" if dt == "float32" else "kx[i]"
+    decl = "" if dt == "float32" else "      float kx[8];\n"
+    score = f"""    float acc[RMAX];
+#pragma unroll
+    for (int r = 0; r < RMAX; ++r) {{ acc[r] = 0.0f; }}
+#pragma unroll
+    for (int k = 0; k < NS; ++k) {{
+{decl}{conv}
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {{
+#pragma unroll
+        for (int r = 0; r < RMAX; ++r) {{ acc[r] += q[r][k * 8 + i] * {elem}; }}
+      }}
+    }}
+#pragma unroll
+    for (int r = 0; r < RMAX; ++r) {{ s[u][r] = acc[r]; }}"""
+    return {"shared": "", "setup_shared": "", "setup": setup, "arrays": arrays, "fill": fill, "score": score,
+            "finish": ""}
+
+
+def _value_parts(v: Pass1) -> dict[str, str]:
+    if v.value == "turbo":
+        p = _turbo_parts("v", v.value_bits, v.d)
+        lines = ["#pragma unroll",
+                 "    for (int r = 0; r < RMAX; ++r) { w[u][r] *= vnr[u]; }",
+                 "#pragma unroll",
+                 "    for (int k = 0; k < NS; ++k) {",
+                 f"      const uint32_t cw = {p['word']};"]
+        for i in range(8):
+            lines.append(f"      {{ const float c = CBLOOK(s_vcb, {_code_offset('cw', i, v.value_bits)});")
+            lines.append("#pragma unroll")
+            lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ o[r][k * 8 + {i}] += w[u][r] * c; }} }}")
+        lines.append("    }")
+        return {**p, "state": "", "rescale": "", "accum": "\n".join(lines), "out": "o[r][k * 8 + i]"}
+    p = _affine_parts("v", v.value_bits, v.value_group, v.d, v.value_dtype)
+    # element = scale * code + bias: sum_t p*scale*code per dim, and sum_t p*bias once per sub-chunk
+    state = """float ob[RMAX][NS];
+#pragma unroll
+for (int r = 0; r < RMAX; ++r) {
+#pragma unroll
+  for (int k = 0; k < NS; ++k) { ob[r][k] = 0.0f; }
+}"""
+    rescale = """#pragma unroll
+      for (int k = 0; k < NS; ++k) { ob[r][k] *= a; }"""
+    lines = ["#pragma unroll",
+             "    for (int k = 0; k < NS; ++k) {",
+             "      float ws[RMAX];",
+             "#pragma unroll",
+             "      const float sv = " + _scale("vsc[u][k]", v.value_dtype) + ";",
+             "      const float bv = " + _scale("vbi[u][k]", v.value_dtype) + ";",
+             "#pragma unroll",
+             "      for (int r = 0; r < RMAX; ++r) { ws[r] = w[u][r] * sv; ob[r][k] += w[u][r] * bv; }"]
+    for i in range(8):
+        lines.append(f"      {{ const float c = {_affine_code('v', i, v.value_bits)};")
+        lines.append("#pragma unroll")
+        lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ o[r][k * 8 + {i}] += ws[r] * c; }} }}")
+    lines.append("    }")
+    return {"shared": "", "setup_shared": "", "setup": p["setup"], "arrays": p["arrays"], "fill": p["fill"],
+            "state": state,
+            "rescale": rescale, "accum": "\n".join(lines), "out": "o[r][k * 8 + i] + ob[r][k]"}
+
+
+def pass1_source(v: Pass1, dialect: str) -> tuple[str, str]:
+    """(header, body) of a pass-1 kernel in `dialect`."""
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect must be one of {DIALECTS}")
+    return HEADERS[dialect], pass1_body(v, PROLOGUE[dialect])
+
+
+def pass1_body(v: Pass1, prologue: str) -> str:
+    ns, g = v.lanes
+    kp, vp = _key_parts(v), _value_parts(v)
+    shared = [kp["shared"], vp["shared"]]
+    setup_shared = [kp["setup_shared"], vp["setup_shared"]]
+    if v.shifts:
+        shared.append(_SHIFT_SHARED)
+        setup_shared.append(_SHIFT_SETUP)
+    finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
+    def decl(parts, prefix):
+        return "\n".join(f"  {t} {prefix}{n}{dims};" for t, n, dims in parts["arrays"])
+
+    def filled(parts, prefix, tt):
+        return parts["fill"].format(p=prefix, tt=tt)
+
+    def copy(parts):
+        lines = []
+        for _, n, dims in parts["arrays"]:
+            sizes = re.findall(r"\[(\w+)\]", dims)
+            idx = "".join(f"[i{j}]" for j in range(len(sizes)))
+            loops = "".join(f"#pragma unroll\n  for (int i{j} = 0; i{j} < {n_}; ++i{j})\n"
+                            for j, n_ in enumerate(sizes))
+            lines.append(f"{loops}    {n}{idx} = n_{n}{idx};")
+        return "\n".join(lines)
+
+    body = fill(
+        _PASS1,
+        PROLOGUE=prologue, D=v.d, RMAX=v.rmax, NS=ns, G=g, NT=THREADS, U=v.u, MAXSB=MAX_SHIFT_BLOCKS,
+        SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
+        KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], VALUE_STATE=vp["state"],
+        KEY_DECL=decl(kp, ""), VALUE_DECL=decl(vp, ""), KEY_FILL=filled(kp, "", "tt"),
+        VALUE_FILL=filled(vp, "", "tt"), KEY_NDECL=decl(kp, "n_"), VALUE_NDECL=decl(vp, "n_"),
+        KEY_NFILL=filled(kp, "n_", "ntt"), VALUE_NFILL=filled(vp, "n_", "ntt"), KEY_COPY=copy(kp),
+        VALUE_COPY=copy(vp), KEY_SCORE=kp["score"], KEY_FINISH=finish,
+        VALUE_RESCALE=vp["rescale"], VALUE_ACCUM=vp["accum"], VALUE_OUT=vp["out"],
+    )
+    return body
+
+
+# --------------------------------------------------------------------------------------------
+# Pass 2
+# --------------------------------------------------------------------------------------------
+
+_PASS2 = """
+constexpr int D = @@D@@;
+constexpr int NT = @@NT@@;
+constexpr int NW = NT / 32;
+constexpr int DP = @@DP@@;
+constexpr int S = NT / DP;
+constexpr int NBMAX = @@NBMAX@@;
+@@PROLOGUE@@
+const int row = blk;
+const int nblk = params[2];
+const int lane = tid % 32;
+const int warp = tid / 32;
+const int d = tid % DP;
+const int j = tid / DP;
+TGMEM float s_f[NBMAX];
+TGMEM float s_w[NW];
+TGMEM float s_w2[NW];
+TGMEM float s_part[NT];
+@@ROT_SHARED@@
+float mloc = NEG_INF;
+for (int i = tid; i < nblk; i += NT) {
+  mloc = FMAX(mloc, pm[row * nblk + i]);
+}
+#pragma unroll
+for (int off = 16; off >= 1; off /= 2) {
+  mloc = FMAX(mloc, SHFL_XOR(mloc, off));
+}
+if (lane == 0) {
+  s_w[warp] = mloc;
+}
+SYNC();
+float M = NEG_INF;
+for (int i = 0; i < NW; ++i) {
+  M = FMAX(M, s_w[i]);
+}
+float lloc = 0.0f;
+for (int i = tid; i < nblk; i += NT) {
+  const float mi = pm[row * nblk + i];
+  const float f = (mi == NEG_INF) ? 0.0f : EXP2(mi - M);
+  s_f[i] = f;
+  lloc += pl[row * nblk + i] * f;
+}
+#pragma unroll
+for (int off = 16; off >= 1; off /= 2) {
+  lloc += SHFL_XOR(lloc, off);
+}
+if (lane == 0) {
+  s_w2[warp] = lloc;
+}
+SYNC();
+float L = 0.0f;
+for (int i = 0; i < NW; ++i) {
+  L += s_w2[i];
+}
+const float inv = 1.0f / L;
+// Blocks are split over S slices of threads; four independent sums keep loads in flight.
+float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+if (d < D) {
+  const DEV float* col = po + (int64_t)row * nblk * D + d;
+  int i = j;
+  for (; i + 3 * S < nblk; i += 4 * S) {
+    a0 += col[(int64_t)i * D] * s_f[i];
+    a1 += col[(int64_t)(i + S) * D] * s_f[i + S];
+    a2 += col[(int64_t)(i + 2 * S) * D] * s_f[i + 2 * S];
+    a3 += col[(int64_t)(i + 3 * S) * D] * s_f[i + 3 * S];
+  }
+  for (; i < nblk; i += S) {
+    a0 += col[(int64_t)i * D] * s_f[i];
+  }
+}
+s_part[tid] = (a0 + a1) + (a2 + a3);
+SYNC();
+if (j == 0 && d < D) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    acc += s_part[k * DP + d];
+  }
+@@STORE@@
+}
+@@ROTATE@@
+if (tid == 0) {
+  lse[row] = (M + LOG2(L)) * TQ_LN2;
+}
+"""
+
+_ROTATE = """SYNC();
+for (int e = tid; e < D; e += NT) {
+  float acc = 0.0f;
+  for (int k = 0; k < D; ++k) {
+    acc += s_o[k] * rinv[k * D + e];
+  }
+  out[row * D + e] = acc;
+}"""
+
+
+_PASS0 = """
+constexpr int D = @@D@@;
+constexpr int NT = @@NT@@;
+@@PROLOGUE@@
+const int row = blk;
+const int R = params[3];
+const int H = params[4];
+const int h = (row / R) % H;
+TGMEM float s_x[D];
+for (int d = tid; d < D; d += NT) {
+  const float x = static_cast<float>(q[row * D + d]);
+  s_x[d] = x * pre[h * D + d];
+@@QS@@
+}
+SYNC();
+for (int e = tid; e < D; e += NT) {
+  float acc = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    acc += s_x[j] * mf[j * D + e];
+  }
+  q_k[row * D + e] = acc@@POST@@;
+}
+"""
+
+
+def pass0_body(v: Pass0, prologue: str) -> str:
+    return fill(_PASS0, PROLOGUE=prologue, D=v.d, NT=v.threads,
+                QS="  q_s[row * D + d] = x * cq[0];" if v.qs else "",
+                POST=" * post[h * D + e]" if v.post else "")
+
+
+def pass2_source(v: Pass2, dialect: str) -> tuple[str, str]:
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect must be one of {DIALECTS}")
+    return HEADERS[dialect], pass2_body(v, PROLOGUE[dialect])
+
+
+def pass2_body(v: Pass2, prologue: str) -> str:
+    return fill(
+        _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, DP=pow2ceil(v.d), NBMAX=MAX_BLOCKS,
+        ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
+        STORE="  s_o[d] = acc * inv;" if v.rotate else "  out[row * D + d] = acc * inv;",
+        ROTATE=_ROTATE if v.rotate else "",
+    )
+
+
+def body(v: Pass0 | Pass1 | Pass2, prologue: str) -> str:
+    if isinstance(v, Pass0):
+        return pass0_body(v, prologue)
+    return pass1_body(v, prologue) if isinstance(v, Pass1) else pass2_body(v, prologue)
+
+
+def source(v: Pass0 | Pass1 | Pass2, dialect: str) -> tuple[str, str]:
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect must be one of {DIALECTS}")
+    return HEADERS[dialect], body(v, PROLOGUE[dialect])
+
+
+def output_names(v: Pass0 | Pass1 | Pass2) -> list[str]:
+    if isinstance(v, Pass0):
+        return v.output_names()
+    return OUTPUTS1 if isinstance(v, Pass1) else OUTPUTS2
