@@ -130,3 +130,10 @@ def test_store_caches_trims_the_answer_off(engine, model_dir):
     assert list(stored.tokens) == prompt[:-1] and stored.expires is not None
     again = engine.generate(loaded, "turbo4", prompt, max_tokens=5)
     assert again.cached_tokens == len(prompt) - 1 and again.tokens == result.tokens
+
+
+def test_resaving_a_stored_context_keeps_its_recorded_prefill_time(engine, model_dir):
+    first = engine.save("doc", DOCUMENT, model=str(model_dir))
+    again = engine.save("doc-copy", DOCUMENT, model=str(model_dir))
+    assert again.reused_tokens == again.tokens and again.prefill_seconds < first.prefill_seconds
+    assert engine.store.get("doc-copy").prefill_seconds == pytest.approx(first.recorded_prefill_seconds)

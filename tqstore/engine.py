@@ -65,6 +65,7 @@ class Started:
     matched: int
     tier: str
     restore_seconds: float
+    recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
 
 
 def _body(model):
@@ -143,15 +144,17 @@ class Engine:
         if match is None or match.tokens == 0:
             return Started(make_prompt_cache(loaded.model, scheme), 0, "none", 0.0)
         snap, stats = self.store.restore(match)
-        return Started(restore(snap), match.tokens, stats.tier, stats.seconds)
+        share = match.tokens / max(len(match.manifest.tokens), 1)
+        return Started(restore(snap), match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
-                progress: Progress | None = None) -> float:
-        """Run `tokens` through the model into `caches` in chunks; returns the seconds spent."""
+                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None) -> float:
+        """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
+        Stops between chunks once `cancelled()` is true."""
         body = _body(loaded.model)
         t0 = time.perf_counter()
         done = 0
-        while done < len(tokens):
+        while done < len(tokens) and not (cancelled is not None and cancelled()):
             chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
             mx.eval(body(chunk, cache=caches))
             mx.eval([c.state for c in caches])
@@ -182,8 +185,9 @@ class Engine:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
         new = len(tokens) - started.matched
-        # Prefill cost is close to linear at these lengths: scale what was measured to the whole.
-        recorded = seconds * len(tokens) / new if new else 0.0
+        # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
+        # a context stored in full keeps the time its entry recorded.
+        recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
         result = self.store.put(name, snapshot(started.caches), tokens, model=loaded.identity,
                                 codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
@@ -207,35 +211,47 @@ class Engine:
         return self.generate_with_caches(loaded, scheme, prompt, **options)[0]
 
     def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
-                  temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                  on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
-                  stop: Callable[[str], bool] | None = None) -> tuple[AskResult, list[Any]]:
+                             temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                             on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
+                             stop: Callable[[str], bool] | None = None,
+                             on_start: Callable[[Started], None] | None = None) -> tuple[AskResult, list[Any]]:
         """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
-        every token it yields back into the cache). `stop(text so far)` ends generation early."""
+        every token it yields back into the cache).
+
+        `on_start(started)` learns where the prompt came from before any prefill; `stop(text so
+        far)` ends generation early and is also asked (with "") between prefill chunks, so a
+        caller that has gone away does not wait for a long prefill.
+        """
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
         if seed is not None:
             mx.random.seed(seed)
         started = self.start(loaded, scheme, prompt[:-1])
-        pieces, tokens, prefill, finish = [], [], 0.0, None
+        if on_start is not None:
+            on_start(started)
+        remainder = list(prompt[started.matched:])
+        halted = (lambda: stop("")) if stop is not None else None
+        prefill = self.prefill(loaded, started.caches, remainder[:-1], cancelled=halted)
+        pieces, tokens, finish = [], [], None
         t0 = time.perf_counter()
-        for response in stream_generate(loaded.model, loaded.tokenizer, prompt=list(prompt[started.matched:]),
-                                        max_tokens=max_tokens, prompt_cache=started.caches,
-                                        sampler=make_sampler(temp=temp, top_p=top_p),
-                                        prefill_step_size=self.prefill_chunk):
-            if not tokens:
-                prefill = response.prompt_tokens / response.prompt_tps if response.prompt_tps else 0.0
-            tokens.append(response.token)
-            pieces.append(response.text)
-            finish = response.finish_reason
-            if on_text and response.text:
-                on_text(response.text)
-            if stop is not None and stop("".join(pieces)):
-                finish = "stop"
-                break
+        if halted is not None and halted():
+            finish = "stop"
+        else:
+            # The prompt's last token runs through mlx-lm's own loop: it yields the first logits.
+            for response in stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:],
+                                            max_tokens=max_tokens, prompt_cache=started.caches,
+                                            sampler=make_sampler(temp=temp, top_p=top_p)):
+                tokens.append(response.token)
+                pieces.append(response.text)
+                finish = response.finish_reason
+                if on_text and response.text:
+                    on_text(response.text)
+                if stop is not None and stop("".join(pieces)):
+                    finish = "stop"
+                    break
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, time.perf_counter() - t0 - prefill, finish)
+                           started.restore_seconds, prefill, recorded, time.perf_counter() - t0, finish)
         return result, started.caches
 
     def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,

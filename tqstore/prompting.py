@@ -64,9 +64,13 @@ def _render_turns(tokenizer, question: str) -> str:
     return text[text.index(SENTINEL) + len(SENTINEL):]
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Tokens of a whole prompt as mlx-lm encodes it: special tokens unless the text already
+    begins with the BOS token (a rendered chat template writes it)."""
+    return _encode(tokenizer, text, first=True)
+
+
 def _encode(tokenizer, text: str, first: bool) -> list[int]:
-    # As mlx-lm's generate: special tokens only at the start, and not when the text already
-    # begins with the BOS token the template wrote.
     bos = getattr(tokenizer, "bos_token", None)
     special = first and (bos is None or not text.startswith(bos))
     return list(tokenizer.encode(text, add_special_tokens=special))

@@ -138,6 +138,12 @@ class Store:
             store._opens += 1
             return store
 
+    @property
+    def tiers(self) -> TierSet:
+        """The tiers this store moves objects between (for tools that move whole entries, such as
+        bundles)."""
+        return self._tiers
+
     def close(self) -> None:
         """Close this Store (the LMDB environment closes with the last of its opens)."""
         with _STORES_LOCK:

@@ -1,0 +1,66 @@
+"""Argument values shared by several commands: durations, KEY=VALUE pairs, schemes, documents."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from tqstore.errors import BadInput, NotFound
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
+_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration(text: str) -> float:
+    """argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds."""
+    match = _DURATION.fullmatch(text)
+    if not match or float(match.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use a positive number with s, m, h, d or w "
+                                         "(e.g. 12h, 7d)")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """argparse type: "key=value" -> (key, value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), value
+
+
+def scheme_name(name: str) -> str:
+    """The canonical name of a scheme; BadInput listing the valid ones otherwise."""
+    from turboquant.schemes import parse_scheme
+
+    try:
+        return parse_scheme(name).name
+    except ValueError as exc:
+        raise BadInput(f"{exc} (docs/quality.md compares them)") from None
+
+
+def read_text(path: str) -> str:
+    """A UTF-8 text file ("-": stdin) with messages that say what is wrong."""
+    if path == "-":
+        return sys.stdin.read()
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise NotFound(f"no such file: {path}")
+    if file.is_dir():
+        raise BadInput(f"{path} is a folder: pass a text file")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise BadInput(f"{path} is not UTF-8 text: convert it first (e.g. iconv -t UTF-8)") from None
+
+
+def document(file: str | None, prompt: str | None, what: str = "document") -> str:
+    """The text given by --file PATH, --prompt TEXT, or piped on stdin."""
+    if prompt is not None:
+        return prompt
+    if file is not None:
+        return read_text(file)
+    if sys.stdin is None or sys.stdin.isatty():
+        raise BadInput(f"no {what}: pass --file PATH or --prompt TEXT, or pipe it on stdin")
+    return sys.stdin.read()

@@ -1,0 +1,121 @@
+"""Looking after the stored entries: ls, info, rm, pin, unpin, gc, stats, verify."""
+
+from __future__ import annotations
+
+import argparse
+
+from tqstore.names import validate_name
+
+from .. import render
+from ..context import Context
+
+
+def register(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("ls", parents=[common], help="list the entries", description="List the local entries "
+                       "(or the bucket's with --remote).")
+    p.add_argument("--remote", action="store_true", help="list the bucket's entries")
+    p.set_defaults(func=ls)
+
+    p = sub.add_parser("info", parents=[common], help="show one entry", description="Show one entry's details.")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--remote", action="store_true", help="the bucket's entry")
+    p.set_defaults(func=info)
+
+    p = sub.add_parser("rm", parents=[common], help="remove an entry",
+                       description="Remove entry NAME and the blocks no other entry uses (--remote: the bucket's "
+                                   "entry; its blocks go at the next `gc --remote`).")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--remote", action="store_true", help="remove the bucket's entry")
+    p.set_defaults(func=rm)
+
+    for verb, pinned, text in (("pin", True, "keep an entry through budget eviction and expiry"),
+                               ("unpin", False, "let an entry be evicted again")):
+        p = sub.add_parser(verb, parents=[common], help=text, description=text[0].upper() + text[1:] + ".")
+        p.add_argument("name", metavar="NAME")
+        p.set_defaults(func=pin, pinned=pinned)
+
+    p = sub.add_parser("gc", parents=[common], help="remove expired entries and unused blocks",
+                       description="Remove expired entries, blocks no entry uses and quarantine records.")
+    p.add_argument("--remote", action="store_true", help="also in the bucket (blocks older than an hour)")
+    p.add_argument("--compact", action="store_true", help="then rewrite the LMDB file to return free space")
+    p.set_defaults(func=gc)
+
+    p = sub.add_parser("stats", parents=[common], help="sizes and counts per tier",
+                       description="Sizes, counts and budgets of the memory, LMDB and S3 tiers.")
+    p.set_defaults(func=stats)
+
+    p = sub.add_parser("verify", parents=[common], help="check stored blocks (exit 1 on problems)",
+                       description="Check every block of entry NAME (default: every entry) and the LMDB file; "
+                                   "damaged blocks are quarantined. Exit 1 when a problem is found.")
+    p.add_argument("name", metavar="NAME", nargs="?")
+    p.set_defaults(func=verify)
+
+
+def ls(ctx: Context, args: argparse.Namespace) -> int:
+    entries = ctx.store().ls(remote=args.remote)
+
+    def human() -> None:
+        if entries:
+            render.entry_table(ctx.out, entries)
+        else:
+            where = "the bucket" if args.remote else f"the store at {ctx.home}"
+            ctx.out.note(f"no entries in {where}: `tqstore save NAME --model M --file F` makes one")
+
+    ctx.out.emit({"entries": [render.entry_doc(e) for e in entries]}, human)
+    return 0
+
+
+def info(ctx: Context, args: argparse.Namespace) -> int:
+    entry = ctx.store().info(validate_name(args.name), remote=args.remote)
+    ctx.out.emit(render.entry_doc(entry), lambda: render.entry_lines(ctx.out, entry))
+    return 0
+
+
+def rm(ctx: Context, args: argparse.Namespace) -> int:
+    name = validate_name(args.name)
+    ctx.store().rm(name, remote=args.remote)
+    where = "s3" if args.remote else "local"
+    said = f"removed {name}" + (" from the bucket" if args.remote else "")
+    ctx.out.emit({"removed": name, "location": where}, lambda: ctx.out.note(said))
+    return 0
+
+
+def pin(ctx: Context, args: argparse.Namespace) -> int:
+    name = validate_name(args.name)
+    store = ctx.store()
+    (store.pin if args.pinned else store.unpin)(name)
+    ctx.out.emit({"name": name, "pinned": args.pinned},
+                 lambda: ctx.out.note(f"{'pinned' if args.pinned else 'unpinned'} {name}"))
+    return 0
+
+
+def gc(ctx: Context, args: argparse.Namespace) -> int:
+    result = ctx.store().gc(remote=args.remote, compact=args.compact)
+    ctx.out.emit(render.asdict(result), lambda: render.gc_lines(ctx.out, result))
+    return 0
+
+
+def stats(ctx: Context, args: argparse.Namespace) -> int:
+    result = ctx.store().stats()
+    ctx.out.emit(render.stats_doc(result), lambda: render.stats_table(ctx.out, result))
+    return 0
+
+
+def verify(ctx: Context, args: argparse.Namespace) -> int:
+    name = None if args.name is None else validate_name(args.name)
+    store = ctx.store()
+    problems = store.verify(name)
+    checked = [name] if name else [e.name for e in store.ls()]
+
+    def human() -> None:
+        if problems:
+            rows = [(p.entry or "-", p.kind, p.key.hex()[:12] if p.key else "-", p.detail) for p in problems]
+            ctx.out.table(("ENTRY", "PROBLEM", "OBJECT", "DETAIL"), rows)
+            ctx.out.note(f"{len(problems)} problems: damaged blocks are quarantined; save or pull the entries "
+                         "named again (tqstore rm removes one)")
+        else:
+            ctx.out.note(f"ok: {len(checked)} {'entry' if len(checked) == 1 else 'entries'} verified, no problems")
+
+    ctx.out.emit({"ok": not problems, "entries": checked, "problems": [render.problem_doc(p) for p in problems]},
+                 human)
+    return 1 if problems else 0

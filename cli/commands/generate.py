@@ -1,0 +1,87 @@
+"""`save` (prefill a document once and store it) and `ask` (answer from the stored context)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tqstore.errors import BadInput
+from tqstore.names import validate_name
+
+from .. import arguments, render
+from ..context import Context
+
+
+def register(sub, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("save", parents=[common], help="prefill a document once, compress it, store it as NAME",
+                       description="Prefill a document with a model (only what the store lacks of it), compress "
+                                   "the KV cache and store it as entry NAME.")
+    p.add_argument("name", metavar="NAME", help="the entry's name: letters, digits, . _ - (up to 128)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--file", "-f", metavar="PATH", help="the document (default: stdin)")
+    source.add_argument("--prompt", metavar="TEXT", help="the document as text")
+    p.add_argument("--model", "-m", required=True, metavar="M", help="model folder or Hugging Face repo id")
+    p.add_argument("--scheme", metavar="S", help="compression scheme (default: the config's store.default_scheme, "
+                                                 "turbo4)")
+    p.add_argument("--system", metavar="TEXT", help="system prompt placed before the document")
+    p.add_argument("--adapter-path", metavar="P", help="LoRA adapter folder (joins the model identity)")
+    p.add_argument("--pin", action="store_true", help="keep the entry through budget eviction and expiry")
+    p.add_argument("--ttl", type=arguments.duration, metavar="DURATION", help="expire after e.g. 12h or 7d")
+    p.add_argument("--meta", type=arguments.key_value, action="append", default=[], metavar="KEY=VALUE",
+                   help="user metadata kept with the entry (repeatable)")
+    p.set_defaults(func=save)
+
+    p = sub.add_parser("ask", parents=[common], help="answer a question from a stored context (no prefill)",
+                       description="Restore entry NAME's KV cache, prefill only the question and stream the answer.")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("question", metavar="QUESTION")
+    add_generation_options(p)
+    p.set_defaults(func=ask)
+
+
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    """--max-tokens, --temp, --top-p, --seed and --model (ask and chat)."""
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="answer length limit (default 256)")
+    p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1)")
+    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    p.add_argument("--model", "-m", metavar="M", help="the model (default: the one the entry was saved with)")
+
+
+def generation_options(args: argparse.Namespace) -> dict:
+    """The Engine.ask options of --max-tokens, --temp, --top-p and --seed."""
+    if args.max_tokens < 1:
+        raise BadInput(f"--max-tokens {args.max_tokens}: use 1 or more")
+    if args.temp < 0 or not 0 < args.top_p <= 1:
+        raise BadInput(f"--temp {args.temp} --top-p {args.top_p}: use a temperature >= 0 and a top-p in (0, 1]")
+    return {"max_tokens": args.max_tokens, "temp": args.temp, "top_p": args.top_p, "seed": args.seed}
+
+
+def save(ctx: Context, args: argparse.Namespace) -> int:
+    name = validate_name(args.name)
+    scheme = arguments.scheme_name(args.scheme) if args.scheme else None
+    text = arguments.document(args.file, args.prompt)
+    engine = ctx.engine()
+    with ctx.out.status(f"loading {args.model}"):
+        engine.model(args.model, args.adapter_path)
+    with ctx.out.progress("prefill", unit="tok") as progress:
+        result = engine.save(name, text, model=args.model, scheme=scheme, system=args.system,
+                             adapter_path=args.adapter_path, progress=progress, pin=args.pin, ttl=args.ttl,
+                             metadata=dict(args.meta) or None)
+    ctx.out.emit(render.save_doc(result, args.model), lambda: ctx.out.note(render.save_line(result)))
+    return 0
+
+
+def ask(ctx: Context, args: argparse.Namespace) -> int:
+    name = validate_name(args.name)
+    options = generation_options(args)
+    engine = ctx.engine()
+    with ctx.out.status("loading the model"):
+        engine.model_for(name, args.model)
+    on_text = None if ctx.out.json_mode else ctx.out.stream
+    result = engine.ask(name, args.question, model=args.model, on_text=on_text, **options)
+    if ctx.out.json_mode:
+        ctx.out.document(render.answer_doc(result, name=name))
+    else:
+        ctx.out.end_stream()
+        ctx.out.note(render.answer_line(result, ctx.out.verbose))
+    return 0

@@ -1,0 +1,187 @@
+"""`tqstore`: parse the command line, run the command, turn failures into exit codes.
+
+Exit codes: 0 success; 1 a user error (one line `tqstore: ...` on stderr, or the JSON error
+object on stdout with --json), also for a broken pipe; 2 a usage error; 130 interrupted.
+Expected failures (TqstoreError, predictable OSErrors) never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from tqstore.errors import RemoteNotConfigured, TqstoreError
+
+from .commands import COMMANDS
+from .context import Context
+from .output import Output
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+BLAS_CHOICES = ("bundled", "openblas")
+
+DESCRIPTION = "Save a long context's KV cache once; answer every later question without the prefill."
+EPILOG = """examples:
+  tqstore save contract --model ./Qwen2.5-0.5B --file contract.txt
+  tqstore ask contract "Who pays for delays?"
+  tqstore push contract          # to the bucket in s3.url
+  tqstore demo                   # the whole tour on a shipped document
+
+every command takes --home DIR, --json, -q and -v (before or after the command);
+docs/cli.md documents each command and its JSON output."""
+
+
+class UsageError(Exception):
+    """argparse refused the command line (exit 2)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser that raises instead of exiting, so `main` decides how to report."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(self, message)
+
+
+def global_options(suppress: bool) -> argparse.ArgumentParser:
+    """The flags every command takes. On subcommands their defaults are suppressed, so a flag
+    given before the command is not reset by the subcommand's parser."""
+    parent = Parser(add_help=False)
+    default = (lambda value: argparse.SUPPRESS) if suppress else (lambda value: value)
+    group = parent.add_argument_group("global options")
+    group.add_argument("--home", metavar="DIR", default=default(None),
+                       help="the store's folder (default: $TQSTORE_HOME or ~/.cache/tqstore)")
+    group.add_argument("--json", action="store_true", default=default(False),
+                       help="print one JSON document on stdout (errors too)")
+    group.add_argument("-q", "--quiet", action="store_true", default=default(False),
+                       help="print only results: no notes, summaries or progress")
+    group.add_argument("-v", "--verbose", action="store_true", default=default(False),
+                       help="print more detail (and tracebacks of internal errors)")
+    group.add_argument("--blas", choices=BLAS_CHOICES, default=default(None),
+                       help="CPU matmul library on Linux (default: $TQSTORE_BLAS or bundled)")
+    return parent
+
+
+def build_parser() -> Parser:
+    """The whole command tree."""
+    parser = Parser(prog="tqstore", description=DESCRIPTION, epilog=EPILOG, parents=[global_options(False)],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tqstore {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+    common = global_options(True)
+    for module in COMMANDS:
+        module.register(sub, common)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tqstore")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `tqstore` with `argv` (default: sys.argv[1:]); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and not getattr(args, "takes_extra", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except UsageError as exc:
+        return _usage_error(exc, "--json" in argv)
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    args.extra = extra
+    out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
+    try:
+        _choose_blas(args, argv)
+        with Context(args, out) as ctx:
+            return args.func(ctx, args)
+    except UsageError as exc:  # a command's own parser (serve)
+        return _usage_error(exc, args.json)
+    except SystemExit as exc:  # its --help
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        out.error("Interrupted", "interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_ERROR
+    except RemoteNotConfigured:
+        out.error("RemoteNotConfigured", "no S3 bucket configured: run `tqstore config set s3.url s3://BUCKET/PREFIX` "
+                  "(and `tqstore config set s3.endpoint URL` for MinIO, R2 and other non-AWS servers), or set "
+                  "TQSTORE_S3_URL")
+        return EXIT_ERROR
+    except TqstoreError as exc:
+        out.error(type(exc).__name__, str(exc) or type(exc).__name__)
+        return EXIT_ERROR
+    except OSError as exc:
+        out.error(type(exc).__name__, describe_os_error(exc))
+        return EXIT_ERROR
+    except Exception as exc:  # noqa: BLE001 - a bug: one line unless -v asks for the traceback
+        if args.verbose:
+            traceback.print_exc()
+        out.error("InternalError", f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback, "
+                  "and please report it)")
+        return EXIT_ERROR
+
+
+def _usage_error(exc: UsageError, json_mode: bool) -> int:
+    if json_mode:
+        Output(json_mode=True).error("UsageError", str(exc))
+    else:
+        exc.parser.print_usage(sys.stderr)
+        print(f"tqstore: {exc} (see {exc.parser.prog} --help)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _choose_blas(args: argparse.Namespace, argv: list[str]) -> None:
+    """Restart this process on OpenBLAS when asked (--blas or $TQSTORE_BLAS), before MLX runs."""
+    choice = args.blas or os.environ.get("TQSTORE_BLAS") or "bundled"
+    if choice == "bundled":
+        return
+    from tqstore import blas
+
+    # The same command again through `python -m tqstore_cli`, whatever started this process.
+    blas.reexec_with(choice, ["-m", "tqstore_cli", *argv])
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for the OSErrors people meet: full disk, permissions, missing files."""
+    where = f" {exc.filename}" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full writing{where}: free some space (tqstore gc removes expired and unused data) or use --home"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied:{where}: check the file's permissions, or use another --home"
+    if exc.errno == errno.ENOENT:
+        return f"no such file or folder:{where}"
+    if exc.errno == errno.EROFS:
+        return f"read-only file system:{where}: use a writable --home"
+    if exc.errno == errno.EISDIR:
+        return f"{where.strip()} is a folder, not a file"
+    return f"{exc.strerror or exc}{':' + where if where else ''}"
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout at exit and would report the broken pipe again: point it at devnull.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def run() -> None:
+    """The console script: exit with main()'s code."""
+    sys.exit(main())

