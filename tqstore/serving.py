@@ -1,0 +1,334 @@
+"""The model side of `tqstore serve`: one owner thread, a bounded job queue, cancellation and
+the save policy.
+
+MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on the worker's
+thread; HTTP threads submit jobs and read each job's events (Accepted, Text, Finished, Failed)
+from its own queue. A client that goes away cancels its job: a queued job is skipped, a running
+one stops at its next token (the engine's `stop` callback). After a response is complete the
+worker stores the new prefix (the save policy) before it takes the next job, so responses never
+wait for saves and the next request already finds the prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from .engine import Engine
+from .errors import BadInput, TqstoreError
+from .loading import LoadedModel
+from .metrics import Metrics, QueueState
+from .openai_api import ApiError, CacheSource, Generation, GenerationRequest, StopScanner, api_error
+from .prompting import encode_prompt
+
+log = logging.getLogger("tqstore.server")
+AUTO_PREFIX = "auto-"
+
+
+# --- events a job sends to the HTTP thread that waits for it ----------------------------------
+
+@dataclass(frozen=True)
+class Accepted:
+    """The prompt is tokenized and generation starts (a stream may send its headers)."""
+
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Text:
+    """More answer text, safe to send (stop sequences already cut)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The job's result: a Generation, or the EntryInfo of a saved cache."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The job failed; `error` is what the client gets."""
+
+    error: ApiError
+
+
+@dataclass
+class Job:
+    """One unit of model work and the channel back to the HTTP thread waiting for it."""
+
+    kind: str  # "generate" or "save"
+    work: Callable[[Job], Any]
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def send(self, event: Accepted | Text | Finished | Failed) -> None:
+        self.events.put(event)
+
+    def cancel(self) -> None:
+        """The client went away: skip the job, or stop it at its next token."""
+        self.cancelled.set()
+
+
+class QueueFull(Exception):
+    """The queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is busy: retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+# --- the save policy ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """Which prompts are stored after their response: at least `min_tokens` long, not already
+    covered by a stored prefix; as `auto-<hash>` entries that expire after `ttl` seconds."""
+
+    enabled: bool = True
+    min_tokens: int = 256
+    ttl: float | None = 24 * 3600.0
+
+    @staticmethod
+    def name_for(model_digest: bytes, scheme: str, tokens: Sequence[int]) -> str:
+        """A deterministic entry name: the same prefix on the same model and scheme, the same name."""
+        h = hashlib.sha256(model_digest + scheme.encode() + b"\0")
+        h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+        return AUTO_PREFIX + h.hexdigest()[:16]
+
+
+# --- prompts as mlx-lm's server tokenizes them -----------------------------------------------
+
+# mlx-lm's role prefixes for tokenizers without a chat template (its server's convert_chat).
+_ROLES = {"system": "ASSISTANT's RULE: ", "user": "USER: ", "assistant": "ASSISTANT: "}
+
+def completion_tokens(tokenizer, prompt: str | Sequence[int]) -> list[int]:
+    """A completions prompt: token ids as given; text with special tokens unless it already
+    starts with the BOS token (as mlx-lm's generate)."""
+    if not isinstance(prompt, str):
+        return list(prompt)
+    return encode_prompt(tokenizer, prompt)
+
+
+def chat_tokens(tokenizer, messages: Sequence[dict], tools: Sequence[Any] | None = None) -> list[int]:
+    """Chat messages through the tokenizer's chat template with the generation prompt, as
+    mlx-lm's server; a tokenizer without a template gets mlx-lm's plain role prefixes."""
+    if getattr(tokenizer, "has_chat_template", False):
+        try:
+            return list(tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                      add_generation_prompt=True, tokenize=True))
+        except Exception as e:  # jinja raises TemplateError and plain exceptions alike
+            raise BadInput(f"the model's chat template refused these messages: {e}") from None
+    text = "".join(f"{_ROLES.get(m['role'], '')}{m['content']}\n" for m in messages) + _ROLES["assistant"]
+    return list(tokenizer.encode(text.rstrip()))
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+class ModelWorker:
+    """The one thread that owns the model, and the bounded queue in front of it."""
+
+    def __init__(self, engine: Engine, model: str, *, scheme: str, adapter_path: str | None = None,
+                 max_queue: int = 32, policy: SavePolicy = SavePolicy(), metrics: Metrics | None = None):
+        self.engine = engine
+        self.model_ref = model
+        self.adapter_path = adapter_path
+        self.scheme = scheme
+        self.policy = policy
+        self.metrics = metrics or Metrics()
+        self.capacity = max_queue
+        self.loaded: LoadedModel | None = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._stopping = threading.Event()
+        self._running: Job | None = None
+        self._job_seconds = 1.0  # moving average, for Retry-After
+        self._thread = threading.Thread(target=self._loop, name="tqstore-model", daemon=True)
+
+    # -- the HTTP threads' side --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread; it loads the model first (`ready` or `load_error` tells)."""
+        self._thread.start()
+
+    def generate(self, request: GenerationRequest) -> Job:
+        """Queue a generation; QueueFull when the queue is full."""
+        return self._submit(Job("generate", lambda job: self._generate(job, request)))
+
+    def save(self, name: str, source: CacheSource) -> Job:
+        """Queue a PUT /v1/caches/{name}; QueueFull when the queue is full."""
+        return self._submit(Job("save", lambda job: self._save(job, name, source)))
+
+    def queue_state(self) -> QueueState:
+        return QueueState(self._queue.qsize(), self.capacity, int(self._running is not None))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel the running job, fail the queued ones, and wait for the thread to end."""
+        self._stopping.set()
+        running = self._running
+        if running is not None:
+            running.cancel()
+        self._drain()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _submit(self, job: Job) -> Job:
+        if self._stopping.is_set():
+            raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            wait = self._job_seconds * (self._queue.qsize() + 1)
+            raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
+        return job
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            job.send(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")))
+
+    # -- the owner thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # This thread's MLX streams (mlx-lm generates on a thread-local one) own C++ threads:
+            # end them here, or the process can abort at exit while they are torn down.
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
+            self.loaded = self.engine.model(self.model_ref, self.adapter_path)
+            self.engine.codec_identity(self.loaded, self.scheme)  # built once, before the first request
+        except BaseException as e:  # reported by run(), which then shuts down
+            self.load_error = e
+            self._stopping.set()
+            self._drain()
+            return
+        self.ready.set()
+        while not self._stopping.is_set():
+            try:
+                job = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if job.cancelled.is_set():
+                self.metrics.count_cancelled()
+                continue
+            self._running = job
+            t0 = time.perf_counter()
+            try:
+                job.work(job)
+            except BaseException as e:  # the worker must outlive any one job
+                if not isinstance(e, (ApiError, TqstoreError)):
+                    log.exception("%s job failed", job.kind)
+                job.send(Failed(api_error(e)))
+            finally:
+                self._running = None
+                self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - t0)
+        self._drain()
+
+    def _tokens(self, prompt: str | Sequence[int] | None, messages: Sequence[dict] | None,
+                tools: Sequence[Any] | None = None) -> list[int]:
+        tokenizer = self.loaded.tokenizer
+        if messages is not None:
+            tokens = chat_tokens(tokenizer, messages, tools)
+        else:
+            tokens = completion_tokens(tokenizer, prompt)
+        limit = getattr(getattr(self.loaded.model, "args", None), "vocab_size", None)
+        if limit is not None and any(t >= limit for t in tokens):
+            raise BadInput(f"token ids must be below the vocabulary size {limit}")
+        if not tokens:
+            raise BadInput("the prompt is empty: send at least one token")
+        return tokens
+
+    def _generate(self, job: Job, request: GenerationRequest) -> None:
+        prompt = self._tokens(request.prompt, request.messages, request.tools)
+        job.send(Accepted(len(prompt)))
+        s = request.sampling
+        scanner = StopScanner(s.stop)
+
+        def stop(text: str) -> bool:
+            new = scanner.feed(text)
+            if new:
+                job.send(Text(new))
+            return scanner.end is not None or job.cancelled.is_set()
+
+        result, caches = self.engine.generate_with_caches(
+            self.loaded, self.scheme, prompt, max_tokens=s.max_tokens, temp=s.temperature, top_p=s.top_p,
+            seed=s.seed, stop=stop)
+        if job.cancelled.is_set():
+            self.metrics.count_cancelled()
+        else:
+            rest = scanner.flush(result.text)
+            if rest:
+                job.send(Text(rest))
+            gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
+                             (result.finish_reason or "length"), result.prompt_tokens, len(result.tokens),
+                             result.cached_tokens, result.tier, result.restore_seconds, result.prefill_seconds,
+                             result.generation_seconds)
+            self.metrics.generated(gen)
+            job.send(Finished(gen))
+        self._autosave(prompt, result, caches)
+
+    def _autosave(self, prompt: list[int], result, caches: list[Any]) -> None:
+        """Store prompt[:-1] (a later identical prompt restores all but its last token) when the
+        policy says so; errors are logged, never sent: the response is already complete."""
+        stored = prompt[:-1]
+        if not self.policy.enabled:
+            return
+        if len(prompt) < max(self.policy.min_tokens, 2):
+            self.metrics.saved("short")
+            return
+        if result.cached_tokens >= len(stored):
+            self.metrics.saved("covered")
+            return
+        name = self.policy.name_for(self.loaded.identity.digest, self.scheme, stored)
+        computed = len(prompt) - result.cached_tokens
+        # Prefill cost is close to linear at these lengths: scale the measured part to the whole.
+        recorded = result.prefill_seconds * len(stored) / computed if computed else 0.0
+        t0 = time.perf_counter()
+        try:
+            self.engine.store_caches(name, self.loaded, self.scheme, caches, stored, prefill_seconds=recorded,
+                                     ttl=self.policy.ttl, metadata={"tqstore.saved_by": "serve"})
+        except BadInput as e:  # caches that cannot drop the answer (a full sliding window)
+            log.info("not saving the prompt as %s: %s", name, e)
+            self.metrics.saved("unsupported")
+        except Exception:
+            log.exception("saving the prompt as %s failed", name)
+            self.metrics.saved("failed")
+        else:
+            self.metrics.saved("saved", time.perf_counter() - t0)
+
+    def _save(self, job: Job, name: str, source: CacheSource) -> None:
+        if source.document is not None:
+            if not source.document.strip():
+                raise BadInput("the document is empty: nothing to save")
+            tokens = self.loaded.prompt.context_tokens(self.loaded.tokenizer, source.document, source.system)
+        else:
+            # All but the last token, like the save policy: the same prompt later restores all
+            # of it but the one token that must run to give logits.
+            tokens = self._tokens(source.prompt, source.messages)[:-1]
+            if not tokens:
+                raise BadInput("the prompt is a single token: there is nothing to store before it")
+        self.engine.save_tokens(name, self.loaded, tokens, scheme=self.scheme, pin=source.pinned, ttl=source.ttl,
+                                metadata={"tqstore.saved_by": "serve"})
+        job.send(Finished(self.engine.store.info(name)))
+
