@@ -7,13 +7,8 @@ passes every argument it does not know (and --help) on to a parser the server fi
 from __future__ import annotations
 
 import argparse
-import importlib
-
-from tqstore.errors import TqstoreError
 
 from ..context import Context
-
-SERVER_MODULE = "tqstore.server"
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
@@ -24,15 +19,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 
 def serve(ctx: Context, args: argparse.Namespace) -> int:
+    from tqstore import server
+
     from ..main import Parser, global_options
 
-    try:
-        server = importlib.import_module(SERVER_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name == SERVER_MODULE:
-            raise TqstoreError("tqstore serve is not available in this build (no tqstore.server module)") from None
-        raise TqstoreError(f"tqstore serve needs the package {exc.name}, which is not installed: "
-                           f"pip install {exc.name}") from None
     parser = Parser(prog="tqstore serve", parents=[global_options(True)],
                     description="OpenAI-compatible HTTP server over the store: any prompt whose prefix is stored "
                                 "skips that prefill.")
