@@ -104,6 +104,11 @@ def test_raw_http_reports_the_tier_in_headers_and_usage(server):
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert headers["X-TQStore-Tier"] == "memory" and int(headers["X-TQStore-Cached-Tokens"]) == cached > 0
     assert second["tqstore"]["tier"] == "memory" and second["choices"] == first["choices"]
+    # A stream says where its prompt came from in its headers, before the first token.
+    status, headers, events = request(server, "POST", "/v1/completions", {**body, "stream": True})
+    assert status == 200 and headers["Content-Type"] == "text/event-stream"
+    assert headers["X-TQStore-Tier"] == "memory" and int(headers["X-TQStore-Cached-Tokens"]) == cached
+    assert events.rstrip().endswith("data: [DONE]")
 
 
 def test_stop_sequences_cut_the_answer_streamed_or_not(client):

@@ -261,6 +261,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
+        self.send_header("X-TQStore-Tier", first.tier)
+        self.send_header("X-TQStore-Cached-Tokens", str(first.cached_tokens))
         if chunked:
             self.send_header("Transfer-Encoding", "chunked")
         else:

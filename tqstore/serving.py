@@ -39,9 +39,12 @@ AUTO_PREFIX = "auto-"
 
 @dataclass(frozen=True)
 class Accepted:
-    """The prompt is tokenized and generation starts (a stream may send its headers)."""
+    """The prompt's stored prefix is restored and generation starts (a stream may send its
+    headers, which say where the prompt came from)."""
 
     prompt_tokens: int
+    cached_tokens: int = 0
+    tier: str = "none"
 
 
 @dataclass(frozen=True)
@@ -261,7 +264,6 @@ class ModelWorker:
 
     def _generate(self, job: Job, request: GenerationRequest) -> None:
         prompt = self._tokens(request.prompt, request.messages, request.tools)
-        job.send(Accepted(len(prompt)))
         s = request.sampling
         scanner = StopScanner(s.stop)
 
@@ -273,7 +275,8 @@ class ModelWorker:
 
         result, caches = self.engine.generate_with_caches(
             self.loaded, self.scheme, prompt, max_tokens=s.max_tokens, temp=s.temperature, top_p=s.top_p,
-            seed=s.seed, stop=stop)
+            seed=s.seed, stop=stop,
+            on_start=lambda started: job.send(Accepted(len(prompt), started.matched, started.tier)))
         if job.cancelled.is_set():
             self.metrics.count_cancelled()
         else:
