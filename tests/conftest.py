@@ -7,6 +7,18 @@ import pytest
 mx.set_default_device(mx.cpu)
 
 
+# The reliability suite's options live here: pytest reads options only from the conftests it
+# loads at startup, so `pytest -m reliability_long --trials 200` works from the repository root.
+def pytest_addoption(parser) -> None:
+    group = parser.getgroup("reliability")
+    group.addoption("--trials", type=int, default=None,
+                    help="scale of the long reliability storms (default 200 or TQSTORE_TRIALS): crash SIGKILLs in "
+                         "all; corruption random positions per class N/50; fuzz examples 10N per target; "
+                         "concurrency seconds max(60, N); churn cycles max(500, N)")
+    group.addoption("--reliability-report", metavar="FILE", default=None,
+                    help="write every scenario's trial and outcome counts to FILE (JSON)")
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = _has_gpu()
     skip_gpu = pytest.mark.skip(reason="needs an MLX GPU backend (CUDA or Metal)")

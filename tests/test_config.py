@@ -186,6 +186,7 @@ def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
         "s3.url": "s3://abc", "s3.endpoint": "https://x.r2.cloudflarestorage.com", "s3.region": "auto",
         "s3.multipart_threshold": "32MiB", "s3.part_size": "6MiB", "s3.concurrency": "2",
         "s3.max_attempts": "2", "s3.connect_timeout": "1.5", "s3.read_timeout": "9",
+        "s3.key_file": "~/.config/tqstore/s3.key",
     }
     assert sorted(values) == sorted(config_keys())
     for key, value in values.items():

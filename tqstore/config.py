@@ -58,6 +58,8 @@ class Config:
     s3_max_attempts: int = 5
     s3_connect_timeout: float = 10.0
     s3_read_timeout: float = 60.0
+    # Encryption at rest (tqstore/crypto.py): a file holding the key; $TQSTORE_S3_KEY wins over it.
+    s3_key_file: str | None = None
 
     @property
     def lmdb_path(self) -> Path:
@@ -214,6 +216,7 @@ _SETTINGS = (
     _Setting("s3_max_attempts", "s3", "max_attempts", _number(int, 1, 20)),
     _Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
     _Setting("s3_read_timeout", "s3", "read_timeout", _number(float, 0.1, 3600.0)),
+    _Setting("s3_key_file", "s3", "key_file", _text),
 )
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 _BY_DOTTED = {s.dotted: s for s in _SETTINGS}

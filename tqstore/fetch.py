@@ -237,8 +237,11 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     try:
         snapshot = join_blocks(split, n_blocks)
     except ValueError as exc:
-        raise CorruptBlock(f"the stored objects of entry {manifest.name} do not fit together ({exc}): they come from "
-                           "different saves; remove the entry and save it again") from None
+        suspects = _misfit(tiers, [(w, got.objects[w.key][0]) for w in wants if w.key in got.objects])
+        why = "; ".join(f"{w.kind} {w.key.hex()[:12]} is not the copy any entry recorded (quarantined: it will be "
+                        "fetched or recomputed again)" for w in suspects) or "they come from different saves"
+        raise CorruptBlock(f"the stored objects of entry {manifest.name} do not fit together ({exc}): {why}; remove "
+                           "the entry and save it again if this repeats") from None
     mx.eval(*snapshot.arrays())
     tokens = len(manifest.tokens) if whole else n_blocks * manifest.block_size
     per_tier: dict[str, int] = {}
@@ -247,6 +250,26 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     stats = RestoreStats(slowest(list(per_tier)), tokens, sum(n for _, _, n in used), time.perf_counter() - start,
                          per_tier, tuple(got.misses))
     return snapshot, stats
+
+
+def _misfit(tiers: TierSet, used: list[tuple[Want, HotObject]]) -> list[Want]:
+    """After objects that each verified failed to join: forget them in memory (the next restore
+    reads them again) and quarantine the LMDB copies whose digest no local entry recorded, which
+    were stored by no put or pull of this store (a rewritten object can pass every check of its
+    own and still not be the entry's). Returns the quarantined ones."""
+    tiers.memory.drop([w.key for w, _ in used])
+    recorded: dict[bytes, set[str]] = {}
+    for m, _ in tiers.local_manifests()[0]:
+        for ref in m.objects:
+            recorded.setdefault(ref.key, set()).add(ref.sha256)
+    suspects = []
+    for want, hot in used:
+        info = tiers.lmdb.object_info(want.key)
+        if info is not None and info.sha256 == hot.sha256 and info.sha256 not in recorded.get(want.key, ()):
+            quarantine_lmdb(tiers.lmdb, want.key, f"misfit: the {want.kind} does not fit its entry and is not the "
+                                                  "copy any entry recorded")
+            suspects.append(want)
+    return suspects
 
 
 def quarantine_lmdb(lmdb: LmdbTier, key: bytes, reason: str) -> None:

@@ -165,14 +165,20 @@ def _prompt(body: Mapping[str, Any], name: str = "prompt") -> str | tuple[int, .
     raise ApiError(400, f"'{name}' must be a string or an array of token ids (one prompt per request)", param=name)
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        if not isinstance(message, dict) or message.get("role") not in ROLES:
+            raise ApiError(400, f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}",
+                           param="messages")
+        if "content" not in message and message["role"] != "assistant":  # assistants may carry tool calls only
+            raise ApiError(400, f"messages[{i}] has no 'content'", param="messages")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only, joined as mlx-lm does
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

@@ -71,6 +71,9 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
             for b, w in zip(split.blocks, wants)]
     ours += [_hot(split.window, "window", F.Provenance(md, cd, cal, key=last)), _hot(split.shared, "shared")]
     written: dict[bytes, int] = {}  # payload bytes of the objects this put stored
+    # A store already over its budget (lowered after a DiskFull, say) makes room first: on a full
+    # disk the eviction that follows a put would otherwise never be reached.
+    evicted, _ = enforce_budget(tiers, keep=name)
     with tiers.lock.shared():
         for _ in range(_ATTEMPTS):
             canonical, refs, complete = _store_objects(tiers, wants, ours, bs, written)
@@ -97,9 +100,9 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
         tiers.memory.put(want.key, hot)
     result = join_blocks(SplitSnapshot([h.obj for h in canonical[:-2]], canonical[-2].obj, canonical[-1].obj, bs))
     new_blocks = sum(1 for w in wants[:-2] if w.key in written)
-    evicted, warnings = enforce_budget(tiers, keep=name)
+    after, warnings = enforce_budget(tiers, keep=name)
     return PutResult(name, result, manifest, new_blocks, len(keys) - new_blocks, sum(written.values()),
-                     tuple(evicted), tuple(warnings))
+                     tuple(evicted + after), tuple(warnings))
 
 
 def _store_objects(tiers: TierSet, wants: list[Want], ours: list[HotObject], block_size: int,

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterable
 
-from .errors import FormatError, TqstoreError
+from .errors import CorruptBlock, FormatError, TqstoreError
 from .manifest import Manifest
 from .tiers.s3 import S3Tier
 
@@ -71,12 +71,12 @@ class RemoteIndex:
                 if old is not None and old[:2] == (info.last_used, info.size):
                     fresh[info.name] = old
                     continue
-                got = self.s3.get_manifest(info.name)
-                if got is None:
-                    continue  # deleted since the listing
                 try:
+                    got = self.s3.get_manifest(info.name)
+                    if got is None:
+                        continue  # deleted since the listing
                     manifest = Manifest.from_bytes(got[0])
-                except FormatError:
+                except (FormatError, CorruptBlock):
                     continue  # a damaged or newer manifest matches nothing; `gc --remote` reports it
                 if manifest.name != info.name:
                     continue  # copied under another name: not to be trusted

@@ -193,6 +193,8 @@ class Handler(BaseHTTPRequestHandler):
             return json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ApiError(400, "the request body nests JSON too deeply") from None
 
     # -- responses --------------------------------------------------------------------------------
 

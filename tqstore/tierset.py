@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .blocks import BLOCK_SIZE
 from .config import Config
-from .errors import FormatError, MalformedHeader, NotFound, RemoteNotConfigured
+from .errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from .manifest import Manifest
 from .remote_index import RemoteIndex
 from .tiers.lmdb import LmdbTier
@@ -136,21 +136,21 @@ class TierSet:
         return manifest
 
     def remote_manifests(self, names: list[str] | None = None) -> tuple[list[RemoteManifest], list[str]]:
-        """(each readable bucket manifest, names that failed to parse); all by listing, or only
-        `names`."""
+        """(each readable bucket manifest, names that failed to parse or verify); all by listing,
+        or only `names`. One damaged manifest must not hide the others."""
         s3 = self.require_s3()
         listed = s3.list_manifests()
         if names is not None:
             listed = [info for info in listed if info.name in names]
         found, unreadable = [], []
         for info in listed:
-            got = s3.get_manifest(info.name)
-            if got is None:
-                continue  # deleted since the listing
             try:
+                got = s3.get_manifest(info.name)
+                if got is None:
+                    continue  # deleted since the listing
                 found.append(RemoteManifest(check_name(Manifest.from_bytes(got[0]), info.name), got[1],
                                             info.last_used))
-            except FormatError:
+            except (FormatError, CorruptBlock):  # CorruptBlock: its digest or AES-GCM tag failed
                 unreadable.append(info.name)
         return found, unreadable
 

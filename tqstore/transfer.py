@@ -30,6 +30,7 @@ from .tiers.s3 import S3Tier
 from .tierset import TierSet, check_name
 
 Progress = Callable[[int, int, int], None]  # (objects done, objects in all, bytes transferred)
+PENDING = "pending:"  # a remote_etag recorded before a manifest write whose etag is not known yet
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     for manifest in manifests:
         digests = _upload(tiers, s3, manifest, tally)
         remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
+        manifest = _intend(tiers, manifest, remote)
         etag, written = _publish(s3, manifest, remote)
         if not written:
             up_to_date.append(manifest.name)
@@ -116,6 +118,10 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally) -> di
             if s3.put_object(ref.key, payload):
                 return ref.key, hashlib.sha256(payload).hexdigest(), len(payload), len(payload)
             info = s3.object_info(ref.key)  # another machine uploaded it in between
+            if info is None:
+                raise ConflictError(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
+                                    f"{ref.key.hex()[:12]} was deleted from the bucket while it was pushed (a remote "
+                                    "gc?): push again")
         return ref.key, info.sha256, info.size, None
 
     for ref in first:
@@ -165,11 +171,47 @@ def _check_bucket_copy(s3: S3Tier, manifest: Manifest, want: Want, sha256: str) 
                            ) from None
 
 
+def _intend(tiers: TierSet, local: Manifest, remote: Manifest) -> Manifest:
+    """Record, before the bucket's manifest is written, which version this push writes and which
+    it replaces (`remote_etag` = PENDING + old etag + ":" + sha256 of the new manifest): a push
+    cut off after the write, before it recorded the new etag, then still recognises the bucket's
+    version as its own. Returns the local manifest as recorded (unless replaced meanwhile)."""
+    pending = local.replace(remote_etag=f"{PENDING}{local.remote_etag or ''}:"
+                                        f"{hashlib.sha256(remote.to_bytes()).hexdigest()}")
+    if tiers.lmdb.get_manifest(local.name) != local.to_bytes():
+        return local
+    tiers.lmdb.put_manifest(local.name, pending.to_bytes())
+    return pending
+
+
+def _ours(recorded: str | None, etag: str, data: bytes) -> bool:
+    """Whether the bucket's manifest (its etag and bytes) is the version this entry was last
+    pushed as or pulled from, or the one a push cut off before recording its etag wrote."""
+    if recorded is None:
+        return False
+    if not recorded.startswith(PENDING):
+        return recorded == etag
+    replaced, _, written = recorded[len(PENDING):].rpartition(":")
+    return hashlib.sha256(data).hexdigest() == written or _ours(replaced or None, etag, data)  # replaced: maybe pending
+
+
+def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
+    """The conditional manifest write; a 412 caused by this very write (its answer was lost and
+    the request sent again) is its success, not a conflict."""
+    try:
+        return s3.put_manifest(name, data, etag)
+    except ConflictError:
+        got = s3.get_manifest(name)
+        if got is not None and got[0] == data:
+            return got[1]
+        raise
+
+
 def _publish(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
     """Write the bucket's manifest; returns (its etag, whether it was written)."""
     got = s3.get_manifest(local.name)
     if got is None:
-        return s3.put_manifest(local.name, remote.to_bytes()), True
+        return _write(s3, local.name, remote.to_bytes(), None), True
     data, etag = got
     try:
         existing = Manifest.from_bytes(data)
@@ -177,8 +219,8 @@ def _publish(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
         existing = None
     if existing is not None and existing.same_content(remote):
         return etag, False
-    if local.remote_etag is not None and local.remote_etag == etag:  # the bucket still holds our ancestor
-        return s3.put_manifest(local.name, remote.to_bytes(), etag), True
+    if _ours(local.remote_etag, etag, data):  # the bucket still holds our ancestor
+        return _write(s3, local.name, remote.to_bytes(), etag), True
     raise ConflictError(f"the bucket already holds a different entry {local.name} (pushed from another machine or "
                         f"another save): pull it (it replaces the local entry), or push under another name")
 
@@ -194,6 +236,7 @@ def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
     remote = check_name(Manifest.from_bytes(got[0]), name)
     wants = wants_for(remote, len(remote.blocks), remote=True)
     tally = _Tally(len(wants), progress)
+    before, _ = enforce_budget(tiers, keep=name)  # over the budget already: make room first (see put.py)
     with tiers.lock.shared():
         digests, missing = {}, []
         for want, ref in zip(wants, remote.objects):
@@ -216,7 +259,7 @@ def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
         tiers.refresh_pins()
     evicted, warnings = enforce_budget(tiers, keep=name)
     return TransferStats((name,), tally.total, tally.transferred, tally.skipped, tally.bytes,
-                         time.perf_counter() - start, evicted=tuple(evicted), warnings=tuple(warnings))
+                         time.perf_counter() - start, evicted=tuple(before + evicted), warnings=tuple(warnings))
 
 
 def _local_copy(tiers: TierSet, remote: Manifest, want: Want, ref: ObjectRef) -> tuple[str, int] | None:

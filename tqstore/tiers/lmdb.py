@@ -178,9 +178,17 @@ class LmdbTier:
         return self._env.write(self._touch_objects, keys, time.time() if when is None else when)
 
     def delete_objects(self, keys: Iterable[bytes]) -> int:
-        """Delete objects (index entry and segments); returns how many existed."""
+        """Delete objects (index entry and segments); returns how many existed.
+
+        A second, tiny commit follows: LMDB lets a transaction reuse the pages freed by an
+        earlier one only once a later commit has superseded it (the previous snapshot stays
+        readable until then), and on a full disk the next put needs exactly those pages.
+        """
         keys = [check_key(k) for k in keys]
-        return self._env.write(self._delete_objects, keys)
+        deleted = self._env.write(self._delete_objects, keys)
+        if deleted:
+            self._env.write(self._settle)
+        return deleted
 
     def iter_object_keys(self) -> Iterator[bytes]:
         """Every object key, in key order, read in short transactions of 1024 keys."""
@@ -316,7 +324,7 @@ class LmdbTier:
     def _put_batch(self, txn: lmdb.Transaction, batch: list[tuple[bytes, memoryview, bytes]]) -> int:
         dbs = self._env.dbs
         new = [item for item in batch if txn.get(item[0], db=dbs[b"objects"]) is None]
-        self._env.check_free_disk(sum(len(payload) for _, payload, _ in new))
+        self._env.check_free_disk(sum(len(payload) for _, payload, _ in new), txn)
         now = time.time()
         for key, payload, digest in new:
             write_object(txn, dbs, key, payload, digest, self.segment_size, now)
@@ -350,9 +358,12 @@ class LmdbTier:
         return deleted
 
     def _put_manifest(self, txn: lmdb.Transaction, name: bytes, data: bytes) -> None:
-        self._env.check_free_disk(len(data))
+        self._env.check_free_disk(len(data), txn)
         txn.put(name, data, db=self._env.dbs[b"manifests"])
         txn.put(name, TIME.pack(time.time()), db=self._env.dbs[b"manifest_used"])
+
+    def _settle(self, txn: lmdb.Transaction) -> None:
+        txn.put(b"settled", TIME.pack(time.time()), db=self._env.dbs[b"meta"])
 
     def _delete_manifest(self, txn: lmdb.Transaction, name: bytes) -> bool:
         txn.delete(name, db=self._env.dbs[b"manifest_used"])

@@ -12,6 +12,7 @@ Rules from py-lmdb 3.0 / LMDB 0.9 (docs/tiers.md explains them):
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -32,6 +33,7 @@ from .writer import ResizeGate, WriterThread
 T = TypeVar("T")
 
 _MAX_TXN_ATTEMPTS = 16
+_META_PAGES = 2  # LMDB's two meta pages, at the start of every file
 _MAX_READERS = 510  # the default 126 slots run out with many threads in several processes
 
 
@@ -53,6 +55,8 @@ class LmdbEnv:
         # Never closed while the environment is open: closing any descriptor of lock.mdb drops
         # every fcntl lock this process holds on it, LMDB's own liveness locks included.
         self._lock_fd = os.open(path / "lock.mdb", os.O_RDWR)
+        if lock_holder(self._lock_fd) is None:  # alone: no compaction of another process is running
+            self._remove_stale_copies()
         self._writer = WriterThread(f"tqstore-lmdb-writer:{path}")
 
     def check_usable(self) -> None:
@@ -100,14 +104,24 @@ class LmdbEnv:
 
         return self._writer.run(job)
 
-    def check_free_disk(self, needed: int) -> None:
+    def check_free_disk(self, needed: int, txn: lmdb.Transaction | None = None) -> None:
         """DiskFull if writing `needed` bytes would leave less than the configured free space.
 
-        Conservative: LMDB may reuse free pages inside the file, but cannot promise to.
+        Inside the write transaction `txn`, the free pages of the file count as room: LMDB fills
+        them before it grows the file, and after an eviction or rm they are the only room a full
+        disk has (the file never shrinks by itself). Pages that old readers still hold make this
+        an estimate; if LMDB then meets a full disk, the commit fails as DiskFull all the same.
         """
         free = shutil.disk_usage(self.path).free
-        if needed and free - needed < self.min_free_disk_bytes:
+        room = free + (self._free_pages_bytes(txn) if txn is not None else 0)
+        if needed and room - needed < self.min_free_disk_bytes:
             raise self._disk_full(needed, f"only {format_size(free)} is free")
+
+    def _free_pages_bytes(self, txn: lmdb.Transaction) -> int:
+        """Bytes of the file's pages that no database uses (LMDB's free list)."""
+        info, main = self._env.info(), self._env.stat()
+        used = _pages(main) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
+        return max(0, info["last_pgno"] + 1 - _META_PAGES - used) * main["psize"]
 
     def info(self) -> tuple[int, int, int]:
         """(data.mdb size, map size, page size)."""
@@ -195,8 +209,11 @@ class LmdbEnv:
         data = self.path / "data.mdb"
         with self._gate.exclusive():
             self._refuse_if_shared()
+            self._remove_stale_copies()
             before = data.stat().st_size
-            self.check_free_disk((self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"])
+            with self._env.begin() as txn:  # the compact copy holds the pages in use, no free ones
+                used = _pages(self._env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
+            self.check_free_disk((used + _META_PAGES) * self._env.stat()["psize"])
             tmp = self.path / f".data.mdb.{secrets.token_hex(6)}.compact"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -217,6 +234,12 @@ class LmdbEnv:
             self._env, self.dbs = self._open(map_size)
             return before, data.stat().st_size
 
+    def _remove_stale_copies(self) -> None:
+        """Delete the copies of compactions killed before they replaced data.mdb (each as large as
+        the live data); called only when no other process has the environment open."""
+        for stale in self.path.glob(".data.mdb.*.compact"):
+            stale.unlink(missing_ok=True)
+
     def _refuse_if_shared(self) -> None:
         pid = lock_holder(self._lock_fd)
         if pid is not None:
@@ -236,6 +259,24 @@ def next_map_size(current: int, needed: int, file_bytes: int, free_bytes: int, m
     new = min(max(2 * current, current + 2 * needed), cap)
     new = -(-new // MiB) * MiB
     return new if new > current else None
+
+
+def _full_disk_message(path: Path, message: str, needed: int) -> bool:
+    """Whether an LMDB error text means a full disk. LMDB 0.9 reports a short write, which is
+    how a full disk usually shows, as EIO ("Input/output error"): that counts when the disk has
+    no room for what was being written; quotas and file size limits count always."""
+    if any(os.strerror(code) in message for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)):
+        return True
+    if os.strerror(errno.EIO) not in message:
+        return False
+    try:
+        return shutil.disk_usage(path).free < max(needed, MiB)
+    except OSError:
+        return False
+
+
+def _pages(stat: dict[str, int]) -> int:
+    return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
 
 
 def lock_holder(fd: int) -> int | None:
@@ -260,7 +301,7 @@ def lock_holder(fd: int) -> int | None:
 
 def lmdb_failure(path: Path, exc: lmdb.Error, needed: int = 0) -> TqstoreError:
     """The tqstore error for an LMDB failure (no lmdb exception leaves the tier)."""
-    if isinstance(exc, lmdb.DiskError):
+    if isinstance(exc, lmdb.DiskError) or _full_disk_message(path, str(exc), needed):
         return DiskFull(
             f"the disk holding the LMDB store at {path} is full ({format_size(needed)} to write): "
             "free space on that disk, lower store.lmdb_budget, or run `tqstore gc`"

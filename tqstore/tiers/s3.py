@@ -11,6 +11,10 @@ caller passes, because multipart objects cannot carry a full-object SHA-256 and 
 (moto) accept a wrong ChecksumSHA256 silently. Objects are create-only (If-None-Match: *);
 manifests are created with If-None-Match: * and replaced with If-Match: <etag>. No boto
 exception leaves this module: failures become tqstore.errors types.
+
+With a `cipher` (encryption at rest, tqstore/crypto.py) every body is sealed before it is sent
+and opened after it is read; tq-sha256 and tq-size still describe the plaintext, and `tq-enc`
+marks the envelope.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import botocore.config
 import botocore.exceptions as bx
 
 from ..config import MiB, Config, format_size
+from ..crypto import OVERHEAD, SCHEME, ObjectCipher, cipher_from_config, open_payload
 from ..errors import ConflictError, CorruptBlock, RemoteError, RemoteNotConfigured, TqstoreError
 from ..names import is_valid_name, validate_name
 from .base import ManifestInfo, ObjectInfo, PutCounts, check_key
@@ -41,6 +46,7 @@ K = TypeVar("K")
 
 _META_SHA = "tq-sha256"
 _META_SIZE = "tq-size"
+_META_ENC = "tq-enc"
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
 _MAX_PARTS = 10_000
 
@@ -66,6 +72,7 @@ class S3Tier:
         connect_timeout: float = Config.s3_connect_timeout,
         read_timeout: float = Config.s3_read_timeout,
         retry_delay: float = 0.2,
+        cipher: ObjectCipher | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -75,6 +82,7 @@ class S3Tier:
         self.concurrency = concurrency
         self.max_attempts = max_attempts
         self.retry_delay = retry_delay
+        self.cipher = cipher
         boto_config = botocore.config.Config(
             # boto3 >= 1.36 adds CRC checksums (aws-chunked trailers) by default, which R2, MinIO
             # and B2 reject; tqstore sends its own ChecksumSHA256 and verifies GETs itself.
@@ -105,7 +113,7 @@ class S3Tier:
             region=config.s3_region, multipart_threshold=config.s3_multipart_threshold,
             part_size=config.s3_part_size, concurrency=config.s3_concurrency,
             max_attempts=config.s3_max_attempts, connect_timeout=config.s3_connect_timeout,
-            read_timeout=config.s3_read_timeout,
+            read_timeout=config.s3_read_timeout, cipher=cipher_from_config(config),
         )
 
     def object_name(self, key: bytes) -> str:
@@ -130,6 +138,8 @@ class S3Tier:
         except Missing:
             return None
         meta, size = head.get("Metadata", {}), head["ContentLength"]
+        if meta.get(_META_ENC) == SCHEME:
+            size -= OVERHEAD  # the plaintext's size, as tq-size records it
         if meta.get(_META_SIZE) not in (None, str(size)) or _META_SHA not in meta:
             raise CorruptBlock(
                 f"S3 object {name} is damaged or was not written by tqstore ({size} bytes, "
@@ -145,20 +155,28 @@ class S3Tier:
     def put_object(self, key: bytes, payload: bytes) -> bool:
         """Upload `payload` unless `key` exists (If-None-Match: *); False if it already did."""
         name, payload = self.object_name(key), bytes(payload)
-        digest = hashlib.sha256(payload).digest()
-        meta = {_META_SHA: digest.hex(), _META_SIZE: str(len(payload))}
-        try:
-            if len(payload) > self.multipart_threshold:
-                self._put_multipart(name, payload, meta)
-            else:
-                self._retrying(
-                    "put_object", Key=name, Body=payload, IfNoneMatch="*",
-                    ChecksumSHA256=_b64(digest), Metadata=meta,
-                )
-        except PreconditionFailed:
-            self.object_info(key)  # raises CorruptBlock if what is there is damaged
-            return False
-        return True
+        meta = {_META_SHA: hashlib.sha256(payload).hexdigest(), _META_SIZE: str(len(payload))}
+        body = self._seal(payload, "object", check_key(key).hex(), meta)
+        for attempt in range(self.max_attempts):
+            try:
+                if len(body) > self.multipart_threshold:
+                    self._put_multipart(name, body, meta)
+                else:
+                    self._retrying(
+                        "put_object", Key=name, Body=body, IfNoneMatch="*",
+                        ChecksumSHA256=_b64(hashlib.sha256(body).digest()), Metadata=meta,
+                    )
+                return True
+            except PreconditionFailed:
+                # 412: the key exists, unless it was deleted since (a remote gc) or the 412 came
+                # from something in between: then the object is not there and the put goes again.
+                if self.object_info(key) is not None:  # raises CorruptBlock if what is there is damaged
+                    return False
+                self._sleep(attempt)
+        raise ConflictError(
+            f"s3://{self.bucket}/{name} answered 412 (exists) {self.max_attempts} times but is not there: "
+            "check for a proxy rewriting conditional requests, then retry"
+        )
 
     def put_objects(
         self, objects: Mapping[bytes, bytes], progress: Callable[[int, int, int], None] | None = None
@@ -187,7 +205,7 @@ class S3Tier:
     def get_object(self, key: bytes, sha256: str | None = None) -> bytes | None:
         """The payload of `key` verified against `sha256` (hex; default: the object's tq-sha256
         metadata), or None if absent. CorruptBlock if it does not match."""
-        found = self._get(self.object_name(key), sha256)
+        found = self._get(self.object_name(key), sha256, ("object", check_key(key).hex()))
         return None if found is None else found[0]
 
     def get_objects(
@@ -218,19 +236,19 @@ class S3Tier:
 
     def get_manifest(self, name: str) -> tuple[bytes, str] | None:
         """(manifest bytes, etag) of `name`, verified like objects, or None if absent."""
-        return self._get(self.manifest_name(name), None)
+        return self._get(self.manifest_name(name), None, ("manifest", name))
 
     def put_manifest(self, name: str, data: bytes, etag: str | None = None) -> str:
         """Create `name` (etag None: If-None-Match: *) or replace the version read with `etag`
         (If-Match). ConflictError if another machine wrote it first. Returns the new etag."""
         data = bytes(data)
-        digest = hashlib.sha256(data).digest()
+        meta = {_META_SHA: hashlib.sha256(data).hexdigest(), _META_SIZE: str(len(data))}
+        body = self._seal(data, "manifest", name, meta)
         condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
         try:
             response = self._retrying(
-                "put_object", Key=self.manifest_name(name), Body=data, ContentType="application/json",
-                ChecksumSHA256=_b64(digest), Metadata={_META_SHA: digest.hex(), _META_SIZE: str(len(data))},
-                **condition,
+                "put_object", Key=self.manifest_name(name), Body=body, ContentType="application/json",
+                ChecksumSHA256=_b64(hashlib.sha256(body).digest()), Metadata=meta, **condition,
             )
         except (PreconditionFailed, Missing):  # If-Match on a deleted manifest is a 404
             raise ConflictError(
@@ -261,7 +279,8 @@ class S3Tier:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def _get(self, name: str, sha256: str | None) -> tuple[bytes, str] | None:
+    def _get(self, name: str, sha256: str | None, what: tuple[str, str]) -> tuple[bytes, str] | None:
+        """(plaintext, etag) of bucket key `name`, verified; `what` is (kind, name) as sealed."""
         last: Exception | None = None
         for attempt in range(self.max_attempts):
             try:
@@ -275,6 +294,7 @@ class S3Tier:
                 self._sleep(attempt)
                 continue
             expected = sha256 or response.get("Metadata", {}).get(_META_SHA)
+            body = open_payload(self.cipher, body, *what, f"s3://{self.bucket}/{name}")
             _verify(name, body, expected)
             return body, response["ETag"]
         raise unreachable(last, self._where(), self.max_attempts)
@@ -328,6 +348,13 @@ class S3Tier:
             f"{where} kept conflicting with a concurrent write (409) after {self.max_attempts} "
             "attempts: retry in a moment"
         )
+
+    def _seal(self, data: bytes, kind: str, name: str, meta: dict[str, str]) -> bytes:
+        """The body to upload: `data`, or its envelope when encryption is on (marked in `meta`)."""
+        if self.cipher is None:
+            return data
+        meta[_META_ENC] = SCHEME
+        return self.cipher.seal(data, kind, name)
 
     def _sleep(self, attempt: int) -> None:
         time.sleep(min(5.0, self.retry_delay * 2**attempt) * random.uniform(0.5, 1.5))

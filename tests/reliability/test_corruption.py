@@ -1,0 +1,349 @@
+"""Damaged bytes in every tier: each trial is a clean miss with a reason, or an identical load.
+
+One entry of a tiny random-weight llama (turbo4, 300 tokens: two blocks, the window and the
+shared codecs) is stored. Each trial damages one of its objects at one position and loads
+the entry again:
+
+- position classes: every field of the 64-byte frame, the safetensors length, the JSON header,
+  the digests written in the header, each tensor's bytes, and random positions;
+- operations: flip a byte, zero a run of bytes, truncate there, insert bytes there;
+- where: LMDB bit rot (segments changed under the tier's own digest), LMDB rewritten (a bad
+  payload stored with a matching digest, so the format reader must catch it), LMDB reframed
+  (the frame's length and digest recomputed too, so only the header, table and per-tensor
+  checks remain), and the bucket (bit rot, and a rewrite with matching metadata), restored
+  through a remote lookup into an empty home.
+
+A miss must name its reason and leave the damaged copy quarantined (LMDB) or marked gone
+(bucket), never promoted to a faster tier. A load must be identical to the saved snapshot, and
+greedy decoding from it must give exactly the cold run's logits. The memory tier is checked as
+the destination of promotions (above) and by substituting wrong decoded objects under a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+import re
+import struct
+from collections import Counter
+from dataclasses import dataclass
+
+import mlx.core as mx
+import pytest
+
+from harness import open_store, s3_settings
+from test_blocks import assert_same_snapshot
+from test_store import decode_logits, stored_model_entry
+from tqstore import format as F
+from tqstore.blocks import join_blocks, split_snapshot
+from tqstore.errors import CorruptBlock
+from tqstore.tiers.lmdb_layout import delete_segments
+from tqstore.tiers.memory import HotObject
+from turboquant import restore
+
+OPS = ("flip", "zero", "truncate", "extend")
+LMDB_MODES = ("lmdb-rot", "lmdb-rewritten", "lmdb-reframed")
+S3_MODES = ("s3-rot", "s3-rewritten")
+_SEGMENT = struct.Struct(">I")
+
+
+@dataclass
+class Entry:
+    """The stored entry, what it was made from, and the cold run's logits."""
+
+    model: object
+    prompt: mx.array
+    snap: object
+    tokens: list[int]
+    model_id: object
+    codec_id: object
+    cold: list[mx.array]
+    payloads: dict[bytes, bytes]  # every object's stored bytes
+    kinds: dict[bytes, str]  # "block 0", "block 1", "window", "shared"
+
+
+@pytest.fixture(scope="module")
+def entry(tmp_path_factory) -> Entry:
+    model, prompt, caches, snap, model_id, codec_id = stored_model_entry("turbo4", 300)
+    cold = decode_logits(model, caches, prompt[-1:])
+    home = tmp_path_factory.mktemp("corruption") / "origin"
+    store = open_store(home)
+    tokens = prompt[:-1].tolist()
+    result = store.put("tiny", snap, tokens, model=model_id, codec=codec_id, model_ref="tiny", prefill_seconds=0.1)
+    m = result.manifest
+    kinds = {r.key: f"block {i}" for i, r in enumerate(m.blocks)} | {m.window.key: "window", m.shared.key: "shared"}
+    payloads = {k: store._tiers.lmdb.get_object(k) for k in kinds}
+    store.close()
+    return Entry(model, prompt, snap, tokens, model_id, codec_id, cold, payloads, kinds)
+
+
+# -- where to damage, and how ----------------------------------------------------------------
+
+
+def position_classes(payload: bytes) -> dict[str, list[int]]:
+    """Every byte position of an object, by what it holds."""
+    (header_len,) = struct.unpack_from("<Q", payload, 16)
+    start = F.FRAME_SIZE + 8
+    header = payload[start:start + header_len]
+    digests = set()
+    for m in re.finditer(rb"sha256[\\\"]*:[\\\"]*([0-9a-f]{64})", header):
+        digests.update(range(start + m.start(1), start + m.end(1)))
+    classes = {"frame: magic": list(range(0, 8)), "frame: version": list(range(8, 12)),
+               "frame: reserved": list(range(12, 16)), "frame: header length": list(range(16, 24)),
+               "frame: payload length": list(range(24, 32)), "frame: digest": list(range(32, 64)),
+               "safetensors length": list(range(64, 72)), "digests in the header": sorted(digests),
+               "json header": [p for p in range(start, start + header_len) if p not in digests]}
+    table = F._json(header, "header")
+    data = start + header_len
+    for name, t in sorted(table.items()):
+        if name != "__metadata__" and t["data_offsets"][1] > t["data_offsets"][0]:
+            classes[f"tensor {name}"] = list(range(data + t["data_offsets"][0], data + t["data_offsets"][1]))
+    return classes
+
+
+def damage(payload: bytes, op: str, pos: int, rng: random.Random) -> bytes:
+    b = bytearray(payload)
+    if op == "flip":
+        b[pos] ^= rng.randrange(1, 256)
+    elif op == "zero":
+        n = rng.randrange(1, 17)
+        b[pos:pos + n] = bytes(len(b[pos:pos + n]))
+    elif op == "truncate":
+        del b[pos:]
+    else:
+        b[pos:pos] = rng.randbytes(rng.randrange(1, 17))
+    return bytes(b)
+
+
+def reframe(data: bytes) -> bytes:
+    """Recompute the frame's payload length and digest over damaged bytes (what a buggy writer
+    would do), so that only the checks inside the payload can catch the damage."""
+    if len(data) < F.FRAME_SIZE:
+        return data
+    body = data[F.FRAME_SIZE:]
+    return data[:24] + struct.pack("<Q", len(body)) + hashlib.sha256(body).digest() + body
+
+
+def positions(classes: dict[str, list[int]], per_class: int, rng: random.Random,
+              tensors: int | None) -> list[tuple[str, int]]:
+    """(class, position) pairs: `per_class` random positions per class (the first, middle and
+    last ones too when per_class > 1), `tensors` tensor classes at most, and random positions
+    over the whole object."""
+    names = [c for c in classes if not c.startswith("tensor ")]
+    tensor_names = [c for c in classes if c.startswith("tensor ")]
+    names += tensor_names if tensors is None else rng.sample(tensor_names, min(tensors, len(tensor_names)))
+    out = []
+    for name in names:
+        spots = classes[name]
+        chosen = rng.sample(spots, min(per_class, len(spots)))
+        if per_class > 1:
+            chosen += [spots[0], spots[len(spots) // 2], spots[-1]]
+        out += [(name, p) for p in dict.fromkeys(chosen)]
+    size = max(p for spots in classes.values() for p in spots) + 1
+    out += [("random", rng.randrange(size)) for _ in range(per_class)]
+    return out
+
+
+# -- installing a damaged copy ---------------------------------------------------------------
+
+
+def rot_segments(tier, key: bytes, data: bytes) -> None:
+    """Replace the object's segments under its unchanged header (the tier's digest still
+    describes the original: storage-level damage)."""
+    per = tier.object_info(key).segment_size
+
+    def job(txn):
+        segments = tier._env.dbs[b"segments"]
+        delete_segments(txn, segments, key)
+        for i in range(-(-len(data) // per)):
+            txn.put(key + _SEGMENT.pack(i), data[i * per:(i + 1) * per], db=segments)
+
+    tier._env.write(job)
+
+
+def replace_object(tier, key: bytes, data: bytes) -> None:
+    tier.delete_objects([key])
+    tier.put_objects({key: data})
+
+
+def reason_of(quarantined: list, key: bytes, message: str) -> str:
+    """The reason class of a miss: the quarantine record's leading word, else the message's."""
+    record = next((r for r in quarantined if r.key == key), None)
+    text = record.reason if record is not None else message
+    return re.split(r"[:(]", text, maxsplit=1)[0].strip()[:40]
+
+
+def check_load(entry: Entry, snap, n_tokens: int) -> None:
+    """A successful load: the saved snapshot (or its first blocks), decoding like the cold run."""
+    if n_tokens == len(entry.tokens):
+        assert_same_snapshot(snap, entry.snap)
+        got = decode_logits(entry.model, restore(snap), entry.prompt[-1:])
+        assert all(mx.array_equal(a, b).item() for a, b in zip(entry.cold, got)), "greedy decode differs"
+    else:
+        assert_same_snapshot(snap, join_blocks(split_snapshot(entry.snap), n_tokens // 256))
+
+
+# -- the trials ------------------------------------------------------------------------------
+
+
+def lmdb_trials(entry: Entry, home, per_class: int, tensors: int | None, ledger, scenario: str,
+                rng: random.Random) -> Counter:
+    store = open_store(home)
+    tier, memory = store._tiers.lmdb, store._tiers.memory
+    outcomes: Counter = Counter()
+    try:
+        store.put("tiny", entry.snap, entry.tokens, model=entry.model_id, codec=entry.codec_id, model_ref="tiny",
+                  prefill_seconds=0.1)
+        for key, original in entry.payloads.items():
+            for cls, pos in positions(position_classes(original), per_class, rng, tensors):
+                for op in OPS:
+                    for mode in LMDB_MODES:
+                        if mode == "lmdb-reframed" and cls in ("frame: payload length", "frame: digest"):
+                            continue  # reframing rewrites exactly those bytes
+                        bad = damage(original, op, pos, rng)
+                        if mode == "lmdb-rot":
+                            rot_segments(tier, key, bad)
+                        else:
+                            replace_object(tier, key, reframe(bad) if mode == "lmdb-reframed" else bad)
+                        memory.drop([key])  # the read must reach LMDB
+                        try:
+                            snap, stats = store.load("tiny")
+                        except CorruptBlock as exc:
+                            assert key.hex()[:12] in str(exc), str(exc)
+                            quarantined = tier.quarantined()
+                            assert key in {r.key for r in quarantined}, f"{mode} {cls} {op}: not quarantined"
+                            assert not memory.has(key), "a damaged copy was promoted to memory"
+                            outcome = f"miss: {reason_of(quarantined, key, str(exc))}"
+                        else:
+                            check_load(entry, snap, stats.tokens)
+                            outcome = "identical load, same greedy decode"
+                        outcomes[outcome] += 1
+                        ledger.count(scenario, f"{mode}: {outcome}")
+                        ledger.count(scenario, f"position class {_group(cls)}: trials")
+                        replace_object(tier, key, original)
+                        tier.clear_quarantine()
+        assert store.verify() == []
+    finally:
+        store.close()
+    return outcomes
+
+
+def s3_trials(entry: Entry, s3, tmp_path, per_class: int, tensors: int | None, ledger, scenario: str,
+              rng: random.Random) -> Counter:
+    origin = open_store(tmp_path / "s3-origin", **s3_settings(s3))
+    origin.put("tiny", entry.snap, entry.tokens, model=entry.model_id, codec=entry.codec_id, model_ref="tiny",
+               prefill_seconds=0.1)
+    origin.push("tiny")
+    origin.close()
+    reader = open_store(tmp_path / "s3-reader", **s3_settings(s3))
+    tiers = reader._tiers
+    name_of = tiers.s3.object_name
+    outcomes: Counter = Counter()
+    query = entry.tokens + [1]
+    try:
+        for key, original in entry.payloads.items():
+            pairs = positions(position_classes(original), per_class, rng, tensors)
+            for i, (cls, pos) in enumerate(pairs):
+                for op in (OPS if per_class > 1 else [OPS[i % len(OPS)]]):
+                    mode = S3_MODES[(i // len(OPS) + OPS.index(op)) % len(S3_MODES)]
+                    bad = damage(original, op, pos, rng)
+                    digest = hashlib.sha256(bad if mode == "s3-rewritten" else original).hexdigest()
+                    size = len(bad if mode == "s3-rewritten" else original)
+                    s3.client.put_object(Bucket=s3.bucket, Key=name_of(key), Body=bad,
+                                         Metadata={"tq-sha256": digest, "tq-size": str(size)})
+                    tiers.memory.drop([key])
+                    tiers.lmdb.delete_objects([key])
+                    tiers.remote.note_objects([key])  # believed in the bucket again
+                    match = reader.lookup(query, model=entry.model_id.digest, codec=entry.codec_id.digest)
+                    try:
+                        snap, stats = reader.restore(match)
+                    except CorruptBlock as exc:
+                        assert key.hex()[:12] in str(exc), str(exc)
+                        outcome = f"miss: {_s3_reason(str(exc))}"
+                    else:
+                        check_load(entry, snap, stats.tokens)
+                        if stats.tokens == len(entry.tokens):
+                            outcome = "identical load, same greedy decode"
+                        else:
+                            assert any(key.hex()[:12] in m for m in stats.misses), stats.misses
+                            outcome = "miss of the damaged block, shorter prefix restored identically"
+                    if outcome.startswith("miss"):
+                        assert not tiers.remote.has(key), "a damaged bucket object is still believed good"
+                        assert not tiers.lmdb.has_object(key) and not tiers.memory.has(key), "damage was promoted"
+                    outcomes[outcome] += 1
+                    ledger.count(scenario, f"{mode}: {outcome}")
+                    s3.client.put_object(Bucket=s3.bucket, Key=name_of(key), Body=original,
+                                         Metadata={"tq-sha256": hashlib.sha256(original).hexdigest(),
+                                                   "tq-size": str(len(original))})
+                    tiers.remote.note_objects([key])
+    finally:
+        reader.close()
+    return outcomes
+
+
+def _s3_reason(message: str) -> str:
+    """The reason class of a miss from the bucket."""
+    for needle, reason in (("failed verification", "sha256 of the bucket copy"),
+                           ("failed authentication", "AES-GCM authentication"),
+                           ("not in the bucket", "absent"), ("is unusable", "format check")):
+        if needle in message:
+            return reason
+    return message[:40]
+
+
+def _group(cls: str) -> str:
+    return cls.split(":")[0] if cls.startswith("frame") else "tensor" if cls.startswith("tensor ") else cls
+
+
+def memory_trials(entry: Entry, home, ledger, scenario: str) -> None:
+    """Wrong decoded objects under a key in the memory tier (another object, another model's,
+    other tokens'): each load is identical; every substitute that is not the right object is
+    dropped with a reason and LMDB serves the right one."""
+    store = open_store(home)
+    memory = store._tiers.memory
+    try:
+        store.put("tiny", entry.snap, entry.tokens, model=entry.model_id, codec=entry.codec_id, model_ref="tiny",
+                  prefill_seconds=0.1)
+        keys = list(entry.payloads)
+        for key in keys:
+            good = memory.get(key)
+            substitutes = [("another object", memory.get(k)) for k in keys if k != key]
+            substitutes += [(label, HotObject(good.obj, good.kind, _with(good.provenance, **change), good.sha256,
+                                              good.nbytes))
+                            for label, change in (("another model's provenance", {"model": bytes(32)}),
+                                                  ("other tokens' provenance", {"tokens": (1, 2, 3)}))]
+            for label, hot in substitutes:
+                memory.put(key, hot)
+                snap, stats = store.load("tiny")
+                check_load(entry, snap, stats.tokens)
+                dropped = any("dropped" in m and key.hex()[:12] in m for m in stats.misses)
+                assert dropped or hot.obj is good.obj, (label, stats.misses)
+                kept = "kept (the right object; this kind's provenance does not carry that field)"
+                ledger.count(scenario, f"memory: {label}: {'dropped, LMDB served identically' if dropped else kept}")
+                memory.put(key, good)
+    finally:
+        store.close()
+
+
+def _with(prov: F.Provenance, **changes) -> F.Provenance:
+    return dataclasses.replace(prov, **changes)
+
+
+def test_corruption_every_tier_short(entry, tmp_path, s3, ledger):
+    rng = random.Random("corruption")
+    lmdb = lmdb_trials(entry, tmp_path / "lmdb", 1, 3, ledger, "corruption (short)", rng)
+    bucket = s3_trials(entry, s3, tmp_path, 1, 2, ledger, "corruption (short)", rng)
+    memory_trials(entry, tmp_path / "memory", ledger, "corruption (short)")
+    ledger.count("corruption (short)", "trials", sum(lmdb.values()) + sum(bucket.values()))
+    assert sum(lmdb.values()) > 500 and any(k.startswith("miss") for k in bucket)
+
+
+@pytest.mark.reliability_long
+def test_corruption_every_tier_long(entry, tmp_path, s3, ledger, trials):
+    rng = random.Random("corruption-long")
+    per_class = max(2, (trials or 200) // 50)  # random positions per class, besides the first, middle, last
+    lmdb = lmdb_trials(entry, tmp_path / "lmdb", per_class, None, ledger, "corruption (long)", rng)
+    bucket = s3_trials(entry, s3, tmp_path, per_class, 6, ledger, "corruption (long)", rng)
+    memory_trials(entry, tmp_path / "memory", ledger, "corruption (long)")
+    ledger.count("corruption (long)", "trials", sum(lmdb.values()) + sum(bucket.values()))

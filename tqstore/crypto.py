@@ -1,0 +1,153 @@
+"""Encryption at rest for the S3 tier: AES-256-GCM over every object and manifest, client-side.
+
+Off by default. It is on when a key is configured: the environment variable TQSTORE_S3_KEY
+(base64 of 32 random bytes, e.g. `openssl rand -base64 32`) or the file named by `s3.key_file`
+(TQSTORE_S3_KEY_FILE) holding the same text; the variable wins. The key never leaves the
+machine: the bucket holds only envelopes, and the config file only the key file's path.
+
+Envelope (what the bucket stores instead of the plaintext):
+
+    magic b"\\x89TQE\\r\\n\\x1a\\n" (8) | version u8 = 1 | key id (8) | nonce (12) | ciphertext | tag (16)
+
+- key id: the first 8 bytes of HMAC-SHA256(key, "tqstore-s3-key-id"). It tells a wrong key
+  (EncryptionKeyError, naming where the key came from) from a damaged or altered object
+  (CorruptBlock: a miss with a reason), and reveals nothing usable about the key.
+- associated data: "tqstore-s3", the object's kind ("object" or "manifest"), its name (the
+  object key in hex, or the entry name) and the envelope header. An envelope copied to another
+  key, or served as a manifest, fails authentication like a flipped bit does.
+- nonce: 96 random bits per envelope. NIST SP 800-38D bounds random nonces to 2^32 envelopes
+  per key; rotate keys long before that (a new key means pushing into a new prefix).
+
+What stays visible in the bucket: entry names (manifest keys), object keys (chained sha256
+digests of the tokens, so whoever has the model and guesses a document can confirm the guess),
+sizes, times, and the sha256 of each plaintext (metadata `tq-sha256`, which the pushes and pulls
+compare). The content is hidden: the tokens that manifests otherwise carry in clear, and the
+cached K/V.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from .config import Config
+from .errors import ConfigError, CorruptBlock, RemoteAuthError
+
+KEY_ENV = "TQSTORE_S3_KEY"
+MAGIC = b"\x89TQE\r\n\x1a\n"
+VERSION = 1
+SCHEME = "aes-256-gcm-v1"  # the `tq-enc` metadata of encrypted objects
+_HEADER = struct.Struct("<8sB8s")
+_NONCE = 12
+_TAG = 16
+OVERHEAD = _HEADER.size + _NONCE + _TAG  # envelope bytes beyond the plaintext (45)
+
+
+class EncryptionKeyError(RemoteAuthError):
+    """An encrypted object cannot be opened with the configured key (or no key is configured)."""
+
+
+@dataclass(frozen=True)
+class ObjectCipher:
+    """Seals and opens S3 payloads with one key. `source` says where the key came from."""
+
+    key: bytes = field(repr=False)
+    source: str
+
+    def __post_init__(self) -> None:
+        if len(self.key) != 32:
+            raise ConfigError(f"the S3 encryption key from {self.source} is {len(self.key)} bytes; it must be 32")
+
+    @property
+    def key_id(self) -> bytes:
+        return hmac.new(self.key, b"tqstore-s3-key-id", hashlib.sha256).digest()[:8]
+
+    def seal(self, data: bytes, kind: str, name: str) -> bytes:
+        """The envelope of `data`, bound to `kind` and `name`."""
+        header = _HEADER.pack(MAGIC, VERSION, self.key_id)
+        nonce = os.urandom(_NONCE)
+        return header + nonce + AESGCM(self.key).encrypt(nonce, bytes(data), _aad(header, kind, name))
+
+    def open(self, blob: bytes, kind: str, name: str, where: str) -> bytes:
+        """The plaintext of an envelope written by `seal` for `kind` and `name`.
+
+        CorruptBlock if it is not an envelope or fails authentication; EncryptionKeyError if it
+        was sealed with another key. `where` names the object in messages.
+        """
+        if not is_sealed(blob):
+            raise CorruptBlock(f"S3 object {where} is not encrypted although encryption at rest is on (key from "
+                               f"{self.source}): it was pushed without encryption or replaced; delete it and push "
+                               "it again")
+        if len(blob) < OVERHEAD:
+            raise CorruptBlock(f"S3 object {where} is a truncated envelope ({len(blob)} bytes): delete it and push "
+                               "it again")
+        header = bytes(blob[:_HEADER.size])
+        _, version, key_id = _HEADER.unpack(header)
+        if version != VERSION:
+            raise CorruptBlock(f"S3 object {where} has envelope version {version}, this tqstore reads {VERSION}: "
+                               "upgrade tqstore, or delete the object and push it again")
+        if not hmac.compare_digest(key_id, self.key_id):
+            raise EncryptionKeyError(f"S3 object {where} was encrypted with another key than the one from "
+                                     f"{self.source}: set the key it was pushed with")
+        nonce = bytes(blob[_HEADER.size:_HEADER.size + _NONCE])
+        try:
+            return AESGCM(self.key).decrypt(nonce, bytes(blob[_HEADER.size + _NONCE:]), _aad(header, kind, name))
+        except InvalidTag:
+            raise CorruptBlock(f"S3 object {where} failed authentication (AES-GCM): it was altered, damaged or "
+                               "moved in the bucket; delete it and push it again") from None
+
+
+def is_sealed(blob: bytes) -> bool:
+    """Whether `blob` starts like an envelope."""
+    return bytes(blob[:len(MAGIC)]) == MAGIC
+
+
+def open_payload(cipher: ObjectCipher | None, blob: bytes, kind: str, name: str, where: str) -> bytes:
+    """What an S3 GET returned, as plaintext: opened with `cipher`, or as is when encryption is
+    off (EncryptionKeyError for an envelope then: the key is missing)."""
+    if cipher is not None:
+        return cipher.open(blob, kind, name, where)
+    if is_sealed(blob):
+        raise EncryptionKeyError(f"S3 object {where} is encrypted (tqstore encryption at rest): set {KEY_ENV} or "
+                                 "s3.key_file to the key it was pushed with")
+    return blob
+
+
+def cipher_from_config(config: Config) -> ObjectCipher | None:
+    """The cipher of the configured key ($TQSTORE_S3_KEY, else s3.key_file), or None (off)."""
+    text = os.environ.get(KEY_ENV)
+    if text:
+        return ObjectCipher(parse_key(text, KEY_ENV), KEY_ENV)
+    if config.s3_key_file is None:
+        return None
+    path = Path(config.s3_key_file).expanduser()
+    try:
+        text = path.read_text(encoding="ascii")
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"cannot read the S3 encryption key file {path} (s3.key_file): {exc}") from None
+    return ObjectCipher(parse_key(text, str(path)), str(path))
+
+
+def parse_key(text: str, source: str) -> bytes:
+    """32 key bytes from base64 text; ConfigError naming `source` otherwise."""
+    try:
+        key = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        key = b""
+    if len(key) != 32:
+        raise ConfigError(f"the S3 encryption key from {source} is not base64 of 32 bytes: create one with "
+                          "`openssl rand -base64 32`")
+    return key
+
+
+def _aad(header: bytes, kind: str, name: str) -> bytes:
+    return b"tqstore-s3\0" + kind.encode() + b"\0" + name.encode() + b"\0" + header
