@@ -147,8 +147,11 @@ def _usage_error(exc: UsageError, json_mode: bool) -> int:
 
 
 def _choose_blas(args: argparse.Namespace, argv: list[str]) -> None:
-    """Restart this process on OpenBLAS when asked (--blas or $TQSTORE_BLAS), before MLX runs."""
-    choice = args.blas or os.environ.get("TQSTORE_BLAS") or "bundled"
+    """Restart this process on OpenBLAS when asked (--blas, $TQSTORE_BLAS or the config's
+    store.blas), before MLX runs."""
+    from tqstore.config import load_config
+
+    choice = args.blas or load_config(args.home).blas
     if choice == "bundled":
         return
     from tqstore import blas

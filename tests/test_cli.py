@@ -314,8 +314,9 @@ def test_bad_config_values_are_refused_with_what_is_allowed(cli, monkeypatch):
     fails(cli("config", "set", "no.such", "1"), "unknown config key")
     monkeypatch.setenv("TQSTORE_LMDB_BUDGET", "plenty")
     fails(cli("ls"), "TQSTORE_LMDB_BUDGET='plenty' is not a size")
+    monkeypatch.delenv("TQSTORE_LMDB_BUDGET")
     monkeypatch.setenv("TQSTORE_BLAS", "mkl")
-    fails(cli("ls"), "blas must be one of bundled, openblas")
+    fails(cli("ls"), "TQSTORE_BLAS='mkl' is not valid: use one of bundled, openblas")
 
 
 def test_model_ls_and_install_say_what_they_do(cli, monkeypatch, tmp_path):

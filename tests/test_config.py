@@ -186,7 +186,7 @@ def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
         "s3.url": "s3://abc", "s3.endpoint": "https://x.r2.cloudflarestorage.com", "s3.region": "auto",
         "s3.multipart_threshold": "32MiB", "s3.part_size": "6MiB", "s3.concurrency": "2",
         "s3.max_attempts": "2", "s3.connect_timeout": "1.5", "s3.read_timeout": "9",
-        "s3.key_file": "~/.config/tqstore/s3.key",
+        "s3.key_file": "~/.config/tqstore/s3.key", "store.blas": "openblas",
     }
     assert sorted(values) == sorted(config_keys())
     for key, value in values.items():
@@ -194,5 +194,5 @@ def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
         monkeypatch.setenv("TQSTORE_" + ("S3_" if table == "s3" else "") + name.upper(), value)
     config = load_config(tmp_path)
     assert config.segment_size == 64 << 10 and config.s3_part_size == 6 << 20
-    assert config.s3_connect_timeout == 1.5 and config.s3_max_attempts == 2
+    assert config.s3_connect_timeout == 1.5 and config.s3_max_attempts == 2 and config.blas == "openblas"
     assert config.default_scheme == "turbo4" and config.lmdb_map_size == 8 << 20

@@ -3,7 +3,7 @@
 The `mlx[cpu]` wheel ships a reference BLAS (about 4-8 GFLOP/s for float32 matmul on a 2-core
 x86 box). Debian's OpenBLAS, preloaded, reaches 90-420 GFLOP/s there, but it sums in another
 order (logits differ by ~5e-6), so it is never switched on silently: the user asks for it
-(`--blas openblas`, `TQSTORE_BLAS=openblas` or `blas = "openblas"` in the config), the CPU is
+(`--blas openblas`, `TQSTORE_BLAS=openblas` or `blas = "openblas"` in the config's [store] table), the CPU is
 checked first, and every benchmark records which BLAS ran.
 """
 

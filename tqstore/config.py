@@ -60,6 +60,8 @@ class Config:
     s3_read_timeout: float = 60.0
     # Encryption at rest (tqstore/crypto.py): a file holding the key; $TQSTORE_S3_KEY wins over it.
     s3_key_file: str | None = None
+    # MLX's Linux CPU matmul library (tqstore/blas.py): "bundled", or the opt-in "openblas".
+    blas: str = "bundled"
 
     @property
     def lmdb_path(self) -> Path:
@@ -135,6 +137,15 @@ def _number(kind: type, lo: float, hi: float) -> Callable[[str, object], float]:
     return parse
 
 
+def _choice(*allowed: str) -> Callable[[str, object], str]:
+    def parse(where: str, raw: object) -> str:
+        if raw not in allowed:
+            raise ConfigError(f"{where}={raw!r} is not valid: use one of {', '.join(allowed)}")
+        return raw
+
+    return parse
+
+
 def _text(where: str, raw: object) -> str:
     if not isinstance(raw, str) or not raw.strip() or not raw.isprintable():
         raise ConfigError(f"{where}={raw!r} is not valid: use a non-empty printable string")
@@ -184,7 +195,9 @@ def format_size(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class _Setting:
+class Setting:
+    """One configuration key: its Config field, its place in the file and its variable."""
+
     field: str
     table: str
     key: str
@@ -200,23 +213,24 @@ class _Setting:
 
 
 _SETTINGS = (
-    _Setting("lmdb_budget_bytes", "store", "lmdb_budget", _size(0)),
-    _Setting("memory_budget_bytes", "store", "memory_budget", _size(0)),
-    _Setting("segment_size", "store", "segment_size", _size(4 * KiB, 256 * MiB)),
-    _Setting("min_free_disk_bytes", "store", "min_free_disk", _size(0)),
-    _Setting("lmdb_map_size", "store", "lmdb_map_size", _size(1 * MiB)),
-    _Setting("default_scheme", "store", "default_scheme", _text),
-    _Setting("s3_url", "s3", "url", _s3_url),
-    _Setting("s3_endpoint", "s3", "endpoint", _endpoint),
-    _Setting("s3_region", "s3", "region", _text),
+    Setting("lmdb_budget_bytes", "store", "lmdb_budget", _size(0)),
+    Setting("memory_budget_bytes", "store", "memory_budget", _size(0)),
+    Setting("segment_size", "store", "segment_size", _size(4 * KiB, 256 * MiB)),
+    Setting("min_free_disk_bytes", "store", "min_free_disk", _size(0)),
+    Setting("lmdb_map_size", "store", "lmdb_map_size", _size(1 * MiB)),
+    Setting("default_scheme", "store", "default_scheme", _text),
+    Setting("s3_url", "s3", "url", _s3_url),
+    Setting("s3_endpoint", "s3", "endpoint", _endpoint),
+    Setting("s3_region", "s3", "region", _text),
     # S3 multipart limits: parts of at least 5 MiB (but the last), at most 5 GiB.
-    _Setting("s3_multipart_threshold", "s3", "multipart_threshold", _size(5 * MiB, 5 * GiB)),
-    _Setting("s3_part_size", "s3", "part_size", _size(5 * MiB, 5 * GiB)),
-    _Setting("s3_concurrency", "s3", "concurrency", _number(int, 1, 64)),
-    _Setting("s3_max_attempts", "s3", "max_attempts", _number(int, 1, 20)),
-    _Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
-    _Setting("s3_read_timeout", "s3", "read_timeout", _number(float, 0.1, 3600.0)),
-    _Setting("s3_key_file", "s3", "key_file", _text),
+    Setting("s3_multipart_threshold", "s3", "multipart_threshold", _size(5 * MiB, 5 * GiB)),
+    Setting("s3_part_size", "s3", "part_size", _size(5 * MiB, 5 * GiB)),
+    Setting("s3_concurrency", "s3", "concurrency", _number(int, 1, 64)),
+    Setting("s3_max_attempts", "s3", "max_attempts", _number(int, 1, 20)),
+    Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
+    Setting("s3_read_timeout", "s3", "read_timeout", _number(float, 0.1, 3600.0)),
+    Setting("s3_key_file", "s3", "key_file", _text),
+    Setting("blas", "store", "blas", _choice("bundled", "openblas")),
 )
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 _BY_DOTTED = {s.dotted: s for s in _SETTINGS}
@@ -225,6 +239,14 @@ _BY_DOTTED = {s.dotted: s for s in _SETTINGS}
 def config_keys() -> list[str]:
     """The keys a config file may hold, as `table.key` (what `save_config_value` accepts)."""
     return [s.dotted for s in _SETTINGS]
+
+
+def setting(name: str) -> Setting:
+    """The setting called `name` (`table.key` or the Config field); ConfigError if unknown."""
+    found = _BY_DOTTED.get(name) or _BY_FIELD.get(name)
+    if found is None:
+        raise ConfigError(f"unknown config key {name!r}: known keys are {', '.join(config_keys())}")
+    return found
 
 
 def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:

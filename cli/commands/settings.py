@@ -38,7 +38,7 @@ def settings(ctx: Context) -> list[dict]:
     file_values = _file_values(config.config_path)
     rows = []
     for key in tqconfig.config_keys():
-        setting = tqconfig._BY_DOTTED[key]  # noqa: SLF001 - the field and variable of each key
+        setting = tqconfig.setting(key)
         if os.environ.get(setting.env):
             source = "env"
         elif key in file_values:
@@ -64,15 +64,12 @@ def _file_values(path) -> set[str]:
 def show_config(ctx: Context, args: argparse.Namespace) -> int:
     rows = settings(ctx)
     home_source = "flag" if args.home else ("env" if os.environ.get("TQSTORE_HOME") else "default")
-    blas = args.blas or os.environ.get("TQSTORE_BLAS") or "bundled"
-    blas_source = "flag" if args.blas else ("env" if os.environ.get("TQSTORE_BLAS") else "default")
     doc = {"home": {"value": str(ctx.home), "source": home_source},
-           "blas": {"value": blas, "source": blas_source},
            "file": str(ctx.config.config_path),
            "settings": [{k: v for k, v in row.items() if k != "size"} for row in rows]}
 
     def human() -> None:
-        table = [("home", str(ctx.home), home_source), ("blas", blas, blas_source)]
+        table = [("home", str(ctx.home), home_source)]
         for row in rows:
             value = row["value"]
             shown = "-" if value is None else (size(value) if row["size"] else str(value))
@@ -87,7 +84,7 @@ def show_config(ctx: Context, args: argparse.Namespace) -> int:
 
 def set_config(ctx: Context, args: argparse.Namespace) -> int:
     path = tqconfig.save_config_value(args.home, args.key, args.value)
-    setting = tqconfig._BY_DOTTED.get(args.key) or tqconfig._BY_FIELD[args.key]  # noqa: SLF001 - validated above
+    setting = tqconfig.setting(args.key)
     key = setting.dotted
     overridden = bool(os.environ.get(setting.env))
 
