@@ -5,7 +5,9 @@ method, in one process and run: the time per call with many calls evaluated toge
 ("batched") and with `mx.eval` after each call ("sync"), the bytes the call must read (K and V
 as stored, scales, norms and key means included) and the achieved bandwidth against a copy
 ceiling measured in the same run. Each method cycles over several layers' worth of caches so
-that the working set is far larger than the L2 cache (as a model's layers are).
+that the working set is far larger than the L2 cache (as a model's layers are). Where the
+tensor-core pass 1 serves a scheme (CUDA, from `host.MMA_MIN_TOKENS` rows), the CUDA-core
+pass 1 is timed on the same caches too.
 
   python bench/decode.py                    # table to stdout
   python bench/decode.py --write-docs       # also into docs/benchmarks.md (decode-kernels section)
@@ -36,6 +38,7 @@ import numpy as np  # noqa: E402
 
 from turboquant import kernels  # noqa: E402
 from turboquant.kernels import host  # noqa: E402
+from turboquant.kernels.mma import MmaPass1  # noqa: E402
 from turboquant.kernels.reference import attention64, build_cache, dequantized, stored  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
@@ -43,6 +46,7 @@ SCALE = 1 / math.sqrt(D)
 SCHEMES = ["turbo0v4", "turbo8v3", "turbo4", "turbo3", "affine8"]
 CONTEXTS = [4096, 16384, 65536, 131072]
 CHECK_UP_TO = 16384  # contexts whose fused output is also checked against float64 here
+TENSOR_CORES = kernels.select_backend() == "cuda"  # what `fused_decode` does on this backend
 WORKING_SET = 400 << 20  # fp16 bytes cycled over per context (many times the 50 MB L2)
 
 
@@ -127,12 +131,23 @@ def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain:
     for scheme in schemes:
         caches = [build_cache(scheme, HKV, D, mx.float16, T, seed=i) for i in range(nl)]
         err = check(caches[0], q) if T <= CHECK_UP_TO else None
-        call = host.describe(q, caches[0]._key_side, caches[0]._value_side, stored(caches[0]), caches[0]._shifts)
+        call = host.describe(q, caches[0]._key_side, caches[0]._value_side, stored(caches[0]), caches[0]._shifts,
+                             tensor_cores=TENSOR_CORES)
+        mma = isinstance(call.pass1, MmaPass1)
         fns = [lambda c=c: c.attention(q, SCALE) for c in caches]
         b, h, s = timed(fns, calls)
         nbytes = stored_bytes(caches[0])
-        rows.append(dict(T=T, method=f"{scheme} fused", batched=b, host=h, sync=s, bytes=nbytes, err=err,
-                         kernel=call.pass1.name, vs_fp16=base / b))
+        rows.append(dict(T=T, method=f"{scheme} fused" + (" (tensor cores)" if mma else ""), batched=b, host=h,
+                         sync=s, bytes=nbytes, err=err, kernel=call.pass1.name, vs_fp16=base / b))
+        if mma:  # the CUDA-core pass 1 on the same caches, for comparison
+            host.TUNING["mma"] = False
+            try:
+                cerr = check(caches[0], q) if T <= CHECK_UP_TO else None
+                cb, ch, cs = timed(fns, calls)
+            finally:
+                host.TUNING["mma"] = True
+            rows.append(dict(T=T, method=f"{scheme} fused (CUDA cores)", batched=cb, host=ch, sync=cs,
+                             bytes=nbytes, err=cerr, vs_fp16=base / cb))
         if plain:
             os.environ["TQSTORE_KERNELS"] = "0"
             try:
@@ -172,7 +187,7 @@ def breakdown(scheme: str, T: int, calls: int) -> str:
     parts = []
     for c in caches:
         arrays = stored(c)
-        call = host.describe(q, c._key_side, c._value_side, arrays, c._shifts)
+        call = host.describe(q, c._key_side, c._value_side, arrays, c._shifts, tensor_cores=TENSOR_CORES)
         a1 = host.pass1_args(make, call, q, c._key_side, c._value_side, arrays, SCALE, c._shifts)
         po, pm, pl = make(call.pass1)(**a1)
         a2 = host.pass2_args(call, c._value_side, a1["inputs"][0], po, pm, pl)

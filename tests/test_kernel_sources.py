@@ -17,6 +17,7 @@ from turboquant import kernels
 from turboquant.kernels import emulate, host, metal
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
+from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import build_cache, reference, stored, tail
 from turboquant.sides import NativeSide
 
@@ -183,12 +184,15 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
         return emulate.kernel(v)
 
     _force(monkeypatch, "cuda", factory)
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(1)).astype(mx.float16)
     ref, _ = reference(cache, q, 0.125)
     for mask in (None, "causal"):
         calls.clear()
         out = cache.attention(q, 0.125, mask)
         assert len(calls) == 3 and out.dtype == mx.float16  # pass 0 (query), pass 1, pass 2
+        assert isinstance(calls[1], MmaPass1)  # fp16 activations on CUDA: the tensor-core pass 1
+        assert calls[2].tail_dtype == "float16"  # pass 2 attends over the raw tail too
         err = np.abs(np.array(out.astype(mx.float32)) - ref).max()
         assert err <= 2.0**-10 * np.abs(ref).max() * 2 + 1e-4 * np.abs(ref).max()
     calls.clear()
@@ -204,7 +208,7 @@ def test_hook_falls_back_when_no_kernel_applies(monkeypatch):
     monkeypatch.setattr(kernels, "select_backend", lambda: "cuda")
     cache = build_cache("turbo0v4", 2, 64, mx.float32, 40)
     q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(4))
-    monkeypatch.setattr(host, "describe", lambda *a: None)
+    monkeypatch.setattr(host, "describe", lambda *a, **k: None)
     expected, _ = reference(cache, q, 0.125)
     out = np.array(cache.attention(q, 0.125))
     assert np.abs(out - expected).max() <= 1e-4 * np.abs(expected).max()
@@ -254,6 +258,49 @@ def test_emulated_kernel_matches_f64_reference(case):
     _ref_check(cache, q, 1 / math.sqrt(D), out, lse)
     again = host.launch(emulate.kernel, *args)
     assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item()
+
+
+# (scheme, H, R, D, stored T, tail rows, dtype): rotated and affine values, every dtype, one to
+# 255 tail rows (stored rows end on a block boundary, so the newer rows stay raw), CUDA-core and
+# tensor-core pass 1
+TAILS = [
+    ("turbo4", 2, 4, 128, 512, 77, mx.float16),
+    ("turbo8v3", 1, 7, 64, 256, 1, mx.bfloat16),
+    ("turbo0v2", 2, 2, 96, 256, 255, mx.float32),
+    ("affine8", 2, 1, 128, 256, 130, mx.float16),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", TAILS, ids=lambda c: f"{c[0]}-R{c[2]}d{c[3]}T{c[4]}+{c[5]}")
+def test_emulated_pass2_attends_over_the_raw_tail(case, monkeypatch):
+    """Pass 2 with the raw tail equals the f64 reference over [stored | tail] and the plain-ops
+    merge of the same stored rows; every output is written."""
+    scheme, H, R, D, T, n, dtype = case
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+    cache = build_cache(scheme, H, D, dtype, T, seed=n, tail=n)
+    assert tail(cache) is not None and tail(cache)[0].shape[2] == n
+    q = mx.random.normal((1, H * R, 1, D), key=mx.random.key(n)).astype(dtype)
+    arrays = stored(cache)
+    call = host.describe(q, cache._key_side, cache._value_side, arrays, cache._shifts,
+                         tensor_cores=dtype != mx.float32)
+    args = (call, q, cache._key_side, cache._value_side, arrays, 1 / math.sqrt(D), cache._shifts)
+    calls = []
+
+    def factory(v):
+        calls.append(v)
+        return emulate.kernel(v)
+
+    out, lse = host.launch(factory, *args, init_value=float("nan"), tail=tail(cache))
+    assert calls[-1].tail_dtype == str(dtype).split(".")[-1]
+    merged = host.launch(emulate.kernel, *args, tail=tail(cache), fuse_tail=False)
+    ref_out, ref_lse = reference(cache, q, 1 / math.sqrt(D))
+    rtol = 2e-3 if dtype != mx.float32 else 1e-5
+    for o, l in ((out, lse), merged):
+        o = np.array(o).astype(np.float64)
+        assert np.isfinite(o).all()
+        assert np.abs(o - ref_out).max() <= rtol * np.abs(ref_out).max()
+        assert np.abs(np.array(l) - ref_lse).max() <= rtol * max(1.0, np.abs(ref_lse).max())
 
 
 @needs_cxx
@@ -323,6 +370,8 @@ nvcc = shutil.which("nvcc")
 def test_cuda_sources_compile(tmp_path):
     """A representative set compiles for sm_90 as MLX assembles it (a stand-in device header)."""
     picks = [v for v in VARIANTS if isinstance(v, tpl.Pass2)][:4]
+    picks += [tpl.Pass2(d=d, rotate=rot, tail_dtype=dt, q_dtype=dt) for d, rot in ((128, True), (80, False))
+              for dt in tpl.NATIVE_DTYPES]
     picks += [v for v in VARIANTS if isinstance(v, tpl.Pass0) and v.d in (80, 128)][::3]
     seen = set()
     for v in VARIANTS:

@@ -8,8 +8,9 @@ every layout meets every head dim, every GQA ratio of {1, 2, 4, 7}, every bit wi
 activation dtype; each case checks T in {1, 63, 64, 65, 4096} from one cache (token views of it,
 which are strided like the cache's own), NaN-poisoned outputs fully overwritten and bit-identical
 repeats; a few representative cases run at T = 70000, the full attention path (kernels plus
-the raw tail) runs once per layout, and the benchmark shape runs under every lane shape the
-benchmark sweeps. About 4 minutes on an H200, most of it NVRTC compiles.
+the raw tail, which pass 2 takes on CUDA) runs once per layout, and the benchmark shape runs
+under every lane shape the benchmark sweeps. The tensor-core pass 1 (CUDA) has its own covering
+cases, held to RTOL_MMA. About 4.5 minutes on an H200, most of it NVRTC compiles.
 """
 
 import math
@@ -20,6 +21,7 @@ import pytest
 
 from turboquant import kernels
 from turboquant.kernels import host
+from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import attention64, build_cache, dequantized, reference, stored
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +39,7 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 T_VIEWS = (1, 63, 64, 65, 4096)
 H = 2
 RTOL = 1e-4  # float32 kernel vs float64 reference, relative to max |reference|
+RTOL_MMA = 2e-3  # tensor-core pass 1: fp16 products (each factor rounded at most 2^-11), float32 sums
 
 
 def covering_cases():
@@ -80,19 +83,20 @@ def _backend_kernel():
     return metal.kernel
 
 
-def _check(out, lse, ref_out, ref_lse, what):
+def _check(out, lse, ref_out, ref_lse, what, rtol=RTOL):
     out = np.array(out).astype(np.float64)
     lse = np.array(lse).astype(np.float64)
     assert np.isfinite(out).all() and np.isfinite(lse).all(), what
     scale = np.abs(ref_out).max()
     err = np.abs(out - ref_out).max() / scale
     lerr = np.abs(lse - ref_lse).max() / max(1.0, np.abs(ref_lse).max())
-    assert err <= RTOL and lerr <= RTOL, (what, err, lerr)
+    assert err <= rtol and lerr <= rtol, (what, err, lerr)
     return err, lerr
 
 
-def _run_views(cache, q, scale, t_values, k64, v64):
-    """Kernel over the first T stored rows for each T: matches f64, fully written, repeatable."""
+def _run_views(cache, q, scale, t_values, k64, v64, tensor_cores=False):
+    """Kernel over the first T stored rows for each T: matches f64, fully written, repeatable.
+    `tensor_cores`: the tensor-core pass 1 (CUDA; fp16 products, so RTOL_MMA)."""
     make = _backend_kernel()
     ks, vs = cache._key_side, cache._value_side
     full = stored(cache)
@@ -101,13 +105,14 @@ def _run_views(cache, q, scale, t_values, k64, v64):
         arrays = {n: a[:, :, :T] for n, a in full.items()}
         shifts = None if cache._shifts is None else cache._shifts[:, : -(-T // 256)]
         assert kernels.fused_decode(q, ks, vs, arrays, scale, shifts) is not None
-        call = host.describe(q, ks, vs, arrays, shifts)
+        call = host.describe(q, ks, vs, arrays, shifts, tensor_cores=tensor_cores)
+        assert isinstance(call.pass1, MmaPass1) == tensor_cores
         args = (call, q, ks, vs, arrays, scale, shifts)
         out, lse, po, pm, pl = host.launch(make, *args, init_value=float("nan"), partials=True)
         for part in (po, pm, pl):
             assert not mx.any(mx.isnan(part)).item(), (call.pass1.name, T)
         ref_out, ref_lse = attention64(q, k64[:, :, :T], v64[:, :, :T], scale)
-        err, _ = _check(out, lse, ref_out, ref_lse, (call.pass1.name, T))
+        err, _ = _check(out, lse, ref_out, ref_lse, (call.pass1.name, T), RTOL_MMA if tensor_cores else RTOL)
         worst = max(worst, err)
         again = host.launch(make, *args)
         assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item(), (call.pass1.name, T)
@@ -151,7 +156,7 @@ def test_attention_with_tail_in_activation_dtype(layout):
     ref, _ = reference(cache, q, 1 / math.sqrt(128))
     err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)
     ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype] * np.abs(ref)
-    # the tail's own scores and mix are MLX matmuls (TF32 on CUDA): 2e-3 of the largest output
+    # fp16/bf16 activations and outputs: within 2e-3 of the largest output
     assert np.all(err <= 2 * ulp + 2e-3 * np.abs(ref).max())
 
 
@@ -180,3 +185,62 @@ def test_benchmark_shape_every_lane_shape(scheme, lanes):
             _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64)
     finally:
         host.TUNING.update(saved)
+
+
+# The tensor-core pass 1 (CUDA only): every layout it serves meets every head dim, GQA 1/2/4/7 and
+# 9 (two row groups), both half dtypes and both prefetch modes.
+MMA_CASES = [
+    ("affinek-turbo", "turbo8v3", 128, 4, mx.float16, None), ("affinek-turbo", "turbo8v2", 64, 9, mx.bfloat16, True),
+    ("affinek-turbo", "turbo8v4", 96, 7, mx.float16, False), ("affinek-turbo", "turbo8v3", 256, 1, mx.bfloat16, None),
+    ("calibrated", "turbo4", 128, 4, mx.float16, None), ("calibrated", "turbo3", 80, 2, mx.bfloat16, None),
+    ("calibrated", "turbo2", 256, 7, mx.float16, True), ("calibrated", "turbo4v2", 64, 1, mx.bfloat16, False),
+    ("turbo", "turbo3", 96, 9, mx.float16, None), ("turbo", "turbo4", 64, 2, mx.bfloat16, False),
+]
+
+
+@pytest.fixture
+def any_length(monkeypatch):
+    """The tensor-core pass 1 from the first stored row (by default only long caches use it)."""
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+
+
+def _cuda_only():
+    if kernels.select_backend() != "cuda":
+        pytest.skip("the tensor-core pass 1 is CUDA only")
+
+
+@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: _id(c[:5]) + f"-p{c[5]}")
+def test_tensor_core_kernel_matches_f64_reference(case, monkeypatch, any_length):
+    _cuda_only()
+    layout, scheme, d, R, dtype, prefetch = case
+    monkeypatch.setitem(host.TUNING, "mma_prefetch", prefetch)
+    cache = build_cache(scheme, H, d, dtype, max(T_VIEWS), seed=d * 5 + R, calibrated=layout != "turbo")
+    assert cache.layout.value == layout
+    q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(d + 2 * R)).astype(dtype)
+    k64, v64 = dequantized(cache)
+    _run_views(cache, q, 1 / math.sqrt(d), T_VIEWS, k64, v64, tensor_cores=True)
+
+
+@pytest.mark.parametrize("case", [("affinek-turbo", "turbo8v3", 128, 4, mx.float16),
+                                  ("calibrated", "turbo4", 64, 7, mx.bfloat16)], ids=_id)
+def test_tensor_core_kernel_long_context(case, any_length):
+    _cuda_only()
+    layout, scheme, d, R, dtype = case
+    cache = build_cache(scheme, H, d, dtype, 70000, seed=13)
+    q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(5)).astype(dtype)
+    k64, v64 = dequantized(cache)
+    _run_views(cache, q, 1 / math.sqrt(d), (70000,), k64, v64, tensor_cores=True)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3"])
+def test_tensor_core_benchmark_shape(scheme, prefetch, monkeypatch, any_length):
+    """32 query / 8 KV heads, d=128: one block per head (a long loop) and many blocks."""
+    _cuda_only()
+    monkeypatch.setitem(host.TUNING, "mma_prefetch", prefetch)
+    cache = build_cache(scheme, 8, 128, mx.float16, 3000, seed=4)
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(6)).astype(mx.float16)
+    k64, v64 = dequantized(cache)
+    for tgs in (1, 1024):
+        monkeypatch.setitem(host.TUNING, "threadgroups", tgs)
+        _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64, tensor_cores=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernels import fused_decode, merge_tail
+from .kernels import fused_decode
 from .sides import Side
 
 MaskLike = None | str | mx.array
@@ -72,11 +72,11 @@ def compressed_attention(
         raise ValueError(f"{Hq} query heads cannot share {H} KV heads evenly")
     R = Hq // H
     if L == 1 and arrays and (mask is None or (isinstance(mask, str) and mask == "causal")):
-        # One query token: the fused GPU kernel over the stored rows (None on the CPU, or when no
-        # kernel fits), then the raw tail merged exactly through the stored rows' log-sum-exp.
-        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts)
+        # One query token: the fused GPU kernels over the stored rows and the raw tail (None on
+        # the CPU, or when no kernel fits).
+        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail)
         if fused is not None:
-            return merge_tail(queries, *fused, tail, scale)
+            return fused[0].astype(queries.dtype)
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     parts = []
     if arrays:

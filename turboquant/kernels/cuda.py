@@ -16,7 +16,7 @@ from .template import Pass0, Pass1, Pass2, output_names, source
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
               "int32": "int32_t"}
-STRIDED = ("k_raw", "k_w", "k_s", "k_b", "k_p", "k_n", "v_w", "v_s", "v_b", "v_p", "v_n")
+STRIDED = ("k_raw", "k_w", "k_s", "k_b", "k_p", "k_n", "v_w", "v_s", "v_b", "v_p", "v_n", "t_k", "t_v")
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +34,9 @@ def input_types(variant: Pass0 | Pass1 | Pass2) -> dict[str, str]:
     types["params"] = "int32"
     if isinstance(variant, Pass0):
         types["q"] = variant.q_dtype
+    if isinstance(variant, Pass2) and variant.tail_dtype:
+        types["tq"] = variant.q_dtype
+        types["t_k"] = types["t_v"] = variant.tail_dtype
     if isinstance(variant, Pass1):
         for n in ("k_w", "k_p", "v_w", "v_p"):
             types[n] = "uint32"

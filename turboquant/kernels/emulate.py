@@ -51,6 +51,7 @@ HEADER = r"""
 #define CBLOOK(tbl, off) (*(const float*)((const char*)(tbl) + (off)))
 struct U2 { uint32_t x, y; };
 struct U4 { uint32_t x, y, z, w; };
+struct F4 { float x, y, z, w; };
 
 using Strides = std::array<int64_t, 10>;
 
@@ -80,6 +81,68 @@ static inline void tq_h2(uint32_t w, float& a, float& b) {
   a = (float)h[0];
   b = (float)h[1];
 }
+static thread_local uint32_t* tq_warp_u;
+static inline uint32_t tq_pack_h2(float lo, float hi) {
+  _Float16 h[2] = {(_Float16)lo, (_Float16)hi};
+  uint32_t w;
+  std::memcpy(&w, h, 4);
+  return w;
+}
+static inline uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint32_t s2, uint32_t b2) {
+  const uint32_t c0 = (w >> (8 * (sel & 3u))) & 0xffu, c1 = (w >> (8 * ((sel >> 8) & 3u))) & 0xffu;
+  _Float16 s, bb;
+  const uint16_t sv = (uint16_t)s2, bv = (uint16_t)b2;
+  std::memcpy(&s, &sv, 2);
+  std::memcpy(&bb, &bv, 2);
+  return tq_pack_h2((float)c0 * (float)s + (float)bb, (float)c1 * (float)s + (float)bb);
+}
+#define PAIRLOOK(tbl, off) (*(const uint32_t*)((const char*)(tbl) + (off)))
+static inline float tq_h2f(uint32_t w, int hi) {
+  const uint16_t v = (uint16_t)(hi ? (w >> 16) : (w & 0xffffu));
+  _Float16 h;
+  std::memcpy(&h, &v, 2);
+  return (float)h;
+}
+// mma.sync.m16n8k16 (row.col, fp16 in, float32 accumulate) with the PTX fragment layouts:
+// lane = 4 * group + quad position; A regs (row g | g+8) x (k 2c.. | 2c+8..), B regs k 2c.. | 2c+8...
+static inline void tq_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                          uint32_t b1) {
+  const int lane = tq_tid % 32;
+  uint32_t* u = tq_warp_u;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  for (int i = 0; i < 6; ++i) u[lane * 6 + i] = mine[i];
+  tq_warp_bar->arrive_and_wait();
+  const int g = lane >> 2, c = lane & 3;
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i >> 1), col = 2 * c + (i & 1);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) {
+      const int la = (row % 8) * 4 + (k % 8) / 2, ra = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      const int lb = col * 4 + (k % 8) / 2, rb = 4 + (k >= 8 ? 1 : 0);
+      acc += tq_h2f(u[la * 6 + ra], k & 1) * tq_h2f(u[lb * 6 + rb], k & 1);
+    }
+    out[i] = acc;
+  }
+  tq_warp_bar->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+static inline float tq_shfl_xor(float x, int m);
+static inline bool tq_any(bool x) {
+  float s = x ? 1.0f : 0.0f;
+  for (int m = 1; m < 32; m *= 2) s += tq_shfl_xor(s, m);
+  return s > 0.0f;
+}
+#define ANY_LANE(x) tq_any((x))
+static inline uint32_t tq_shfl_idx_u32(uint32_t x, int src) {
+  const int lane = tq_tid % 32;
+  tq_warp_u[lane] = x;
+  tq_warp_bar->arrive_and_wait();
+  const uint32_t y = tq_warp_u[src];
+  tq_warp_bar->arrive_and_wait();
+  return y;
+}
+#define SHFL_IDX_U32(x, src) tq_shfl_idx_u32((uint32_t)(x), (src))
 static inline float tq_shfl_xor(float x, int m) {
   const int lane = tq_tid % 32;
   tq_warp_slots[lane] = x;
@@ -145,12 +208,14 @@ def translation_unit(variant: Pass0 | Pass1 | Pass2) -> str:
             "      std::barrier<> tg(nt);\n"
             "      std::vector<std::barrier<>*> warps;\n"
             "      std::vector<std::vector<float>> slots(nt / 32, std::vector<float>(32));\n"
+            "      std::vector<std::vector<uint32_t>> uslots(nt / 32, std::vector<uint32_t>(32 * 6));\n"
             "      for (int w = 0; w < nt / 32; ++w) warps.push_back(new std::barrier<>(32));\n"
             "      std::vector<std::thread> threads;\n"
             "      for (int t = 0; t < nt; ++t) {\n"
             "        threads.emplace_back([&, t]() {\n"
             "          tq_tid = t; tq_bx = bx; tq_by = by; tq_tg_bar = &tg;\n"
             "          tq_warp_bar = warps[t / 32]; tq_warp_slots = slots[t / 32].data();\n"
+            "          tq_warp_u = uslots[t / 32].data();\n"
             f"          tq_kernel({', '.join(unpack)});\n"
             "        });\n"
             "      }\n"

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from ..rotation import Rotation, RotationKind
 from ..sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
+from .mma import MMA_ROWS, MmaPass1
 from .template import MAX_BLOCKS, MAX_SPAN, OUTPUTS1, OUTPUTS2, THREADS, Pass0, Pass1, Pass2, rows_bucket
 
 LOG2E = 1.4426950408889634
@@ -36,20 +37,29 @@ class Call:
     D: int
 
 
-# Tuning knobs for benchmarks (0 = the defaults: lane shape and unroll by rows bucket).
-TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0}
+# Tuning knobs for benchmarks and tests (0 / None = the defaults: lane shape and unroll by rows
+# bucket; mma: the tensor-core pass 1 where it applies; mma_prefetch: by key format;
+# mma_min_tokens: MMA_MIN_TOKENS).
+TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0, "mma": True, "mma_prefetch": None, "mma_min_tokens": None}
+# Below this many stored rows the CUDA-core pass 1 was faster on the H200 (docs/benchmarks.md:
+# at 4k every scheme, at 16k turbo8v3; from 64k on the tensor-core pass 1 wins for all).
+MMA_MIN_TOKENS = 16384
 
 
-def target_threadgroups() -> int:
-    return TUNING["threadgroups"] or int(os.environ.get("TQSTORE_KERNEL_THREADGROUPS", TARGET_THREADGROUPS))
+MMA_TARGET_THREADGROUPS = 264  # the tensor-core pass 1 holds ~200 registers a lane: 2 threadgroups per SM
 
 
-def plan_blocks(T: int, tg_rows: int, target: int | None = None) -> tuple[int, int] | None:
+def target_threadgroups(mma: bool = False) -> int:
+    default = MMA_TARGET_THREADGROUPS if mma else TARGET_THREADGROUPS
+    return TUNING["threadgroups"] or int(os.environ.get("TQSTORE_KERNEL_THREADGROUPS", default))
+
+
+def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = False) -> tuple[int, int] | None:
     """(span, nblocks) of pass 1: enough threadgroups to fill the GPU, blocks of at least
     MIN_SPAN and at most MAX_SPAN tokens, at most MAX_BLOCKS blocks; None when T is too long."""
     if T < 1:
         return None
-    target = target or target_threadgroups()
+    target = target or target_threadgroups(mma)
     nblk = min(max(1, -(-target // tg_rows)), -(-T // MIN_SPAN), MAX_BLOCKS)
     nblk = max(nblk, -(-T // MAX_SPAN))
     if nblk > MAX_BLOCKS:
@@ -71,8 +81,12 @@ def _side(side) -> tuple[str, int, int, str] | None:
 
 
 def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
-             shifts: mx.array | None) -> Call | None:
-    """The kernels of this decode step, or None when none applies (shape, layout, sizes)."""
+             shifts: mx.array | None, tensor_cores: bool = False) -> Call | None:
+    """The kernels of this decode step, or None when none applies (shape, layout, sizes).
+
+    `tensor_cores` (CUDA): pass 1 on the tensor cores (`mma.py`) where it applies: fp16/bf16
+    activations, TurboQuant or affine keys, TurboQuant values, head dims a multiple of 16, at
+    least `mma_min_tokens()` stored rows."""
     if queries.ndim != 4 or queries.shape[2] != 1 or not arrays:
         return None
     B, Hq, _, D = queries.shape
@@ -120,6 +134,11 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
         if shifts.shape[1] * SHIFT_BLOCK < T:
             return None
     R = Hq // H
+    if tensor_cores and use_mma() and queries.dtype in (mx.float16, mx.bfloat16) and T >= mma_min_tokens():
+        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None,
+                             kfmt == "turbo" if TUNING["mma_prefetch"] is None else TUNING["mma_prefetch"])
+        if pair is not None:
+            return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
                      shifts is not None, TUNING["ns"], TUNING["unroll"])
     if pair is None:
@@ -136,6 +155,26 @@ def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax,
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=vfmt == "turbo")
+
+
+def use_mma() -> bool:
+    """Whether CUDA decode may use the tensor-core pass 1 (`TQSTORE_KERNEL_MMA=0` turns it off)."""
+    return TUNING["mma"] and os.environ.get("TQSTORE_KERNEL_MMA", "1") != "0"
+
+
+def mma_min_tokens() -> int:
+    minimum = TUNING["mma_min_tokens"]
+    return MMA_MIN_TOKENS if minimum is None else minimum
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch):
+    try:
+        p1 = MmaPass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
+                      value_bits=vbits, value_group=0, value_dtype="", rmax=rmax, shifts=shifts, prefetch=prefetch)
+    except ValueError:
+        return None
+    return p1, Pass2(d=D, rotate=True)
 
 
 _RINV: dict[int, tuple[Rotation, mx.array]] = {}
@@ -162,8 +201,8 @@ _QT: dict[tuple, tuple] = {}
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     """Per key side (cached): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
     keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
-    and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, 1, D] or a
-    scalar, c) for native and affine keys (q_k = q * pre)."""
+    and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, D], c) for
+    native and affine keys (q_k = q * pre; a pass-0 kernel without the matrix)."""
     key = (id(key_side), c, H, D)
     hit = _QT.get(key)
     if hit is not None and hit[0] is key_side:
@@ -179,7 +218,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
             post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
             result = ("pass0", pre, m, post, cq)
         else:
-            pre = cq.reshape(()) if chan is None else chan[:, None, :] * c
+            pre = mx.contiguous(mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c)
             result = ("scale", pre, None, None, cq)
         mx.eval(*[a for a in result[1:] if isinstance(a, mx.array)])
     _QT[key] = (key_side, result)
@@ -190,14 +229,14 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
                  call: Call) -> tuple[mx.array, mx.array | None]:
     """(q_k, q_s): the key-side query (rotated and calibrated for TurboQuant keys, channel-scaled
     for calibrated affine keys) and, for key means, the plain scaled query; [B*Hq, D] float32 in
-    log2 units (scale * log2(e) folded in). TurboQuant keys: one pass-0 kernel."""
+    log2 units (scale * log2(e) folded in): one pass-0 kernel, plain ops for other dtypes."""
     B, H, R, D = call.B, call.H, call.R, call.D
     c = scale * LOG2E
     kind, pre, m, post, cq = _query_transform(key_side, c, H, D)
     shifts = call.pass1.shifts
     dtype = DTYPE_NAMES.get(queries.dtype)
-    if kind == "pass0" and dtype is not None:
-        p0 = _pass0(D, dtype, post is not None, shifts)
+    if dtype is not None:
+        p0 = _pass0(D, dtype, post is not None, shifts, kind == "pass0")
         q = mx.contiguous(queries.reshape(B * H * R, D))
         inputs = {"params": params, "q": q, "cq": cq, "pre": pre, "mf": m, "post": post}
         outs = make_kernel(p0)(inputs=[inputs[n] for n in p0.input_names()], grid=(p0.threads * B * H * R, 1, 1),
@@ -209,32 +248,42 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
         qk = (q.astype(mx.float32) * pre[:, None, :]) @ m
         qk = qk if post is None else qk * post[:, None, :]
     else:
-        qk = q * pre
+        qk = q * pre[:, None, :]
     qs = mx.contiguous((q * cq.reshape(())).reshape(B * H * R, D)) if shifts else None
     # (elementwise results may keep a permuted input's strides; the kernels index rows densely)
     return mx.contiguous(qk.reshape(B * H * R, D)), qs
 
 
 @functools.lru_cache(maxsize=None)
-def _pass0(d: int, q_dtype: str, post: bool, qs: bool) -> Pass0:
-    return Pass0(d=d, q_dtype=q_dtype, post=post, qs=qs)
+def _pass0(d: int, q_dtype: str, post: bool, qs: bool, matrix: bool) -> Pass0:
+    return Pass0(d=d, q_dtype=q_dtype, post=post, qs=qs, matrix=matrix)
 
 
 KernelFactory = Callable[[Pass1 | Pass2], Callable]
 
 
+@functools.lru_cache(maxsize=1024)
+def _params(*sizes: int) -> mx.array:
+    """The runtime sizes as a device array, made once per distinct sizes: the stored row count
+    grows a block at a time, so decode steps reuse it instead of uploading a new array each call."""
+    params = mx.array(sizes, dtype=mx.int32)
+    mx.eval(params)
+    return params
+
+
 def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
-               scale: float, shifts: mx.array | None, target: int | None = None) -> dict | None:
-    """Keyword arguments of the pass-1 kernel call (inputs, grid, outputs), or None (T too long)."""
+               scale: float, shifts: mx.array | None, target: int | None = None, tail_rows: int = 0) -> dict | None:
+    """Keyword arguments of the pass-1 kernel call (inputs, grid, outputs), or None (T too long).
+    `tail_rows` travels in `params` for a pass 2 that also attends over the raw tail."""
     p1 = call.pass1
     NG = -(-call.R // p1.rmax)
-    blocks = plan_blocks(call.T, call.B * call.H * NG, target)
+    blocks = plan_blocks(call.T, call.B * call.H * NG, target, isinstance(p1, MmaPass1))
     if blocks is None:
         return None
     span, nblk = blocks
     rows = call.B * call.H * call.R
     nb_mu = 0 if shifts is None else shifts.shape[1]
-    params = mx.array([call.T, span, nblk, call.R, call.H, NG, nb_mu, 0], dtype=mx.int32)
+    params = _params(call.T, span, nblk, call.R, call.H, NG, nb_mu, tail_rows)
     qk, qs = query_inputs(make_kernel, params, queries, key_side, scale, call)
     inputs = {"params": params, "q_k": qk}
     if shifts is not None:
@@ -257,12 +306,36 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
                 output_dtypes=[mx.float32] * len(OUTPUTS1))
 
 
-def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.array, pl: mx.array) -> dict:
-    p2 = call.pass2
+def tail_pass2(call: Call, queries: mx.array, tail: tuple[mx.array, mx.array] | None) -> Pass2 | None:
+    """The pass-2 variant that also attends over `tail`, or None (no tail, or one it cannot take:
+    more rows than its threads, an unknown dtype, another layout)."""
+    if tail is None:
+        return None
+    kt, vt = tail
+    dt, qt = DTYPE_NAMES.get(kt.dtype), DTYPE_NAMES.get(queries.dtype)
+    if (dt is None or qt is None or vt.dtype != kt.dtype or not 0 < kt.shape[2] <= call.pass2.threads
+            or kt.ndim != 4 or kt.shape[:2] != (call.B, call.H) or vt.shape[:3] != kt.shape[:3]
+            or kt.shape[3] != call.D or vt.shape[3] != call.D):
+        return None
+    return _pass2(call.D, call.pass2.rotate, dt, qt)
+
+
+@functools.lru_cache(maxsize=None)
+def _pass2(d: int, rotate: bool, tail_dtype: str, q_dtype: str) -> Pass2:
+    return Pass2(d=d, rotate=rotate, tail_dtype=tail_dtype, q_dtype=q_dtype)
+
+
+def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.array, pl: mx.array,
+               p2: Pass2 | None = None, queries: mx.array | None = None, cq: mx.array | None = None,
+               tail: tuple[mx.array, mx.array] | None = None) -> dict:
+    """Keyword arguments of the pass-2 call; `p2` (a tail variant) with the query and tail."""
+    p2 = p2 or call.pass2
     rows = call.B * call.H * call.R
     ins = {"params": params, "po": po, "pm": pm, "pl": pl}
     if p2.rotate:
         ins["rinv"] = inverse_matrix(value_side.codec.rotation)
+    if p2.tail_dtype:
+        ins.update(tq=mx.contiguous(queries.reshape(rows, call.D)), cq=cq, t_k=tail[0], t_v=tail[1])
     return dict(inputs=[ins[n] for n in p2.input_names()], grid=(p2.threads * rows, 1, 1),
                 threadgroup=(p2.threads, 1, 1), output_shapes=[(rows, call.D), (rows,)],
                 output_dtypes=[mx.float32] * len(OUTPUTS2))
@@ -271,19 +344,26 @@ def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.ar
 def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, value_side,
            arrays: dict[str, mx.array], scale: float, shifts: mx.array | None,
            init_value: float | None = None, target: int | None = None,
-           partials: bool = False) -> tuple[mx.array, ...] | None:
-    """Run both passes; returns (out [B, Hq, 1, D] float32 normalised over the stored rows in the
-    original basis, lse [B, Hq, 1] float32 natural-log log-sum-exp of their scaled scores), plus
-    pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value` fills every output
-    before the kernels run (tests poison them with NaN)."""
-    args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target)
+           partials: bool = False, tail: tuple[mx.array, mx.array] | None = None,
+           fuse_tail: bool = True) -> tuple[mx.array, ...] | None:
+    """Run both passes; returns (out [B, Hq, 1, D] float32 normalised in the original basis,
+    lse [B, Hq, 1] float32 natural-log log-sum-exp of the scaled scores) over the stored rows and
+    the raw `tail` when given (pass 2 attends over it when `fuse_tail` and it can, else plain ops
+    merge it), plus pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value`
+    fills every output before the kernels run (tests poison them with NaN)."""
+    p2 = tail_pass2(call, queries, tail) if fuse_tail else None
+    args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target,
+                       tail[0].shape[2] if p2 is not None else 0)
     if args1 is None:
         return None
     po, pm, pl = make_kernel(call.pass1)(**args1, init_value=init_value)
-    out, lse = make_kernel(call.pass2)(**pass2_args(call, value_side, args1["inputs"][0], po, pm, pl),
-                                       init_value=init_value)
+    cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)[4]
+    out, lse = make_kernel(p2 or call.pass2)(**pass2_args(call, value_side, args1["inputs"][0], po, pm, pl, p2,
+                                                          queries, cq, tail), init_value=init_value)
     Hq = call.H * call.R
     result = (out.reshape(call.B, Hq, 1, call.D), lse.reshape(call.B, Hq, 1))
+    if p2 is None and tail is not None:
+        result = merge_tail(queries, *result, tail, scale)
     return result + (po, pm, pl) if partials else result
 
 
@@ -310,11 +390,11 @@ def plain_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
 
 
 def merge_tail(queries: mx.array, out: mx.array, lse: mx.array, tail: tuple[mx.array, mx.array] | None,
-               scale: float) -> mx.array:
-    """Attention over [stored rows | raw tail] from the stored rows' (out, lse) and the tail's own
-    scores (exact; plain ops), in the activation dtype."""
+               scale: float) -> tuple[mx.array, mx.array]:
+    """(out, lse) over [stored rows | raw tail] from the stored rows' (out, lse) and the tail's
+    own scores (exact; plain ops, float32)."""
     if tail is None:
-        return out.astype(queries.dtype)
+        return out, lse
     B, Hq, _, D = queries.shape
     kt, vt = tail
     H = kt.shape[1]
@@ -327,7 +407,7 @@ def merge_tail(queries: mx.array, out: mx.array, lse: mx.array, tail: tuple[mx.a
     w = mx.exp(lse_s - m)
     num = out.reshape(B, H, R, -1) * w + e @ vt.astype(mx.float32)
     den = w + mx.sum(e, axis=-1, keepdims=True)
-    return (num / den).reshape(B, Hq, 1, -1).astype(queries.dtype)
+    return (num / den).reshape(B, Hq, 1, -1), (m + mx.log(den)).reshape(B, Hq, 1)
 
 
 def close(a: mx.array, b: mx.array, rtol: float) -> tuple[bool, float]:

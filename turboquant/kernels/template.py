@@ -143,6 +143,13 @@ class Pass1:
                 f"{side(self.value, self.value_bits, self.value_group, self.value_dtype)}_d{self.d}_r{self.rmax}"
                 f"_n{ns}_u{self.u}_s{int(self.shifts)}")
 
+    def render(self, prologue: str) -> str:
+        """The kernel body after `prologue` (the dialect's thread indices)."""
+        return pass1_body(self, prologue)
+
+    def header(self, dialect: str) -> str:
+        return HEADERS[dialect]
+
     def input_names(self) -> list[str]:
         names = ["params", "q_k"]
         if self.shifts:
@@ -156,6 +163,8 @@ class Pass1:
 class Pass2:
     d: int
     rotate: bool  # apply a dense inverse value rotation
+    tail_dtype: str = ""  # the raw tail's dtype when pass 2 also attends over it (CUDA)
+    q_dtype: str = ""  # the query's dtype (with a tail)
 
     @property
     def threads(self) -> int:
@@ -163,10 +172,15 @@ class Pass2:
 
     @property
     def name(self) -> str:
-        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}"
+        tail = ""
+        if self.tail_dtype:
+            short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+            tail = f"_t{short[self.tail_dtype]}_q{short[self.q_dtype]}"
+        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}"
 
     def input_names(self) -> list[str]:
-        return ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
+        names = ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
+        return names + (["tq", "cq", "t_k", "t_v"] if self.tail_dtype else [])
 
 
 @dataclass(frozen=True)
@@ -179,6 +193,7 @@ class Pass0:
     q_dtype: str
     post: bool
     qs: bool
+    matrix: bool = True  # False: affine keys, q_k = q * pre (no rotation)
 
     @property
     def threads(self) -> int:
@@ -187,10 +202,10 @@ class Pass0:
     @property
     def name(self) -> str:
         dt = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.q_dtype]
-        return f"tq_decode0_d{self.d}_{dt}_p{int(self.post)}_s{int(self.qs)}"
+        return f"tq_decode0_d{self.d}_{dt}_p{int(self.post)}_s{int(self.qs)}_m{int(self.matrix)}"
 
     def input_names(self) -> list[str]:
-        return ["params", "q", "cq", "pre", "mf"] + (["post"] if self.post else [])
+        return ["params", "q", "cq", "pre"] + (["mf"] if self.matrix else []) + (["post"] if self.post else [])
 
     def output_names(self) -> list[str]:
         return ["q_k"] + (["q_s"] if self.qs else [])
@@ -316,20 +331,8 @@ def leftover_markers(text: str) -> list[str]:
 # Pass 1
 # --------------------------------------------------------------------------------------------
 
-_PASS1 = """
-constexpr int D = @@D@@;
-constexpr int RMAX = @@RMAX@@;
-constexpr int NS = @@NS@@;
-constexpr int G = @@G@@;
-constexpr int NSUB = D / 8;
-constexpr int E = NS * 8;
-constexpr int NT = @@NT@@;
-constexpr int NGRP = NT / G;
-constexpr int U = @@U@@;
-constexpr int STEP = NGRP * U;
-constexpr int MAXSB = @@MAXSB@@;
-@@PROLOGUE@@
-const int T = params[0];
+# Which (batch, KV head, row group) and which tokens a pass-1 threadgroup serves (both pass 1s).
+BLOCK = """const int T = params[0];
 const int span = params[1];
 const int nblk = params[2];
 const int R = params[3];
@@ -343,7 +346,22 @@ const int r0 = rg * RMAX;
 const int nrows = IMIN(RMAX, R - r0);
 const int qrow0 = bh * R + r0;
 const int t_begin = blk * span;
-const int t_end = IMIN(t_begin + span, T);
+const int t_end = IMIN(t_begin + span, T);"""
+
+_PASS1 = """
+constexpr int D = @@D@@;
+constexpr int RMAX = @@RMAX@@;
+constexpr int NS = @@NS@@;
+constexpr int G = @@G@@;
+constexpr int NSUB = D / 8;
+constexpr int E = NS * 8;
+constexpr int NT = @@NT@@;
+constexpr int NGRP = NT / G;
+constexpr int U = @@U@@;
+constexpr int STEP = NGRP * U;
+constexpr int MAXSB = @@MAXSB@@;
+@@PROLOGUE@@
+@@BLOCK@@
 const int gl = tid % G;
 const int tg = tid / G;
 const int lane = tid % 32;
@@ -889,7 +907,7 @@ def pass1_body(v: Pass1, prologue: str) -> str:
 
     body = fill(
         _PASS1,
-        PROLOGUE=prologue, D=v.d, RMAX=v.rmax, NS=ns, G=g, NT=THREADS, U=v.u, MAXSB=MAX_SHIFT_BLOCKS,
+        PROLOGUE=prologue, BLOCK=BLOCK, D=v.d, RMAX=v.rmax, NS=ns, G=g, NT=THREADS, U=v.u, MAXSB=MAX_SHIFT_BLOCKS,
         SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
         KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], VALUE_STATE=vp["state"],
         KEY_DECL=decl(kp, ""), VALUE_DECL=decl(vp, ""), KEY_FILL=filled(kp, "", "tt"),
@@ -986,18 +1004,102 @@ if (j == 0 && d < D) {
 @@STORE@@
 }
 @@ROTATE@@
-if (tid == 0) {
-  lse[row] = (M + LOG2(L)) * TQ_LN2;
-}
+@@FINISH@@
 """
+
+_FINISH = """if (tid == 0) {
+  lse[row] = (M + LOG2(L)) * TQ_LN2;
+}"""
+
+# The raw tail (n < 256 native rows of this row's KV head) joins the stored rows' softmax: one
+# score per thread, block max and sum, then every output element mixes the n value rows. Each
+# thread rewrites the output elements it wrote above.
+_TAIL = """{
+  const int n = params[7];
+  const int R = params[3];
+  const int H = params[4];
+  const int bh = row / R;
+  const int b = bh / H;
+  const int h = bh - b * H;
+  TGMEM float s_q[D];
+  TGMEM float s_e[NT];
+  TGMEM float s_r[NW];
+  TGMEM float s_r2[NW];
+  for (int i = tid; i < D; i += NT) {
+    s_q[i] = static_cast<float>(tq[row * D + i]) * cq[0];
+  }
+  SYNC();
+  const int64_t kb = (int64_t)b * t_k_strides[0] + (int64_t)h * t_k_strides[1];
+  const int64_t vb = (int64_t)b * t_v_strides[0] + (int64_t)h * t_v_strides[1];
+  float st = NEG_INF;
+  if (tid < n) {
+    const int64_t kr = kb + (int64_t)tid * t_k_strides[2];
+    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+    for (int i = 0; i < D; i += 4) {
+      a0 += s_q[i] * static_cast<float>(t_k[kr + i]);
+      a1 += s_q[i + 1] * static_cast<float>(t_k[kr + i + 1]);
+      a2 += s_q[i + 2] * static_cast<float>(t_k[kr + i + 2]);
+      a3 += s_q[i + 3] * static_cast<float>(t_k[kr + i + 3]);
+    }
+    st = (a0 + a1) + (a2 + a3);
+  }
+  float mt = st;
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    mt = FMAX(mt, SHFL_XOR(mt, off));
+  }
+  if (lane == 0) {
+    s_r[warp] = mt;
+  }
+  SYNC();
+  float M2 = M;
+  for (int i = 0; i < NW; ++i) {
+    M2 = FMAX(M2, s_r[i]);
+  }
+  const float fs = EXP2(M - M2) * L;
+  const float et = (tid < n) ? EXP2(st - M2) : 0.0f;
+  s_e[tid] = et;
+  float se = et;
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    se += SHFL_XOR(se, off);
+  }
+  if (lane == 0) {
+    s_r2[warp] = se;
+  }
+  SYNC();
+  float den = fs;
+  for (int i = 0; i < NW; ++i) {
+    den += s_r2[i];
+  }
+  for (int e = tid; e < D; e += NT) {
+    float a0 = fs * out[row * D + e], a1 = 0.0f;
+    int t = 0;
+    for (; t + 1 < n; t += 2) {
+      a0 += s_e[t] * static_cast<float>(t_v[vb + (int64_t)t * t_v_strides[2] + e]);
+      a1 += s_e[t + 1] * static_cast<float>(t_v[vb + (int64_t)(t + 1) * t_v_strides[2] + e]);
+    }
+    if (t < n) {
+      a0 += s_e[t] * static_cast<float>(t_v[vb + (int64_t)t * t_v_strides[2] + e]);
+    }
+    out[row * D + e] = (a0 + a1) / den;
+  }
+  if (tid == 0) {
+    lse[row] = (M2 + LOG2(den)) * TQ_LN2;
+  }
+}"""
 
 _ROTATE = """SYNC();
 for (int e = tid; e < D; e += NT) {
-  float acc = 0.0f;
-  for (int k = 0; k < D; ++k) {
-    acc += s_o[k] * rinv[k * D + e];
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll 4
+  for (int k = 0; k < D; k += 4) {
+    a0 += s_o[k] * rinv[k * D + e];
+    a1 += s_o[k + 1] * rinv[(k + 1) * D + e];
+    a2 += s_o[k + 2] * rinv[(k + 2) * D + e];
+    a3 += s_o[k + 3] * rinv[(k + 3) * D + e];
   }
-  out[row * D + e] = acc;
+  out[row * D + e] = (a0 + a1) + (a2 + a3);
 }"""
 
 
@@ -1016,20 +1118,33 @@ for (int d = tid; d < D; d += NT) {
 @@QS@@
 }
 SYNC();
-for (int e = tid; e < D; e += NT) {
-  float acc = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    acc += s_x[j] * mf[j * D + e];
-  }
-  q_k[row * D + e] = acc@@POST@@;
-}
+@@PRODUCT@@
 """
+
+# Four independent sums over an unrolled loop keep many loads of the matrix in flight (a single
+# running sum waits for every load in turn).
+_PASS0_MATRIX = """for (int e = tid; e < D; e += NT) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll 4
+  for (int j = 0; j < D; j += 4) {
+    a0 += s_x[j] * mf[j * D + e];
+    a1 += s_x[j + 1] * mf[(j + 1) * D + e];
+    a2 += s_x[j + 2] * mf[(j + 2) * D + e];
+    a3 += s_x[j + 3] * mf[(j + 3) * D + e];
+  }
+  q_k[row * D + e] = ((a0 + a1) + (a2 + a3))@@POST@@;
+}"""
+
+_PASS0_SCALE = """for (int e = tid; e < D; e += NT) {
+  q_k[row * D + e] = s_x[e];
+}"""
 
 
 def pass0_body(v: Pass0, prologue: str) -> str:
     return fill(_PASS0, PROLOGUE=prologue, D=v.d, NT=v.threads,
                 QS="  q_s[row * D + d] = x * cq[0];" if v.qs else "",
-                POST=" * post[h * D + e]" if v.post else "")
+                PRODUCT=fill(_PASS0_MATRIX if v.matrix else _PASS0_SCALE,
+                             POST=" * post[h * D + e]" if v.post else ""))
 
 
 def pass2_source(v: Pass2, dialect: str) -> tuple[str, str]:
@@ -1044,19 +1159,21 @@ def pass2_body(v: Pass2, prologue: str) -> str:
         ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
         STORE="  s_o[d] = acc * inv;" if v.rotate else "  out[row * D + d] = acc * inv;",
         ROTATE=_ROTATE if v.rotate else "",
+        FINISH=_TAIL if v.tail_dtype else _FINISH,
     )
 
 
 def body(v: Pass0 | Pass1 | Pass2, prologue: str) -> str:
     if isinstance(v, Pass0):
         return pass0_body(v, prologue)
-    return pass1_body(v, prologue) if isinstance(v, Pass1) else pass2_body(v, prologue)
+    return v.render(prologue) if isinstance(v, Pass1) else pass2_body(v, prologue)
 
 
 def source(v: Pass0 | Pass1 | Pass2, dialect: str) -> tuple[str, str]:
     if dialect not in DIALECTS:
         raise ValueError(f"dialect must be one of {DIALECTS}")
-    return HEADERS[dialect], body(v, PROLOGUE[dialect])
+    header = v.header(dialect) if isinstance(v, Pass1) else HEADERS[dialect]
+    return header, body(v, PROLOGUE[dialect])
 
 
 def output_names(v: Pass0 | Pass1 | Pass2) -> list[str]:

@@ -1,0 +1,188 @@
+"""The tensor-core pass 1 (`turboquant/kernels/mma.py`) without a GPU: which decode steps it
+serves, its CUDA source for every structure, and the kernel itself run on the CPU through the
+emulator (whose `mma.sync` follows the PTX fragment layouts) against a float64 reference.
+
+Its products take fp16 inputs (the query, the dequantized K and V elements, the probabilities
+times value norms: each rounded with relative error at most 2^-11) and float32 sums; the outputs
+are compared at 2e-3 of the largest reference output, the accuracy of fp16 activations (the
+CUDA-core kernel, all float32, is held to 1e-5 in test_kernel_sources.py)."""
+
+import itertools
+import math
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.kernels import emulate, host
+from turboquant.kernels import template as tpl
+from turboquant.kernels.cuda import translation_unit
+from turboquant.kernels.mma import MMA_ROWS, MmaPass1
+from turboquant.kernels.reference import build_cache, reference, stored
+
+RTOL = 2e-3
+
+
+@pytest.fixture(autouse=True)
+def any_length(monkeypatch):
+    """The tensor-core pass 1 from the first stored row (by default only long caches use it)."""
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+
+
+needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+
+
+def mma_variants():
+    keys = [("turbo", b, 0, "") for b in tpl.TURBO_BITS]
+    keys += [("affine", b, g, dt) for b, g, dt in itertools.product(tpl.AFFINE_BITS, tpl.AFFINE_GROUPS,
+                                                                    tpl.NATIVE_DTYPES)]
+    out = []
+    for d in (64, 80, 96, 128, 256):
+        for (kf, kb, kg, kd), vb, shifts, prefetch in itertools.product(keys, tpl.TURBO_BITS, (False, True),
+                                                                        (False, True)):
+            if kf == "affine" and d % kg:
+                continue
+            out.append(MmaPass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value="turbo", value_bits=vb,
+                                value_group=0, value_dtype="", rmax=MMA_ROWS, shifts=shifts, prefetch=prefetch))
+    return out
+
+
+VARIANTS = mma_variants()
+
+
+def test_every_variant_generates_cuda_and_refuses_metal():
+    names = set()
+    for v in VARIANTS:
+        assert v.name not in names
+        names.add(v.name)
+        header, body = tpl.source(v, "cuda")
+        text = header + body
+        assert not tpl.leftover_markers(text), (v.name, tpl.leftover_markers(text)[:3])
+        assert text.count("{") == text.count("}") and text.count("(") == text.count(")"), v.name
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in header
+        assert v.input_names() == tpl.Pass1.input_names(v)  # same inputs as the CUDA-core pass 1
+        with pytest.raises(ValueError):
+            tpl.source(v, "metal")
+    assert len(names) > 1000
+
+
+def test_structures_without_a_tensor_core_kernel_are_refused():
+    base = dict(d=128, key="turbo", key_bits=4, key_group=0, key_dtype="", value="turbo", value_bits=4,
+                value_group=0, value_dtype="", rmax=MMA_ROWS, shifts=False)
+    MmaPass1(**base)
+    for change in ({"d": 72}, {"key": "native", "key_bits": 0, "key_dtype": "float16"}, {"rmax": 4},
+                   {"value": "affine", "value_bits": 8, "value_group": 64, "value_dtype": "float16"}):
+        with pytest.raises(ValueError):
+            MmaPass1(**{**base, **change})
+
+
+@pytest.mark.parametrize("scheme,dtype,expected", [
+    ("turbo4", mx.float16, MmaPass1), ("turbo8v3", mx.bfloat16, MmaPass1), ("turbo4", mx.float32, tpl.Pass1),
+    ("turbo0v4", mx.float16, tpl.Pass1), ("affine8", mx.float16, tpl.Pass1)])
+def test_describe_uses_tensor_cores_for_half_activations(scheme, dtype, expected):
+    cache = build_cache(scheme, 2, 64, dtype, 300)
+    q = mx.zeros((1, 4, 1, 64), dtype=dtype)
+    args = (q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+    assert type(host.describe(*args, tensor_cores=True).pass1) is expected
+    assert type(host.describe(*args).pass1) is tpl.Pass1
+
+
+def test_short_caches_keep_the_cuda_core_kernel(monkeypatch):
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", None)
+    q = mx.zeros((1, 4, 1, 64), dtype=mx.float16)
+    cache = build_cache("turbo4", 2, 64, mx.float16, 300, calibrated=False)
+    full = stored(cache)
+    for T, expected in ((host.MMA_MIN_TOKENS - 1, tpl.Pass1), (host.MMA_MIN_TOKENS, MmaPass1)):
+        arrays = {n: mx.concatenate([a] * -(-T // 300), axis=2)[:, :, :T] for n, a in full.items()}
+        call = host.describe(q, cache._key_side, cache._value_side, arrays, None, tensor_cores=True)
+        assert type(call.pass1) is expected, T
+
+
+def test_tensor_cores_can_be_turned_off(monkeypatch):
+    cache = build_cache("turbo4", 2, 64, mx.float16, 300)
+    args = (mx.zeros((1, 4, 1, 64), dtype=mx.float16), cache._key_side, cache._value_side, stored(cache),
+            cache._shifts)
+    assert isinstance(host.describe(*args, tensor_cores=True).pass1, MmaPass1)
+    monkeypatch.setenv("TQSTORE_KERNEL_MMA", "0")
+    assert type(host.describe(*args, tensor_cores=True).pass1) is tpl.Pass1
+
+
+def _check(cache, q, scale, out, lse):
+    ref_out, ref_lse = reference(cache, q, scale, with_tail=False)
+    out = np.array(out).astype(np.float64)
+    assert np.isfinite(out).all()
+    err = np.abs(out - ref_out).max() / np.abs(ref_out).max()
+    lerr = np.abs(np.array(lse) - ref_lse).max() / max(1.0, np.abs(ref_lse).max())
+    assert err <= RTOL and lerr <= RTOL, (err, lerr)
+
+
+# (scheme, H, R, D, T, dtype, prefetch): every key format and value width, head dims, one and
+# several row groups (R > 8), short, unaligned and multi-block token counts
+EMULATED = [
+    ("turbo4", 2, 4, 128, 100, mx.float16, None),
+    ("turbo3", 2, 4, 256, 200, mx.bfloat16, True),
+    ("turbo2", 1, 2, 80, 70, mx.float16, False),
+    ("turbo4v2", 2, 7, 64, 513, mx.bfloat16, None),
+    ("turbo3", 1, 12, 96, 1, mx.float16, None),
+    ("turbo8v3", 2, 9, 128, 65, mx.float16, None),
+    ("turbo8v3", 2, 1, 128, 300, mx.bfloat16, True),
+    ("turbo8v4", 1, 7, 96, 300, mx.bfloat16, False),
+    ("turbo8v2", 1, 16, 64, 200, mx.float16, True),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", EMULATED, ids=lambda c: f"{c[0]}-H{c[1]}R{c[2]}d{c[3]}T{c[4]}-p{c[6]}")
+def test_emulated_tensor_core_kernel_matches_f64_reference(case, monkeypatch):
+    scheme, H, R, D, T, dtype, prefetch = case
+    monkeypatch.setitem(host.TUNING, "mma_prefetch", prefetch)
+    cache = build_cache(scheme, H, D, dtype, T, seed=T + D)
+    q = mx.random.normal((1, H * R, 1, D), key=mx.random.key(D)).astype(dtype)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True)
+    assert isinstance(call.pass1, MmaPass1)
+    args = (call, q, cache._key_side, cache._value_side, stored(cache), 1 / math.sqrt(D), cache._shifts)
+    out, lse, po, pm, pl = host.launch(emulate.kernel, *args, init_value=float("nan"), partials=True)
+    assert not any(mx.any(mx.isnan(a)).item() for a in (po, pm, pl))  # every output written
+    _check(cache, q, 1 / math.sqrt(D), out, lse)
+    again = host.launch(emulate.kernel, *args)
+    assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item()
+
+
+@needs_cxx
+@pytest.mark.parametrize("threadgroups", [1, 64])
+def test_emulated_benchmark_shape_one_and_many_blocks(threadgroups):
+    """8 KV heads, GQA 4, d=128 as in bench/decode.py: one block per head (a long loop over
+    chunks, prefetch carried across them) and many short blocks (warps with no chunk at all)."""
+    cache = build_cache("turbo4", 8, 128, mx.float16, 700, seed=4)
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(6)).astype(mx.float16)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True)
+    out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
+                           1 / math.sqrt(128), cache._shifts, target=threadgroups)
+    _check(cache, q, 1 / math.sqrt(128), out, lse)
+
+
+nvcc = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(nvcc is None, reason="needs nvcc")
+def test_tensor_core_sources_compile(tmp_path):
+    """Every key format and value width at d=128 (both prefetch modes), and every head dim with
+    3-bit codes (runs that start inside a word), compile for sm_90 as MLX assembles it."""
+    seen, picks = set(), []
+    for v in VARIANTS:
+        if v.d == 128 and v.shifts:
+            key = (v.key, v.key_bits, v.key_dtype, v.value_bits, v.prefetch)
+        elif v.key_bits == 3 and v.value_bits == 3 and v.prefetch:
+            key = (v.d,)
+        else:
+            continue
+        if key not in seen and (v.key != "affine" or v.key_group == 64 or v.d != 128):
+            seen.add(key)
+            picks.append(v)
+    src = tmp_path / "mma.cu"
+    src.write_text("\n".join(translation_unit(v) for v in picks))
+    res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]

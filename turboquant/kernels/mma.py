@@ -1,0 +1,570 @@
+"""Pass 1 on the tensor cores (CUDA): the same contract as `template.Pass1`, other arithmetic.
+
+The CUDA-core pass 1 spends most of its instructions on float32 FMAs, lane reductions and a
+softmax repeated in every lane of a token, and streams packed rows at under 1 TB/s. Here each
+warp takes 16 tokens at a time and lets `mma.sync.m16n8k16` (fp16 inputs, float32 accumulation)
+do the products, with the tokens on the MMA's 16-row side and up to 8 query rows of a KV head on
+its 8-column side (so no MMA work is padding at GQA 8, and a larger ratio reads K/V once per 8
+rows):
+
+- scores S^T[tokens x rows] = K Q^T: each lane decodes a quarter of the dims of two tokens'
+  K rows straight into A fragments (dims are permuted within the dot product so that a lane's
+  quarter is one contiguous run of the packed row); the query, in fp16, is the B operand;
+- online softmax in float32 on the score fragments (a row's 16 scores live in 8 lanes);
+- out^T[dims x rows] += V^T P^T: each lane decodes one eighth of the dims of four tokens'
+  value rows into A fragments; the probabilities times each token's value norm are gathered
+  into B fragments with four shuffles; values accumulate in the rotated basis.
+
+The warps of a threadgroup merge in threadgroup memory and write (o, m, l) per (row, block)
+exactly like `template.Pass1`, so pass 2 is shared. The query, the dequantized K and V elements
+and the probabilities are rounded to fp16 before their products (relative error at most 2^-11
+each, accumulated in float32): this path serves fp16/bf16 activations, whose outputs are
+rounded as coarsely; float32 activations keep the CUDA-core kernel. Metal has no `mma.sync`; it
+keeps `template.Pass1`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .template import (BLOCK, HEADERS, MARK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _SHIFT_SHARED, _scale, fill,
+                       packed_words)
+
+MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dimension
+
+
+@dataclass(frozen=True)
+class MmaPass1(Pass1):
+    """A tensor-core pass-1 variant (same inputs and outputs as `Pass1`). `prefetch`: load the
+    next chunk's rows while the current one is used (more registers, fewer threadgroups per SM;
+    measured faster for TurboQuant keys, slower for affine keys)."""
+
+    prefetch: bool = True
+
+    def __post_init__(self):
+        if self.d % 16 or not 16 <= self.d <= 256:
+            raise ValueError(f"head dim must be a multiple of 16 in [16, 256], got {self.d}")
+        if self.key not in ("turbo", "affine") or self.value != "turbo":
+            raise ValueError(f"no tensor-core kernel for {self.key}/{self.value}")
+        if self.rmax != MMA_ROWS:
+            raise ValueError(f"rmax must be {MMA_ROWS}")
+        if self.key == "turbo" and self.key_bits not in (1, 2, 3, 4):
+            raise ValueError(f"turbo key bits {self.key_bits}")
+        if self.key == "affine" and (self.key_bits not in (4, 8) or self.key_dtype not in
+                                     ("float16", "bfloat16", "float32") or self.d % self.key_group):
+            raise ValueError(f"affine key bits {self.key_bits}, group {self.key_group}, dtype {self.key_dtype!r}")
+        if self.value_bits not in (1, 2, 3, 4):
+            raise ValueError(f"turbo value bits {self.value_bits}")
+
+    @property
+    def name(self) -> str:
+        k = f"t{self.key_bits}" if self.key == "turbo" else f"a{self.key_bits}g{self.key_group}_{self.key_dtype}"
+        return f"tq_decode1mma_{k}_t{self.value_bits}_d{self.d}_r{self.rmax}_s{int(self.shifts)}_p{int(self.prefetch)}"
+
+    def render(self, prologue: str) -> str:
+        return mma_body(self, prologue)
+
+    def header(self, dialect: str) -> str:
+        if dialect != "cuda":
+            raise ValueError("the tensor-core pass 1 exists for CUDA only")
+        return HEADERS["cuda"] + CUDA_MMA_HEADER
+
+
+# Tensor-core helpers of the CUDA dialect (the emulator defines the same names on the CPU).
+CUDA_MMA_HEADER = """
+#ifndef TQ_MMA_HEADER
+#define TQ_MMA_HEADER
+__device__ __forceinline__ uint32_t tq_pack_h2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+__device__ __forceinline__ void tq_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};\\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint32_t s2, uint32_t b2) {
+  const uint32_t x = __byte_perm(w, 0x64646464u, sel);  // two bytes as fp16 1024 + code
+  __half2 h = __hsub2(*reinterpret_cast<const __half2*>(&x), __float2half2_rn(1024.0f));
+  h = __hfma2(h, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&b2));
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+#define PAIRLOOK(tbl, off) (*(const uint32_t*)((const char*)(tbl) + (off)))
+#define ANY_LANE(x) __any_sync(0xffffffffu, (x))
+#define SHFL_IDX_U32(x, src) __shfl_sync(0xffffffffu, (uint32_t)(x), (src))
+#define F4 float4
+#endif
+"""
+
+_BODY = """
+constexpr int D = @@D@@;
+constexpr int RMAX = 8;
+constexpr int NT = @@NT@@;
+constexpr int NW = NT / 32;
+constexpr int KS = D / 16;
+constexpr int CK = D / 4;
+constexpr int NM = D / 16;
+constexpr int CV = D / 8;
+constexpr int MAXSB = @@MAXSB@@;
+@@PROLOGUE@@
+@@BLOCK@@
+const int lane = tid % 32;
+const int warp = tid / 32;
+const int g = lane >> 2;
+const int c = lane & 3;
+const int sb0 = t_begin >> 8;
+TGMEM float s_o[RMAX * D];
+TGMEM float s_m[NW * RMAX];
+TGMEM float s_l[NW * RMAX];
+@@SHARED@@
+for (int i = tid; i < RMAX * D; i += NT) {
+  s_o[i] = 0.0f;
+}
+@@SETUP_SHARED@@
+SYNC();
+
+// Query fragments (B operand of the score MMA): row g at dims c*CK + 4s + {0, 1} (b0) and
+// c*CK + 4s + {2, 3} (b1) of k-step s, in fp16.
+uint32_t qh[KS][2];
+#pragma unroll
+for (int s = 0; s < KS; ++s) {
+#pragma unroll
+  for (int f = 0; f < 2; ++f) {
+    const int dim = c * CK + 4 * s + 2 * f;
+    float x0 = 0.0f;
+    float x1 = 0.0f;
+    if (g < nrows) {
+      x0 = q_k[(qrow0 + g) * D + dim];
+      x1 = q_k[(qrow0 + g) * D + dim + 1];
+    }
+    qh[s][f] = tq_pack_h2(x0, x1);
+  }
+}
+@@KEY_SETUP@@
+@@VALUE_SETUP@@
+// This lane's softmax state: rows 2c and 2c + 1.
+float m[2] = {NEG_INF, NEG_INF};
+float l[2] = {0.0f, 0.0f};
+float o[NM][4];
+#pragma unroll
+for (int j = 0; j < NM; ++j) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    o[j][i] = 0.0f;
+  }
+}
+const int src0 = 4 * (2 * c) + (g >> 1);
+const int src1 = 4 * (2 * c + 1) + (g >> 1);
+
+// Each warp takes chunks of 16 tokens, NW chunks apart. Tokens past the block's end read
+// token t_begin (finite) and get probability 0.
+@@DECL@@
+@@NDECL@@
+int base = t_begin + warp * 16;
+@@PRE@@
+for (; base < t_end; base += NW * 16) {
+  {
+@@TOP@@
+  }
+  // Scores S^T = K Q^T (tokens x rows): sc = (token g, rows 2c, 2c+1), (token g+8, rows 2c, 2c+1).
+  float sc0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float sc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+@@KEY_STEPS@@
+  float sc[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sc[i] = sc0[i] + sc1[i];
+  }
+  float pv[2][2];  // [row i][token tt]: probability times the token's value norm
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float x[2];
+#pragma unroll
+    for (int tt = 0; tt < 2; ++tt) {
+      float y = sc[2 * tt + i];
+@@KEY_FINISH@@
+      x[tt] = (base + g + 8 * tt < t_end) ? y : NEG_INF;
+    }
+    float mx = FMAX(x[0], x[1]);
+    mx = FMAX(mx, SHFL_XOR(mx, 4));
+    mx = FMAX(mx, SHFL_XOR(mx, 8));
+    mx = FMAX(mx, SHFL_XOR(mx, 16));
+    const float mn = FMAX(m[i], mx);
+    const float alpha = (m[i] == NEG_INF) ? 0.0f : EXP2(m[i] - mn);
+    const float p0 = (x[0] == NEG_INF) ? 0.0f : EXP2(x[0] - mn);
+    const float p1 = (x[1] == NEG_INF) ? 0.0f : EXP2(x[1] - mn);
+    l[i] = l[i] * alpha + p0 + p1;
+    if (ANY_LANE(alpha != 1.0f)) {
+#pragma unroll
+      for (int j = 0; j < NM; ++j) {
+        o[j][i] *= alpha;
+        o[j][2 + i] *= alpha;
+      }
+    }
+    m[i] = mn;
+    pv[i][0] = p0 * vn[0];
+    pv[i][1] = p1 * vn[1];
+  }
+  // P^T as the B operand of the value MMA: lane (g, c) needs row g at tokens 2c, 2c+1 (b0) and
+  // 2c+8, 2c+9 (b1); they live in lanes (2c, g/2) and (2c+1, g/2) as (token g', g'+8) pairs.
+  const uint32_t w0 = tq_pack_h2(pv[0][0], pv[0][1]);
+  const uint32_t w1 = tq_pack_h2(pv[1][0], pv[1][1]);
+  const uint32_t y00 = SHFL_IDX_U32(w0, src0);
+  const uint32_t y01 = SHFL_IDX_U32(w1, src0);
+  const uint32_t y10 = SHFL_IDX_U32(w0, src1);
+  const uint32_t y11 = SHFL_IDX_U32(w1, src1);
+  const uint32_t x0 = (g & 1) ? y01 : y00;
+  const uint32_t x1 = (g & 1) ? y11 : y10;
+  const uint32_t pb0 = (x0 & 0xffffu) | (x1 << 16);
+  const uint32_t pb1 = (x0 >> 16) | (x1 & 0xffff0000u);
+  // O^T += V^T P^T (dims x rows): m-tile j holds run dims 2j (index g) and 2j+1 (index g+8) of
+  // lane g's run, for tokens 2c, 2c+1 (a0, a1) and 2c+8, 2c+9 (a2, a3).
+@@VALUE_STEPS@@
+@@COPY@@
+}
+
+// Merge the warps: (m, l) per row in threadgroup memory, then each warp adds its scaled outputs
+// in turn (a fixed order, so repeated runs are bit-identical).
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  l[i] += SHFL_XOR(l[i], 4);
+  l[i] += SHFL_XOR(l[i], 8);
+  l[i] += SHFL_XOR(l[i], 16);
+  if (g == 0) {
+    s_m[warp * RMAX + 2 * c + i] = m[i];
+    s_l[warp * RMAX + 2 * c + i] = l[i];
+  }
+}
+SYNC();
+float fac[2];
+#pragma unroll
+for (int i = 0; i < 2; ++i) {
+  float M = NEG_INF;
+  for (int w = 0; w < NW; ++w) {
+    M = FMAX(M, s_m[w * RMAX + 2 * c + i]);
+  }
+  fac[i] = (m[i] == NEG_INF) ? 0.0f : EXP2(m[i] - M);
+}
+for (int w = 0; w < NW; ++w) {
+  if (warp == w) {
+#pragma unroll
+    for (int j = 0; j < NM; ++j) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s_o[(2 * c + i) * D + g * CV + 2 * j] += o[j][i] * fac[i];
+        s_o[(2 * c + i) * D + g * CV + 2 * j + 1] += o[j][2 + i] * fac[i];
+      }
+    }
+  }
+  SYNC();
+}
+for (int i = tid; i < nrows * D; i += NT) {
+  const int r = i / D;
+  const int d = i - r * D;
+  po[((int64_t)(qrow0 + r) * nblk + blk) * D + d] = s_o[i];
+}
+if (tid < nrows) {
+  float M = NEG_INF;
+  for (int w = 0; w < NW; ++w) {
+    M = FMAX(M, s_m[w * RMAX + tid]);
+  }
+  float L = 0.0f;
+  for (int w = 0; w < NW; ++w) {
+    const float mw = s_m[w * RMAX + tid];
+    L += (mw == NEG_INF) ? 0.0f : s_l[w * RMAX + tid] * EXP2(mw - M);
+  }
+  const int prow = (qrow0 + tid) * nblk + blk;
+  pm[prow] = M;
+  pl[prow] = L;
+}
+"""
+
+# A lane's value/score token k of chunk `bb` (tokens past the block's end read t_begin).
+_VTOK = "(bb + {off} < t_end ? bb + {off} : t_begin)"
+
+
+def _field(words: str, pos: int, width: int, nwords: int, dest: int = 0) -> str:
+    """Bits [pos, pos + width) of the aligned word run `words[0..nwords)`, placed at bit `dest`
+    (compile-time positions; a funnel shift when the field crosses a word)."""
+    i, off = pos >> 5, pos & 31
+    mask = ((1 << width) - 1) << dest
+    if off + width <= 32 or i + 1 >= nwords:
+        word = f"{words}[{i}]"
+    else:
+        word, off = f"tq_funnel({words}[{i}], {words}[{i + 1}], {off}u)", 0
+    shift = off - dest
+    if shift > 0:
+        return f"(({word} >> {shift}) & {mask}u)"
+    if shift < 0:
+        return f"(({word} << {-shift}) & {mask}u)"
+    return f"({word} & {mask}u)"
+
+
+def _pair_table(x: str, bits: int) -> tuple[str, str]:
+    """A table of half2 pairs (c[i & mask], c[i >> bits]) for every two codes: one lookup
+    decodes two elements into a fragment register."""
+    n = 1 << (2 * bits)
+    shared = f"TGMEM uint32_t s_{x}pair[{n}];"
+    setup = (f"for (int i = tid; i < {n}; i += NT) {{ s_{x}pair[i] = tq_pack_h2({x}_cb[i & {(1 << bits) - 1}], "
+             f"{x}_cb[i >> {bits}]); }}")
+    return shared, setup
+
+
+def vector_width(words: int, row_words: int) -> int:
+    """Widest load (4, 2 or 1 words) that keeps a lane's run of `words` words aligned when rows
+    are `row_words` apart."""
+    for w in (4, 2):
+        if words % w == 0 and row_words % w == 0:
+            return w
+    return 1
+
+
+def _run_loader(arr: str, row: str, n: int, vec: int) -> list[str]:
+    lines = []
+    for j in range(0, n, vec):
+        if vec == 4:
+            lines.append(f"  {{ const U4 w = *(const DEV U4*)({row} + {j}); {arr}[{j}] = w.x; "
+                         f"{arr}[{j + 1}] = w.y; {arr}[{j + 2}] = w.z; {arr}[{j + 3}] = w.w; }}")
+        elif vec == 2:
+            lines.append(f"  {{ const U2 w = *(const DEV U2*)({row} + {j}); {arr}[{j}] = w.x; "
+                         f"{arr}[{j + 1}] = w.y; }}")
+        else:
+            lines.append(f"  {arr}[{j}] = {row}[{j}];")
+    return lines
+
+
+def run_words(chunk_bits: int) -> int:
+    return -(-chunk_bits // 32)
+
+
+def _chunk_loader(x: str, arr: str, chunk_bits: int, bits: int, d: int, index: str, token: str) -> str:
+    """Code loading the `chunk_bits` bits that start at bit index*chunk_bits of a token's packed
+    row into `arr` as an aligned word run (a funnel shift when the start is not aligned)."""
+    pw = packed_words(d, bits)
+    n = run_words(chunk_bits)
+    lines = ["{"]
+    if chunk_bits % 32 == 0:
+        lines.append(f"  const DEV uint32_t* row = {x}_p + {x}base + (int64_t)({token}) * {x}ts + {index} * {n};")
+        lines += _run_loader(arr, "row", n, vector_width(n, pw))
+    else:
+        lines += [f"  const int bit0 = {index} * {chunk_bits};",
+                  "  const int w0 = bit0 >> 5;",
+                  "  const uint32_t sh = (uint32_t)(bit0 & 31);",
+                  f"  const DEV uint32_t* row = {x}_p + {x}base + (int64_t)({token}) * {x}ts;",
+                  f"  uint32_t raw[{n + 1}];"]
+        for j in range(n + 1):
+            lines.append(f"  raw[{j}] = row[IMIN(w0 + {j}, {pw - 1})];")
+        for j in range(n):
+            lines.append(f"  {arr}[{j}] = tq_funnel(raw[{j}], raw[{j + 1}], sh);")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _turbo_side(x: str, bits: int) -> tuple[str, str, str]:
+    shared, setup_shared = _pair_table(x, bits)
+    setup = f"""const int64_t {x}base = (int64_t)b * {x}_p_strides[0] + (int64_t)h * {x}_p_strides[1];
+const int64_t {x}ts = {x}_p_strides[2];
+const int64_t {x}nbase = (int64_t)b * {x}_n_strides[0] + (int64_t)h * {x}_n_strides[1];
+const int64_t {x}nts = {x}_n_strides[2];"""
+    return shared, setup_shared, setup
+
+
+def _score_step(s: int, pair) -> str:
+    """k-step s of the score MMA; pair(tt, i) is run dims i, i+1 of token g + 8*tt as a half2."""
+    frag = [pair(0, 4 * s), pair(1, 4 * s), pair(0, 4 * s + 2), pair(1, 4 * s + 2)]
+    acc = f"sc{s % 2}"  # two accumulator chains (even and odd steps) halve the MMA dependency chain
+    return ("  {\n" + "".join(f"    const uint32_t a{i} = {f};\n" for i, f in enumerate(frag))
+            + f"    tq_mma({acc}, a0, a1, a2, a3, qh[{s}][0], qh[{s}][1]);\n  }}")
+
+
+def _scale_load(arr: str, base: str, ts: str, token: str, index: str, dtype: str) -> str:
+    raw_t = "uint32_t" if dtype == "float32" else "uint16_t"
+    return _scale(f"(uint32_t)((const DEV {raw_t}*){arr})[{base} + (int64_t)({token}) * {ts} + {index}]", dtype)
+
+
+def _vtok(k: int) -> str:
+    return _VTOK.format(off=f"{8 * (k >> 1) + (k & 1)} + 2 * c")
+
+
+def _ktok(nt: int) -> str:
+    return f"(bb + {8 * nt} + g < t_end ? bb + {8 * nt} + g : t_begin)"
+
+
+class _Buffers:
+    """Per-chunk registers (declared twice: current and next) and the code that fills them."""
+
+    def __init__(self):
+        self.decls: list[tuple[str, str, str]] = []  # (type, name, dims)
+        self.fill: list[str] = []
+
+    def declare(self, kind: str, name: str, dims: str) -> None:
+        self.decls.append((kind, name, dims))
+
+    def text(self, prefix: str) -> tuple[str, str]:
+        decl = "\n".join(f"{t} {prefix}{n}{d};" for t, n, d in self.decls)
+        fill = "\n".join(self.fill)
+        for _, n, _ in self.decls:
+            fill = fill.replace(f"@{n}@", prefix + n)
+        return decl, fill
+
+    def copy(self) -> str:
+        lines = []
+        for _, n, dims in self.decls:
+            sizes = dims.strip("[]").split("][")
+            idx = "".join(f"[i{j}]" for j in range(len(sizes)))
+            loops = "".join(f"#pragma unroll\n  for (int i{j} = 0; i{j} < {s}; ++i{j})\n" for j, s in enumerate(sizes))
+            lines.append(f"{loops}    {n}{idx} = n_{n}{idx};")
+        return "\n".join(lines)
+
+
+def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
+    """Key side: a lane's run of its token's row per n-tile, the k-steps, the score finish."""
+    ck = v.d // 4  # dims per lane: k-step s takes run dims 4s..4s+3
+    if v.key == "turbo":
+        shared, setup_shared, setup = _turbo_side("k", v.key_bits)
+        n = run_words(ck * v.key_bits)
+        buf.declare("uint32_t", "kw", f"[2][{n}]")
+        buf.declare("float", "kn", "[2]")
+        for tt in range(2):
+            buf.fill.append(_chunk_loader("k", f"@kw@[{tt}]", ck * v.key_bits, v.key_bits, v.d, "c", _ktok(tt)))
+            buf.fill.append(f"@kn@[{tt}] = k_n[knbase + (int64_t){_ktok(tt)} * knts];")
+
+        def pair(tt, i):  # two adjacent codes are one 2*bits field: one table lookup
+            return f"PAIRLOOK(s_kpair, {_field(f'kw[{tt}]', i * v.key_bits, 2 * v.key_bits, n, 2)})"
+
+        steps = [_score_step(s, pair) for s in range(v.d // 16)]
+        return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps),
+                "finish": "      y *= kn[tt];"}
+    # affine keys: scale * code + bias, rounded to fp16 in the A fragment
+    bits, group = v.key_bits, v.key_group
+    setup = """const int64_t kbase = (int64_t)b * k_w_strides[0] + (int64_t)h * k_w_strides[1];
+const int64_t kts = k_w_strides[2];
+const int64_t ksbase = (int64_t)b * k_s_strides[0] + (int64_t)h * k_s_strides[1];
+const int64_t ksts = k_s_strides[2];
+const int64_t kbbase = (int64_t)b * k_b_strides[0] + (int64_t)h * k_b_strides[1];
+const int64_t kbts = k_b_strides[2];
+const int kg0 = (c * CK) / @@GROUP@@;""".replace("@@GROUP@@", str(group))
+    n = ck * bits // 32
+    ngr = -(-ck // group) + (0 if group % ck == 0 or ck % group == 0 else 1)  # groups a run touches
+    # 8-bit codes with fp16 scales: codes become exact fp16 pairs by byte permutation and one fp16
+    # FMA pair applies scale and bias (one rounding, as the float path's final conversion)
+    half = bits == 8 and v.key_dtype == "float16"
+    buf.declare("uint32_t", "kw", f"[2][{n}]")
+    if half:
+        buf.declare("uint32_t", "ks2", f"[2][{ngr}]")
+        buf.declare("uint32_t", "kb2", f"[2][{ngr}]")
+    else:
+        buf.declare("float", "ksc", f"[2][{ngr}]")
+        buf.declare("float", "kbi", f"[2][{ngr}]")
+    for tt in range(2):
+        tok = _ktok(tt)
+        lines = ["{", f"  const DEV uint32_t* row = k_w + kbase + (int64_t)({tok}) * kts + c * {n};"]
+        lines += _run_loader(f"@kw@[{tt}]", "row", n, vector_width(n, v.d * bits // 32))
+        for j in range(ngr):
+            gi = f"IMIN(kg0 + {j}, {v.d // group - 1})"
+            if half:
+                for arr, name, base, ts in (("k_s", "ks2", "ksbase", "ksts"), ("k_b", "kb2", "kbbase", "kbts")):
+                    raw = f"(uint32_t)((const DEV uint16_t*){arr})[{base} + (int64_t)({tok}) * {ts} + {gi}]"
+                    lines.append(f"  @{name}@[{tt}][{j}] = {raw} * 0x10001u;")
+            else:
+                lines.append(f"  @ksc@[{tt}][{j}] = {_scale_load('k_s', 'ksbase', 'ksts', tok, gi, v.key_dtype)};")
+                lines.append(f"  @kbi@[{tt}][{j}] = {_scale_load('k_b', 'kbbase', 'kbts', tok, gi, v.key_dtype)};")
+        lines.append("}")
+        buf.fill.append("\n".join(lines))
+
+    def gj(i):  # the 4 dims of a k-step share a group (group sizes are multiples of 4)
+        return "0" if ngr == 1 else f"(c * {ck} + {i}) / {group} - kg0"
+
+    def e(tt, i):
+        code = _field(f"kw[{tt}]", i * bits, bits, n)
+        return f"((AS_FLOAT(0x4B000000u | {code}) - 8388608.0f) * ksc[{tt}][{gj(i)}] + kbi[{tt}][{gj(i)}])"
+
+    def pair(tt, i):
+        if half:  # bytes i, i+1 of word i/4 as exact fp16 codes, then one fp16 FMA pair
+            sel = "0x4140u" if i % 4 == 0 else "0x4342u"
+            return f"tq_affine8_h2(kw[{tt}][{i // 4}], {sel}, ks2[{tt}][{gj(i)}], kb2[{tt}][{gj(i)}])"
+        return f"tq_pack_h2({e(tt, i)}, {e(tt, i + 1)})"
+
+    steps = [_score_step(s, pair) for s in range(v.d // 16)]
+    return {"shared": "", "setup_shared": "", "setup": setup, "steps": "\n".join(steps), "finish": ""}
+
+
+def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
+    """Value side: a lane loads dims g*CV.. of its 4 tokens' rows; n-tile j takes run dim j."""
+    cv = v.d // 8
+    bits = v.value_bits
+    shared, setup_shared, setup = _turbo_side("v", bits)
+    n = run_words(cv * bits)
+    buf.declare("uint32_t", "vw", f"[4][{n}]")
+    buf.declare("float", "vn", "[2]")
+    for k in range(4):
+        buf.fill.append(_chunk_loader("v", f"@vw@[{k}]", cv * bits, bits, v.d, "g", _vtok(k)))
+    for tt in range(2):
+        buf.fill.append(f"@vn@[{tt}] = v_n[vnbase + (int64_t){_ktok(tt)} * vnts];")
+
+    def pair(k0, k1, i):  # run dim i of two tokens: their codes side by side index the pair table
+        return (f"PAIRLOOK(s_vpair, {_field(f'vw[{k0}]', i * bits, bits, n, 2)} | "
+                f"{_field(f'vw[{k1}]', i * bits, bits, n, 2 + bits)})")
+
+    steps = []
+    for j in range(v.d // 16):
+        frag = [pair(0, 1, 2 * j), pair(0, 1, 2 * j + 1), pair(2, 3, 2 * j), pair(2, 3, 2 * j + 1)]
+        steps.append("  {\n" + "".join(f"    const uint32_t a{i} = {f};\n" for i, f in enumerate(frag))
+                     + f"    tq_mma(o[{j}], a0, a1, a2, a3, pb0, pb1);\n  }}")
+    return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps)}
+
+
+_SHIFT_FINISH = "      y += s_qmu[(2 * c + i) * MAXSB + (base >> 8) - sb0];"
+
+# q . mean of every (row, 256-token block) of this threadgroup's span, one pair per thread: the
+# loads of a pair are independent, so the setup costs about one memory round trip.
+_SHIFT_SETUP_PARALLEL = """
+{
+  const int nsb = ((t_end - 1) >> 8) - sb0 + 1;
+  const int mu_nb = params[6];
+  for (int pr = tid; pr < RMAX * nsb; pr += NT) {
+    const int r = pr / nsb;
+    const int j = pr - r * nsb;
+    float acc = 0.0f;
+    if (r < nrows) {
+      const DEV F4* qrow = (const DEV F4*)(q_s + (qrow0 + r) * D);
+      const DEV F4* murow = (const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D);
+#pragma unroll
+      for (int d = 0; d < D / 4; ++d) {
+        const F4 a = qrow[d];
+        const F4 u = murow[d];
+        acc += a.x * u.x + a.y * u.y + a.z * u.z + a.w * u.w;
+      }
+    }
+    s_qmu[r * MAXSB + j] = acc;
+  }
+}
+"""
+
+
+def mma_body(v: MmaPass1, prologue: str) -> str:
+    buf = _Buffers()
+    kp, vp = _key_parts(v, buf), _value_parts(v, buf)
+    shared = [kp["shared"], vp["shared"]]
+    setup_shared = [kp["setup_shared"], vp["setup_shared"]]
+    if v.shifts:
+        shared.append(_SHIFT_SHARED)
+        setup_shared.append(_SHIFT_SETUP_PARALLEL)
+    finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
+    decl, fill_cur = buf.text("")
+    if v.prefetch:
+        ndecl, fill_next = buf.text("n_")
+        pre = "{\n  const int bb = base;\n" + fill_cur + "\n}"
+        top = "    const int bb = base + NW * 16;\n" + fill_next
+        copy = buf.copy()
+    else:
+        ndecl, pre, copy = "", "", ""
+        top = "    const int bb = base;\n" + fill_cur
+    text = fill(_BODY, PROLOGUE=prologue, BLOCK=BLOCK, D=v.d, NT=THREADS, MAXSB=MAX_SHIFT_BLOCKS,
+                SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
+                KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], DECL=decl, NDECL=ndecl, PRE=pre, TOP=top,
+                KEY_STEPS=kp["steps"], KEY_FINISH=finish, VALUE_STEPS=vp["steps"], COPY=copy)
+    assert MARK not in text
+    return text
