@@ -66,8 +66,11 @@ def test_errors_exit_1_with_one_line_on_stderr(home):
 
 def test_sigint_during_ask_exits_130_without_a_traceback(home):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TQSTORE_")}
+    # As from a terminal: SIGINT at its default even when this suite runs as a background job
+    # (which starts with SIGINT ignored, and an ignored signal stays ignored across exec).
     proc = subprocess.Popen([*_script(), "--home", str(home), "ask", "doc", "Who pays?", "--max-tokens", "100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(1)  # the answer is streaming: the model is decoding now
         proc.send_signal(signal.SIGINT)
