@@ -41,7 +41,7 @@ def mma_variants():
     out = []
     for d in (64, 80, 96, 128, 256):
         for (kf, kb, kg, kd), vb, shifts, prefetch in itertools.product(keys, tpl.TURBO_BITS, (False, True),
-                                                                        (False, True)):
+                                                                        (0, 1, 2)):
             if kf == "affine" and d % kg:
                 continue
             out.append(MmaPass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value="turbo", value_bits=vb,
@@ -130,6 +130,8 @@ EMULATED = [
     ("turbo8v3", 2, 1, 128, 300, mx.bfloat16, True),
     ("turbo8v4", 1, 7, 96, 300, mx.bfloat16, False),
     ("turbo8v2", 1, 16, 64, 200, mx.float16, True),
+    ("turbo4", 2, 4, 128, 700, mx.float16, 2),
+    ("turbo8v3", 1, 9, 96, 333, mx.bfloat16, 2),
 ]
 
 

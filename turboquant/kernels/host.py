@@ -38,7 +38,7 @@ class Call:
 
 
 # Tuning knobs for benchmarks and tests (0 / None = the defaults: lane shape and unroll by rows
-# bucket; mma: the tensor-core pass 1 where it applies; mma_prefetch: by key format;
+# bucket; mma: the tensor-core pass 1 where it applies; mma_prefetch: chunks loaded ahead;
 # mma_min_tokens: MMA_MIN_TOKENS).
 TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0, "mma": True, "mma_prefetch": None, "mma_min_tokens": None}
 # Below this many stored rows the CUDA-core pass 1 was faster on the H200 (docs/benchmarks.md:
@@ -135,8 +135,8 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
             return None
     R = Hq // H
     if tensor_cores and use_mma() and queries.dtype in (mx.float16, mx.bfloat16) and T >= mma_min_tokens():
-        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None,
-                             kfmt == "turbo" if TUNING["mma_prefetch"] is None else TUNING["mma_prefetch"])
+        depth = 1 if TUNING["mma_prefetch"] is None else int(TUNING["mma_prefetch"])
+        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None, depth)
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),

@@ -35,11 +35,11 @@ MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dime
 
 @dataclass(frozen=True)
 class MmaPass1(Pass1):
-    """A tensor-core pass-1 variant (same inputs and outputs as `Pass1`). `prefetch`: load the
-    next chunk's rows while the current one is used (more registers, fewer threadgroups per SM;
-    measured faster for TurboQuant keys, slower for affine keys)."""
+    """A tensor-core pass-1 variant (same inputs and outputs as `Pass1`). `prefetch`: how many
+    chunks ahead a warp loads its rows while the current one is used (0, 1 or 2; True is 1):
+    more bytes in flight for more registers."""
 
-    prefetch: bool = True
+    prefetch: int = 1
 
     def __post_init__(self):
         if self.d % 16 or not 16 <= self.d <= 256:
@@ -55,6 +55,8 @@ class MmaPass1(Pass1):
             raise ValueError(f"affine key bits {self.key_bits}, group {self.key_group}, dtype {self.key_dtype!r}")
         if self.value_bits not in (1, 2, 3, 4):
             raise ValueError(f"turbo value bits {self.value_bits}")
+        if int(self.prefetch) not in (0, 1, 2):
+            raise ValueError(f"prefetch depth {self.prefetch}")
 
     @property
     def name(self) -> str:
@@ -409,13 +411,14 @@ class _Buffers:
             fill = fill.replace(f"@{n}@", prefix + n)
         return decl, fill
 
-    def copy(self) -> str:
+    def copy(self, dst: str, src: str) -> str:
+        """Code moving every buffer `src` + name into `dst` + name."""
         lines = []
         for _, n, dims in self.decls:
             sizes = dims.strip("[]").split("][")
             idx = "".join(f"[i{j}]" for j in range(len(sizes)))
             loops = "".join(f"#pragma unroll\n  for (int i{j} = 0; i{j} < {s}; ++i{j})\n" for j, s in enumerate(sizes))
-            lines.append(f"{loops}    {n}{idx} = n_{n}{idx};")
+            lines.append(f"{loops}    {dst}{n}{idx} = {src}{n}{idx};")
         return "\n".join(lines)
 
 
@@ -554,14 +557,18 @@ def mma_body(v: MmaPass1, prologue: str) -> str:
         setup_shared.append(_SHIFT_SETUP_PARALLEL)
     finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
     decl, fill_cur = buf.text("")
-    if v.prefetch:
-        ndecl, fill_next = buf.text("n_")
-        pre = "{\n  const int bb = base;\n" + fill_cur + "\n}"
-        top = "    const int bb = base + NW * 16;\n" + fill_next
-        copy = buf.copy()
-    else:
-        ndecl, pre, copy = "", "", ""
-        top = "    const int bb = base;\n" + fill_cur
+    depth = int(v.prefetch)
+    # A ring of `depth` chunks in flight: the loop body loads chunk +depth, uses the current one,
+    # then shifts the ring down by one (register moves).
+    ndecl, pre, copy = "", "", ""
+    top = "    const int bb = base;\n" + fill_cur
+    if depth:
+        prefixes = [""] + ["n" * k + "_" for k in range(1, depth + 1)]
+        fills = [fill_cur] + [buf.text(p)[1] for p in prefixes[1:]]
+        ndecl = "\n".join(buf.text(p)[0] for p in prefixes[1:])
+        pre = "\n".join(f"{{\n  const int bb = base + {k} * NW * 16;\n{fills[k]}\n}}" for k in range(depth))
+        top = f"    const int bb = base + {depth} * NW * 16;\n" + fills[depth]
+        copy = "\n".join(buf.copy(prefixes[k], prefixes[k + 1]) for k in range(depth))
     text = fill(_BODY, PROLOGUE=prologue, BLOCK=BLOCK, D=v.d, NT=THREADS, MAXSB=MAX_SHIFT_BLOCKS,
                 SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
                 KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], DECL=decl, NDECL=ndecl, PRE=pre, TOP=top,
