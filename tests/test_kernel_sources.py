@@ -193,6 +193,7 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
         assert len(calls) == 3 and out.dtype == mx.float16  # pass 0 (query), pass 1, pass 2
         assert isinstance(calls[1], MmaPass1)  # fp16 activations on CUDA: the tensor-core pass 1
         assert calls[2].tail_dtype == "float16"  # pass 2 attends over the raw tail too
+        assert calls[2].out_dtype == "float16"  # and writes the output in the activation dtype
         err = np.abs(np.array(out.astype(mx.float32)) - ref).max()
         assert err <= 2.0**-10 * np.abs(ref).max() * 2 + 1e-4 * np.abs(ref).max()
     calls.clear()
@@ -202,6 +203,42 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
     q2 = mx.random.normal((1, 6, 2, 64), key=mx.random.key(2)).astype(mx.float16)
     cache.attention(q2, 0.125, "causal")  # L = 2: plain ops
     assert calls == []
+
+
+@needs_cxx
+def test_decode_step_reads_the_cache_buffers_in_place(monkeypatch):
+    """A decode step hands the kernels the cache's own buffers (capacity beyond the rows that
+    count), the query as it comes and one dense key-mean table per table object: no slicing,
+    reshaping or copying op joins each step's graph, and the result is unchanged."""
+    cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=9, tail=44)
+    assert cache.stored == 256 and cache.offset == 300
+    seen = []
+
+    def factory(v):
+        run = emulate.kernel(v)
+
+        def call(**kw):
+            seen.append((v, kw["inputs"]))
+            return run(**kw)
+        return call
+
+    _force(monkeypatch, "cuda", factory)
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(4)).astype(mx.float16)
+    ref, _ = reference(cache, q, 0.125)
+    out = cache.attention(q, 0.125)
+    assert out.dtype == mx.float16 and out.shape == (1, 8, 1, 64)
+    assert np.abs(np.array(out.astype(mx.float32)) - ref).max() <= 2e-3 * np.abs(ref).max()
+    handed = {id(a) for _, inputs in seen for a in inputs}
+    buffers = [*cache._store.arrays.values(), cache._tail.arrays["keys"], cache._tail.arrays["values"]]
+    assert all(id(b) in handed for b in buffers)
+    assert cache._tail.arrays["keys"].shape[2] > 44  # the tail buffer: room beyond its 44 rows
+    pass2 = [inputs for v, inputs in seen if isinstance(v, tpl.Pass2)][0]
+    assert any(a is q for a in pass2)  # the tail's scores read the query through its strides
+    mu = [inputs[v.input_names().index("mu")] for v, inputs in seen if isinstance(v, tpl.Pass1)]
+    seen.clear()
+    cache.attention(q, 0.125)
+    again = [inputs[v.input_names().index("mu")] for v, inputs in seen if isinstance(v, tpl.Pass1)]
+    assert again[0] is mu[0]  # the dense key means are made once per table
 
 
 def test_hook_falls_back_when_no_kernel_applies(monkeypatch):
@@ -380,6 +417,8 @@ def test_cuda_sources_compile(tmp_path):
             if key not in seen:
                 seen.add(key)
                 picks.append(v)
+    picks += [tpl.Pass2(d=128, rotate=True, tail_dtype=dt, q_dtype=dt, out_dtype=dt) for dt in ("float16", "bfloat16")]
+    picks += [tpl.Pass2(d=80, rotate=False, out_dtype="float16")]
     src = tmp_path / "kernels.cu"
     src.write_text("\n".join(translation_unit(v) for v in picks))
     res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],

@@ -58,12 +58,16 @@ def compressed_attention(
     mask: MaskLike = None,
     shifts: mx.array | None = None,
     tail: tuple[mx.array, mx.array] | None = None,
+    rows: int | None = None,
+    tail_rows: int | None = None,
 ) -> mx.array:
     """softmax(q K^T * scale + mask) V for queries [B, Hq, L, D].
 
     Keys and values are the stored rows (`arrays`, read through the sides; `shifts` are the
     per-block key means of calibrated keys) followed by an optional raw tail (K, V native,
-    [B, H, n, D]) of the newest rows that do not yet fill a block.
+    [B, H, n, D]) of the newest rows that do not yet fill a block. `rows` / `tail_rows`: the
+    arrays / the tail are buffers of which only the first `rows` / `tail_rows` tokens count
+    (None: all).
     """
     B, Hq, L, D = queries.shape
     some = next(iter(arrays.values())) if arrays else tail[0]
@@ -74,9 +78,13 @@ def compressed_attention(
     if L == 1 and arrays and (mask is None or (isinstance(mask, str) and mask == "causal")):
         # One query token: the fused GPU kernels over the stored rows and the raw tail (None on
         # the CPU, or when no kernel fits).
-        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail)
+        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows)
         if fused is not None:
-            return fused[0].astype(queries.dtype)
+            return fused[0]
+    if rows is not None:
+        arrays = {n: a[:, :, :rows] for n, a in arrays.items()}
+    if tail is not None and tail_rows is not None:
+        tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     parts = []
     if arrays:

@@ -261,13 +261,14 @@ class TurboQuantKVCache:
 
     def attention(self, queries: mx.array, scale: float, mask: MaskLike = None) -> mx.array:
         """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail."""
-        arrays = self._store.view(self.stored) if self.stored else {}
+        # The buffers themselves with the counts of rows that count: the decode kernels read them in
+        # place (the plain path slices them).
+        arrays = self._store.arrays if self.stored else {}
         tail = None
         if self.offset > self.stored:
-            view = self._tail.view(self.offset - self.stored)
-            tail = (view["keys"], view["values"])
+            tail = (self._tail.arrays["keys"], self._tail.arrays["values"])
         return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
-                                    self._shifts, tail)
+                                    self._shifts, tail, self.stored, self.offset - self.stored)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""

@@ -4,9 +4,10 @@
 `turboquant.attention.compressed_attention` calls for one query token (L == 1) without an array
 mask. It returns `(out, lse)`:
 
-- `out` [B, Hq, 1, D] float32: softmax(q K^T * scale) V over the stored rows and the raw `tail`
-  (native K, V [B, H, n, D], the newest rows that do not fill a block yet), normalised, in the
-  original basis (the inverse value rotation is applied);
+- `out` [B, Hq, 1, D] in the queries' dtype: softmax(q K^T * scale) V over the stored rows and
+  the raw `tail` (native K, V [B, H, n, D], the newest rows that do not fill a block yet),
+  normalised, in the original basis (the inverse value rotation is applied; on CUDA pass 2
+  writes it in that dtype, so no conversion op follows);
 - `lse` [B, Hq, 1] float32: the natural-log log-sum-exp of those rows' scaled scores.
 
 It returns None, and the caller uses the plain-ops path, when no kernel applies: the CPU (or
@@ -15,9 +16,12 @@ layout or shape (native values, head dims that are not a multiple of 8 in [8, 25
 value head dims that differ, more than 1024 * 4096 tokens), `TQSTORE_KERNELS=0`, or a Metal
 kernel that failed its self-check.
 
-Kernels per call: the query transform (pass 0), pass 1 over blocks of stored rows, pass 2
-merging the blocks, un-rotating the values and, on CUDA, attending over the raw tail (Metal
-merges the tail with plain ops, `merge_tail`); `template.py` explains them. On CUDA, fp16/bf16
+Kernels per call: pass 1 over blocks of stored rows (transforming the query itself for
+Hadamard rotations and plain scales; other rotations add a pass-0 kernel), pass 2 merging the
+blocks, un-rotating the values and, on CUDA, attending over the raw tail (Metal merges the tail
+with plain ops, `merge_tail`); `template.py` explains them. The kernels read the cache's
+buffers, the query and the tail through their strides, so on CUDA a decode step's attention is
+two graph nodes. On CUDA, fp16/bf16
 activations over at least `host.MMA_MIN_TOKENS` stored rows run pass 1 on the tensor cores
 (`mma.py`: fp16 products, float32 sums); otherwise scores, softmax and sums are float32 FMAs (no
 TF32) and affine rows are dequantized unrounded (scale * code + bias in float32, as
@@ -65,24 +69,34 @@ def select_backend() -> str | None:
 
 
 def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
-                 shifts: mx.array | None = None,
-                 tail: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array] | None:
+                 shifts: mx.array | None = None, tail: tuple[mx.array, mx.array] | None = None,
+                 rows: int | None = None, tail_rows: int | None = None) -> tuple[mx.array, mx.array] | None:
     """(out, lse) of the stored rows and the raw `tail` through the GPU kernels, or None (see the
-    module docstring)."""
+    module docstring). `rows` / `tail_rows`: `arrays` / `tail` are token buffers of which only
+    the first `rows` / `tail_rows` tokens count (the kernels read them in place, so a decode step
+    adds no slicing ops to the graph); None: all of them."""
     backend = select_backend()
     if backend is None:
         return None
-    call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda")
+    call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows)
     if call is None:
         return None
 
     if backend == "cuda":
         from . import cuda
 
-        return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail)
+        return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail,
+                           tail_rows=tail_rows, out_dtype=queries.dtype)
     from . import metal
 
+    if rows is not None:  # the self-check's plain-ops reference needs exact views
+        arrays = {n: a[:, :, :rows] for n, a in arrays.items()}
+    if tail is not None and tail_rows is not None:
+        tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
     stored = metal.verdict(call, lambda: host.launch(metal.kernel, call, queries, key_side, value_side, arrays,
                                                      scale, shifts),
                            lambda: host.plain_decode(queries, key_side, value_side, arrays, scale, shifts))
-    return None if stored is None else host.merge_tail(queries, *stored, tail, scale)
+    if stored is None:
+        return None
+    out, lse = host.merge_tail(queries, *stored, tail, scale)
+    return out.astype(queries.dtype), lse

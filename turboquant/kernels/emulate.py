@@ -40,6 +40,9 @@ HEADER = r"""
 #define TQ_LN2 0.6931471805599453f
 #define DEV
 #define TGMEM static
+#define TQ_OUT_float32(x) (x)
+#define TQ_OUT_float16(x) (x)
+#define TQ_OUT_bfloat16(x) (x)
 #define SYNC() tq_tg_bar->arrive_and_wait()
 #define SHFL_XOR(x, m) tq_shfl_xor((x), (m))
 #define EXP2(x) std::exp2((float)(x))
@@ -269,7 +272,8 @@ class _Kernel:
         nt = threadgroup[0]
         _library(self.variant).tq_run(ptrs, strides.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)),
                                       grid[0] // nt, grid[1], nt)
-        return [mx.array(o) for o in outs]
+        # (outputs are float32 here; an activation-dtype output is rounded as the GPU's store would)
+        return [mx.array(o).astype(dt) for o, dt in zip(outs, output_dtypes)]
 
 
 def kernel(variant: Pass0 | Pass1 | Pass2) -> _Kernel:

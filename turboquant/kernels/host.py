@@ -22,6 +22,7 @@ LOG2E = 1.4426950408889634
 MIN_SPAN = 64  # fewest tokens per pass-1 block
 TARGET_THREADGROUPS = 512  # pass-1 threadgroups per call: about one wave on an H200 (132 SMs, 4 per SM)
 DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,10 @@ def _side(side) -> tuple[str, int, int, str] | None:
 
 
 def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
-             shifts: mx.array | None, tensor_cores: bool = False) -> Call | None:
+             shifts: mx.array | None, tensor_cores: bool = False, rows: int | None = None) -> Call | None:
     """The kernels of this decode step, or None when none applies (shape, layout, sizes).
+    `rows`: the arrays are token buffers whose first `rows` tokens are the stored rows (the
+    kernels read them in place; None: every token of the arrays).
 
     `tensor_cores` (CUDA): pass 1 on the tensor cores (`mma.py`) where it applies: fp16/bf16
     activations, TurboQuant or affine keys, TurboQuant values, head dims a multiple of 16, at
@@ -126,6 +129,10 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
     if kdtype is None or vdtype is None or kref.ndim != 4 or vref.ndim != 4:
         return None
     Bk, H, T, _ = kref.shape
+    if rows is not None:
+        if rows > T:
+            return None
+        T = rows
     if Bk != B or vref.shape[:3] != kref.shape[:3] or H == 0 or Hq % H or T < 1:
         return None
     if shifts is not None:
@@ -196,6 +203,21 @@ def inverse_matrix(rotation: Rotation) -> mx.array:
 
 
 _QT: dict[tuple, tuple] = {}
+_DENSE: dict[int, tuple[mx.array, mx.array]] = {}
+DENSE_KEPT = 128  # key-mean tables kept (a model's layers, twice over)
+
+
+def dense_float32(a: mx.array) -> mx.array:
+    """`a` as a dense float32 array, made once per array object (the key means change only when
+    a block is added): no copy op in every decode step's graph."""
+    hit = _DENSE.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    dense = mx.contiguous(a.astype(mx.float32))
+    while len(_DENSE) >= DENSE_KEPT:  # oldest first: layers' means from earlier blocks
+        del _DENSE[next(iter(_DENSE))]
+    _DENSE[id(a)] = (a, dense)
+    return dense
 
 
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
@@ -288,7 +310,7 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
     inputs = {"params": params, "q_k": qk}
     if shifts is not None:
         inputs["q_s"] = qs
-        inputs["mu"] = mx.contiguous(shifts if shifts.dtype == mx.float32 else shifts.astype(mx.float32))
+        inputs["mu"] = dense_float32(shifts)
     k, v = key_side.name, value_side.name
     if p1.key == "turbo":
         inputs.update(k_p=arrays[f"{k}_packed"], k_n=arrays[f"{k}_norms"], k_cb=key_side.codec.centroids)
@@ -306,64 +328,79 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
                 output_dtypes=[mx.float32] * len(OUTPUTS1))
 
 
-def tail_pass2(call: Call, queries: mx.array, tail: tuple[mx.array, mx.array] | None) -> Pass2 | None:
-    """The pass-2 variant that also attends over `tail`, or None (no tail, or one it cannot take:
-    more rows than its threads, an unknown dtype, another layout)."""
+def tail_pass2(call: Call, queries: mx.array, tail: tuple[mx.array, mx.array] | None,
+               tail_rows: int | None = None, out_dtype: str = "") -> Pass2 | None:
+    """The pass-2 variant that also attends over the first `tail_rows` (None: all) rows of
+    `tail`, or None (no tail, or one it cannot take: more rows than its threads, an unknown
+    dtype, another layout)."""
     if tail is None:
         return None
     kt, vt = tail
+    n = kt.shape[2] if tail_rows is None else tail_rows
     dt, qt = DTYPE_NAMES.get(kt.dtype), DTYPE_NAMES.get(queries.dtype)
-    if (dt is None or qt is None or vt.dtype != kt.dtype or not 0 < kt.shape[2] <= call.pass2.threads
+    if (dt is None or qt is None or vt.dtype != kt.dtype or not 0 < n <= min(call.pass2.threads, kt.shape[2])
             or kt.ndim != 4 or kt.shape[:2] != (call.B, call.H) or vt.shape[:3] != kt.shape[:3]
             or kt.shape[3] != call.D or vt.shape[3] != call.D):
         return None
-    return _pass2(call.D, call.pass2.rotate, dt, qt)
+    return _pass2(call.D, call.pass2.rotate, dt, qt, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _pass2(d: int, rotate: bool, tail_dtype: str, q_dtype: str) -> Pass2:
-    return Pass2(d=d, rotate=rotate, tail_dtype=tail_dtype, q_dtype=q_dtype)
+def _pass2(d: int, rotate: bool, tail_dtype: str, q_dtype: str, out_dtype: str = "") -> Pass2:
+    return Pass2(d=d, rotate=rotate, tail_dtype=tail_dtype, q_dtype=q_dtype, out_dtype=out_dtype)
 
 
 def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.array, pl: mx.array,
                p2: Pass2 | None = None, queries: mx.array | None = None, cq: mx.array | None = None,
                tail: tuple[mx.array, mx.array] | None = None) -> dict:
-    """Keyword arguments of the pass-2 call; `p2` (a tail variant) with the query and tail."""
+    """Keyword arguments of the pass-2 call; `p2` (a tail variant) with the query and tail. The
+    outputs have their final shapes, out [B, Hq, 1, D] and lse [B, Hq, 1]."""
     p2 = p2 or call.pass2
     rows = call.B * call.H * call.R
     ins = {"params": params, "po": po, "pm": pm, "pl": pl}
     if p2.rotate:
         ins["rinv"] = inverse_matrix(value_side.codec.rotation)
     if p2.tail_dtype:
-        ins.update(tq=mx.contiguous(queries.reshape(rows, call.D)), cq=cq, t_k=tail[0], t_v=tail[1])
+        ins.update(tq=queries, cq=cq, t_k=tail[0], t_v=tail[1])
+    Hq = call.H * call.R
+    out_dtype = DTYPES[p2.out_dtype] if p2.out_dtype else mx.float32
     return dict(inputs=[ins[n] for n in p2.input_names()], grid=(p2.threads * rows, 1, 1),
-                threadgroup=(p2.threads, 1, 1), output_shapes=[(rows, call.D), (rows,)],
-                output_dtypes=[mx.float32] * len(OUTPUTS2))
+                threadgroup=(p2.threads, 1, 1), output_shapes=[(call.B, Hq, 1, call.D), (call.B, Hq, 1)],
+                output_dtypes=[out_dtype, mx.float32])
 
 
 def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, value_side,
            arrays: dict[str, mx.array], scale: float, shifts: mx.array | None,
            init_value: float | None = None, target: int | None = None,
            partials: bool = False, tail: tuple[mx.array, mx.array] | None = None,
-           fuse_tail: bool = True) -> tuple[mx.array, ...] | None:
-    """Run both passes; returns (out [B, Hq, 1, D] float32 normalised in the original basis,
-    lse [B, Hq, 1] float32 natural-log log-sum-exp of the scaled scores) over the stored rows and
-    the raw `tail` when given (pass 2 attends over it when `fuse_tail` and it can, else plain ops
-    merge it), plus pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value`
-    fills every output before the kernels run (tests poison them with NaN)."""
-    p2 = tail_pass2(call, queries, tail) if fuse_tail else None
+           fuse_tail: bool = True, tail_rows: int | None = None,
+           out_dtype: mx.Dtype | None = None) -> tuple[mx.array, ...] | None:
+    """Run both passes; returns (out [B, Hq, 1, D] normalised in the original basis, float32 or
+    `out_dtype` (CUDA: pass 2 writes it), lse [B, Hq, 1] float32 natural-log log-sum-exp of the
+    scaled scores) over the stored rows and the raw `tail` (its first `tail_rows` rows; None:
+    all) when given (pass 2 attends over it when `fuse_tail` and it can, else plain ops merge
+    it), plus pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value` fills
+    every output before the kernels run (tests poison them with NaN)."""
+    half = out_dtype is not None and out_dtype != mx.float32
+    dtype = DTYPE_NAMES.get(out_dtype, "") if half else ""
+    p2 = tail_pass2(call, queries, tail, tail_rows, dtype) if fuse_tail else None
+    if p2 is None and tail is None and dtype:
+        p2 = _pass2(call.D, call.pass2.rotate, "", "", dtype)
+    n_tail = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
     args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target,
-                       tail[0].shape[2] if p2 is not None else 0)
+                       n_tail if p2 is not None and p2.tail_dtype else 0)
     if args1 is None:
         return None
     po, pm, pl = make_kernel(call.pass1)(**args1, init_value=init_value)
     cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)[4]
     out, lse = make_kernel(p2 or call.pass2)(**pass2_args(call, value_side, args1["inputs"][0], po, pm, pl, p2,
                                                           queries, cq, tail), init_value=init_value)
-    Hq = call.H * call.R
-    result = (out.reshape(call.B, Hq, 1, call.D), lse.reshape(call.B, Hq, 1))
-    if p2 is None and tail is not None:
-        result = merge_tail(queries, *result, tail, scale)
+    result = (out, lse)
+    if (p2 is None or not p2.tail_dtype) and tail is not None:
+        kt, vt = tail
+        result = merge_tail(queries, out, lse, (kt[:, :, :n_tail], vt[:, :, :n_tail]), scale)
+        if half:
+            result = (result[0].astype(out_dtype), result[1])
     return result + (po, pm, pl) if partials else result
 
 

@@ -22,8 +22,9 @@ used. The groups are merged in threadgroup memory; each (row, block) writes its 
 output, its max m and its sum l.
 
 Pass 2 (one threadgroup per query row): merge the blocks, normalise, apply the inverse value
-rotation (dense matrix, float32 FMAs, not TF32) and write the output and the log-sum-exp (natural
-log) in float32.
+rotation (dense matrix, float32 FMAs, not TF32) and write the output (float32, or the activation
+dtype) and the log-sum-exp (natural log, float32). The CUDA variant with a raw tail also attends
+over the newest native rows in the same softmax.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ TURBO_BITS = (1, 2, 3, 4)
 AFFINE_BITS = (4, 8)
 AFFINE_GROUPS = (32, 64, 128)
 ROW_BUCKETS = (1, 2, 4, 8)
+SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 
 def pow2ceil(n: int) -> int:
@@ -165,6 +167,7 @@ class Pass2:
     rotate: bool  # apply a dense inverse value rotation
     tail_dtype: str = ""  # the raw tail's dtype when pass 2 also attends over it (CUDA)
     q_dtype: str = ""  # the query's dtype (with a tail)
+    out_dtype: str = ""  # the output's dtype (the activations'); "" is float32
 
     @property
     def threads(self) -> int:
@@ -176,7 +179,8 @@ class Pass2:
         if self.tail_dtype:
             short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
             tail = f"_t{short[self.tail_dtype]}_q{short[self.q_dtype]}"
-        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}"
+        out = f"_o{SHORT[self.out_dtype]}" if self.out_dtype else ""
+        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}{out}"
 
     def input_names(self) -> list[str]:
         names = ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
@@ -249,6 +253,9 @@ _COMMON_MACROS = """
 CUDA_HEADER = _COMMON_MACROS + """
 #define DEV
 #define TGMEM __shared__
+#define TQ_OUT_float32(x) (x)
+#define TQ_OUT_float16(x) __float2half_rn(x)
+#define TQ_OUT_bfloat16(x) __float2bfloat16_rn(x)
 #define SYNC() __syncthreads()
 #define SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
 #define EXP2(x) exp2f(x)
@@ -277,6 +284,9 @@ __device__ __forceinline__ void tq_h2(uint32_t w, float& a, float& b) {
 METAL_HEADER = _COMMON_MACROS + """
 #define DEV device
 #define TGMEM threadgroup
+#define TQ_OUT_float32(x) (x)
+#define TQ_OUT_float16(x) static_cast<half>(x)
+#define TQ_OUT_bfloat16(x) static_cast<bfloat16_t>(x)
 #define SYNC() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
 #define SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
 #define EXP2(x) metal::exp2(x)
@@ -580,7 +590,6 @@ _SHIFT_SETUP = """
 """
 
 _SHIFT_FINISH = "      x += s_qmu[r * MAXSB + (tt[u] >> 8) - sb0];"
-
 
 def _turbo_parts(side: str, bits: int, d: int) -> dict[str, str]:
     """Setup / load code of a TurboQuant side (`k` or `v`): per lane, NS sub-chunks of 8 codes;
@@ -889,6 +898,7 @@ def pass1_body(v: Pass1, prologue: str) -> str:
         shared.append(_SHIFT_SHARED)
         setup_shared.append(_SHIFT_SETUP)
     finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
+
     def decl(parts, prefix):
         return "\n".join(f"  {t} {prefix}{n}{dims};" for t, n, dims in parts["arrays"])
 
@@ -941,6 +951,7 @@ TGMEM float s_f[NBMAX];
 TGMEM float s_w[NW];
 TGMEM float s_w2[NW];
 TGMEM float s_part[NT];
+TGMEM float s_y[D];
 @@ROT_SHARED@@
 float mloc = NEG_INF;
 for (int i = tid; i < nblk; i += NT) {
@@ -1007,13 +1018,19 @@ if (j == 0 && d < D) {
 @@FINISH@@
 """
 
-_FINISH = """if (tid == 0) {
+_FINISH = """SYNC();
+for (int e = tid; e < D; e += NT) {
+  out[row * D + e] = @@OUT@@(s_y[e]);
+}
+if (tid == 0) {
   lse[row] = (M + LOG2(L)) * TQ_LN2;
 }"""
 
 # The raw tail (n < 256 native rows of this row's KV head) joins the stored rows' softmax: one
-# score per thread, block max and sum, then every output element mixes the n value rows. Each
-# thread rewrites the output elements it wrote above.
+# score per thread, block max and sum, then every output element mixes the n value rows. Both
+# loops are latency chains when they run alone (a decode step waits for them), so every load of
+# a score is independent (the head dim unrolled into eight sums) and the value rows are split
+# over VS slices of threads (two dims per thread, eight rows in flight), merged in a fixed order.
 _TAIL = """{
   const int n = params[7];
   const int R = params[3];
@@ -1021,12 +1038,16 @@ _TAIL = """{
   const int bh = row / R;
   const int b = bh / H;
   const int h = bh - b * H;
+  constexpr int VP = @@VP@@;
+  constexpr int VS = NT / VP;
   TGMEM float s_q[D];
   TGMEM float s_e[NT];
   TGMEM float s_r[NW];
   TGMEM float s_r2[NW];
+  TGMEM float s_v[VS * 2 * VP];
+  const int64_t qb = (int64_t)b * tq_strides[0] + (int64_t)(row - b * H * R) * tq_strides[1];
   for (int i = tid; i < D; i += NT) {
-    s_q[i] = static_cast<float>(tq[row * D + i]) * cq[0];
+    s_q[i] = static_cast<float>(tq[qb + (int64_t)i * tq_strides[3]]) * cq[0];
   }
   SYNC();
   const int64_t kb = (int64_t)b * t_k_strides[0] + (int64_t)h * t_k_strides[1];
@@ -1034,14 +1055,12 @@ _TAIL = """{
   float st = NEG_INF;
   if (tid < n) {
     const int64_t kr = kb + (int64_t)tid * t_k_strides[2];
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    for (int i = 0; i < D; i += 4) {
-      a0 += s_q[i] * static_cast<float>(t_k[kr + i]);
-      a1 += s_q[i + 1] * static_cast<float>(t_k[kr + i + 1]);
-      a2 += s_q[i + 2] * static_cast<float>(t_k[kr + i + 2]);
-      a3 += s_q[i + 3] * static_cast<float>(t_k[kr + i + 3]);
+    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      a[i % 8] += s_q[i] * static_cast<float>(t_k[kr + (int64_t)i * t_k_strides[3]]);
     }
-    st = (a0 + a1) + (a2 + a3);
+    st = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
   }
   float mt = st;
 #pragma unroll
@@ -1072,17 +1091,45 @@ _TAIL = """{
   for (int i = 0; i < NW; ++i) {
     den += s_r2[i];
   }
+  {
+    const int e2 = tid % VP;
+    const int js = tid / VP;
+    float a[8][2];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      a[k][0] = 0.0f;
+      a[k][1] = 0.0f;
+    }
+    if (2 * e2 < D) {
+      const int64_t vc = vb + (int64_t)(2 * e2) * t_v_strides[3];
+      int t = js;
+      for (; t + 7 * VS < n; t += 8 * VS) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int64_t at = vc + (int64_t)(t + k * VS) * t_v_strides[2];
+          a[k][0] += s_e[t + k * VS] * static_cast<float>(t_v[at]);
+          a[k][1] += s_e[t + k * VS] * static_cast<float>(t_v[at + t_v_strides[3]]);
+        }
+      }
+      for (; t < n; t += VS) {
+        const int64_t at = vc + (int64_t)t * t_v_strides[2];
+        a[0][0] += s_e[t] * static_cast<float>(t_v[at]);
+        a[0][1] += s_e[t] * static_cast<float>(t_v[at + t_v_strides[3]]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      s_v[(js * VP + e2) * 2 + c] = ((a[0][c] + a[1][c]) + (a[2][c] + a[3][c])) +
+                                    ((a[4][c] + a[5][c]) + (a[6][c] + a[7][c]));
+    }
+  }
+  SYNC();
   for (int e = tid; e < D; e += NT) {
-    float a0 = fs * out[row * D + e], a1 = 0.0f;
-    int t = 0;
-    for (; t + 1 < n; t += 2) {
-      a0 += s_e[t] * static_cast<float>(t_v[vb + (int64_t)t * t_v_strides[2] + e]);
-      a1 += s_e[t + 1] * static_cast<float>(t_v[vb + (int64_t)(t + 1) * t_v_strides[2] + e]);
+    float acc = fs * s_y[e];
+    for (int j = 0; j < VS; ++j) {
+      acc += s_v[(j * VP + e / 2) * 2 + e % 2];
     }
-    if (t < n) {
-      a0 += s_e[t] * static_cast<float>(t_v[vb + (int64_t)t * t_v_strides[2] + e]);
-    }
-    out[row * D + e] = (a0 + a1) / den;
+    out[row * D + e] = @@OUT@@(acc / den);
   }
   if (tid == 0) {
     lse[row] = (M2 + LOG2(den)) * TQ_LN2;
@@ -1099,7 +1146,7 @@ for (int e = tid; e < D; e += NT) {
     a2 += s_o[k + 2] * rinv[(k + 2) * D + e];
     a3 += s_o[k + 3] * rinv[(k + 3) * D + e];
   }
-  out[row * D + e] = (a0 + a1) + (a2 + a3);
+  s_y[e] = (a0 + a1) + (a2 + a3);
 }"""
 
 
@@ -1157,9 +1204,10 @@ def pass2_body(v: Pass2, prologue: str) -> str:
     return fill(
         _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, DP=pow2ceil(v.d), NBMAX=MAX_BLOCKS,
         ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
-        STORE="  s_o[d] = acc * inv;" if v.rotate else "  out[row * D + d] = acc * inv;",
+        STORE="  s_o[d] = acc * inv;" if v.rotate else "  s_y[d] = acc * inv;",
         ROTATE=_ROTATE if v.rotate else "",
-        FINISH=_TAIL if v.tail_dtype else _FINISH,
+        FINISH=fill(_TAIL if v.tail_dtype else _FINISH, OUT=f"TQ_OUT_{v.out_dtype or 'float32'}",
+                    VP=pow2ceil(v.d // 2)),
     )
 
 
