@@ -12,6 +12,7 @@ pass 1 is timed on the same caches too.
   python bench/decode.py                    # table to stdout
   python bench/decode.py --write-docs       # also into docs/benchmarks.md (decode-kernels section)
   python bench/decode.py --sweep            # lane-shape / unroll / threadgroup sweep first
+  python bench/decode.py --breakdown        # also the GPU time of each pass alone
 
 Needs an MLX GPU backend (CUDA or Metal).
 """
@@ -96,6 +97,26 @@ def timed(fns, calls: int, reps: int = 5) -> tuple[float, float, float]:
     return statistics.median(gpu), statistics.median(build), statistics.median(sync[calls // 2:])
 
 
+def chained(fns, q: mx.array, calls: int, reps: int = 5) -> float:
+    """Seconds per call when each call's query is the previous call's output (as a model's
+    layers are): `calls` calls built, then evaluated together; no two calls can overlap on the
+    GPU, so this is the latency of a decode step's attention, not the throughput of independent
+    ones. `fns` take the query and cycle over layers."""
+    x = q
+    for f in fns:
+        x = f(x)
+    mx.eval(x)
+    times = []
+    for _ in range(reps):
+        x = q
+        for i in range(calls):
+            x = fns[i % len(fns)](x)
+        t = time.perf_counter()
+        mx.eval(x)
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
+
+
 def layers_for(T: int) -> int:
     return max(2, min(48, -(-WORKING_SET // (2 * 2 * T * HKV * D))))
 
@@ -122,54 +143,60 @@ def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain:
     ks = [mx.random.normal((1, HKV, T, D), key=mx.random.key(i)).astype(mx.float16) for i in range(nl)]
     vs = [mx.random.normal((1, HKV, T, D), key=mx.random.key(100 + i)).astype(mx.float16) for i in range(nl)]
     mx.eval(ks, vs)
-    fns = [lambda k=k, v=v: mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE) for k, v in zip(ks, vs)]
-    b, h, s = timed(fns, calls)
+    steps = [lambda x, k=k, v=v: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE) for k, v in zip(ks, vs)]
     fp16_bytes = 2 * T * HKV * D * 2
-    rows.append(dict(T=T, method="fp16 SDPA", batched=b, host=h, sync=s, bytes=fp16_bytes, err=None))
-    del ks, vs, fns
-    base = b
+    rows.append(dict(T=T, method="fp16 SDPA", bytes=fp16_bytes, err=None, **measure(steps, q, calls)))
+    del ks, vs, steps
+    base = rows[0]
     for scheme in schemes:
         caches = [build_cache(scheme, HKV, D, mx.float16, T, seed=i) for i in range(nl)]
         err = check(caches[0], q) if T <= CHECK_UP_TO else None
         call = host.describe(q, caches[0]._key_side, caches[0]._value_side, stored(caches[0]), caches[0]._shifts,
                              tensor_cores=TENSOR_CORES)
         mma = isinstance(call.pass1, MmaPass1)
-        fns = [lambda c=c: c.attention(q, SCALE) for c in caches]
-        b, h, s = timed(fns, calls)
+        steps = [lambda x, c=c: c.attention(x, SCALE) for c in caches]
         nbytes = stored_bytes(caches[0])
-        rows.append(dict(T=T, method=f"{scheme} fused" + (" (tensor cores)" if mma else ""), batched=b, host=h,
-                         sync=s, bytes=nbytes, err=err, kernel=call.pass1.name, vs_fp16=base / b))
+        rows.append(dict(T=T, method=f"{scheme} fused" + (" (tensor cores)" if mma else ""), bytes=nbytes, err=err,
+                         kernel=call.pass1.name, **measure(steps, q, calls, base)))
         if mma:  # the CUDA-core pass 1 on the same caches, for comparison
             host.TUNING["mma"] = False
             try:
                 cerr = check(caches[0], q) if T <= CHECK_UP_TO else None
-                cb, ch, cs = timed(fns, calls)
+                rows.append(dict(T=T, method=f"{scheme} fused (CUDA cores)", bytes=nbytes, err=cerr,
+                                 **measure(steps, q, calls, base)))
             finally:
                 host.TUNING["mma"] = True
-            rows.append(dict(T=T, method=f"{scheme} fused (CUDA cores)", batched=cb, host=ch, sync=cs,
-                             bytes=nbytes, err=cerr, vs_fp16=base / cb))
         if plain:
             os.environ["TQSTORE_KERNELS"] = "0"
             try:
-                pb, ph, ps = timed(fns[:2], max(4, calls // 16), reps=3)
+                rows.append(dict(T=T, method=f"{scheme} plain ops", bytes=nbytes, err=None,
+                                 **measure(steps[:2], q, max(4, calls // 16), base, reps=3)))
             finally:
                 os.environ.pop("TQSTORE_KERNELS")
-            rows.append(dict(T=T, method=f"{scheme} plain ops", batched=pb, host=ph, sync=ps, bytes=nbytes,
-                             err=None, vs_fp16=base / pb))
         if tail:
             kt = mx.random.normal((1, HKV, tail, D), key=mx.random.key(7)).astype(mx.float16)
             for c in caches:
                 c.update_and_fetch(kt, kt)
             mx.eval([c.state for c in caches])
-            b, h, s = timed(fns, calls)
-            rows.append(dict(T=T, method=f"{scheme} fused + {tail}-row tail", batched=b, host=h, sync=s,
-                             bytes=nbytes + 2 * tail * HKV * D * 2, err=None, vs_fp16=base / b))
-        del caches, fns
+            rows.append(dict(T=T, method=f"{scheme} fused + {tail}-row tail", bytes=nbytes + 2 * tail * HKV * D * 2,
+                             err=None, **measure(steps, q, calls, base)))
+        del caches, steps
         mx.clear_cache()
     for r in rows:
         r["gbs"] = r["bytes"] / r["batched"] / 1e9
         r["ceiling"] = r["bytes"] / r["batched"] / ceiling
     return rows
+
+
+def measure(steps, q: mx.array, calls: int, base: dict | None = None, reps: int = 5) -> dict:
+    """Every timing of one method: batched, host, sync (`timed`, independent calls) and chained
+    (each call's query the previous output), with the speeds against `base` (fp16 SDPA)."""
+    b, h, s = timed([lambda f=f: f(q) for f in steps], calls, reps)
+    c = chained(steps, q, calls, reps)
+    out = dict(batched=b, host=h, sync=s, chained=c)
+    if base is not None:
+        out.update(vs_fp16=base["batched"] / b, vs_fp16_chained=base["chained"] / c)
+    return out
 
 
 SWEEP_CONTEXTS = (4096, 131072)
@@ -236,15 +263,18 @@ def ctx(T: int) -> str:
 
 
 def table(rows: list[dict], ceiling: float) -> str:
-    lines = ["| context | method | GPU us/call (batched) | host us/call (graph build) | sync us/call | MB read/call "
-             "| GB/s (batched) | of copy ceiling | speed vs fp16 SDPA (batched) | max rel err vs f64 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | method | GPU us/call (chained) | GPU us/call (batched) | host us/call (graph build) "
+             "| sync us/call | MB read/call | GB/s (batched) | of copy ceiling | speed vs fp16 SDPA (chained) "
+             "| speed vs fp16 SDPA (batched) | max rel err vs f64 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        vs = "1.00x" if r["method"] == "fp16 SDPA" else f"{r['vs_fp16']:.2f}x"
+        sdpa = r["method"] == "fp16 SDPA"
+        vs = "1.00x" if sdpa else f"{r['vs_fp16']:.2f}x"
+        vsc = "1.00x" if sdpa else f"{r['vs_fp16_chained']:.2f}x"
         err = "" if r["err"] is None else f"{r['err']:.1e}"
-        lines.append(f"| {ctx(r['T'])} | {r['method']} | {r['batched'] * 1e6:.1f} | {r['host'] * 1e6:.1f} | "
-                     f"{r['sync'] * 1e6:.1f} | "
-                     f"{r['bytes'] / 1e6:.1f} | {r['gbs']:.0f} | {100 * r['ceiling']:.0f}% | {vs} | {err} |")
+        lines.append(f"| {ctx(r['T'])} | {r['method']} | {r['chained'] * 1e6:.1f} | {r['batched'] * 1e6:.1f} | "
+                     f"{r['host'] * 1e6:.1f} | {r['sync'] * 1e6:.1f} | "
+                     f"{r['bytes'] / 1e6:.1f} | {r['gbs']:.0f} | {100 * r['ceiling']:.0f}% | {vsc} | {vs} | {err} |")
     return "\n".join(lines)
 
 
@@ -256,6 +286,7 @@ def main() -> None:
     ap.add_argument("--tail", type=int, default=128, help="also time with this many raw tail rows (0: skip)")
     ap.add_argument("--plain", action="store_true", help="also time the plain-ops path")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also time the passes alone (4k and 128k)")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args()
     if kernels.select_backend() is None:
@@ -268,9 +299,10 @@ def main() -> None:
         ns, u, tgs = sweep(args.calls)
         host.TUNING.update(ns=ns, unroll=u, threadgroups=tgs)
         tuning = f" Kernel tuning from the sweep: ns={ns}, unroll={u}, threadgroups={tgs}."
-    for scheme in ("turbo4", "turbo8v3"):
-        for T in SWEEP_CONTEXTS:
-            print(f"breakdown {scheme} {ctx(T)}: {breakdown(scheme, T, args.calls)}", flush=True)
+    if args.breakdown:
+        for scheme in ("turbo4", "turbo8v3"):
+            for T in SWEEP_CONTEXTS:
+                print(f"breakdown {scheme} {ctx(T)}: {breakdown(scheme, T, args.calls)}", flush=True)
     ceiling = copy_ceiling()
     print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -285,7 +317,10 @@ def main() -> None:
             f"B=1, {HQ} query / {HKV} KV heads, d={D}, fp16 activations, one query token; caches built by "
             f"`TurboQuantKVCache` from synthetic rows (T stored rows, no tail unless the method says so). "
             f"Copy ceiling (elementwise copy of 1 GiB, read + write): {ceiling / 1e12:.2f} TB/s. "
-            f"Batched: {args.calls} calls evaluated together; sync: `mx.eval` after each call (median). "
+            f"Chained: {args.calls} calls, each call's query the previous call's output (as a model's layers "
+            f"are: no two calls overlap on the GPU), built first, then evaluated together (timed); batched: "
+            f"{args.calls} independent calls evaluated together (MLX may run them concurrently, so this is "
+            f"throughput, not a decode step's latency); sync: `mx.eval` after each call (median). "
             f"MB read: K and V as stored (scales, norms, key means included); each method cycles over "
             f"several layers' caches so the working set exceeds the L2 cache. GPU us/call: the calls' graphs are "
             f"built first, then evaluated together (timed); host us/call: building them (Python and MLX).{tuning}"
