@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from turboquant.kernels import emulate, host
+from turboquant.kernels import dialects
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.mma import MMA_ROWS, MmaPass1
@@ -59,7 +60,7 @@ def test_every_variant_generates_cuda_and_refuses_metal():
         names.add(v.name)
         header, body = tpl.source(v, "cuda")
         text = header + body
-        assert not tpl.leftover_markers(text), (v.name, tpl.leftover_markers(text)[:3])
+        assert not dialects.leftover_markers(text), (v.name, dialects.leftover_markers(text)[:3])
         assert text.count("{") == text.count("}") and text.count("(") == text.count(")"), v.name
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in header
         assert v.input_names() == tpl.Pass1.input_names(v)  # same inputs as the CUDA-core pass 1

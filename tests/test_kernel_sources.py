@@ -15,7 +15,10 @@ import pytest
 
 from turboquant import kernels
 from turboquant.kernels import emulate, host, metal
+from turboquant.kernels import dialects, merge
 from turboquant.kernels import template as tpl
+from turboquant.kernels.merge import Pass2
+from turboquant.kernels.query import Pass0
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import build_cache, reference, stored, tail
@@ -45,8 +48,8 @@ def all_variants():
                 for rmax in (tpl.ROW_BUCKETS if d == 128 else (4,)):
                     out.append(tpl.Pass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value=vf,
                                          value_bits=vb, value_group=vg, value_dtype=vd, rmax=rmax, shifts=shifts))
-        out += [tpl.Pass2(d=d, rotate=True), tpl.Pass2(d=d, rotate=False)]
-        out += [tpl.Pass0(d=d, q_dtype=dt, post=post, qs=qs) for dt in tpl.NATIVE_DTYPES
+        out += [Pass2(d=d, rotate=True), Pass2(d=d, rotate=False)]
+        out += [Pass0(d=d, q_dtype=dt, post=post, qs=qs) for dt in tpl.NATIVE_DTYPES
                 for post in (False, True) for qs in (False, True)]
     return out
 
@@ -60,21 +63,21 @@ def test_every_variant_generates_both_dialects_in_step():
         assert v.name not in names
         names.add(v.name)
         bodies = {}
-        for dialect in tpl.DIALECTS:
+        for dialect in dialects.DIALECTS:
             header, body = tpl.source(v, dialect)
             text = header + body
-            assert not tpl.leftover_markers(text), (v.name, dialect, tpl.leftover_markers(text)[:3])
+            assert not dialects.leftover_markers(text), (v.name, dialect, dialects.leftover_markers(text)[:3])
             assert text.count("{") == text.count("}"), (v.name, dialect)
             assert text.count("(") == text.count(")"), (v.name, dialect)
-            assert body.startswith("\n") and tpl.PROLOGUE[dialect] in body
-            bodies[dialect] = body.replace(tpl.PROLOGUE[dialect], "<prologue>")
+            assert body.startswith("\n") and dialects.PROLOGUE[dialect] in body
+            bodies[dialect] = body.replace(dialects.PROLOGUE[dialect], "<prologue>")
         # One template: the two bodies differ only in how they read their thread indices.
         assert bodies["cuda"] == bodies["metal"], v.name
     assert len(names) > 1000
 
 
 def test_dialect_headers_and_prologues():
-    cuda, metal_ = tpl.HEADERS["cuda"], tpl.HEADERS["metal"]
+    cuda, metal_ = dialects.HEADERS["cuda"], dialects.HEADERS["metal"]
     for token in ("__shfl_xor_sync", "__shared__", "__syncthreads", "__funnelshift_r"):
         assert token in cuda and token not in metal_
     for token in ("simd_shuffle_xor", "threadgroup_barrier", "threadgroup const float", "as_type<"):
@@ -83,10 +86,10 @@ def test_dialect_headers_and_prologues():
                   "CBLOOK", "U2", "U4"):
         for header in (cuda, metal_, emulate.HEADER):
             assert re.search(rf"#define {macro}\b|struct {macro}\b", header), (macro, header[:40])
-    assert "threadIdx" in tpl.PROLOGUE["cuda"] and "blockIdx" in tpl.PROLOGUE["cuda"]
+    assert "threadIdx" in dialects.PROLOGUE["cuda"] and "blockIdx" in dialects.PROLOGUE["cuda"]
     # Metal adds an attribute argument only for names that appear in the body itself.
-    assert "thread_position_in_threadgroup" in tpl.PROLOGUE["metal"]
-    assert "threadgroup_position_in_grid" in tpl.PROLOGUE["metal"]
+    assert "thread_position_in_threadgroup" in dialects.PROLOGUE["metal"]
+    assert "threadgroup_position_in_grid" in dialects.PROLOGUE["metal"]
 
 
 def test_runtime_sizes_are_not_compiled_in():
@@ -126,11 +129,11 @@ def test_block_plan_covers_every_token(T, rows):
     assert plan is not None
     span, nblk = plan
     assert (nblk - 1) * span < T <= nblk * span
-    assert nblk <= tpl.MAX_BLOCKS and span <= tpl.MAX_SPAN
+    assert nblk <= merge.MAX_BLOCKS and span <= tpl.MAX_SPAN
     assert nblk <= max(-(-T // host.MIN_SPAN), -(-T // tpl.MAX_SPAN))
     # a block touches at most MAX_SHIFT_BLOCKS key-mean blocks (what pass 1 keeps in its buffer)
     assert span // 256 + 2 <= tpl.MAX_SHIFT_BLOCKS
-    assert host.plan_blocks(tpl.MAX_BLOCKS * tpl.MAX_SPAN + 1, rows) is None
+    assert host.plan_blocks(merge.MAX_BLOCKS * tpl.MAX_SPAN + 1, rows) is None
 
 
 def test_selection_on_cpu_returns_none(monkeypatch):
@@ -232,7 +235,7 @@ def test_decode_step_reads_the_cache_buffers_in_place(monkeypatch):
     buffers = [*cache._store.arrays.values(), cache._tail.arrays["keys"], cache._tail.arrays["values"]]
     assert all(id(b) in handed for b in buffers)
     assert cache._tail.arrays["keys"].shape[2] > 44  # the tail buffer: room beyond its 44 rows
-    pass2 = [inputs for v, inputs in seen if isinstance(v, tpl.Pass2)][0]
+    pass2 = [inputs for v, inputs in seen if isinstance(v, Pass2)][0]
     assert any(a is q for a in pass2)  # the tail's scores read the query through its strides
     mu = [inputs[v.input_names().index("mu")] for v, inputs in seen if isinstance(v, tpl.Pass1)]
     seen.clear()
@@ -385,7 +388,7 @@ def test_metal_self_check_keeps_a_good_kernel_and_drops_a_bad_one(monkeypatch):
 
         def __call__(self, **kw):
             outs = self.inner(**kw)
-            return [outs[0] * 1.1, *outs[1:]] if isinstance(self.v, tpl.Pass2) else outs
+            return [outs[0] * 1.1, *outs[1:]] if isinstance(self.v, Pass2) else outs
 
     metal.reset()
     _force(monkeypatch, "metal", Broken)
@@ -406,10 +409,10 @@ nvcc = shutil.which("nvcc")
 @pytest.mark.skipif(nvcc is None, reason="needs nvcc")
 def test_cuda_sources_compile(tmp_path):
     """A representative set compiles for sm_90 as MLX assembles it (a stand-in device header)."""
-    picks = [v for v in VARIANTS if isinstance(v, tpl.Pass2)][:4]
-    picks += [tpl.Pass2(d=d, rotate=rot, tail_dtype=dt, q_dtype=dt) for d, rot in ((128, True), (80, False))
+    picks = [v for v in VARIANTS if isinstance(v, Pass2)][:4]
+    picks += [Pass2(d=d, rotate=rot, tail_dtype=dt, q_dtype=dt) for d, rot in ((128, True), (80, False))
               for dt in tpl.NATIVE_DTYPES]
-    picks += [v for v in VARIANTS if isinstance(v, tpl.Pass0) and v.d in (80, 128)][::3]
+    picks += [v for v in VARIANTS if isinstance(v, Pass0) and v.d in (80, 128)][::3]
     seen = set()
     for v in VARIANTS:
         if isinstance(v, tpl.Pass1):
@@ -417,8 +420,8 @@ def test_cuda_sources_compile(tmp_path):
             if key not in seen:
                 seen.add(key)
                 picks.append(v)
-    picks += [tpl.Pass2(d=128, rotate=True, tail_dtype=dt, q_dtype=dt, out_dtype=dt) for dt in ("float16", "bfloat16")]
-    picks += [tpl.Pass2(d=80, rotate=False, out_dtype="float16")]
+    picks += [Pass2(d=128, rotate=True, tail_dtype=dt, q_dtype=dt, out_dtype=dt) for dt in ("float16", "bfloat16")]
+    picks += [Pass2(d=80, rotate=False, out_dtype="float16")]
     src = tmp_path / "kernels.cu"
     src.write_text("\n".join(translation_unit(v) for v in picks))
     res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],

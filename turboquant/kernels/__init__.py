@@ -19,7 +19,7 @@ kernel that failed its self-check.
 Kernels per call: pass 1 over blocks of stored rows (transforming the query itself for
 Hadamard rotations and plain scales; other rotations add a pass-0 kernel), pass 2 merging the
 blocks, un-rotating the values and, on CUDA, attending over the raw tail (Metal merges the tail
-with plain ops, `merge_tail`); `template.py` explains them. The kernels read the cache's
+with plain ops, `merge_tail`); `query.py`, `template.py` and `merge.py` explain them. The kernels read the cache's
 buffers, the query and the tail through their strides, so on CUDA a decode step's attention is
 two graph nodes. On CUDA, fp16/bf16
 activations over at least `host.MMA_MIN_TOKENS` stored rows run pass 1 on the tensor cores
@@ -30,10 +30,11 @@ scale dtype.
 
 Backends: CUDA (`cuda.py`, proven on an H200) when the default device is the GPU and
 `mx.cuda.is_available()`; Metal (`metal.py`) when `mx.metal.is_available()`; both from one
-template (`template.py`). Layouts: rawk-turbo (native K in f16/bf16/f32, TurboQuant V),
-affinek-turbo (affine K, TurboQuant V), turbo and calibrated (TurboQuant K and V, per-block key
-means), affine (affine K and V, 4 or 8 bits); TurboQuant bits 1-4; any GQA ratio (8 query rows
-share one read of their KV head; larger ratios read it once per 8 rows).
+template per pass (`query.py`, `template.py`, `merge.py`, over the macros of `dialects.py`).
+Layouts: rawk-turbo (native K in f16/bf16/f32, TurboQuant V), affinek-turbo (affine K,
+TurboQuant V), turbo and calibrated (TurboQuant K and V, per-block key means), affine (affine K
+and V, 4 or 8 bits); TurboQuant bits 1-4; any GQA ratio (8 query rows share one read of their KV
+head; larger ratios read it once per 8 rows).
 
 `emulate.py` runs the very same kernel text on the CPU (one OS thread per GPU thread), which is
 how the CPU tests check the kernels' logic; `reference.py` builds caches and the float64

@@ -12,7 +12,9 @@ import functools
 
 import mlx.core as mx
 
-from .template import Pass0, Pass1, Pass2, output_names, source
+from .merge import Pass2
+from .query import Pass0
+from .template import Pass1, output_names, source
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
               "int32": "int32_t"}

@@ -25,7 +25,9 @@ import mlx.core as mx
 import numpy as np
 
 from .cuda import input_types
-from .template import Pass0, Pass1, Pass2, body, output_names
+from .merge import Pass2
+from .query import Pass0
+from .template import Pass1, body, output_names
 
 HEADER = r"""
 #include <algorithm>

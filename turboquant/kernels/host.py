@@ -15,8 +15,10 @@ import mlx.core as mx
 
 from ..rotation import Rotation, RotationKind
 from ..sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
+from .merge import MAX_BLOCKS, OUTPUTS2, Pass2
 from .mma import MMA_ROWS, MmaPass1
-from .template import MAX_BLOCKS, MAX_SPAN, OUTPUTS1, OUTPUTS2, THREADS, Pass0, Pass1, Pass2, rows_bucket
+from .query import Pass0
+from .template import MAX_SPAN, OUTPUTS1, THREADS, Pass1, rows_bucket
 
 LOG2E = 1.4426950408889634
 MIN_SPAN = 64  # fewest tokens per pass-1 block

@@ -1,6 +1,6 @@
 """The fused decode kernels through `mx.fast.metal_kernel` (MLX's Metal backend, for Macs).
 
-Same source as the CUDA kernels (one template, `template.py`). This backend cannot be run where
+Same source as the CUDA kernels (one template per pass). This backend cannot be run where
 it was written, so `checked` makes each kernel prove itself on the user's machine: the first
 call of every shape runs the kernel and the plain-ops path, compares them, and caches the
 verdict; a disagreement falls back to plain ops for that shape with a one-line warning.
@@ -13,7 +13,9 @@ import warnings
 
 import mlx.core as mx
 
-from .template import Pass0, Pass1, Pass2, output_names, source
+from .merge import Pass2
+from .query import Pass0
+from .template import Pass1, output_names, source
 
 RTOL = 2e-3  # relative to max |reference|; the kernel computes in float32 like the plain path
 

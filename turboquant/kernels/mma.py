@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .template import (BLOCK, HEADERS, MARK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _SHIFT_SHARED, _scale, fill,
-                       packed_words)
+from .dialects import HEADERS, MARK, fill
+from .template import BLOCK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _SHIFT_SHARED, _scale, packed_words
 
 MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dimension
 

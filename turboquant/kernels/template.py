@@ -1,4 +1,4 @@
-"""One template, two dialects: the source of the fused decode kernels for CUDA and Metal.
+"""One template, two dialects: the source of pass 1 of the fused decode for CUDA and Metal.
 
 The kernel bodies below are written once, in C++ that both `mx.fast.cuda_kernel` (NVRTC) and
 `mx.fast.metal_kernel` (MSL, C++14) accept, over a few dialect macros (shuffles, barriers,
@@ -7,10 +7,6 @@ thread and threadgroup indices (Metal needs the attribute names in the body itse
 structure (head dim, formats, bits, rows per threadgroup) is baked into its source as
 constants and into its name; runtime sizes (tokens, block span, block count, GQA ratio) travel
 in the `params` input, so a growing cache never compiles a new kernel.
-
-Pass 0 (TurboQuant keys; one threadgroup per query row): the query in the codes' basis,
-((q * pre) @ M) * post with the rotation as an exact float32 matrix, and the plain scaled query for
-the per-block key means; one launch instead of five elementwise/Hadamard ops.
 
 Pass 1 (one threadgroup per (KV head, row group, block of tokens)): G lanes share one token,
 each lane owns 8*NS dims; every K row (packed codes + norm, or affine words + scales, or native
@@ -21,10 +17,8 @@ codes (affine); the next U tokens' rows are loaded (raw words) while the current
 used. The groups are merged in threadgroup memory; each (row, block) writes its unnormalised
 output, its max m and its sum l.
 
-Pass 2 (one threadgroup per query row): merge the blocks, normalise, apply the inverse value
-rotation (dense matrix, float32 FMAs, not TF32) and write the output (float32, or the activation
-dtype) and the log-sum-exp (natural log, float32). The CUDA variant with a raw tail also attends
-over the newest native rows in the same softmax.
+Pass 0 (the query transform) is in `query.py`, pass 2 (the merge) in `merge.py`, the dialect
+headers in `dialects.py`.
 """
 
 from __future__ import annotations
@@ -32,13 +26,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-MARK = "@@"
+from .dialects import DIALECTS, HEADERS, PROLOGUE, fill, pow2ceil
+from .merge import OUTPUTS2, Pass2, pass2_body
+from .query import Pass0, pass0_body
+
 THREADS = 128  # pass 1 threadgroup size (4 SIMD groups)
-MAX_BLOCKS = 1024  # pass 2 keeps one factor per block in threadgroup memory
 MAX_SHIFT_BLOCKS = 18  # 256-token key-mean blocks one pass-1 block may touch
 SHIFT_BLOCK = 256
 MAX_SPAN = (MAX_SHIFT_BLOCKS - 2) * SHIFT_BLOCK  # tokens per pass-1 block: touches <= 17 key-mean blocks
-DIALECTS = ("cuda", "metal")
 KEY_FORMATS = ("native", "affine", "turbo")
 VALUE_FORMATS = ("affine", "turbo")
 NATIVE_DTYPES = ("float16", "bfloat16", "float32")
@@ -46,14 +41,6 @@ TURBO_BITS = (1, 2, 3, 4)
 AFFINE_BITS = (4, 8)
 AFFINE_GROUPS = (32, 64, 128)
 ROW_BUCKETS = (1, 2, 4, 8)
-SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-
-
-def pow2ceil(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
 
 
 def rows_bucket(r: int) -> int:
@@ -161,62 +148,7 @@ class Pass1:
         return names
 
 
-@dataclass(frozen=True)
-class Pass2:
-    d: int
-    rotate: bool  # apply a dense inverse value rotation
-    tail_dtype: str = ""  # the raw tail's dtype when pass 2 also attends over it (CUDA)
-    q_dtype: str = ""  # the query's dtype (with a tail)
-    out_dtype: str = ""  # the output's dtype (the activations'); "" is float32
-
-    @property
-    def threads(self) -> int:
-        return 256
-
-    @property
-    def name(self) -> str:
-        tail = ""
-        if self.tail_dtype:
-            short = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
-            tail = f"_t{short[self.tail_dtype]}_q{short[self.q_dtype]}"
-        out = f"_o{SHORT[self.out_dtype]}" if self.out_dtype else ""
-        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}{out}"
-
-    def input_names(self) -> list[str]:
-        names = ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
-        return names + (["tq", "cq", "t_k", "t_v"] if self.tail_dtype else [])
-
-
-@dataclass(frozen=True)
-class Pass0:
-    """The query transform of TurboQuant keys: q_k = ((q * pre[h]) @ M) * post[h] with the
-    rotation as an exact float32 matrix (one threadgroup per query row), plus q_s = q * c for
-    the key means. Replaces five elementwise/Hadamard ops with one launch."""
-
-    d: int
-    q_dtype: str
-    post: bool
-    qs: bool
-    matrix: bool = True  # False: affine keys, q_k = q * pre (no rotation)
-
-    @property
-    def threads(self) -> int:
-        return 256 if self.d > 128 else 128
-
-    @property
-    def name(self) -> str:
-        dt = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.q_dtype]
-        return f"tq_decode0_d{self.d}_{dt}_p{int(self.post)}_s{int(self.qs)}_m{int(self.matrix)}"
-
-    def input_names(self) -> list[str]:
-        return ["params", "q", "cq", "pre"] + (["mf"] if self.matrix else []) + (["post"] if self.post else [])
-
-    def output_names(self) -> list[str]:
-        return ["q_k"] + (["q_s"] if self.qs else [])
-
-
 OUTPUTS1 = ["po", "pm", "pl"]
-OUTPUTS2 = ["out", "lse"]
 
 
 def check_pass1(v: Pass1) -> None:
@@ -240,101 +172,6 @@ def check_pass1(v: Pass1) -> None:
     ns, g = v.lanes
     if g > 32 or v.u < 1:
         raise ValueError("bad lane shape")
-
-
-# --------------------------------------------------------------------------------------------
-# Dialects
-# --------------------------------------------------------------------------------------------
-
-_COMMON_MACROS = """
-#define TQ_LN2 0.6931471805599453f
-"""
-
-CUDA_HEADER = _COMMON_MACROS + """
-#define DEV
-#define TGMEM __shared__
-#define TQ_OUT_float32(x) (x)
-#define TQ_OUT_float16(x) __float2half_rn(x)
-#define TQ_OUT_bfloat16(x) __float2bfloat16_rn(x)
-#define SYNC() __syncthreads()
-#define SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
-#define EXP2(x) exp2f(x)
-#define LOG2(x) log2f(x)
-#define FMAX(a, b) fmaxf((a), (b))
-#define IMIN(a, b) min((a), (b))
-#define AS_FLOAT(u) __uint_as_float(u)
-#define NEG_INF __uint_as_float(0xff800000u)
-#define CBLOOK(tbl, off) (*(const float*)((const char*)(tbl) + (off)))
-#define U2 uint2
-#define U4 uint4
-__device__ __forceinline__ uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
-  return __funnelshift_r(lo, hi, sh);
-}
-__device__ __forceinline__ float tq_half(uint32_t bits) {
-  return __half2float(__ushort_as_half((unsigned short)bits));
-}
-__device__ __forceinline__ void tq_h2(uint32_t w, float& a, float& b) {
-  __half2 h = *reinterpret_cast<__half2*>(&w);
-  float2 f = __half22float2(h);
-  a = f.x;
-  b = f.y;
-}
-"""
-
-METAL_HEADER = _COMMON_MACROS + """
-#define DEV device
-#define TGMEM threadgroup
-#define TQ_OUT_float32(x) (x)
-#define TQ_OUT_float16(x) static_cast<half>(x)
-#define TQ_OUT_bfloat16(x) static_cast<bfloat16_t>(x)
-#define SYNC() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
-#define SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
-#define EXP2(x) metal::exp2(x)
-#define LOG2(x) metal::log2(x)
-#define FMAX(a, b) metal::max((a), (b))
-#define IMIN(a, b) metal::min((a), (b))
-#define AS_FLOAT(u) as_type<float>((uint32_t)(u))
-#define NEG_INF as_type<float>(0xff800000u)
-#define CBLOOK(tbl, off) (*(threadgroup const float*)((threadgroup const char*)(tbl) + (off)))
-#define U2 uint2
-#define U4 uint4
-inline uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
-  return sh == 0 ? lo : ((lo >> sh) | (hi << (32u - sh)));
-}
-inline float tq_half(uint32_t bits) {
-  return float(as_type<half>((ushort)bits));
-}
-inline void tq_h2(uint32_t w, thread float& a, thread float& b) {
-  float2 f = float2(as_type<half2>(w));
-  a = f.x;
-  b = f.y;
-}
-"""
-
-PROLOGUE = {
-    "cuda": """const int tid = (int)threadIdx.x;
-const int blk = (int)blockIdx.x;
-const int gy = (int)blockIdx.y;""",
-    "metal": """const int tid = (int)thread_position_in_threadgroup.x;
-const int blk = (int)threadgroup_position_in_grid.x;
-const int gy = (int)threadgroup_position_in_grid.y;""",
-}
-
-def _guard(text: str) -> str:
-    return "#ifndef TQ_DECODE_HEADER\n#define TQ_DECODE_HEADER\n" + text + "#endif\n"
-
-
-HEADERS = {"cuda": _guard(CUDA_HEADER), "metal": _guard(METAL_HEADER)}
-
-
-def fill(text: str, **values) -> str:
-    for k, v in values.items():
-        text = text.replace(f"{MARK}{k}{MARK}", str(v))
-    return text
-
-
-def leftover_markers(text: str) -> list[str]:
-    return re.findall(re.escape(MARK) + r"\w*" + re.escape(MARK) + "?", text)
 
 
 # --------------------------------------------------------------------------------------------
@@ -882,13 +719,6 @@ for (int r = 0; r < RMAX; ++r) {
             "rescale": rescale, "accum": "\n".join(lines), "out": "o[r][k * 8 + i] + ob[r][k]"}
 
 
-def pass1_source(v: Pass1, dialect: str) -> tuple[str, str]:
-    """(header, body) of a pass-1 kernel in `dialect`."""
-    if dialect not in DIALECTS:
-        raise ValueError(f"dialect must be one of {DIALECTS}")
-    return HEADERS[dialect], pass1_body(v, PROLOGUE[dialect])
-
-
 def pass1_body(v: Pass1, prologue: str) -> str:
     ns, g = v.lanes
     kp, vp = _key_parts(v), _value_parts(v)
@@ -927,288 +757,6 @@ def pass1_body(v: Pass1, prologue: str) -> str:
         VALUE_RESCALE=vp["rescale"], VALUE_ACCUM=vp["accum"], VALUE_OUT=vp["out"],
     )
     return body
-
-
-# --------------------------------------------------------------------------------------------
-# Pass 2
-# --------------------------------------------------------------------------------------------
-
-_PASS2 = """
-constexpr int D = @@D@@;
-constexpr int NT = @@NT@@;
-constexpr int NW = NT / 32;
-constexpr int DP = @@DP@@;
-constexpr int S = NT / DP;
-constexpr int NBMAX = @@NBMAX@@;
-@@PROLOGUE@@
-const int row = blk;
-const int nblk = params[2];
-const int lane = tid % 32;
-const int warp = tid / 32;
-const int d = tid % DP;
-const int j = tid / DP;
-TGMEM float s_f[NBMAX];
-TGMEM float s_w[NW];
-TGMEM float s_w2[NW];
-TGMEM float s_part[NT];
-TGMEM float s_y[D];
-@@ROT_SHARED@@
-float mloc = NEG_INF;
-for (int i = tid; i < nblk; i += NT) {
-  mloc = FMAX(mloc, pm[row * nblk + i]);
-}
-#pragma unroll
-for (int off = 16; off >= 1; off /= 2) {
-  mloc = FMAX(mloc, SHFL_XOR(mloc, off));
-}
-if (lane == 0) {
-  s_w[warp] = mloc;
-}
-SYNC();
-float M = NEG_INF;
-for (int i = 0; i < NW; ++i) {
-  M = FMAX(M, s_w[i]);
-}
-float lloc = 0.0f;
-for (int i = tid; i < nblk; i += NT) {
-  const float mi = pm[row * nblk + i];
-  const float f = (mi == NEG_INF) ? 0.0f : EXP2(mi - M);
-  s_f[i] = f;
-  lloc += pl[row * nblk + i] * f;
-}
-#pragma unroll
-for (int off = 16; off >= 1; off /= 2) {
-  lloc += SHFL_XOR(lloc, off);
-}
-if (lane == 0) {
-  s_w2[warp] = lloc;
-}
-SYNC();
-float L = 0.0f;
-for (int i = 0; i < NW; ++i) {
-  L += s_w2[i];
-}
-const float inv = 1.0f / L;
-// Blocks are split over S slices of threads; four independent sums keep loads in flight.
-float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-if (d < D) {
-  const DEV float* col = po + (int64_t)row * nblk * D + d;
-  int i = j;
-  for (; i + 3 * S < nblk; i += 4 * S) {
-    a0 += col[(int64_t)i * D] * s_f[i];
-    a1 += col[(int64_t)(i + S) * D] * s_f[i + S];
-    a2 += col[(int64_t)(i + 2 * S) * D] * s_f[i + 2 * S];
-    a3 += col[(int64_t)(i + 3 * S) * D] * s_f[i + 3 * S];
-  }
-  for (; i < nblk; i += S) {
-    a0 += col[(int64_t)i * D] * s_f[i];
-  }
-}
-s_part[tid] = (a0 + a1) + (a2 + a3);
-SYNC();
-if (j == 0 && d < D) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int k = 0; k < S; ++k) {
-    acc += s_part[k * DP + d];
-  }
-@@STORE@@
-}
-@@ROTATE@@
-@@FINISH@@
-"""
-
-_FINISH = """SYNC();
-for (int e = tid; e < D; e += NT) {
-  out[row * D + e] = @@OUT@@(s_y[e]);
-}
-if (tid == 0) {
-  lse[row] = (M + LOG2(L)) * TQ_LN2;
-}"""
-
-# The raw tail (n < 256 native rows of this row's KV head) joins the stored rows' softmax: one
-# score per thread, block max and sum, then every output element mixes the n value rows. Both
-# loops are latency chains when they run alone (a decode step waits for them), so every load of
-# a score is independent (the head dim unrolled into eight sums) and the value rows are split
-# over VS slices of threads (two dims per thread, eight rows in flight), merged in a fixed order.
-_TAIL = """{
-  const int n = params[7];
-  const int R = params[3];
-  const int H = params[4];
-  const int bh = row / R;
-  const int b = bh / H;
-  const int h = bh - b * H;
-  constexpr int VP = @@VP@@;
-  constexpr int VS = NT / VP;
-  TGMEM float s_q[D];
-  TGMEM float s_e[NT];
-  TGMEM float s_r[NW];
-  TGMEM float s_r2[NW];
-  TGMEM float s_v[VS * 2 * VP];
-  const int64_t qb = (int64_t)b * tq_strides[0] + (int64_t)(row - b * H * R) * tq_strides[1];
-  for (int i = tid; i < D; i += NT) {
-    s_q[i] = static_cast<float>(tq[qb + (int64_t)i * tq_strides[3]]) * cq[0];
-  }
-  SYNC();
-  const int64_t kb = (int64_t)b * t_k_strides[0] + (int64_t)h * t_k_strides[1];
-  const int64_t vb = (int64_t)b * t_v_strides[0] + (int64_t)h * t_v_strides[1];
-  float st = NEG_INF;
-  if (tid < n) {
-    const int64_t kr = kb + (int64_t)tid * t_k_strides[2];
-    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < D; ++i) {
-      a[i % 8] += s_q[i] * static_cast<float>(t_k[kr + (int64_t)i * t_k_strides[3]]);
-    }
-    st = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-  }
-  float mt = st;
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) {
-    mt = FMAX(mt, SHFL_XOR(mt, off));
-  }
-  if (lane == 0) {
-    s_r[warp] = mt;
-  }
-  SYNC();
-  float M2 = M;
-  for (int i = 0; i < NW; ++i) {
-    M2 = FMAX(M2, s_r[i]);
-  }
-  const float fs = EXP2(M - M2) * L;
-  const float et = (tid < n) ? EXP2(st - M2) : 0.0f;
-  s_e[tid] = et;
-  float se = et;
-#pragma unroll
-  for (int off = 16; off >= 1; off /= 2) {
-    se += SHFL_XOR(se, off);
-  }
-  if (lane == 0) {
-    s_r2[warp] = se;
-  }
-  SYNC();
-  float den = fs;
-  for (int i = 0; i < NW; ++i) {
-    den += s_r2[i];
-  }
-  {
-    const int e2 = tid % VP;
-    const int js = tid / VP;
-    float a[8][2];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      a[k][0] = 0.0f;
-      a[k][1] = 0.0f;
-    }
-    if (2 * e2 < D) {
-      const int64_t vc = vb + (int64_t)(2 * e2) * t_v_strides[3];
-      int t = js;
-      for (; t + 7 * VS < n; t += 8 * VS) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const int64_t at = vc + (int64_t)(t + k * VS) * t_v_strides[2];
-          a[k][0] += s_e[t + k * VS] * static_cast<float>(t_v[at]);
-          a[k][1] += s_e[t + k * VS] * static_cast<float>(t_v[at + t_v_strides[3]]);
-        }
-      }
-      for (; t < n; t += VS) {
-        const int64_t at = vc + (int64_t)t * t_v_strides[2];
-        a[0][0] += s_e[t] * static_cast<float>(t_v[at]);
-        a[0][1] += s_e[t] * static_cast<float>(t_v[at + t_v_strides[3]]);
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      s_v[(js * VP + e2) * 2 + c] = ((a[0][c] + a[1][c]) + (a[2][c] + a[3][c])) +
-                                    ((a[4][c] + a[5][c]) + (a[6][c] + a[7][c]));
-    }
-  }
-  SYNC();
-  for (int e = tid; e < D; e += NT) {
-    float acc = fs * s_y[e];
-    for (int j = 0; j < VS; ++j) {
-      acc += s_v[(j * VP + e / 2) * 2 + e % 2];
-    }
-    out[row * D + e] = @@OUT@@(acc / den);
-  }
-  if (tid == 0) {
-    lse[row] = (M2 + LOG2(den)) * TQ_LN2;
-  }
-}"""
-
-_ROTATE = """SYNC();
-for (int e = tid; e < D; e += NT) {
-  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma unroll 4
-  for (int k = 0; k < D; k += 4) {
-    a0 += s_o[k] * rinv[k * D + e];
-    a1 += s_o[k + 1] * rinv[(k + 1) * D + e];
-    a2 += s_o[k + 2] * rinv[(k + 2) * D + e];
-    a3 += s_o[k + 3] * rinv[(k + 3) * D + e];
-  }
-  s_y[e] = (a0 + a1) + (a2 + a3);
-}"""
-
-
-_PASS0 = """
-constexpr int D = @@D@@;
-constexpr int NT = @@NT@@;
-@@PROLOGUE@@
-const int row = blk;
-const int R = params[3];
-const int H = params[4];
-const int h = (row / R) % H;
-TGMEM float s_x[D];
-for (int d = tid; d < D; d += NT) {
-  const float x = static_cast<float>(q[row * D + d]);
-  s_x[d] = x * pre[h * D + d];
-@@QS@@
-}
-SYNC();
-@@PRODUCT@@
-"""
-
-# Four independent sums over an unrolled loop keep many loads of the matrix in flight (a single
-# running sum waits for every load in turn).
-_PASS0_MATRIX = """for (int e = tid; e < D; e += NT) {
-  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma unroll 4
-  for (int j = 0; j < D; j += 4) {
-    a0 += s_x[j] * mf[j * D + e];
-    a1 += s_x[j + 1] * mf[(j + 1) * D + e];
-    a2 += s_x[j + 2] * mf[(j + 2) * D + e];
-    a3 += s_x[j + 3] * mf[(j + 3) * D + e];
-  }
-  q_k[row * D + e] = ((a0 + a1) + (a2 + a3))@@POST@@;
-}"""
-
-_PASS0_SCALE = """for (int e = tid; e < D; e += NT) {
-  q_k[row * D + e] = s_x[e];
-}"""
-
-
-def pass0_body(v: Pass0, prologue: str) -> str:
-    return fill(_PASS0, PROLOGUE=prologue, D=v.d, NT=v.threads,
-                QS="  q_s[row * D + d] = x * cq[0];" if v.qs else "",
-                PRODUCT=fill(_PASS0_MATRIX if v.matrix else _PASS0_SCALE,
-                             POST=" * post[h * D + e]" if v.post else ""))
-
-
-def pass2_source(v: Pass2, dialect: str) -> tuple[str, str]:
-    if dialect not in DIALECTS:
-        raise ValueError(f"dialect must be one of {DIALECTS}")
-    return HEADERS[dialect], pass2_body(v, PROLOGUE[dialect])
-
-
-def pass2_body(v: Pass2, prologue: str) -> str:
-    return fill(
-        _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, DP=pow2ceil(v.d), NBMAX=MAX_BLOCKS,
-        ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
-        STORE="  s_o[d] = acc * inv;" if v.rotate else "  s_y[d] = acc * inv;",
-        ROTATE=_ROTATE if v.rotate else "",
-        FINISH=fill(_TAIL if v.tail_dtype else _FINISH, OUT=f"TQ_OUT_{v.out_dtype or 'float32'}",
-                    VP=pow2ceil(v.d // 2)),
-    )
 
 
 def body(v: Pass0 | Pass1 | Pass2, prologue: str) -> str:

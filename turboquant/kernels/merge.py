@@ -1,0 +1,264 @@
+"""Pass 2 of the fused decode, the merge (one threadgroup per query row): merge pass 1's blocks,
+normalise, apply the inverse value rotation (dense matrix, float32 FMAs, not TF32) and write the
+output (float32, or the activation dtype) and the log-sum-exp (natural log, float32). The CUDA
+variant with a raw tail also attends over the newest native rows in the same softmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dialects import SHORT, fill, pow2ceil
+
+MAX_BLOCKS = 1024  # pass 2 keeps one factor per block in threadgroup memory
+OUTPUTS2 = ["out", "lse"]
+
+
+@dataclass(frozen=True)
+class Pass2:
+    d: int
+    rotate: bool  # apply a dense inverse value rotation
+    tail_dtype: str = ""  # the raw tail's dtype when pass 2 also attends over it (CUDA)
+    q_dtype: str = ""  # the query's dtype (with a tail)
+    out_dtype: str = ""  # the output's dtype (the activations'); "" is float32
+
+    @property
+    def threads(self) -> int:
+        return 256
+
+    @property
+    def name(self) -> str:
+        tail = f"_t{SHORT[self.tail_dtype]}_q{SHORT[self.q_dtype]}" if self.tail_dtype else ""
+        out = f"_o{SHORT[self.out_dtype]}" if self.out_dtype else ""
+        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}{out}"
+
+    def input_names(self) -> list[str]:
+        names = ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
+        return names + (["tq", "cq", "t_k", "t_v"] if self.tail_dtype else [])
+
+
+_PASS2 = """
+constexpr int D = @@D@@;
+constexpr int NT = @@NT@@;
+constexpr int NW = NT / 32;
+constexpr int DP = @@DP@@;
+constexpr int S = NT / DP;
+constexpr int NBMAX = @@NBMAX@@;
+@@PROLOGUE@@
+const int row = blk;
+const int nblk = params[2];
+const int lane = tid % 32;
+const int warp = tid / 32;
+const int d = tid % DP;
+const int j = tid / DP;
+TGMEM float s_f[NBMAX];
+TGMEM float s_w[NW];
+TGMEM float s_w2[NW];
+TGMEM float s_part[NT];
+TGMEM float s_y[D];
+@@ROT_SHARED@@
+float mloc = NEG_INF;
+for (int i = tid; i < nblk; i += NT) {
+  mloc = FMAX(mloc, pm[row * nblk + i]);
+}
+#pragma unroll
+for (int off = 16; off >= 1; off /= 2) {
+  mloc = FMAX(mloc, SHFL_XOR(mloc, off));
+}
+if (lane == 0) {
+  s_w[warp] = mloc;
+}
+SYNC();
+float M = NEG_INF;
+for (int i = 0; i < NW; ++i) {
+  M = FMAX(M, s_w[i]);
+}
+float lloc = 0.0f;
+for (int i = tid; i < nblk; i += NT) {
+  const float mi = pm[row * nblk + i];
+  const float f = (mi == NEG_INF) ? 0.0f : EXP2(mi - M);
+  s_f[i] = f;
+  lloc += pl[row * nblk + i] * f;
+}
+#pragma unroll
+for (int off = 16; off >= 1; off /= 2) {
+  lloc += SHFL_XOR(lloc, off);
+}
+if (lane == 0) {
+  s_w2[warp] = lloc;
+}
+SYNC();
+float L = 0.0f;
+for (int i = 0; i < NW; ++i) {
+  L += s_w2[i];
+}
+const float inv = 1.0f / L;
+// Blocks are split over S slices of threads; four independent sums keep loads in flight.
+float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+if (d < D) {
+  const DEV float* col = po + (int64_t)row * nblk * D + d;
+  int i = j;
+  for (; i + 3 * S < nblk; i += 4 * S) {
+    a0 += col[(int64_t)i * D] * s_f[i];
+    a1 += col[(int64_t)(i + S) * D] * s_f[i + S];
+    a2 += col[(int64_t)(i + 2 * S) * D] * s_f[i + 2 * S];
+    a3 += col[(int64_t)(i + 3 * S) * D] * s_f[i + 3 * S];
+  }
+  for (; i < nblk; i += S) {
+    a0 += col[(int64_t)i * D] * s_f[i];
+  }
+}
+s_part[tid] = (a0 + a1) + (a2 + a3);
+SYNC();
+if (j == 0 && d < D) {
+  float acc = 0.0f;
+#pragma unroll
+  for (int k = 0; k < S; ++k) {
+    acc += s_part[k * DP + d];
+  }
+@@STORE@@
+}
+@@ROTATE@@
+@@FINISH@@
+"""
+
+_FINISH = """SYNC();
+for (int e = tid; e < D; e += NT) {
+  out[row * D + e] = @@OUT@@(s_y[e]);
+}
+if (tid == 0) {
+  lse[row] = (M + LOG2(L)) * TQ_LN2;
+}"""
+
+# The raw tail (n < 256 native rows of this row's KV head) joins the stored rows' softmax: one
+# score per thread, block max and sum, then every output element mixes the n value rows. Both
+# loops are latency chains when they run alone (a decode step waits for them), so every load of
+# a score is independent (the head dim unrolled into eight sums) and the value rows are split
+# over VS slices of threads (two dims per thread, eight rows in flight), merged in a fixed order.
+_TAIL = """{
+  const int n = params[7];
+  const int R = params[3];
+  const int H = params[4];
+  const int bh = row / R;
+  const int b = bh / H;
+  const int h = bh - b * H;
+  constexpr int VP = @@VP@@;
+  constexpr int VS = NT / VP;
+  TGMEM float s_q[D];
+  TGMEM float s_e[NT];
+  TGMEM float s_r[NW];
+  TGMEM float s_r2[NW];
+  TGMEM float s_v[VS * 2 * VP];
+  const int64_t qb = (int64_t)b * tq_strides[0] + (int64_t)(row - b * H * R) * tq_strides[1];
+  for (int i = tid; i < D; i += NT) {
+    s_q[i] = static_cast<float>(tq[qb + (int64_t)i * tq_strides[3]]) * cq[0];
+  }
+  SYNC();
+  const int64_t kb = (int64_t)b * t_k_strides[0] + (int64_t)h * t_k_strides[1];
+  const int64_t vb = (int64_t)b * t_v_strides[0] + (int64_t)h * t_v_strides[1];
+  float st = NEG_INF;
+  if (tid < n) {
+    const int64_t kr = kb + (int64_t)tid * t_k_strides[2];
+    float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < D; ++i) {
+      a[i % 8] += s_q[i] * static_cast<float>(t_k[kr + (int64_t)i * t_k_strides[3]]);
+    }
+    st = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  }
+  float mt = st;
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    mt = FMAX(mt, SHFL_XOR(mt, off));
+  }
+  if (lane == 0) {
+    s_r[warp] = mt;
+  }
+  SYNC();
+  float M2 = M;
+  for (int i = 0; i < NW; ++i) {
+    M2 = FMAX(M2, s_r[i]);
+  }
+  const float fs = EXP2(M - M2) * L;
+  const float et = (tid < n) ? EXP2(st - M2) : 0.0f;
+  s_e[tid] = et;
+  float se = et;
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) {
+    se += SHFL_XOR(se, off);
+  }
+  if (lane == 0) {
+    s_r2[warp] = se;
+  }
+  SYNC();
+  float den = fs;
+  for (int i = 0; i < NW; ++i) {
+    den += s_r2[i];
+  }
+  {
+    const int e2 = tid % VP;
+    const int js = tid / VP;
+    float a[8][2];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      a[k][0] = 0.0f;
+      a[k][1] = 0.0f;
+    }
+    if (2 * e2 < D) {
+      const int64_t vc = vb + (int64_t)(2 * e2) * t_v_strides[3];
+      int t = js;
+      for (; t + 7 * VS < n; t += 8 * VS) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const int64_t at = vc + (int64_t)(t + k * VS) * t_v_strides[2];
+          a[k][0] += s_e[t + k * VS] * static_cast<float>(t_v[at]);
+          a[k][1] += s_e[t + k * VS] * static_cast<float>(t_v[at + t_v_strides[3]]);
+        }
+      }
+      for (; t < n; t += VS) {
+        const int64_t at = vc + (int64_t)t * t_v_strides[2];
+        a[0][0] += s_e[t] * static_cast<float>(t_v[at]);
+        a[0][1] += s_e[t] * static_cast<float>(t_v[at + t_v_strides[3]]);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      s_v[(js * VP + e2) * 2 + c] = ((a[0][c] + a[1][c]) + (a[2][c] + a[3][c])) +
+                                    ((a[4][c] + a[5][c]) + (a[6][c] + a[7][c]));
+    }
+  }
+  SYNC();
+  for (int e = tid; e < D; e += NT) {
+    float acc = fs * s_y[e];
+    for (int j = 0; j < VS; ++j) {
+      acc += s_v[(j * VP + e / 2) * 2 + e % 2];
+    }
+    out[row * D + e] = @@OUT@@(acc / den);
+  }
+  if (tid == 0) {
+    lse[row] = (M2 + LOG2(den)) * TQ_LN2;
+  }
+}"""
+
+_ROTATE = """SYNC();
+for (int e = tid; e < D; e += NT) {
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma unroll 4
+  for (int k = 0; k < D; k += 4) {
+    a0 += s_o[k] * rinv[k * D + e];
+    a1 += s_o[k + 1] * rinv[(k + 1) * D + e];
+    a2 += s_o[k + 2] * rinv[(k + 2) * D + e];
+    a3 += s_o[k + 3] * rinv[(k + 3) * D + e];
+  }
+  s_y[e] = (a0 + a1) + (a2 + a3);
+}"""
+
+
+def pass2_body(v: Pass2, prologue: str) -> str:
+    return fill(
+        _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, DP=pow2ceil(v.d), NBMAX=MAX_BLOCKS,
+        ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
+        STORE="  s_o[d] = acc * inv;" if v.rotate else "  s_y[d] = acc * inv;",
+        ROTATE=_ROTATE if v.rotate else "",
+        FINISH=fill(_TAIL if v.tail_dtype else _FINISH, OUT=f"TQ_OUT_{v.out_dtype or 'float32'}",
+                    VP=pow2ceil(v.d // 2)),
+    )
