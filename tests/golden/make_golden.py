@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tqstore import format as F  # noqa: E402
+from tqstore import header as H  # noqa: E402
 from tqstore.blocks import block_keys, calibration_digest, split_snapshot  # noqa: E402
 from tqstore.bundle import write_bundle  # noqa: E402
 from tqstore.identity import codecs_digest, tensor_bytes  # noqa: E402
@@ -215,7 +216,7 @@ def main() -> None:
 
     encodings = {t.encoding for name in expected if name.endswith(".tqs")
                  for t in F.inspect((OUT / name).read_bytes()).tensors().values()}
-    assert encodings == set(F.ENCODINGS), encodings
+    assert encodings == set(H.ENCODINGS), encodings
     (OUT / "expected.json").write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
     print(f"wrote {len(expected) - 1} golden files to {OUT}; pin sha256(expected.json) = "
           f"{hashlib.sha256((OUT / 'expected.json').read_bytes()).hexdigest()} in tests/test_format.py")
