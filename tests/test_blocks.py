@@ -19,7 +19,7 @@ import pytest
 
 from tqstore.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calibration_digest, join_blocks,
                             split_snapshot)
-from tqstore.identity import tensor_bytes
+from tqstore.canonical import tensor_bytes
 from turboquant.codec import TurboCodec
 from turboquant.plan import codec_record, codec_name
 from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays

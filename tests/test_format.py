@@ -27,7 +27,8 @@ from tqstore.blocks import BlockKey, SplitSnapshot, block_keys, calibration_dige
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.bundle import read_bundle
-from tqstore.identity import CodecIdentity, ModelIdentity, tensor_bytes
+from tqstore.canonical import tensor_bytes
+from tqstore.identity import CodecIdentity, ModelIdentity
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import LayerRecord, Layout, Snapshot
 
@@ -100,7 +101,7 @@ def test_prefix_of_stored_blocks():
 
 
 def test_every_storable_dtype_round_trips_bit_exactly():
-    from tqstore.identity import DTYPES
+    from tqstore.canonical import DTYPES
 
     rng = np.random.default_rng(5)
     calibration = {}

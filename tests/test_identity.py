@@ -10,7 +10,7 @@ import pytest
 
 from test_blocks import make_snapshot
 from tiny_models import build_model
-from tqstore import identity
+from tqstore import model_files
 from tqstore.errors import ConfigError, NotFound
 from tqstore.identity import CodecIdentity, ModelIdentity, describe_difference
 from turboquant import make_prompt_cache, snapshot
@@ -37,11 +37,11 @@ def model_dir(tmp_path):
 
 def test_from_path_is_stable_and_cached(model_dir, tmp_path, monkeypatch):
     a = ModelIdentity.from_path(model_dir, tmp_path / "cache")
-    assert (tmp_path / "cache" / identity.DIGEST_CACHE_FILE).is_file()
+    assert (tmp_path / "cache" / model_files.DIGEST_CACHE_FILE).is_file()
     assert a.kv_dtype == "bfloat16" and a.source == "Tiny-Model" and a.chat_template and a.tokenizer
     hashed = []
-    real = identity._file_sha256
-    monkeypatch.setattr(identity, "_file_sha256", lambda p: hashed.append(p.name) or real(p))
+    real = model_files.file_sha256
+    monkeypatch.setattr(model_files, "file_sha256", lambda p: hashed.append(p.name) or real(p))
     b = ModelIdentity.from_path(model_dir, tmp_path / "cache")
     assert "model.safetensors" not in hashed  # size and mtime unchanged: cached
     assert a == b and a.digest == b.digest and len(a.digest) == 32 and a.hexdigest == a.digest.hex()
@@ -59,7 +59,7 @@ def test_weights_are_hashed_by_content(model_dir, tmp_path):
 
 def test_a_damaged_digest_cache_is_rebuilt(model_dir, tmp_path):
     a = ModelIdentity.from_path(model_dir, tmp_path / "cache")
-    (tmp_path / "cache" / identity.DIGEST_CACHE_FILE).write_text("{not json")
+    (tmp_path / "cache" / model_files.DIGEST_CACHE_FILE).write_text("{not json")
     assert ModelIdentity.from_path(model_dir, tmp_path / "cache") == a
 
 

@@ -30,7 +30,7 @@ import mlx.core as mx
 from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
                                  check_record_arrays, token_span)
 
-from .identity import canonical_json, tensor_summary
+from .canonical import canonical_json, tensor_summary
 
 BLOCK_SIZE = 256
 ZERO_KEY = bytes(32)

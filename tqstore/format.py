@@ -31,11 +31,12 @@ import zstandard
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
 from .blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
+from .canonical import DTYPES, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
 from .errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData, UnsupportedFormatVersion)
 from .header import (BlockInfo, CodecInfo, Expect, Header, LayerInfo, Provenance, TensorInfo, codec_tensor,
                      layer_tensor, parse_header)
-from .identity import DTYPES, FORMAT_VERSION, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
+from .identity import FORMAT_VERSION
 
 MAGIC = b"\x89TQS\r\n\x1a\n"
 READABLE_VERSIONS = frozenset({1})

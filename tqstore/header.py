@@ -14,8 +14,8 @@ import numpy as np
 from turboquant.records import BLOCK_ARRAYS, LayerRecord, Layout, check_record_arrays
 
 from .blocks import BlockKey, block_key, digest_calibration
+from .canonical import DTYPES
 from .errors import MalformedHeader
-from .identity import DTYPES
 
 KINDS = ("snapshot", "block", "window", "shared")
 ENCODINGS = ("raw", "zstd", "shuffle-zstd")

@@ -13,20 +13,20 @@ import dataclasses
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import mlx.core as mx
-import numpy as np
 from mlx.utils import tree_flatten
 
 from turboquant.schemes import parse_scheme
 from turboquant.records import CodecRecord, Snapshot
 
-from .durable import write_file_atomic
-from .errors import ConfigError, NotFound
+from .canonical import canonical_json, dtype_name, tensor_bytes, tensor_summary
+from .errors import NotFound
+from .model_files import (DigestCache, adapter_digest, chat_template_digest, config_dtype, read_json,
+                          tokenizer_files_digest, weights_dtype)
 
 # The snapshot format version. format.py writes it into every frame and the codec identity
 # hashes it, so objects written under another format are never found by key.
@@ -40,70 +40,6 @@ KV_CONFIG_FIELDS = (
     "rope_parameters", "rope_local_base_freq", "rope_traditional", "partial_rotary_factor",
     "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
 )
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "vocab.txt", "spiece.model",
-)
-DIGEST_CACHE_FILE = "file-digests.json"
-_CHUNK = 1 << 23
-
-# (mx dtype, safetensors code, unsigned dtype of the same width) per dtype name.
-DTYPES: dict[str, tuple[mx.Dtype, str, mx.Dtype]] = {
-    "float16": (mx.float16, "F16", mx.uint16),
-    "bfloat16": (mx.bfloat16, "BF16", mx.uint16),
-    "float32": (mx.float32, "F32", mx.uint32),
-    "uint8": (mx.uint8, "U8", mx.uint8),
-    "uint16": (mx.uint16, "U16", mx.uint16),
-    "uint32": (mx.uint32, "U32", mx.uint32),
-    "uint64": (mx.uint64, "U64", mx.uint64),
-    "int8": (mx.int8, "I8", mx.uint8),
-    "int16": (mx.int16, "I16", mx.uint16),
-    "int32": (mx.int32, "I32", mx.uint32),
-    "int64": (mx.int64, "I64", mx.uint64),
-}
-_NP_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def canonical_json(obj: Any) -> bytes:
-    """The canonical JSON bytes that identities and headers hash (sorted keys, compact, ASCII)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    """'float16', 'bfloat16', ... for an MLX dtype."""
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def tensor_bytes(a: mx.array) -> np.ndarray:
-    """The array's bytes, C order, little-endian, as a flat uint8 numpy array.
-
-    Goes through an unsigned view of the same width, so bfloat16 (which numpy lacks) and NaN
-    payloads come out bit for bit.
-    """
-    name = dtype_name(a.dtype)
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name} cannot be stored (supported: {', '.join(DTYPES)})")
-    unsigned = DTYPES[name][2]
-    view = a if a.dtype == unsigned else a.view(unsigned)
-    return np.ascontiguousarray(np.asarray(view)).reshape(-1).view(np.uint8)
-
-
-def tensor_from_bytes(data, dtype: str, shape: tuple[int, ...]) -> mx.array:
-    """Inverse of `tensor_bytes` (copies `data` into a new MLX array)."""
-    mx_dtype, _, unsigned = DTYPES[dtype]
-    n = np.frombuffer(data, dtype=_NP_UINT[unsigned.size])
-    if n.ctypes.data % unsigned.size:
-        n = n.copy()  # safetensors data offsets need not be aligned
-    a = mx.array(n.reshape(shape))
-    return a if mx_dtype == unsigned else a.view(mx_dtype)
-
-
-def tensor_summary(a: mx.array) -> dict[str, Any]:
-    """{"dtype", "shape", "sha256"}: what identities hash for an array."""
-    return {"dtype": dtype_name(a.dtype), "shape": list(a.shape),
-            "sha256": hashlib.sha256(tensor_bytes(a)).hexdigest()}
-
-
 def codecs_digest(codecs: Mapping[str, CodecRecord]) -> bytes:
     """Content digest of a snapshot's codecs (the key of the entry's shared object)."""
     return hashlib.sha256(canonical_json(_codec_fields(codecs))).digest()
@@ -158,24 +94,24 @@ class ModelIdentity(_Digestible):
         config's torch_dtype, else the dominant float dtype of the weight files.
         """
         model_dir = Path(model_dir)
-        config = _read_json(model_dir / "config.json")
+        config = read_json(model_dir / "config.json")
         weights = sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
         if not weights:
             raise NotFound(f"no weight files (model*.safetensors) in {model_dir}: pass the folder that holds "
                            "the model's config.json and weights")
-        cache = _DigestCache(Path(cache_dir))
+        cache = DigestCache(Path(cache_dir))
         listing = [{"name": p.name, "size": p.stat().st_size, "sha256": cache.file_sha256(p)} for p in weights]
         adapter = None
         if adapter_path is not None:
-            adapter = _adapter_digest(Path(adapter_path), cache)
+            adapter = adapter_digest(Path(adapter_path), cache)
         cache.save()
         return cls(
             weights=hashlib.sha256(canonical_json(listing)).hexdigest(),
             config=kv_config(config),
-            tokenizer=_tokenizer_files_digest(model_dir),
-            chat_template=_chat_template_digest(model_dir),
+            tokenizer=tokenizer_files_digest(model_dir),
+            chat_template=chat_template_digest(model_dir),
             adapter=adapter,
-            kv_dtype=kv_dtype or _config_dtype(config) or _weights_dtype(weights),
+            kv_dtype=kv_dtype or config_dtype(config) or weights_dtype(weights),
             source=model_dir.resolve().name,
         )
 
@@ -236,9 +172,6 @@ def describe_difference(a: _Digestible, b: _Digestible) -> list[str]:
             for k in sorted(set(fa) | set(fb), key=_natural) if fa.get(k, _MISSING) != fb.get(k, _MISSING)]
 
 
-# -- model folders ---------------------------------------------------------------------------
-
-
 def kv_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The KV-relevant fields of a model config (text_config of multimodal models first).
 
@@ -254,125 +187,6 @@ def kv_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if out.get("hidden_size"):
             out.setdefault("head_dim", out["hidden_size"] // heads)
     return out
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise NotFound(f"{path} does not exist: pass a model folder (config.json, weights, tokenizer)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {path}: {e}; fix or re-download the model") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} is not a JSON object; fix or re-download the model")
-    return data
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-class _DigestCache:
-    """sha256 of files keyed by (real path, size, mtime_ns), in one small JSON file."""
-
-    def __init__(self, cache_dir: Path):
-        self.path = cache_dir / DIGEST_CACHE_FILE
-        self.entries: dict[str, dict[str, Any]] = {}
-        self.dirty = False
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-            if isinstance(data, dict) and isinstance(data.get("files"), dict):
-                self.entries = data["files"]
-        except (OSError, ValueError):
-            pass  # a missing or damaged cache only costs a re-hash
-
-    def file_sha256(self, path: Path) -> str:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-        hit = self.entries.get(real)
-        if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns \
-                and isinstance(hit.get("sha256"), str):
-            return hit["sha256"]
-        digest = _file_sha256(Path(real))
-        self.entries[real] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-        self.dirty = True
-        return digest
-
-    def save(self) -> None:
-        if self.dirty:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_atomic(self.path, canonical_json({"version": 1, "files": self.entries}))
-            self.dirty = False
-
-
-def _adapter_digest(path: Path, cache: _DigestCache) -> str:
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" or p.name == "adapter_config.json")
-    else:
-        files = []
-    if not files:
-        raise NotFound(f"no adapter weights at {path}: pass the adapter folder (adapters.safetensors) or file")
-    listing = [{"name": p.name, "sha256": cache.file_sha256(p)} for p in files]
-    return hashlib.sha256(canonical_json(listing)).hexdigest()
-
-
-def _tokenizer_files_digest(model_dir: Path) -> str | None:
-    files = [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
-    files += sorted(model_dir.glob("*.tiktoken"))
-    if not files:
-        return None
-    return hashlib.sha256(canonical_json([[p.name, _file_sha256(p)] for p in files])).hexdigest()
-
-
-def _chat_template_digest(model_dir: Path) -> str | None:
-    """The template mlx-lm would use: chat_template.jinja, chat_template.json, tokenizer_config."""
-    template = None
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
-        template = jinja.read_text(encoding="utf-8")
-    else:
-        for name in ("chat_template.json", "tokenizer_config.json"):
-            if (model_dir / name).is_file():
-                template = _read_json(model_dir / name).get("chat_template")
-                if template is not None:
-                    break
-    return None if template is None else hashlib.sha256(canonical_json(template)).hexdigest()
-
-
-def _config_dtype(config: Mapping[str, Any]) -> str | None:
-    text = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else {}
-    for c in (config, text):
-        for key in ("torch_dtype", "dtype"):
-            value = c.get(key)
-            if isinstance(value, str) and value in ("float16", "bfloat16", "float32"):
-                return value
-    return None
-
-
-_SAFETENSORS_FLOATS = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
-
-
-def _weights_dtype(files: list[Path]) -> str:
-    """The float dtype holding the most bytes across the weight files (from their headers)."""
-    totals: dict[str, int] = {}
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(min(n, 100 << 20)))
-        except (OSError, ValueError, struct.error) as e:
-            raise ConfigError(f"cannot read the safetensors header of {path}: {e}; re-download the model") from e
-        for name, t in header.items():
-            if name != "__metadata__" and isinstance(t, dict) and t.get("dtype") in _SAFETENSORS_FLOATS:
-                start, end = t.get("data_offsets", (0, 0))
-                totals[_SAFETENSORS_FLOATS[t["dtype"]]] = totals.get(_SAFETENSORS_FLOATS[t["dtype"]], 0) + end - start
-    return max(totals, key=totals.get) if totals else "float32"
 
 
 # -- models in memory ------------------------------------------------------------------------

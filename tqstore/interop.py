@@ -30,9 +30,9 @@ from turboquant.plan import LayerPlan, SidePlan, plan_layer
 from turboquant.schemes import Format, parse_scheme
 from turboquant.records import LayerRecord, Layout, Snapshot
 
+from .canonical import dtype_name
 from .durable import write_file_atomic
 from .errors import MalformedHeader, NotFound, UnsupportedCache
-from .identity import dtype_name
 
 IMPORTABLE = ("KVCache", "ConcatenateKVCache", "QuantizedKVCache", "RotatingKVCache")
 

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .blocks import BlockKey, block_keys
+from .canonical import canonical_json
 from .errors import FormatVersionTooNew, MalformedHeader, UnsupportedFormatVersion
-from .identity import ModelIdentity, canonical_json
+from .identity import ModelIdentity
 from .names import is_valid_name
 
 MANIFEST_FORMAT = "tqstore-manifest"

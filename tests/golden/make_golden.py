@@ -27,7 +27,8 @@ from tqstore import format as F  # noqa: E402
 from tqstore import header as H  # noqa: E402
 from tqstore.blocks import block_keys, calibration_digest, split_snapshot  # noqa: E402
 from tqstore.bundle import write_bundle  # noqa: E402
-from tqstore.identity import codecs_digest, tensor_bytes  # noqa: E402
+from tqstore.canonical import tensor_bytes  # noqa: E402
+from tqstore.identity import codecs_digest  # noqa: E402
 from turboquant.codec import TurboCodec  # noqa: E402
 from turboquant.plan import codec_name, codec_record  # noqa: E402
 from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays  # noqa: E402

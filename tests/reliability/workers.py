@@ -24,7 +24,8 @@ from test_blocks import make_snapshot
 from tqstore import Store
 from tqstore.config import load_config
 from tqstore.errors import CorruptBlock, DiskFull, NotFound
-from tqstore.identity import CodecIdentity, ModelIdentity, tensor_bytes
+from tqstore.canonical import tensor_bytes
+from tqstore.identity import CodecIdentity, ModelIdentity
 from turboquant.records import Layout
 
 MODEL = ModelIdentity("weights-a", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
