@@ -1,8 +1,10 @@
 """Decode-attention time per call: fp16 SDPA against the fused kernels over compressed caches.
 
 B=1, 32 query heads, 8 KV heads, d=128, one query token, at each context length. For every
-method, in one process and run: the time per call with many calls evaluated together
-("batched") and with `mx.eval` after each call ("sync"), the bytes the call must read (K and V
+method, in one process and run: the time per call when each call's query is the previous
+call's output ("chained": a decode step's latency, as a model's layers wait for each other), with
+many independent calls evaluated together ("batched": throughput, calls may overlap on the GPU)
+and with `mx.eval` after each call ("sync"), the bytes the call must read (K and V
 as stored, scales, norms and key means included) and the achieved bandwidth against a copy
 ceiling measured in the same run. Each method cycles over several layers' worth of caches so
 that the working set is far larger than the L2 cache (as a model's layers are). Where the
