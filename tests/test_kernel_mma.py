@@ -45,8 +45,10 @@ def mma_variants():
                                                                         (0, 1, 2)):
             if kf == "affine" and d % kg:
                 continue
-            out.append(MmaPass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value="turbo", value_bits=vb,
-                                value_group=0, value_dtype="", rmax=MMA_ROWS, shifts=shifts, prefetch=prefetch))
+            for q_dtype in ("",) + (("float16", "bfloat16") if kf == "affine" and prefetch == 1 else ()):
+                out.append(MmaPass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value="turbo",
+                                    value_bits=vb, value_group=0, value_dtype="", rmax=MMA_ROWS, shifts=shifts,
+                                    prefetch=prefetch, q_dtype=q_dtype))
     return out
 
 
@@ -154,6 +156,23 @@ def test_emulated_tensor_core_kernel_matches_f64_reference(case, monkeypatch):
 
 
 @needs_cxx
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_emulated_tensor_core_kernel_scales_the_raw_query(dtype, monkeypatch):
+    """Affine keys without key means: pass 1 reads the activation-dtype query itself (no query op
+    before it), through a non-contiguous view, and matches the f64 reference."""
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+    cache = build_cache("turbo8v3", 2, 128, dtype, 300, seed=5, calibrated=False)
+    assert cache._shifts is None
+    q = mx.random.normal((1, 1, 8, 128), key=mx.random.key(3)).astype(dtype).swapaxes(1, 2)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), None, tensor_cores=True)
+    assert isinstance(call.pass1, MmaPass1) and call.pass1.q_dtype == host.DTYPE_NAMES[dtype]
+    assert "q_raw" in call.pass1.input_names() and "q_k" not in call.pass1.input_names()
+    out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
+                           1 / math.sqrt(128), None)
+    _check(cache, q, 1 / math.sqrt(128), out, lse)
+
+
+@needs_cxx
 @pytest.mark.parametrize("threadgroups", [1, 64])
 def test_emulated_benchmark_shape_one_and_many_blocks(threadgroups):
     """8 KV heads, GQA 4, d=128 as in bench/decode.py: one block per head (a long loop over
@@ -171,12 +190,13 @@ nvcc = shutil.which("nvcc")
 
 @pytest.mark.skipif(nvcc is None, reason="needs nvcc")
 def test_tensor_core_sources_compile(tmp_path):
-    """Every key format and value width at d=128 (both prefetch modes), and every head dim with
-    3-bit codes (runs that start inside a word), compile for sm_90 as MLX assembles it."""
+    """Every key format and value width at d=128 (every prefetch depth; affine keys also with the
+    raw query), and every head dim with 3-bit codes (runs that start inside a word), compile for
+    sm_90 as MLX assembles it."""
     seen, picks = set(), []
     for v in VARIANTS:
         if v.d == 128 and v.shifts:
-            key = (v.key, v.key_bits, v.key_dtype, v.value_bits, v.prefetch)
+            key = (v.key, v.key_bits, v.key_dtype, v.value_bits, v.prefetch, v.q_dtype)
         elif v.key_bits == 3 and v.value_bits == 3 and v.prefetch:
             key = (v.d,)
         else:

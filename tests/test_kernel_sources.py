@@ -46,8 +46,10 @@ def all_variants():
                 continue  # affine layouts use one codec for both sides
             for shifts in ((False, True) if kf != "native" else (False,)):
                 for rmax in (tpl.ROW_BUCKETS if d == 128 else (4,)):
-                    out.append(tpl.Pass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value=vf,
-                                         value_bits=vb, value_group=vg, value_dtype=vd, rmax=rmax, shifts=shifts))
+                    for q_dtype in ("",) + (tpl.NATIVE_DTYPES if kf != "turbo" and rmax == 4 else ()):
+                        out.append(tpl.Pass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value=vf,
+                                             value_bits=vb, value_group=vg, value_dtype=vd, rmax=rmax,
+                                             shifts=shifts, q_dtype=q_dtype))
         out += [Pass2(d=d, rotate=True), Pass2(d=d, rotate=False)]
         out += [Pass0(d=d, q_dtype=dt, post=post, qs=qs) for dt in tpl.NATIVE_DTYPES
                 for post in (False, True) for qs in (False, True)]
@@ -300,6 +302,26 @@ def test_emulated_kernel_matches_f64_reference(case):
     assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item()
 
 
+@needs_cxx
+@pytest.mark.parametrize("scheme,dtype", [("turbo8v3", mx.float16), ("turbo0v4", mx.bfloat16),
+                                          ("affine8", mx.float32)])
+def test_emulated_pass1_scales_the_raw_query(scheme, dtype):
+    """Keys without a rotation or key means: pass 1 reads the activation-dtype query itself (no
+    pass-0 kernel or query op), through a non-contiguous view; calibrated keys keep q_k."""
+    cache = build_cache(scheme, 2, 96, dtype, 130, seed=4, calibrated=False)
+    q = mx.random.normal((1, 1, 6, 96), key=mx.random.key(6)).astype(dtype).swapaxes(1, 2)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+    assert call.pass1.q_dtype == host.DTYPE_NAMES[dtype] and "q_raw" in call.pass1.input_names()
+    out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
+                           1 / math.sqrt(96), None)
+    _ref_check(cache, q, 1 / math.sqrt(96), out, lse)
+    calibrated = build_cache(scheme, 2, 96, dtype, 130, seed=4)
+    if calibrated._shifts is not None:
+        call = host.describe(q, calibrated._key_side, calibrated._value_side, stored(calibrated),
+                             calibrated._shifts)
+        assert call.pass1.q_dtype == "" and "q_k" in call.pass1.input_names()
+
+
 # (scheme, H, R, D, stored T, tail rows, dtype): rotated and affine values, every dtype, one to
 # 255 tail rows (stored rows end on a block boundary, so the newer rows stay raw), CUDA-core and
 # tensor-core pass 1
@@ -416,7 +438,8 @@ def test_cuda_sources_compile(tmp_path):
     seen = set()
     for v in VARIANTS:
         if isinstance(v, tpl.Pass1):
-            key = (v.key, v.key_bits if v.key != "affine" else 0, v.value, v.key_dtype[:2], v.d in (80, 96))
+            key = (v.key, v.key_bits if v.key != "affine" else 0, v.value, v.key_dtype[:2], v.d in (80, 96),
+                   v.q_dtype == "bfloat16")
             if key not in seen:
                 seen.add(key)
                 picks.append(v)

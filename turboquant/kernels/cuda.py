@@ -40,6 +40,8 @@ def input_types(variant: Pass0 | Pass1 | Pass2) -> dict[str, str]:
         types["tq"] = variant.q_dtype
         types["t_k"] = types["t_v"] = variant.tail_dtype
     if isinstance(variant, Pass1):
+        if variant.q_dtype:
+            types["q_raw"] = variant.q_dtype
         for n in ("k_w", "k_p", "v_w", "v_p"):
             types[n] = "uint32"
         for n in ("k_raw", "k_s", "k_b"):

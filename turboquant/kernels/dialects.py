@@ -40,6 +40,7 @@ CUDA_HEADER = _COMMON_MACROS + """
 #define CBLOOK(tbl, off) (*(const float*)((const char*)(tbl) + (off)))
 #define U2 uint2
 #define U4 uint4
+#define F4 float4
 __device__ __forceinline__ uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
   return __funnelshift_r(lo, hi, sh);
 }
@@ -71,6 +72,7 @@ METAL_HEADER = _COMMON_MACROS + """
 #define CBLOOK(tbl, off) (*(threadgroup const float*)((threadgroup const char*)(tbl) + (off)))
 #define U2 uint2
 #define U4 uint4
+#define F4 float4
 inline uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
   return sh == 0 ? lo : ((lo >> sh) | (hi << (32u - sh)));
 }

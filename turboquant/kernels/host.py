@@ -42,8 +42,10 @@ class Call:
 
 # Tuning knobs for benchmarks and tests (0 / None = the defaults: lane shape and unroll by rows
 # bucket; mma: the tensor-core pass 1 where it applies; mma_prefetch: chunks loaded ahead;
-# mma_min_tokens: MMA_MIN_TOKENS).
-TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0, "mma": True, "mma_prefetch": None, "mma_min_tokens": None}
+# mma_min_tokens: MMA_MIN_TOKENS; raw_query: pass 1 scales the raw query of keys without a
+# rotation or key means; False scales it with plain ops first).
+TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0, "mma": True, "mma_prefetch": None, "mma_min_tokens": None,
+          "raw_query": True}
 # Below this many stored rows the CUDA-core pass 1 was faster on the H200 (docs/benchmarks.md:
 # at 4k every scheme, at 16k turbo8v3; from 64k on the tensor-core pass 1 wins for all).
 MMA_MIN_TOKENS = 16384
@@ -143,24 +145,30 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
         if shifts.shape[1] * SHIFT_BLOCK < T:
             return None
     R = Hq // H
+    # Keys without a rotation or key means take the raw query in pass 1: no query op in the step.
+    # (With key means it measured slower on the H200 than scaling the query with plain ops
+    # first: 64k turbo8v3 105 against 85 us chained; docs/benchmarks.md.)
+    raw = kfmt != "turbo" and shifts is None and TUNING["raw_query"]
+    q_dtype = DTYPE_NAMES.get(queries.dtype, "") if raw else ""
     if tensor_cores and use_mma() and queries.dtype in (mx.float16, mx.bfloat16) and T >= mma_min_tokens():
         depth = 1 if TUNING["mma_prefetch"] is None else int(TUNING["mma_prefetch"])
-        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None, depth)
+        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None, depth,
+                             q_dtype)
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
-                     shifts is not None, TUNING["ns"], TUNING["unroll"])
+                     shifts is not None, TUNING["ns"], TUNING["unroll"], q_dtype)
     if pair is None:
         return None
     return Call(pair[0], pair[1], B, H, R, T, D)
 
 
 @functools.lru_cache(maxsize=None)
-def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll):
+def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll, q_dtype=""):
     try:
         p1 = Pass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
                    value_bits=vbits, value_group=vgroup, value_dtype=vdtype, rmax=rmax, shifts=shifts, ns=ns,
-                   unroll=unroll)
+                   unroll=unroll, q_dtype=q_dtype)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=vfmt == "turbo")
@@ -177,10 +185,11 @@ def mma_min_tokens() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch):
+def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype=""):
     try:
         p1 = MmaPass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
-                      value_bits=vbits, value_group=0, value_dtype="", rmax=rmax, shifts=shifts, prefetch=prefetch)
+                      value_bits=vbits, value_group=0, value_dtype="", rmax=rmax, shifts=shifts, prefetch=prefetch,
+                      q_dtype=q_dtype)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=True)
@@ -226,7 +235,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     """Per key side (cached): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
     keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
     and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, D], c) for
-    native and affine keys (q_k = q * pre; a pass-0 kernel without the matrix)."""
+    native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself)."""
     key = (id(key_side), c, H, D)
     hit = _QT.get(key)
     if hit is not None and hit[0] is key_side:
@@ -253,14 +262,16 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
                  call: Call) -> tuple[mx.array, mx.array | None]:
     """(q_k, q_s): the key-side query (rotated and calibrated for TurboQuant keys, channel-scaled
     for calibrated affine keys) and, for key means, the plain scaled query; [B*Hq, D] float32 in
-    log2 units (scale * log2(e) folded in): one pass-0 kernel, plain ops for other dtypes."""
+    log2 units (scale * log2(e) folded in): one pass-0 kernel for TurboQuant keys, plain ops
+    for the other keys whose pass 1 does not scale the raw query itself (key means, another
+    dtype, or `TUNING["raw_query"]` off)."""
     B, H, R, D = call.B, call.H, call.R, call.D
     c = scale * LOG2E
     kind, pre, m, post, cq = _query_transform(key_side, c, H, D)
     shifts = call.pass1.shifts
     dtype = DTYPE_NAMES.get(queries.dtype)
-    if dtype is not None:
-        p0 = _pass0(D, dtype, post is not None, shifts, kind == "pass0")
+    if dtype is not None and kind == "pass0":
+        p0 = _pass0(D, dtype, post is not None, shifts)
         q = mx.contiguous(queries.reshape(B * H * R, D))
         inputs = {"params": params, "q": q, "cq": cq, "pre": pre, "mf": m, "post": post}
         outs = make_kernel(p0)(inputs=[inputs[n] for n in p0.input_names()], grid=(p0.threads * B * H * R, 1, 1),
@@ -268,7 +279,7 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
                                output_dtypes=[mx.float32] * len(p0.output_names()))
         return outs[0], (outs[1] if shifts else None)
     q = queries.reshape(B, H, R, D)
-    if kind == "pass0":  # (an activation dtype without a kernel type: plain ops)
+    if kind == "pass0":  # (an activation dtype without a kernel type)
         qk = (q.astype(mx.float32) * pre[:, None, :]) @ m
         qk = qk if post is None else qk * post[:, None, :]
     else:
@@ -279,8 +290,8 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
 
 
 @functools.lru_cache(maxsize=None)
-def _pass0(d: int, q_dtype: str, post: bool, qs: bool, matrix: bool) -> Pass0:
-    return Pass0(d=d, q_dtype=q_dtype, post=post, qs=qs, matrix=matrix)
+def _pass0(d: int, q_dtype: str, post: bool, qs: bool) -> Pass0:
+    return Pass0(d=d, q_dtype=q_dtype, post=post, qs=qs)
 
 
 KernelFactory = Callable[[Pass1 | Pass2], Callable]
@@ -308,10 +319,13 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
     rows = call.B * call.H * call.R
     nb_mu = 0 if shifts is None else shifts.shape[1]
     params = _params(call.T, span, nblk, call.R, call.H, NG, nb_mu, tail_rows)
-    qk, qs = query_inputs(make_kernel, params, queries, key_side, scale, call)
-    inputs = {"params": params, "q_k": qk}
+    if p1.q_dtype:
+        _, pre, _, _, cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)
+        inputs = {"params": params, "q_raw": queries, "pre": pre, "cq": cq}
+    else:
+        qk, qs = query_inputs(make_kernel, params, queries, key_side, scale, call)
+        inputs = {"params": params, "q_k": qk, "q_s": qs}
     if shifts is not None:
-        inputs["q_s"] = qs
         inputs["mu"] = dense_float32(shifts)
     k, v = key_side.name, value_side.name
     if p1.key == "turbo":

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dialects import SHORT, fill, pow2ceil
+from .matvec import matvec
 
 MAX_BLOCKS = 1024  # pass 2 keeps one factor per block in threadgroup memory
 OUTPUTS2 = ["out", "lse"]
@@ -40,20 +41,18 @@ _PASS2 = """
 constexpr int D = @@D@@;
 constexpr int NT = @@NT@@;
 constexpr int NW = NT / 32;
-constexpr int DP = @@DP@@;
-constexpr int S = NT / DP;
+constexpr int PC = D / 4;
+constexpr int PS = NT / PC;
 constexpr int NBMAX = @@NBMAX@@;
 @@PROLOGUE@@
 const int row = blk;
 const int nblk = params[2];
 const int lane = tid % 32;
 const int warp = tid / 32;
-const int d = tid % DP;
-const int j = tid / DP;
 TGMEM float s_f[NBMAX];
 TGMEM float s_w[NW];
 TGMEM float s_w2[NW];
-TGMEM float s_part[NT];
+TGMEM float s_part[PS * D];
 TGMEM float s_y[D];
 @@ROT_SHARED@@
 float mloc = NEG_INF;
@@ -92,28 +91,53 @@ for (int i = 0; i < NW; ++i) {
   L += s_w2[i];
 }
 const float inv = 1.0f / L;
-// Blocks are split over S slices of threads; four independent sums keep loads in flight.
-float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-if (d < D) {
-  const DEV float* col = po + (int64_t)row * nblk * D + d;
-  int i = j;
-  for (; i + 3 * S < nblk; i += 4 * S) {
-    a0 += col[(int64_t)i * D] * s_f[i];
-    a1 += col[(int64_t)(i + S) * D] * s_f[i + S];
-    a2 += col[(int64_t)(i + 2 * S) * D] * s_f[i + 2 * S];
-    a3 += col[(int64_t)(i + 3 * S) * D] * s_f[i + 3 * S];
-  }
-  for (; i < nblk; i += S) {
-    a0 += col[(int64_t)i * D] * s_f[i];
+// Each thread owns four adjacent dims over a slice of the blocks (16-byte loads, four
+// independent sums); the slices are added in a fixed order.
+{
+  const int pc = tid % PC;
+  const int ps = tid / PC;
+  if (ps < PS) {
+    F4 a[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      a[k].x = 0.0f;
+      a[k].y = 0.0f;
+      a[k].z = 0.0f;
+      a[k].w = 0.0f;
+    }
+    const DEV float* base = po + (int64_t)row * nblk * D + 4 * pc;
+    int i = ps;
+    for (; i + 3 * PS < nblk; i += 4 * PS) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const F4 x = *(const DEV F4*)(base + (int64_t)(i + k * PS) * D);
+        const float f = s_f[i + k * PS];
+        a[k].x += x.x * f;
+        a[k].y += x.y * f;
+        a[k].z += x.z * f;
+        a[k].w += x.w * f;
+      }
+    }
+    for (; i < nblk; i += PS) {
+      const F4 x = *(const DEV F4*)(base + (int64_t)i * D);
+      const float f = s_f[i];
+      a[0].x += x.x * f;
+      a[0].y += x.y * f;
+      a[0].z += x.z * f;
+      a[0].w += x.w * f;
+    }
+    s_part[ps * D + 4 * pc] = (a[0].x + a[1].x) + (a[2].x + a[3].x);
+    s_part[ps * D + 4 * pc + 1] = (a[0].y + a[1].y) + (a[2].y + a[3].y);
+    s_part[ps * D + 4 * pc + 2] = (a[0].z + a[1].z) + (a[2].z + a[3].z);
+    s_part[ps * D + 4 * pc + 3] = (a[0].w + a[1].w) + (a[2].w + a[3].w);
   }
 }
-s_part[tid] = (a0 + a1) + (a2 + a3);
 SYNC();
-if (j == 0 && d < D) {
+for (int d = tid; d < D; d += NT) {
   float acc = 0.0f;
 #pragma unroll
-  for (int k = 0; k < S; ++k) {
-    acc += s_part[k * DP + d];
+  for (int k = 0; k < PS; ++k) {
+    acc += s_part[k * D + d];
   }
 @@STORE@@
 }
@@ -239,26 +263,12 @@ _TAIL = """{
   }
 }"""
 
-_ROTATE = """SYNC();
-for (int e = tid; e < D; e += NT) {
-  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma unroll 4
-  for (int k = 0; k < D; k += 4) {
-    a0 += s_o[k] * rinv[k * D + e];
-    a1 += s_o[k + 1] * rinv[(k + 1) * D + e];
-    a2 += s_o[k + 2] * rinv[(k + 2) * D + e];
-    a3 += s_o[k + 3] * rinv[(k + 3) * D + e];
-  }
-  s_y[e] = (a0 + a1) + (a2 + a3);
-}"""
-
-
 def pass2_body(v: Pass2, prologue: str) -> str:
     return fill(
-        _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, DP=pow2ceil(v.d), NBMAX=MAX_BLOCKS,
+        _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, NBMAX=MAX_BLOCKS,
         ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
         STORE="  s_o[d] = acc * inv;" if v.rotate else "  s_y[d] = acc * inv;",
-        ROTATE=_ROTATE if v.rotate else "",
+        ROTATE="SYNC();\n" + matvec("s_o", "rinv", "s_y[e]") if v.rotate else "",
         FINISH=fill(_TAIL if v.tail_dtype else _FINISH, OUT=f"TQ_OUT_{v.out_dtype or 'float32'}",
                     VP=pow2ceil(v.d // 2)),
     )

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dialects import HEADERS, MARK, fill
-from .template import BLOCK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _SHIFT_SHARED, _scale, packed_words
+from .template import BLOCK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _scale, packed_words, query_setup, query_suffix
 
 MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dimension
 
@@ -55,13 +55,16 @@ class MmaPass1(Pass1):
             raise ValueError(f"affine key bits {self.key_bits}, group {self.key_group}, dtype {self.key_dtype!r}")
         if self.value_bits not in (1, 2, 3, 4):
             raise ValueError(f"turbo value bits {self.value_bits}")
+        if self.q_dtype and (self.q_dtype not in ("float16", "bfloat16", "float32") or self.key == "turbo"):
+            raise ValueError(f"raw query of dtype {self.q_dtype!r} with {self.key} keys")
         if int(self.prefetch) not in (0, 1, 2):
             raise ValueError(f"prefetch depth {self.prefetch}")
 
     @property
     def name(self) -> str:
         k = f"t{self.key_bits}" if self.key == "turbo" else f"a{self.key_bits}g{self.key_group}_{self.key_dtype}"
-        return f"tq_decode1mma_{k}_t{self.value_bits}_d{self.d}_r{self.rmax}_s{int(self.shifts)}_p{int(self.prefetch)}"
+        return (f"tq_decode1mma_{k}_t{self.value_bits}_d{self.d}_r{self.rmax}_s{int(self.shifts)}"
+                f"_p{int(self.prefetch)}{query_suffix(self)}")
 
     def render(self, prologue: str) -> str:
         return mma_body(self, prologue)
@@ -96,7 +99,6 @@ __device__ __forceinline__ uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint
 #define PAIRLOOK(tbl, off) (*(const uint32_t*)((const char*)(tbl) + (off)))
 #define ANY_LANE(x) __any_sync(0xffffffffu, (x))
 #define SHFL_IDX_U32(x, src) __shfl_sync(0xffffffffu, (uint32_t)(x), (src))
-#define F4 float4
 #endif
 """
 
@@ -132,17 +134,9 @@ SYNC();
 uint32_t qh[KS][2];
 #pragma unroll
 for (int s = 0; s < KS; ++s) {
-#pragma unroll
-  for (int f = 0; f < 2; ++f) {
-    const int dim = c * CK + 4 * s + 2 * f;
-    float x0 = 0.0f;
-    float x1 = 0.0f;
-    if (g < nrows) {
-      x0 = q_k[(qrow0 + g) * D + dim];
-      x1 = q_k[(qrow0 + g) * D + dim + 1];
-    }
-    qh[s][f] = tq_pack_h2(x0, x1);
-  }
+  const F4 x = s_q4[g * (D / 4) + c * (CK / 4) + s];
+  qh[s][0] = tq_pack_h2(x.x, x.y);
+  qh[s][1] = tq_pack_h2(x.z, x.w);
 }
 @@KEY_SETUP@@
 @@VALUE_SETUP@@
@@ -521,40 +515,13 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
 
 _SHIFT_FINISH = "      y += s_qmu[(2 * c + i) * MAXSB + (base >> 8) - sb0];"
 
-# q . mean of every (row, 256-token block) of this threadgroup's span, one pair per thread: the
-# loads of a pair are independent, so the setup costs about one memory round trip.
-_SHIFT_SETUP_PARALLEL = """
-{
-  const int nsb = ((t_end - 1) >> 8) - sb0 + 1;
-  const int mu_nb = params[6];
-  for (int pr = tid; pr < RMAX * nsb; pr += NT) {
-    const int r = pr / nsb;
-    const int j = pr - r * nsb;
-    float acc = 0.0f;
-    if (r < nrows) {
-      const DEV F4* qrow = (const DEV F4*)(q_s + (qrow0 + r) * D);
-      const DEV F4* murow = (const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D);
-#pragma unroll
-      for (int d = 0; d < D / 4; ++d) {
-        const F4 a = qrow[d];
-        const F4 u = murow[d];
-        acc += a.x * u.x + a.y * u.y + a.z * u.z + a.w * u.w;
-      }
-    }
-    s_qmu[r * MAXSB + j] = acc;
-  }
-}
-"""
-
-
 def mma_body(v: MmaPass1, prologue: str) -> str:
     buf = _Buffers()
     kp, vp = _key_parts(v, buf), _value_parts(v, buf)
     shared = [kp["shared"], vp["shared"]]
-    setup_shared = [kp["setup_shared"], vp["setup_shared"]]
-    if v.shifts:
-        shared.append(_SHIFT_SHARED)
-        setup_shared.append(_SHIFT_SETUP_PARALLEL)
+    q_shared, q_setup = query_setup(v)
+    shared.append(q_shared)
+    setup_shared = [q_setup, kp["setup_shared"], vp["setup_shared"]]
     finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
     decl, fill_cur = buf.text("")
     depth = int(v.prefetch)

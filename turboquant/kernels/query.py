@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dialects import fill
+from .matvec import matvec
 
 
 @dataclass(frozen=True)
@@ -20,19 +21,18 @@ class Pass0:
     q_dtype: str
     post: bool
     qs: bool
-    matrix: bool = True  # False: affine keys, q_k = q * pre (no rotation)
 
     @property
     def threads(self) -> int:
-        return 256 if self.d > 128 else 128
+        return 256
 
     @property
     def name(self) -> str:
         dt = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}[self.q_dtype]
-        return f"tq_decode0_d{self.d}_{dt}_p{int(self.post)}_s{int(self.qs)}_m{int(self.matrix)}"
+        return f"tq_decode0_d{self.d}_{dt}_p{int(self.post)}_s{int(self.qs)}"
 
     def input_names(self) -> list[str]:
-        return ["params", "q", "cq", "pre"] + (["mf"] if self.matrix else []) + (["post"] if self.post else [])
+        return ["params", "q", "cq", "pre", "mf"] + (["post"] if self.post else [])
 
     def output_names(self) -> list[str]:
         return ["q_k"] + (["q_s"] if self.qs else [])
@@ -56,27 +56,8 @@ SYNC();
 @@PRODUCT@@
 """
 
-# Four independent sums over an unrolled loop keep many loads of the matrix in flight (a single
-# running sum waits for every load in turn).
-_PASS0_MATRIX = """for (int e = tid; e < D; e += NT) {
-  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-#pragma unroll 4
-  for (int j = 0; j < D; j += 4) {
-    a0 += s_x[j] * mf[j * D + e];
-    a1 += s_x[j + 1] * mf[(j + 1) * D + e];
-    a2 += s_x[j + 2] * mf[(j + 2) * D + e];
-    a3 += s_x[j + 3] * mf[(j + 3) * D + e];
-  }
-  q_k[row * D + e] = ((a0 + a1) + (a2 + a3))@@POST@@;
-}"""
-
-_PASS0_SCALE = """for (int e = tid; e < D; e += NT) {
-  q_k[row * D + e] = s_x[e];
-}"""
-
 
 def pass0_body(v: Pass0, prologue: str) -> str:
     return fill(_PASS0, PROLOGUE=prologue, D=v.d, NT=v.threads,
                 QS="  q_s[row * D + d] = x * cq[0];" if v.qs else "",
-                PRODUCT=fill(_PASS0_MATRIX if v.matrix else _PASS0_SCALE,
-                             POST=" * post[h * D + e]" if v.post else ""))
+                PRODUCT=matvec("s_x", "mf", "q_k[row * D + e]", " * post[h * D + e]" if v.post else ""))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .dialects import DIALECTS, HEADERS, PROLOGUE, fill, pow2ceil
+from .dialects import DIALECTS, HEADERS, PROLOGUE, SHORT, fill, pow2ceil
 from .merge import OUTPUTS2, Pass2, pass2_body
 from .query import Pass0, pass0_body
 
@@ -92,6 +92,10 @@ class Pass1:
     shifts: bool  # calibrated keys: add q . mean of each token's 256-token block
     unroll: int = 0  # tokens per group per iteration; 0 = by rmax
     ns: int = 0  # 0 = by lane_shape
+    # "" : the query arrives transformed (pass 0's q_k, q_s in float32). A dtype: keys without a
+    # rotation read the raw query [B, Hq, 1, D] of that dtype through its strides and scale it
+    # here (q_k = q * pre[h], q_s = q * cq), so the step needs no pass-0 kernel.
+    q_dtype: str = ""
 
     def __post_init__(self):
         check_pass1(self)
@@ -130,7 +134,7 @@ class Pass1:
         ns, g = self.lanes
         return (f"tq_decode1_{side(self.key, self.key_bits, self.key_group, self.key_dtype)}_"
                 f"{side(self.value, self.value_bits, self.value_group, self.value_dtype)}_d{self.d}_r{self.rmax}"
-                f"_n{ns}_u{self.u}_s{int(self.shifts)}")
+                f"_n{ns}_u{self.u}_s{int(self.shifts)}{query_suffix(self)}")
 
     def render(self, prologue: str) -> str:
         """The kernel body after `prologue` (the dialect's thread indices)."""
@@ -140,9 +144,10 @@ class Pass1:
         return HEADERS[dialect]
 
     def input_names(self) -> list[str]:
-        names = ["params", "q_k"]
-        if self.shifts:
-            names += ["q_s", "mu"]
+        if self.q_dtype:
+            names = ["params", "q_raw", "pre", "cq"] + (["mu"] if self.shifts else [])
+        else:
+            names = ["params", "q_k"] + (["q_s", "mu"] if self.shifts else [])
         names += {"native": ["k_raw"], "affine": ["k_w", "k_s", "k_b"], "turbo": ["k_p", "k_n", "k_cb"]}[self.key]
         names += {"affine": ["v_w", "v_s", "v_b"], "turbo": ["v_p", "v_n", "v_cb"]}[self.value]
         return names
@@ -169,9 +174,34 @@ def check_pass1(v: Pass1) -> None:
             raise ValueError(f"native side: bits {bits}, dtype {dtype!r}")
     if v.shifts and v.key == "native":
         raise ValueError("native keys carry no key means")
+    if v.q_dtype and (v.q_dtype not in NATIVE_DTYPES or v.key == "turbo"):
+        raise ValueError(f"raw query of dtype {v.q_dtype!r} with {v.key} keys")
     ns, g = v.lanes
     if g > 32 or v.u < 1:
         raise ValueError("bad lane shape")
+
+
+def query_suffix(v: Pass1) -> str:
+    return f"_q{SHORT[v.q_dtype]}" if v.q_dtype else ""
+
+
+def _raw_query(row: str, dim: str) -> str:
+    return (f"static_cast<float>(q_raw[(int64_t)b * q_raw_strides[0] + (int64_t)(({row}) - b * H * R) * "
+            f"q_raw_strides[1] + (int64_t)({dim}) * q_raw_strides[3]])")
+
+
+def query_key(v: Pass1, row: str, dim: str) -> str:
+    """C expression: element `dim` of query row `row` in the keys' basis (log2 units)."""
+    if v.q_dtype:
+        return f"({_raw_query(row, dim)} * pre[h * D + ({dim})])"
+    return f"q_k[({row}) * D + ({dim})]"
+
+
+def query_plain(v: Pass1, row: str, dim: str) -> str:
+    """C expression: element `dim` of query row `row`, scaled only (the key means' query)."""
+    if v.q_dtype:
+        return f"({_raw_query(row, dim)} * cq[0])"
+    return f"q_s[({row}) * D + ({dim})]"
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,10 +254,17 @@ for (int r = 0; r < RMAX; ++r) {
 #pragma unroll
   for (int k = 0; k < NS; ++k) {
     const int sc = gl + k * G;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      q[r][k * 8 + i] = (r < nrows && sc < NSUB) ? q_k[(qrow0 + r) * D + sc * 8 + i] : 0.0f;
-    }
+    const bool in = sc < NSUB;
+    const F4 lo = s_q4[r * (D / 4) + 2 * (in ? sc : 0)];
+    const F4 hi = s_q4[r * (D / 4) + 2 * (in ? sc : 0) + 1];
+    q[r][k * 8] = in ? lo.x : 0.0f;
+    q[r][k * 8 + 1] = in ? lo.y : 0.0f;
+    q[r][k * 8 + 2] = in ? lo.z : 0.0f;
+    q[r][k * 8 + 3] = in ? lo.w : 0.0f;
+    q[r][k * 8 + 4] = in ? hi.x : 0.0f;
+    q[r][k * 8 + 5] = in ? hi.y : 0.0f;
+    q[r][k * 8 + 6] = in ? hi.z : 0.0f;
+    q[r][k * 8 + 7] = in ? hi.w : 0.0f;
   }
 }
 @@KEY_SETUP@@
@@ -397,34 +434,64 @@ for (int r = 0; r < RMAX; ++r) {
 }
 """
 
-_SHIFT_SHARED = "TGMEM float s_qmu[RMAX * MAXSB];"
+# The query rows of this threadgroup are staged once in threadgroup memory (zero past the last
+# row), both pass 1s: the setup's global loads are independent and coalesced, one round trip,
+# where per-lane loads under a row guard became a chain of round trips. With key means, the
+# plain scaled rows too, then q . mean for every (row, 256-token block) of the span, one pair
+# per thread with independent 16-byte loads of the mean rows.
+_QUERY_STAGE = """
+for (int i = tid; i < RMAX * D / 4; i += NT) {
+  const int r = i / (D / 4);
+  const int d = 4 * (i - r * (D / 4));
+@@INIT@@
+  if (r < nrows) {
+@@SET@@
+  }
+@@STORE@@
+}
+SYNC();
+"""
 
-# q . mean for every (row, 256-token block) this threadgroup touches: one SIMD group per pair.
-_SHIFT_SETUP = """
+_SHIFT_PAIRS = """
 {
   const int nsb = ((t_end - 1) >> 8) - sb0 + 1;
   const int mu_nb = params[6];
-  for (int pr = warp; pr < RMAX * nsb; pr += NT / 32) {
+  for (int pr = tid; pr < RMAX * nsb; pr += NT) {
     const int r = pr / nsb;
     const int j = pr - r * nsb;
     float acc = 0.0f;
     if (r < nrows) {
-      const DEV float* qrow = q_s + (qrow0 + r) * D;
-      const DEV float* murow = mu + ((int64_t)h * mu_nb + sb0 + j) * D;
-      for (int d = lane; d < D; d += 32) {
-        acc += qrow[d] * murow[d];
+      const DEV F4* murow = (const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D);
+#pragma unroll
+      for (int d = 0; d < D / 4; ++d) {
+        const F4 a = s_qs4[r * (D / 4) + d];
+        const F4 u = murow[d];
+        acc += a.x * u.x + a.y * u.y + a.z * u.z + a.w * u.w;
       }
     }
-#pragma unroll
-    for (int off = 16; off >= 1; off /= 2) {
-      acc += SHFL_XOR(acc, off);
-    }
-    if (lane == 0) {
-      s_qmu[r * MAXSB + j] = acc;
-    }
+    s_qmu[r * MAXSB + j] = acc;
   }
 }
 """
+
+
+def query_setup(v: Pass1) -> tuple[str, str]:
+    """(threadgroup declarations, setup text) of the staged query rows `s_q4` (keys' basis), and
+    with key means `s_qs4` (plain scaled) and `s_qmu` (q . mean per row and block)."""
+    arrays = [("s_q4", query_key)] + ([("s_qs4", query_plain)] if v.shifts else [])
+    shared = [f"TGMEM F4 {n}[RMAX * D / 4];" for n, _ in arrays]
+    init, set_, store = [], [], []
+    for k, (n, expr) in enumerate(arrays):
+        init.append(f"  F4 x{k};\n" + "".join(f"  x{k}.{c} = 0.0f;\n" for c in "xyzw"))
+        set_.append("".join(f"    x{k}.{c} = {expr(v, 'qrow0 + r', f'd + {j}')};\n" for j, c in enumerate("xyzw")))
+        store.append(f"  {n}[i] = x{k};")
+    text = fill(_QUERY_STAGE, INIT="".join(init).rstrip("\n"), SET="".join(set_).rstrip("\n"),
+                STORE="\n".join(store))
+    if v.shifts:
+        shared.append("TGMEM float s_qmu[RMAX * MAXSB];")
+        text += _SHIFT_PAIRS
+    return "\n".join(shared), text
+
 
 _SHIFT_FINISH = "      x += s_qmu[r * MAXSB + (tt[u] >> 8) - sb0];"
 
@@ -598,8 +665,7 @@ for (int r = 0; r < RMAX; ++r) {
             lines.append(f"      {{ const float c = {_affine_code('k', i, v.key_bits)};")
             lines.append("#pragma unroll")
             lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ dot[r] += q[r][k * 8 + {i}] * c; }} }}")
-        lines += ["#pragma unroll",
-                  "      const float sk = " + _scale("ksc[u][k]", v.key_dtype) + ";",
+        lines += ["      const float sk = " + _scale("ksc[u][k]", v.key_dtype) + ";",
                   "      const float bk = " + _scale("kbi[u][k]", v.key_dtype) + ";",
                   "#pragma unroll",
                   "      for (int r = 0; r < RMAX; ++r) { acc[r] += sk * dot[r] + bk * qsum[r][k]; }",
@@ -723,10 +789,9 @@ def pass1_body(v: Pass1, prologue: str) -> str:
     ns, g = v.lanes
     kp, vp = _key_parts(v), _value_parts(v)
     shared = [kp["shared"], vp["shared"]]
-    setup_shared = [kp["setup_shared"], vp["setup_shared"]]
-    if v.shifts:
-        shared.append(_SHIFT_SHARED)
-        setup_shared.append(_SHIFT_SETUP)
+    q_shared, q_setup = query_setup(v)
+    shared.append(q_shared)
+    setup_shared = [q_setup, kp["setup_shared"], vp["setup_shared"]]
     finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
 
     def decl(parts, prefix):
