@@ -7,8 +7,10 @@ times value norms: each rounded with relative error at most 2^-11) and float32 s
 are compared at 2e-3 of the largest reference output, the accuracy of fp16 activations (the
 CUDA-core kernel, all float32, is held to 1e-5 in test_kernel_sources.py)."""
 
+import dataclasses
 import itertools
 import math
+import re
 import shutil
 import subprocess
 
@@ -45,7 +47,8 @@ def mma_variants():
                                                                         (0, 1, 2)):
             if kf == "affine" and d % kg:
                 continue
-            for q_dtype in ("",) + (("float16", "bfloat16") if kf == "affine" and prefetch == 1 else ()):
+            raw = kf == "affine" or not d & (d - 1)  # turbo keys: a Hadamard butterfly in pass 1
+            for q_dtype in ("",) + (("float16", "bfloat16") if raw and prefetch == 1 else ()):
                 out.append(MmaPass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value="turbo",
                                     value_bits=vb, value_group=0, value_dtype="", rmax=MMA_ROWS, shifts=shifts,
                                     prefetch=prefetch, q_dtype=q_dtype))
@@ -53,11 +56,32 @@ def mma_variants():
 
 
 VARIANTS = mma_variants()
+UNSPREAD = [dataclasses.replace(v, spread=False) for v in VARIANTS if v.d == 128 and v.prefetch == 1]
+
+
+def threadgroup_bytes(v) -> int:
+    """Static threadgroup memory the kernel text declares."""
+    text = tpl.source(v, "cuda")[1]
+    consts = {"RMAX": MMA_ROWS, "D": v.d, "NW": tpl.THREADS // 32, "MAXSB": tpl.MAX_SHIFT_BLOCKS}
+    size = {"float": 4, "uint32_t": 4, "F4": 16}
+    return sum(size[t] * eval(n, {}, consts) for t, n in re.findall(r"TGMEM (\w+) \w+\[([^\]]+)\];", text))
+
+
+def test_spread_tables_fit_static_threadgroup_memory():
+    """CUDA lets a kernel declare 48 KB of static threadgroup memory; the spread pair tables take
+    the room that is left (16 KB each at d <= 128), never more."""
+    worst = {}
+    for v in VARIANTS:
+        worst[v.d] = max(worst.get(v.d, 0), threadgroup_bytes(v))
+    assert max(worst.values()) <= 48 * 1024, worst
+    assert worst[128] > 40 * 1024  # turbo4 at d=128 uses most of it (two 16 KB tables)
+    plain = dataclasses.replace(VARIANTS[0], spread=False)
+    assert threadgroup_bytes(plain) < threadgroup_bytes(VARIANTS[0])
 
 
 def test_every_variant_generates_cuda_and_refuses_metal():
     names = set()
-    for v in VARIANTS:
+    for v in VARIANTS + UNSPREAD:
         assert v.name not in names
         names.add(v.name)
         header, body = tpl.source(v, "cuda")
@@ -158,17 +182,43 @@ def test_emulated_tensor_core_kernel_matches_f64_reference(case, monkeypatch):
 @needs_cxx
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_emulated_tensor_core_kernel_scales_the_raw_query(dtype, monkeypatch):
-    """Affine keys without key means: pass 1 reads the activation-dtype query itself (no query op
-    before it), through a non-contiguous view, and matches the f64 reference."""
+    """Affine keys, with and without key means: pass 1 reads the activation-dtype query itself
+    (no query op before it), through a non-contiguous view, and matches the f64 reference."""
     monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
-    cache = build_cache("turbo8v3", 2, 128, dtype, 300, seed=5, calibrated=False)
-    assert cache._shifts is None
     q = mx.random.normal((1, 1, 8, 128), key=mx.random.key(3)).astype(dtype).swapaxes(1, 2)
-    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), None, tensor_cores=True)
-    assert isinstance(call.pass1, MmaPass1) and call.pass1.q_dtype == host.DTYPE_NAMES[dtype]
-    assert "q_raw" in call.pass1.input_names() and "q_k" not in call.pass1.input_names()
+    for calibrated in (False, True):
+        cache = build_cache("turbo8v3", 2, 128, dtype, 300, seed=5, calibrated=calibrated)
+        assert (cache._shifts is None) == (not calibrated)
+        call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts,
+                             tensor_cores=True)
+        assert isinstance(call.pass1, MmaPass1) and call.pass1.q_dtype == host.DTYPE_NAMES[dtype]
+        assert "q_raw" in call.pass1.input_names() and "q_k" not in call.pass1.input_names()
+        out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
+                               1 / math.sqrt(128), cache._shifts)
+        _check(cache, q, 1 / math.sqrt(128), out, lse)
+
+
+def test_spread_tables_serve_turbo_keys_only(monkeypatch):
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+    q = mx.zeros((1, 8, 1, 128), dtype=mx.float16)
+    for scheme, spread in (("turbo4", True), ("turbo3", True), ("turbo8v3", False)):
+        cache = build_cache(scheme, 2, 128, mx.float16, 64)
+        call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts,
+                             tensor_cores=True)
+        assert call.pass1.spread is spread, scheme
+
+
+@needs_cxx
+def test_emulated_tensor_core_kernel_with_one_table_copy(monkeypatch):
+    """Unspread pair tables (one copy, `mma_spread` off) decode the same codes."""
+    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+    monkeypatch.setitem(host.TUNING, "mma_spread", False)
+    cache = build_cache("turbo4v3", 2, 128, mx.float16, 150, seed=9)
+    q = mx.random.normal((1, 8, 1, 128), key=mx.random.key(9)).astype(mx.float16)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True)
+    assert isinstance(call.pass1, MmaPass1) and not call.pass1.spread
     out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
-                           1 / math.sqrt(128), None)
+                           1 / math.sqrt(128), cache._shifts)
     _check(cache, q, 1 / math.sqrt(128), out, lse)
 
 
@@ -204,6 +254,10 @@ def test_tensor_core_sources_compile(tmp_path):
         if key not in seen and (v.key != "affine" or v.key_group == 64 or v.d != 128):
             seen.add(key)
             picks.append(v)
+    # the most threadgroup memory (4-bit spread tables at d=256 and 128) and unspread tables
+    picks += [v for v in VARIANTS if v.key == "turbo" and v.key_bits == v.value_bits == 4 and v.shifts
+              and v.prefetch == 1 and v.d == 256]
+    picks += [v for v in UNSPREAD if v.key == "turbo" and v.key_bits == v.value_bits == 4 and v.shifts]
     src = tmp_path / "mma.cu"
     src.write_text("\n".join(translation_unit(v) for v in picks))
     res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],

@@ -46,7 +46,8 @@ def all_variants():
                 continue  # affine layouts use one codec for both sides
             for shifts in ((False, True) if kf != "native" else (False,)):
                 for rmax in (tpl.ROW_BUCKETS if d == 128 else (4,)):
-                    for q_dtype in ("",) + (tpl.NATIVE_DTYPES if kf != "turbo" and rmax == 4 else ()):
+                    raw = kf != "turbo" or not d & (d - 1)  # turbo keys: a Hadamard butterfly in pass 1
+                    for q_dtype in ("",) + (tpl.NATIVE_DTYPES if raw and rmax == 4 else ()):
                         out.append(tpl.Pass1(d=d, key=kf, key_bits=kb, key_group=kg, key_dtype=kd, value=vf,
                                              value_bits=vb, value_group=vg, value_dtype=vd, rmax=rmax,
                                              shifts=shifts, q_dtype=q_dtype))
@@ -138,6 +139,17 @@ def test_block_plan_covers_every_token(T, rows):
     assert host.plan_blocks(merge.MAX_BLOCKS * tpl.MAX_SPAN + 1, rows) is None
 
 
+@pytest.mark.parametrize("target", [264, 396, 528])
+def test_block_plan_never_exceeds_the_threadgroup_target(target):
+    """The target is a wave of the GPU: 8 KV heads at 396 once planned 50 blocks each (400
+    threadgroups), and the four past the wave made a second one."""
+    for rows in (1, 8, 16):
+        span, nblk = host.plan_blocks(65536, rows, target)
+        assert nblk * rows <= target
+        assert nblk * rows >= 0.9 * target
+    assert host.plan_blocks(65536, 32, target)[1] == 65536 // tpl.MAX_SPAN  # longest blocks win
+
+
 def test_selection_on_cpu_returns_none(monkeypatch):
     assert mx.default_device().type == mx.DeviceType.cpu
     assert kernels.select_backend() is None
@@ -195,10 +207,10 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
     for mask in (None, "causal"):
         calls.clear()
         out = cache.attention(q, 0.125, mask)
-        assert len(calls) == 3 and out.dtype == mx.float16  # pass 0 (query), pass 1, pass 2
-        assert isinstance(calls[1], MmaPass1)  # fp16 activations on CUDA: the tensor-core pass 1
-        assert calls[2].tail_dtype == "float16"  # pass 2 attends over the raw tail too
-        assert calls[2].out_dtype == "float16"  # and writes the output in the activation dtype
+        assert len(calls) == 2 and out.dtype == mx.float16  # pass 1 (rotates the query), pass 2
+        assert isinstance(calls[0], MmaPass1)  # fp16 activations on CUDA: the tensor-core pass 1
+        assert calls[1].tail_dtype == "float16"  # pass 2 attends over the raw tail too
+        assert calls[1].out_dtype == "float16"  # and writes the output in the activation dtype
         err = np.abs(np.array(out.astype(mx.float32)) - ref).max()
         assert err <= 2.0**-10 * np.abs(ref).max() * 2 + 1e-4 * np.abs(ref).max()
     calls.clear()
@@ -306,20 +318,46 @@ def test_emulated_kernel_matches_f64_reference(case):
 @pytest.mark.parametrize("scheme,dtype", [("turbo8v3", mx.float16), ("turbo0v4", mx.bfloat16),
                                           ("affine8", mx.float32)])
 def test_emulated_pass1_scales_the_raw_query(scheme, dtype):
-    """Keys without a rotation or key means: pass 1 reads the activation-dtype query itself (no
-    pass-0 kernel or query op), through a non-contiguous view; calibrated keys keep q_k."""
-    cache = build_cache(scheme, 2, 96, dtype, 130, seed=4, calibrated=False)
+    """Keys without a rotation, with and without key means: pass 1 reads the activation-dtype
+    query itself (no pass-0 kernel or query op), through a non-contiguous view."""
     q = mx.random.normal((1, 1, 6, 96), key=mx.random.key(6)).astype(dtype).swapaxes(1, 2)
-    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
-    assert call.pass1.q_dtype == host.DTYPE_NAMES[dtype] and "q_raw" in call.pass1.input_names()
-    out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
-                           1 / math.sqrt(96), None)
-    _ref_check(cache, q, 1 / math.sqrt(96), out, lse)
-    calibrated = build_cache(scheme, 2, 96, dtype, 130, seed=4)
-    if calibrated._shifts is not None:
-        call = host.describe(q, calibrated._key_side, calibrated._value_side, stored(calibrated),
-                             calibrated._shifts)
-        assert call.pass1.q_dtype == "" and "q_k" in call.pass1.input_names()
+    for calibrated in (False, True):
+        cache = build_cache(scheme, 2, 96, dtype, 130, seed=4, calibrated=calibrated)
+        call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+        names = call.pass1.input_names()
+        assert call.pass1.q_dtype == host.DTYPE_NAMES[dtype] and "q_raw" in names and "q_k" not in names
+        assert ("mu" in names) == (cache._shifts is not None)
+        out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
+                               1 / math.sqrt(96), cache._shifts)
+        _ref_check(cache, q, 1 / math.sqrt(96), out, lse)
+
+
+@needs_cxx
+@pytest.mark.parametrize("scheme,D,R,dtype", [("turbo4", 128, 4, mx.float16), ("turbo3", 64, 7, mx.bfloat16),
+                                              ("turbo2", 256, 1, mx.float32)])
+def test_emulated_pass1_rotates_the_raw_query(scheme, D, R, dtype, monkeypatch):
+    """TurboQuant keys under a Hadamard rotation (d a power of two): pass 1 stages the raw query
+    and applies signs, butterfly and channel scales itself, with and without key means, so a
+    step runs no pass-0 kernel; `fuse_rotation` off (and d = 96) keeps pass 0. All match f64."""
+    q = mx.random.normal((1, 2 * R, 1, D), key=mx.random.key(R)).astype(dtype)
+    for calibrated, fuse in ((True, True), (False, True), (True, False)):
+        monkeypatch.setitem(host.TUNING, "fuse_rotation", fuse)
+        cache = build_cache(scheme, 2, D, dtype, 200, seed=D, calibrated=calibrated)
+        call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+        launched = []
+
+        def factory(v):
+            launched.append(v)
+            return emulate.kernel(v)
+
+        out, lse = host.launch(factory, call, q, cache._key_side, cache._value_side, stored(cache),
+                               1 / math.sqrt(D), cache._shifts)
+        assert any(isinstance(v, Pass0) for v in launched) is not fuse
+        assert (call.pass1.q_dtype == host.DTYPE_NAMES[dtype]) is fuse
+        _ref_check(cache, q, 1 / math.sqrt(D), out, lse)
+    cache = build_cache(scheme, 2, 96, dtype, 50, seed=1)
+    q96 = mx.random.normal((1, 2, 1, 96), key=mx.random.key(1)).astype(dtype)
+    assert host.describe(q96, cache._key_side, cache._value_side, stored(cache), cache._shifts).pass1.q_dtype == ""
 
 
 # (scheme, H, R, D, stored T, tail rows, dtype): rotated and affine values, every dtype, one to
@@ -363,6 +401,34 @@ def test_emulated_pass2_attends_over_the_raw_tail(case, monkeypatch):
         assert np.isfinite(o).all()
         assert np.abs(o - ref_out).max() <= rtol * np.abs(ref_out).max()
         assert np.abs(np.array(l) - ref_lse).max() <= rtol * max(1.0, np.abs(ref_lse).max())
+
+
+@needs_cxx
+@pytest.mark.parametrize("scheme", ["turbo2", "turbo8v3"])
+def test_no_kernel_input_is_small_enough_for_the_scalar_pool(scheme):
+    """MLX's CUDA allocator keeps arrays of up to 8 bytes in a managed-memory pool; a kernel that
+    read a one-float input there took 9.2 instead of 3.6 us on the H200. Every input of every
+    pass (pass 0 with key means, the raw query with key means, a 2-bit codebook, pass 2 over a
+    raw tail) is padded well past it."""
+    cache = build_cache(scheme, 2, 64, mx.float16, 256, seed=3, tail=5)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(2)).astype(mx.float16)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+    sizes = {}
+
+    def factory(v):
+        run = emulate.kernel(v)
+
+        def record(**kw):
+            sizes.update({f"{v.name}:{n}": a.nbytes for n, a in zip(v.input_names(), kw["inputs"])
+                          if a is not None})
+            return run(**kw)
+        return record
+
+    host.launch(factory, call, q, cache._key_side, cache._value_side, stored(cache), 0.125, cache._shifts,
+                tail=tail(cache))
+    assert any(n.endswith(":cq") for n in sizes) and cache._shifts is not None
+    small = {n: b for n, b in sizes.items() if b < 4 * host.MIN_INPUT_ELEMENTS}
+    assert not small, small
 
 
 @needs_cxx

@@ -22,8 +22,17 @@ from .template import MAX_SPAN, OUTPUTS1, THREADS, Pass1, rows_bucket
 
 LOG2E = 1.4426950408889634
 MIN_SPAN = 64  # fewest tokens per pass-1 block
-TARGET_THREADGROUPS = 512  # pass-1 threadgroups per call: about one wave on an H200 (132 SMs, 4 per SM)
+# Pass-1 threadgroups per call, one wave on an H200 (132 SMs): most CUDA-core variants hold
+# 128-170 registers a lane, so two per SM (512 ran as 1.3 waves: ncu, CUDA-core pass 1 at 4k with
+# key means 18.5 against 13.5 us); the tensor-core ones three per SM (chained 64k turbo4 82 against
+# 87 us at 264; docs/benchmarks.md).
+TARGET_THREADGROUPS = 264
+MMA_TARGET_THREADGROUPS = 396
 DTYPE_NAMES = {mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32"}
+# MLX's CUDA allocator serves arrays of up to 8 bytes from a managed-memory pool the host keeps
+# touching; a kernel reading one paid about 5.5 us (ncu on the H200: pass 0 9.2 against 3.6 us
+# with a one-float input). Every small kernel input is padded past that (`unpooled`).
+MIN_INPUT_ELEMENTS = 16
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
@@ -43,15 +52,15 @@ class Call:
 # Tuning knobs for benchmarks and tests (0 / None = the defaults: lane shape and unroll by rows
 # bucket; mma: the tensor-core pass 1 where it applies; mma_prefetch: chunks loaded ahead;
 # mma_min_tokens: MMA_MIN_TOKENS; raw_query: pass 1 scales the raw query of keys without a
-# rotation or key means; False scales it with plain ops first).
+# rotation; False scales it with plain ops first; mma_spread: spread pair tables (`MmaPass1`),
+# None = for TurboQuant keys only: with affine keys they measured slower at three threadgroups
+# per SM, 64k turbo8v3 100 against 77 us chained); fuse_rotation: pass 1 rotates the raw query
+# of TurboQuant keys under a Hadamard rotation, False keeps the pass-0 kernel).
 TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0, "mma": True, "mma_prefetch": None, "mma_min_tokens": None,
-          "raw_query": True}
+          "raw_query": True, "mma_spread": None, "fuse_rotation": True}
 # Below this many stored rows the CUDA-core pass 1 was faster on the H200 (docs/benchmarks.md:
 # at 4k every scheme, at 16k turbo8v3; from 64k on the tensor-core pass 1 wins for all).
 MMA_MIN_TOKENS = 16384
-
-
-MMA_TARGET_THREADGROUPS = 264  # the tensor-core pass 1 holds ~200 registers a lane: 2 threadgroups per SM
 
 
 def target_threadgroups(mma: bool = False) -> int:
@@ -65,7 +74,8 @@ def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = Fal
     if T < 1:
         return None
     target = target or target_threadgroups(mma)
-    nblk = min(max(1, -(-target // tg_rows)), -(-T // MIN_SPAN), MAX_BLOCKS)
+    # (rounded down: one threadgroup more than the target can cost a whole second wave)
+    nblk = min(max(1, target // tg_rows), -(-T // MIN_SPAN), MAX_BLOCKS)
     nblk = max(nblk, -(-T // MAX_SPAN))
     if nblk > MAX_BLOCKS:
         return None
@@ -145,15 +155,14 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
         if shifts.shape[1] * SHIFT_BLOCK < T:
             return None
     R = Hq // H
-    # Keys without a rotation or key means take the raw query in pass 1: no query op in the step.
-    # (With key means it measured slower on the H200 than scaling the query with plain ops
-    # first: 64k turbo8v3 105 against 85 us chained; docs/benchmarks.md.)
-    raw = kfmt != "turbo" and shifts is None and TUNING["raw_query"]
+    # Pass 1 takes the raw query (no query op or pass-0 kernel in the step) for keys without a
+    # rotation and for TurboQuant keys under a Hadamard rotation (a butterfly in pass 1).
+    raw = TUNING["raw_query"] and (kfmt != "turbo" or (TUNING["fuse_rotation"] and fused_rotation(key_side)))
     q_dtype = DTYPE_NAMES.get(queries.dtype, "") if raw else ""
     if tensor_cores and use_mma() and queries.dtype in (mx.float16, mx.bfloat16) and T >= mma_min_tokens():
         depth = 1 if TUNING["mma_prefetch"] is None else int(TUNING["mma_prefetch"])
         pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None, depth,
-                             q_dtype)
+                             q_dtype, kfmt == "turbo" if TUNING["mma_spread"] is None else TUNING["mma_spread"])
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
@@ -185,11 +194,11 @@ def mma_min_tokens() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype=""):
+def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype="", spread=True):
     try:
         p1 = MmaPass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
                       value_bits=vbits, value_group=0, value_dtype="", rmax=rmax, shifts=shifts, prefetch=prefetch,
-                      q_dtype=q_dtype)
+                      q_dtype=q_dtype, spread=spread)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=True)
@@ -218,6 +227,25 @@ _DENSE: dict[int, tuple[mx.array, mx.array]] = {}
 DENSE_KEPT = 128  # key-mean tables kept (a model's layers, twice over)
 
 
+_PADDED: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def unpooled(a: mx.array) -> mx.array:
+    """A 1-D kernel input (a codebook) with at least MIN_INPUT_ELEMENTS elements, zero-padded,
+    made once per array object; kernels index only its first `a.size` elements."""
+    if a.size >= MIN_INPUT_ELEMENTS:
+        return a
+    hit = _PADDED.get(id(a))
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    padded = mx.concatenate([a.reshape(-1), mx.zeros((MIN_INPUT_ELEMENTS - a.size,), dtype=a.dtype)])
+    mx.eval(padded)
+    while len(_PADDED) >= DENSE_KEPT:
+        del _PADDED[next(iter(_PADDED))]
+    _PADDED[id(a)] = (a, padded)
+    return padded
+
+
 def dense_float32(a: mx.array) -> mx.array:
     """`a` as a dense float32 array, made once per array object (the key means change only when
     a block is added): no copy op in every decode step's graph."""
@@ -231,6 +259,30 @@ def dense_float32(a: mx.array) -> mx.array:
     return dense
 
 
+def fused_rotation(key_side) -> bool:
+    """Whether pass 1 can rotate the query itself: TurboQuant keys under a Sylvester Hadamard
+    rotation (d a power of two)."""
+    return isinstance(key_side, TurboSide) and key_side.codec.rotation.kind is RotationKind.HADAMARD
+
+
+def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array]:
+    """(pre [H, D], post [H, D]) of a pass 1 that rotates the raw query itself:
+    q_k = H(q * pre[h]) * post[h] with H the unnormalised Sylvester butterfly, so pre folds the
+    rotation's signs and 1/sqrt(d) into pass 0's pre (cached)."""
+    key = ("fused", id(key_side), c, H, D)
+    hit = _QT.get(key)
+    if hit is not None and hit[0] is key_side:
+        return hit[1]
+    _, pre, _, post, _ = _query_transform(key_side, c, H, D)
+    with mx.stream(mx.cpu):
+        signs = key_side.codec.rotation.signs.astype(mx.float32)
+        fused = (mx.contiguous(pre * signs / math.sqrt(D)),
+                 mx.ones((H, D), dtype=mx.float32) if post is None else post)
+        mx.eval(*fused)
+    _QT[key] = (key_side, fused)
+    return fused
+
+
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     """Per key side (cached): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
     keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
@@ -242,7 +294,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
         return hit[1]
     cal = getattr(key_side, "calibration", None)
     chan = None if cal is None or cal.scale is None else cal.scale.astype(mx.float32)
-    cq = mx.array([c], dtype=mx.float32)
+    cq = mx.full((MIN_INPUT_ELEMENTS,), c, dtype=mx.float32)  # kernels read cq[0]
     with mx.stream(mx.cpu):
         if isinstance(key_side, TurboSide):
             pre = mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c
@@ -263,8 +315,8 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
     """(q_k, q_s): the key-side query (rotated and calibrated for TurboQuant keys, channel-scaled
     for calibrated affine keys) and, for key means, the plain scaled query; [B*Hq, D] float32 in
     log2 units (scale * log2(e) folded in): one pass-0 kernel for TurboQuant keys, plain ops
-    for the other keys whose pass 1 does not scale the raw query itself (key means, another
-    dtype, or `TUNING["raw_query"]` off)."""
+    for the other keys whose pass 1 does not scale the raw query itself (another dtype, or
+    `TUNING["raw_query"]` off)."""
     B, H, R, D = call.B, call.H, call.R, call.D
     c = scale * LOG2E
     kind, pre, m, post, cq = _query_transform(key_side, c, H, D)
@@ -284,7 +336,7 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
         qk = qk if post is None else qk * post[:, None, :]
     else:
         qk = q * pre[:, None, :]
-    qs = mx.contiguous((q * cq.reshape(())).reshape(B * H * R, D)) if shifts else None
+    qs = mx.contiguous((q.astype(mx.float32) * c).reshape(B * H * R, D)) if shifts else None
     # (elementwise results may keep a permuted input's strides; the kernels index rows densely)
     return mx.contiguous(qk.reshape(B * H * R, D)), qs
 
@@ -301,7 +353,7 @@ KernelFactory = Callable[[Pass1 | Pass2], Callable]
 def _params(*sizes: int) -> mx.array:
     """The runtime sizes as a device array, made once per distinct sizes: the stored row count
     grows a block at a time, so decode steps reuse it instead of uploading a new array each call."""
-    params = mx.array(sizes, dtype=mx.int32)
+    params = mx.array(list(sizes) + [0] * (MIN_INPUT_ELEMENTS - len(sizes)), dtype=mx.int32)
     mx.eval(params)
     return params
 
@@ -322,6 +374,8 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
     if p1.q_dtype:
         _, pre, _, _, cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)
         inputs = {"params": params, "q_raw": queries, "pre": pre, "cq": cq}
+        if p1.key == "turbo":
+            inputs["pre"], inputs["post"] = _fused_query(key_side, scale * LOG2E, call.H, call.D)
     else:
         qk, qs = query_inputs(make_kernel, params, queries, key_side, scale, call)
         inputs = {"params": params, "q_k": qk, "q_s": qs}
@@ -329,13 +383,13 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
         inputs["mu"] = dense_float32(shifts)
     k, v = key_side.name, value_side.name
     if p1.key == "turbo":
-        inputs.update(k_p=arrays[f"{k}_packed"], k_n=arrays[f"{k}_norms"], k_cb=key_side.codec.centroids)
+        inputs.update(k_p=arrays[f"{k}_packed"], k_n=arrays[f"{k}_norms"], k_cb=unpooled(key_side.codec.centroids))
     elif p1.key == "affine":
         inputs.update(k_w=arrays[f"{k}_w"], k_s=arrays[f"{k}_scales"], k_b=arrays[f"{k}_biases"])
     else:
         inputs.update(k_raw=arrays[k])
     if p1.value == "turbo":
-        inputs.update(v_p=arrays[f"{v}_packed"], v_n=arrays[f"{v}_norms"], v_cb=value_side.codec.centroids)
+        inputs.update(v_p=arrays[f"{v}_packed"], v_n=arrays[f"{v}_norms"], v_cb=unpooled(value_side.codec.centroids))
     else:
         inputs.update(v_w=arrays[f"{v}_w"], v_s=arrays[f"{v}_scales"], v_b=arrays[f"{v}_biases"])
     return dict(inputs=[inputs[n] for n in p1.input_names()],

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dialects import HEADERS, MARK, fill
-from .template import BLOCK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _scale, packed_words, query_setup, query_suffix
+from .template import (BLOCK, MAX_SHIFT_BLOCKS, THREADS, Pass1, _scale, check_raw_query, packed_words, query_setup,
+                       query_suffix)
 
 MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dimension
 
@@ -37,9 +38,11 @@ MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dime
 class MmaPass1(Pass1):
     """A tensor-core pass-1 variant (same inputs and outputs as `Pass1`). `prefetch`: how many
     chunks ahead a warp loads its rows while the current one is used (0, 1 or 2; True is 1):
-    more bytes in flight for more registers."""
+    more bytes in flight for more registers. `spread`: pair tables in several interleaved copies
+    (`table_copies`), fewer shared-memory bank conflicts for more threadgroup memory."""
 
     prefetch: int = 1
+    spread: bool = True
 
     def __post_init__(self):
         if self.d % 16 or not 16 <= self.d <= 256:
@@ -55,8 +58,7 @@ class MmaPass1(Pass1):
             raise ValueError(f"affine key bits {self.key_bits}, group {self.key_group}, dtype {self.key_dtype!r}")
         if self.value_bits not in (1, 2, 3, 4):
             raise ValueError(f"turbo value bits {self.value_bits}")
-        if self.q_dtype and (self.q_dtype not in ("float16", "bfloat16", "float32") or self.key == "turbo"):
-            raise ValueError(f"raw query of dtype {self.q_dtype!r} with {self.key} keys")
+        check_raw_query(self)
         if int(self.prefetch) not in (0, 1, 2):
             raise ValueError(f"prefetch depth {self.prefetch}")
 
@@ -64,7 +66,7 @@ class MmaPass1(Pass1):
     def name(self) -> str:
         k = f"t{self.key_bits}" if self.key == "turbo" else f"a{self.key_bits}g{self.key_group}_{self.key_dtype}"
         return (f"tq_decode1mma_{k}_t{self.value_bits}_d{self.d}_r{self.rmax}_s{int(self.shifts)}"
-                f"_p{int(self.prefetch)}{query_suffix(self)}")
+                f"_p{int(self.prefetch)}{'' if self.spread else '_c1'}{query_suffix(self)}")
 
     def render(self, prologue: str) -> str:
         return mma_body(self, prologue)
@@ -298,14 +300,36 @@ def _field(words: str, pos: int, width: int, nwords: int, dest: int = 0) -> str:
     return f"({word} & {mask}u)"
 
 
-def _pair_table(x: str, bits: int) -> tuple[str, str]:
+# Threadgroup words one spread pair table may take at d <= 128 (16 KB; half that at d = 256, whose
+# query and output staging take twice as much): both tables and the rest stay under the 48 KB of
+# static threadgroup memory a kernel may declare.
+PAIR_TABLE_WORDS = 4096
+
+
+def table_copies(bits: int, d: int, spread: bool) -> int:
+    """Copies of a `bits`-bit pair table: with `spread`, as many as fit the word budget (at most
+    32, one per bank), else 1."""
+    words = PAIR_TABLE_WORDS * 128 // max(d, 128)
+    return max(1, min(32, words >> (2 * bits))) if spread else 1
+
+
+def _pair_table(x: str, bits: int, copies: int) -> tuple[str, str, str]:
     """A table of half2 pairs (c[i & mask], c[i >> bits]) for every two codes: one lookup
-    decodes two elements into a fragment register."""
+    decodes two elements into a fragment register. Lanes index random entries, so one table
+    serves a warp's lookup in several bank wavefronts (the tensor-core pass 1 of turbo4 ran with
+    the L1/shared pipe 74% busy); `copies` interleaved copies, lane l reading copy l % copies,
+    spread the lanes over the banks. Returns (declaration, fill, per-lane offset setup)."""
     n = 1 << (2 * bits)
-    shared = f"TGMEM uint32_t s_{x}pair[{n}];"
-    setup = (f"for (int i = tid; i < {n}; i += NT) {{ s_{x}pair[i] = tq_pack_h2({x}_cb[i & {(1 << bits) - 1}], "
-             f"{x}_cb[i >> {bits}]); }}")
-    return shared, setup
+    lc = copies.bit_length() - 1
+    shared = f"TGMEM uint32_t s_{x}pair[{n * copies}];"
+    setup = (f"for (int i = tid; i < {n * copies}; i += NT) {{ const int e = i >> {lc}; "
+             f"s_{x}pair[i] = tq_pack_h2({x}_cb[e & {(1 << bits) - 1}], {x}_cb[e >> {bits}]); }}")
+    lane_offset = f"const uint32_t {x}lo = (uint32_t)(lane & {copies - 1}) * 4u;" if copies > 1 else ""
+    return shared, setup, lane_offset
+
+
+def _pair_offset(fields: list[str], x: str, copies: int) -> str:
+    return " | ".join(fields + ([f"{x}lo"] if copies > 1 else []))
 
 
 def vector_width(words: int, row_words: int) -> int:
@@ -358,9 +382,10 @@ def _chunk_loader(x: str, arr: str, chunk_bits: int, bits: int, d: int, index: s
     return "\n".join(lines)
 
 
-def _turbo_side(x: str, bits: int) -> tuple[str, str, str]:
-    shared, setup_shared = _pair_table(x, bits)
-    setup = f"""const int64_t {x}base = (int64_t)b * {x}_p_strides[0] + (int64_t)h * {x}_p_strides[1];
+def _turbo_side(x: str, bits: int, copies: int) -> tuple[str, str, str]:
+    shared, setup_shared, lane_offset = _pair_table(x, bits, copies)
+    setup = lane_offset + f"""
+const int64_t {x}base = (int64_t)b * {x}_p_strides[0] + (int64_t)h * {x}_p_strides[1];
 const int64_t {x}ts = {x}_p_strides[2];
 const int64_t {x}nbase = (int64_t)b * {x}_n_strides[0] + (int64_t)h * {x}_n_strides[1];
 const int64_t {x}nts = {x}_n_strides[2];"""
@@ -420,7 +445,9 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     """Key side: a lane's run of its token's row per n-tile, the k-steps, the score finish."""
     ck = v.d // 4  # dims per lane: k-step s takes run dims 4s..4s+3
     if v.key == "turbo":
-        shared, setup_shared, setup = _turbo_side("k", v.key_bits)
+        copies = table_copies(v.key_bits, v.d, v.spread)
+        shared, setup_shared, setup = _turbo_side("k", v.key_bits, copies)
+        dest = 2 + copies.bit_length() - 1
         n = run_words(ck * v.key_bits)
         buf.declare("uint32_t", "kw", f"[2][{n}]")
         buf.declare("float", "kn", "[2]")
@@ -429,7 +456,8 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
             buf.fill.append(f"@kn@[{tt}] = k_n[knbase + (int64_t){_ktok(tt)} * knts];")
 
         def pair(tt, i):  # two adjacent codes are one 2*bits field: one table lookup
-            return f"PAIRLOOK(s_kpair, {_field(f'kw[{tt}]', i * v.key_bits, 2 * v.key_bits, n, 2)})"
+            field = _field(f'kw[{tt}]', i * v.key_bits, 2 * v.key_bits, n, dest)
+            return f"PAIRLOOK(s_kpair, {_pair_offset([field], 'k', copies)})"
 
         steps = [_score_step(s, pair) for s in range(v.d // 16)]
         return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps),
@@ -492,7 +520,9 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     """Value side: a lane loads dims g*CV.. of its 4 tokens' rows; n-tile j takes run dim j."""
     cv = v.d // 8
     bits = v.value_bits
-    shared, setup_shared, setup = _turbo_side("v", bits)
+    copies = table_copies(bits, v.d, v.spread)
+    dest = 2 + copies.bit_length() - 1
+    shared, setup_shared, setup = _turbo_side("v", bits, copies)
     n = run_words(cv * bits)
     buf.declare("uint32_t", "vw", f"[4][{n}]")
     buf.declare("float", "vn", "[2]")
@@ -502,8 +532,8 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
         buf.fill.append(f"@vn@[{tt}] = v_n[vnbase + (int64_t){_ktok(tt)} * vnts];")
 
     def pair(k0, k1, i):  # run dim i of two tokens: their codes side by side index the pair table
-        return (f"PAIRLOOK(s_vpair, {_field(f'vw[{k0}]', i * bits, bits, n, 2)} | "
-                f"{_field(f'vw[{k1}]', i * bits, bits, n, 2 + bits)})")
+        fields = [_field(f'vw[{k0}]', i * bits, bits, n, dest), _field(f'vw[{k1}]', i * bits, bits, n, dest + bits)]
+        return f"PAIRLOOK(s_vpair, {_pair_offset(fields, 'v', copies)})"
 
     steps = []
     for j in range(v.d // 16):

@@ -92,9 +92,11 @@ class Pass1:
     shifts: bool  # calibrated keys: add q . mean of each token's 256-token block
     unroll: int = 0  # tokens per group per iteration; 0 = by rmax
     ns: int = 0  # 0 = by lane_shape
-    # "" : the query arrives transformed (pass 0's q_k, q_s in float32). A dtype: keys without a
-    # rotation read the raw query [B, Hq, 1, D] of that dtype through its strides and scale it
-    # here (q_k = q * pre[h], q_s = q * cq), so the step needs no pass-0 kernel.
+    # "" : the query arrives transformed (pass 0's q_k, q_s in float32). A dtype: pass 1 reads the
+    # raw query [B, Hq, 1, D] of that dtype through its strides and transforms it itself, so the
+    # step needs no pass-0 kernel: q_k = q * pre[h] for keys without a rotation; for TurboQuant
+    # keys (d a power of two, a Hadamard rotation) q_k = H(q * pre[h]) * post[h], with the
+    # rotation's signs and 1/sqrt(d) folded into pre; q_s = q * cq.
     q_dtype: str = ""
 
     def __post_init__(self):
@@ -145,7 +147,8 @@ class Pass1:
 
     def input_names(self) -> list[str]:
         if self.q_dtype:
-            names = ["params", "q_raw", "pre", "cq"] + (["mu"] if self.shifts else [])
+            names = ["params", "q_raw", "pre", "cq"] + (["post"] if self.key == "turbo" else [])
+            names += ["mu"] if self.shifts else []
         else:
             names = ["params", "q_k"] + (["q_s", "mu"] if self.shifts else [])
         names += {"native": ["k_raw"], "affine": ["k_w", "k_s", "k_b"], "turbo": ["k_p", "k_n", "k_cb"]}[self.key]
@@ -174,11 +177,17 @@ def check_pass1(v: Pass1) -> None:
             raise ValueError(f"native side: bits {bits}, dtype {dtype!r}")
     if v.shifts and v.key == "native":
         raise ValueError("native keys carry no key means")
-    if v.q_dtype and (v.q_dtype not in NATIVE_DTYPES or v.key == "turbo"):
-        raise ValueError(f"raw query of dtype {v.q_dtype!r} with {v.key} keys")
+    check_raw_query(v)
     ns, g = v.lanes
     if g > 32 or v.u < 1:
         raise ValueError("bad lane shape")
+
+
+def check_raw_query(v: Pass1) -> None:
+    """A raw query needs an activation dtype, and with TurboQuant keys a power-of-two head dim
+    (the transform in pass 1 is a Hadamard butterfly)."""
+    if v.q_dtype and (v.q_dtype not in NATIVE_DTYPES or (v.key == "turbo" and v.d & (v.d - 1))):
+        raise ValueError(f"raw query of dtype {v.q_dtype!r} with {v.key} keys at d={v.d}")
 
 
 def query_suffix(v: Pass1) -> str:
@@ -452,24 +461,103 @@ for (int i = tid; i < RMAX * D / 4; i += NT) {
 SYNC();
 """
 
+# The Hadamard transform of the staged query rows (Sylvester order, as mx.hadamard_transform):
+# the butterflies inside each float4 as it is staged, then one pass per wider stride over float4
+# pairs, then the per-channel `post` scale.
+_FWHT4 = """  {
+    const float a0 = x0.x + x0.y, a1 = x0.x - x0.y, a2 = x0.z + x0.w, a3 = x0.z - x0.w;
+    x0.x = a0 + a2;
+    x0.y = a1 + a3;
+    x0.z = a0 - a2;
+    x0.w = a1 - a3;
+  }
+"""
+
+_FWHT_STAGES = """
+for (int hq = 1; hq < D / 4; hq *= 2) {
+  for (int p = tid; p < RMAX * D / 8; p += NT) {
+    const int r = p / (D / 8);
+    const int j = p - r * (D / 8);
+    const int i = r * (D / 4) + (j / hq) * 2 * hq + (j % hq);
+    const F4 fa = s_q4[i];
+    const F4 fb = s_q4[i + hq];
+    F4 s0;
+    F4 s1;
+    s0.x = fa.x + fb.x;
+    s0.y = fa.y + fb.y;
+    s0.z = fa.z + fb.z;
+    s0.w = fa.w + fb.w;
+    s1.x = fa.x - fb.x;
+    s1.y = fa.y - fb.y;
+    s1.z = fa.z - fb.z;
+    s1.w = fa.w - fb.w;
+    s_q4[i] = s0;
+    s_q4[i + hq] = s1;
+  }
+  SYNC();
+}
+for (int i = tid; i < RMAX * D / 4; i += NT) {
+  const int d = 4 * (i % (D / 4));
+  F4 x = s_q4[i];
+  x.x *= post[h * D + d];
+  x.y *= post[h * D + d + 1];
+  x.z *= post[h * D + d + 2];
+  x.w *= post[h * D + d + 3];
+  s_q4[i] = x;
+}
+SYNC();
+"""
+
+# q . mean per (row, key-mean block): one SIMD group per block, a lane per 4 dims and every row
+# reduced by shuffles, the block's mean row loaded once and up front (a thread-per-pair loop held
+# a whole mean row in registers: ~30 more registers for the whole kernel).
 _SHIFT_PAIRS = """
 {
+  constexpr int SW = NT / 32;
+  constexpr int JW = (MAXSB + SW - 1) / SW;
+  constexpr int DL = (D / 4 + 31) / 32;
   const int nsb = ((t_end - 1) >> 8) - sb0 + 1;
   const int mu_nb = params[6];
-  for (int pr = tid; pr < RMAX * nsb; pr += NT) {
-    const int r = pr / nsb;
-    const int j = pr - r * nsb;
-    float acc = 0.0f;
-    if (r < nrows) {
-      const DEV F4* murow = (const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D);
+  const int sl = tid & 31;
+  const int sw = tid >> 5;
+  F4 u[JW][DL];
 #pragma unroll
-      for (int d = 0; d < D / 4; ++d) {
-        const F4 a = s_qs4[r * (D / 4) + d];
-        const F4 u = murow[d];
-        acc += a.x * u.x + a.y * u.y + a.z * u.z + a.w * u.w;
+  for (int k = 0; k < JW; ++k) {
+    const int j = sw + k * SW;
+#pragma unroll
+    for (int e = 0; e < DL; ++e) {
+      const int d4 = sl + 32 * e;
+      u[k][e].x = 0.0f;
+      u[k][e].y = 0.0f;
+      u[k][e].z = 0.0f;
+      u[k][e].w = 0.0f;
+      if (j < nsb && d4 < D / 4) {
+        u[k][e] = ((const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D))[d4];
       }
     }
-    s_qmu[r * MAXSB + j] = acc;
+  }
+#pragma unroll
+  for (int k = 0; k < JW; ++k) {
+    const int j = sw + k * SW;
+    if (j < nsb) {
+      for (int r = 0; r < RMAX; ++r) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DL; ++e) {
+          const int d4 = IMIN(sl + 32 * e, D / 4 - 1);
+          const F4 a = s_qs4[r * (D / 4) + d4];
+          acc += a.x * u[k][e].x + a.y * u[k][e].y + a.z * u[k][e].z + a.w * u[k][e].w;
+        }
+        acc += SHFL_XOR(acc, 16);
+        acc += SHFL_XOR(acc, 8);
+        acc += SHFL_XOR(acc, 4);
+        acc += SHFL_XOR(acc, 2);
+        acc += SHFL_XOR(acc, 1);
+        if (sl == 0) {
+          s_qmu[r * MAXSB + j] = acc;
+        }
+      }
+    }
   }
 }
 """
@@ -485,8 +573,12 @@ def query_setup(v: Pass1) -> tuple[str, str]:
         init.append(f"  F4 x{k};\n" + "".join(f"  x{k}.{c} = 0.0f;\n" for c in "xyzw"))
         set_.append("".join(f"    x{k}.{c} = {expr(v, 'qrow0 + r', f'd + {j}')};\n" for j, c in enumerate("xyzw")))
         store.append(f"  {n}[i] = x{k};")
+    if v.q_dtype and v.key == "turbo":
+        store[0] = _FWHT4 + store[0]
     text = fill(_QUERY_STAGE, INIT="".join(init).rstrip("\n"), SET="".join(set_).rstrip("\n"),
                 STORE="\n".join(store))
+    if v.q_dtype and v.key == "turbo":
+        text += _FWHT_STAGES
     if v.shifts:
         shared.append("TGMEM float s_qmu[RMAX * MAXSB];")
         text += _SHIFT_PAIRS
