@@ -22,7 +22,7 @@ from turboquant.kernels import emulate, host
 from turboquant.kernels import dialects
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
-from turboquant.kernels.mma import MMA_ROWS, MmaPass1
+from turboquant.kernels.mma import MMA_ROWS, MmaPass1, table_copies
 from turboquant.kernels.reference import build_cache, reference, stored
 
 RTOL = 2e-3
@@ -77,6 +77,60 @@ def test_spread_tables_fit_static_threadgroup_memory():
     assert worst[128] > 40 * 1024  # turbo4 at d=128 uses most of it (two 16 KB tables)
     plain = dataclasses.replace(VARIANTS[0], spread=False)
     assert threadgroup_bytes(plain) < threadgroup_bytes(VARIANTS[0])
+
+
+def c_int(expr: str, **names) -> int:
+    """A C integer expression of the kernel text evaluated in Python (non-negative operands, so
+    C's `/` is Python's `//`)."""
+    return eval(expr.replace(" / ", " // "), {}, names)
+
+
+@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
+def test_warp_merge_is_one_bank_wavefront_per_access_and_writes_out_every_element(d):
+    """The four warps' outputs meet in threadgroup memory in the fragment layout: every store or
+    load of a warp touches 32 different banks (the row-major layout took sixteen wavefronts per
+    access), the layout is a bijection onto the buffer, and the write-out reads element (row,
+    dim) from where the lane holding it stored it."""
+    v = dataclasses.replace(VARIANTS[0], d=d)
+    text = tpl.source(v, "cuda")[1]
+    store, load = re.findall(r"const int at = (.*);", text)
+    jk_expr, = re.findall(r"const int jk = (.*);", text)
+    run_expr, = re.findall(r"const int run = (.*);", text)
+    cv = d // 8
+    words = set()
+    for j, k in itertools.product(range(d // 16), range(4)):
+        at = [c_int(store, j=j, k=k, lane=lane) for lane in range(32)]
+        assert len({a % 32 for a in at}) == 32, (j, k)
+        words.update(at)
+    assert words == set(range(MMA_ROWS * d))
+    for r, dim in itertools.product(range(MMA_ROWS), range(d)):
+        run = c_int(run_expr, d=dim, CV=cv)
+        jk = c_int(jk_expr, d=dim, run=run, CV=cv, r=r)
+        # the lane (g, c) holding (row 2c + i, dim g * CV + 2j + e) keeps it as element 2e + i of m-tile j
+        j, e, i, g, c = (dim % cv) >> 1, dim & 1, r & 1, dim // cv, r >> 1
+        assert c_int(load, jk=jk, run=run, r=r) == c_int(store, j=j, k=2 * e + i, lane=4 * g + c)
+
+
+@pytest.mark.parametrize("bits,spread", list(itertools.product(tpl.TURBO_BITS, (True, False))))
+def test_pair_table_fill_stores_every_copy_of_every_entry_once(bits, spread):
+    """Each thread stores the copies of the entries whose codes it loaded at the kernel's start:
+    every word of a table is stored exactly once, with the pair of its own entry."""
+    v = dataclasses.replace(VARIANTS[0], d=128, key_bits=bits, value_bits=bits, spread=spread)
+    text = tpl.source(v, "cuda")[1]
+    mask, = {int(x) for x in re.findall(r"const int e = \(tid \+ u \* NT\) & (\d+);", text)}
+    (guard, index, per), _ = re.findall(r"(if \(i < \d+\) )?s_[kv]pair\[(.*)\] = [kv]pv\[m % (\d+)\];", text)
+    n, copies = 1 << (2 * bits), table_copies(bits, 128, spread)
+    total, per = n * copies, int(per)
+    assert mask == n - 1 and per == max(1, n // tpl.THREADS)
+    stored = []
+    for tid, m in itertools.product(range(tpl.THREADS), range(-(-total // tpl.THREADS))):
+        i = tid + m * tpl.THREADS
+        if guard and i >= total:
+            continue
+        word = c_int(index, i=i)
+        assert word // copies == (tid + (m % per) * tpl.THREADS) & mask  # the entry of the pair it stores
+        stored.append(word)
+    assert sorted(stored) == list(range(total))
 
 
 def test_every_variant_generates_cuda_and_refuses_metal():

@@ -121,13 +121,11 @@ const int warp = tid / 32;
 const int g = lane >> 2;
 const int c = lane & 3;
 const int sb0 = t_begin >> 8;
+@@EARLY@@
 TGMEM float s_o[RMAX * D];
 TGMEM float s_m[NW * RMAX];
 TGMEM float s_l[NW * RMAX];
 @@SHARED@@
-for (int i = tid; i < RMAX * D; i += NT) {
-  s_o[i] = 0.0f;
-}
 @@SETUP_SHARED@@
 SYNC();
 
@@ -245,14 +243,24 @@ for (int i = 0; i < 2; ++i) {
   }
   fac[i] = (m[i] == NEG_INF) ? 0.0f : EXP2(m[i] - M);
 }
-for (int w = 0; w < NW; ++w) {
-  if (warp == w) {
+// Two rounds: warps 0 and 2 store their scaled outputs, then warps 1 and 3 add theirs, pairs
+// (0, 1) into s_o and (2, 3) into the query staging (dead since the fragments were built); the
+// write-out adds the two (a fixed order, so repeated runs are bit-identical). Fragment element
+// k = 2 * (dim parity) + (row parity) of m-tile j of a lane is word (4j + k) * 32 +
+// (lane ^ (4j + k) % 32): each merge access of a warp is one bank wavefront (the row-major
+// layout took sixteen), and the XOR spreads the write-out's reads.
+static_assert(NW == 4, "the merge pairs four warps");
+float* const s_o2 = (float*)s_q4;
+for (int round = 0; round < 2; ++round) {
+  if ((warp & 1) == round) {
+    float* const dst = (warp & 2) ? s_o2 : s_o;
 #pragma unroll
     for (int j = 0; j < NM; ++j) {
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s_o[(2 * c + i) * D + g * CV + 2 * j] += o[j][i] * fac[i];
-        s_o[(2 * c + i) * D + g * CV + 2 * j + 1] += o[j][2 + i] * fac[i];
+      for (int k = 0; k < 4; ++k) {
+        const int at = (4 * j + k) * 32 + (lane ^ ((4 * j + k) & 31));
+        const float x = o[j][k] * fac[k & 1];
+        dst[at] = (round == 0) ? x : dst[at] + x;
       }
     }
   }
@@ -261,7 +269,10 @@ for (int w = 0; w < NW; ++w) {
 for (int i = tid; i < nrows * D; i += NT) {
   const int r = i / D;
   const int d = i - r * D;
-  po[((int64_t)(qrow0 + r) * nblk + blk) * D + d] = s_o[i];
+  const int run = d / CV;
+  const int jk = 4 * ((d - run * CV) >> 1) + 2 * (d & 1) + (r & 1);
+  const int at = jk * 32 + ((4 * run + (r >> 1)) ^ (jk & 31));
+  po[((int64_t)(qrow0 + r) * nblk + blk) * D + d] = s_o[at] + s_o2[at];
 }
 if (tid < nrows) {
   float M = NEG_INF;
@@ -313,19 +324,33 @@ def table_copies(bits: int, d: int, spread: bool) -> int:
     return max(1, min(32, words >> (2 * bits))) if spread else 1
 
 
-def _pair_table(x: str, bits: int, copies: int) -> tuple[str, str, str]:
+def _pair_table(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
     """A table of half2 pairs (c[i & mask], c[i >> bits]) for every two codes: one lookup
     decodes two elements into a fragment register. Lanes index random entries, so one table
     serves a warp's lookup in several bank wavefronts (the tensor-core pass 1 of turbo4 ran with
     the L1/shared pipe 74% busy); `copies` interleaved copies, lane l reading copy l % copies,
-    spread the lanes over the banks. Returns (declaration, fill, per-lane offset setup)."""
+    spread the lanes over the banks. Returns (declaration, early codebook loads, fill, per-lane
+    offset setup).
+
+    A thread stores the copies of the same few entries, so it loads their codes once, at the
+    kernel's start (the fill used to reload the codebook for every word, a chain of round trips
+    in the setup every threadgroup waits for)."""
     n = 1 << (2 * bits)
-    lc = copies.bit_length() - 1
-    shared = f"TGMEM uint32_t s_{x}pair[{n * copies}];"
-    setup = (f"for (int i = tid; i < {n * copies}; i += NT) {{ const int e = i >> {lc}; "
-             f"s_{x}pair[i] = tq_pack_h2({x}_cb[e & {(1 << bits) - 1}], {x}_cb[e >> {bits}]); }}")
+    total = n * copies
+    per = max(1, n // THREADS)  # distinct entries a thread stores: (tid + u * NT) % n, u < per
+    shared = f"TGMEM uint32_t s_{x}pair[{total}];"
+    early = (f"uint32_t {x}pv[{per}];\n#pragma unroll\nfor (int u = 0; u < {per}; ++u) {{\n"
+             f"  const int e = (tid + u * NT) & {n - 1};\n"
+             f"  {x}pv[u] = tq_pack_h2({x}_cb[e & {(1 << bits) - 1}], {x}_cb[e >> {bits}]);\n}}")
+    # word i of the fill is copy slot (k + e) % copies of entry e = i % n, k = i / n: every slot
+    # of an entry once, consecutive lanes on consecutive entries (at most 2-way bank conflicts)
+    guard = "" if total % THREADS == 0 else f"if (i < {total}) "
+    setup = (f"#pragma unroll\nfor (int m = 0; m < {-(-total // THREADS)}; ++m) {{\n"
+             f"  const int i = tid + m * NT;\n"
+             f"  {guard}s_{x}pair[(i & {n - 1}) * {copies} + (((i >> {2 * bits}) + (i & {n - 1})) & {copies - 1})] = "
+             f"{x}pv[m % {per}];\n}}")
     lane_offset = f"const uint32_t {x}lo = (uint32_t)(lane & {copies - 1}) * 4u;" if copies > 1 else ""
-    return shared, setup, lane_offset
+    return shared, early, setup, lane_offset
 
 
 def _pair_offset(fields: list[str], x: str, copies: int) -> str:
@@ -382,14 +407,14 @@ def _chunk_loader(x: str, arr: str, chunk_bits: int, bits: int, d: int, index: s
     return "\n".join(lines)
 
 
-def _turbo_side(x: str, bits: int, copies: int) -> tuple[str, str, str]:
-    shared, setup_shared, lane_offset = _pair_table(x, bits, copies)
+def _turbo_side(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
+    shared, early, setup_shared, lane_offset = _pair_table(x, bits, copies)
     setup = lane_offset + f"""
 const int64_t {x}base = (int64_t)b * {x}_p_strides[0] + (int64_t)h * {x}_p_strides[1];
 const int64_t {x}ts = {x}_p_strides[2];
 const int64_t {x}nbase = (int64_t)b * {x}_n_strides[0] + (int64_t)h * {x}_n_strides[1];
 const int64_t {x}nts = {x}_n_strides[2];"""
-    return shared, setup_shared, setup
+    return shared, early, setup_shared, setup
 
 
 def _score_step(s: int, pair) -> str:
@@ -446,7 +471,7 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     ck = v.d // 4  # dims per lane: k-step s takes run dims 4s..4s+3
     if v.key == "turbo":
         copies = table_copies(v.key_bits, v.d, v.spread)
-        shared, setup_shared, setup = _turbo_side("k", v.key_bits, copies)
+        shared, early, setup_shared, setup = _turbo_side("k", v.key_bits, copies)
         dest = 2 + copies.bit_length() - 1
         n = run_words(ck * v.key_bits)
         buf.declare("uint32_t", "kw", f"[2][{n}]")
@@ -460,7 +485,7 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
             return f"PAIRLOOK(s_kpair, {_pair_offset([field], 'k', copies)})"
 
         steps = [_score_step(s, pair) for s in range(v.d // 16)]
-        return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps),
+        return {"shared": shared, "early": early, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps),
                 "finish": "      y *= kn[tt];"}
     # affine keys: scale * code + bias, rounded to fp16 in the A fragment
     bits, group = v.key_bits, v.key_group
@@ -513,7 +538,7 @@ const int kg0 = (c * CK) / @@GROUP@@;""".replace("@@GROUP@@", str(group))
         return f"tq_pack_h2({e(tt, i)}, {e(tt, i + 1)})"
 
     steps = [_score_step(s, pair) for s in range(v.d // 16)]
-    return {"shared": "", "setup_shared": "", "setup": setup, "steps": "\n".join(steps), "finish": ""}
+    return {"shared": "", "early": "", "setup_shared": "", "setup": setup, "steps": "\n".join(steps), "finish": ""}
 
 
 def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
@@ -522,7 +547,7 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     bits = v.value_bits
     copies = table_copies(bits, v.d, v.spread)
     dest = 2 + copies.bit_length() - 1
-    shared, setup_shared, setup = _turbo_side("v", bits, copies)
+    shared, early, setup_shared, setup = _turbo_side("v", bits, copies)
     n = run_words(cv * bits)
     buf.declare("uint32_t", "vw", f"[4][{n}]")
     buf.declare("float", "vn", "[2]")
@@ -540,7 +565,7 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
         frag = [pair(0, 1, 2 * j), pair(0, 1, 2 * j + 1), pair(2, 3, 2 * j), pair(2, 3, 2 * j + 1)]
         steps.append("  {\n" + "".join(f"    const uint32_t a{i} = {f};\n" for i, f in enumerate(frag))
                      + f"    tq_mma(o[{j}], a0, a1, a2, a3, pb0, pb1);\n  }}")
-    return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps)}
+    return {"shared": shared, "early": early, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps)}
 
 
 _SHIFT_FINISH = "      y += s_qmu[(2 * c + i) * MAXSB + (base >> 8) - sb0];"
@@ -568,7 +593,7 @@ def mma_body(v: MmaPass1, prologue: str) -> str:
         copy = "\n".join(buf.copy(prefixes[k], prefixes[k + 1]) for k in range(depth))
     text = fill(_BODY, PROLOGUE=prologue, BLOCK=BLOCK, D=v.d, NT=THREADS, MAXSB=MAX_SHIFT_BLOCKS,
                 SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
-                KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], DECL=decl, NDECL=ndecl, PRE=pre, TOP=top,
+                EARLY="\n".join(x for x in (kp["early"], vp["early"]) if x), KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], DECL=decl, NDECL=ndecl, PRE=pre, TOP=top,
                 KEY_STEPS=kp["steps"], KEY_FINISH=finish, VALUE_STEPS=vp["steps"], COPY=copy)
     assert MARK not in text
     return text

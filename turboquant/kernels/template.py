@@ -449,29 +449,42 @@ for (int r = 0; r < RMAX; ++r) {
 # plain scaled rows too, then q . mean for every (row, 256-token block) of the span, one pair
 # per thread with independent 16-byte loads of the mean rows.
 _QUERY_STAGE = """
-for (int i = tid; i < RMAX * D / 4; i += NT) {
+constexpr int QI = (RMAX * D / 4 + NT - 1) / NT;
+@@POST_DECL@@
+#pragma unroll
+for (int qi = 0; qi < QI; ++qi) {
+  const int i = tid + qi * NT;
   const int r = i / (D / 4);
   const int d = 4 * (i - r * (D / 4));
 @@INIT@@
   if (r < nrows) {
 @@SET@@
   }
+@@POST_LOAD@@
+  if (i < RMAX * D / 4) {
 @@STORE@@
+  }
 }
 SYNC();
 """
 
 # The Hadamard transform of the staged query rows (Sylvester order, as mx.hadamard_transform):
 # the butterflies inside each float4 as it is staged, then one pass per wider stride over float4
-# pairs, then the per-channel `post` scale.
-_FWHT4 = """  {
-    const float a0 = x0.x + x0.y, a1 = x0.x - x0.y, a2 = x0.z + x0.w, a3 = x0.z - x0.w;
-    x0.x = a0 + a2;
-    x0.y = a1 + a3;
-    x0.z = a0 - a2;
-    x0.w = a1 - a3;
-  }
+# pairs, then the per-channel `post` scale (loaded with the query, into registers).
+_FWHT4 = """    {
+      const float a0 = x0.x + x0.y, a1 = x0.x - x0.y, a2 = x0.z + x0.w, a3 = x0.z - x0.w;
+      x0.x = a0 + a2;
+      x0.y = a1 + a3;
+      x0.z = a0 - a2;
+      x0.w = a1 - a3;
+    }
 """
+
+_POST_DECL = "F4 pst[QI];"
+_POST_LOAD = """  pst[qi].x = post[h * D + d];
+  pst[qi].y = post[h * D + d + 1];
+  pst[qi].z = post[h * D + d + 2];
+  pst[qi].w = post[h * D + d + 3];"""
 
 _FWHT_STAGES = """
 for (int hq = 1; hq < D / 4; hq *= 2) {
@@ -496,66 +509,73 @@ for (int hq = 1; hq < D / 4; hq *= 2) {
   }
   SYNC();
 }
-for (int i = tid; i < RMAX * D / 4; i += NT) {
-  const int d = 4 * (i % (D / 4));
-  F4 x = s_q4[i];
-  x.x *= post[h * D + d];
-  x.y *= post[h * D + d + 1];
-  x.z *= post[h * D + d + 2];
-  x.w *= post[h * D + d + 3];
-  s_q4[i] = x;
+#pragma unroll
+for (int qi = 0; qi < QI; ++qi) {
+  const int i = tid + qi * NT;
+  if (i < RMAX * D / 4) {
+    F4 x = s_q4[i];
+    x.x *= pst[qi].x;
+    x.y *= pst[qi].y;
+    x.z *= pst[qi].z;
+    x.w *= pst[qi].w;
+    s_q4[i] = x;
+  }
 }
 SYNC();
 """
 
 # q . mean per (row, key-mean block): one SIMD group per block, a lane per 4 dims and every row
-# reduced by shuffles, the block's mean row loaded once and up front (a thread-per-pair loop held
-# a whole mean row in registers: ~30 more registers for the whole kernel).
-_SHIFT_PAIRS = """
+# reduced by shuffles. The blocks' mean rows are loaded before the query is staged, so both
+# round trips overlap (a thread-per-pair loop held a whole mean row in registers: ~30 more
+# registers for the whole kernel).
+_SHIFT_LOADS = """
+constexpr int MU_SW = NT / 32;
+constexpr int MU_JW = (MAXSB + MU_SW - 1) / MU_SW;
+constexpr int MU_DL = (D / 4 + 31) / 32;
+const int mu_nsb = ((t_end - 1) >> 8) - sb0 + 1;
+const int mu_sl = tid & 31;
+const int mu_sw = tid >> 5;
+F4 mu4[MU_JW][MU_DL];
 {
-  constexpr int SW = NT / 32;
-  constexpr int JW = (MAXSB + SW - 1) / SW;
-  constexpr int DL = (D / 4 + 31) / 32;
-  const int nsb = ((t_end - 1) >> 8) - sb0 + 1;
   const int mu_nb = params[6];
-  const int sl = tid & 31;
-  const int sw = tid >> 5;
-  F4 u[JW][DL];
 #pragma unroll
-  for (int k = 0; k < JW; ++k) {
-    const int j = sw + k * SW;
+  for (int k = 0; k < MU_JW; ++k) {
+    const int j = mu_sw + k * MU_SW;
 #pragma unroll
-    for (int e = 0; e < DL; ++e) {
-      const int d4 = sl + 32 * e;
-      u[k][e].x = 0.0f;
-      u[k][e].y = 0.0f;
-      u[k][e].z = 0.0f;
-      u[k][e].w = 0.0f;
-      if (j < nsb && d4 < D / 4) {
-        u[k][e] = ((const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D))[d4];
+    for (int e = 0; e < MU_DL; ++e) {
+      const int d4 = mu_sl + 32 * e;
+      mu4[k][e].x = 0.0f;
+      mu4[k][e].y = 0.0f;
+      mu4[k][e].z = 0.0f;
+      mu4[k][e].w = 0.0f;
+      if (j < mu_nsb && d4 < D / 4) {
+        mu4[k][e] = ((const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D))[d4];
       }
     }
   }
+}
+"""
+
+_SHIFT_PAIRS = """
 #pragma unroll
-  for (int k = 0; k < JW; ++k) {
-    const int j = sw + k * SW;
-    if (j < nsb) {
-      for (int r = 0; r < RMAX; ++r) {
-        float acc = 0.0f;
+for (int k = 0; k < MU_JW; ++k) {
+  const int j = mu_sw + k * MU_SW;
+  if (j < mu_nsb) {
+    for (int r = 0; r < RMAX; ++r) {
+      float acc = 0.0f;
 #pragma unroll
-        for (int e = 0; e < DL; ++e) {
-          const int d4 = IMIN(sl + 32 * e, D / 4 - 1);
-          const F4 a = s_qs4[r * (D / 4) + d4];
-          acc += a.x * u[k][e].x + a.y * u[k][e].y + a.z * u[k][e].z + a.w * u[k][e].w;
-        }
-        acc += SHFL_XOR(acc, 16);
-        acc += SHFL_XOR(acc, 8);
-        acc += SHFL_XOR(acc, 4);
-        acc += SHFL_XOR(acc, 2);
-        acc += SHFL_XOR(acc, 1);
-        if (sl == 0) {
-          s_qmu[r * MAXSB + j] = acc;
-        }
+      for (int e = 0; e < MU_DL; ++e) {
+        const int d4 = IMIN(mu_sl + 32 * e, D / 4 - 1);
+        const F4 a = s_qs4[r * (D / 4) + d4];
+        acc += a.x * mu4[k][e].x + a.y * mu4[k][e].y + a.z * mu4[k][e].z + a.w * mu4[k][e].w;
+      }
+      acc += SHFL_XOR(acc, 16);
+      acc += SHFL_XOR(acc, 8);
+      acc += SHFL_XOR(acc, 4);
+      acc += SHFL_XOR(acc, 2);
+      acc += SHFL_XOR(acc, 1);
+      if (mu_sl == 0) {
+        s_qmu[r * MAXSB + j] = acc;
       }
     }
   }
@@ -565,23 +585,28 @@ _SHIFT_PAIRS = """
 
 def query_setup(v: Pass1) -> tuple[str, str]:
     """(threadgroup declarations, setup text) of the staged query rows `s_q4` (keys' basis), and
-    with key means `s_qs4` (plain scaled) and `s_qmu` (q . mean per row and block)."""
+    with key means `s_qs4` (plain scaled) and `s_qmu` (q . mean per row and block). Every
+    global load of the setup (key-mean rows, query, its rotation's channel factors) is issued
+    before the first barrier: one round trip instead of one per step."""
     arrays = [("s_q4", query_key)] + ([("s_qs4", query_plain)] if v.shifts else [])
     shared = [f"TGMEM F4 {n}[RMAX * D / 4];" for n, _ in arrays]
     init, set_, store = [], [], []
     for k, (n, expr) in enumerate(arrays):
         init.append(f"  F4 x{k};\n" + "".join(f"  x{k}.{c} = 0.0f;\n" for c in "xyzw"))
-        set_.append("".join(f"    x{k}.{c} = {expr(v, 'qrow0 + r', f'd + {j}')};\n" for j, c in enumerate("xyzw")))
-        store.append(f"  {n}[i] = x{k};")
-    if v.q_dtype and v.key == "turbo":
+        set_.append("".join(f"    x{k}.{c} = {expr(v, 'qrow0 + r', f'd + {j}')};\n"
+                            for j, c in enumerate("xyzw")))
+        store.append(f"    {n}[i] = x{k};")
+    fused = bool(v.q_dtype) and v.key == "turbo"
+    if fused:
         store[0] = _FWHT4 + store[0]
     text = fill(_QUERY_STAGE, INIT="".join(init).rstrip("\n"), SET="".join(set_).rstrip("\n"),
-                STORE="\n".join(store))
-    if v.q_dtype and v.key == "turbo":
+                STORE="\n".join(store), POST_DECL=_POST_DECL if fused else "",
+                POST_LOAD=_POST_LOAD if fused else "")
+    if fused:
         text += _FWHT_STAGES
     if v.shifts:
         shared.append("TGMEM float s_qmu[RMAX * MAXSB];")
-        text += _SHIFT_PAIRS
+        text = _SHIFT_LOADS + text + _SHIFT_PAIRS
     return "\n".join(shared), text
 
 
