@@ -10,7 +10,8 @@ which are strided like the cache's own), NaN-poisoned outputs fully overwritten 
 repeats; a few representative cases run at T = 70000, the full attention path (kernels plus
 the raw tail, which pass 2 takes on CUDA) runs once per layout, and the benchmark shape runs
 under every lane shape the benchmark sweeps. The tensor-core pass 1 (CUDA) has its own covering
-cases, held to RTOL_MMA. About 4.5 minutes on an H200, most of it NVRTC compiles.
+cases, held to RTOL_MMA. Attention sinks run through the entry point with both pass 1 kinds and
+the raw tail. About 5 minutes on an H200, most of it NVRTC compiles.
 """
 
 import math
