@@ -21,6 +21,8 @@ from turboquant.kernels.merge import Pass2
 from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import build_cache, reference, stored, tail
 
+from kernel_backend import force_backend
+
 needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 
 
@@ -144,16 +146,6 @@ def test_sinks_none_runs_the_kernels_it_always_ran_and_minus_infinity_is_no_sink
     assert mx.array_equal(out2, out).item() and mx.array_equal(lse2, lse).item()
 
 
-def _force(monkeypatch, backend, factory):
-    monkeypatch.setattr(kernels, "select_backend", lambda: backend)
-    if backend == "cuda":
-        import turboquant.kernels.cuda as cuda_mod
-
-        monkeypatch.setattr(cuda_mod, "kernel", factory)
-    else:
-        monkeypatch.setattr(metal, "kernel", factory)
-
-
 @needs_cxx
 def test_fused_decode_takes_sinks_of_one_per_query_head(monkeypatch):
     """The entry point on CUDA (emulated): sinks [Hq] in any float dtype; another shape is no
@@ -161,7 +153,7 @@ def test_fused_decode_takes_sinks_of_one_per_query_head(monkeypatch):
     cache = build_cache("turbo8v3", 2, 64, mx.float16, 256, seed=2, tail=9)
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(3)).astype(mx.float16)
     sinks = _sinks(cache, q, 0.125, (0.5, -1.0, 1.5), mx.bfloat16)
-    _force(monkeypatch, "cuda", emulate.kernel)
+    force_backend(monkeypatch, "cuda", emulate.kernel)
     args = (q, cache._key_side, cache._value_side, stored(cache), 0.125, cache._shifts, tail(cache))
     out, lse = kernels.fused_decode(*args, sinks=sinks)
     ref_out, ref_lse = reference(cache, q, 0.125, sinks=sinks)
@@ -188,7 +180,7 @@ def test_metal_self_check_covers_sinks(monkeypatch):
         return real_plain(*a)
 
     monkeypatch.setattr(host, "plain_decode", counting_plain)
-    _force(monkeypatch, "metal", emulate.kernel)
+    force_backend(monkeypatch, "metal", emulate.kernel)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernels.fused_decode(*args) is not None
@@ -209,7 +201,7 @@ def test_metal_self_check_covers_sinks(monkeypatch):
             return lambda *, inputs, **kw: plain(inputs=inputs[:-1], **kw)
         return emulate.kernel(v)
 
-    _force(monkeypatch, "metal", broken)
+    force_backend(monkeypatch, "metal", broken)
     with pytest.warns(RuntimeWarning, match="with sinks disagrees with the plain-ops path"):
         assert kernels.fused_decode(*args, sinks=sinks) is None
     assert dropped and refs == [True]
