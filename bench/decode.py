@@ -15,6 +15,7 @@ pass 1 is timed on the same caches too.
   python bench/decode.py --write-docs       # also into docs/benchmarks.md (decode-kernels section)
   python bench/decode.py --sweep            # lane-shape / unroll / threadgroup sweep first
   python bench/decode.py --breakdown        # also the GPU time of each pass alone
+  python bench/decode.py --sinks            # also the entry point with attention sinks, side by side
 
 Needs an MLX GPU backend (CUDA or Metal).
 """
@@ -138,7 +139,23 @@ def check(cache, q) -> float:
     return float(np.abs(out - ref).max() / np.abs(ref).max())
 
 
-def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain: bool, tail: int) -> list[dict]:
+def sink_rows(T: int, scheme: str, caches, q: mx.array, calls: int, base: dict, nbytes: int) -> list[dict]:
+    """`fused_decode` on the stored rows without and with attention sinks (one logit per query
+    head, as gpt-oss), timed side by side on the same caches."""
+    sinks = mx.random.normal((HQ,), key=mx.random.key(5))
+    views = [(c, stored(c)) for c in caches]
+    mx.eval(sinks, [a for _, v in views for a in v.values()])
+    rows = []
+    for label, sk in (("", None), (" + sinks", sinks)):
+        steps = [lambda x, c=c, v=v, sk=sk: kernels.fused_decode(x, c._key_side, c._value_side, v, SCALE, c._shifts,
+                                                                  sinks=sk)[0] for c, v in views]
+        rows.append(dict(T=T, method=f"{scheme} fused_decode{label}", bytes=nbytes, err=None,
+                         **measure(steps, q, calls, base)))
+    return rows
+
+
+def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain: bool, tail: int,
+                  sinks: bool = False) -> list[dict]:
     nl = layers_for(T)
     rows = []
     q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(T)).astype(mx.float16)
@@ -168,6 +185,8 @@ def bench_context(T: int, schemes: list[str], calls: int, ceiling: float, plain:
                                  **measure(steps, q, calls, base)))
             finally:
                 host.TUNING["mma"] = True
+        if sinks:
+            rows += sink_rows(T, scheme, caches, q, calls, base, nbytes)
         if plain:
             os.environ["TQSTORE_KERNELS"] = "0"
             try:
@@ -287,6 +306,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--tail", type=int, default=128, help="also time with this many raw tail rows (0: skip)")
     ap.add_argument("--plain", action="store_true", help="also time the plain-ops path")
+    ap.add_argument("--sinks", action="store_true", help="also time fused_decode without and with attention sinks")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="also time the passes alone (4k and 128k)")
     ap.add_argument("--write-docs", action="store_true")
@@ -309,7 +329,7 @@ def main() -> None:
     print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s", flush=True)
     rows = []
     for T in map(int, args.contexts.split(",")):
-        new = bench_context(T, args.schemes.split(","), args.calls, ceiling, args.plain, args.tail)
+        new = bench_context(T, args.schemes.split(","), args.calls, ceiling, args.plain, args.tail, args.sinks)
         print(table(new, ceiling), flush=True)
         rows += new
     text = table(rows, ceiling)

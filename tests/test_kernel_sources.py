@@ -24,6 +24,8 @@ from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import build_cache, reference, stored, tail
 from turboquant.sides import NativeSide
 
+from kernel_backend import force_backend
+
 D_VALUES = (64, 80, 96, 128, 256)
 
 
@@ -174,17 +176,6 @@ def test_describe_rejects_what_no_kernel_reads():
     assert host.describe(mx.zeros((1, 4, 1, 32)), ks, vs, arrays, cache._shifts) is None  # head dim
 
 
-def _force(monkeypatch, backend, factory):
-    """Route fused_decode to `backend` with the emulator standing in for the GPU kernel."""
-    monkeypatch.setattr(kernels, "select_backend", lambda: backend)
-    if backend == "cuda":
-        import turboquant.kernels.cuda as cuda_mod
-
-        monkeypatch.setattr(cuda_mod, "kernel", factory)
-    else:
-        monkeypatch.setattr(metal, "kernel", factory)
-
-
 needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 
 
@@ -200,7 +191,7 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
         calls.append(v)
         return emulate.kernel(v)
 
-    _force(monkeypatch, "cuda", factory)
+    force_backend(monkeypatch, "cuda", factory)
     monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(1)).astype(mx.float16)
     ref, _ = reference(cache, q, 0.125)
@@ -239,7 +230,7 @@ def test_decode_step_reads_the_cache_buffers_in_place(monkeypatch):
             return run(**kw)
         return call
 
-    _force(monkeypatch, "cuda", factory)
+    force_backend(monkeypatch, "cuda", factory)
     q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(4)).astype(mx.float16)
     ref, _ = reference(cache, q, 0.125)
     out = cache.attention(q, 0.125)
@@ -462,7 +453,7 @@ def test_metal_self_check_keeps_a_good_kernel_and_drops_a_bad_one(monkeypatch):
         return real_plain(*a)
 
     monkeypatch.setattr(host, "plain_decode", counting_plain)
-    _force(monkeypatch, "metal", emulate.kernel)
+    force_backend(monkeypatch, "metal", emulate.kernel)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         first = kernels.fused_decode(*args)
@@ -479,7 +470,7 @@ def test_metal_self_check_keeps_a_good_kernel_and_drops_a_bad_one(monkeypatch):
             return [outs[0] * 1.1, *outs[1:]] if isinstance(self.v, Pass2) else outs
 
     metal.reset()
-    _force(monkeypatch, "metal", Broken)
+    force_backend(monkeypatch, "metal", Broken)
     with pytest.warns(RuntimeWarning, match="disagrees with the plain-ops path"):
         assert kernels.fused_decode(*args) is None
     with warnings.catch_warnings():

@@ -10,7 +10,8 @@ which are strided like the cache's own), NaN-poisoned outputs fully overwritten 
 repeats; a few representative cases run at T = 70000, the full attention path (kernels plus
 the raw tail, which pass 2 takes on CUDA) runs once per layout, and the benchmark shape runs
 under every lane shape the benchmark sweeps. The tensor-core pass 1 (CUDA) has its own covering
-cases, held to RTOL_MMA. About 4.5 minutes on an H200, most of it NVRTC compiles.
+cases, held to RTOL_MMA. Attention sinks run through the entry point with both pass 1 kinds and
+the raw tail. About 5 minutes on an H200, most of it NVRTC compiles.
 """
 
 import math
@@ -22,7 +23,7 @@ import pytest
 from turboquant import kernels
 from turboquant.kernels import host
 from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import attention64, build_cache, dequantized, reference, stored
+from turboquant.kernels.reference import attention64, build_cache, dequantized, reference, stored, tail
 
 pytestmark = pytest.mark.gpu
 
@@ -244,3 +245,51 @@ def test_tensor_core_benchmark_shape(scheme, prefetch, monkeypatch, any_length):
     for tgs in (1, 1024):
         monkeypatch.setitem(host.TUNING, "threadgroups", tgs)
         _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64, tensor_cores=True)
+
+
+# Attention sinks (gpt-oss: 64 query / 8 KV heads, d = 64): the whole entry point with the raw tail
+# in pass 2, CUDA-core and tensor-core pass 1 (RTOL_MMA), float32 held to RTOL. Sinks sit at each
+# head's own log-sum-exp plus an offset, so each takes a visible share of the normaliser; +1000
+# takes all of it (no overflow), -1000 none.
+SINK_CASES = [
+    ("turbo4", 64, 8, mx.bfloat16, 4096, 77, False), ("turbo4", 64, 8, mx.float32, 4096, 30, False),
+    ("turbo8v3", 64, 8, mx.bfloat16, 4096, 200, True), ("affine8", 128, 4, mx.float16, 4096, 0, False),
+    ("turbo3", 128, 4, mx.float16, 70000, 0, True),
+]
+SINK_OFFSETS = (-3.0, 0.0, 2.0, 1000.0, -1000.0)
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-R{c[2]}-{str(c[3]).split('.')[-1]}"
+                                                          f"-T{c[4]}+{c[5]}-mma{int(c[6])}")
+def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case, monkeypatch):
+    scheme, d, R, dtype, T, n, mma = case
+    if mma:
+        _cuda_only()
+        monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+    cache = build_cache(scheme, H, d, dtype, T, seed=d + n, tail=n)
+    q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(R + n)).astype(dtype)
+    scale = 1 / math.sqrt(d)
+    _, lse0 = reference(cache, q, scale)
+    sinks = mx.array([lse0.reshape(-1)[i] + SINK_OFFSETS[i % len(SINK_OFFSETS)] for i in range(H * R)])
+    sinks = sinks.astype(mx.bfloat16 if dtype == mx.bfloat16 else mx.float32)
+    t = tail(cache)
+    assert (t is not None) == (n > 0)
+    args = (q, cache._key_side, cache._value_side, stored(cache), scale, cache._shifts, t)
+    call = host.describe(*args[:4], cache._shifts, tensor_cores=kernels.select_backend() == "cuda")
+    assert isinstance(call.pass1, MmaPass1) == mma
+    out, lse = kernels.fused_decode(*args, sinks=sinks)
+    ref_out, ref_lse = reference(cache, q, scale, sinks=sinks)
+    assert out.dtype == dtype
+    rtol = RTOL if dtype == mx.float32 else RTOL_MMA
+    got = np.array(out.astype(mx.float32)).astype(np.float64)
+    # the output is rounded to the activation dtype once (half an ulp; 2 allowed)
+    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 0.0}[dtype]
+    assert np.all(np.abs(got - ref_out) <= 2 * ulp * np.abs(ref_out) + rtol * np.abs(ref_out).max()), case
+    # each head's lse against its own size (the +1000 sinks' would hide the others')
+    assert np.all(np.abs(np.array(lse) - ref_lse) <= rtol * np.maximum(1.0, np.abs(ref_lse))), case
+    heads = got.reshape(H * R, d)
+    assert np.abs(heads[3::len(SINK_OFFSETS)]).max() <= 1e-30
+    # sinks of -inf are no sinks: the same bits as sinks=None
+    plain = kernels.fused_decode(*args)
+    none = kernels.fused_decode(*args, sinks=mx.full((H * R,), -math.inf))
+    assert mx.array_equal(plain[0], none[0]).item() and mx.array_equal(plain[1], none[1]).item()

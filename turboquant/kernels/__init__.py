@@ -1,6 +1,6 @@
 """Fused single-token decode attention over compressed K/V on MLX's GPU backends.
 
-`fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail)` is what
+`fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, sinks=...)` is what
 `turboquant.attention.compressed_attention` calls for one query token (L == 1) without an array
 mask. It returns `(out, lse)`:
 
@@ -10,11 +10,17 @@ mask. It returns `(out, lse)`:
   writes it in that dtype, so no conversion op follows);
 - `lse` [B, Hq, 1] float32: the natural-log log-sum-exp of those rows' scaled scores.
 
+`sinks` [Hq] (attention sinks, gpt-oss; any float dtype, natural-log units like the scaled
+scores): one logit per query head that joins the softmax normaliser and adds nothing to the
+numerator, out_h = sum_j e^(s_j - m) v_j / (e^(sink_h - m) + sum_j e^(s_j - m)), and `lse`
+includes it. Pass 2 takes it as one more block (`merge.py`); pass 1 is the same with or without
+sinks, and sinks=None runs exactly the kernels it ran before.
+
 It returns None, and the caller uses the plain-ops path, when no kernel applies: the CPU (or
 any device other than the GPU), a GPU backend other than CUDA and Metal, L != 1, an unsupported
 layout or shape (native values, head dims that are not a multiple of 8 in [8, 256], key and
-value head dims that differ, more than 1024 * 4096 tokens), `TQSTORE_KERNELS=0`, or a Metal
-kernel that failed its self-check.
+value head dims that differ, more than 1024 * 4096 tokens, sinks of another shape than [Hq]),
+`TQSTORE_KERNELS=0`, or a Metal kernel that failed its self-check.
 
 Kernels per call: pass 1 over blocks of stored rows (transforming the query itself for
 Hadamard rotations and plain scales; other rotations add a pass-0 kernel), pass 2 merging the
@@ -71,13 +77,15 @@ def select_backend() -> str | None:
 
 def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
                  shifts: mx.array | None = None, tail: tuple[mx.array, mx.array] | None = None,
-                 rows: int | None = None, tail_rows: int | None = None) -> tuple[mx.array, mx.array] | None:
+                 rows: int | None = None, tail_rows: int | None = None,
+                 sinks: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
     """(out, lse) of the stored rows and the raw `tail` through the GPU kernels, or None (see the
     module docstring). `rows` / `tail_rows`: `arrays` / `tail` are token buffers of which only
     the first `rows` / `tail_rows` tokens count (the kernels read them in place, so a decode step
-    adds no slicing ops to the graph); None: all of them."""
+    adds no slicing ops to the graph); None: all of them. `sinks`: [Hq] attention-sink logits
+    in the normaliser, or None."""
     backend = select_backend()
-    if backend is None:
+    if backend is None or not host.check_sinks(sinks, queries):
         return None
     call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows)
     if call is None:
@@ -87,7 +95,7 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
         from . import cuda
 
         return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail,
-                           tail_rows=tail_rows, out_dtype=queries.dtype)
+                           tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks)
     from . import metal
 
     if rows is not None:  # the self-check's plain-ops reference needs exact views
@@ -95,9 +103,11 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     if tail is not None and tail_rows is not None:
         tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
     stored = metal.verdict(call, lambda: host.launch(metal.kernel, call, queries, key_side, value_side, arrays,
-                                                     scale, shifts),
-                           lambda: host.plain_decode(queries, key_side, value_side, arrays, scale, shifts))
+                                                     scale, shifts, sinks=sinks),
+                           lambda: host.plain_decode(queries, key_side, value_side, arrays, scale, shifts, sinks),
+                           sinks=sinks is not None)
     if stored is None:
         return None
+    # (the stored rows' lse includes the sink, so merging the tail keeps it in the normaliser)
     out, lse = host.merge_tail(queries, *stored, tail, scale)
     return out.astype(queries.dtype), lse

@@ -5,6 +5,7 @@ Shared by both backends; `cuda.py` and `metal.py` only say how a kernel object i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -420,11 +421,27 @@ def _pass2(d: int, rotate: bool, tail_dtype: str, q_dtype: str, out_dtype: str =
     return Pass2(d=d, rotate=rotate, tail_dtype=tail_dtype, q_dtype=q_dtype, out_dtype=out_dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _with_sinks(p2: Pass2) -> Pass2:
+    return dataclasses.replace(p2, sinks=True)
+
+
+def check_sinks(sinks: mx.array | None, queries: mx.array) -> bool:
+    """Whether the kernels can take `sinks`: None, or one value per query head ([Hq])."""
+    return sinks is None or (sinks.ndim == 1 and sinks.shape[0] == queries.shape[1])
+
+
+def sink_input(sinks: mx.array) -> mx.array:
+    """The sinks as pass 2 reads them: dense float32, at least MIN_INPUT_ELEMENTS long, made once
+    per array object (a model's sinks are a fixed parameter: no conversion op in every step)."""
+    return unpooled(dense_float32(sinks))
+
+
 def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.array, pl: mx.array,
                p2: Pass2 | None = None, queries: mx.array | None = None, cq: mx.array | None = None,
-               tail: tuple[mx.array, mx.array] | None = None) -> dict:
-    """Keyword arguments of the pass-2 call; `p2` (a tail variant) with the query and tail. The
-    outputs have their final shapes, out [B, Hq, 1, D] and lse [B, Hq, 1]."""
+               tail: tuple[mx.array, mx.array] | None = None, sinks: mx.array | None = None) -> dict:
+    """Keyword arguments of the pass-2 call; `p2` (a tail or sink variant) with the query and tail
+    or the sinks. The outputs have their final shapes, out [B, Hq, 1, D] and lse [B, Hq, 1]."""
     p2 = p2 or call.pass2
     rows = call.B * call.H * call.R
     ins = {"params": params, "po": po, "pm": pm, "pl": pl}
@@ -432,6 +449,8 @@ def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.ar
         ins["rinv"] = inverse_matrix(value_side.codec.rotation)
     if p2.tail_dtype:
         ins.update(tq=queries, cq=cq, t_k=tail[0], t_v=tail[1])
+    if p2.sinks:
+        ins["sinks"] = sink_input(sinks)
     Hq = call.H * call.R
     out_dtype = DTYPES[p2.out_dtype] if p2.out_dtype else mx.float32
     return dict(inputs=[ins[n] for n in p2.input_names()], grid=(p2.threads * rows, 1, 1),
@@ -444,18 +463,21 @@ def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, 
            init_value: float | None = None, target: int | None = None,
            partials: bool = False, tail: tuple[mx.array, mx.array] | None = None,
            fuse_tail: bool = True, tail_rows: int | None = None,
-           out_dtype: mx.Dtype | None = None) -> tuple[mx.array, ...] | None:
+           out_dtype: mx.Dtype | None = None, sinks: mx.array | None = None) -> tuple[mx.array, ...] | None:
     """Run both passes; returns (out [B, Hq, 1, D] normalised in the original basis, float32 or
     `out_dtype` (CUDA: pass 2 writes it), lse [B, Hq, 1] float32 natural-log log-sum-exp of the
     scaled scores) over the stored rows and the raw `tail` (its first `tail_rows` rows; None:
     all) when given (pass 2 attends over it when `fuse_tail` and it can, else plain ops merge
     it), plus pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value` fills
-    every output before the kernels run (tests poison them with NaN)."""
+    every output before the kernels run (tests poison them with NaN). `sinks` [Hq]: one logit
+    per query head in the normaliser (`check_sinks`); out and lse then include it."""
     half = out_dtype is not None and out_dtype != mx.float32
     dtype = DTYPE_NAMES.get(out_dtype, "") if half else ""
     p2 = tail_pass2(call, queries, tail, tail_rows, dtype) if fuse_tail else None
     if p2 is None and tail is None and dtype:
         p2 = _pass2(call.D, call.pass2.rotate, "", "", dtype)
+    if sinks is not None:
+        p2 = _with_sinks(p2 or call.pass2)
     n_tail = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
     args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target,
                        n_tail if p2 is not None and p2.tail_dtype else 0)
@@ -464,7 +486,7 @@ def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, 
     po, pm, pl = make_kernel(call.pass1)(**args1, init_value=init_value)
     cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)[4]
     out, lse = make_kernel(p2 or call.pass2)(**pass2_args(call, value_side, args1["inputs"][0], po, pm, pl, p2,
-                                                          queries, cq, tail), init_value=init_value)
+                                                          queries, cq, tail, sinks), init_value=init_value)
     result = (out, lse)
     if (p2 is None or not p2.tail_dtype) and tail is not None:
         kt, vt = tail
@@ -482,8 +504,9 @@ def exact_arrays(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
 
 
 def plain_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
-                 shifts: mx.array | None) -> tuple[mx.array, mx.array]:
-    """What `launch` returns, computed with the sides' plain ops (the reference path)."""
+                 shifts: mx.array | None, sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """What `launch` returns, computed with the sides' plain ops (the reference path); `sinks`
+    [Hq] join the normaliser (and the log-sum-exp) as one more score per query head."""
     arrays = exact_arrays(arrays)
     B, Hq, L, D = queries.shape
     some = next(iter(arrays.values()))
@@ -491,8 +514,14 @@ def plain_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     R = Hq // H
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     s = key_side.scores(arrays, q, shifts)
-    lse = mx.logsumexp(s, axis=-1)
-    out = value_side.mix(arrays, mx.softmax(s, axis=-1, precise=True))
+    if sinks is None:
+        lse = mx.logsumexp(s, axis=-1)
+        p = mx.softmax(s, axis=-1, precise=True)
+    else:
+        sk = mx.broadcast_to(mx.repeat(sinks.astype(mx.float32).reshape(H, R, 1), L, axis=1), (B, H, R * L, 1))
+        lse = mx.logsumexp(mx.concatenate([s, sk], axis=-1), axis=-1)
+        p = mx.exp(s - lse[..., None])
+    out = value_side.mix(arrays, p)
     return out.reshape(B, Hq, L, -1), lse.reshape(B, Hq, L)
 
 

@@ -1,7 +1,14 @@
 """Pass 2 of the fused decode, the merge (one threadgroup per query row): merge pass 1's blocks,
 normalise, apply the inverse value rotation (dense matrix, float32 FMAs, not TF32) and write the
 output (float32, or the activation dtype) and the log-sum-exp (natural log, float32). The CUDA
-variant with a raw tail also attends over the newest native rows in the same softmax."""
+variant with a raw tail also attends over the newest native rows in the same softmax.
+
+Attention sinks (gpt-oss: one logit per query head that joins the softmax normaliser and adds
+nothing to the numerator) need no change to pass 1: the merge takes the sink as one more block
+with sum exp(sink) and no output, so the per-block partials of either pass 1 stay as they are.
+The sink variant has its own name and input; without sinks the text is the one it always was.
+The log-sum-exp then covers the sink too, which is what a later merge (the raw tail, here or in
+`host.merge_tail`) needs to stay exact."""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ class Pass2:
     tail_dtype: str = ""  # the raw tail's dtype when pass 2 also attends over it (CUDA)
     q_dtype: str = ""  # the query's dtype (with a tail)
     out_dtype: str = ""  # the output's dtype (the activations'); "" is float32
+    sinks: bool = False  # a per-query-head sink logit (natural log, float32 input `sinks`) joins the normaliser
 
     @property
     def threads(self) -> int:
@@ -30,11 +38,13 @@ class Pass2:
     def name(self) -> str:
         tail = f"_t{SHORT[self.tail_dtype]}_q{SHORT[self.q_dtype]}" if self.tail_dtype else ""
         out = f"_o{SHORT[self.out_dtype]}" if self.out_dtype else ""
-        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}{out}"
+        sinks = "_sk" if self.sinks else ""
+        return f"tq_decode2_d{self.d}_rot{int(self.rotate)}{tail}{out}{sinks}"
 
     def input_names(self) -> list[str]:
         names = ["params", "po", "pm", "pl"] + (["rinv"] if self.rotate else [])
-        return names + (["tq", "cq", "t_k", "t_v"] if self.tail_dtype else [])
+        names += ["tq", "cq", "t_k", "t_v"] if self.tail_dtype else []
+        return names + (["sinks"] if self.sinks else [])
 
 
 _PASS2 = """
@@ -90,7 +100,7 @@ float L = 0.0f;
 for (int i = 0; i < NW; ++i) {
   L += s_w2[i];
 }
-const float inv = 1.0f / L;
+@@NORMALISE@@
 // Each thread owns four adjacent dims over a slice of the blocks (16-byte loads, four
 // independent sums); the slices are added in a fixed order.
 {
@@ -263,9 +273,23 @@ _TAIL = """{
   }
 }"""
 
+# The sink of this row's query head (row = b * Hq + h) as one more block: the running max
+# includes it (a large sink cannot overflow the sums), the stored sums are rescaled to that max.
+_SINK = """float inv;
+{
+  const float sk = sinks[row % (params[3] * params[4])] * 1.4426950408889634f;
+  const float Ms = FMAX(M, sk);
+  const float fm = EXP2(M - Ms);
+  L = L * fm + EXP2(sk - Ms);
+  M = Ms;
+  inv = fm / L;
+}"""
+
+
 def pass2_body(v: Pass2, prologue: str) -> str:
     return fill(
         _PASS2, PROLOGUE=prologue, D=v.d, NT=v.threads, NBMAX=MAX_BLOCKS,
+        NORMALISE=_SINK if v.sinks else "const float inv = 1.0f / L;",
         ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
         STORE="  s_o[d] = acc * inv;" if v.rotate else "  s_y[d] = acc * inv;",
         ROTATE="SYNC();\n" + matvec("s_o", "rinv", "s_y[e]") if v.rotate else "",

@@ -32,16 +32,17 @@ def kernel(variant: Pass0 | Pass1 | Pass2):
                                 compile_options={"math_mode": "safe"})
 
 
-def shape_key(call) -> tuple:
-    return (call.pass1, call.pass2, call.B, call.H, call.R)
+def shape_key(call, sinks: bool = False) -> tuple:
+    return (call.pass1, call.pass2, call.B, call.H, call.R, sinks)
 
 
-def verdict(call, run, reference) -> tuple | None:
-    """Run the kernel (`run()` -> (out, lse)); on the first call of a shape also `reference()` and
-    keep the kernel only if both agree. Returns the kernel's result, or None to fall back."""
+def verdict(call, run, reference, sinks: bool = False) -> tuple | None:
+    """Run the kernel (`run()` -> (out, lse)); on the first call of a shape (with or without
+    attention sinks: another pass 2) also `reference()` and keep the kernel only if both agree.
+    Returns the kernel's result, or None to fall back."""
     from .host import close
 
-    key = shape_key(call)
+    key = shape_key(call, sinks)
     ok = _verdicts.get(key)
     if ok is False:
         return None
@@ -53,7 +54,8 @@ def verdict(call, run, reference) -> tuple | None:
     good_lse, err_lse = close(result[1], ref[1], RTOL)
     _verdicts[key] = good_out and good_lse
     if not _verdicts[key]:
-        warnings.warn(f"turboquant: Metal decode kernel {call.pass1.name} disagrees with the plain-ops path "
+        what = call.pass1.name + (" with sinks" if sinks else "")
+        warnings.warn(f"turboquant: Metal decode kernel {what} disagrees with the plain-ops path "
                       f"(relative error {max(err_out, err_lse):.2e}); using plain ops for this shape",
                       RuntimeWarning, stacklevel=4)
         return None

@@ -80,23 +80,30 @@ def dequantized(cache: TurboQuantKVCache) -> tuple[np.ndarray, np.ndarray]:
     return np.array(k).astype(np.float64), np.array(v).astype(np.float64)
 
 
-def attention64(q: mx.array, k: np.ndarray, v: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """(out [B, Hq, L, D], lse [B, Hq, L]) in float64; query head h reads KV head h // R."""
+def attention64(q: mx.array, k: np.ndarray, v: np.ndarray, scale: float,
+                sinks: mx.array | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(out [B, Hq, L, D], lse [B, Hq, L]) in float64; query head h reads KV head h // R.
+    `sinks` [Hq]: one more logit per query head in the normaliser (and the lse), no value."""
     with mx.stream(mx.cpu):
         qn = np.array(q.astype(mx.float32)).astype(np.float64)
+        sk = None if sinks is None else np.array(sinks.astype(mx.float32)).astype(np.float64)
     R = qn.shape[1] // k.shape[1]
     k = np.repeat(k, R, axis=1)
     v = np.repeat(v, R, axis=1)
     s = qn @ k.swapaxes(-1, -2) * scale
     m = s.max(-1, keepdims=True)
+    if sk is not None:
+        sk = np.broadcast_to(sk[None, :, None, None], m.shape)
+        m = np.maximum(m, sk)
     p = np.exp(s - m)
-    den = p.sum(-1, keepdims=True)
+    den = p.sum(-1, keepdims=True) + (0.0 if sk is None else np.exp(sk - m))
     return (p / den) @ v, (m + np.log(den))[..., 0]
 
 
-def reference(cache: TurboQuantKVCache, q: mx.array, scale: float, with_tail: bool = True):
-    """float64 (out, lse) over the stored rows (and the tail when `with_tail`)."""
+def reference(cache: TurboQuantKVCache, q: mx.array, scale: float, with_tail: bool = True,
+              sinks: mx.array | None = None):
+    """float64 (out, lse) over the stored rows (and the tail when `with_tail`), with `sinks`."""
     k, v = dequantized(cache)
     if not with_tail:
         k, v = k[:, :, : cache.stored], v[:, :, : cache.stored]
-    return attention64(q, k, v, scale)
+    return attention64(q, k, v, scale, sinks)
