@@ -90,7 +90,8 @@ class ModelIdentity(_Digestible):
         """Identity of a model folder (config.json, model*.safetensors, tokenizer files).
 
         Each weight file's sha256 is computed once and cached in `cache_dir` under its real
-        path, size and mtime, so only a changed file is read again. `kv_dtype` defaults to the
+        path with its device, inode, size, mtime and ctime (model_files.DigestCache), so only a
+        changed file is read again. `kv_dtype` defaults to the
         config's torch_dtype, else the dominant float dtype of the weight files.
         """
         model_dir = Path(model_dir)
