@@ -1,0 +1,118 @@
+"""The store side of an independent attack (issue 19, findings 1 to 6), one scenario each:
+weights replaced in place, a document holding the prompt-split marker, a truncated data.mdb,
+an edited manifest, damaged index records, and a full disk with reads and recovery.
+
+Each scenario failed before its fix and counts its trials and outcomes in the ledger; the
+outcome that must never happen (a wrong cache served, a silently cut document, a crash, a
+bricked store) is counted as "wrong" and asserted to be 0.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import open_store
+from model_folder import CHAT_TEMPLATE, write_model_folder
+from tqstore.engine import Engine
+from tqstore.errors import IdentityMismatch
+from tqstore.prompting import SENTINEL, encode_prompt
+
+DOCUMENT = "The contract says the seller pays for delays. Clause seven covers delivery and penalties. " * 4
+SUFFIX = CHAT_TEMPLATE.split("{{ message['content'] }}")[1].split("{% endfor %}")[0] + "<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("attack-store")
+    write_model_folder(root / "model", kind="qwen2")
+    return root
+
+
+# -- 1. weights replaced in place ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["cp -p over the file", "rsync -a (rename over)"])
+def test_weights_replaced_in_place_with_the_old_size_and_mtime_are_refused(root, tmp_path, how, ledger):
+    """Before: the digest cache trusted path, size and mtime, so `ask` restored the old cache
+    into the new weights and answered (rc 0)."""
+    model = tmp_path / "model"
+    shutil.copytree(root / "model", model)
+    store = open_store(tmp_path / "home")
+    try:
+        Engine(store, prefill_chunk=64).save("doc", DOCUMENT, model=str(model), scheme="turbo4")
+        weights = model / "model.safetensors"
+        old = os.stat(weights)
+        other = write_model_folder(tmp_path / "other", kind="qwen2", seed=1) / "model.safetensors"
+        assert other.stat().st_size == old.st_size
+        if how.startswith("cp"):
+            subprocess.run(["cp", "-p", str(other), str(weights)], check=True)
+        else:
+            os.replace(other, weights)
+        os.utime(weights, ns=(old.st_atime_ns, old.st_mtime_ns))  # touch -r the old file
+        with pytest.raises(IdentityMismatch, match="weights"):
+            Engine(store, prefill_chunk=64).ask("doc", "Who pays?", max_tokens=2)  # a new process's engine
+        ledger.count("weights replaced in place", f"{how}, touch -r: refused naming the weights")
+        ledger.count("weights replaced in place", "wrong", 0)
+    finally:
+        store.close()
+
+
+# -- 2. the prompt-split marker inside a document ----------------------------------------------
+
+
+def expected_context(tokenizer, document: str) -> list[int]:
+    """The tokens of the template rendered around `document`, up to where the document ends."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": document}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.endswith(SUFFIX)
+    return encode_prompt(tokenizer, text[: -len(SUFFIX)])
+
+
+MARKED = [
+    ("marker in the middle", "Clause one. " + SENTINEL + DOCUMENT),
+    ("marker at the end", DOCUMENT + SENTINEL),
+    ("marker twice", SENTINEL + DOCUMENT + SENTINEL + "tail"),
+    ("marker prefix at the end", DOCUMENT + SENTINEL[:-1]),
+]
+
+
+@pytest.mark.parametrize("label,document", MARKED, ids=[m[0] for m in MARKED])
+def test_a_document_holding_the_split_marker_is_stored_whole(root, tmp_path, label, document, ledger):
+    """Before: the context was cut at the first marker, so "Clause one. " + marker + 212 tokens
+    stored 5 tokens and reported success."""
+    store = open_store(tmp_path / "home")
+    try:
+        engine = Engine(store, prefill_chunk=64)
+        result = engine.save("doc", document, model=str(root / "model"), scheme="turbo4")
+        loaded = engine.model(str(root / "model"))
+        expected = expected_context(loaded.tokenizer, document)
+        assert list(store.get("doc").tokens) == expected and result.tokens == len(expected)
+        assert loaded.prompt.context_tokens(loaded.tokenizer, document) == expected
+        ledger.count("prompt-split marker in user text", f"engine save, {label}: stored whole")
+        ledger.count("prompt-split marker in user text", "wrong", 0)
+    finally:
+        store.close()
+
+
+def test_a_document_holding_the_split_marker_is_stored_whole_through_http_put(root, tmp_path, ledger):
+    from server_process import ServerProcess, request
+
+    document = "Clause one. " + SENTINEL + DOCUMENT
+    server = ServerProcess(tmp_path / "home", root / "model")
+    try:
+        status, _, entry = request(server, "PUT", "/v1/caches/doc", {"document": document})
+    finally:
+        server.stop()
+    assert status == 200, entry
+    store = open_store(tmp_path / "home")
+    try:
+        loaded = Engine(store).model(str(root / "model"))
+        assert list(store.get("doc").tokens) == expected_context(loaded.tokenizer, document)
+    finally:
+        store.close()
+    ledger.count("prompt-split marker in user text", "PUT /v1/caches/{name}: stored whole")
