@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from turboquant.records import Snapshot
 
 from .config import Config, load_config, resolve_home
-from .errors import NotFound
+from .errors import InvalidName, NotFound
 from .fetch import RestoreStats, restore_entry
 from .identity import CodecIdentity, ModelIdentity
 from .lookup import Match, lookup
-from .maintenance import REMOTE_GRACE, GcStats, Problem, gc, rm_local, rm_remote, verify
+from .maintenance import REMOTE_GRACE, GcStats, Problem, gc, rm_damaged_key, rm_local, rm_remote, verify
 from .manifest import Manifest
 from .names import validate_name
 from .put import PutResult, put_entry
@@ -236,8 +236,15 @@ class Store:
 
     def rm(self, name: str, remote: bool = False) -> None:
         """Remove entry `name` and the objects no other entry uses (remote=True: the bucket's
-        manifest; its objects go at the next `gc(remote=True)`). NotFound if there is none."""
-        validate_name(name)
+        manifest; its objects go at the next `gc(remote=True)`). NotFound if there is none. A
+        manifest stored under a damaged key (not a valid name) is removed by the key as `verify`
+        shows it."""
+        try:
+            validate_name(name)
+        except InvalidName:
+            if remote or not rm_damaged_key(self._tiers, name):
+                raise
+            return
         if remote:
             rm_remote(self._tiers, name)
         else:

@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from harness import open_store
+from harness import TEST_SETTINGS, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
+from tqstore.config import load_config
 from tqstore.engine import Engine
-from tqstore.errors import IdentityMismatch
+from tqstore.errors import IdentityMismatch, StoreDamaged
 from tqstore.prompting import SENTINEL, encode_prompt
+from tqstore.repair import repair_home
+from workers import put
 
 DOCUMENT = "The contract says the seller pays for delays. Clause seven covers delivery and penalties. " * 4
 SUFFIX = CHAT_TEMPLATE.split("{{ message['content'] }}")[1].split("{% endfor %}")[0] + "<|im_start|>assistant\n"
@@ -116,3 +119,80 @@ def test_a_document_holding_the_split_marker_is_stored_whole_through_http_put(ro
     finally:
         store.close()
     ledger.count("prompt-split marker in user text", "PUT /v1/caches/{name}: stored whole")
+
+
+# -- 3. a truncated data.mdb -------------------------------------------------------------------
+
+
+def synthetic_home(home: Path, n: int = 3) -> list[str]:
+    """A home with `n` synthetic entries (shared prefix blocks), closed again; their names."""
+    store = open_store(home)
+    try:
+        for i in range(n):
+            put(store, f"e{i}", 300, i)
+    finally:
+        store.close()
+    return [f"e{i}" for i in range(n)]
+
+
+def truncations(size: int) -> dict[str, int]:
+    page = 4096
+    return {"to half": size // 2, "by one page": size - page, "to three pages": 3 * page,
+            "inside the second meta page": page + 100, "inside the first meta page": 100}
+
+
+@pytest.fixture(scope="module")
+def truncated_source(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("truncated") / "home"
+    synthetic_home(home)
+    return home
+
+
+def assert_refused(done: subprocess.CompletedProcess, what: str) -> None:
+    assert done.returncode == 1, f"{what}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    text = done.stdout + done.stderr
+    assert "StoreDamaged" in text or "is damaged" in text, f"{what}: {text[-2000:]}"
+    assert "tqstore repair" in text and "Traceback" not in text, f"{what}: {text[-2000:]}"
+
+
+@pytest.mark.parametrize("cut", list(truncations(1 << 20)))
+def test_a_truncated_data_mdb_is_refused_by_every_command_never_sigbus(truncated_source, tmp_path, cut, ledger):
+    """Before: LMDB mapped the short file and the first read past its end killed the process
+    with SIGBUS (exit 135, no message), `verify` included."""
+    home = tmp_path / "home"
+    shutil.copytree(truncated_source, home)
+    data = home / "lmdb" / "data.mdb"
+    os.truncate(data, truncations(data.stat().st_size)[cut])
+    with pytest.raises(StoreDamaged, match="tqstore repair"):
+        open_store(home)
+    commands = [["verify", "--json"]]
+    if cut == "to half":
+        commands += [["ls"], ["info", "e0"], ["gc"], ["rm", "e1"], ["stats"], ["ask", "e0", "Who pays?"]]
+    for argv in commands:
+        assert_refused(cli(*argv, "--home", str(home)), f"tqstore {' '.join(argv)} ({cut})")
+        ledger.count("truncated data.mdb", "command refused with StoreDamaged (exit 1, names repair)")
+    ledger.count("truncated data.mdb", "SIGBUS (wrong)", 0)
+    if cut == "to half":
+        done = cli("repair", "--home", str(home))
+        assert done.returncode == 0 and "moved the LMDB folder" in done.stderr, done.stderr
+    else:
+        assert repair_home(load_config(home, TEST_SETTINGS)).moved_aside
+    assert len(list(home.glob("lmdb.damaged-*"))) == 1
+    store = open_store(home)
+    try:
+        assert store.ls() == [] and store.verify() == []
+        put(store, "again", 44, 1)
+        assert store.load("again")[1].tokens == 556
+    finally:
+        store.close()
+    ledger.count("truncated data.mdb", f"truncated {cut}: repair moved it aside, store works again")
+
+
+def test_serve_on_a_truncated_data_mdb_exits_with_the_reason(root, truncated_source, tmp_path, ledger):
+    home = tmp_path / "home"
+    shutil.copytree(truncated_source, home)
+    data = home / "lmdb" / "data.mdb"
+    os.truncate(data, data.stat().st_size // 2)
+    done = cli("serve", "--home", str(home), "--model", str(root / "model"), "--port", "0", timeout=120)
+    assert_refused(done, "tqstore serve")
+    ledger.count("truncated data.mdb", "serve refused to start with StoreDamaged (exit 1)")
