@@ -9,14 +9,16 @@ bricked store) is counted as "wrong" and asserted to be 0.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
+import lmdb
 import pytest
 
-from harness import TEST_SETTINGS, cli, open_store
+from harness import TEST_SETTINGS, check_home, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
 from tqstore.engine import Engine
@@ -196,3 +198,92 @@ def test_serve_on_a_truncated_data_mdb_exits_with_the_reason(root, truncated_sou
     done = cli("serve", "--home", str(home), "--model", str(root / "model"), "--port", "0", timeout=120)
     assert_refused(done, "tqstore serve")
     ledger.count("truncated data.mdb", "serve refused to start with StoreDamaged (exit 1)")
+
+
+# -- 5. damaged index records ----------------------------------------------------------------
+
+
+def write_record(home: Path, db: bytes, key: bytes, value: bytes) -> None:
+    """Write one raw record into the home's LMDB (the store is closed)."""
+    env = lmdb.open(str(home / "lmdb"), max_dbs=16)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=env.open_db(db, txn=txn))
+    finally:
+        env.close()
+
+
+def manifest_bytes(home: Path, name: str) -> bytes:
+    store = open_store(home)
+    try:
+        return store.tiers.lmdb.get_manifest(name)
+    finally:
+        store.close()
+
+
+# (label, db, key, value or a function of the home giving it, the name verify reports or None)
+DAMAGES = [
+    ("meta/schema not a number", b"meta", b"schema", b"x1", None),
+    ("3-byte manifest_used record", b"manifest_used", b"e1", b"abc", None),
+    ("manifest key with a 0xff byte", b"manifests", b"e2\xff", lambda home: manifest_bytes(home, "e2"), "e2\\xff"),
+    ("manifest key with a space, garbage value", b"manifests", b"a b", b"{not json", "a b"),
+    ("quarantine record not JSON", b"quarantine", bytes(32), b"\x00\x01", None),
+    ("manifest garbage under a valid name", b"manifests", b"junk", b"\x89garbage", "junk"),
+]
+
+
+@pytest.fixture(scope="module")
+def records_source(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("records") / "home"
+    synthetic_home(home)
+    return home
+
+
+@pytest.mark.parametrize("label,db,key,value,shown", DAMAGES, ids=[d[0] for d in DAMAGES])
+def test_one_damaged_index_record_costs_only_itself(records_source, tmp_path, label, db, key, value, shown, ledger):
+    """Before: each of these made ls, verify, the lookup of every ask and gc fail as "internal
+    error" (ValueError, struct.error, UnicodeDecodeError), and rm could not remove a bad key."""
+    home = tmp_path / "home"
+    shutil.copytree(records_source, home)
+    write_record(home, db, key, value(home) if callable(value) else value)
+    store = open_store(home)
+    try:
+        assert [e.name for e in store.ls()] == ["e0", "e1", "e2"]
+        problems = store.verify()
+        assert len(problems) == 1 and problems[0].entry == shown, problems
+    finally:
+        store.close()
+    done = cli("verify", "--json", "--home", str(home))
+    assert done.returncode == 1 and json.loads(done.stdout)["problems"][0]["entry"] == shown, done.stdout
+    store = open_store(home)
+    try:  # (a load rewrites a damaged last-used time, gc drops the quarantine records)
+        for name in ("e0", "e1", "e2"):
+            assert store.load(name)[1].tokens == 812
+        store.gc()
+    finally:
+        store.close()
+    result = repair_home(load_config(home, TEST_SETTINGS))
+    assert result.remaining == () and len(result.records) == (db in (b"meta", b"manifests")), result
+    check = check_home(home)
+    assert check.entries == 3
+    ledger.count("damaged index records", f"{label}: ls, load, verify (listed), gc worked; repair fixed it")
+    ledger.count("damaged index records", "wrong (other entries affected, internal error)", 0)
+
+
+def test_a_store_with_every_damage_works_through_the_cli(root, tmp_path, ledger):
+    home = tmp_path / "home"
+    synthetic_home(home)
+    store = open_store(home)
+    try:
+        Engine(store, prefill_chunk=64).save("doc", DOCUMENT, model=str(root / "model"), scheme="turbo4")
+    finally:
+        store.close()
+    for _, db, key, value, _ in DAMAGES:
+        write_record(home, db, key, value(home) if callable(value) else value)
+    for argv, code in ((["ls"], 0), (["info", "e0"], 0), (["ask", "doc", "Who pays?", "--max-tokens", "2"], 0),
+                       (["verify"], 1), (["gc"], 0), (["rm", "a b"], 0), (["rm", "e2\\xff"], 0), (["repair"], 0),
+                       (["verify"], 0)):
+        done = cli(*argv, "--home", str(home))
+        assert done.returncode == code and "internal error" not in done.stderr, (argv, done.stdout, done.stderr)
+        ledger.count("damaged index records", f"all at once: tqstore {argv[0]} exit {code}")
+    assert check_home(home).entries == 4
