@@ -22,7 +22,9 @@ from harness import TEST_SETTINGS, check_home, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
 from tqstore.engine import Engine
-from tqstore.errors import IdentityMismatch, StoreDamaged
+from tqstore.canonical import canonical_json
+from tqstore.errors import IdentityMismatch, MalformedHeader, StoreDamaged
+from tqstore.manifest import seal
 from tqstore.prompting import SENTINEL, encode_prompt
 from tqstore.repair import repair_home
 from workers import put
@@ -287,3 +289,62 @@ def test_a_store_with_every_damage_works_through_the_cli(root, tmp_path, ledger)
         assert done.returncode == code and "internal error" not in done.stderr, (argv, done.stdout, done.stderr)
         ledger.count("damaged index records", f"all at once: tqstore {argv[0]} exit {code}")
     assert check_home(home).entries == 4
+
+
+# -- 4. an edited manifest ---------------------------------------------------------------------
+
+
+def edit_manifest(home: Path, name: str, how: str) -> None:
+    """Rewrite the stored manifest of `name` with scheme turbo2: as bytes (its digest left as
+    it was), resealed (digest recomputed), or as a version 1 manifest (no digest)."""
+    doc = json.loads(manifest_bytes(home, name))
+    doc["codec"]["scheme"] = "turbo2"
+    if how == "digest left":
+        data = canonical_json(doc)
+    elif how == "digest recomputed":
+        data = seal(doc)
+    else:
+        doc.pop("digest", None)
+        data = canonical_json({**doc, "version": 1})
+    write_record(home, b"manifests", name.encode(), data)
+
+
+@pytest.fixture(scope="module")
+def saved_doc(root, tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("edited") / "home"
+    store = open_store(home)
+    try:
+        Engine(store, prefill_chunk=64).save("doc", DOCUMENT, model=str(root / "model"), scheme="turbo4")
+    finally:
+        store.close()
+    return home
+
+
+@pytest.mark.parametrize("how", ["digest left", "digest recomputed", "version 1 manifest"])
+def test_an_edited_scheme_is_a_problem_never_a_silent_cold_prefill(saved_doc, tmp_path, how, ledger):
+    """Before: "scheme": "turbo4" -> "turbo2" passed verify and info, and ask ignored the cache
+    and prefilled cold under turbo2 (rc 0)."""
+    home = tmp_path / "home"
+    shutil.copytree(saved_doc, home)
+    edit_manifest(home, "doc", how)
+    store = open_store(home)
+    try:
+        engine = Engine(store, prefill_chunk=64)
+        if how == "digest left":
+            problems = store.verify()
+            assert [(p.entry, p.kind) for p in problems] == [("doc", "manifest")], problems
+            assert "digest does not match" in problems[0].detail
+            with pytest.raises(MalformedHeader, match="digest does not match"):
+                engine.ask("doc", "Who pays?", max_tokens=2)
+            outcome = "verify lists it, ask refused (MalformedHeader)"
+        else:
+            with pytest.raises(IdentityMismatch, match="codec digest"):
+                engine.ask("doc", "Who pays?", max_tokens=2)
+            outcome = "ask refused (IdentityMismatch: scheme vs codec digest)"
+    finally:
+        store.close()
+    if how == "digest left":
+        done = cli("verify", "--home", str(home))
+        assert done.returncode == 1 and "digest does not match" in done.stdout + done.stderr, done.stderr
+    ledger.count("edited manifest", f"scheme turbo4 -> turbo2, {how}: {outcome}")
+    ledger.count("edited manifest", "wrong (silent cold prefill, verify passed)", 0)
