@@ -17,7 +17,7 @@ import mlx.core as mx
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 
 from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
-from .identity import CodecIdentity
+from .identity import CodecIdentity, stored_bytes_at_least
 from .loading import LoadedModel, ModelRegistry, check_identity, load_model
 from .manifest import Manifest
 from .store import Store
@@ -196,11 +196,12 @@ class Engine:
         """`save` for tokens already framed (chat turns, the server)."""
         scheme = parse_scheme(scheme or self.store.config.default_scheme).name
         started = self.start(loaded, scheme, tokens)
+        new = len(tokens) - started.matched
+        self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
         seconds = self.prefill(loaded, started.caches, tokens[started.matched:], progress)
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        new = len(tokens) - started.matched
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)

@@ -162,6 +162,19 @@ class CodecIdentity(_Digestible):
                    codecs=_codec_fields(snapshot.codecs))
 
 
+def stored_bytes_at_least(codec: CodecIdentity, tokens: int) -> int:
+    """A lower bound of the bytes `tokens` more tokens take when stored under `codec`, to refuse
+    a save before its prefill: packed codes compress by at most ~6% (docs/format.md), so 1/1.1
+    of their raw size. Layers whose config does not give their bits count 0."""
+    bits = 0
+    for layer in codec.layers:
+        sizes = [layer.get(k) for k in ("n_kv_heads", "head_dim_k", "key_bits", "head_dim_v", "value_bits")]
+        if all(type(v) is int and v >= 0 for v in sizes):
+            heads, dim_k, key_bits, dim_v, value_bits = sizes
+            bits += heads * (dim_k * key_bits + dim_v * value_bits)
+    return int(tokens * bits / 8 / 1.1)
+
+
 def describe_difference(a: _Digestible, b: _Digestible) -> list[str]:
     """The fields in which two identities differ, as "name: a vs b" (a first), for messages.
 

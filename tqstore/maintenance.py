@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import format_size
-from .errors import ConflictError, CorruptBlock, FormatError, NotFound
+from .errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
 from .fetch import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from .manifest import Manifest
 from .names import is_valid_name
@@ -150,7 +150,10 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
     if remote:
         stats = _gc_remote(tiers, stats, remote_grace, notes)
     if compact:
-        stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
+        try:
+            stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
+        except DiskFull as exc:  # the store works without it: what gc removed is room again
+            notes.append(f"compaction skipped: {exc}")
     return dataclasses.replace(stats, notes=tuple(notes))
 
 

@@ -4,6 +4,7 @@ dtype of the weights. What `ModelIdentity.from_folder` is made of."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json", "added_tokens.json", "vocab.txt", "spiece.model",
 )
 DIGEST_CACHE_FILE = "file-digests.json"
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # bookkeeping files that cannot be written for want of space are skipped
 _CHUNK = 1 << 23
 
 
@@ -84,9 +86,14 @@ class DigestCache:
         return digest
 
     def save(self) -> None:
+        """Write the cache if it changed; skipped on a full disk (it only saves re-hashing)."""
         if self.dirty:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_atomic(self.path, canonical_json({"version": self.VERSION, "files": self.entries}))
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                write_file_atomic(self.path, canonical_json({"version": self.VERSION, "files": self.entries}))
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
             self.dirty = False
 
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import lmdb
 import pytest
 
-from harness import TEST_SETTINGS, check_home, cli, open_store
+from harness import HERE, ROOT, TEST_SETTINGS, check_home, child_env, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
 from tqstore.engine import Engine
@@ -27,6 +29,7 @@ from tqstore.errors import IdentityMismatch, MalformedHeader, StoreDamaged
 from tqstore.manifest import seal
 from tqstore.prompting import SENTINEL, encode_prompt
 from tqstore.repair import repair_home
+from test_disk_full import unshare_works
 from workers import put
 
 DOCUMENT = "The contract says the seller pays for delays. Clause seven covers delivery and penalties. " * 4
@@ -255,8 +258,6 @@ def test_one_damaged_index_record_costs_only_itself(records_source, tmp_path, la
         assert len(problems) == 1 and problems[0].entry == shown, problems
     finally:
         store.close()
-    done = cli("verify", "--json", "--home", str(home))
-    assert done.returncode == 1 and json.loads(done.stdout)["problems"][0]["entry"] == shown, done.stdout
     store = open_store(home)
     try:  # (a load rewrites a damaged last-used time, gc drops the quarantine records)
         for name in ("e0", "e1", "e2"):
@@ -266,8 +267,12 @@ def test_one_damaged_index_record_costs_only_itself(records_source, tmp_path, la
         store.close()
     result = repair_home(load_config(home, TEST_SETTINGS))
     assert result.remaining == () and len(result.records) == (db in (b"meta", b"manifests")), result
-    check = check_home(home)
-    assert check.entries == 3
+    store = open_store(home)
+    try:
+        assert store.verify() == [] and store.tiers.lmdb.damaged_records() == []
+        assert [e.name for e in store.ls()] == ["e0", "e1", "e2"]
+    finally:
+        store.close()
     ledger.count("damaged index records", f"{label}: ls, load, verify (listed), gc worked; repair fixed it")
     ledger.count("damaged index records", "wrong (other entries affected, internal error)", 0)
 
@@ -348,3 +353,44 @@ def test_an_edited_scheme_is_a_problem_never_a_silent_cold_prefill(saved_doc, tm
         assert done.returncode == 1 and "digest does not match" in done.stdout + done.stderr, done.stderr
     ledger.count("edited manifest", f"scheme turbo4 -> turbo2, {how}: {outcome}")
     ledger.count("edited manifest", "wrong (silent cold prefill, verify passed)", 0)
+
+
+# -- 6. a full disk: reads, refusals before the prefill, recovery -------------------------------
+
+
+@pytest.mark.skipif(not unshare_works(), reason="no private mount namespace here (unshare -rm)")
+def test_a_full_disk_serves_reads_and_rm_gc_bring_it_back(root, tmp_path, ledger):
+    """Before: every model load rewrote models.json (with fsync), so `ask` failed on a full disk;
+    after LMDB's own ENOSPC, rm + gc left saves failing and `gc --compact` refused; a save was
+    refused only after its prefill."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    settings = json.dumps({"home": str(mount / "home"), "model": str(root / "model"), "config": {}})
+    python = shlex.quote(sys.executable)
+    script = (f"mount -t tmpfs -o size={8 << 20} tmpfs {shlex.quote(str(mount))} && "
+              f"{python} {shlex.quote(str(HERE / 'workers.py'))} full_disk {shlex.quote(settings)}")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=600,
+                          env=child_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    print(json.dumps(out, indent=1))
+    assert out["free_after_fill"] < 4096
+    for read in ("ask", "ls", "verify"):
+        assert out[read][0] == 0, (read, out[read])
+        ledger.count("full disk (tmpfs 8 MiB)", f"tqstore {read} on the full disk: exit 0")
+    assert not out["registry_rewritten"]
+    ledger.count("full disk (tmpfs 8 MiB)", "models.json not written by reads")
+    code, text = out["save_full"]
+    assert code == 1 and "DiskFull" in text or "full" in text, out["save_full"]
+    assert "before" in text, out["save_full"]  # refused before its prefill
+    ledger.count("full disk (tmpfs 8 MiB)", "save refused before its prefill (DiskFull)")
+    assert all(o == "stored" or o.startswith("DiskFull") for o in out["tight"]), out["tight"]
+    assert "DiskFull (LMDB)" in out["tight"], out["tight"]
+    for outcome in out["tight"]:
+        ledger.count("full disk (tmpfs 8 MiB)", f"put with about its payload free: {outcome}")
+    assert out["free_before_recovery"] < 4096
+    assert "compaction skipped" in out["gc_compact"][1], out["gc_compact"]
+    for step in ("rm", "gc", "save_after_gc", "ask_after_gc", "gc_compact", "verify_end"):
+        assert out[step][0] == 0, (step, out[step])
+        ledger.count("full disk (tmpfs 8 MiB)", f"after LMDB's ENOSPC, disk still full: {step} exit 0")
+    ledger.count("full disk (tmpfs 8 MiB)", "wrong (read failed, store stuck)", 0)

@@ -302,6 +302,10 @@ class LmdbTier:
             problems += [Problem("orphan_segment", k, "segments without an index entry") for k in orphans]
         return problems
 
+    def check_room(self, nbytes: int) -> None:
+        """DiskFull if writing `nbytes` now would be refused by the free-disk guard."""
+        self._env.read(lambda txn: self._env.check_free_disk(nbytes, txn))
+
     def damaged_records(self) -> list[DamagedRecord]:
         """Index records that are damaged one by one (lmdb_records.py); [] when all are sound."""
         return self._env.read(lambda txn: find_damaged(txn, self._env.dbs))
