@@ -118,7 +118,7 @@ def verify(ctx: Context, args: argparse.Namespace) -> int:
             rows = [(p.entry or "-", p.kind, p.key.hex()[:12] if p.key else "-", p.detail) for p in problems]
             ctx.out.table(("ENTRY", "PROBLEM", "OBJECT", "DETAIL"), rows)
             ctx.out.note(f"{len(problems)} problems: damaged blocks are quarantined; save or pull the entries "
-                         "named again (tqstore rm removes one)")
+                         "named again (tqstore rm removes one); `tqstore repair` fixes damaged records")
         else:
             ctx.out.note(f"ok: {len(checked)} {'entry' if len(checked) == 1 else 'entries'} verified, no problems")
 
