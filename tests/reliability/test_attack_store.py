@@ -9,6 +9,7 @@ bricked store) is counted as "wrong" and asserted to be 0.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -24,8 +25,9 @@ from harness import HERE, ROOT, TEST_SETTINGS, child_env, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
 from tqstore.engine import Engine
+from tqstore import loading, model_files
 from tqstore.canonical import canonical_json
-from tqstore.errors import IdentityMismatch, MalformedHeader, StoreDamaged
+from tqstore.errors import DiskFull, IdentityMismatch, MalformedHeader, StoreDamaged
 from tqstore.manifest import seal
 from tqstore.prompting import SENTINEL, encode_prompt
 from tqstore.repair import repair_home
@@ -397,3 +399,34 @@ def test_a_full_disk_serves_reads_and_rm_gc_bring_it_back(root, tmp_path, ledger
         assert out[step][0] == 0, (step, out[step])
         ledger.count("full disk (tmpfs 8 MiB)", f"after LMDB's ENOSPC, disk still full: {step} works")
     ledger.count("full disk (tmpfs 8 MiB)", "wrong (read failed, store stuck)", 0)
+
+
+def test_reads_write_nothing_and_a_refused_save_costs_no_prefill(root, tmp_path, monkeypatch, ledger):
+    """The full disk where no filesystem can be mounted: every file write fails with ENOSPC and
+    the guard keeps more free than the disk has. Before: `ask` failed writing models.json, and a
+    save ran its whole prefill before DiskFull."""
+    home = tmp_path / "home"
+    store = open_store(home)
+    try:
+        Engine(store, prefill_chunk=64).save("doc", DOCUMENT, model=str(root / "model"), scheme="turbo4")
+    finally:
+        store.close()
+
+    def no_space(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(loading, "write_file_atomic", no_space)
+    monkeypatch.setattr(model_files, "write_file_atomic", no_space)
+    store = open_store(home, min_free_disk_bytes=1 << 60)
+    try:
+        engine = Engine(store, prefill_chunk=64)
+        assert engine.ask("doc", "Who pays?", max_tokens=2).cached_tokens == len(store.get("doc").tokens)
+        prefilled = []
+        monkeypatch.setattr(Engine, "prefill", lambda self, *a, **k: prefilled.append(1) or 0.0)
+        with pytest.raises(DiskFull, match="before the prefill"):
+            engine.save("big", DOCUMENT + " More text.", model=str(root / "model"), scheme="turbo4")
+        assert prefilled == []
+    finally:
+        store.close()
+    ledger.count("full disk (every write ENOSPC, guard over the disk)", "ask worked, nothing written")
+    ledger.count("full disk (every write ENOSPC, guard over the disk)", "save refused before its prefill")
