@@ -430,3 +430,23 @@ def test_reads_write_nothing_and_a_refused_save_costs_no_prefill(root, tmp_path,
         store.close()
     ledger.count("full disk (every write ENOSPC, guard over the disk)", "ask worked, nothing written")
     ledger.count("full disk (every write ENOSPC, guard over the disk)", "save refused before its prefill")
+
+
+def test_repair_stores_a_sound_manifest_under_a_bad_key_again_under_its_own_name(records_source, tmp_path, ledger):
+    home = tmp_path / "home"
+    shutil.copytree(records_source, home)
+    data = manifest_bytes(home, "e2")
+    env = lmdb.open(str(home / "lmdb"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        manifests = env.open_db(b"manifests", txn=txn)
+        txn.delete(b"e2", db=manifests)
+        txn.put(b"e2\xff", data, db=manifests)
+    env.close()
+    result = repair_home(load_config(home, TEST_SETTINGS))
+    assert result.rekeyed == ("e2",) and result.remaining == () and result.gc.orphans == 0, result
+    store = open_store(home)
+    try:
+        assert [e.name for e in store.ls()] == ["e0", "e1", "e2"] and store.load("e2")[1].tokens == 812
+    finally:
+        store.close()
+    ledger.count("damaged index records", "sound manifest under a bad key: repair stored it under its own name")
