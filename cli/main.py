@@ -12,6 +12,7 @@ import errno
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 
 from tqstore.errors import RemoteNotConfigured, TqstoreError
@@ -21,6 +22,9 @@ from .context import Context
 from .output import Output
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+# transformers logs "PyTorch was not found ..." when imported without torch; tqstore uses only
+# its tokenizers, so that line is noise to a user (set before any command imports it).
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 BLAS_CHOICES = ("bundled", "openblas")
 
 DESCRIPTION = "Save a long context's KV cache once; answer every later question without the prefill."
@@ -106,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
         _choose_blas(args, argv)
-        with Context(args, out) as ctx:
+        with Context(args, out) as ctx, warnings.catch_warnings():
+            warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
     except UsageError as exc:  # a command's own parser (serve)
         return _usage_error(exc, args.json)
@@ -135,6 +140,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         out.error("InternalError", f"internal error: {type(exc).__name__}: {exc} (run with -v for the traceback, "
                   "and please report it)")
         return EXIT_ERROR
+
+
+def _as_note(out: Output):
+    """A `warnings.showwarning` that prints a warning as one note line (no file, line or code;
+    silent with -q and --json, like every note)."""
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        out.note(f"note: {message}")
+
+    return show
 
 
 def _usage_error(exc: UsageError, json_mode: bool) -> int:

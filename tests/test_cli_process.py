@@ -109,3 +109,22 @@ def test_blas_openblas_reexecs_the_command(home):
     checks = {c["name"]: c for c in json.loads(run.stdout)["checks"]}
     assert run.returncode == 0 and checks["blas"]["active"] == "openblas", run.stderr
     assert time.perf_counter() - start < 60
+
+
+def test_python_warnings_are_one_note_line(tmp_path):
+    """Before: the sliding-window notice came out raw ("engine.py:135: UserWarning: ..." and the
+    source line after it)."""
+    model = write_model_folder(tmp_path / "tiny-gemma3", kind="gemma3_text")
+    run = tq(tmp_path / "home", "save", "g", "--model", str(model), "--prompt", DOC)
+    assert run.returncode == 0, run.stderr
+    assert "note: sliding-window (rotating) layers keep their native KV cache" in run.stderr
+    assert "Warning" not in run.stderr and ".py:" not in run.stderr, run.stderr
+
+
+def test_transformers_advice_about_pytorch_is_not_printed():
+    """Before: importing transformers (mlx-lm's tokenizers) without torch printed "PyTorch was not
+    found. Models won't be available ..." to the user."""
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    run = subprocess.run([sys.executable, "-c", "import tqstore_cli.main, transformers"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert run.returncode == 0 and "PyTorch was not found" not in run.stderr, run.stderr

@@ -43,7 +43,11 @@ def test_from_path_is_stable_and_cached(model_dir, tmp_path, monkeypatch):
     real = model_files.file_sha256
     monkeypatch.setattr(model_files, "file_sha256", lambda p: hashed.append(p.name) or real(p))
     b = ModelIdentity.from_path(model_dir, tmp_path / "cache")
-    assert "model.safetensors" not in hashed  # size and mtime unchanged: cached
+    assert "model.safetensors" in hashed  # written within the last 2 s: hashed again (racy)
+    hashed.clear()
+    monkeypatch.setattr(model_files.DigestCache, "RACY_NS", 0)
+    assert ModelIdentity.from_path(model_dir, tmp_path / "cache") == a
+    assert hashed.count("model.safetensors") == 0  # then cached: same inode, size, mtime and ctime
     assert a == b and a.digest == b.digest and len(a.digest) == 32 and a.hexdigest == a.digest.hex()
 
 
@@ -55,6 +59,27 @@ def test_weights_are_hashed_by_content(model_dir, tmp_path):
     b = ModelIdentity.from_path(model_dir, tmp_path / "cache")
     assert a.weights != b.weights and a.digest != b.digest
     assert describe_difference(a, b) == [f"weights: {a.weights[:12]}… vs {b.weights[:12]}…"]
+
+
+@pytest.mark.parametrize("how", ["in place", "renamed over"])
+def test_weights_replaced_with_the_same_size_and_mtime_are_hashed_again(model_dir, tmp_path, monkeypatch, how):
+    """Before: the digest cache trusted path, size and mtime, so weights replaced as `cp -p`,
+    `rsync -a` or `touch -r` leave them kept the old digest and a stale cache was served."""
+    monkeypatch.setattr(model_files.DigestCache, "RACY_NS", 0)  # only inode and ctime may tell
+    weights = model_dir / "model.safetensors"
+    a = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    st = os.stat(weights)
+    other = tmp_path / "other.safetensors"
+    mx.save_safetensors(str(other), {"w": mx.full((4, 4), 2.0, mx.bfloat16)})
+    assert other.stat().st_size == st.st_size
+    if how == "in place":
+        weights.write_bytes(other.read_bytes())
+    else:
+        os.replace(other, weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # touch -r the old file
+    assert (os.stat(weights).st_size, os.stat(weights).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    b = ModelIdentity.from_path(model_dir, tmp_path / "cache")
+    assert a.weights != b.weights
 
 
 def test_a_damaged_digest_cache_is_rebuilt(model_dir, tmp_path):

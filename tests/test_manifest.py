@@ -10,7 +10,8 @@ import pytest
 from tqstore.blocks import block_keys
 from tqstore.errors import FormatError, FormatVersionTooNew, MalformedHeader, UnsupportedFormatVersion
 from tqstore.identity import ModelIdentity, describe_difference
-from tqstore.manifest import Manifest, ObjectRef, window_key
+from tqstore.canonical import canonical_json
+from tqstore.manifest import Manifest, ObjectRef, seal, window_key
 
 MODEL = ModelIdentity("w" * 64, {"num_hidden_layers": 2, "rope_scaling": {"type": "linear", "factor": 2.0},
                                  "layer_types": ["full", "sliding"]}, "t" * 64, None, None, "float16", "tiny")
@@ -64,9 +65,10 @@ def test_expiry():
 
 
 def _edit(fn) -> bytes:
+    """The manifest edited by `fn`, its digest recomputed (so that each check is reached)."""
     doc = json.loads(make_manifest().to_bytes())
     fn(doc)
-    return json.dumps(doc).encode()
+    return seal(doc)
 
 
 BAD_EDITS = {
@@ -110,9 +112,28 @@ def test_non_json_is_refused(data):
         Manifest.from_bytes(data)
 
 
+@pytest.mark.parametrize("edit", ["scheme", "pinned", "metadata", "digest"])
+def test_a_manifest_edited_without_its_digest_is_refused(edit):
+    """Before (version 1, no digest): "scheme": "turbo4" -> "turbo2" parsed, so verify passed and
+    ask prefilled cold under the lossier scheme."""
+    doc = json.loads(make_manifest().to_bytes())
+    {"scheme": lambda: doc["codec"].update(scheme="turbo2"), "pinned": lambda: doc.update(pinned=not doc["pinned"]),
+     "metadata": lambda: doc["metadata"].update(x="y"), "digest": lambda: doc.update(digest=sha("d"))}[edit]()
+    with pytest.raises(MalformedHeader, match="digest does not match"):
+        Manifest.from_bytes(canonical_json(doc))
+
+
+def test_version_1_manifests_without_a_digest_stay_readable():
+    m = make_manifest()
+    doc = json.loads(m.to_bytes())
+    assert doc["version"] == 2 and len(doc.pop("digest")) == 64
+    old = Manifest.from_bytes(canonical_json({**doc, "version": 1}))
+    assert old == m and Manifest.from_bytes(old.to_bytes()) == m
+
+
 def test_versions():
     with pytest.raises(FormatVersionTooNew, match="upgrade tqstore"):
-        Manifest.from_bytes(_edit(lambda d: d.update(version=2)))
+        Manifest.from_bytes(_edit(lambda d: d.update(version=3)))
     with pytest.raises(UnsupportedFormatVersion, match="save the entry again"):
         Manifest.from_bytes(_edit(lambda d: d.update(version=0)))
 

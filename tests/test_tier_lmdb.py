@@ -15,9 +15,10 @@ from contextlib import contextmanager
 import lmdb
 import pytest
 
-from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatVersionTooNew, InvalidName, TqstoreError
+from tqstore.errors import (ConflictError, CorruptBlock, DiskFull, FormatVersionTooNew, InvalidName, StoreDamaged,
+                            TqstoreError)
 from tqstore.tiers.lmdb import LmdbTier
-from tqstore.tiers.lmdb_env import next_map_size
+from tqstore.tiers.lmdb_env import check_data_file, next_map_size
 
 SEG = 4096  # a segment holds SEG - 16 payload bytes
 PER_SEG = SEG - 16
@@ -427,3 +428,51 @@ def test_a_forked_child_is_refused(tier):
     assert os.waitstatus_to_exitcode(status) == 0
     assert tier.get_object(key(1)) == b"parent data"
     assert tier.put_object(key(2), b"still fine")
+
+
+def _lmdb_file(tmp_path, records: int = 2000):
+    env = lmdb.open(str(tmp_path / "env"), map_size=1 << 24)
+    with env.begin(write=True) as txn:
+        for i in range(records):
+            txn.put(str(i).encode(), bytes(100))
+    size_pages = env.info()["last_pgno"] + 1
+    env.close()
+    assert (tmp_path / "env" / "data.mdb").stat().st_size == size_pages * 4096  # what the meta page claims
+    return tmp_path / "env"
+
+
+def test_check_data_file_accepts_a_whole_file_and_refuses_a_short_one(tmp_path):
+    """Before: a data.mdb shorter than its last commit was mapped as is, and the first read past
+    its end killed the process with SIGBUS."""
+    path = _lmdb_file(tmp_path)
+    check_data_file(path)
+    data = path / "data.mdb"
+    full = data.read_bytes()
+    for size in (len(full) - 1, len(full) // 2, 3 * 4096, 4096 + 100, 100):
+        data.write_bytes(full[:size])
+        with pytest.raises(StoreDamaged, match="tqstore repair"):
+            check_data_file(path)
+    data.write_bytes(b"")
+    check_data_file(path)  # empty: a new store
+    data.write_bytes(bytes(3 * 4096))
+    with pytest.raises(StoreDamaged, match="does not start with an LMDB meta page"):
+        check_data_file(path)
+    data.write_bytes(full + bytes(4096))  # longer is fine: LMDB leaves room past the last page
+    check_data_file(path)
+
+
+def test_a_damaged_schema_record_does_not_stop_the_open(tmp_path):
+    """Before: `int(b"x1")` raised ValueError out of every open ("internal error")."""
+    tier = LmdbTier.open(tmp_path / "s")
+    tier.close()
+    env = lmdb.open(str(tmp_path / "s"), max_dbs=16)
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"x1", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    tier = LmdbTier.open(tmp_path / "s")
+    try:
+        [record] = tier.damaged_records()
+        assert (record.db, record.key) == ("meta", b"schema")
+        assert tier.fix_records([record]) == 1 and tier.damaged_records() == []
+    finally:
+        tier.close()

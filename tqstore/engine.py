@@ -16,9 +16,10 @@ import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 
-from .errors import BadInput, NotFound
-from .identity import CodecIdentity
+from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
+from .identity import CodecIdentity, stored_bytes_at_least
 from .loading import LoadedModel, ModelRegistry, check_identity, load_model
+from .manifest import Manifest
 from .store import Store
 
 PREFILL_CHUNK = 512
@@ -135,6 +136,21 @@ class Engine:
             self._codecs[key] = CodecIdentity.from_snapshot(snapshot(fresh), scheme)
         return self._codecs[key]
 
+    def entry_scheme(self, manifest: Manifest, loaded: LoadedModel) -> str:
+        """The scheme of an entry, once its codec digest agrees with it on this model: a manifest
+        whose scheme was edited would otherwise miss every block and prefill cold under another
+        scheme, silently."""
+        try:
+            codec = self.codec_identity(loaded, manifest.scheme)
+        except (ValueError, TqstoreError):
+            codec = None
+        if codec is None or codec.digest != manifest.codec_digest:
+            raise IdentityMismatch(
+                f"entry {manifest.name!r} says scheme {manifest.scheme!r}, but its codec digest is not that scheme's "
+                "on this model: the manifest was edited or damaged (or written by a tqstore with another codec). "
+                f"Run `tqstore verify`, then save the entry again")
+        return manifest.scheme
+
     # -- the two main jobs ----------------------------------------------------------------
 
     def start(self, loaded: LoadedModel, scheme: str, tokens: Sequence[int]) -> Started:
@@ -180,11 +196,12 @@ class Engine:
         """`save` for tokens already framed (chat turns, the server)."""
         scheme = parse_scheme(scheme or self.store.config.default_scheme).name
         started = self.start(loaded, scheme, tokens)
+        new = len(tokens) - started.matched
+        self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
         seconds = self.prefill(loaded, started.caches, tokens[started.matched:], progress)
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        new = len(tokens) - started.matched
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
@@ -202,7 +219,7 @@ class Engine:
         manifest = self.store.get(name)
         loaded = self.model_for(name, model)
         prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
-        return self.generate(loaded, manifest.scheme, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
+        return self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
                              seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
 
     def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
@@ -268,7 +285,7 @@ class Engine:
         else:
             follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
         prompt = tokens + follow
-        result, caches = self.generate_with_caches(loaded, manifest.scheme, prompt,
+        result, caches = self.generate_with_caches(loaded, self.entry_scheme(manifest, loaded), prompt,
                                                    recorded=manifest.prefill_seconds, **options)
         self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
                           prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name})

@@ -54,6 +54,11 @@ class CorruptBlock(TqstoreError):
     """A stored object failed verification in a tier (it is quarantined)."""
 
 
+class StoreDamaged(TqstoreError):
+    """A store file or record is damaged as a whole (a truncated data.mdb); the message says how
+    to recover."""
+
+
 class NotFound(TqstoreError):
     """No entry or object with that name or key."""
 

@@ -90,7 +90,8 @@ class ModelIdentity(_Digestible):
         """Identity of a model folder (config.json, model*.safetensors, tokenizer files).
 
         Each weight file's sha256 is computed once and cached in `cache_dir` under its real
-        path, size and mtime, so only a changed file is read again. `kv_dtype` defaults to the
+        path with its device, inode, size, mtime and ctime (model_files.DigestCache), so only a
+        changed file is read again. `kv_dtype` defaults to the
         config's torch_dtype, else the dominant float dtype of the weight files.
         """
         model_dir = Path(model_dir)
@@ -159,6 +160,19 @@ class CodecIdentity(_Digestible):
         return cls(scheme=parse_scheme(scheme).name,
                    layers=tuple(dict(r.config) for r in snapshot.layers),
                    codecs=_codec_fields(snapshot.codecs))
+
+
+def stored_bytes_at_least(codec: CodecIdentity, tokens: int) -> int:
+    """A lower bound of the bytes `tokens` more tokens take when stored under `codec`, to refuse
+    a save before its prefill: packed codes compress by at most ~6% (docs/format.md), so 1/1.1
+    of their raw size. Layers whose config does not give their bits count 0."""
+    bits = 0
+    for layer in codec.layers:
+        sizes = [layer.get(k) for k in ("n_kv_heads", "head_dim_k", "key_bits", "head_dim_v", "value_bits")]
+        if all(type(v) is int and v >= 0 for v in sizes):
+            heads, dim_k, key_bits, dim_v, value_bits = sizes
+            bits += heads * (dim_k * key_bits + dim_v * value_bits)
+    return int(tokens * bits / 8 / 1.1)
 
 
 def describe_difference(a: _Digestible, b: _Digestible) -> list[str]:

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from .durable import write_file_atomic
+from .model_files import NO_SPACE
 from .errors import ConfigError, IdentityMismatch, NotFound, TqstoreError
 from .identity import ModelIdentity, describe_difference
 from .prompting import PromptFormat, prompt_format
@@ -113,10 +114,19 @@ class ModelRegistry:
         return data if isinstance(data, dict) else {}
 
     def remember(self, loaded: LoadedModel) -> None:
+        """Record where `loaded` lives. Written only when that changes: loading a known model is a
+        read, and reads must work on a full disk; a record that cannot be written for want of
+        space is skipped (it only helps find the model of a pulled entry)."""
         data = self._read()
-        data[loaded.identity.hexdigest] = {"path": str(loaded.path), "ref": loaded.ref,
-                                           "adapter": loaded.adapter_path}
-        write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        record = {"path": str(loaded.path), "ref": loaded.ref, "adapter": loaded.adapter_path}
+        if data.get(loaded.identity.hexdigest) == record:
+            return
+        data[loaded.identity.hexdigest] = record
+        try:
+            write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
 
     def find(self, digest_hex: str) -> dict | None:
         return self._read().get(digest_hex)

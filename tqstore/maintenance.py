@@ -17,9 +17,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import format_size
-from .errors import ConflictError, CorruptBlock, FormatError, NotFound
+from .errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
 from .fetch import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from .manifest import Manifest
+from .names import is_valid_name
 from .tiers.lmdb import CompactResult
 from .tierset import TierSet, not_found
 
@@ -110,6 +111,13 @@ def rm_local(tiers: TierSet, name: str) -> None:
         tiers.refresh_pins()
 
 
+def rm_damaged_key(tiers: TierSet, label: str) -> bool:
+    """Drop the manifest stored under a damaged key shown as `label`; False if there is none."""
+    with tiers.lock.exclusive():
+        records = [r for r in tiers.lmdb.damaged_records() if r.db == "manifests" and r.label == label]
+        return tiers.lmdb.fix_records(records) > 0
+
+
 def rm_remote(tiers: TierSet, name: str) -> None:
     """Delete the bucket's manifest `name` (its objects go at the next `gc --remote`)."""
     s3 = tiers.require_s3()
@@ -142,7 +150,10 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
     if remote:
         stats = _gc_remote(tiers, stats, remote_grace, notes)
     if compact:
-        stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
+        try:
+            stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
+        except DiskFull as exc:  # the store works without it: what gc removed is room again
+            notes.append(f"compaction skipped: {exc}")
     return dataclasses.replace(stats, notes=tuple(notes))
 
 
@@ -190,12 +201,23 @@ def verify(tiers: TierSet, name: str | None) -> list[Problem]:
     else:
         entries, unreadable = tiers.local_manifests()
         manifests = [m for m, _ in entries]
-        problems += [Problem(n, "manifest", None, "the manifest cannot be read") for n in unreadable]
+        problems += [Problem(n, "manifest", None, _unreadable_reason(tiers, n)) for n in unreadable
+                     if is_valid_name(n)]  # invalid keys are among the damaged records below
+        problems += [Problem(r.label if r.db == "manifests" else None, "record", r.key, f"{r.db}: {r.detail}")
+                     for r in tiers.lmdb.damaged_records()]
     for manifest in manifests:
         for want, ref in zip(wants_for(manifest, len(manifest.blocks), remote=False), manifest.objects):
             problems += _check_object(tiers, manifest.name, want, ref.sha256)
     problems += [Problem(None, p.kind, p.key, p.detail) for p in tiers.lmdb.verify()]
     return problems
+
+
+def _unreadable_reason(tiers: TierSet, name: str) -> str:
+    try:
+        tiers.local_manifest(name)
+    except FormatError as exc:
+        return f"the manifest cannot be read: {exc}"
+    return "the manifest cannot be read"  # replaced meanwhile
 
 
 def _check_object(tiers: TierSet, entry: str, want: Want, sha256: str) -> list[Problem]:

@@ -30,8 +30,11 @@ from .identity import ModelIdentity
 from .names import is_valid_name
 
 MANIFEST_FORMAT = "tqstore-manifest"
-MANIFEST_VERSION = 1
-READABLE_MANIFEST_VERSIONS = frozenset({1})
+# Version 2 adds "digest": the sha256 of the canonical JSON of every other member, so an edited
+# or damaged manifest (a scheme changed by hand) is refused instead of trusted. Version 1
+# manifests (no digest) stay readable.
+MANIFEST_VERSION = 2
+READABLE_MANIFEST_VERSIONS = frozenset({1, 2})
 MAX_TOKEN = 2**32 - 1
 
 _HEX = frozenset("0123456789abcdef")
@@ -132,7 +135,7 @@ class Manifest:
             return {"key": r.key.hex(), "sha256": r.sha256, "size": r.size}
 
         identity = self.model_identity.fields() | {"source": self.model_identity.source}
-        return canonical_json({
+        return seal({
             "format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "name": self.name,
             "model": {"digest": self.model_digest.hex(), "identity": identity},
             "codec": {"digest": self.codec_digest.hex(), "scheme": self.scheme},
@@ -161,11 +164,15 @@ class Manifest:
                                           f"{readable}): upgrade tqstore")
             raise UnsupportedFormatVersion(f"manifest version {version} is no longer readable (this tqstore reads "
                                            f"{readable}): save the entry again")
-        _exact(doc, _MEMBERS, "manifest")
+        _exact(doc, _MEMBERS + (("digest",) if version >= 2 else ()), "manifest")
         name = doc["name"]
         if not is_valid_name(name):
             raise MalformedHeader(f"manifest name {name!r:.60} is not a valid entry name")
         where = f"manifest {name}"
+        if version >= 2 and _digest(doc["digest"], f"{where}: digest").hex() != content_digest(doc):
+            raise MalformedHeader(f"{where}: its digest does not match its content (the manifest was edited or "
+                                  f"damaged): run `tqstore repair` (or `tqstore rm {name}`), then pull or save the "
+                                  "entry again")
         model_doc = _exact(doc["model"], ("digest", "identity"), f"{where}: model")
         model = _model_identity(model_doc["identity"], where)
         model_digest = _digest(model_doc["digest"], f"{where}: model.digest")
@@ -202,6 +209,16 @@ class Manifest:
             metadata=_metadata(doc["metadata"], where),
             remote_etag=_optional_string(doc["remote_etag"], f"{where}: remote_etag"),
         )
+
+
+def content_digest(doc: Mapping[str, Any]) -> str:
+    """Hex sha256 of the canonical JSON of a manifest document without its "digest" member."""
+    return hashlib.sha256(canonical_json({k: v for k, v in doc.items() if k != "digest"})).hexdigest()
+
+
+def seal(doc: dict[str, Any]) -> bytes:
+    """The canonical bytes of a manifest document with its "digest" member set."""
+    return canonical_json({**doc, "digest": content_digest(doc)})
 
 
 def window_key(last_block: BlockKey | None, model_digest: bytes, codec_digest: bytes) -> bytes:

@@ -4,10 +4,12 @@ dtype of the weights. What `ModelIdentity.from_folder` is made of."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -20,6 +22,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json", "added_tokens.json", "vocab.txt", "spiece.model",
 )
 DIGEST_CACHE_FILE = "file-digests.json"
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # bookkeeping files that cannot be written for want of space are skipped
 _CHUNK = 1 << 23
 
 
@@ -44,7 +47,17 @@ def file_sha256(path: Path) -> str:
 
 
 class DigestCache:
-    """sha256 of files keyed by (real path, size, mtime_ns), in one small JSON file."""
+    """sha256 of files, in one small JSON file, reused only while a file is provably unchanged.
+
+    Size and mtime alone are not enough: `cp -p`, `rsync -a`, `touch -r` and normalised archives
+    give other bytes the same size and mtime. An entry is keyed by the real path and holds the
+    device, inode, size, mtime and ctime it was hashed at: writing the file or renaming another
+    over it changes the ctime or the inode, and only the kernel sets a ctime. A file changed
+    within RACY_NS of its hashing (coarse timestamps could hide a second change) is hashed again.
+    """
+
+    VERSION = 2
+    RACY_NS = 2_000_000_000
 
     def __init__(self, cache_dir: Path):
         self.path = cache_dir / DIGEST_CACHE_FILE
@@ -52,28 +65,41 @@ class DigestCache:
         self.dirty = False
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
-            if isinstance(data, dict) and isinstance(data.get("files"), dict):
+            if isinstance(data, dict) and data.get("version") == self.VERSION and isinstance(data.get("files"), dict):
                 self.entries = data["files"]
         except (OSError, ValueError):
-            pass  # a missing or damaged cache only costs a re-hash
+            pass  # a missing, old or damaged cache only costs a re-hash
 
     def file_sha256(self, path: Path) -> str:
         real = os.path.realpath(path)
-        st = os.stat(real)
+        before = _fingerprint(os.stat(real))
         hit = self.entries.get(real)
-        if isinstance(hit, dict) and hit.get("size") == st.st_size and hit.get("mtime_ns") == st.st_mtime_ns \
-                and isinstance(hit.get("sha256"), str):
+        if isinstance(hit, dict) and isinstance(hit.get("sha256"), str) and hit.get("stat") == before \
+                and isinstance(hit.get("hashed_ns"), int) and before[-1] < hit["hashed_ns"] - self.RACY_NS:
             return hit["sha256"]
+        hashed_ns = time.time_ns()
         digest = file_sha256(Path(real))
-        self.entries[real] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-        self.dirty = True
+        after = _fingerprint(os.stat(real))
+        if after == before:  # changed while being read: hash again next time
+            self.entries[real] = {"stat": after, "hashed_ns": hashed_ns, "sha256": digest}
+            self.dirty = True
         return digest
 
     def save(self) -> None:
+        """Write the cache if it changed; skipped on a full disk (it only saves re-hashing)."""
         if self.dirty:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_atomic(self.path, canonical_json({"version": 1, "files": self.entries}))
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                write_file_atomic(self.path, canonical_json({"version": self.VERSION, "files": self.entries}))
+            except OSError as exc:
+                if exc.errno not in NO_SPACE:
+                    raise
             self.dirty = False
+
+
+def _fingerprint(st: os.stat_result) -> list[int]:
+    """What identifies one version of a file's bytes short of reading them (ctime last)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def adapter_digest(path: Path, cache: DigestCache) -> str:

@@ -4,11 +4,19 @@ A context is stored as the tokens of the chat template rendered up to the end of
 (inside the user turn). A question is appended as the tokens of (separator + question + the
 template's turn suffix) encoded on their own: re-tokenizing the whole text would let tokens
 merge across the boundary, and the stored prefix would no longer match.
+
+Where the user's text ends inside the rendered template is found with a marker that must occur
+exactly once in the rendering (`_locate`); user text can hold any string, this marker included,
+so when it does, a random marker is used instead: a document is never cut by its own text.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
+from typing import Callable
+
+from .errors import BadInput
 
 SENTINEL = "\u2063TQSTORE-SPLIT\u2063"
 QUESTION_SEPARATOR = "\n\n"
@@ -26,8 +34,8 @@ class PromptFormat:
         """Tokens of the context: template up to and including the document."""
         if not self.chat:
             return _encode(tokenizer, document, first=True)
-        text = _render(tokenizer, document + SENTINEL, system)
-        return _encode(tokenizer, text[: text.index(SENTINEL)], first=True)
+        text, _, at = _locate(lambda marker: _render(tokenizer, document + marker, system))
+        return _encode(tokenizer, text[:at], first=True)
 
     def question_tokens(self, tokenizer, question: str) -> list[int]:
         """Tokens to append to a stored context for one question (ends where the answer starts)."""
@@ -47,8 +55,8 @@ def prompt_format(tokenizer) -> PromptFormat:
     """The framing this tokenizer uses: its chat template, or plain continuation without one."""
     if not getattr(tokenizer, "has_chat_template", False) or not getattr(tokenizer, "chat_template", None):
         return PromptFormat(chat=False, suffix="")
-    text = _render(tokenizer, "x" + SENTINEL, None)
-    return PromptFormat(chat=True, suffix=text[text.index(SENTINEL) + len(SENTINEL):])
+    text, marker, at = _locate(lambda marker: _render(tokenizer, "x" + marker, None))
+    return PromptFormat(chat=True, suffix=text[at + len(marker):])
 
 
 def _render(tokenizer, content: str, system: str | None) -> str:
@@ -58,10 +66,28 @@ def _render(tokenizer, content: str, system: str | None) -> str:
 
 def _render_turns(tokenizer, question: str) -> str:
     """The template text between an assistant answer and the next question's answer start."""
-    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" + SENTINEL},
-                {"role": "user", "content": question}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text[text.index(SENTINEL) + len(SENTINEL):]
+    def render(marker: str) -> str:
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" + marker},
+                    {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    text, marker, at = _locate(render)
+    return text[at + len(marker):]
+
+
+def _locate(render: Callable[[str], str]) -> tuple[str, str, int]:
+    """`render(marker)` and where the marker is in it: (text, marker, index). SENTINEL first (the
+    usual case, so tokens never depend on the marker); if the rendering holds it anywhere else
+    (user text containing it), a fresh random marker, which user text cannot anticipate."""
+    marker = SENTINEL
+    for _ in range(4):
+        text = render(marker)
+        at = text.find(marker)
+        if at >= 0 and at == text.rfind(marker):
+            return text, marker, at
+        marker = f"\u2063TQSTORE-SPLIT-{secrets.token_hex(8)}\u2063"
+    raise BadInput("the chat template repeats or drops the user's message, so tqstore cannot tell where the text "
+                   "ends in it: use a model whose template renders each message once")
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 from turboquant.records import Snapshot
 
-from .config import Config, load_config, resolve_home
-from .errors import NotFound
+from .config import Config, format_size, load_config, resolve_home
+from .errors import DiskFull, InvalidName, NotFound
 from .fetch import RestoreStats, restore_entry
 from .identity import CodecIdentity, ModelIdentity
 from .lookup import Match, lookup
-from .maintenance import REMOTE_GRACE, GcStats, Problem, gc, rm_local, rm_remote, verify
+from .maintenance import REMOTE_GRACE, GcStats, Problem, gc, rm_damaged_key, rm_local, rm_remote, verify
 from .manifest import Manifest
 from .names import validate_name
 from .put import PutResult, put_entry
@@ -181,6 +181,15 @@ class Store:
                          prefill_seconds=prefill_seconds, adapter_path=adapter_path, pin=pin, ttl=ttl,
                          metadata=metadata)
 
+    def check_room(self, nbytes: int, tokens: int) -> None:
+        """DiskFull now if storing `nbytes` (for `tokens` new tokens) would be refused by the
+        free-disk guard: called before a prefill, so a save that cannot be stored costs nothing."""
+        try:
+            self._tiers.lmdb.check_room(nbytes)
+        except DiskFull as exc:
+            raise DiskFull(f"refused before the prefill of {tokens} tokens, which need at least {format_size(nbytes)}: "
+                           f"{exc}") from None
+
     def lookup(self, tokens: Sequence[int], *, model: bytes, codec: bytes) -> Match | None:
         """The longest stored prefix of `tokens` for these model and codec identity digests
         (pass at most all but the last prompt token: a restore must leave one to decode)."""
@@ -196,7 +205,7 @@ class Store:
         snapshot, stats = restore_entry(self._tiers, match.manifest, n_blocks, remote=match.remote,
                                         allow_prefix=True)
         if not match.remote:
-            self._tiers.lmdb.touch(match.manifest.name)
+            self._touch(match.manifest.name)
         return snapshot, stats
 
     def load(self, name: str) -> tuple[Snapshot, RestoreStats]:
@@ -208,7 +217,7 @@ class Store:
                            "expired entries)")
         snapshot, stats = restore_entry(self._tiers, manifest, len(manifest.blocks), remote=False,
                                         allow_prefix=False)
-        self._tiers.lmdb.touch(name)
+        self._touch(name)
         return snapshot, stats
 
     def get(self, name: str) -> Manifest:
@@ -236,8 +245,15 @@ class Store:
 
     def rm(self, name: str, remote: bool = False) -> None:
         """Remove entry `name` and the objects no other entry uses (remote=True: the bucket's
-        manifest; its objects go at the next `gc(remote=True)`). NotFound if there is none."""
-        validate_name(name)
+        manifest; its objects go at the next `gc(remote=True)`). NotFound if there is none. A
+        manifest stored under a damaged key (not a valid name) is removed by the key as `verify`
+        shows it."""
+        try:
+            validate_name(name)
+        except InvalidName:
+            if remote or not rm_damaged_key(self._tiers, name):
+                raise
+            return
         if remote:
             rm_remote(self._tiers, name)
         else:
@@ -291,6 +307,13 @@ class Store:
                           t.remote.last_error if t.remote is not None else None)
 
     # --- internals -------------------------------------------------------------------------------
+
+    def _touch(self, name: str) -> None:
+        """Mark an entry used (for LRU eviction); skipped on a full disk: a read must not fail."""
+        try:
+            self._tiers.lmdb.touch(name)
+        except DiskFull:
+            pass
 
     def _set_pinned(self, name: str, pinned: bool) -> None:
         with self._tiers.lock.shared():

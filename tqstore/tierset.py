@@ -24,6 +24,7 @@ from .blocks import BLOCK_SIZE
 from .config import Config
 from .errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from .manifest import Manifest
+from .names import is_valid_name
 from .remote_index import RemoteIndex
 from .tiers.lmdb import LmdbTier
 from .tiers.memory import MemoryTier
@@ -165,6 +166,9 @@ class TierSet:
             cache = dict(self._cache)
         fresh = {}
         for info in self.lmdb.list_manifests():
+            if not is_valid_name(info.name):  # a damaged key (verify lists it, repair drops it)
+                unreadable.append(info.name)
+                continue
             hit = cache.get(info.name)
             if hit is not None and hit[:2] == (info.size, info.last_used):
                 fresh[info.name] = hit

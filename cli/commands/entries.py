@@ -1,4 +1,4 @@
-"""Looking after the stored entries: ls, info, rm, pin, unpin, gc, stats, verify."""
+"""Looking after the stored entries: ls, info, rm, pin, unpin, gc, stats, verify, repair."""
 
 from __future__ import annotations
 
@@ -50,6 +50,12 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME", nargs="?")
     p.set_defaults(func=verify)
 
+    p = sub.add_parser("repair", parents=[common], help="fix a damaged store, keeping what is sound",
+                       description="Fix or drop damaged index records and quarantine damaged blocks, keeping "
+                                   "every sound entry; a data.mdb that cannot be read safely (truncated) is moved "
+                                   "aside and an empty store started. Then gc. Exit 1 when problems remain.")
+    p.set_defaults(func=repair)
+
 
 def ls(ctx: Context, args: argparse.Namespace) -> int:
     entries = ctx.store().ls(remote=args.remote)
@@ -72,7 +78,7 @@ def info(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def rm(ctx: Context, args: argparse.Namespace) -> int:
-    name = validate_name(args.name)
+    name = args.name  # validated by the store, which also removes a damaged key `verify` listed
     ctx.store().rm(name, remote=args.remote)
     where = "s3" if args.remote else "local"
     said = f"removed {name}" + (" from the bucket" if args.remote else "")
@@ -112,10 +118,35 @@ def verify(ctx: Context, args: argparse.Namespace) -> int:
             rows = [(p.entry or "-", p.kind, p.key.hex()[:12] if p.key else "-", p.detail) for p in problems]
             ctx.out.table(("ENTRY", "PROBLEM", "OBJECT", "DETAIL"), rows)
             ctx.out.note(f"{len(problems)} problems: damaged blocks are quarantined; save or pull the entries "
-                         "named again (tqstore rm removes one)")
+                         "named again (tqstore rm removes one); `tqstore repair` fixes damaged records")
         else:
             ctx.out.note(f"ok: {len(checked)} {'entry' if len(checked) == 1 else 'entries'} verified, no problems")
 
     ctx.out.emit({"ok": not problems, "entries": checked, "problems": [render.problem_doc(p) for p in problems]},
                  human)
     return 1 if problems else 0
+
+
+def repair(ctx: Context, args: argparse.Namespace) -> int:
+    from tqstore.repair import repair_home
+
+    result = repair_home(ctx.config)
+
+    def human() -> None:
+        if result.moved_aside:
+            ctx.out.note(f"data.mdb could not be read safely: moved the LMDB folder to {result.moved_aside} and "
+                         "started an empty store (pull or save the entries again)")
+        for line in result.records:
+            ctx.out.note(f"fixed {line}")
+        for name in result.rekeyed:
+            ctx.out.note(f"stored {name} again under its own name")
+        if result.quarantined:
+            ctx.out.note(f"quarantined {result.quarantined} damaged objects")
+        render.gc_lines(ctx.out, result.gc)
+        for line in result.remaining:
+            ctx.out.note(f"still: {line}")
+        if not result.remaining:
+            ctx.out.note("ok: no problems left")
+
+    ctx.out.emit(render.asdict(result), human)
+    return 1 if result.remaining else 0

@@ -376,6 +376,113 @@ def op_churn(settings: dict) -> None:
          samples=samples, problems=problems, loaded=loaded, live=len(live))
 
 
+def op_full_disk(settings: dict) -> None:
+    """On a small real filesystem (the test mounts it): an entry saved with a tiny model, then
+    the disk filled to the last byte. Reads (`ask`, `ls`, `info`, `verify`) must work and write
+    nothing; a save must be refused before its prefill; a put that LMDB itself meets ENOSPC in
+    must fail as DiskFull; then `rm` + `gc` must make the next save work. Every command is the
+    real `tqstore` in a subprocess."""
+    import os
+    import subprocess
+
+    from harness import cli
+    from tqstore.engine import Engine
+
+    home, model = settings["home"], settings["model"]
+    config = ["--home", home]
+    assert cli("config", "set", "store.min_free_disk", "0", *config).returncode == 0  # (1 GiB by default)
+    store = open_store(settings)
+    Engine(store, prefill_chunk=64).save("doc", "The contract says the seller pays for delays. " * 8, model=model,
+                                         scheme="turbo4")
+    put(store, "big", 3000, 1)
+    store.close()
+    ballast = os.path.join(os.path.dirname(home), "ballast")
+    _fill(ballast)
+    out: dict = {"free_after_fill": shutil_free(home)}
+    registry = os.path.join(home, "models.json")
+    before = os.stat(registry).st_mtime_ns
+
+    def run(name: str, *argv: str) -> None:
+        done = cli(*argv, *config, timeout=300)
+        out[name] = [done.returncode, (done.stdout + done.stderr)[-600:]]
+
+    def in_process(name: str, job) -> None:
+        store = open_store(settings)
+        try:
+            out[name] = [0, str(job(store))]
+        except Exception as exc:  # noqa: BLE001 - reported, the test names it
+            out[name] = [1, f"{type(exc).__name__}: {exc}"]
+        finally:
+            store.close()
+
+    run("ask", "ask", "doc", "Who pays?", "--max-tokens", "2")
+    in_process("ls", lambda store: [e.name for e in store.ls()])
+    in_process("verify", verified)
+    out["registry_rewritten"] = os.stat(registry).st_mtime_ns != before
+    run("save_full", "save", "big", "--model", model, "--prompt", "The seller pays. " * 40)
+    # LMDB's own ENOSPC: room for the guard, not for LMDB's pages and meta.
+    os.unlink(ballast)
+    store = open_store(settings)
+    needed = put(store, "probe", 600, 7).bytes_written
+    store.rm("probe")
+    store.close()
+    _fill(ballast, leave=needed + 4096)
+    store = open_store(settings)
+    outcomes = []
+    for i in range(6):
+        try:
+            put(store, f"tight{i}", 600, 100 + i)
+            outcomes.append("stored")
+        except DiskFull as exc:
+            outcomes.append("DiskFull (guard)" if "is free" in str(exc) else "DiskFull (LMDB)")
+        except Exception as exc:  # noqa: BLE001 - any other type is the finding
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    store.close()
+    out["tight"] = outcomes
+    _fill(ballast + "2")
+    out["free_before_recovery"] = shutil_free(home)
+    run("rm", "rm", "big")
+    run("gc", "gc")
+    run("save_after_gc", "save", "after", "--model", model, "--prompt", "The seller pays. " * 20)
+    run("ask_after_gc", "ask", "after", "Who pays?", "--max-tokens", "2")
+    run("gc_compact", "gc", "--compact")
+    in_process("verify_end", verified)
+    subprocess.run(["sync"])
+    emit(**out)
+
+
+def verified(store: Store) -> str:
+    """"ok" if `Store.verify` finds nothing (AssertionError naming the problems otherwise)."""
+    problems = store.verify()
+    assert problems == [], problems
+    return "ok"
+
+
+def shutil_free(path: str) -> int:
+    import shutil
+
+    return shutil.disk_usage(path).free
+
+
+def _fill(path: str, leave: int = 0) -> None:
+    """Append to `path` until the disk has `leave` bytes free (0: until ENOSPC)."""
+    import errno
+    import os
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for chunk in (1 << 20, 1 << 16, 1 << 12, 1 << 9):
+            while shutil_free(path) - chunk >= leave:
+                try:
+                    os.write(fd, bytes(chunk))
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break  # a smaller chunk may still fit
+    finally:
+        os.close(fd)
+
+
 def _rss() -> int:
     """This process's resident set now (Linux /proc; 0 elsewhere)."""
     try:

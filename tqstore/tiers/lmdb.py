@@ -32,6 +32,7 @@ from ..errors import CorruptBlock, TqstoreError
 from ..names import validate_name
 from .base import ManifestInfo, ObjectInfo, PutCounts, check_key
 from .lmdb_env import LmdbEnv
+from .lmdb_records import DamagedRecord, find_damaged, fix, key_label, quarantine_record
 from .lmdb_layout import (
     BATCH_KEYS, DB_NAMES, HEADER, SCHEMA_VERSION, TIME, Problem, copy, delete_segments, key_batch,
     header_info, load_object, orphan_batch, write_object,
@@ -256,7 +257,9 @@ class LmdbTier:
         def read(txn: lmdb.Transaction) -> list[QuarantineRecord]:
             records = []
             for key, value in txn.cursor(db=self._env.dbs[b"quarantine"]):
-                record = json.loads(bytes(value))
+                record = quarantine_record(value)
+                if record is None:
+                    continue  # damaged: listed by damaged_records
                 records.append(QuarantineRecord(bytes(key), record["reason"], record["time"], record["size"]))
             return records
 
@@ -298,6 +301,29 @@ class LmdbTier:
             orphans, after = self._env.read(lambda txn, after=after: orphan_batch(txn, self._env.dbs, after))
             problems += [Problem("orphan_segment", k, "segments without an index entry") for k in orphans]
         return problems
+
+    def check_room(self, nbytes: int) -> None:
+        """DiskFull if writing `nbytes` now would be refused by the free-disk guard."""
+        self._env.read(lambda txn: self._env.check_free_disk(nbytes, txn))
+
+    def damaged_records(self) -> list[DamagedRecord]:
+        """Index records that are damaged one by one (lmdb_records.py); [] when all are sound."""
+        return self._env.read(lambda txn: find_damaged(txn, self._env.dbs))
+
+    def manifest_record(self, key: bytes) -> bytes | None:
+        """The raw manifest stored under `key`, whatever the key (for repairs)."""
+        return self._env.read(lambda txn: copy(txn.get(key, db=self._env.dbs[b"manifests"])))
+
+    def fix_records(self, records: Iterable[DamagedRecord]) -> int:
+        """Fix or drop each damaged record (lmdb_records.fix); returns how many."""
+        records = list(records)
+
+        def job(txn: lmdb.Transaction) -> int:
+            for record in records:
+                fix(txn, self._env.dbs, record, SCHEMA_VERSION)
+            return len(records)
+
+        return self._env.write(job) if records else 0
 
     def compact(self) -> CompactResult:
         """Rewrite the environment without free pages (LMDB files never shrink by themselves).
@@ -381,8 +407,11 @@ class LmdbTier:
         used = self._env.dbs[b"manifest_used"]
         infos = []
         for name, data in txn.cursor(db=self._env.dbs[b"manifests"]):
+            # A damaged key or time is listed as is (the name then fails validation downstream,
+            # the time counts as never used): one bad record must not hide the others.
             when = txn.get(name, db=used)
-            infos.append(ManifestInfo(bytes(name).decode(), len(data), TIME.unpack(when)[0] if when else 0.0))
+            last = TIME.unpack(when)[0] if when is not None and len(when) == TIME.size else 0.0
+            infos.append(ManifestInfo(key_label(bytes(name)), len(data), last))
         return infos
 
     def _iter_keys(self, db_name: bytes) -> Iterator[bytes]:

@@ -27,7 +27,8 @@ import lmdb
 
 from ..config import MiB, format_size
 from ..durable import fsync_dir
-from ..errors import ConflictError, DiskFull, FormatVersionTooNew, TqstoreError
+from ..errors import ConflictError, DiskFull, FormatVersionTooNew, StoreDamaged, TqstoreError
+from .lmdb_records import schema_number
 from .writer import ResizeGate, WriterThread
 
 T = TypeVar("T")
@@ -35,6 +36,14 @@ T = TypeVar("T")
 _MAX_TXN_ATTEMPTS = 16
 _META_PAGES = 2  # LMDB's two meta pages, at the start of every file
 _MAX_READERS = 510  # the default 126 slots run out with many threads in several processes
+# LMDB 0.9's meta page (native byte order; 64-bit size_t): after the 16-byte page header, magic
+# u32, version u32, address, map size, two 48-byte MDB_db records (the free one's first u32 is
+# the page size), last page number, transaction id.
+_META_MAGIC = 0xBEEFC0DE
+_META_HEAD = struct.Struct("=II")
+_META_PSIZE_AT, _META_TAIL_AT = 40, 136
+_META_TAIL = struct.Struct("=QQ")
+_META_BYTES = _META_TAIL_AT + _META_TAIL.size
 
 
 class LmdbEnv:
@@ -158,6 +167,7 @@ class LmdbEnv:
     # --- internals -----------------------------------------------------------------------------
 
     def _open(self, map_size: int) -> tuple[lmdb.Environment, dict[bytes, object]]:
+        check_data_file(self.path)
         try:
             env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=len(self._db_names) + 2,
@@ -175,10 +185,11 @@ class LmdbEnv:
         except lmdb.Error as exc:
             env.close()  # or this process could never open it again
             raise lmdb_failure(self.path, exc) from exc
-        if found is not None and int(found) > self._schema_version:
+        version = schema_number(found)  # None if damaged: listed by verify, rewritten by repair
+        if version is not None and version > self._schema_version:
             env.close()
             raise FormatVersionTooNew(
-                f"the LMDB store at {self.path} has layout version {int(found)}, newer than this "
+                f"the LMDB store at {self.path} has layout version {version}, newer than this "
                 f"tqstore's {self._schema_version}: upgrade tqstore, or use another --home"
             )
         return env, dbs
@@ -196,6 +207,7 @@ class LmdbEnv:
 
     def _adopt_map_size(self) -> None:
         with self._gate.exclusive():
+            check_data_file(self.path)
             self._env.set_mapsize(0)  # another process grew the map: adopt its size
 
     def _disk_full(self, needed: int, why: str) -> DiskFull:
@@ -213,7 +225,14 @@ class LmdbEnv:
             before = data.stat().st_size
             with self._env.begin() as txn:  # the compact copy holds the pages in use, no free ones
                 used = _pages(self._env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
-            self.check_free_disk((used + _META_PAGES) * self._env.stat()["psize"])
+            # The copy needs room for the pages in use, nothing more: it replaces the file and so
+            # frees space, which a full disk needs most (the min_free_disk margin does not apply).
+            needed = (used + _META_PAGES) * self._env.stat()["psize"]
+            free = shutil.disk_usage(self.path).free
+            if free < needed:
+                raise DiskFull(f"compacting the LMDB store at {self.path} needs {format_size(needed)} free for its copy "
+                               f"of the data in use, and only {format_size(free)} is free: the store works without "
+                               "it; free space on that disk and run `tqstore gc --compact` again")
             tmp = self.path / f".data.mdb.{secrets.token_hex(6)}.compact"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -259,6 +278,61 @@ def next_map_size(current: int, needed: int, file_bytes: int, free_bytes: int, m
     new = min(max(2 * current, current + 2 * needed), cap)
     new = -(-new // MiB) * MiB
     return new if new > current else None
+
+
+def check_data_file(path: Path) -> None:
+    """StoreDamaged unless data.mdb in `path` is as long as its newest commit says.
+
+    LMDB maps the file and trusts its meta pages: a page past the end of a truncated file kills
+    the process with SIGBUS at the first read, before any error can be raised. So the file's
+    size is checked against (last page number + 1) x page size of the newer valid meta page
+    before every mapping. An empty or missing file is a new store.
+    """
+    data = path / "data.mdb"
+    try:
+        fd = os.open(data, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return
+        first = os.pread(fd, _META_BYTES, 0)
+        psize = _meta_page_size(first)
+        if psize is None:
+            raise _damaged(data, f"it does not start with an LMDB meta page ({size} bytes)")
+        metas = [m for m in (_meta(first), _meta(os.pread(fd, _META_BYTES, psize))) if m is not None]
+        if size < 2 * psize or not metas:
+            raise _damaged(data, f"it holds {size} bytes, less than its two meta pages")
+        last_page, _ = max(metas, key=lambda m: m[1])
+        needed = (last_page + 1) * psize
+        if size < needed:
+            raise _damaged(data, f"it is truncated: {format_size(size)} ({size} bytes) of the {needed} bytes its "
+                                 "last commit wrote")
+    finally:
+        os.close(fd)
+
+
+def _meta_page_size(page: bytes) -> int | None:
+    if len(page) < _META_BYTES or _META_HEAD.unpack_from(page, 16)[0] != _META_MAGIC:
+        return None
+    (psize,) = struct.unpack_from("=I", page, _META_PSIZE_AT)
+    return psize if 512 <= psize <= 1 << 16 and psize & (psize - 1) == 0 else None
+
+
+def _meta(page: bytes) -> tuple[int, int] | None:
+    """(last page number, transaction id) of a valid meta page."""
+    if _meta_page_size(page) is None:
+        return None
+    return _META_TAIL.unpack_from(page, _META_TAIL_AT)
+
+
+def _damaged(data: Path, why: str) -> StoreDamaged:
+    return StoreDamaged(
+        f"the LMDB store file {data} is damaged: {why}. Reading it would crash, so tqstore refuses it. "
+        f"Recover with `tqstore repair`, which moves the folder {data.parent} aside and starts an empty one "
+        "(then `tqstore pull` the entries from the bucket or save them again), or restore data.mdb from a backup"
+    )
 
 
 def _full_disk_message(path: Path, message: str, needed: int) -> bool:
