@@ -7,10 +7,11 @@ only its own tokens. All MLX work runs on the calling thread.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -22,6 +23,8 @@ from .loading import LoadedModel, ModelRegistry, check_identity, load_model
 from .store import Store
 
 PREFILL_CHUNK = 512
+MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
+_DONE = object()
 CHAT_PARENT = "chat.parent"
 Progress = Callable[[int, int], None]
 
@@ -66,6 +69,18 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+
+
+def _own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
+    """`sampler` drawing from this generation's own random sequence (from `seed`, or fresh):
+    each draw reseeds MLX's global generator, which generations interleaved on one thread share."""
+    draws = random.Random(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        mx.random.seed(draws.getrandbits(64))
+        return sampler(logprobs)
+
+    return sample
 
 
 def _body(model):
@@ -151,17 +166,23 @@ class Engine:
                 progress: Progress | None = None, cancelled: Callable[[], bool] | None = None) -> float:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
         Stops between chunks once `cancelled()` is true."""
-        body = _body(loaded.model)
         t0 = time.perf_counter()
-        done = 0
-        while done < len(tokens) and not (cancelled is not None and cancelled()):
+        for _ in self.prefill_steps(loaded, caches, tokens, progress):
+            if cancelled is not None and cancelled():
+                break
+        return time.perf_counter() - t0
+
+    def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                      progress: Progress | None = None) -> Iterator[None]:
+        """`prefill`, one chunk per step: a caller can stop or do other work between chunks."""
+        body = _body(loaded.model)
+        for done in range(0, len(tokens), self.prefill_chunk):
             chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
             mx.eval(body(chunk, cache=caches))
             mx.eval([c.state for c in caches])
-            done += chunk.shape[1]
             if progress:
-                progress(done, len(tokens))
-        return time.perf_counter() - t0
+                progress(done + chunk.shape[1], len(tokens))
+            yield
 
     def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
              adapter_path: str | None = None, progress: Progress | None = None, pin: bool = False,
@@ -210,13 +231,26 @@ class Engine:
         one token must run to produce logits). Options as `generate_with_caches`."""
         return self.generate_with_caches(loaded, scheme, prompt, **options)[0]
 
-    def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
-                             temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                             on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
-                             stop: Callable[[str], bool] | None = None,
-                             on_start: Callable[[Started], None] | None = None) -> tuple[AskResult, list[Any]]:
+    def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options
+                             ) -> tuple[AskResult, list[Any]]:
         """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
-        every token it yields back into the cache).
+        every token it yields back into the cache). Options as `generation`."""
+        steps = self.generation(loaded, scheme, prompt, **options)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def generation(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
+                   temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                   on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
+                   stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None
+                   ) -> Generator[None, None, tuple[AskResult, list[Any]]]:
+        """`generate_with_caches` one step at a time: it yields after each prefill chunk and
+        each token and returns (result, caches), so one thread can take turns between several
+        generations (the server's model worker). Its times count its own steps only, and a
+        seeded generation draws the same tokens however its steps are interleaved.
 
         `on_start(started)` learns where the prompt came from before any prefill; `stop(text so
         far)` ends generation early and is also asked (with "") between prefill chunks, so a
@@ -225,23 +259,37 @@ class Engine:
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
-        if seed is not None:
-            mx.random.seed(seed)
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
         started = self.start(loaded, scheme, prompt[:-1])
         if on_start is not None:
             on_start(started)
         remainder = list(prompt[started.matched:])
-        halted = (lambda: stop("")) if stop is not None else None
-        prefill = self.prefill(loaded, started.caches, remainder[:-1], cancelled=halted)
-        pieces, tokens, finish = [], [], None
-        t0 = time.perf_counter()
-        if halted is not None and halted():
+        halted = (lambda: stop("")) if stop is not None else (lambda: False)
+        prefill = 0.0
+        chunks = self.prefill_steps(loaded, started.caches, remainder[:-1])
+        while not halted():
+            t0 = time.perf_counter()
+            more = next(chunks, _DONE) is not _DONE
+            prefill += time.perf_counter() - t0
+            if not more:
+                break
+            yield
+        pieces, tokens, finish, generating = [], [], None, 0.0
+        if halted():
             finish = "stop"
         else:
+            sampler = make_sampler(temp=temp, top_p=top_p)
             # The prompt's last token runs through mlx-lm's own loop: it yields the first logits.
-            for response in stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:],
-                                            max_tokens=max_tokens, prompt_cache=started.caches,
-                                            sampler=make_sampler(temp=temp, top_p=top_p)):
+            responses = stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:], max_tokens=max_tokens,
+                                        prompt_cache=started.caches,
+                                        sampler=_own_randomness(sampler, seed) if temp > 0 else sampler)
+            while True:
+                t0 = time.perf_counter()
+                response = next(responses, None)
+                generating += time.perf_counter() - t0
+                if response is None:
+                    break
                 tokens.append(response.token)
                 pieces.append(response.text)
                 finish = response.finish_reason
@@ -250,8 +298,10 @@ class Engine:
                 if stop is not None and stop("".join(pieces)):
                     finish = "stop"
                     break
+                yield
+            responses.close()
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, time.perf_counter() - t0, finish)
+                           started.restore_seconds, prefill, recorded, generating, finish)
         return result, started.caches
 
     def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,

@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the command line is visible to other users)")
     parser.add_argument("--max-queue", type=_positive, default=32,
                         help="requests that may wait for the model; more get 503 + Retry-After (default 32)")
+    parser.add_argument("--max-running", type=_positive, default=4,
+                        help="requests generated at once, taking turns on the model so that a long answer cannot "
+                             "hold up short ones (default 4)")
+    parser.add_argument("--max-tokens-limit", type=_positive, default=None,
+                        help="the server's cap on max_tokens: longer requests stop there with finish_reason "
+                             "'length' (default: the model's context length)")
     parser.add_argument("--max-body-bytes", type=_size, default=16 << 20,
                         help="largest request body, e.g. 16MiB (default); larger ones get 413")
     parser.add_argument("--max-tokens", type=_positive, default=512,
@@ -94,7 +100,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
         level = "WARNING" if getattr(args, "quiet", False) else args.log_level.upper()  # the CLI's -q
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        scheme = parse_scheme(args.scheme or config.default_scheme).name
+        scheme = parse_scheme(config.default_scheme if args.scheme is None else args.scheme).name
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if not (0 <= args.temp <= 2 and 0 < args.top_p <= 1):
@@ -105,7 +111,8 @@ def run(args: argparse.Namespace, config: Config) -> int:
     store = Store.open(config=config)
     try:
         worker = ModelWorker(Engine(store), args.model, scheme=scheme, adapter_path=args.adapter_path,
-                             max_queue=args.max_queue, metrics=Metrics(),
+                             max_queue=args.max_queue, max_running=args.max_running,
+                             max_tokens_limit=args.max_tokens_limit, metrics=Metrics(),
                              policy=SavePolicy(not args.no_save, args.save_min_tokens, args.save_ttl or None))
         app = App(worker, worker.metrics, model_id, tuple(dict.fromkeys((model_id, args.model))),
                   Sampling(args.max_tokens, args.temp, args.top_p, None, ()), api_key, args.max_body_bytes,
