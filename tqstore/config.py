@@ -153,7 +153,7 @@ def _scheme(where: str, raw: object) -> str:
     from turboquant.schemes import parse_scheme
 
     try:
-        return parse_scheme(_text(where, raw)).name
+        return parse_scheme(raw).name
     except ValueError as exc:
         raise ConfigError(f"{where}={raw!r} is not valid: {exc}") from None
 
