@@ -49,7 +49,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .config import Config
 from .durable import write_file_atomic
-from .errors import ConfigError, CorruptBlock, RemoteAuthError, RemoteError, TqstoreError
+from .errors import ConfigError, CorruptBlock, RemoteAuthError, TqstoreError
 
 log = logging.getLogger("tqstore.crypto")
 KEY_ENV = "TQSTORE_S3_KEY"
@@ -69,8 +69,9 @@ class EncryptionKeyError(RemoteAuthError):
     """An encrypted object cannot be opened with the configured key (or no key is configured)."""
 
 
-class ManifestRollback(RemoteError):
-    """The bucket holds an older version of a manifest than this machine has already seen."""
+class ManifestRollback(CorruptBlock):
+    """The bucket holds an older version of a manifest than this machine has already seen (a
+    failed check like a bad tag: listings leave it out, remote gc then deletes nothing)."""
 
 
 @dataclass(frozen=True)

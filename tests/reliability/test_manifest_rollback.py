@@ -32,7 +32,8 @@ def test_a_replayed_older_manifest_is_refused(s3, tmp_path, monkeypatch, ledger)
     key = owner._tiers.s3.manifest_name("doc")
 
     put(owner, "doc", 300, 1)
-    owner.push("doc")
+    put(owner, "other", 200, 3)
+    owner.push()
     v1 = s3.client.get_object(Bucket=s3.bucket, Key=key)
     v1_body, v1_meta = v1["Body"].read(), v1["Metadata"]
     reader.pull("doc")
@@ -52,6 +53,12 @@ def test_a_replayed_older_manifest_is_refused(s3, tmp_path, monkeypatch, ledger)
     with pytest.raises((crypto.ManifestRollback, ConflictError)):
         owner.push("doc")  # told about the rollback (or a conflict), never to pull the old entry
     ledger.count("encryption at rest/replayed manifest", "push refused")
+    # Listings leave the rolled-back manifest out (and show the rest); a remote gc, which
+    # would otherwise delete v2's objects as unreferenced, deletes nothing.
+    assert [e.name for e in reader.ls(remote=True)] == ["other"]
+    stats = reader.gc(remote=True, remote_grace=0)
+    assert stats.remote_orphans == 0 and "doc" in stats.notes[0], stats
+    ledger.count("encryption at rest/replayed manifest", "ls --remote shows the rest, remote gc deletes nothing")
 
     # The owner recovers: drop the bucket's copy, push again; the reader takes the new version.
     owner.rm("doc", remote=True)
