@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
@@ -24,7 +24,6 @@ from .store import Store
 
 PREFILL_CHUNK = 512
 MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
-_DONE = object()
 CHAT_PARENT = "chat.parent"
 Progress = Callable[[int, int], None]
 
@@ -69,6 +68,15 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+
+
+def _finish(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (`prefill_steps`, `saving`, `generation`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
@@ -166,23 +174,27 @@ class Engine:
                 progress: Progress | None = None, cancelled: Callable[[], bool] | None = None) -> float:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
         Stops between chunks once `cancelled()` is true."""
-        t0 = time.perf_counter()
-        for _ in self.prefill_steps(loaded, caches, tokens, progress):
-            if cancelled is not None and cancelled():
-                break
-        return time.perf_counter() - t0
+        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled))
 
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
-                      progress: Progress | None = None) -> Iterator[None]:
-        """`prefill`, one chunk per step: a caller can stop or do other work between chunks."""
+                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None
+                      ) -> Generator[None, None, float]:
+        """`prefill`, yielding after each chunk so that the caller can take turns with other
+        work; returns the seconds of its own steps."""
         body = _body(loaded.model)
+        seconds = 0.0
         for done in range(0, len(tokens), self.prefill_chunk):
+            if cancelled is not None and cancelled():
+                break
+            t0 = time.perf_counter()
             chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
             mx.eval(body(chunk, cache=caches))
             mx.eval([c.state for c in caches])
+            seconds += time.perf_counter() - t0
             if progress:
                 progress(done + chunk.shape[1], len(tokens))
             yield
+        return seconds
 
     def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
              adapter_path: str | None = None, progress: Progress | None = None, pin: bool = False,
@@ -195,13 +207,17 @@ class Engine:
         return self.save_tokens(name, loaded, tokens, scheme=scheme, progress=progress, pin=pin, ttl=ttl,
                                 metadata=metadata)
 
-    def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
-                    progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
-                    metadata: dict[str, str] | None = None) -> SaveResult:
-        """`save` for tokens already framed (chat turns, the server)."""
+    def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], **options) -> SaveResult:
+        """`save` for tokens already framed (chat turns, the server). Options as `saving`."""
+        return _finish(self.saving(name, loaded, tokens, **options))
+
+    def saving(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
+               progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
+               metadata: dict[str, str] | None = None) -> Generator[None, None, SaveResult]:
+        """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result."""
         scheme = parse_scheme(scheme or self.store.config.default_scheme).name
         started = self.start(loaded, scheme, tokens)
-        seconds = self.prefill(loaded, started.caches, tokens[started.matched:], progress)
+        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress)
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
@@ -235,12 +251,7 @@ class Engine:
                              ) -> tuple[AskResult, list[Any]]:
         """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
         every token it yields back into the cache). Options as `generation`."""
-        steps = self.generation(loaded, scheme, prompt, **options)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return _finish(self.generation(loaded, scheme, prompt, **options))
 
     def generation(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
@@ -266,15 +277,7 @@ class Engine:
             on_start(started)
         remainder = list(prompt[started.matched:])
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
-        prefill = 0.0
-        chunks = self.prefill_steps(loaded, started.caches, remainder[:-1])
-        while not halted():
-            t0 = time.perf_counter()
-            more = next(chunks, _DONE) is not _DONE
-            prefill += time.perf_counter() - t0
-            if not more:
-                break
-            yield
+        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted)
         pieces, tokens, finish, generating = [], [], None, 0.0
         if halted():
             finish = "stop"

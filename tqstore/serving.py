@@ -163,12 +163,6 @@ def context_length(model: Any) -> int | None:
     return None
 
 
-def _at_once(work: Callable[..., None], *args: Any) -> Iterator[None]:
-    """A job without turns: all its work in its first step (a save prefills and stores at once)."""
-    work(*args)
-    yield from ()
-
-
 # --- the worker ----------------------------------------------------------------------------
 
 class ModelWorker:
@@ -208,7 +202,7 @@ class ModelWorker:
 
     def save(self, name: str, source: CacheSource) -> Job:
         """Queue a PUT /v1/caches/{name}; QueueFull when the queue is full."""
-        return self._submit(Job("save", lambda job: _at_once(self._save, job, name, source)))
+        return self._submit(Job("save", lambda job: self._save(job, name, source)))
 
     def queue_state(self) -> QueueState:
         return QueueState(self._queue.qsize(), self.capacity, len(self._running))
@@ -381,7 +375,7 @@ class ModelWorker:
         else:
             self.metrics.saved("saved", time.perf_counter() - t0)
 
-    def _save(self, job: Job, name: str, source: CacheSource) -> None:
+    def _save(self, job: Job, name: str, source: CacheSource) -> Iterator[None]:
         if source.document is not None:
             if not source.document.strip():
                 raise BadInput("the document is empty: nothing to save")
@@ -392,7 +386,7 @@ class ModelWorker:
             tokens = self._tokens(source.prompt, source.messages)[:-1]
             if not tokens:
                 raise BadInput("the prompt is a single token: there is nothing to store before it")
-        self.engine.save_tokens(name, self.loaded, tokens, scheme=self.scheme, pin=source.pinned, ttl=source.ttl,
-                                metadata={"tqstore.saved_by": "serve"})
+        yield from self.engine.saving(name, self.loaded, tokens, scheme=self.scheme, pin=source.pinned,
+                                      ttl=source.ttl, metadata={"tqstore.saved_by": "serve"})
         job.send(Finished(self.engine.store.info(name)))
 
