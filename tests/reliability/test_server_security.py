@@ -122,3 +122,17 @@ def test_no_body_is_read_before_the_key_is_checked(tiny_model, tmp_path, ledger)
         ledger.count("server/unauthenticated body", "401, nothing stored")
     finally:
         assert server.stop() == 0, server.log()
+
+
+def test_which_binds_are_loopback_and_which_hosts_are_allowed():
+    from tqstore.http_api import _hostname
+    from tqstore.server import allowed_hosts, is_loopback
+
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LOCALHOST")] == [True] * 6
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "my-host", "localhost.evil.example"))
+    assert allowed_hosts("127.0.0.1", []) == {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts("192.168.1.5", ["Proxy.Example"]) == {"localhost", "127.0.0.1", "::1", "192.168.1.5",
+                                                               "proxy.example"}
+    assert allowed_hosts("0.0.0.0", []) is None and "api.example" in allowed_hosts("::", ["api.example"])
+    assert [_hostname(h) for h in ("LocalHost:8080", "[::1]:80", "::1", "127.0.0.1", "evil.example:1")] == [
+        "localhost", "::1", "::1", "127.0.0.1", "evil.example"]
