@@ -175,8 +175,8 @@ def test_save_config_value_failure_leaves_old_file_and_no_temp(tmp_path, monkeyp
 
 
 def test_saved_strings_are_escaped(tmp_path):
-    save_config_value(tmp_path, "store.default_scheme", 'we"ird\\scheme')
-    assert load_config(tmp_path).default_scheme == 'we"ird\\scheme'
+    save_config_value(tmp_path, "s3.region", 'we"ird\\region')
+    assert load_config(tmp_path).s3_region == 'we"ird\\region'
 
 
 def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):

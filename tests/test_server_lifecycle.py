@@ -1,6 +1,6 @@
 """`tqstore serve` across a restart, and its queue: clients that go away free their slot, a full
 queue answers 503 with Retry-After. One home; a first server saves a prefix and stops on
-SIGTERM, a second one (--max-queue 1) serves the rest of the module."""
+SIGTERM, a second one (--max-queue 1 --max-running 1) serves the rest of the module."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def restarted(tmp_path_factory):
         assert status == 200 and headers["X-TQStore-Tier"] == "none"
     finally:
         first_exit = first.stop()
-    second = ServerProcess(home, model, "--save-min-tokens", "16", "--max-queue", "1")
+    second = ServerProcess(home, model, "--save-min-tokens", "16", "--max-queue", "1", "--max-running", "1")
     yield Restarted(second, body, response, first_exit)
     assert second.stop() == 0, second.log()
 

@@ -104,7 +104,10 @@ def parse_size(raw: object, where: str = "size") -> int:
     if isinstance(raw, str):
         m = _SIZE.fullmatch(raw)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if exact != int(exact):  # "0.5" would silently become 0 bytes
+                raise ConfigError(f"{where}={raw!r} is not a whole number of bytes: use {_UNIT_HELP}")
+            return int(exact)
     raise ConfigError(f"{where}={raw!r} is not a size: use {_UNIT_HELP}")
 
 
@@ -144,6 +147,26 @@ def _choice(*allowed: str) -> Callable[[str, object], str]:
         return raw
 
     return parse
+
+
+def _scheme(where: str, raw: object) -> str:
+    from turboquant.schemes import parse_scheme
+
+    try:
+        return parse_scheme(raw).name
+    except ValueError as exc:
+        raise ConfigError(f"{where}={raw!r} is not valid: {exc}") from None
+
+
+def _check_key_file(where: str, raw: str) -> None:
+    from .crypto import parse_key
+
+    path = Path(raw).expanduser()
+    try:
+        parse_key(path.read_text(encoding="ascii"), str(path))
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"{where}={raw!r}: cannot read the key file: {getattr(exc, 'strerror', None) or exc}; "
+                          "write a key first (e.g. `openssl rand -base64 32 > FILE`)") from None
 
 
 def _text(where: str, raw: object) -> str:
@@ -213,12 +236,13 @@ class Setting:
 
 
 _SETTINGS = (
-    Setting("lmdb_budget_bytes", "store", "lmdb_budget", _size(0)),
+    # A budget of 0 would evict every object as soon as it is written.
+    Setting("lmdb_budget_bytes", "store", "lmdb_budget", _size(1)),
     Setting("memory_budget_bytes", "store", "memory_budget", _size(0)),
     Setting("segment_size", "store", "segment_size", _size(4 * KiB, 256 * MiB)),
     Setting("min_free_disk_bytes", "store", "min_free_disk", _size(0)),
     Setting("lmdb_map_size", "store", "lmdb_map_size", _size(1 * MiB)),
-    Setting("default_scheme", "store", "default_scheme", _text),
+    Setting("default_scheme", "store", "default_scheme", _scheme),
     Setting("s3_url", "s3", "url", _s3_url),
     Setting("s3_endpoint", "s3", "endpoint", _endpoint),
     Setting("s3_region", "s3", "region", _text),
@@ -301,7 +325,9 @@ def save_config_value(home: str | os.PathLike[str] | None, key: str, value: obje
     if setting is None:
         raise ConfigError(f"unknown config key {key!r}: known keys are {', '.join(config_keys())}")
     if value is not None:
-        setting.parse(key, value)
+        parsed = setting.parse(key, value)
+        if setting.field == "s3_key_file":  # only when set: a missing file must not stop local use
+            _check_key_file(key, parsed)
     home_path = resolve_home(home)
     path = home_path / CONFIG_FILE
     data = _read_toml(path)

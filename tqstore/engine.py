@@ -7,10 +7,11 @@ only its own tokens. All MLX work runs on the calling thread.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
@@ -23,6 +24,7 @@ from .manifest import Manifest
 from .store import Store
 
 PREFILL_CHUNK = 512
+MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
 CHAT_PARENT = "chat.parent"
 Progress = Callable[[int, int], None]
 
@@ -67,6 +69,27 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+
+
+def _finish(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (`prefill_steps`, `saving`, `generation`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
+    """`sampler` drawing from this generation's own random sequence (from `seed`, or fresh):
+    each draw reseeds MLX's global generator, which generations interleaved on one thread share."""
+    draws = random.Random(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        mx.random.seed(draws.getrandbits(64))
+        return sampler(logprobs)
+
+    return sample
 
 
 def _body(model):
@@ -167,17 +190,27 @@ class Engine:
                 progress: Progress | None = None, cancelled: Callable[[], bool] | None = None) -> float:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
         Stops between chunks once `cancelled()` is true."""
+        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled))
+
+    def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None
+                      ) -> Generator[None, None, float]:
+        """`prefill`, yielding after each chunk so that the caller can take turns with other
+        work; returns the seconds of its own steps."""
         body = _body(loaded.model)
-        t0 = time.perf_counter()
-        done = 0
-        while done < len(tokens) and not (cancelled is not None and cancelled()):
+        seconds = 0.0
+        for done in range(0, len(tokens), self.prefill_chunk):
+            if cancelled is not None and cancelled():
+                break
+            t0 = time.perf_counter()
             chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
             mx.eval(body(chunk, cache=caches))
             mx.eval([c.state for c in caches])
-            done += chunk.shape[1]
+            seconds += time.perf_counter() - t0
             if progress:
-                progress(done, len(tokens))
-        return time.perf_counter() - t0
+                progress(done + chunk.shape[1], len(tokens))
+            yield
+        return seconds
 
     def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
              adapter_path: str | None = None, progress: Progress | None = None, pin: bool = False,
@@ -190,15 +223,19 @@ class Engine:
         return self.save_tokens(name, loaded, tokens, scheme=scheme, progress=progress, pin=pin, ttl=ttl,
                                 metadata=metadata)
 
-    def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
-                    progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
-                    metadata: dict[str, str] | None = None) -> SaveResult:
-        """`save` for tokens already framed (chat turns, the server)."""
+    def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], **options) -> SaveResult:
+        """`save` for tokens already framed (chat turns, the server). Options as `saving`."""
+        return _finish(self.saving(name, loaded, tokens, **options))
+
+    def saving(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
+               progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
+               metadata: dict[str, str] | None = None) -> Generator[None, None, SaveResult]:
+        """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result."""
         scheme = parse_scheme(scheme or self.store.config.default_scheme).name
         started = self.start(loaded, scheme, tokens)
         new = len(tokens) - started.matched
         self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
-        seconds = self.prefill(loaded, started.caches, tokens[started.matched:], progress)
+        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress)
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
@@ -227,13 +264,21 @@ class Engine:
         one token must run to produce logits). Options as `generate_with_caches`."""
         return self.generate_with_caches(loaded, scheme, prompt, **options)[0]
 
-    def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
-                             temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                             on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
-                             stop: Callable[[str], bool] | None = None,
-                             on_start: Callable[[Started], None] | None = None) -> tuple[AskResult, list[Any]]:
+    def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options
+                             ) -> tuple[AskResult, list[Any]]:
         """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
-        every token it yields back into the cache).
+        every token it yields back into the cache). Options as `generation`."""
+        return _finish(self.generation(loaded, scheme, prompt, **options))
+
+    def generation(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
+                   temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                   on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
+                   stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None
+                   ) -> Generator[None, None, tuple[AskResult, list[Any]]]:
+        """`generate_with_caches` one step at a time: it yields after each prefill chunk and
+        each token and returns (result, caches), so one thread can take turns between several
+        generations (the server's model worker). Its times count its own steps only, and a
+        seeded generation draws the same tokens however its steps are interleaved.
 
         `on_start(started)` learns where the prompt came from before any prefill; `stop(text so
         far)` ends generation early and is also asked (with "") between prefill chunks, so a
@@ -242,23 +287,29 @@ class Engine:
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
-        if seed is not None:
-            mx.random.seed(seed)
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
         started = self.start(loaded, scheme, prompt[:-1])
         if on_start is not None:
             on_start(started)
         remainder = list(prompt[started.matched:])
-        halted = (lambda: stop("")) if stop is not None else None
-        prefill = self.prefill(loaded, started.caches, remainder[:-1], cancelled=halted)
-        pieces, tokens, finish = [], [], None
-        t0 = time.perf_counter()
-        if halted is not None and halted():
+        halted = (lambda: stop("")) if stop is not None else (lambda: False)
+        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted)
+        pieces, tokens, finish, generating = [], [], None, 0.0
+        if halted():
             finish = "stop"
         else:
+            sampler = make_sampler(temp=temp, top_p=top_p)
             # The prompt's last token runs through mlx-lm's own loop: it yields the first logits.
-            for response in stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:],
-                                            max_tokens=max_tokens, prompt_cache=started.caches,
-                                            sampler=make_sampler(temp=temp, top_p=top_p)):
+            responses = stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:], max_tokens=max_tokens,
+                                        prompt_cache=started.caches,
+                                        sampler=_own_randomness(sampler, seed) if temp > 0 else sampler)
+            while True:
+                t0 = time.perf_counter()
+                response = next(responses, None)
+                generating += time.perf_counter() - t0
+                if response is None:
+                    break
                 tokens.append(response.token)
                 pieces.append(response.text)
                 finish = response.finish_reason
@@ -267,8 +318,10 @@ class Engine:
                 if stop is not None and stop("".join(pieces)):
                     finish = "stop"
                     break
+                yield
+            responses.close()
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, time.perf_counter() - t0, finish)
+                           started.restore_seconds, prefill, recorded, generating, finish)
         return result, started.caches
 
     def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,

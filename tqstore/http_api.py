@@ -33,6 +33,10 @@ from .serving import Failed, Finished, Job, ModelWorker, QueueFull, Text
 
 log = logging.getLogger("tqstore.server")
 DISCARD_LIMIT = 64 << 20  # refused bodies up to this size are read and dropped before the 413
+# Bodies of requests refused before reading (no key, foreign Origin) are dropped up to this size,
+# so small clients read the error instead of a reset; larger ones are not read at all.
+UNREAD_DISCARD_LIMIT = 64 << 10
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 # (path pattern, route template for metrics, method -> handler name); the first match wins.
 ROUTES: tuple[tuple[re.Pattern[str], str, dict[str, str]], ...] = tuple(
@@ -62,6 +66,9 @@ class App:
     api_key: str | None
     max_body_bytes: int
     started: int
+    # Names the Host header (and a browser's Origin) may use; None accepts any (a wildcard bind
+    # without --allowed-host: the API key, which such a bind requires, is the guard).
+    allowed_hosts: frozenset[str] | None = frozenset(LOOPBACK_NAMES)
 
     @property
     def store(self):
@@ -97,13 +104,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         self._status = 0
+        self._body_left = True  # until _read_body: a refusal must not leave it in the stream
         endpoint = "unmatched"
         try:
-            body = self._read_body()
+            self._check_host()  # before anything: a DNS-rebound or cross-site page gets nothing
             path = urlsplit(self.path).path
             endpoint, methods, params = _match(path)
             if endpoint != "/healthz":
-                self._authorize()  # before 404 and 405, so routes are not probed without a key
+                self._authorize()  # before the body, 404 and 405: nothing is read or probed without a key
+            body = self._read_body()
             if endpoint == "unmatched":
                 raise ApiError(404, f"no endpoint {path}: see docs/server.md (OpenAI base URL: http://HOST:PORT/v1)",
                                code="not_found")
@@ -118,6 +127,8 @@ class Handler(BaseHTTPRequestHandler):
             if error.status >= 500:
                 log.error("%s %s failed", method, self.path, exc_info=not isinstance(e, (ApiError, TqstoreError)))
             try:
+                if self._body_left:
+                    self._drop_unread_body()
                 self._send_error(error)
             except OSError:
                 self.close_connection = True
@@ -125,9 +136,37 @@ class Handler(BaseHTTPRequestHandler):
             # 499: the client went away before a status was sent (nginx's convention).
             self.app.metrics.request(endpoint, method, self._status or 499)
 
+    def _check_host(self) -> None:
+        """403 unless Host names this server and a browser's Origin (if any) is this server:
+        a web page (cross-origin, or DNS-rebound to 127.0.0.1) cannot drive it."""
+        allowed = self.app.allowed_hosts
+        host = self.headers.get("Host")
+        if allowed is not None and host is not None and _hostname(host) not in allowed:
+            raise ApiError(403, f"the Host header {host[:80]!r} does not name this server: use one of "
+                                f"{', '.join(sorted(allowed))} (or start it with --allowed-host NAME)",
+                           code="forbidden_host")
+        # A browser sends Origin on cross-origin requests (and same-origin POSTs): it must be
+        # the origin the page reached this server by, the one in Host.
+        origin = self.headers.get("Origin")
+        if origin is not None and urlsplit(origin).netloc.lower() != (host or "").strip().lower():
+            raise ApiError(403, f"cross-origin request from {origin[:80]!r} refused: browsers may only call this "
+                                "server from its own origin", code="forbidden_origin")
+
+    def _drop_unread_body(self) -> None:
+        """Before an error sent without reading the body: drop a small one, close on a large one."""
+        self._body_left = False
+        self.close_connection = True
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return
+        if 0 < length <= UNREAD_DISCARD_LIMIT and not self.headers.get("Transfer-Encoding"):
+            self.rfile.read(length)
+
     # -- request parts ---------------------------------------------------------------------------
 
     def _read_body(self) -> bytes:
+        self._body_left = False  # from here on, _read_body's own errors deal with the body
         if self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise ApiError(411, "chunked request bodies are not supported: send a Content-Length")
@@ -350,6 +389,14 @@ def _match(path: str) -> tuple[str, dict[str, str], dict[str, str]]:
         if match is not None:
             return template, methods, match.groupdict()
     return "unmatched", {}, {}
+
+
+def _hostname(host: str) -> str:
+    """The name in a Host header: without the port, IPv6 without its brackets, lower case."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
 def _name(raw: str) -> str:

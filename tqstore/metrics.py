@@ -129,7 +129,7 @@ class Metrics:
             out += [f"# HELP {name} Seconds spent {help_}.", f"# TYPE {name} histogram", *hist.lines(name)]
         metric("tqstore_queue_depth", "gauge", "requests waiting for the model worker", [("", queue.waiting)])
         metric("tqstore_queue_capacity", "gauge", "requests that may wait (--max-queue)", [("", queue.capacity)])
-        metric("tqstore_running_jobs", "gauge", "jobs the model worker is running (0 or 1)", [("", queue.running)])
+        metric("tqstore_running_jobs", "gauge", "jobs the model worker is running (taking turns, up to --max-running)", [("", queue.running)])
         metric("tqstore_rejected_requests_total", "counter", "requests refused with 503 (queue full)",
                [("", self.rejected)])
         metric("tqstore_cancelled_requests_total", "counter", "jobs stopped because the client went away",

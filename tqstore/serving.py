@@ -1,12 +1,14 @@
-"""The model side of `tqstore serve`: one owner thread, a bounded job queue, cancellation and
-the save policy.
+"""The model side of `tqstore serve`: one owner thread, a bounded job queue, turns between
+running jobs, cancellation and the save policy.
 
 MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on the worker's
 thread; HTTP threads submit jobs and read each job's events (Accepted, Text, Finished, Failed)
-from its own queue. A client that goes away cancels its job: a queued job is skipped, a running
-one stops at its next token (the engine's `stop` callback). After a response is complete the
-worker stores the new prefix (the save policy) before it takes the next job, so responses never
-wait for saves and the next request already finds the prefix.
+from its own queue. Up to `max_running` jobs run at once, taking turns of SLICE_SECONDS each
+(a job is a generator that yields between prefill chunks and tokens), so a long generation
+cannot hold the model while a short one waits. A client that goes away cancels its job: a
+queued job is skipped, a running one stops at its next token (the engine's `stop` callback).
+After a response is complete the worker stores the new prefix (the save policy) at the end of
+the job's turn, so responses never wait for saves and the next request already finds the prefix.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,6 +36,9 @@ from .prompting import encode_prompt
 
 log = logging.getLogger("tqstore.server")
 AUTO_PREFIX = "auto-"
+SLICE_SECONDS = 0.05  # a running job's turn while others wait: short enough for streams to flow
+UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no context length
+_CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 
 
 # --- events a job sends to the HTTP thread that waits for it ----------------------------------
@@ -73,7 +79,7 @@ class Job:
     """One unit of model work and the channel back to the HTTP thread waiting for it."""
 
     kind: str  # "generate" or "save"
-    work: Callable[[Job], Any]
+    work: Callable[[Job], Iterator[None]]  # a generator: it yields where the worker may switch jobs
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -83,6 +89,15 @@ class Job:
     def cancel(self) -> None:
         """The client went away: skip the job, or stop it at its next token."""
         self.cancelled.set()
+
+
+@dataclass
+class Running:
+    """A job the worker has started: its remaining steps and the model time it has used."""
+
+    job: Job
+    steps: Iterator[None]
+    seconds: float = 0.0
 
 
 class QueueFull(Exception):
@@ -138,13 +153,24 @@ def chat_tokens(tokenizer, messages: Sequence[dict], tools: Sequence[Any] | None
     return list(tokenizer.encode(text.rstrip()))
 
 
+def context_length(model: Any) -> int | None:
+    """The context length the model's config states, if any."""
+    args = getattr(model, "args", None)
+    for name in _CONTEXT_FIELDS:
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 # --- the worker ----------------------------------------------------------------------------
 
 class ModelWorker:
     """The one thread that owns the model, and the bounded queue in front of it."""
 
     def __init__(self, engine: Engine, model: str, *, scheme: str, adapter_path: str | None = None,
-                 max_queue: int = 32, policy: SavePolicy = SavePolicy(), metrics: Metrics | None = None):
+                 max_queue: int = 32, max_running: int = 4, max_tokens_limit: int | None = None,
+                 policy: SavePolicy = SavePolicy(), metrics: Metrics | None = None):
         self.engine = engine
         self.model_ref = model
         self.adapter_path = adapter_path
@@ -152,12 +178,15 @@ class ModelWorker:
         self.policy = policy
         self.metrics = metrics or Metrics()
         self.capacity = max_queue
+        self.max_running = max_running
+        # None: the model's context length, known once it is loaded.
+        self.max_tokens_limit = max_tokens_limit
         self.loaded: LoadedModel | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._stopping = threading.Event()
-        self._running: Job | None = None
+        self._running: deque[Running] = deque()  # only the worker's thread changes it
         self._job_seconds = 1.0  # moving average, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="tqstore-model", daemon=True)
 
@@ -176,14 +205,13 @@ class ModelWorker:
         return self._submit(Job("save", lambda job: self._save(job, name, source)))
 
     def queue_state(self) -> QueueState:
-        return QueueState(self._queue.qsize(), self.capacity, int(self._running is not None))
+        return QueueState(self._queue.qsize(), self.capacity, len(self._running))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running job, fail the queued ones, and wait for the thread to end."""
+        """Cancel the running jobs, fail the queued ones, and wait for the thread to end."""
         self._stopping.set()
-        running = self._running
-        if running is not None:
-            running.cancel()
+        for running in list(self._running):
+            running.job.cancel()
         self._drain()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -226,27 +254,52 @@ class ModelWorker:
             self._stopping.set()
             self._drain()
             return
+        if self.max_tokens_limit is None:
+            self.max_tokens_limit = context_length(self.loaded.model) or UNKNOWN_CONTEXT_TOKENS
         self.ready.set()
         while not self._stopping.is_set():
+            self._admit(wait=not self._running)
+            if self._running:
+                self._turn()
+        for running in self._running:  # stopped mid-generation: the server is going away
+            running.job.send(Failed(ApiError(503, "the server is shutting down", type="server_error",
+                                             code="shutting_down")))
+        self._running.clear()
+        self._drain()
+
+    def _admit(self, wait: bool) -> None:
+        """Start queued jobs while fewer than `max_running` run; waits a moment for one when
+        `wait` (nothing runs)."""
+        while len(self._running) < self.max_running:
             try:
-                job = self._queue.get(timeout=0.2)
+                job = self._queue.get(timeout=0.2) if wait else self._queue.get_nowait()
             except queue.Empty:
-                continue
+                return
+            wait = False
             if job.cancelled.is_set():
                 self.metrics.count_cancelled()
                 continue
-            self._running = job
-            t0 = time.perf_counter()
-            try:
-                job.work(job)
-            except BaseException as e:  # the worker must outlive any one job
-                if not isinstance(e, (ApiError, TqstoreError)):
-                    log.exception("%s job failed", job.kind)
-                job.send(Failed(api_error(e)))
-            finally:
-                self._running = None
-                self._job_seconds = 0.8 * self._job_seconds + 0.2 * (time.perf_counter() - t0)
-        self._drain()
+            self._running.append(Running(job, job.work(job)))
+
+    def _turn(self) -> None:
+        """Run the first running job for a turn: to its end, or for SLICE_SECONDS when other
+        jobs wait (it then goes to the back of the line)."""
+        running = self._running[0]
+        t0 = time.perf_counter()
+        try:
+            for _ in running.steps:
+                if self._stopping.is_set() or (time.perf_counter() - t0 >= SLICE_SECONDS
+                                               and (len(self._running) > 1 or not self._queue.empty())):
+                    running.seconds += time.perf_counter() - t0
+                    self._running.rotate(-1)
+                    return
+        except BaseException as e:  # the worker must outlive any one job
+            if not isinstance(e, (ApiError, TqstoreError)):
+                log.exception("%s job failed", running.job.kind)
+            running.job.send(Failed(api_error(e)))
+        self._running.popleft()
+        running.seconds += time.perf_counter() - t0
+        self._job_seconds = 0.8 * self._job_seconds + 0.2 * running.seconds
 
     def _tokens(self, prompt: str | Sequence[int] | None, messages: Sequence[dict] | None,
                 tools: Sequence[Any] | None = None) -> list[int]:
@@ -262,9 +315,11 @@ class ModelWorker:
             raise BadInput("the prompt is empty: send at least one token")
         return tokens
 
-    def _generate(self, job: Job, request: GenerationRequest) -> None:
+    def _generate(self, job: Job, request: GenerationRequest) -> Iterator[None]:
         prompt = self._tokens(request.prompt, request.messages, request.tools)
         s = request.sampling
+        # The server's cap: a finish_reason "length" tells the client it was reached.
+        max_tokens = min(s.max_tokens, self.max_tokens_limit)
         scanner = StopScanner(s.stop)
 
         def stop(text: str) -> bool:
@@ -273,8 +328,8 @@ class ModelWorker:
                 job.send(Text(new))
             return scanner.end is not None or job.cancelled.is_set()
 
-        result, caches = self.engine.generate_with_caches(
-            self.loaded, self.scheme, prompt, max_tokens=s.max_tokens, temp=s.temperature, top_p=s.top_p,
+        result, caches = yield from self.engine.generation(
+            self.loaded, self.scheme, prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p,
             seed=s.seed, stop=stop,
             on_start=lambda started: job.send(Accepted(len(prompt), started.matched, started.tier)))
         if job.cancelled.is_set():
@@ -320,7 +375,7 @@ class ModelWorker:
         else:
             self.metrics.saved("saved", time.perf_counter() - t0)
 
-    def _save(self, job: Job, name: str, source: CacheSource) -> None:
+    def _save(self, job: Job, name: str, source: CacheSource) -> Iterator[None]:
         if source.document is not None:
             if not source.document.strip():
                 raise BadInput("the document is empty: nothing to save")
@@ -331,7 +386,7 @@ class ModelWorker:
             tokens = self._tokens(source.prompt, source.messages)[:-1]
             if not tokens:
                 raise BadInput("the prompt is a single token: there is nothing to store before it")
-        self.engine.save_tokens(name, self.loaded, tokens, scheme=self.scheme, pin=source.pinned, ttl=source.ttl,
-                                metadata={"tqstore.saved_by": "serve"})
+        yield from self.engine.saving(name, self.loaded, tokens, scheme=self.scheme, pin=source.pinned,
+                                      ttl=source.ttl, metadata={"tqstore.saved_by": "serve"})
         job.send(Finished(self.engine.store.info(name)))
 

@@ -58,7 +58,7 @@ def generation_options(args: argparse.Namespace) -> dict:
 
 def save(ctx: Context, args: argparse.Namespace) -> int:
     name = validate_name(args.name)
-    scheme = arguments.scheme_name(args.scheme) if args.scheme else None
+    scheme = arguments.scheme_name(args.scheme) if args.scheme is not None else None
     text = arguments.document(args.file, args.prompt)
     engine = ctx.engine()
     with ctx.out.status(f"loading {args.model}"):

@@ -255,6 +255,8 @@ class S3Tier:
                 f"another machine pushed {name} first ({'it exists' if etag is None else 'it changed'} "
                 f"in s3://{self.bucket}/{self.prefix}): pull it, or push under another name"
             ) from None
+        if self.cipher is not None:  # its version is the highest seen now (rollback checks)
+            self.cipher.written(body, "manifest", name, f"s3://{self.bucket}/{self.manifest_name(name)}")
         return response["ETag"]
 
     def delete_manifest(self, name: str) -> bool:

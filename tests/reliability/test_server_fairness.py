@@ -1,0 +1,83 @@
+"""One client cannot hold the server (issue 19, finding 7): a real `tqstore serve` subprocess on
+a tiny model. A stream asking for 1e9 tokens is capped (--max-tokens-limit, by default the
+model's context length), and while it runs, short requests beside it finish within a bound:
+running jobs take turns on the one model thread instead of waiting for the long one to end.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+import pytest
+
+from model_folder import write_model_folder
+from server_process import ServerProcess, request
+
+# Greedy decoding of this prompt on the seed-0 tiny model repeats one printable token without
+# reaching the end-of-sequence token (tests/test_server_lifecycle.py): only a cap or a
+# disconnect ends it.
+ENDLESS = "Slow one: abscond abscond abscond"
+SHORT = {"prompt": "Quick?", "max_tokens": 2, "temperature": 0}
+SHORT_BOUND_S = 10.0  # a short request alone takes well under a second here
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("fair") / "tiny-qwen2", kind="qwen2")
+
+
+def _open_stream(server: ServerProcess, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ")  # generating
+    return conn, response
+
+
+def test_a_billion_token_stream_does_not_starve_short_requests(tiny_model, tmp_path, ledger):
+    server = ServerProcess(tmp_path / "home", tiny_model, "--no-save")
+    try:
+        long, stream = _open_stream(server, {"prompt": ENDLESS, "max_tokens": 10**9, "temperature": 0, "stream": True})
+        try:
+            for _ in range(3):
+                t0 = time.monotonic()
+                status, _, body = request(server, "POST", "/v1/completions", SHORT, timeout=SHORT_BOUND_S)
+                seconds = time.monotonic() - t0
+                assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+                assert seconds < SHORT_BOUND_S
+                ledger.count("server/1e9-token stream beside short requests", "short request finished in bound")
+            # The long one is still streaming: it was sliced, not stopped.
+            events = [line for line in (stream.readline() for _ in range(40)) if line.strip()]
+            assert len(events) == 20 and all(e.startswith(b"data: {") for e in events)
+        finally:
+            long.close()
+    finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_max_tokens_is_capped_by_the_server(tiny_model, tmp_path, ledger):
+    server = ServerProcess(tmp_path / "home", tiny_model, "--no-save", "--max-tokens-limit", "16")
+    try:
+        for stream in (False, True):
+            body = {"prompt": ENDLESS, "max_tokens": 10**9, "temperature": 0, "stream": stream,
+                    "stream_options": {"include_usage": True}}
+            if not stream:
+                status, _, out = request(server, "POST", "/v1/completions", body)
+                assert status == 200
+                usage, finish = out["usage"], out["choices"][0]["finish_reason"]
+            else:
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+                conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+                events = [json.loads(line[6:]) for line in conn.getresponse().read().decode().split("\n")
+                          if line.startswith("data: {")]
+                conn.close()
+                usage = events[-1]["usage"]
+                finish = next(e["choices"][0]["finish_reason"] for e in events if e["choices"]
+                              and e["choices"][0]["finish_reason"])
+            assert usage["completion_tokens"] == 16 and finish == "length", (usage, finish)
+            ledger.count("server/1e9-token request with a cap", f"capped at the limit ({'stream' if stream else 'whole'})")
+    finally:
+        assert server.stop() == 0, server.log()
