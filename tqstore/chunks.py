@@ -99,10 +99,10 @@ def add_chunk(engine: "Engine", loaded: LoadedModel, text: str, *, name: str | N
     scheme = parse_scheme(scheme or engine.store.config.default_scheme).name
     prefix = prefix_tokens(loaded, system)
     tokens = loaded.prompt.document_tokens(loaded.tokenizer, text)
-    return _ensure(engine, loaded, scheme, prefix, tokens, name, pin)[0]
+    return ensure_chunk(engine, loaded, scheme, prefix, tokens, name, pin)[0]
 
 
-def _ensure(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], tokens: list[int],
+def ensure_chunk(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], tokens: list[int],
             name: str | None, pin: bool = False) -> tuple[ChunkInfo, ChunkKV | None]:
     """The chunk entry for these tokens, stored if missing or damaged; with its K/V when it was
     loaded or computed here."""
@@ -114,7 +114,7 @@ def _ensure(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int
     except NotFound:
         manifest = None
     if manifest is not None and manifest.metadata.get(CHUNK_KEY) == address:
-        found = _load(engine, loaded, manifest, prefix, tokens)
+        found = load_chunk(engine, loaded, manifest, prefix, tokens)
         if found is not None:
             return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0), found
     elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
@@ -128,7 +128,7 @@ def _ensure(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int
     return ChunkInfo(entry, len(tokens), len(prefix), True, seconds), None
 
 
-def _load(engine: "Engine", loaded: LoadedModel, manifest: Manifest, prefix: list[int],
+def load_chunk(engine: "Engine", loaded: LoadedModel, manifest: Manifest, prefix: list[int],
           tokens: list[int]) -> ChunkKV | None:
     """The decoded K/V of a chunk entry; None (a miss) when its objects are damaged or lost."""
     if list(manifest.tokens) != prefix + tokens:
@@ -160,49 +160,77 @@ def _named(engine: "Engine", loaded: LoadedModel, scheme: str, name: str) -> tup
     return manifest, list(manifest.tokens[int(manifest.metadata[PREFIX_KEY]):])
 
 
-def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], question: str, *,
-                  scheme: str | None = None, system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
-                  **options) -> DocumentsAnswer:
-    """Answer `question` over `documents` in the given order, reusing each stored chunk's K/V
-    wherever it sits; `recompute` (0 to 1) is the share of chunk tokens recomputed in context."""
+@dataclass
+class ComposedContext:
+    """Caches holding `[prefix][documents...]`, ready for the question."""
+
+    caches: list
+    tokens: list[int]
+    chunks: list[ChunkInfo]
+    reused: int
+    recomputed: int
+    seconds: float
+
+
+def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], scheme: str, *,
+                    system: str | None = None, recompute: float = DEFAULT_RECOMPUTE) -> ComposedContext:
+    """Caches of `[prefix][doc_1]...[doc_k]` under `scheme` from stored chunks (texts not stored
+    yet are prefilled and stored first); recompute 1 is a plain prefill of the whole."""
     if not documents:
         raise BadInput("no documents given")
     if not 0.0 <= recompute <= 1.0:
         raise BadInput(f"recompute is a fraction of the document tokens from 0 to 1, got {recompute}")
-    if scheme is None:
-        named = next((d.name for d in documents if d.name is not None), None)
-        scheme = engine.store.get(named).scheme if named else engine.store.config.default_scheme
-    scheme = parse_scheme(scheme).name
     t0 = time.perf_counter()
+    caches = make_prompt_cache(loaded.model, scheme)
+    check_composable(loaded.model, caches)
     prefix = prefix_tokens(loaded, system)
-    question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
     infos, parts = [], []
     for doc in documents:
         if doc.name is not None:
             manifest, tokens = _named(engine, loaded, scheme, doc.name)
             same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
-            info, kv = _ensure(engine, loaded, scheme, prefix, tokens, doc.name if same_prefix else None)
+            info, kv = ensure_chunk(engine, loaded, scheme, prefix, tokens, doc.name if same_prefix else None)
         else:
             tokens = loaded.prompt.document_tokens(loaded.tokenizer, doc.text)
-            info, kv = _ensure(engine, loaded, scheme, prefix, tokens, None)
-        if kv is None:
-            kv = _load(engine, loaded, engine.store.get(info.name), prefix, tokens)
-            if kv is None:
-                raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
+            info, kv = ensure_chunk(engine, loaded, scheme, prefix, tokens, None)
         infos.append(info)
         parts.append(kv)
-    caches = make_prompt_cache(loaded.model, scheme)
-    check_composable(loaded.model, caches)
     if recompute >= 1.0:
-        composed_tokens = prefix + [t for kv in parts for t in kv.tokens]
-        engine.prefill(loaded, caches, composed_tokens)
-        composed = Composed(composed_tokens, [], [], 0, len(composed_tokens) - len(prefix))
-    else:
-        composed = compose(loaded.model, parts, recompute)
-        for cache, keys, values in zip(caches, composed.keys, composed.values):
-            cache.update_and_fetch(keys, values)
-    compose_seconds = time.perf_counter() - t0
-    answer = engine.generate_composed(loaded, scheme, caches, composed.tokens, question_tokens,
-                                      compose_seconds, **options)
-    prefilled = len(question_tokens) + (len(composed.tokens) if recompute >= 1.0 else 0)
-    return DocumentsAnswer(answer, infos, composed.reused, composed.recomputed, prefilled, compose_seconds)
+        tokens = prefix + [t for info, doc in zip(infos, parts) for t in _chunk_tokens(engine, info, doc)]
+        engine.prefill(loaded, caches, tokens)
+        return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0)
+    for i, (info, kv) in enumerate(zip(infos, parts)):
+        if kv is None:  # stored just now
+            kv = parts[i] = load_chunk(engine, loaded, engine.store.get(info.name), prefix,
+                                       _chunk_tokens(engine, info, None))
+            if kv is None:
+                raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
+    composed = compose(loaded.model, parts, recompute)
+    for cache, keys, values in zip(caches, composed.keys, composed.values):
+        cache.update_and_fetch(keys, values)
+    return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
+                           time.perf_counter() - t0)
+
+
+def _chunk_tokens(engine: "Engine", info: ChunkInfo, kv: ChunkKV | None) -> list[int]:
+    if kv is not None:
+        return kv.tokens
+    return list(engine.store.get(info.name).tokens[info.prefix_tokens:])
+
+
+def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], question: str, *,
+                  scheme: str | None = None, system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
+                  **options) -> DocumentsAnswer:
+    """Answer `question` over `documents` in the given order, reusing each stored chunk's K/V
+    wherever it sits; `recompute` (0 to 1) is the share of chunk tokens recomputed in context.
+    The scheme is `scheme`, else the first named chunk's, else the store's default."""
+    if scheme is None:
+        named = next((d.name for d in documents if d.name is not None), None)
+        scheme = engine.store.get(named).scheme if named else engine.store.config.default_scheme
+    scheme = parse_scheme(scheme).name
+    context = composed_caches(engine, loaded, documents, scheme, system=system, recompute=recompute)
+    question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
+    answer = engine.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
+                                      context.seconds, **options)
+    prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)
+    return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled, context.seconds)

@@ -134,12 +134,14 @@ def shift_keys(model, keys: mx.array, delta: int) -> mx.array:
 
 
 def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int = FULL_LAYERS,
-            sink_tokens: int = SINK_TOKENS) -> Composed:
+            sink_tokens: int = SINK_TOKENS, tail_tokens: int = 0) -> Composed:
     """The K/V of `[prefix][chunk_1]...[chunk_k]` from stored chunks (all prefilled after the same
     prefix), with `budget` (a fraction of the chunk tokens, 0 to 1) recomputed in context.
 
     The first chunk sits where it was prefilled, so its K/V are kept as stored; the others are
-    moved, and recompute goes to them. A full recompute is the caller's plain prefill.
+    moved, and recompute goes to them: first each one's first `sink_tokens`, then the last
+    chunk's last `tail_tokens` (what a question attends to most), then by deviation. A full
+    recompute is the caller's plain prefill.
     """
     if not chunks:
         raise BadInput("no documents to compose")
@@ -167,12 +169,16 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     if want <= 0 or not moved:
         mx.eval(keys, values)
         return Composed(tokens, keys, values, chunk_tokens, 0)
-    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, sink_tokens)
+    first = [p for at, n in moved for p in range(at, at + min(sink_tokens, n))]
+    if moved and tail_tokens:
+        at, n = moved[-1]
+        first += [p for p in range(max(at, at + n - tail_tokens), at + n) if p not in set(first)]
+    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first)
     return Composed(tokens, keys, values, chunk_tokens - recomputed, recomputed)
 
 
 def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],
-               moved: list[tuple[int, int]], want: int, full_layers: int, sink_tokens: int) -> int:
+               moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int]) -> int:
     """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; how many."""
     layers = _layers(model)
     for layer in layers:
@@ -182,8 +188,7 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
     for i in range(full_layers):
         hidden, keys[i], values[i] = _full_layer(layers[i], hidden)
     positions = [p for at, n in moved for p in range(at, at + n)]
-    chosen = {p for at, n in moved for p in range(at, at + min(sink_tokens, n))}
-    chosen = set(sorted(chosen)[:want])
+    chosen = set(first[:want])
     if len(chosen) < want and full_layers < len(layers):
         exact_k, exact_v = _projected_kv(layers[full_layers], hidden)
         candidates = mx.array(positions)
