@@ -36,7 +36,7 @@ class Variant:
     label: str
     scheme: str
     budget: float | str  # a fraction, or "sinks" (each moved chunk's first tokens only)
-    options: tuple = ()
+    select: str | None = None  # None: the default selection
 
 
 VARIANTS = [
@@ -45,6 +45,12 @@ VARIANTS = [
     Variant("5%", "turbo4", 0.05), Variant("15%", "raw", 0.15), Variant("15%", "turbo4", 0.15),
     Variant("30%", "turbo4", 0.30),
 ]
+
+
+def experiment(budgets: str, selects: str, scheme: str) -> list[Variant]:
+    """Variants for comparing selections: every budget under every selection."""
+    return [Variant(f"{float(b):.0%} {sel}", scheme, float(b), sel) for b in budgets.split(",")
+            for sel in selects.split(",")]
 
 
 def corpus_pieces(tokenizer, corpus: Path, n: int, continuation: int) -> list[tuple[str, list[int]]]:
@@ -82,10 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ks", default="8,4")
     parser.add_argument("--orders", type=int, default=2)
     parser.add_argument("--continuation", type=int, default=96)
-    parser.add_argument("--variants", default="", help="comma-separated indices into VARIANTS (default all)")
+    parser.add_argument("--budgets", default="", help="compare selections: budgets (comma-separated fractions)")
+    parser.add_argument("--selects", default="deviation,attention,product")
+    parser.add_argument("--scheme", default="turbo4", help="chunk scheme of --budgets runs")
     parser.add_argument("--full-layers", type=int, default=None)
     parser.add_argument("--sinks", type=int, default=None)
     parser.add_argument("--tail", type=int, default=None)
+    parser.add_argument("--select", default=None, help="deviation, attention or product (default: compose.SELECT)")
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv[1:])
@@ -96,15 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqstore import Store
     from tqstore.chunks import ensure_chunk, prefix_tokens
-    from tqstore.compose import FULL_LAYERS, SINK_TOKENS, compose
+    from tqstore.compose import FULL_LAYERS, SELECT, SINK_TOKENS, compose
     from tqstore.config import load_config
     from tqstore.engine import Engine
     from turboquant import make_prompt_cache
 
     options = {"full_layers": FULL_LAYERS if args.full_layers is None else args.full_layers,
                "sink_tokens": SINK_TOKENS if args.sinks is None else args.sinks,
-               "tail_tokens": args.tail or 0}
-    variants = VARIANTS if not args.variants else [VARIANTS[int(i)] for i in args.variants.split(",")]
+               "tail_tokens": args.tail or 0, "select": args.select or SELECT}
+    variants = experiment(args.budgets, args.selects, args.scheme) if args.budgets else VARIANTS
     home = Path(tempfile.mkdtemp(prefix="tqstore-rag-"))
     engine = Engine(Store.open(home, config=load_config(home)))
     loaded = engine.model(str(args.model))
@@ -113,42 +122,42 @@ def main(argv: list[str] | None = None) -> int:
     pieces = corpus_pieces(tokenizer, args.corpus, max(ks) * 2, args.continuation)
     prefix = prefix_tokens(loaded, None)
     doc_tokens = [loaded.prompt.document_tokens(tokenizer, text) for text, _ in pieces]
-    for scheme in sorted({v.scheme for v in variants}):
-        for tokens in doc_tokens:
-            ensure_chunk(engine, loaded, scheme, prefix, tokens, None)
-    rows: dict[tuple[int, str, str], list] = {}
     rng = random.Random(0)
-    for k in ks:
-        for order in range(args.orders):
-            picked = rng.sample(range(len(pieces)), k)
-            cont = mx.array(pieces[picked[-1]][1])[None]
-            prompt = prefix + [t for i in picked for t in doc_tokens[i]]
-            # Full prefill (reference) and its time to the continuation's logits.
+    prompts = [(k, order, rng.sample(range(len(pieces)), k)) for k in ks for order in range(args.orders)]
+    for scheme in sorted({v.scheme for v in variants}):
+        for i in sorted({i for _, _, picked in prompts for i in picked}):
+            ensure_chunk(engine, loaded, scheme, prefix, doc_tokens[i], None)
+    rows: dict[tuple[int, str, str], list] = {}
+    for k, order, picked in prompts:
+        cont = mx.array(pieces[picked[-1]][1])[None]
+        prompt = prefix + [t for i in picked for t in doc_tokens[i]]
+        # Full prefill (reference) and its time to the continuation's logits.
+        t0 = time.perf_counter()
+        caches = make_prompt_cache(model, "raw")
+        engine.prefill(loaded, caches, prompt)
+        ref = model(cont, cache=caches)[0]
+        mx.eval(ref)
+        full_seconds = time.perf_counter() - t0
+        print(f"k={k} order={order}: {len(prompt)} prompt tokens, full prefill {full_seconds:.2f} s", flush=True)
+        for v in variants:
             t0 = time.perf_counter()
+            parts = [ensure_chunk(engine, loaded, v.scheme, prefix, doc_tokens[i], None)[1] for i in picked]
+            chunk_total = len(prompt) - len(prefix)
+            budget = options["sink_tokens"] * (k - 1) / chunk_total if v.budget == "sinks" else v.budget
+            chosen = {**options, "select": v.select or options["select"]}
+            composed = compose(model, parts, budget, question=pieces[picked[-1]][1], **chosen)
             caches = make_prompt_cache(model, "raw")
-            engine.prefill(loaded, caches, prompt)
-            ref = model(cont, cache=caches)[0]
-            mx.eval(ref)
-            full_seconds = time.perf_counter() - t0
-            print(f"k={k} order={order}: {len(prompt)} prompt tokens, full prefill {full_seconds:.2f} s", flush=True)
-            for v in variants:
-                t0 = time.perf_counter()
-                parts = [ensure_chunk(engine, loaded, v.scheme, prefix, doc_tokens[i], None)[1] for i in picked]
-                chunk_total = len(prompt) - len(prefix)
-                budget = options["sink_tokens"] * (k - 1) / chunk_total if v.budget == "sinks" else v.budget
-                composed = compose(model, parts, budget, **options)
-                caches = make_prompt_cache(model, "raw")
-                for cache, keys, values in zip(caches, composed.keys, composed.values):
-                    cache.update_and_fetch(keys, values)
-                test = model(cont, cache=caches)[0]
-                mx.eval(test)
-                seconds = time.perf_counter() - t0
-                kl, top1 = kl_top1(ref, test)
-                rows.setdefault((k, v.label, v.scheme), []).append((kl, top1, full_seconds / seconds,
-                                                                     composed.recomputed / chunk_total))
-                print(f"  {v.scheme:7s} {v.label:20s} KL {kl:.4f} top-1 {top1:.3f} recomputed "
-                      f"{composed.recomputed}/{chunk_total} TTFT {seconds:.2f} s ({full_seconds / seconds:.1f}x)",
-                      flush=True)
+            for cache, keys, values in zip(caches, composed.keys, composed.values):
+                cache.update_and_fetch(keys, values)
+            test = model(cont, cache=caches)[0]
+            mx.eval(test)
+            seconds = time.perf_counter() - t0
+            kl, top1 = kl_top1(ref, test)
+            rows.setdefault((k, v.label, v.scheme), []).append((kl, top1, full_seconds / seconds,
+                                                                 composed.recomputed / chunk_total))
+            print(f"  {v.scheme:7s} {v.label:20s} KL {kl:.4f} top-1 {top1:.3f} recomputed "
+                  f"{composed.recomputed}/{chunk_total} TTFT {seconds:.2f} s ({full_seconds / seconds:.1f}x)",
+                  flush=True)
     command = "python bench/rag.py " + " ".join(argv[1:])
     body = table(rows, command, options, args)
     print(body)

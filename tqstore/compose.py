@@ -37,6 +37,7 @@ from .errors import BadInput
 # length and YaRN scales magnitudes on every call: re-applying either is not a shift.
 SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3"}
 FULL_LAYERS = 2  # layers recomputed over every token when anything is recomputed
+SELECT = "deviation"  # how recompute picks tokens beyond the first ones (see `compose`)
 SINK_TOKENS = 4  # first tokens of each moved chunk that are always recomputed (when the budget allows)
 ATTENTION_CHUNK = 512  # queries per step in the full layers (bounds the score matrix)
 
@@ -134,14 +135,18 @@ def shift_keys(model, keys: mx.array, delta: int) -> mx.array:
 
 
 def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int = FULL_LAYERS,
-            sink_tokens: int = SINK_TOKENS, tail_tokens: int = 0) -> Composed:
+            sink_tokens: int = SINK_TOKENS, tail_tokens: int = 0, question: Sequence[int] | None = None,
+            select: str = SELECT) -> Composed:
     """The K/V of `[prefix][chunk_1]...[chunk_k]` from stored chunks (all prefilled after the same
     prefix), with `budget` (a fraction of the chunk tokens, 0 to 1) recomputed in context.
 
     The first chunk sits where it was prefilled, so its K/V are kept as stored; the others are
     moved, and recompute goes to them: first each one's first `sink_tokens`, then the last
-    chunk's last `tail_tokens` (what a question attends to most), then by deviation. A full
-    recompute is the caller's plain prefill.
+    chunk's last `tail_tokens`, then by `select`: "deviation" (CacheBlend: the K/V furthest from
+    their in-context value after the first layers), or, given the `question` tokens that follow,
+    "attention" (the tokens the question attends to most in a pilot pass over the composed
+    cache) or "product" (attention times deviation: what the question reads and is wrong). A
+    full recompute is the caller's plain prefill.
     """
     if not chunks:
         raise BadInput("no documents to compose")
@@ -173,12 +178,15 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     if moved and tail_tokens:
         at, n = moved[-1]
         first += [p for p in range(max(at, at + n - tail_tokens), at + n) if p not in set(first)]
-    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first)
+    if select != "deviation" and not question:
+        select = "deviation"
+    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select)
     return Composed(tokens, keys, values, chunk_tokens - recomputed, recomputed)
 
 
 def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],
-               moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int]) -> int:
+               moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int],
+               question: Sequence[int] | None, select: str) -> int:
     """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; how many."""
     layers = _layers(model)
     for layer in layers:
@@ -190,10 +198,15 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
     positions = [p for at, n in moved for p in range(at, at + n)]
     chosen = set(first[:want])
     if len(chosen) < want and full_layers < len(layers):
-        exact_k, exact_v = _projected_kv(layers[full_layers], hidden)
         candidates = mx.array(positions)
-        deviation = _deviation(exact_k, keys[full_layers], exact_v, values[full_layers], candidates)
-        for i in mx.argsort(-deviation).tolist():
+        score = None
+        if select in ("deviation", "product"):
+            exact_k, exact_v = _projected_kv(layers[full_layers], hidden)
+            score = _deviation(exact_k, keys[full_layers], exact_v, values[full_layers], candidates)
+        if select in ("attention", "product"):
+            read = _pilot_attention(model, layers, question, keys, values, full_layers)[candidates]
+            score = read if score is None else score * read
+        for i in mx.argsort(-score).tolist():
             if len(chosen) >= want:
                 break
             chosen.add(positions[i])
@@ -279,6 +292,38 @@ def _deviation(exact_k: mx.array, keys: mx.array, exact_v: mx.array, values: mx.
         error = mx.sum(mx.square(exact - stored[:, :, positions].astype(mx.float32)), axis=(0, 1, 3))
         return error / mx.mean(mx.sum(mx.square(exact), axis=(0, 1, 3)))
     return relative(exact_k, keys) + relative(exact_v, values)
+
+
+def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array], values: list[mx.array],
+                     from_layer: int) -> mx.array:
+    """Attention mass each context position gets from the question's tokens, summed over heads,
+    queries and the layers from `from_layer` on, in a pass of the question over the composed
+    cache (what the answer will read)."""
+    n = keys[0].shape[2]
+    positions = mx.arange(n, n + len(question))
+    h = getattr(model, "model", model).embed_tokens(mx.array(list(question))[None])
+    mass = mx.zeros((n,), dtype=mx.float32)
+    for i, layer in enumerate(layers):
+        attention = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _rope_at(attention, _heads(attention, x, attention.n_heads, attention.q_proj, "q_norm"), positions)
+        k = _rope_at(attention, _heads(attention, x, attention.n_kv_heads, attention.k_proj, "k_norm"), positions)
+        v = _heads(attention, x, attention.n_kv_heads, attention.v_proj, "v_norm")
+        all_k = mx.concatenate([keys[i], k.astype(keys[i].dtype)], axis=2)
+        all_v = mx.concatenate([values[i], v.astype(values[i].dtype)], axis=2)
+        B, hq, L, D = q.shape
+        groups = hq // attention.n_kv_heads
+        scores = (q * attention.scale).reshape(B, attention.n_kv_heads, groups, L, D) @ \
+            all_k[:, :, None].swapaxes(-1, -2)
+        causal = mx.arange(n + L)[None, :] <= positions[:, None]
+        probs = mx.softmax(mx.where(causal, scores.astype(mx.float32), -mx.inf), axis=-1)
+        if i >= from_layer:
+            mass = mass + mx.sum(probs[..., :n], axis=(0, 1, 2, 3))
+        out = (probs.astype(all_v.dtype) @ all_v[:, :, None]).reshape(B, hq, L, -1)
+        h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        mx.eval(h, mass)
+    return mass
 
 
 def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, values: mx.array
