@@ -37,7 +37,7 @@ from .errors import BadInput
 # length and YaRN scales magnitudes on every call: re-applying either is not a shift.
 SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3"}
 FULL_LAYERS = 2  # layers recomputed over every token when anything is recomputed
-SELECT = "deviation"  # how recompute picks tokens beyond the first ones (see `compose`)
+SELECT = "attention"  # how recompute picks tokens beyond the first ones (see `compose`; measured in docs/rag.md)
 SINK_TOKENS = 4  # first tokens of each moved chunk that are always recomputed (when the budget allows)
 ATTENTION_CHUNK = 512  # queries per step in the full layers (bounds the score matrix)
 
