@@ -152,8 +152,8 @@ def _named(engine: "Engine", loaded: LoadedModel, scheme: str, name: str) -> tup
     if CHUNK_KEY not in manifest.metadata:
         raise BadInput(f"entry {name!r} is not a document chunk: store it with `tqstore chunk add`")
     if manifest.model_digest != loaded.identity.digest:
-        raise IdentityMismatch(f"chunk {name!r} was stored with another model ({manifest.model_ref}): store it again "
-                               "with this model")
+        raise IdentityMismatch(f"chunk {name!r} was stored with another model or tokenizer ({manifest.model_ref}): "
+                               "store it again with this model")
     if manifest.codec_digest != engine.codec_identity(loaded, scheme).digest:
         raise IdentityMismatch(f"chunk {name!r} was stored with scheme {manifest.scheme}, not {scheme}: pass "
                                f"--scheme {manifest.scheme} or store it again")
