@@ -44,7 +44,8 @@ VARIANTS = [
     Variant("0 (concatenation)", "raw", 0.0), Variant("0 (concatenation)", "turbo4", 0.0),
     Variant("first tokens only", "turbo4", "sinks"),
     Variant("5%", "turbo4", 0.05), Variant("15%", "raw", 0.15), Variant("15%", "turbo4", 0.15),
-    Variant("15% by deviation", "turbo4", 0.15, "deviation"), Variant("30%", "turbo4", 0.30),
+    Variant("15% by deviation", "turbo4", 0.15, "deviation"), Variant("20%", "turbo4", 0.20),
+    Variant("30%", "turbo4", 0.30),
 ]
 
 
@@ -109,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqstore import Store
     from tqstore.chunks import ensure_chunk, prefix_tokens
-    from tqstore.compose import FULL_LAYERS, SELECT, SINK_TOKENS, compose
+    from tqstore.compose import SELECT, SINK_TOKENS, compose
     from tqstore.config import load_config
     from tqstore.engine import Engine
     from turboquant import make_prompt_cache
 
-    options = {"full_layers": FULL_LAYERS if args.full_layers is None else args.full_layers,
+    options = {"full_layers": args.full_layers,
                "sink_tokens": SINK_TOKENS if args.sinks is None else args.sinks,
                "tail_tokens": args.tail or 0, "select": args.select or SELECT}
     variants = experiment(args.budgets, args.selects, args.scheme) if args.budgets else VARIANTS
@@ -185,7 +186,8 @@ def table(rows, command: str, options: dict, args) -> str:
         lines.append(f"| {k} | {label} | {scheme} | {share:.1%} | {kl:.3f} | {top1:.3f} | "
                      f"{sum(speed) / len(speed):.1f}x ({min(speed):.1f}-{max(speed):.1f}) |")
     lines += ["", f"Chunks of {CHUNK_TOKENS} tokens, {args.orders} orders per k, continuation of {args.continuation} "
-              f"real tokens; recompute options {options}. KL and top-1 are means over orders; TTFT is the mean "
+              f"real tokens; recompute options {options} (full_layers None: 0 for the attention selection, 2 for "
+              "deviation). KL and top-1 are means over orders; TTFT is the mean "
               "ratio (range over orders). Recomputed is the share of chunk tokens run through every layer in "
               "context (besides the first full_layers layers, which run over every token when the budget is "
               "above 0).", "", f"Command: `{command}` (git {git_revision()}, {datetime.date.today()}).",

@@ -36,7 +36,11 @@ from .errors import BadInput
 # builds them from the config's rope_scaling). Dynamic NTK rescales the base with the sequence
 # length and YaRN scales magnitudes on every call: re-applying either is not a shift.
 SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3"}
-FULL_LAYERS = 2  # layers recomputed over every token when anything is recomputed
+# Layers run over every token before the selected ones, for the deviation selection (layer 0's K/V
+# depend on the token and its position only, so they are exact already; layer 1's deviation is
+# the first that says something). The attention selection needs none: measured in docs/rag.md,
+# dropping them buys a larger budget for the same time and a lower KL.
+FULL_LAYERS = 2
 SELECTIONS = ("attention", "deviation", "product")
 SELECT = "attention"  # how recompute picks tokens beyond the first ones (see `compose`; measured in docs/rag.md)
 SINK_TOKENS = 4  # first tokens of each moved chunk that are always recomputed (when the budget allows)
@@ -136,7 +140,7 @@ def shift_keys(model, keys: mx.array, delta: int) -> mx.array:
     return moved.reshape(B, H, T, D)
 
 
-def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int = FULL_LAYERS,
+def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int | None = None,
             sink_tokens: int = SINK_TOKENS, tail_tokens: int = 0, question: Sequence[int] | None = None,
             select: str = SELECT) -> Composed:
     """The K/V of `[prefix][chunk_1]...[chunk_k]` from stored chunks (all prefilled after the same
@@ -147,7 +151,8 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     chunk's last `tail_tokens`, then by `select`: "deviation" (CacheBlend: the K/V furthest from
     their in-context value after the first layers), or, given the `question` tokens that follow,
     "attention" (the tokens the question attends to most in a pilot pass over the composed
-    cache) or "product" (attention times deviation: what the question reads and is wrong). A
+    cache) or "product" (attention times deviation: what the question reads and is wrong).
+    `full_layers` (None: 0 for "attention", FULL_LAYERS otherwise) run over every token first. A
     full recompute is the caller's plain prefill.
     """
     if not chunks:
@@ -184,6 +189,8 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
         first += [p for p in range(max(at + min(sink_tokens, n), at + n - tail_tokens), at + n)]
     if select != "deviation" and not question:
         select = "deviation"
+    if full_layers is None:
+        full_layers = 0 if select == "attention" else FULL_LAYERS
     recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select)
     return Composed(tokens, keys, values, chunk_tokens - recomputed, recomputed)
 
