@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import random
 import sys
 import tempfile
@@ -206,7 +207,7 @@ def plot(rows, path: Path) -> None:
     for points in series.values():
         points.sort()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(svg_chart(series, "TTFT speed-up against a full prefill (x)",
+    path.write_text(svg_chart(series, "TTFT speed-up against a full prefill (x, log scale)",
                               "KL against the full prefill", targets=(4.0, 0.05)))
 
 
@@ -214,14 +215,15 @@ COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 
 
 def svg_chart(series: dict[str, list], xlabel: str, ylabel: str, targets: tuple[float, float]) -> str:
-    """A line chart as SVG text: series name -> [(x, y, point label)]; dotted target lines."""
-    W, H, left, right, top, bottom = 640, 400, 60, 170, 20, 50
-    xs = [p[0] for pts in series.values() for p in pts] + [targets[0], 0.0]
+    """A line chart as SVG text: series name -> [(x, y, point label)], x on a log2 scale;
+    dotted target lines."""
+    W, H, left, right, top, bottom = 760, 400, 60, 260, 20, 50
+    xs = [p[0] for pts in series.values() for p in pts] + [targets[0]]
     ys = [p[1] for pts in series.values() for p in pts] + [targets[1], 0.0]
-    xmax, ymax = max(xs) * 1.08, max(ys) * 1.1
+    xmin, xmax, ymax = 2 ** math.floor(math.log2(min(xs))), 2 ** math.ceil(math.log2(max(xs))), max(ys) * 1.1
 
     def X(x):
-        return left + (W - left - right) * x / xmax
+        return left + (W - left - right) * math.log2(x / xmin) / math.log2(xmax / xmin)
 
     def Y(y):
         return H - bottom - (H - top - bottom) * y / ymax
@@ -230,9 +232,11 @@ def svg_chart(series: dict[str, list], xlabel: str, ylabel: str, targets: tuple[
            'font-size="11">', f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<line x1="{left}" y1="{H - bottom}" x2="{W - right}" y2="{H - bottom}" stroke="black"/>',
            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{H - bottom}" stroke="black"/>']
+    for i in range(int(math.log2(xmax / xmin)) + 1):
+        x = xmin * 2 ** i
+        out.append(f'<text x="{X(x):.1f}" y="{H - bottom + 15}" text-anchor="middle">{x:g}</text>')
     for i in range(6):
-        x, y = xmax * i / 5, ymax * i / 5
-        out.append(f'<text x="{X(x):.1f}" y="{H - bottom + 15}" text-anchor="middle">{x:.1f}</text>')
+        y = ymax * i / 5
         out.append(f'<text x="{left - 5}" y="{Y(y) + 4:.1f}" text-anchor="end">{y:.3f}</text>')
     out.append(f'<text x="{(left + W - right) / 2}" y="{H - 12}" text-anchor="middle">{xlabel}</text>')
     out.append(f'<text x="15" y="{(top + H - bottom) / 2}" text-anchor="middle" '
