@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_cli import DOC, Run, clean_env, cli, fails, model  # noqa: F401 (fixtures)
+from test_cli import DOC, clean_env, cli, fails, model  # noqa: F401 (fixtures)
 
 OTHER = "Clause seven covers delivery, payment and penalties. The seller pays for delays. " * 3
 

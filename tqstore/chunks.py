@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from turboquant import make_prompt_cache, parse_scheme, restore
 
-from .compose import ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description
+from .compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
 from .errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
 from .loading import LoadedModel
 from .manifest import Manifest
