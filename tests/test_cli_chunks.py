@@ -32,8 +32,7 @@ def test_chunk_add_then_ask_over_documents_in_any_order(cli, model, tmp_path):
 
 def test_ask_with_a_document_file_stores_it_on_first_use(cli, model, tmp_path):
     (tmp_path / "new.txt").write_text(OTHER)
-    cli("chunk", "add", "--model", model, "--name", "base", "--json", stdin=None,
-        *[str(tmp_path / "new.txt")])
+    assert cli("chunk", "add", str(tmp_path / "new.txt"), "--model", model, "--name", "base").code == 0
     (tmp_path / "more.txt").write_text(DOC)
     first = cli("ask", "--doc", "base", "--doc-file", str(tmp_path / "more.txt"), "Who pays?", "--max-tokens", "2",
                 "--recompute", "0", "--json")
