@@ -44,7 +44,7 @@ def other_model(tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("TQSTORE_HOME", "TQSTORE_BLAS", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
+    for name in ("TQSTORE_HOME", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
                  "TQSTORE_DEFAULT_SCHEME"):
         monkeypatch.delenv(name, raising=False)
 
@@ -316,7 +316,7 @@ def test_bad_config_values_are_refused_with_what_is_allowed(cli, monkeypatch):
     fails(cli("ls"), "TQSTORE_LMDB_BUDGET='plenty' is not a size")
     monkeypatch.delenv("TQSTORE_LMDB_BUDGET")
     monkeypatch.setenv("TQSTORE_BLAS", "mkl")
-    fails(cli("ls"), "TQSTORE_BLAS='mkl' is not valid: use one of bundled, openblas")
+    fails(cli("ls"), "TQSTORE_BLAS='mkl' is not valid: use one of auto, bundled, openblas")
 
 
 def test_model_ls_and_install_say_what_they_do(cli, monkeypatch, tmp_path):
@@ -459,3 +459,15 @@ def test_os_errors_and_bugs_are_one_line(cli, monkeypatch):
     fails(cli("ls"), "permission denied: /data/y")
     monkeypatch.setattr(Store, "ls", raising(RuntimeError("boom")))
     fails(cli("ls"), "internal error: RuntimeError: boom (run with -v")
+
+
+def test_missing_openblas_is_one_install_line_for_model_commands_only(cli, monkeypatch, tmp_path):
+    from tqstore import blas
+
+    monkeypatch.setenv("TQSTORE_BLAS", "auto")
+    monkeypatch.setattr(blas.sys, "platform", "linux")
+    monkeypatch.setattr(blas, "OPENBLAS_PATHS", ())
+    assert "libopenblas" not in cli("ls").err
+    run = cli("ask", "nothing-here", "hi", "--model", str(tmp_path / "no-model"))
+    notes = [line for line in run.err.splitlines() if "libopenblas0-pthread" in line]
+    assert run.code == 1 and notes == [f"note: {blas.INSTALL_HINT}"], run.err
