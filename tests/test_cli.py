@@ -97,11 +97,16 @@ def test_save_then_ask_json(cli, model):
     assert answer["cached_tokens"] == doc["tokens"] and answer["prompt_tokens"] > doc["tokens"]
     assert answer["tier"] == "lmdb" and answer["generation_tokens"] == 4 and answer["finish_reason"] == "length"
     assert answer["recorded_prefill_seconds"] == pytest.approx(doc["recorded_prefill_seconds"])
+    # The first token waited for the restore, the question's prefill and its own step, not the rest.
+    waited = answer["restore_seconds"] + answer["prefill_seconds"]
+    assert waited < answer["first_token_seconds"] <= waited + answer["generation_seconds"]
+    assert answer["model_seconds"] > 0  # a fresh process loads the model for this ask
 
     human = cli("ask", "doc", "Who pays for delays?", "--max-tokens", "4")
     assert human.out.strip() == answer["text"].strip()  # greedy: the same answer, streamed
     assert f"{doc['tokens']} of {answer['prompt_tokens']} prompt tokens from lmdb" in human.err
-    assert "prefill of the context" in human.err
+    assert "prefill of the context" in human.err and "first token after" in human.err
+    assert "x)" not in human.err  # no restore-vs-prefill ratio: the answer took longer than the restore
     assert cli("-q", "ask", "doc", "Who pays for delays?", "--max-tokens", "4").err == ""
 
 
