@@ -476,3 +476,22 @@ def test_missing_openblas_is_one_install_line_for_model_commands_only(cli, monke
     run = cli("ask", "nothing-here", "hi", "--model", str(tmp_path / "no-model"))
     notes = [line for line in run.err.splitlines() if "libopenblas0-pthread" in line]
     assert run.code == 1 and notes == [f"note: {blas.INSTALL_HINT}"], run.err
+
+
+def test_progress_shows_rate_and_eta_from_the_first_chunk():
+    """Before: rich's own speed needs several updates in 30 s, so a CPU prefill (one update per
+    512-token chunk) showed a bare bar, then no rate and an ETA of -:--:--."""
+    from tqstore_cli.progress import EtaColumn, RateColumn, progress_bar
+
+    now = [100.0]
+    with progress_bar(io.StringIO(), "prefill", "tok", clock=lambda: now[0]) as update:
+        update(0, 2048)
+        assert RateColumn("tok").render(update.task()).plain == "" and EtaColumn().render(update.task()).plain == ""
+        now[0] += 20.0
+        update(512, 2048)
+        assert RateColumn("tok").render(update.task()).plain == "26 tok/s"
+        assert EtaColumn().render(update.task()).plain == "ETA 0:01:00"
+        update(0, 10, stage="compress", unit="")  # a new stage counts from its own start
+        now[0] += 1.0
+        update(5, 10, stage="compress")
+        assert EtaColumn().render(update.task()).plain == "ETA 0:00:01"

@@ -203,6 +203,8 @@ class Engine:
         work; returns the seconds of its own steps."""
         body = _body(loaded.model)
         seconds = 0.0
+        if progress and tokens:
+            progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
         for done in range(0, len(tokens), self.prefill_chunk):
             if cancelled is not None and cancelled():
                 break
