@@ -130,3 +130,20 @@ def test_raw_phase_returns_the_rows_themselves():
     assert keys.dtype == mx.float16
     assert mx.array_equal(keys, k).item() and mx.array_equal(values, v).item()
     assert not cache.compressed and cache.layout is Layout.RAW
+
+
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "affine8"])
+def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme):
+    """A chunk that fills the open block and starts a raw tail (turboquant/prefill.py): block
+    means of calibrated keys, the tail's basis and the causal alignment all count."""
+    H, R, D, L = 2, 3, 64, 220
+    cache = _cache(scheme, H, D, mx.float32, T0=300, seed=4)
+    k_new, v_new = kv_rows(1, H, L, D, seed=9)
+    cache.update_and_fetch(k_new, v_new)
+    assert cache.stored == 512 and cache.offset == 520
+    q = mx.random.normal((1, H * R, L, D), key=mx.random.key(2))
+    T = cache.offset
+    k_hat, v_hat = cache.dequantized()
+    ref = _reference(q, k_hat, v_hat, 0.125, np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None])
+    out = np.array(cache.attention(q, 0.125, "causal"))
+    assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()

@@ -60,8 +60,9 @@ class Config:
     s3_read_timeout: float = 60.0
     # Encryption at rest (tqstore/crypto.py): a file holding the key; $TQSTORE_S3_KEY wins over it.
     s3_key_file: str | None = None
-    # MLX's Linux CPU matmul library (tqstore/blas.py): "bundled", or the opt-in "openblas".
-    blas: str = "bundled"
+    # MLX's Linux CPU matmul library (tqstore/blas.py): "auto" (OpenBLAS where installed),
+    # "bundled" or "openblas".
+    blas: str = "auto"
 
     @property
     def lmdb_path(self) -> Path:
@@ -274,7 +275,7 @@ _SETTINGS = (
     Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
     Setting("s3_read_timeout", "s3", "read_timeout", _number(float, 0.1, 3600.0)),
     Setting("s3_key_file", "s3", "key_file", _text),
-    Setting("blas", "store", "blas", _choice("bundled", "openblas")),
+    Setting("blas", "store", "blas", _choice("auto", "bundled", "openblas")),
 )
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 _BY_DOTTED = {s.dotted: s for s in _SETTINGS}

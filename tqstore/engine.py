@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Sequence
 
@@ -58,6 +58,10 @@ class AskResult:
     recorded_prefill_seconds: float  # what the stored context cost to compute
     generation_seconds: float
     finish_reason: str | None
+    # What the user waits for: restore + question prefill + the step that yields the first token
+    # (0 when none was generated).
+    first_token_seconds: float = 0.0
+    model_seconds: float = 0.0  # loading the model for this call (0 when it was loaded already)
 
 
 @dataclass
@@ -199,6 +203,8 @@ class Engine:
         work; returns the seconds of its own steps."""
         body = _body(loaded.model)
         seconds = 0.0
+        if progress and tokens:
+            progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
         for done in range(0, len(tokens), self.prefill_chunk):
             if cancelled is not None and cancelled():
                 break
@@ -254,10 +260,13 @@ class Engine:
             on_text: Callable[[str], None] | None = None) -> AskResult:
         """Answer `question` about entry `name`, restoring its context instead of prefilling it."""
         manifest = self.store.get(name)
+        start = time.perf_counter()
         loaded = self.model_for(name, model)
+        model_seconds = time.perf_counter() - start
         prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
-        return self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                             seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+        result = self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp,
+                               top_p=top_p, seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+        return replace(result, model_seconds=model_seconds)
 
     def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
         """Generate after `prompt`, restoring its longest stored prefix (all but the last token:
@@ -295,7 +304,7 @@ class Engine:
         remainder = list(prompt[started.matched:])
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
         prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted)
-        pieces, tokens, finish, generating = [], [], None, 0.0
+        pieces, tokens, finish, generating, first_token = [], [], None, 0.0, 0.0
         if halted():
             finish = "stop"
         else:
@@ -310,6 +319,8 @@ class Engine:
                 generating += time.perf_counter() - t0
                 if response is None:
                     break
+                if not tokens:
+                    first_token = started.restore_seconds + prefill + generating
                 tokens.append(response.token)
                 pieces.append(response.text)
                 finish = response.finish_reason
@@ -321,7 +332,7 @@ class Engine:
                 yield
             responses.close()
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, generating, finish)
+                           started.restore_seconds, prefill, recorded, generating, finish, first_token)
         return result, started.caches
 
     def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,

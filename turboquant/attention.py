@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .kernels import fused_decode
+from .prefill import prefill_attention
 from .sides import Side
 
 MaskLike = None | str | mx.array
@@ -85,6 +86,9 @@ def compressed_attention(
         arrays = {n: a[:, :, :rows] for n, a in arrays.items()}
     if tail is not None and tail_rows is not None:
         tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
+    if L > 1 and arrays:
+        # A prefill chunk: decode the stored rows once and run the fused SDPA (turboquant/prefill.py).
+        return prefill_attention(queries, key_side, value_side, arrays, scale, mask, shifts, tail)
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     parts = []
     if arrays:
