@@ -48,7 +48,7 @@ MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 
-__all__ = ["dumps", "loads", "inspect", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+__all__ = ["dumps", "loads", "load", "inspect", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
 
 Obj = Snapshot | Block | Window | SharedCodecs
@@ -125,11 +125,16 @@ def loads(data: bytes, *, expect: Expect) -> Obj:
     ChecksumMismatch, MalformedHeader, IdentityMismatch or TokenMismatch; returns only whole
     objects, with every array evaluated.
     """
+    return load(data, expect=expect)[1]
+
+
+def load(data: bytes, *, expect: Expect) -> tuple[Header, Obj]:
+    """`loads` that also returns the object's header (parsed once for both)."""
     header, table, blob = _read(data, True)
     _check_expect(header, expect)
     arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
     mx.eval(*arrays.values())
-    return _build(header, arrays)
+    return header, _build(header, arrays)
 
 
 # -- writing ---------------------------------------------------------------------------------
