@@ -64,6 +64,10 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     """
     kind, layers, codecs = _parts(obj)
     _check_names(layers, codecs)
+    # One evaluation for the whole object: the arrays of a block are lazy slices of its entry,
+    # and evaluating them one by one (in tensor_bytes) costs an MLX dispatch each.
+    mx.eval([a for _, r in layers for a in (*r.arrays.values(), *r.calibration.values())]
+            + [a for c in codecs.values() for a in c.arrays.values()])
     pending: dict[str, tuple[mx.array, np.ndarray, dict[str, Any]]] = {}
 
     def put(name: str, a: mx.array) -> dict[str, Any]:
@@ -99,8 +103,9 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     except (MalformedHeader, TypeError, ValueError) as e:
         raise ValueError(f"cannot serialize this {kind}: {e}") from None
     tensors = {}
+    encoder = _Encoder()
     for name, (a, raw, entry) in pending.items():
-        entry["encoding"], stored = _encode(raw, a.dtype.size)
+        entry["encoding"], stored = encoder.encode(name.rsplit("/", 1)[-1], raw, a.dtype.size)
         tensors[name] = a if stored is None else mx.array(np.frombuffer(stored, dtype=np.uint8))
     buf = io.BytesIO()
     mx.save_safetensors(buf, tensors, metadata={META_KEY: canonical_json(header).decode()})
@@ -182,27 +187,43 @@ def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) 
     return dataclasses.replace(prov, calibration=calibration, key=key)
 
 
-def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
-    """The smallest of raw, zstd and zstd over byte planes; zstd only where it saves MIN_SAVING."""
-    if raw.size < MIN_COMPRESS_BYTES:
-        return "raw", None
-    candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
-    if raw.size > 2 * SAMPLE_BYTES:
+class _Encoder:
+    """Chooses each tensor's encoding: the smallest of raw, zstd and zstd over byte planes, zstd
+    only where it saves MIN_SAVING. The choice is made once per array name and dtype in an
+    object, on the first tensor's sample, and reused for the others (a block holds the same
+    arrays for every layer, and their bytes compress alike); each tensor still falls back to raw
+    where the chosen encoding does not save MIN_SAVING on it."""
+
+    def __init__(self) -> None:
+        self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._chosen: dict[tuple[str, int], str] = {}
+
+    def encode(self, array_name: str, raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
+        """(encoding, stored bytes), or ("raw", None) to store the array as it is."""
+        if raw.size < MIN_COMPRESS_BYTES:
+            return "raw", None
+        best = self._chosen.get((array_name, itemsize))
+        if best is None:
+            best = self._chosen[(array_name, itemsize)] = self._choose(raw, itemsize)
+        if best == "raw":
+            return "raw", None
+        stored = self._compress(raw, itemsize, best)
+        if len(stored) > (1 - MIN_SAVING) * raw.size:
+            return "raw", None
+        return best, stored
+
+    def _choose(self, raw: np.ndarray, itemsize: int) -> str:
         sample = raw[:SAMPLE_BYTES - SAMPLE_BYTES % itemsize]
-        best = min(candidates, key=lambda enc: len(_compress(sample, itemsize, enc)))
-        stored = _compress(raw, itemsize, best)
-    else:
-        best, stored = min(((enc, _compress(raw, itemsize, enc)) for enc in candidates), key=lambda es: len(es[1]))
-    if len(stored) > (1 - MIN_SAVING) * raw.size:
-        return "raw", None
-    return best, stored
+        candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
+        sizes = {enc: len(self._compress(sample, itemsize, enc)) for enc in candidates}
+        best = min(candidates, key=sizes.__getitem__)
+        return best if sizes[best] <= (1 - MIN_SAVING) * sample.size else "raw"
 
-
-def _compress(raw: np.ndarray, itemsize: int, encoding: str) -> bytes:
-    if encoding == "shuffle-zstd":
-        # Byte planes: the sign/exponent bytes of floats repeat and compress; mantissa bytes barely.
-        raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw.data)
+    def _compress(self, raw: np.ndarray, itemsize: int, encoding: str) -> bytes:
+        if encoding == "shuffle-zstd":
+            # Byte planes: the sign/exponent bytes of floats repeat and compress; mantissa bytes barely.
+            raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+        return self._zstd.compress(raw.data)
 
 
 def _hex(digest: bytes | None) -> str | None:

@@ -5,6 +5,7 @@ and types it, or raises MalformedHeader; `format.py` frames, hashes and encodes 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -205,25 +206,41 @@ def _layer(v: Any, where: str) -> LayerInfo:
     li = LayerInfo(_int(v["index"], f"{where}.index"), layout, _int(v["offset"], f"{where}.offset"),
                    _scalars(v["config"], f"{where}.config"), _scalars(v["state"], f"{where}.state"),
                    _tensors(v["arrays"], f"{where}.arrays"), _tensors(v["calibration"], f"{where}.calibration"))
-    where = f"layer {li.index} ({layout.value})"
-    for n, t in sorted(li.arrays.items()):
+    problem = _arrays_problem(layout, li.offset, _typed(li.config), _typed(li.state),
+                              tuple(sorted((n, t.dtype, t.shape) for n, t in li.arrays.items())))
+    if problem is not None:
+        raise MalformedHeader(f"layer {li.index} ({layout.value}): {problem}")
+    return li
+
+
+def _typed(scalars: Mapping[str, Any]) -> tuple:
+    """A hashable form of a scalar mapping that tells 1, 1.0 and True apart."""
+    return tuple(sorted((k, type(v).__name__, v) for k, v in scalars.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _arrays_problem(layout: Layout, offset: int, config: tuple, state: tuple,
+                    arrays: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str | None:
+    """What is wrong with a layer's arrays (names, dtypes, shapes against its layout, offset,
+    config and state), or None. Memoized: every block of an entry repeats a few layer shapes."""
+    for n, dtype, shape in arrays:
         norms = n.endswith("_norms")
         dtypes = ("uint32",) if n.endswith(("_packed", "_w")) else ("float32",) if norms else _FLOATS
-        if len(t.shape) != (3 if norms else 4) or t.dtype not in dtypes:
-            raise MalformedHeader(f"{where}: {n} is {t.dtype} {list(t.shape)}; expected {'/'.join(dtypes)} with "
-                                  f"{3 if norms else 4} dims")
+        if len(shape) != (3 if norms else 4) or dtype not in dtypes:
+            return f"{n} is {dtype} {list(shape)}; expected {'/'.join(dtypes)} with {3 if norms else 4} dims"
     # The data model's own rule for which arrays a layer holds and how many tokens each covers,
     # applied to shape-only stand-ins (broadcast views: no memory, whatever the header claims).
-    stand_ins = {n: np.broadcast_to(np.empty((), np.uint8), t.shape) for n, t in li.arrays.items()}
+    stand_ins = {n: np.broadcast_to(np.empty((), np.uint8), shape) for n, _, shape in arrays}
     try:
-        check_record_arrays(LayerRecord(layout, li.offset, stand_ins, dict(li.config), dict(li.state)))
+        check_record_arrays(LayerRecord(layout, offset, stand_ins, {k: v for k, _, v in config},
+                                        {k: v for k, _, v in state}))
     except (ValueError, TypeError, OverflowError) as e:
-        raise MalformedHeader(f"{where}: {e}") from None
-    heads = {t.shape[1] for t in li.arrays.values()}
-    batch = {t.shape[0] for n, t in li.arrays.items() if n not in BLOCK_ARRAYS}
+        return str(e)
+    heads = {shape[1] for _, _, shape in arrays}
+    batch = {shape[0] for n, _, shape in arrays if n not in BLOCK_ARRAYS}
     if len(heads) > 1 or len(batch) > 1:
-        raise MalformedHeader(f"{where}: arrays disagree on batch or heads ({sorted(batch)}, {sorted(heads)})")
-    return li
+        return f"arrays disagree on batch or heads ({sorted(batch)}, {sorted(heads)})"
+    return None
 
 
 def _tensors(v: Any, where: str) -> dict[str, TensorInfo]:
