@@ -110,7 +110,7 @@ def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
     TokenMismatch if it is not that object (damage); ConflictError if it is a good object of
     another save (`Want.other_save`). `sha256` is the payload's hex digest where the tier that
     returned it has just verified it against that digest (it is not hashed again)."""
-    header, obj = F.load(payload, expect=want.expect)
+    header, obj = F.load(payload, expect=want.expect, verified=sha256 is not None)
     problem = want.problem(header.kind, header.provenance)
     if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
         problem = "its codecs do not hash to its key"
