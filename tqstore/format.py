@@ -2,17 +2,20 @@
 
     frame (64 bytes)  magic "\\x89TQS\\r\\n\\x1a\\n", u32 format version, u32 reserved (0),
                       u64 safetensors header length, u64 payload length, sha256 of the payload
-    payload           safetensors written by mx.save_safetensors; its metadata holds one key,
-                      "tqstore", whose value is the JSON header (kind, identity digests, tokens,
-                      keys, per-layer records with every tensor's dtype, shape, sha256, encoding)
+    payload           safetensors: one U8 tensor per group (format 2: every array of one name
+                      and dtype in the object, concatenated and encoded once); its metadata
+                      holds one key, "tqstore", whose value is the JSON header (kind, identity
+                      digests, tokens, keys, per-layer records with every array's dtype, shape,
+                      group and offset; the groups with encoding, size and sha256)
 
 Three verbs, like safetensors: `dumps(obj, provenance)`, `loads(data, expect=...)` and
 `inspect(data)`. `loads` checks the frame (magic, readable version, length, digest) before it
 parses anything, then the header schema and its internal consistency (block key, calibration
-digest), then the expected identity and tokens, then every tensor's sha256, and only then
+digest), then the expected identity and tokens, then every group's sha256, and only then
 builds arrays: it returns a whole object or raises one of tqstore's error types, never a part.
 Payloads are parsed here (numpy views of the bytes), not by mx.load, so damaged input never
-reaches a C++ parser and nothing is written to a temporary file.
+reaches a C++ parser and nothing is written to a temporary file. Format 1 (one tensor per
+array, each with its own digest) is still read.
 """
 
 from __future__ import annotations
