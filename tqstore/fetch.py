@@ -105,12 +105,12 @@ def wants_for(manifest: Manifest, n_blocks: int, remote: bool) -> list[Want]:
     return wants
 
 
-def decode(payload: bytes, want: Want) -> HotObject:
+def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
     """Verify `payload` completely against `want` and decode it. FormatError, IdentityMismatch or
     TokenMismatch if it is not that object (damage); ConflictError if it is a good object of
-    another save (`Want.other_save`)."""
-    header = F.inspect(payload, verify_digest=False)
-    obj = F.loads(payload, expect=want.expect)
+    another save (`Want.other_save`). `sha256` is the payload's hex digest where the tier that
+    returned it has just verified it against that digest (it is not hashed again)."""
+    header, obj = F.load(payload, expect=want.expect, verified=sha256 is not None)
     problem = want.problem(header.kind, header.provenance)
     if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
         problem = "its codecs do not hash to its key"
@@ -119,7 +119,8 @@ def decode(payload: bytes, want: Want) -> HotObject:
     other = want.other_save(header.kind, header.provenance)
     if other is not None:
         raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
-    return HotObject(obj, header.kind, header.provenance, hashlib.sha256(payload).hexdigest(), decoded_nbytes(obj))
+    digest = sha256 or hashlib.sha256(payload).hexdigest()
+    return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
 
 
 @dataclass
@@ -161,14 +162,15 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
 def _from_lmdb(tiers: TierSet, want: Want, out: Fetched) -> None:
     what = f"{want.kind} {want.key.hex()[:12]}"
     try:
-        payload = tiers.lmdb.get_object(want.key)
+        found = tiers.lmdb.get_verified(want.key)
     except CorruptBlock as exc:  # the tier quarantined it
         out.misses.append(f"LMDB copy of {what}: {exc}")
         return
-    if payload is None:
+    if found is None:
         return
+    payload, digest = found
     try:
-        out.objects[want.key] = (decode(payload, want), "lmdb", len(payload))
+        out.objects[want.key] = (decode(payload, want, digest), "lmdb", len(payload))
     except ConflictError as exc:  # intact, and right for other entries: keep it
         out.misses.append(f"LMDB copy of {what}: {exc}")
     except BAD_CONTENT as exc:
@@ -196,7 +198,7 @@ def _from_s3(tiers: TierSet, wants: list[Want], out: Fetched) -> None:
                 tiers.remote.gone(want.key)
             continue
         try:
-            out.objects[want.key] = (decode(result, want), "s3", len(result))
+            out.objects[want.key] = (decode(result, want, want.sha256), "s3", len(result))
             promoted[want.key] = result
         except ConflictError as exc:
             out.misses.append(f"S3 copy of {what}: {exc}")
