@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
@@ -22,6 +22,9 @@ from .identity import CodecIdentity, stored_bytes_at_least
 from .loading import LoadedModel, ModelRegistry, check_identity, load_model
 from .manifest import Manifest
 from .store import Store
+
+if TYPE_CHECKING:
+    from .chunks import ChunkInfo, Document, DocumentsAnswer
 
 PREFILL_CHUNK = 512
 MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
@@ -282,8 +285,8 @@ class Engine:
     def generation(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
-                   stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None
-                   ) -> Generator[None, None, tuple[AskResult, list[Any]]]:
+                   stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
+                   started: Started | None = None) -> Generator[None, None, tuple[AskResult, list[Any]]]:
         """`generate_with_caches` one step at a time: it yields after each prefill chunk and
         each token and returns (result, caches), so one thread can take turns between several
         generations (the server's model worker). Its times count its own steps only, and a
@@ -291,14 +294,15 @@ class Engine:
 
         `on_start(started)` learns where the prompt came from before any prefill; `stop(text so
         far)` ends generation early and is also asked (with "") between prefill chunks, so a
-        caller that has gone away does not wait for a long prefill.
+        caller that has gone away does not wait for a long prefill. `started` gives caches that
+        already hold the prompt's first `matched` tokens (composed documents) instead of a lookup.
         """
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
-        started = self.start(loaded, scheme, prompt[:-1])
+        started = started if started is not None else self.start(loaded, scheme, prompt[:-1])
         if on_start is not None:
             on_start(started)
         remainder = list(prompt[started.matched:])
@@ -334,6 +338,34 @@ class Engine:
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
                            started.restore_seconds, prefill, recorded, generating, finish, first_token)
         return result, started.caches
+
+    def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,
+                  system: str | None = None, adapter_path: str | None = None, pin: bool = False) -> "ChunkInfo":
+        """Store `text` as a document chunk under `name` (None: its content address), prefilled
+        after the prompt's prefix, to be reused at any place in `ask_documents`."""
+        from .chunks import add_chunk
+        return add_chunk(self, self.model(model, adapter_path), text, name=name, scheme=scheme, system=system,
+                         pin=pin)
+
+    def ask_documents(self, documents: Sequence["Document | str"], question: str, *, model: str | None = None,
+                      adapter_path: str | None = None, **options) -> "DocumentsAnswer":
+        """Answer `question` over documents in order (stored chunk names as Document(name=...),
+        texts as str or Document(text=...)), reusing stored chunks wherever they sit. The model is
+        `model`, else the first named chunk's. Options as chunks.ask_documents (scheme, system,
+        recompute) and `generation`."""
+        from .chunks import Document, ask_documents
+        docs = [Document(text=d) if isinstance(d, str) else d for d in documents]
+        named = next((d.name for d in docs if d.name is not None), None)
+        if model is None and named is None:
+            raise BadInput("pass a model: no stored chunk among the documents says which one")
+        loaded = self.model(model, adapter_path) if model is not None else self.model_for(named)
+        return ask_documents(self, loaded, docs, question, **options)
+
+    def generate_composed(self, loaded: LoadedModel, scheme: str, caches: list[Any], context: Sequence[int],
+                          question: Sequence[int], compose_seconds: float, **options) -> AskResult:
+        """Generate after `context + question`, where `caches` already hold `context`."""
+        started = Started(caches, len(context), "composed", compose_seconds)
+        return self.generate(loaded, scheme, list(context) + list(question), started=started, **options)
 
     def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,
                   **options) -> AskResult:

@@ -89,6 +89,8 @@ class GenerationRequest:
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[dict[str, Any], ...] | None = None  # contents flattened to strings
     tools: tuple[Any, ...] | None = None  # passed to the chat template, as mlx-lm does
+    documents: tuple[tuple[str, str], ...] | None = None  # extension: ("text" | "name", value) in prompt order
+    recompute: float | None = None  # extension: share of document tokens recomputed (None: the default)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class CacheSource:
 
 
 _MISSING = object()
+MAX_DOCUMENTS = 64
 _JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
                dict: "an object"}
 
@@ -194,6 +197,24 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
+def _documents(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The `documents` extension: texts, or {"name": stored chunk} / {"text": ...} objects."""
+    docs = body.get("documents")
+    if not isinstance(docs, list) or not docs or len(docs) > MAX_DOCUMENTS:
+        raise ApiError(400, f"'documents' must be a non-empty array of at most {MAX_DOCUMENTS} texts or "
+                            "{\"name\": stored chunk} objects", param="documents")
+    out = []
+    for i, doc in enumerate(docs):
+        if isinstance(doc, str):
+            doc = {"text": doc}
+        if not isinstance(doc, dict) or len(doc) != 1 or not isinstance(next(iter(doc.values())), str) \
+                or next(iter(doc)) not in ("text", "name"):
+            raise ApiError(400, f"documents[{i}] must be a string, {{\"text\": ...}} or {{\"name\": ...}}",
+                           param="documents")
+        out.append(next(iter(doc.items())))
+    return tuple(out)
+
+
 def parse_generation(body: Any, *, chat: bool, defaults: Sampling) -> GenerationRequest:
     """Validate a completions (chat=False) or chat completions body; ApiError(400) names the field.
     `defaults` gives max_tokens, temperature and top_p where the body leaves them out."""
@@ -205,6 +226,10 @@ def parse_generation(body: Any, *, chat: bool, defaults: Sampling) -> Generation
     tools = _get(body, "tools", list) if chat else None
     common = dict(chat=chat, model=_get(body, "model", str), sampling=_sampling(body, defaults, chat),
                   stream=stream, include_usage=stream and bool(options.get("include_usage")))
+    if "documents" in body:
+        common.update(documents=_documents(body), recompute=_get(body, "recompute", (int, float)))
+        if common["recompute"] is not None and not 0 <= common["recompute"] <= 1:
+            raise ApiError(400, "'recompute' is a fraction of the document tokens from 0 to 1", param="recompute")
     if chat:
         return GenerationRequest(**common, messages=_messages(body), tools=tuple(tools) if tools else None)
     if "prompt" not in body:
@@ -301,6 +326,8 @@ class Generation:
     restore_seconds: float
     prefill_seconds: float
     generation_seconds: float
+    reused_tokens: int | None = None  # composed documents: tokens whose stored K/V were reused
+    recomputed_tokens: int | None = None  # composed documents: tokens recomputed in context
 
 
 @dataclass(frozen=True)
@@ -321,13 +348,20 @@ def usage(gen: Generation) -> dict[str, Any]:
     """OpenAI usage, with the prompt tokens restored from the store as cached_tokens."""
     return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
             "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens, **_composed(gen)}}
+
+
+def _composed(gen: Generation) -> dict[str, int]:
+    if gen.reused_tokens is None:
+        return {}
+    return {"reused_tokens": gen.reused_tokens, "recomputed_tokens": gen.recomputed_tokens}
 
 
 def store_details(gen: Generation) -> dict[str, Any]:
     """tqstore's own figures (an extra field OpenAI clients ignore)."""
     return {"tier": gen.tier, "cached_tokens": gen.cached_tokens, "restore_seconds": round(gen.restore_seconds, 6),
-            "prefill_seconds": round(gen.prefill_seconds, 6), "generation_seconds": round(gen.generation_seconds, 6)}
+            "prefill_seconds": round(gen.prefill_seconds, 6), "generation_seconds": round(gen.generation_seconds, 6),
+            **_composed(gen)}
 
 
 def completion_response(ids: ResponseIds, gen: Generation) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from .errors import BadInput
 
 SENTINEL = "\u2063TQSTORE-SPLIT\u2063"
 QUESTION_SEPARATOR = "\n\n"
+DOCUMENT_SEPARATOR = "\n\n"
 PLAIN_QUESTION = "\n\nQuestion: {question}\nAnswer:"
 
 
@@ -42,6 +43,17 @@ class PromptFormat:
         if not self.chat:
             return _encode(tokenizer, PLAIN_QUESTION.format(question=question), first=False)
         return _encode(tokenizer, QUESTION_SEPARATOR + question + self.suffix, first=False)
+
+    def document_tokens(self, tokenizer, text: str) -> list[int]:
+        """Tokens of one document of a composed prompt, encoded on its own so that it tokenizes
+        the same wherever it sits; the separator that follows it belongs to it."""
+        return _encode(tokenizer, text.strip() + DOCUMENT_SEPARATOR, first=False)
+
+    def after_documents_tokens(self, tokenizer, question: str) -> list[int]:
+        """Tokens of the question that follows composed documents, up to where the answer starts."""
+        if not self.chat:
+            return _encode(tokenizer, PLAIN_QUESTION.format(question=question)[len(QUESTION_SEPARATOR):], first=False)
+        return _encode(tokenizer, question + self.suffix, first=False)
 
     def turn_tokens(self, tokenizer, next_question: str) -> list[int]:
         """Tokens that close an answer and frame the next question up to its answer (chat turns)."""

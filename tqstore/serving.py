@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from .engine import Engine
+from .engine import Engine, Started
 from .errors import BadInput, TqstoreError
 from .loading import LoadedModel
 from .metrics import Metrics, QueueState
@@ -151,6 +151,20 @@ def chat_tokens(tokenizer, messages: Sequence[dict], tools: Sequence[Any] | None
             raise BadInput(f"the model's chat template refused these messages: {e}") from None
     text = "".join(f"{_ROLES.get(m['role'], '')}{m['content']}\n" for m in messages) + _ROLES["assistant"]
     return list(tokenizer.encode(text.rstrip()))
+
+
+def documents_question(request: GenerationRequest) -> tuple[str | None, str]:
+    """(system prompt, question) of a request with documents: the prompt string, or the last
+    user message after at most one system message."""
+    if request.messages is None:
+        if not isinstance(request.prompt, str):
+            raise BadInput("with 'documents', 'prompt' must be the question as a string")
+        return None, request.prompt
+    roles = [m["role"] for m in request.messages]
+    if roles not in (["user"], ["system", "user"], ["developer", "user"]):
+        raise BadInput("with 'documents', send at most one system message and one user message (the question): "
+                       "the documents are placed before it")
+    return (request.messages[0]["content"] if len(roles) == 2 else None), request.messages[-1]["content"]
 
 
 def context_length(model: Any) -> int | None:
@@ -316,6 +330,9 @@ class ModelWorker:
         return tokens
 
     def _generate(self, job: Job, request: GenerationRequest) -> Iterator[None]:
+        if request.documents:
+            yield from self._generate_documents(job, request)
+            return
         prompt = self._tokens(request.prompt, request.messages, request.tools)
         s = request.sampling
         # The server's cap: a finish_reason "length" tells the client it was reached.
@@ -345,6 +362,45 @@ class ModelWorker:
             self.metrics.generated(gen)
             job.send(Finished(gen))
         self._autosave(prompt, result, caches)
+
+    def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[None]:
+        """A request with the `documents` extension: its documents composed from stored chunks
+        (texts not stored yet are stored), then the question (the prompt, or the last user
+        message after an optional system message)."""
+        from .chunks import DEFAULT_RECOMPUTE, Document, composed_caches
+
+        system, question = documents_question(request)
+        docs = [Document(**{kind: value}) for kind, value in request.documents]
+        recompute = DEFAULT_RECOMPUTE if request.recompute is None else request.recompute
+        context = composed_caches(self.engine, self.loaded, docs, self.scheme, system=system, recompute=recompute)
+        question_tokens = self.loaded.prompt.after_documents_tokens(self.loaded.tokenizer, question)
+        prompt = context.tokens + question_tokens
+        s = request.sampling
+        scanner = StopScanner(s.stop)
+
+        def stop(text: str) -> bool:
+            new = scanner.feed(text)
+            if new:
+                job.send(Text(new))
+            return scanner.end is not None or job.cancelled.is_set()
+
+        started = Started(context.caches, len(context.tokens), "composed", context.seconds)
+        job.send(Accepted(len(prompt), context.reused, "composed"))
+        result, _ = yield from self.engine.generation(
+            self.loaded, self.scheme, prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit),
+            temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop, started=started)
+        if job.cancelled.is_set():
+            self.metrics.count_cancelled()
+            return
+        rest = scanner.flush(result.text)
+        if rest:
+            job.send(Text(rest))
+        gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
+                         (result.finish_reason or "length"), len(prompt), len(result.tokens), context.reused,
+                         "composed", context.seconds, result.prefill_seconds, result.generation_seconds,
+                         context.reused, context.recomputed)
+        self.metrics.generated(gen)
+        job.send(Finished(gen))
 
     def _autosave(self, prompt: list[int], result, caches: list[Any]) -> None:
         """Store prompt[:-1] (a later identical prompt restores all but its last token) when the

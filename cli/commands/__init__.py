@@ -2,6 +2,6 @@
 (`common` carries the global flags) and sets `func(ctx, args) -> exit code`. Listed in the order
 `tqstore --help` shows them."""
 
-from . import chat, demo, entries, exchange, generate, models, selftest, serve, settings, transfer
+from . import chat, demo, documents, entries, exchange, generate, models, selftest, serve, settings, transfer
 
-COMMANDS = (generate, chat, entries, transfer, exchange, settings, models, serve, demo, selftest)
+COMMANDS = (generate, documents, chat, entries, transfer, exchange, settings, models, serve, demo, selftest)

@@ -8,6 +8,7 @@ from tqstore.errors import BadInput
 from tqstore.names import validate_name
 
 from .. import arguments, render
+from . import documents
 from ..context import Context
 
 
@@ -33,8 +34,9 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ask", parents=[common], help="answer a question from a stored context (no prefill)",
                        description="Restore entry NAME's KV cache, prefill only the question and stream the answer.")
     p.add_argument("name", metavar="NAME")
-    p.add_argument("question", metavar="QUESTION")
+    p.add_argument("question", metavar="QUESTION", nargs="?")
     add_generation_options(p)
+    documents.add_document_options(p)
     p.set_defaults(func=ask)
 
 
@@ -72,8 +74,12 @@ def save(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def ask(ctx: Context, args: argparse.Namespace) -> int:
-    name = validate_name(args.name)
     options = generation_options(args)
+    if args.doc or args.doc_file:
+        return documents.ask_documents(ctx, args, options)
+    if args.question is None:
+        raise BadInput("pass NAME and QUESTION (or --doc NAME ... QUESTION)")
+    name = validate_name(args.name)
     engine = ctx.engine()
     with ctx.out.status("loading the model"):
         engine.model_for(name, args.model)

@@ -1,0 +1,221 @@
+"""RAG composition on the real model: stored 512-token chunks reused in shuffled orders.
+
+    python bench/rag.py --openblas --ks 8,4 --orders 2 --continuation 96     # writes docs/rag.md
+
+For each k and order: k chunks of real text (about 512 tokens each, from the corpus files) after
+the chat template's prefix, then a continuation of real text (the tokens that follow the last
+chunk in its source). Reference: a full prefill of the same prompt (float32, uncompressed).
+Composed: the chunks stored once (tqstore chunk entries, scheme raw or turbo4), restored,
+moved and partly recomputed (compose.py). Quality: KL(full || composed) of the next-token
+distributions over the continuation, and top-1 agreement. TTFT: restore + compose + the
+continuation's forward, against the full prefill + the same forward, side by side in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (DEFAULT_MODEL, HOME, LICENCE_CHARS, git_revision, machine_line, replace_section,  # noqa: E402
+                          use_openblas)
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+CHUNK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    scheme: str
+    budget: float | str  # a fraction, or "sinks" (each moved chunk's first tokens only)
+    select: str | None = None  # None: the default selection
+
+
+VARIANTS = [
+    Variant("0 (concatenation)", "raw", 0.0), Variant("0 (concatenation)", "turbo4", 0.0),
+    Variant("first tokens only", "turbo4", "sinks"),
+    Variant("5%", "turbo4", 0.05), Variant("15%", "raw", 0.15), Variant("15%", "turbo4", 0.15),
+    Variant("30%", "turbo4", 0.30),
+]
+
+
+def experiment(budgets: str, selects: str, scheme: str) -> list[Variant]:
+    """Variants for comparing selections: every budget under every selection."""
+    return [Variant(f"{float(b):.0%} {sel}", scheme, float(b), sel) for b in budgets.split(",")
+            for sel in selects.split(",")]
+
+
+def corpus_pieces(tokenizer, corpus: Path, n: int, continuation: int) -> list[tuple[str, list[int]]]:
+    """(chunk text, continuation tokens) pieces of about CHUNK_TOKENS tokens, taken round-robin
+    from the corpus files so a prompt mixes sources."""
+    streams = []
+    for path in sorted(corpus.glob("*.txt")):
+        tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:])
+        streams.append(tokens)
+    pieces, at = [], [0] * len(streams)
+    while len(pieces) < n:
+        i = len(pieces) % len(streams)
+        tokens = streams[i]
+        piece = tokens[at[i]:at[i] + CHUNK_TOKENS]
+        cont = tokens[at[i] + CHUNK_TOKENS:at[i] + CHUNK_TOKENS + continuation]
+        at[i] += CHUNK_TOKENS * 3  # leave a gap: pieces of one source are not consecutive
+        pieces.append((tokenizer.decode(piece), cont))
+    return pieces
+
+
+def kl_top1(ref, test):
+    import mlx.core as mx
+
+    lp, lq = ref - mx.logsumexp(ref, axis=-1, keepdims=True), test - mx.logsumexp(test, axis=-1, keepdims=True)
+    kl = mx.mean(mx.sum(mx.exp(lp) * (lp - lq), axis=-1)).item()
+    top1 = mx.mean((mx.argmax(ref, axis=-1) == mx.argmax(test, axis=-1)).astype(mx.float32)).item()
+    return kl, top1
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--corpus", type=Path, default=HOME / "corpus")
+    parser.add_argument("--ks", default="8,4")
+    parser.add_argument("--orders", type=int, default=2)
+    parser.add_argument("--continuation", type=int, default=96)
+    parser.add_argument("--budgets", default="", help="compare selections: budgets (comma-separated fractions)")
+    parser.add_argument("--selects", default="deviation,attention,product")
+    parser.add_argument("--scheme", default="turbo4", help="chunk scheme of --budgets runs")
+    parser.add_argument("--full-layers", type=int, default=None)
+    parser.add_argument("--sinks", type=int, default=None)
+    parser.add_argument("--tail", type=int, default=None)
+    parser.add_argument("--select", default=None, help="deviation, attention or product (default: compose.SELECT)")
+    parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv[1:])
+    if args.openblas:
+        use_openblas(argv)
+
+    import mlx.core as mx
+
+    from tqstore import Store
+    from tqstore.chunks import ensure_chunk, prefix_tokens
+    from tqstore.compose import FULL_LAYERS, SELECT, SINK_TOKENS, compose
+    from tqstore.config import load_config
+    from tqstore.engine import Engine
+    from turboquant import make_prompt_cache
+
+    options = {"full_layers": FULL_LAYERS if args.full_layers is None else args.full_layers,
+               "sink_tokens": SINK_TOKENS if args.sinks is None else args.sinks,
+               "tail_tokens": args.tail or 0, "select": args.select or SELECT}
+    variants = experiment(args.budgets, args.selects, args.scheme) if args.budgets else VARIANTS
+    home = Path(tempfile.mkdtemp(prefix="tqstore-rag-"))
+    engine = Engine(Store.open(home, config=load_config(home)))
+    loaded = engine.model(str(args.model))
+    model, tokenizer = loaded.model, loaded.tokenizer
+    ks = [int(k) for k in args.ks.split(",")]
+    pieces = corpus_pieces(tokenizer, args.corpus, max(ks) * 2, args.continuation)
+    prefix = prefix_tokens(loaded, None)
+    doc_tokens = [loaded.prompt.document_tokens(tokenizer, text) for text, _ in pieces]
+    rng = random.Random(0)
+    prompts = [(k, order, rng.sample(range(len(pieces)), k)) for k in ks for order in range(args.orders)]
+    for scheme in sorted({v.scheme for v in variants}):
+        for i in sorted({i for _, _, picked in prompts for i in picked}):
+            ensure_chunk(engine, loaded, scheme, prefix, doc_tokens[i], None)
+    rows: dict[tuple[int, str, str], list] = {}
+    for k, order, picked in prompts:
+        cont = mx.array(pieces[picked[-1]][1])[None]
+        prompt = prefix + [t for i in picked for t in doc_tokens[i]]
+        # Full prefill (reference) and its time to the continuation's logits.
+        t0 = time.perf_counter()
+        caches = make_prompt_cache(model, "raw")
+        engine.prefill(loaded, caches, prompt)
+        ref = model(cont, cache=caches)[0]
+        mx.eval(ref)
+        full_seconds = time.perf_counter() - t0
+        print(f"k={k} order={order}: {len(prompt)} prompt tokens, full prefill {full_seconds:.2f} s", flush=True)
+        for v in variants:
+            t0 = time.perf_counter()
+            parts = [ensure_chunk(engine, loaded, v.scheme, prefix, doc_tokens[i], None)[1] for i in picked]
+            chunk_total = len(prompt) - len(prefix)
+            budget = options["sink_tokens"] * (k - 1) / chunk_total if v.budget == "sinks" else v.budget
+            chosen = {**options, "select": v.select or options["select"]}
+            composed = compose(model, parts, budget, question=pieces[picked[-1]][1], **chosen)
+            caches = make_prompt_cache(model, "raw")
+            for cache, keys, values in zip(caches, composed.keys, composed.values):
+                cache.update_and_fetch(keys, values)
+            test = model(cont, cache=caches)[0]
+            mx.eval(test)
+            seconds = time.perf_counter() - t0
+            kl, top1 = kl_top1(ref, test)
+            rows.setdefault((k, v.label, v.scheme), []).append((kl, top1, full_seconds / seconds,
+                                                                 composed.recomputed / chunk_total))
+            print(f"  {v.scheme:7s} {v.label:20s} KL {kl:.4f} top-1 {top1:.3f} recomputed "
+                  f"{composed.recomputed}/{chunk_total} TTFT {seconds:.2f} s ({full_seconds / seconds:.1f}x)",
+                  flush=True)
+    command = "python bench/rag.py " + " ".join(argv[1:])
+    body = table(rows, command, options, args)
+    print(body)
+    if not args.no_write:
+        replace_section(DOCS / "rag.md", "rag-table", body)
+        plot(rows, DOCS / "img" / "rag.svg")
+    return 0
+
+
+def table(rows, command: str, options: dict, args) -> str:
+    lines = ["| k | budget | chunks stored as | recomputed | KL | top-1 | TTFT vs full prefill |",
+             "|---|---|---|---|---|---|---|"]
+    for (k, label, scheme), runs in rows.items():
+        kl = sum(r[0] for r in runs) / len(runs)
+        top1 = sum(r[1] for r in runs) / len(runs)
+        speed = [r[2] for r in runs]
+        share = sum(r[3] for r in runs) / len(runs)
+        lines.append(f"| {k} | {label} | {scheme} | {share:.1%} | {kl:.3f} | {top1:.3f} | "
+                     f"{sum(speed) / len(speed):.1f}x ({min(speed):.1f}-{max(speed):.1f}) |")
+    lines += ["", f"Chunks of {CHUNK_TOKENS} tokens, {args.orders} orders per k, continuation of {args.continuation} "
+              f"real tokens; recompute options {options}. KL and top-1 are means over orders; TTFT is the mean "
+              "ratio (range over orders). Recomputed is the share of chunk tokens run through every layer in "
+              "context (besides the first full_layers layers, which run over every token when the budget is "
+              "above 0).", "", f"Command: `{command}` (git {git_revision()}, {datetime.date.today()}).",
+              f"Machine: {machine_line()}."]
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path) -> None:
+    """KL against TTFT speed-up per (k, scheme), one point per budget."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot written")
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series: dict[tuple[int, str], list] = {}
+    for (k, label, scheme), runs in rows.items():
+        kl = sum(r[0] for r in runs) / len(runs)
+        speed = sum(r[2] for r in runs) / len(runs)
+        series.setdefault((k, scheme), []).append((speed, kl, label))
+    for (k, scheme), points in series.items():
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"k={k}, chunks {scheme}")
+        for speed, kl, label in points:
+            ax.annotate(label.split(" ")[0], (speed, kl), fontsize=7, textcoords="offset points", xytext=(3, 3))
+    ax.axhline(0.05, color="grey", linestyle=":", linewidth=1)
+    ax.axvline(4.0, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("TTFT speed-up against a full prefill (x)")
+    ax.set_ylabel("KL against the full prefill (continuation)")
+    ax.set_title("Composed document chunks, Qwen2.5-Coder-0.5B")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

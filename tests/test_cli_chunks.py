@@ -1,0 +1,57 @@
+"""`tqstore chunk add` and `tqstore ask --doc ...` in-process (tiny model, temp home)."""
+
+from __future__ import annotations
+
+from test_cli import DOC, Run, clean_env, cli, fails, model  # noqa: F401 (fixtures)
+
+OTHER = "Clause seven covers delivery, payment and penalties. The seller pays for delays. " * 3
+
+
+def test_chunk_add_then_ask_over_documents_in_any_order(cli, model, tmp_path):
+    (tmp_path / "contract.txt").write_text(DOC)
+    (tmp_path / "annex.txt").write_text(OTHER)
+    run = cli("chunk", "add", str(tmp_path / "contract.txt"), str(tmp_path / "annex.txt"), "--model", model,
+              "--json")
+    assert run.code == 0, run.err
+    added = run.json["chunks"]
+    assert [c["name"] for c in added] == ["contract", "annex"] and all(c["stored"] for c in added)
+    again = cli("chunk", "add", str(tmp_path / "contract.txt"), "--model", model, "--json")
+    assert again.json["chunks"][0]["stored"] is False  # stored once
+    listed = {e["name"] for e in cli("ls", "--json").json["entries"]}
+    assert {"contract", "annex"} <= listed  # chunks are entries: listed, pinned, pushed like them
+    for order in (["contract", "annex"], ["annex", "contract"]):
+        docs = [a for name in order for a in ("--doc", name)]
+        run = cli("ask", *docs, "Who pays for delays?", "--max-tokens", "3", "--recompute", "0.5", "--json")
+        assert run.code == 0, run.err
+        answer = run.json
+        assert answer["documents"] == order and answer["stored_now"] == []
+        assert answer["generation_tokens"] == 3
+        total = answer["reused_tokens"] + answer["recomputed_tokens"]
+        assert total == sum(c["tokens"] for c in added) and answer["recomputed_tokens"] > 0
+
+
+def test_ask_with_a_document_file_stores_it_on_first_use(cli, model, tmp_path):
+    (tmp_path / "new.txt").write_text(OTHER)
+    cli("chunk", "add", "--model", model, "--name", "base", "--json", stdin=None,
+        *[str(tmp_path / "new.txt")])
+    (tmp_path / "more.txt").write_text(DOC)
+    first = cli("ask", "--doc", "base", "--doc-file", str(tmp_path / "more.txt"), "Who pays?", "--max-tokens", "2",
+                "--recompute", "0", "--json")
+    assert first.code == 0, first.err
+    assert len(first.json["stored_now"]) == 1 and first.json["recomputed_tokens"] == 0
+    second = cli("ask", "--doc", "base", "--doc-file", str(tmp_path / "more.txt"), "Who pays?", "--max-tokens",
+                 "2", "--recompute", "0", "--json")
+    assert second.json["stored_now"] == [] and second.json["text"] == first.json["text"]
+
+
+def test_bad_document_requests_say_what_is_wrong(cli, model, tmp_path):
+    (tmp_path / "a.txt").write_text(DOC)
+    cli("chunk", "add", str(tmp_path / "a.txt"), "--model", model)
+    fails(cli("ask", "--doc", "a", "Q", "--recompute", "1.5"), "--recompute 1.5")
+    fails(cli("ask", "--doc", "a", "Q", "extra"), "only the QUESTION")
+    fails(cli("ask", "--doc", "missing", "Q"), "missing")
+    cli("save", "plain", "--model", model, "--prompt", DOC)
+    fails(cli("ask", "--doc", "plain", "Q"), "not a document chunk")
+    fails(cli("chunk", "add", str(tmp_path / "a.txt"), str(tmp_path / "a.txt"), "--name", "x", "--model", model),
+          "one FILE")
+    fails(cli("ask", "a"), "QUESTION")
