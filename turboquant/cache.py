@@ -259,8 +259,10 @@ class TurboQuantKVCache:
 
     # -- attention ---------------------------------------------------------------------------
 
-    def attention(self, queries: mx.array, scale: float, mask: MaskLike = None) -> mx.array:
-        """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail."""
+    def attention(self, queries: mx.array, scale: float, mask: MaskLike = None,
+                  sinks: mx.array | None = None) -> mx.array:
+        """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail; `sinks`
+        ([Hq] logits) join the softmax normaliser (gpt-oss)."""
         # The buffers themselves with the counts of rows that count: the decode kernels read them in
         # place (the plain path slices them).
         arrays = self._store.arrays if self.stored else {}
@@ -268,7 +270,7 @@ class TurboQuantKVCache:
         if self.offset > self.stored:
             tail = (self._tail.arrays["keys"], self._tail.arrays["values"])
         return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
-                                    self._shifts, tail, self.stored, self.offset - self.stored)
+                                    self._shifts, tail, self.stored, self.offset - self.stored, sinks)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""

@@ -31,9 +31,7 @@ _notices: set[str] = set()
 def compressed_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's scaled_dot_product_attention, reading TurboQuant storage when it is compressed."""
     if isinstance(keys, CompressedKeys):
-        if sinks is not None:
-            raise NotImplementedError("attention sinks are not supported over compressed storage; use scheme 'raw'")
-        return keys.cache.attention(queries, scale, mask)
+        return keys.cache.attention(queries, scale, mask, sinks)
     if isinstance(cache, TurboQuantKVCache):
         cache.observe_queries(queries, scale)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
