@@ -27,6 +27,15 @@ def models():
     return {kind: build_model(kind) for kind in ("llama", "gpt_oss", "deepseek_v3", "gemma2")}
 
 
+def _prefilled(model, scheme: str, tokens: int) -> list:
+    """The scheme's caches (notices silenced) after a prefill of `tokens` tokens."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caches = make_prompt_cache(model, scheme)
+    model(prompt_tokens(tokens)[None], cache=caches)
+    return caches
+
+
 def _equal_records(a, b) -> bool:
     return a.layout is b.layout and a.offset == b.offset and set(a.arrays) == set(b.arrays) and all(
         mx.array_equal(a.arrays[n], b.arrays[n]).item() for n in a.arrays)
@@ -47,10 +56,7 @@ def test_the_probe_finds_the_layers_the_model_reads_itself(models, kind, expecte
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3"])
 def test_at_rest_layers_restore_to_what_was_saved_and_keep_their_codes(models, kind, scheme):
     model = models[kind]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caches = make_prompt_cache(model, scheme)
-    model(prompt_tokens(300)[None], cache=caches)
+    caches = _prefilled(model, scheme, 300)
     raw = sum(c.keys[:, :, :c.offset].nbytes + c.values[:, :, :c.offset].nbytes for c in caches)
     snap = snapshot(caches)
     assert snap.nbytes < raw / 1.5  # compressed at rest (codec arrays included)
@@ -74,10 +80,7 @@ def test_at_rest_layers_restore_to_what_was_saved_and_keep_their_codes(models, k
 
 def test_at_rest_trim_drops_codes_past_the_new_end(models):
     model = models["gemma2"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caches = make_prompt_cache(model, "turbo4")
-    model(prompt_tokens(60)[None], cache=caches)
+    caches = _prefilled(model, "turbo4", 60)
     full = snapshot(caches)
     for c in caches:
         c.trim(20)
@@ -145,10 +148,7 @@ def test_at_rest_layers_export_to_mlx_lm_decoded(models, tmp_path):
     from tqstore.interop import export_prompt_cache
 
     model = models["deepseek_v3"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caches = make_prompt_cache(model, "turbo4")
-    model(prompt_tokens(50)[None], cache=caches)
+    caches = _prefilled(model, "turbo4", 50)
     snap = snapshot(caches)
     export_prompt_cache(tmp_path / "c.safetensors", snap)
     loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
