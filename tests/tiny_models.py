@@ -31,6 +31,14 @@ CONFIGS = {
     "gemma2": dict(model_type="gemma2", hidden_size=128, num_hidden_layers=4, intermediate_size=256,
                    num_attention_heads=4, head_dim=32, rms_norm_eps=1e-6, vocab_size=512, num_key_value_heads=2,
                    query_pre_attn_scalar=32),
+    "gemma3n": dict(model_type="gemma3n", text_config=dict(
+        model_type="gemma3n_text", hidden_size=128, num_hidden_layers=4, intermediate_size=[256] * 4,
+        num_attention_heads=4, head_dim=32, rms_norm_eps=1e-6, vocab_size=512, num_key_value_heads=2,
+        num_kv_shared_layers=2, vocab_size_per_layer_input=512, sliding_window=16, max_position_embeddings=512,
+        rope_local_base_freq=10000.0, rope_theta=1000000.0, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2, activation_sparsity_pattern=[0.0] * 4,
+        hidden_size_per_layer_input=16, altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=8)),
 }
 
 
