@@ -7,10 +7,12 @@ import math
 import mlx.core as mx
 import pytest
 
+from kernel_backend import force_backend
 from kv_data import kv_rows
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.cache import TurboQuantKVCache
+from turboquant.kernels import emulate
 from turboquant.plan import plan_layer
 from mlx_lm.models.cache import KVCache
 
@@ -82,3 +84,57 @@ def test_gpt_oss_decodes_over_compressed_storage_with_sinks(scheme):
     # dropped sink would move the logits by far more.
     err, sink_effect = (float(mx.max(mx.abs(got - x)).item()) for x in (want, without))
     assert err < sink_effect / 10
+
+
+
+def _fused_against_plain(monkeypatch, scheme: str) -> None:
+    """gpt_oss's decode step reaches fused_decode with its sinks in both full-attention layers,
+    the kernels answer, and the logits are the plain path's."""
+    from turboquant import attention, kernels
+
+    model = build_model("gpt_oss")
+    for layer in model.model.layers:
+        layer.self_attn.sinks = 4 + 2 * mx.random.normal(layer.self_attn.sinks.shape, key=mx.random.key(7))
+    caches = make_prompt_cache(model, scheme)
+    model(prompt_tokens(300)[None], cache=caches)
+    for c in caches:
+        if isinstance(c, TurboQuantKVCache):
+            c.compress()
+    snap = snapshot(caches)
+    answered = []
+    original = attention.fused_decode
+
+    def counting(*args):
+        out = original(*args)
+        answered.append(out is not None and args[-1] is not None)
+        return out
+
+    monkeypatch.setattr(attention, "fused_decode", counting)
+    token = mx.array([[3]])
+    fused = model(token, cache=restore(snap))
+    mx.eval(fused)
+    assert answered == [True, True]
+    monkeypatch.setattr(kernels, "select_backend", lambda: None)
+    plain = model(token, cache=restore(snap))
+    err = float(mx.max(mx.abs(fused - plain)).item())
+    assert err < 1e-3 * float(mx.max(mx.abs(plain)).item()), err
+
+
+@pytest.mark.slow  # 20-45 s: the emulator compiles and runs the kernels on the CPU
+@pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3"])
+def test_gpt_oss_sinks_reach_the_emulated_kernels(scheme, monkeypatch):
+    force_backend(monkeypatch, "cuda", emulate.kernel)
+    _fused_against_plain(monkeypatch, scheme)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3"])
+def test_gpt_oss_sinks_through_the_gpu_kernels(scheme, monkeypatch):
+    """On the device machine: `python3 -m pytest --noconftest -m gpu tests/test_sinks.py`."""
+    before = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        _fused_against_plain(monkeypatch, scheme)
+    finally:
+        mx.set_default_device(before)
