@@ -119,7 +119,8 @@ def test_python_warnings_are_one_note_line(tmp_path):
     model = write_model_folder(tmp_path / "tiny-gemma3", kind="gemma3_text")
     run = tq(tmp_path / "home", "save", "g", "--model", str(model), "--prompt", DOC)
     assert run.returncode == 0, run.stderr
-    assert "note: sliding-window (rotating) layers keep their native KV cache" in run.stderr
+    assert "note: layer kind RotatingKVCache (sliding window, overwritten in place) of family gemma3_text " \
+        "is stored uncompressed under turbo4" in run.stderr
     assert "Warning" not in run.stderr and ".py:" not in run.stderr, run.stderr
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import mlx.core as mx
@@ -17,12 +18,15 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
+from .at_rest import CLASS as AT_REST_CLASS
+from .at_rest import AtRestKVCache
 from .buffers import detach
 from .cache import CompressedKeys, TurboQuantKVCache
 from .calibration import CalibrationConfig
 from .plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, plan_layer
 from .schemes import Format, SchemeSpec, parse_scheme
 from .records import LayerRecord, Layout, Snapshot
+from .residence import NATIVE_KINDS, Residence, kind_name, layers_read_by_model, residence_of
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _notices: set[str] = set()
@@ -31,9 +35,7 @@ _notices: set[str] = set()
 def compressed_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's scaled_dot_product_attention, reading TurboQuant storage when it is compressed."""
     if isinstance(keys, CompressedKeys):
-        if sinks is not None:
-            raise NotImplementedError("attention sinks are not supported over compressed storage; use scheme 'raw'")
-        return keys.cache.attention(queries, scale, mask)
+        return keys.cache.attention(queries, scale, mask, sinks)
     if isinstance(cache, TurboQuantKVCache):
         cache.observe_queries(queries, scale)
     return _ORIGINAL_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -89,15 +91,23 @@ def make_prompt_cache(
     protect: str = "stats",
     calibration: CalibrationConfig = DEFAULT_CALIBRATION,
     guard: float = DEFAULT_GUARD,
+    at_rest: bool = False,
 ) -> list[Any]:
     """One cache per layer as the scheme decides; honours `model.make_cache()` (sliding layers).
 
-    Plain attention layers become TurboQuantKVCache (or stay mlx-lm KVCache where the layer
-    stays native); sliding-window layers stay RotatingKVCache with a one-time notice.
+    Plain attention layers that attend through the dispatch become TurboQuantKVCache
+    (compressed in memory); plain layers whose arrays the model code reads itself become
+    AtRestKVCache (compressed in the store, native in memory; found by a probe); every other
+    cache kind stays native (residence.py has the table). Each residence that is not "in
+    memory" is stated once per family as a warning. The plan is checked once per model and
+    options (prefill, compress, snapshot, restore, one decode step): a plan that fails it falls
+    back, with a stated warning, to at-rest and then to native layers, so nothing is stored
+    that cannot be restored and decoded.
     Protection of fragile schemes: "stats" lets each TurboQuant-key layer decide at compression
     from its prefill statistics whether to store affine8 instead (falling back to the boundary
     rule without observed queries); "position" makes the first and last two eligible layers
-    affine8; "none" protects nothing.
+    affine8; "none" protects nothing. `at_rest` compresses every compressible layer at rest only
+    (native attention in memory; for comparisons).
     """
     if protect not in PROTECTION_MODES:
         raise ValueError(f"protect must be one of {PROTECTION_MODES}, got {protect!r}")
@@ -108,20 +118,121 @@ def make_prompt_cache(
         return base
     shapes = probe_kv_shapes(model)
     eligible = [i for i, c in enumerate(base) if type(c) is KVCache and shapes[i] is not None]
+    read = frozenset(eligible) if at_rest else layers_read_by_model(model, eligible)
+    options = dict(seed=seed, protect=protect, calibration=calibration, guard=guard)
+    fallback = _checked_fallback(model, spec, options, eligible, read)
+    if fallback == "native":
+        eligible = []
+    elif fallback == "at rest":
+        read = frozenset(eligible)
+    caches = _planned_caches(model, spec, base, shapes, eligible, read, options)
+    _state_residences(model, spec, caches)
+    return caches
+
+
+def _planned_caches(model, spec: SchemeSpec, base: list[Any], shapes, eligible: list[int], read: frozenset[int],
+                    options: dict) -> list[Any]:
     boundary = protected_layers(eligible, spec.fragile)
+    protect = options["protect"]
     by_stats = protect == "stats" and spec.key_format is Format.TURBO
     static = boundary if protect == "position" or (protect == "stats" and not by_stats) else set()
-    if any(isinstance(c, RotatingKVCache) for c in base):
-        _notice_once("sliding-window (rotating) layers keep their native KV cache; only global layers are compressed")
     caches = []
     for i, c in enumerate(base):
         plan = None
         if i in eligible:
             heads, dk, dv, dtype = shapes[i]
-            plan = plan_layer(spec, heads, dk, dv, dtype, seed=seed, protected=i in static,
-                              calibration=calibration, guard=guard if by_stats else None, boundary=i in boundary)
-        caches.append(TurboQuantKVCache(plan) if plan is not None else c)
+            plan = plan_layer(spec, heads, dk, dv, dtype, seed=options["seed"], protected=i in static,
+                              calibration=options["calibration"], guard=options["guard"] if by_stats else None,
+                              boundary=i in boundary)
+        if plan is None:
+            caches.append(c)
+        else:
+            caches.append(AtRestKVCache(plan) if i in read else TurboQuantKVCache(plan))
     return caches
+
+
+# The check's prompt: long enough to fit key calibration (calibration.MIN_ROWS rows), token ids
+# that every vocabulary has.
+CHECK_TOKENS = 40
+_checked: dict[tuple, tuple[weakref.ref, str | None]] = {}
+
+
+def _checked_fallback(model, spec: SchemeSpec, options: dict, eligible: list[int], read: frozenset[int]) -> str | None:
+    """None when the plan passes `check_plan`; else "at rest" or "native", the first fallback
+    that passes (stated as a warning). Cached per model object, scheme, options and layers."""
+    key = (id(model), spec.name, tuple(eligible), read, *sorted((k, repr(v)) for k, v in options.items()))
+    hit = _checked.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    family = family_name(model)
+    result = None
+    for fallback, layers_read in ((None, read), ("at rest", frozenset(eligible)), ("native", None)):
+        if fallback == "native":
+            _notice_once(f"scheme {spec.name} does not work for family {family} ({error}): "
+                         "every layer of it is stored uncompressed")
+            result = fallback
+            break
+        try:
+            check_plan(model, lambda: _planned_caches(model, spec, mlx_make_prompt_cache(model),
+                                                      probe_kv_shapes(model), eligible, layers_read, options))
+            result = fallback
+            if fallback is not None:
+                _notice_once(f"scheme {spec.name} cannot attend over compressed storage for family {family} "
+                             f"({error}): its layers are compressed at rest only")
+            break
+        except Exception as e:  # any failure of the plan is a fallback, stated above
+            error = f"{type(e).__name__}: {e}"
+    _checked[key] = (weakref.ref(model), result)
+    return result
+
+
+def check_plan(model, make_caches) -> None:
+    """Prefill, compress, snapshot, restore and decode one token through `make_caches()`;
+    raises where any step fails, or where the restored caches do not snapshot to exactly what
+    was saved."""
+    caches = make_caches()
+    model(mx.arange(1, CHECK_TOKENS + 1)[None], cache=caches)
+    compress_caches(caches)
+    snap = snapshot(caches)
+    restored = restore(snap)
+    again = snapshot(restored)
+    for i, (a, b) in enumerate(zip(snap.layers, again.layers)):
+        if a.layout is not b.layout or set(a.arrays) != set(b.arrays) or not all(
+                mx.array_equal(a.arrays[n], b.arrays[n]).item() for n in a.arrays):
+            raise ValueError(f"layer {i} does not restore to what was saved")
+    logits = model(mx.array([[1]]), cache=restored)
+    if not mx.all(mx.isfinite(logits)).item():
+        raise ValueError("a decode step through the restored caches is not finite")
+
+
+def family_name(model) -> str:
+    """The model's mlx-lm family (model_type), for messages and the support table."""
+    name = getattr(model, "model_type", None)
+    return name if isinstance(name, str) else type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _state_residences(model, spec: SchemeSpec, caches: list[Any]) -> None:
+    family = family_name(model)
+    for kind in sorted({kind_name(c) for c in caches if residence_of(c) is Residence.NATIVE}):
+        why = NATIVE_KINDS.get(kind, "no compressed layout for this kind")
+        _notice_once(f"layer kind {kind} ({why}) of family {family} is stored uncompressed under {spec.name}")
+    if any(residence_of(c) is Residence.AT_REST for c in caches):
+        _notice_once(f"layer kind KVCache of family {family} is read by the model code: compressed at rest only")
+
+
+def layer_residences(model, scheme: str | SchemeSpec) -> list[tuple[str, Residence]]:
+    """(cache kind, residence) per layer under `scheme`: the support table's columns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caches = make_prompt_cache(model, scheme)
+    return [(kind_name(c), residence_of(c)) for c in caches]
+
+
+def compress_caches(caches: list[Any]) -> None:
+    """Compress every compressible cache now (what `save` does before its snapshot)."""
+    for cache in caches:
+        if isinstance(cache, (TurboQuantKVCache, AtRestKVCache)):
+            cache.compress()
 
 
 def _native_record(cache) -> LayerRecord:
@@ -142,7 +253,7 @@ def snapshot(caches: list[Any]) -> Snapshot:
     """Every layer as a record plus the codecs they use (arrays shared, not copied)."""
     layers, codecs = [], {}
     for cache in caches:
-        if isinstance(cache, TurboQuantKVCache):
+        if isinstance(cache, (TurboQuantKVCache, AtRestKVCache)):
             layers.append(cache.to_record())
             codecs.update(cache.plan.codecs())
         else:
@@ -185,6 +296,10 @@ def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
             if record.layout is Layout.ROTATING:
                 raise ValueError("a sliding-window layer cannot become a compressed one")
             out.append(TurboQuantKVCache.from_record(record, snap.codecs, plan=cache.plan))
+        elif isinstance(cache, AtRestKVCache):
+            if record.layout is Layout.ROTATING:
+                raise ValueError("a sliding-window layer cannot become a compressed one")
+            out.append(AtRestKVCache.from_record(record, snap.codecs, plan=cache.plan))
         elif record.layout is Layout.ROTATING:
             out.append(_restore_native(record))
         else:
@@ -197,5 +312,13 @@ def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
 def restore(snap: Snapshot) -> list[Any]:
     """Caches that decode exactly like the ones the snapshot was taken from (same backend)."""
     install_attention_dispatch()
-    return [TurboQuantKVCache.from_record(r, snap.codecs) if r.config.get("class") == "TurboQuantKVCache"
-            else _restore_native(r) for r in snap.layers]
+    return [_restore_layer(r, snap.codecs) for r in snap.layers]
+
+
+def _restore_layer(record: LayerRecord, codecs) -> Any:
+    cls = record.config.get("class")
+    if cls == "TurboQuantKVCache":
+        return TurboQuantKVCache.from_record(record, codecs)
+    if cls == AT_REST_CLASS:
+        return AtRestKVCache.from_record(record, codecs)
+    return _restore_native(record)
