@@ -90,7 +90,7 @@ def compressed_attention(
         tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
     if L > 1 and arrays:
         # A prefill chunk: decode the stored rows once and run the fused SDPA (turboquant/prefill.py).
-        return prefill_attention(queries, key_side, value_side, arrays, scale, mask, shifts, tail)
+        return prefill_attention(queries, key_side, value_side, arrays, scale, mask, shifts, tail, sinks)
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     parts = []
     if arrays:

@@ -65,10 +65,11 @@ def prefill_attention(
     mask,
     shifts: mx.array | None,
     tail: tuple[mx.array, mx.array] | None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """softmax(q K^T * scale + mask) V for queries [B, Hq, L > 1, D] over stored rows (`arrays`,
     sliced to the rows that count) and an optional raw tail; same contract as
-    compressed_attention."""
+    compressed_attention, `sinks` [Hq] included (logits that join the normaliser only)."""
     B, Hq, L, D = queries.shape
     H = next(iter(arrays.values())).shape[1]
     R = Hq // H
@@ -88,7 +89,9 @@ def prefill_attention(
     q = q.reshape(B, Hq, L, q.shape[-1])
     if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
         mask = mask.astype(mx.float32)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask)
+    if sinks is not None:
+        sinks = sinks.astype(mx.float32)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=mask, sinks=sinks)
     if rotated_values:
         out = value_side.codec.rotation.inverse(out)
     return out.astype(queries.dtype)
