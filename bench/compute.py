@@ -17,7 +17,6 @@ the wall-clock ratio beside them. BLAS: a float32 matmul in a fresh process per 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import subprocess
 import sys
@@ -26,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (DEFAULT_MODEL, DEFAULT_TEXT, git_revision, load_real_model, machine_line,  # noqa: E402
-                    markdown_table, replace_section, text_tokens, use_openblas)
+from common import (DEFAULT_MODEL, DEFAULT_TEXT, load_real_model, markdown_table, replace_section,  # noqa: E402
+                    stamp, text_tokens, use_openblas)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 SCHEMES = ["turbo4", "turbo8v3"]
@@ -141,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = seed_rows(model, tokenizer, args.text)
     kv_elements = sum(k.size + v.size for k, v in rows) // SEED_TOKENS  # per token, K and V
     question = mx.array(text_tokens(tokenizer, args.text, SEED_TOKENS + QUESTION_TOKENS)[SEED_TOKENS:])
-    stamp = (f"Command: `python {' '.join(['bench/compute.py', *argv[1:]])}` (git {git_revision()}, "
-             f"{datetime.date.today()}). Machine: {machine_line()}.")
+    provenance = stamp(argv)
 
     if "encode" not in args.skip:
         table = []
@@ -163,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(table[-1], flush=True)
         body = markdown_table(["context", "scheme", "fp16-eq MB", "MLX ops CPU s", "numpy stages CPU s",
                                "MLX ops GB/s", "numpy stages GB/s", "speed-up", "numpy stages GB/s (wall)"], table)
-        replace_section(args.out, "bench-encode", f"{body}\n\n{args.runs} runs per row, side by side. {stamp}")
+        replace_section(args.out, "bench-encode", f"{body}\n\n{args.runs} runs per row, side by side. {provenance}")
 
     if "prefill" not in args.skip:
         table = []
@@ -186,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         body = markdown_table(["context", "scheme", "raw CPU s", "compressed CPU s", "compressed / raw (CPU)",
                                "compressed / raw (wall)"], table)
         replace_section(args.out, "bench-prefill", f"{body}\n\n{QUESTION_TOKENS}-token question + first token, "
-                        f"{args.runs} runs, raw and compressed alternating. {stamp}")
+                        f"{args.runs} runs, raw and compressed alternating. {provenance}")
 
     if "blas" not in args.skip and Path(OPENBLAS).exists():
         flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -203,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                  for name, v in gflops.items()]
         print(table, flush=True)
         body = markdown_table(["BLAS", "float32 matmul 1024^3 GFLOP/s", "x bundled"], table)
-        replace_section(args.out, "bench-blas-gemm", f"{body}\n\n{args.runs} fresh processes each, alternating. {stamp}")
+        replace_section(args.out, "bench-blas-gemm", f"{body}\n\n{args.runs} fresh processes each, alternating. {provenance}")
     return 0
 
 

@@ -18,7 +18,6 @@ docs/benchmarks.md (section bench-gpu-first-token) and stdout; run it on the GPU
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -30,8 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (DEFAULT_MODEL, DEFAULT_TEXT, git_revision, machine_line, markdown_table,  # noqa: E402
-                    replace_section, text_tokens)
+from common import DEFAULT_MODEL, DEFAULT_TEXT, markdown_table, replace_section, stamp, text_tokens  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 ENTRY = "gpu-first-token"
@@ -184,10 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                                       for m in MODES)] for n in names])
     body = (f"{table}\n\nFirst token, fused minus plain (same run): {span(gap)} s (target: within 0.5 s). "
             f"{args.tokens}-token {args.scheme} entry, {args.max_tokens} answer tokens, {args.runs} fresh processes "
-            f"per mode, alternating.\n\n{breakdown}\n\nCommand: `python {' '.join(['bench/gpu_first_token.py', *argv[1:]])}` "
-            f"(git {git_revision()}, {datetime.date.today()}). Machine: {machine_line()}.")
-    print(body)
+            f"per mode, alternating.\n\n{breakdown}\n\n{stamp(argv)}")
     replace_section(args.out, "bench-gpu-first-token", body)
+    print(body)
     return 0
 
 
