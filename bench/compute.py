@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                  for name, v in gflops.items()]
         print(table, flush=True)
         body = markdown_table(["BLAS", "float32 matmul 1024^3 GFLOP/s", "x bundled"], table)
-        replace_section(args.out, "bench-blas-gemm", f"{body}\n\n{args.runs} fresh processes each, alternating. {provenance}")
+        replace_section(args.out, "bench-blas-gemm",
+                        f"{body}\n\n{args.runs} fresh processes each, alternating. {provenance}")
     return 0
 
 
