@@ -132,10 +132,15 @@ def test_raw_phase_returns_the_rows_themselves():
     assert not cache.compressed and cache.layout is Layout.RAW
 
 
+@pytest.mark.parametrize("numpy_stages", [True, False], ids=["cpu", "mlx-ops"])
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "affine8"])
-def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme):
+def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme, numpy_stages, monkeypatch):
     """A chunk that fills the open block and starts a raw tail (turboquant/prefill.py): block
-    means of calibrated keys, the tail's basis and the causal alignment all count."""
+    means of calibrated keys, the tail's basis and the causal alignment all count, in the numpy
+    decode of the CPU and in the MLX ops a GPU runs."""
+    from turboquant import host
+
+    monkeypatch.setattr(host, "on_host", lambda: numpy_stages)
     H, R, D, L = 2, 3, 64, 220
     cache = _cache(scheme, H, D, mx.float32, T0=300, seed=4)
     k_new, v_new = kv_rows(1, H, L, D, seed=9)
