@@ -152,3 +152,26 @@ def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme, numpy_stages, monkeypa
     ref = _reference(q, k_hat, v_hat, 0.125, np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None])
     out = np.array(cache.attention(q, 0.125, "causal"))
     assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("scheme", ["turbo8v3", "turbo4"])
+def test_prefill_chunk_with_centred_keys_and_no_channel_scales(scheme):
+    """Block means without channel scales: the means enter the scores' basis unscaled."""
+    from turboquant.calibration import CalibrationConfig
+
+    H, R, D, L = 2, 2, 64, 8
+    plan = plan_layer(parse_scheme(scheme), H, D, D, mx.float32,
+                      calibration=CalibrationConfig(center=True, channel_scale=False))
+    cache = TurboQuantKVCache(plan)
+    k, v = kv_rows(1, H, 300, D, seed=6)
+    cache.update_and_fetch(k, v)
+    cache.compress()
+    assert cache._shifts is not None and (cache.calibration is None or cache.calibration.scale is None)
+    k_new, v_new = kv_rows(1, H, L, D, seed=7)
+    cache.update_and_fetch(k_new, v_new)
+    q = mx.random.normal((1, H * R, L, D), key=mx.random.key(4))
+    T = cache.offset
+    k_hat, v_hat = cache.dequantized()
+    ref = _reference(q, k_hat, v_hat, 0.125, np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None])
+    out = np.array(cache.attention(q, 0.125, "causal"))
+    assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
