@@ -57,6 +57,15 @@ def git_revision() -> str:
         return "unknown"
 
 
+def stamp(argv: list[str]) -> str:
+    """The provenance sentence under a table: command, git revision, date, machine."""
+    import datetime
+
+    script = f"bench/{Path(argv[0]).name}"
+    return (f"Command: `python {' '.join([script, *argv[1:]])}` (git {git_revision()}, {datetime.date.today()}). "
+            f"Machine: {machine_line()}.")
+
+
 def replace_section(path: Path, marker: str, body: str) -> None:
     """Replace the text between `<!-- marker:start -->` and `<!-- marker:end -->` (appending if absent)."""
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"

@@ -112,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
         _choose_blas(args, argv, out)
+        _keep_compiled_kernels(args)
         with Context(args, out) as ctx, warnings.catch_warnings():
             warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
@@ -176,6 +177,15 @@ def _choose_blas(args: argparse.Namespace, argv: list[str], out: Output) -> None
         return
     # The same command again through `python -m tqstore_cli`, whatever started this process.
     blas.reexec_with(library, ["-m", "tqstore_cli", *argv])
+
+
+def _keep_compiled_kernels(args: argparse.Namespace) -> None:
+    """Point MLX's CUDA kernel cache (compiled cubin/PTX, read before NVRTC runs) into the home
+    unless the user chose a folder: MLX's default, /tmp/mlx, is emptied on reboot and absent in a
+    fresh container, and every fused decode kernel variant then compiles again in the first ask."""
+    from tqstore.config import resolve_home
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(resolve_home(args.home) / "cache" / "mlx-ptx"))
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -495,3 +497,15 @@ def test_progress_shows_rate_and_eta_from_the_first_chunk():
         now[0] += 1.0
         update(5, 10, stage="compress")
         assert EtaColumn().render(update.task()).plain == "ETA 0:00:01"
+
+
+def test_compiled_gpu_kernels_are_kept_in_the_home(cli, monkeypatch):
+    """A fresh process finds the fused kernels MLX compiled before (MLX reads MLX_PTX_CACHE_DIR
+    before it runs NVRTC); a folder the user chose wins."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "")  # recorded, so the test leaves the variable as it found it
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    cli("ls")
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(Path(cli.home) / "cache" / "mlx-ptx")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/elsewhere")
+    cli("ls")
+    assert os.environ["MLX_PTX_CACHE_DIR"] == "/elsewhere"

@@ -10,7 +10,7 @@ same results come from fewer, cache-sized passes:
 - packing: 8 codes -> one `bits`-byte group (an LSB-first bit stream of little-endian uint32
   words is the same stream cut into bytes), so every supported width packs with eight
   shift-ors of uint32 lanes;
-- centroid lookup: 4-bit rows map each byte to two float32 values through a 256-entry table.
+- centroid lookup: 4-bit rows map each byte to its two float32 values with one 8-byte gather.
 
 Every function is bit-identical to the MLX reference (tests/test_host.py), so the same rows
 encode to the same bytes on the CPU and on a GPU.
@@ -92,11 +92,12 @@ def unpack_codes(words: np.ndarray, bits: int, d: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _byte_table(centroids: bytes) -> np.ndarray:
-    """[256, 2] float32: the centroids of a byte's low and high 4-bit codes."""
+def _byte_pairs(centroids: bytes) -> np.ndarray:
+    """[256] 8-byte items: the float32 centroids of a byte's low and high 4-bit codes, side by
+    side. A gather of 8-byte scalars is numpy's fast path (5x a gather of [256, 2] rows)."""
     c = np.frombuffer(centroids, np.float32)
     b = np.arange(256)
-    return np.stack([c[b & 15], c[b >> 4]], axis=-1)
+    return np.ascontiguousarray(np.stack([c[b & 15], c[b >> 4]], axis=-1)).view(np.float64).reshape(256)
 
 
 def centroid_values(centroids: np.ndarray, words: np.ndarray, bits: int, d: int) -> np.ndarray:
@@ -104,5 +105,5 @@ def centroid_values(centroids: np.ndarray, words: np.ndarray, bits: int, d: int)
     centroids = np.asarray(centroids, np.float32)
     if bits == 4 and d % CHUNK == 0:
         raw = np.ascontiguousarray(words, np.uint32).view(np.uint8)
-        return _byte_table(centroids.tobytes())[raw].reshape(*words.shape[:-1], d)
+        return np.take(_byte_pairs(centroids.tobytes()), raw).view(np.float32).reshape(*words.shape[:-1], d)
     return centroids[unpack_codes(words, bits, d)]

@@ -19,41 +19,59 @@ inverse rotation of the stored rows.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
-from .sides import AffineSide, NativeSide, Side, TurboSide, per_token_shifts
+from . import host
+from .codec import TurboCodec
+from .sides import SHIFT_BLOCK, AffineSide, NativeSide, Side, TurboSide, per_token_shifts
 
 
 def _key_rows(side: Side, arrays: dict[str, mx.array], q: mx.array,
               shifts: mx.array | None) -> tuple[mx.array, mx.array]:
     """(queries, keys) in one basis where q' . k' equals the plain path's score."""
-    T = next(iter(arrays.values())).shape[2]
     if isinstance(side, NativeSide):
         return q, side.decode(arrays).astype(mx.float32)
     if isinstance(side, AffineSide):
         k = side._stored(arrays).astype(mx.float32)
         qc = q if side.calibration is None else side.calibration.query_in(q)
         if shifts is not None:
-            mean = shifts if side.calibration is None else shifts / side.calibration.scale[:, None, :]
-            k = k + per_token_shifts(mean, T)
+            k = k + per_token_shifts(_unscale(side, shifts), k.shape[2])
         return qc, k
     packed, norms = (arrays[n] for n in side._names())
-    # The rotated channel scale r lives in q' (rotate_queries), not in the rows.
-    k = side.codec.centroid_values(packed) * norms[..., None]
-    scale = side._scale()
+    mean = None
     if shifts is not None:
         mean = side.codec.rotation.forward(_unscale(side, shifts))
+        scale = side._scale()
         if scale is not None:
             mean = mean / scale
-        k = k + per_token_shifts(mean, T)
-    return side.rotate_queries(q), k
+    # The rotated channel scale r lives in q' (rotate_queries), not in the rows.
+    return side.rotate_queries(q), _rotated_rows(side.codec, packed, norms, mean)
 
 
 def _value_rows(side: Side, arrays: dict[str, mx.array]) -> mx.array:
     """Stored values as dense float32 rows (rotated for TurboQuant values)."""
     if isinstance(side, TurboSide):
         packed, norms = (arrays[n] for n in side._names())
-        return side.codec.decode_rotated(packed, norms)
+        return _rotated_rows(side.codec, packed, norms)
     return side.decode(arrays).astype(mx.float32)
+
+
+def _rotated_rows(codec: TurboCodec, packed: mx.array, norms: mx.array, mean: mx.array | None = None) -> mx.array:
+    """c[code] * norm (+ the block mean [H, blocks, D] of each row's block), float32 [B, H, T, D].
+
+    On the CPU in place in numpy (one lookup, one multiply, one add per block), not as MLX ops
+    that each allocate a [B, H, T, D] array (and a repeated mean).
+    """
+    if not host.on_host():
+        rows = codec.centroid_values(packed) * norms[..., None]
+        return rows if mean is None else rows + per_token_shifts(mean, rows.shape[2])
+    rows = host.centroid_values(np.asarray(codec.centroids), np.asarray(packed), codec.bits, codec.d)
+    rows *= np.asarray(norms)[..., None]
+    if mean is not None:
+        means = np.asarray(mean)
+        for b in range(means.shape[1]):
+            rows[:, :, b * SHIFT_BLOCK:(b + 1) * SHIFT_BLOCK] += means[None, :, b, None, :]
+    return mx.array(rows)
 
 
 def prefill_attention(
