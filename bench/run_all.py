@@ -63,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         import storage
 
         runs = storage.measure(args.storage_tokens, ["raw", "turbo4", "turbo8v3"], args.storage_runs)
-        sections["bench-storage"] = storage.table(runs, args.storage_tokens)
+        sections["bench-storage"] = (f"{datetime.date.today()}, git {git_revision()}, `{command}`, "
+                                     f"{machine_line()}; {args.storage_runs} runs.\n\n"
+                                     + storage.table(runs, args.storage_tokens))
     if wanted & set(MODEL_SECTIONS):
         sections.update(model_sections(args))
     if "bench-blas" in wanted:

@@ -151,7 +151,7 @@ def boto3_floors(s3: LocalS3, nbytes: int, part: int, concurrency: int) -> tuple
     return t1 - t0, time.perf_counter() - t1
 
 
-def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int) -> Run:
+def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int, run_index: int = 0) -> Run:
     """Every step of one scheme, each beside its floor."""
     from tqstore.config import load_config
     from tqstore.identity import CodecIdentity, ModelIdentity
@@ -162,7 +162,8 @@ def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int) -> Run:
     snap, run.seconds["compress"] = compressed(model, raw, scheme)
     run.decoded_bytes = sum(a.nbytes for a in snap.arrays())
     run.fp16_bytes = 2 * 2 * 2 * 64 * n * GEOMETRY["num_hidden_layers"]
-    home, other = root / f"{scheme}-{n}", root / f"{scheme}-{n}-pull"
+    # A bucket prefix of its own per run: a push into one that holds the objects moves nothing.
+    home, other = root / f"{scheme}-{n}-{run_index}", root / f"{scheme}-{n}-{run_index}-pull"
     for h in (home, other):
         shutil.rmtree(h, ignore_errors=True)
     overrides = {"s3_url": s3.url(home.name), "s3_endpoint": s3.endpoint}
@@ -249,7 +250,7 @@ def measure(tokens: int, schemes: list[str], runs: int) -> list[Run]:
     try:
         for i in range(runs):
             for scheme in schemes:
-                r = run_scheme(model, raw, scheme, root, s3, tokens)
+                r = run_scheme(model, raw, scheme, root, s3, tokens, i)
                 out.append(r)
                 print(f"run {i + 1} {scheme}: " + ", ".join(
                     f"{k} {v:.3f}s (floor {r.floors.get(k, float('nan')):.3f}s)" for k, v in r.seconds.items()),

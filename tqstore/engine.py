@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
@@ -17,11 +18,12 @@ import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 
+from .background import BackgroundWriter
 from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
 from .identity import CodecIdentity, stored_bytes_at_least
 from .loading import LoadedModel, ModelRegistry, check_identity, load_model
 from .manifest import Manifest
-from .store import Store
+from .store import PutResult, Store
 
 if TYPE_CHECKING:
     from .chunks import ChunkInfo, Document, DocumentsAnswer
@@ -389,8 +391,12 @@ class Engine:
 
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,
-                     metadata: dict[str, str] | None = None) -> None:
-        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed."""
+                     metadata: dict[str, str] | None = None, writer: BackgroundWriter | None = None
+                     ) -> Future | None:
+        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
+
+        With a `writer`, the caches are compressed and their snapshot evaluated here, the put
+        runs on the writer's thread, and its Future is returned."""
         extra = caches[0].offset - len(tokens) if caches else 0
         if extra < 0:
             raise BadInput(f"the caches hold {caches[0].offset} tokens, fewer than the {len(tokens)} to store")
@@ -401,10 +407,19 @@ class Engine:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        self.store.put(name, snapshot(caches), tokens, model=loaded.identity,
-                       codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
-                       adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
-                       metadata=metadata)
+        snap = snapshot(caches)
+        mx.eval(snap.arrays())
+        codec = self.codec_identity(loaded, scheme)
+
+        def put() -> PutResult:
+            return self.store.put(name, snap, tokens, model=loaded.identity, codec=codec, model_ref=str(loaded.path),
+                                  adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
+                                  metadata=metadata)
+
+        if writer is None:
+            put()
+            return None
+        return writer.submit(tokens, put)
 
     def prompt_cache(self, name: str, *, model: str | None = None) -> tuple[list[Any], list[int], LoadedModel]:
         """mlx-lm caches holding entry `name` (ready for `prompt_cache=`), its tokens and model."""

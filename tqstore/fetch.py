@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,6 +33,7 @@ from .tiers.memory import HotObject, decoded_nbytes
 from .tierset import TierSet, slowest
 
 BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
+READ_AHEAD = 4  # LMDB objects read and verified ahead of the one being decoded
 
 
 @dataclass(frozen=True)
@@ -145,8 +148,8 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
             tiers.memory.drop([want.key])
             out.misses.append(f"memory copy of {want.kind} {want.key.hex()[:12]} dropped: {problem}")
     pending = [w for w in wants if w.key not in out.objects]
-    for want in pending:
-        _from_lmdb(tiers, want, out)
+    for want, found in zip(pending, _read_ahead(tiers.lmdb, pending)):
+        _from_lmdb(tiers, want, found, out)
     pending = [w for w in pending if w.key not in out.objects]
     if pending and tiers.s3 is not None:
         _from_s3(tiers, pending, out)
@@ -159,12 +162,32 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
     return out
 
 
-def _from_lmdb(tiers: TierSet, want: Want, out: Fetched) -> None:
+def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[bytes, str] | None | CorruptBlock]:
+    """Each wanted LMDB payload with its verified digest (None: absent; CorruptBlock: the tier
+    quarantined it), in order, read and hashed by a thread READ_AHEAD objects ahead of the
+    caller, who decodes meanwhile (LMDB reads and hashlib release the GIL; no MLX off-thread)."""
+    def read(want: Want) -> tuple[bytes, str] | None | CorruptBlock:
+        try:
+            return lmdb.get_verified(want.key)
+        except CorruptBlock as exc:
+            return exc
+
+    if len(wants) < 2:
+        yield from map(read, wants)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-read") as pool:
+        queued = deque(pool.submit(read, w) for w in wants[:READ_AHEAD])
+        for want in wants[READ_AHEAD:]:
+            yield queued.popleft().result()
+            queued.append(pool.submit(read, want))
+        while queued:
+            yield queued.popleft().result()
+
+
+def _from_lmdb(tiers: TierSet, want: Want, found: tuple[bytes, str] | None | CorruptBlock, out: Fetched) -> None:
     what = f"{want.kind} {want.key.hex()[:12]}"
-    try:
-        found = tiers.lmdb.get_verified(want.key)
-    except CorruptBlock as exc:  # the tier quarantined it
-        out.misses.append(f"LMDB copy of {what}: {exc}")
+    if isinstance(found, CorruptBlock):  # the tier quarantined it
+        out.misses.append(f"LMDB copy of {what}: {found}")
         return
     if found is None:
         return

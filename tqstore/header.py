@@ -321,7 +321,8 @@ def _tensors(v: Any, where: str, version: int, digests: bool = False) -> dict[st
 
 
 def _exact(v: Any, keys: Sequence[str], where: str) -> dict:
-    if not isinstance(v, dict) or set(v) != set(keys):
+    # Same length and every key present is set equality for distinct keys, without building sets.
+    if not isinstance(v, dict) or len(v) != len(keys) or not all(k in v for k in keys):
         found = sorted(v)[:12] if isinstance(v, dict) else type(v).__name__
         raise MalformedHeader(f"{where}: expected exactly {', '.join(keys)}; found {found}")
     return v
@@ -341,11 +342,13 @@ def _digest(v: Any, where: str) -> bytes | None:
     return bytes.fromhex(v)
 
 
-def _scalars(v: Any, where: str) -> dict[str, Any]:
-    def scalar(x: Any) -> bool:
-        return x is None or isinstance(x, (bool, int, str)) or (type(x) is float and math.isfinite(x))
+_SCALAR_TYPES = frozenset({type(None), bool, int, str})
 
-    if not isinstance(v, dict) or not all(scalar(x) for x in v.values()):
+
+def _scalars(v: Any, where: str) -> dict[str, Any]:
+    # JSON gives exactly these types (no subclasses): a type lookup per value.
+    if not isinstance(v, dict) or not all(type(x) in _SCALAR_TYPES or (type(x) is float and math.isfinite(x))
+                                          for x in v.values()):
         raise MalformedHeader(f"{where}: expected an object of scalars (int, float, str, bool, null)")
     return v
 
