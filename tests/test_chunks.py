@@ -15,7 +15,7 @@ from model_folder import write_model_folder
 from tiny_models import build_model
 from tqstore import Store
 from tqstore.chunks import Document, chunk_address, composed_caches, prefix_tokens
-from tqstore.compose import check_composable, decoded_kv, rope_description
+from tqstore.compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
 from tqstore.config import load_config
 from tqstore.engine import Engine
 from tqstore.errors import BadInput, IdentityMismatch
@@ -187,3 +187,30 @@ def test_models_whose_caches_cannot_move_are_refused():
     with pytest.raises(BadInput, match="sliding window"):
         from mlx_lm.models.cache import RotatingKVCache
         check_composable(model, [RotatingKVCache(max_size=64)])
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_recomputing_every_moved_token_layer_by_layer_equals_a_full_prefill(kind):
+    model = build_model(kind)
+    tokens = mx.random.randint(0, 512, (150,), key=mx.random.key(3)).tolist()
+    prefix, chunks = tokens[:6], [tokens[6:50], tokens[50:100], tokens[100:150]]
+
+    def prefill(ts):
+        caches = [KVCache() for _ in model.layers]
+        model(mx.array(ts)[None], cache=caches)
+        return [c.keys[..., :c.offset, :] for c in caches], [c.values[..., :c.offset, :] for c in caches]
+
+    parts = [ChunkKV(prefix, c, *prefill(prefix + c)) for c in chunks]
+    full_k, full_v = prefill(tokens)
+    for full_layers in (0, 2):
+        composed = compose(model, parts, 1.0, full_layers=full_layers)
+        assert composed.tokens == tokens and composed.recomputed == 100  # every token of the moved chunks
+        for k, v, fk, fv in zip(composed.keys, composed.values, full_k, full_v):
+            assert mx.allclose(k, fk, atol=1e-4, rtol=1e-4).item() and mx.allclose(v, fv, atol=1e-4, rtol=1e-4).item()
+    for select in ("attention", "deviation", "product"):
+        composed = compose(model, parts, 0.2, question=tokens[:8], select=select)
+        assert composed.recomputed == round(0.2 * 144) and composed.reused == 144 - composed.recomputed
+        # The first chunk sits where it was prefilled: its stored K/V stay in the layers after the full ones.
+        assert all(mx.array_equal(k[:, :, :50], p[:, :, :50]).item() for k, p in zip(composed.keys[2:], parts[0].keys[2:]))
+    with pytest.raises(BadInput, match="unknown recompute selection"):
+        compose(model, parts, 0.2, select="random")

@@ -152,8 +152,8 @@ def _named(engine: "Engine", loaded: LoadedModel, scheme: str, name: str) -> tup
     if CHUNK_KEY not in manifest.metadata:
         raise BadInput(f"entry {name!r} is not a document chunk: store it with `tqstore chunk add`")
     if manifest.model_digest != loaded.identity.digest:
-        raise IdentityMismatch(f"chunk {name!r} was stored with another model ({manifest.model_ref}): store it again "
-                               "with this model")
+        raise IdentityMismatch(f"chunk {name!r} was stored with another model or tokenizer ({manifest.model_ref}): "
+                               "store it again with this model")
     if manifest.codec_digest != engine.codec_identity(loaded, scheme).digest:
         raise IdentityMismatch(f"chunk {name!r} was stored with scheme {manifest.scheme}, not {scheme}: pass "
                                f"--scheme {manifest.scheme} or store it again")
@@ -173,9 +173,11 @@ class ComposedContext:
 
 
 def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], scheme: str, *,
-                    system: str | None = None, recompute: float = DEFAULT_RECOMPUTE) -> ComposedContext:
+                    system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
+                    question: Sequence[int] | None = None) -> ComposedContext:
     """Caches of `[prefix][doc_1]...[doc_k]` under `scheme` from stored chunks (texts not stored
-    yet are prefilled and stored first); recompute 1 is a plain prefill of the whole."""
+    yet are prefilled and stored first); recompute 1 is a plain prefill of the whole. The
+    `question` tokens that follow steer which tokens are recomputed (compose.py)."""
     if not documents:
         raise BadInput("no documents given")
     if not 0.0 <= recompute <= 1.0:
@@ -205,7 +207,7 @@ def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[D
                                        _chunk_tokens(engine, info, None))
             if kv is None:
                 raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
-    composed = compose(loaded.model, parts, recompute)
+    composed = compose(loaded.model, parts, recompute, question=question)
     for cache, keys, values in zip(caches, composed.keys, composed.values):
         cache.update_and_fetch(keys, values)
     return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
@@ -228,8 +230,9 @@ def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Doc
         named = next((d.name for d in documents if d.name is not None), None)
         scheme = engine.store.get(named).scheme if named else engine.store.config.default_scheme
     scheme = parse_scheme(scheme).name
-    context = composed_caches(engine, loaded, documents, scheme, system=system, recompute=recompute)
     question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
+    context = composed_caches(engine, loaded, documents, scheme, system=system, recompute=recompute,
+                              question=question_tokens)
     answer = engine.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
                                       context.seconds, **options)
     prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)

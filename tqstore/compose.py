@@ -37,7 +37,8 @@ from .errors import BadInput
 # length and YaRN scales magnitudes on every call: re-applying either is not a shift.
 SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3"}
 FULL_LAYERS = 2  # layers recomputed over every token when anything is recomputed
-SELECT = "deviation"  # how recompute picks tokens beyond the first ones (see `compose`)
+SELECTIONS = ("attention", "deviation", "product")
+SELECT = "attention"  # how recompute picks tokens beyond the first ones (see `compose`; measured in docs/rag.md)
 SINK_TOKENS = 4  # first tokens of each moved chunk that are always recomputed (when the budget allows)
 ATTENTION_CHUNK = 512  # queries per step in the full layers (bounds the score matrix)
 
@@ -83,7 +84,8 @@ def check_composable(model, caches: Sequence[Any]) -> None:
     state and sliding windows are not position-free, so their chunks cannot be moved."""
     for i, cache in enumerate(caches):
         kind = type(cache).__name__
-        if kind in ("ArraysCache", "MambaCache", "ConvCache"):
+        # By class name: mlx-lm is imported only by the engine and the integration modules.
+        if "ArraysCache" in {c.__name__ for c in type(cache).__mro__}:
             raise BadInput(f"this model has recurrent layers (layer {i}: {kind}): their state is not position-free, "
                            "so stored chunks cannot be composed; save whole prompts instead")
         if kind not in ("KVCache", "TurboQuantKVCache"):
@@ -150,6 +152,8 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     """
     if not chunks:
         raise BadInput("no documents to compose")
+    if select not in SELECTIONS:
+        raise BadInput(f"unknown recompute selection {select!r}: use one of {', '.join(SELECTIONS)}")
     prefix = chunks[0].prefix
     if any(c.prefix != prefix for c in chunks):
         raise BadInput("the chunks were stored after different prefixes: store them again with the same system prompt")
@@ -177,7 +181,7 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     first = [p for at, n in moved for p in range(at, at + min(sink_tokens, n))]
     if moved and tail_tokens:
         at, n = moved[-1]
-        first += [p for p in range(max(at, at + n - tail_tokens), at + n) if p not in set(first)]
+        first += [p for p in range(max(at + min(sink_tokens, n), at + n - tail_tokens), at + n)]
     if select != "deviation" and not question:
         select = "deviation"
     recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select)

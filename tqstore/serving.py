@@ -383,8 +383,9 @@ class ModelWorker:
         system, question = documents_question(request)
         docs = [Document(**{kind: value}) for kind, value in request.documents]
         recompute = DEFAULT_RECOMPUTE if request.recompute is None else request.recompute
-        context = composed_caches(self.engine, self.loaded, docs, self.scheme, system=system, recompute=recompute)
         question_tokens = self.loaded.prompt.after_documents_tokens(self.loaded.tokenizer, question)
+        context = composed_caches(self.engine, self.loaded, docs, self.scheme, system=system, recompute=recompute,
+                                  question=question_tokens)
         prompt = context.tokens + question_tokens
         s = request.sampling
         scanner = StopScanner(s.stop)
