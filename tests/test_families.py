@@ -197,3 +197,13 @@ def test_at_rest_entries_share_prefix_blocks(tmp_path):
         assert answer.cached_tokens == longer.tokens and len(answer.tokens) == 3
     finally:
         store.close()
+
+
+def test_at_rest_can_be_forced_without_a_notice(models, monkeypatch):
+    from turboquant import integration
+
+    monkeypatch.setattr(integration, "_notices", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        caches = make_prompt_cache(models["llama"], "turbo4", at_rest=True)
+    assert all(isinstance(c, AtRestKVCache) for c in caches)

@@ -126,7 +126,7 @@ def make_prompt_cache(
     elif fallback == "at rest":
         read = frozenset(eligible)
     caches = _planned_caches(model, spec, base, shapes, eligible, read, options)
-    _state_residences(model, spec, caches)
+    _state_residences(model, spec, caches, read_by_model=not at_rest and fallback is None)
     return caches
 
 
@@ -211,12 +211,12 @@ def family_name(model) -> str:
     return name if isinstance(name, str) else type(model).__module__.rsplit(".", 1)[-1]
 
 
-def _state_residences(model, spec: SchemeSpec, caches: list[Any]) -> None:
+def _state_residences(model, spec: SchemeSpec, caches: list[Any], read_by_model: bool) -> None:
     family = family_name(model)
     for kind in sorted({kind_name(c) for c in caches if residence_of(c) is Residence.NATIVE}):
         why = NATIVE_KINDS.get(kind, "no compressed layout for this kind")
         _notice_once(f"layer kind {kind} ({why}) of family {family} is stored uncompressed under {spec.name}")
-    if any(residence_of(c) is Residence.AT_REST for c in caches):
+    if read_by_model and any(residence_of(c) is Residence.AT_REST for c in caches):
         _notice_once(f"layer kind KVCache of family {family} is read by the model code: compressed at rest only")
 
 
