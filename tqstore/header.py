@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from turboquant.records import BLOCK_ARRAYS, LayerRecord, Layout, check_record_arrays
+from turboquant.records import BLOCK_ARRAYS, WHOLE_LAYOUTS, LayerRecord, Layout, check_record_arrays
 
 from .blocks import BlockKey, block_key, digest_calibration
 from .canonical import DTYPES
@@ -183,7 +183,7 @@ def _check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tu
         raise MalformedHeader(f"block {block.index} of size {block.block_size} cannot start at token {block.start} "
                               f"and hold {block.n_tokens} tokens")
     for li in layers:
-        if li.layout is Layout.ROTATING or li.offset != block.n_tokens or (block.index and li.calibration):
+        if li.layout in (WHOLE_LAYOUTS - {Layout.STATE}) or li.offset != block.n_tokens or (block.index and li.calibration):
             raise MalformedHeader(f"block {block.index}: layer {li.index} is {li.layout.value} with {li.offset} tokens"
                                   f"{' and calibration' if li.calibration else ''}; a block holds per-token layers of "
                                   f"{block.n_tokens} tokens, calibration only in block 0")
@@ -206,7 +206,8 @@ def _layer(v: Any, where: str) -> LayerInfo:
                    _scalars(v["config"], f"{where}.config"), _scalars(v["state"], f"{where}.state"),
                    _tensors(v["arrays"], f"{where}.arrays"), _tensors(v["calibration"], f"{where}.calibration"))
     where = f"layer {li.index} ({layout.value})"
-    for n, t in sorted(li.arrays.items()):
+    token_addressed = layout not in (Layout.STATE, Layout.LIST, Layout.FIELDS)
+    for n, t in sorted(li.arrays.items()) if token_addressed else ():
         norms = n.endswith("_norms")
         dtypes = ("uint32",) if n.endswith(("_packed", "_w")) else ("float32",) if norms else _FLOATS
         if len(t.shape) != (3 if norms else 4) or t.dtype not in dtypes:
@@ -217,8 +218,10 @@ def _layer(v: Any, where: str) -> LayerInfo:
     stand_ins = {n: np.broadcast_to(np.empty((), np.uint8), t.shape) for n, t in li.arrays.items()}
     try:
         check_record_arrays(LayerRecord(layout, li.offset, stand_ins, dict(li.config), dict(li.state)))
-    except (ValueError, TypeError, OverflowError) as e:
+    except (ValueError, TypeError, OverflowError, KeyError) as e:
         raise MalformedHeader(f"{where}: {e}") from None
+    if not token_addressed:
+        return li
     heads = {t.shape[1] for t in li.arrays.values()}
     batch = {t.shape[0] for n, t in li.arrays.items() if n not in BLOCK_ARRAYS}
     if len(heads) > 1 or len(batch) > 1:
