@@ -172,3 +172,38 @@ def test_residences_other_than_in_memory_are_stated_once_per_family(models, monk
         "layer kind RotatingKVCache (sliding window, overwritten in place) of family gpt_oss is stored uncompressed "
         "under turbo4",
         "layer kind KVCache of family deepseek_v3 is read by the model code: compressed at rest only"]
+
+
+def test_at_rest_entries_share_prefix_blocks(tmp_path):
+    """A stored at-rest (MLA) entry is a prefix of a longer context: its blocks are restored
+    (decoded into the native cache) and shared, and only the new part is prefilled."""
+    from model_folder import write_model_folder
+    from tqstore import Store
+    from tqstore.config import load_config
+    from tqstore.engine import Engine
+
+    model = str(write_model_folder(tmp_path / "tiny-deepseek_v3", kind="deepseek_v3"))
+    store = Store.open(tmp_path / "home", config=load_config(tmp_path / "home"))
+    try:
+        engine = Engine(store, prefill_chunk=128)
+        document = "The contract says the seller pays for delays. Clause seven covers delivery. " * 40
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            base = engine.save("base", document, model=model)
+            longer = engine.save("longer", document + " Extra terms follow here." * 10, model=model)
+            answer = engine.ask("longer", "Who pays?", max_tokens=3)
+        assert base.tokens > 512
+        assert longer.reused_tokens == base.tokens and longer.reused_blocks == base.tokens // 256
+        assert answer.cached_tokens == longer.tokens and len(answer.tokens) == 3
+    finally:
+        store.close()
+
+
+def test_at_rest_can_be_forced_without_a_notice(models, monkeypatch):
+    from turboquant import integration
+
+    monkeypatch.setattr(integration, "_notices", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        caches = make_prompt_cache(models["llama"], "turbo4", at_rest=True)
+    assert all(isinstance(c, AtRestKVCache) for c in caches)

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from turboquant.records import BLOCK_ARRAYS, LayerRecord, Layout, check_record_arrays
+from turboquant.records import BLOCK_ARRAYS, WHOLE_LAYOUTS, LayerRecord, Layout, check_record_arrays
 
 from .blocks import BlockKey, block_key, digest_calibration
 from .canonical import DTYPES
@@ -234,7 +234,7 @@ def _check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tu
         raise MalformedHeader(f"block {block.index} of size {block.block_size} cannot start at token {block.start} "
                               f"and hold {block.n_tokens} tokens")
     for li in layers:
-        if li.layout is Layout.ROTATING or li.offset != block.n_tokens or (block.index and li.calibration):
+        if li.layout in (WHOLE_LAYOUTS - {Layout.STATE}) or li.offset != block.n_tokens or (block.index and li.calibration):
             raise MalformedHeader(f"block {block.index}: layer {li.index} is {li.layout.value} with {li.offset} tokens"
                                   f"{' and calibration' if li.calibration else ''}; a block holds per-token layers of "
                                   f"{block.n_tokens} tokens, calibration only in block 0")
@@ -274,7 +274,10 @@ def _arrays_problem(layout: Layout, offset: int, config: tuple, state: tuple,
                     arrays: tuple[tuple[str, str, tuple[int, ...]], ...]) -> str | None:
     """What is wrong with a layer's arrays (names, dtypes, shapes against its layout, offset,
     config and state), or None. Memoized: every block of an entry repeats a few layer shapes."""
-    for n, dtype, shape in arrays:
+    # Recurrent states, nested lists and extra fields are not [B, H, T, D] rows: their own
+    # record check is all that applies.
+    token_addressed = layout not in (Layout.STATE, Layout.LIST, Layout.FIELDS)
+    for n, dtype, shape in arrays if token_addressed else ():
         norms = n.endswith("_norms")
         dtypes = ("uint32",) if n.endswith(("_packed", "_w")) else ("float32",) if norms else _FLOATS
         if len(shape) != (3 if norms else 4) or dtype not in dtypes:
@@ -285,8 +288,10 @@ def _arrays_problem(layout: Layout, offset: int, config: tuple, state: tuple,
     try:
         check_record_arrays(LayerRecord(layout, offset, stand_ins, {k: v for k, _, v in config},
                                         {k: v for k, _, v in state}))
-    except (ValueError, TypeError, OverflowError) as e:
+    except (ValueError, TypeError, OverflowError, KeyError) as e:
         return str(e)
+    if not token_addressed:
+        return None
     heads = {shape[1] for _, _, shape in arrays}
     batch = {shape[0] for n, _, shape in arrays if n not in BLOCK_ARRAYS}
     if len(heads) > 1 or len(batch) > 1:

@@ -8,14 +8,16 @@ forked or edited. Never pass `kv_bits` to mlx-lm's generate functions with these
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, ConcatenateKVCache, KVCache, QuantizedKVCache,
+                                 RotatingKVCache)
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from .at_rest import CLASS as AT_REST_CLASS
@@ -25,7 +27,8 @@ from .cache import CompressedKeys, TurboQuantKVCache
 from .calibration import CalibrationConfig
 from .plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, plan_layer
 from .schemes import Format, SchemeSpec, parse_scheme
-from .records import LayerRecord, Layout, Snapshot
+from .records import (SIDE_SUFFIXES, LayerRecord, Layout, Snapshot, join_children, split_children, state_at,
+                      state_boundary)
 from .residence import NATIVE_KINDS, Residence, kind_name, layers_read_by_model, residence_of
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
@@ -126,7 +129,7 @@ def make_prompt_cache(
     elif fallback == "at rest":
         read = frozenset(eligible)
     caches = _planned_caches(model, spec, base, shapes, eligible, read, options)
-    _state_residences(model, spec, caches)
+    _state_residences(model, spec, caches, read_by_model=not at_rest and fallback is None)
     return caches
 
 
@@ -211,12 +214,12 @@ def family_name(model) -> str:
     return name if isinstance(name, str) else type(model).__module__.rsplit(".", 1)[-1]
 
 
-def _state_residences(model, spec: SchemeSpec, caches: list[Any]) -> None:
+def _state_residences(model, spec: SchemeSpec, caches: list[Any], read_by_model: bool) -> None:
     family = family_name(model)
     for kind in sorted({kind_name(c) for c in caches if residence_of(c) is Residence.NATIVE}):
         why = NATIVE_KINDS.get(kind, "no compressed layout for this kind")
         _notice_once(f"layer kind {kind} ({why}) of family {family} is stored uncompressed under {spec.name}")
-    if any(residence_of(c) is Residence.AT_REST for c in caches):
+    if read_by_model and any(residence_of(c) is Residence.AT_REST for c in caches):
         _notice_once(f"layer kind KVCache of family {family} is read by the model code: compressed at rest only")
 
 
@@ -235,47 +238,149 @@ def compress_caches(caches: list[Any]) -> None:
             cache.compress()
 
 
-def _native_record(cache) -> LayerRecord:
-    if isinstance(cache, RotatingKVCache):
+_KV_CLASSES = {"KVCache": KVCache, "ConcatenateKVCache": ConcatenateKVCache}
+_MODEL_MODULES = "mlx_lm.models."
+
+
+def _own(a: mx.array) -> mx.array:
+    """A distinct array object with `a`'s contents: caches write into their arrays in place."""
+    return detach(a) if a.ndim >= 3 else mx.array(a)
+
+
+def _native_record(cache, tokens: int | None) -> LayerRecord:
+    """The record of one of mlx-lm's cache objects (or a model module's own cache class)."""
+    kind = type(cache)
+    if kind is RotatingKVCache:
         arrays = {} if cache.keys is None else {"keys": detach(cache.keys), "values": detach(cache.values)}
         config = {"class": "RotatingKVCache", "max_size": cache.max_size, "keep": cache.keep}
         return LayerRecord(Layout.ROTATING, cache.offset, arrays, config, {"idx": cache._idx})
-    if type(cache) is KVCache:
+    if kind in _KV_CLASSES.values():
         arrays = {}
         if cache.keys is not None:
             arrays = {"keys": cache.keys[:, :, :cache.offset], "values": cache.values[:, :, :cache.offset]}
-        return LayerRecord(Layout.RAW, cache.offset, arrays, {"class": "KVCache"})
-    raise TypeError(f"cannot snapshot a {type(cache).__name__}: supported are TurboQuantKVCache, KVCache "
-                    "and RotatingKVCache")
+        return LayerRecord(Layout.RAW, cache.offset, arrays, {"class": kind.__name__})
+    if kind is QuantizedKVCache:
+        arrays = {}
+        if cache.keys is not None:
+            for side, parts in (("keys", cache.keys), ("values", cache.values)):
+                arrays.update({f"{side}{suffix}": a[:, :, :cache.offset]
+                               for suffix, a in zip(SIDE_SUFFIXES["affine"], parts)})
+        config = {"class": "QuantizedKVCache", "group_size": cache.group_size, "bits": cache.bits}
+        return LayerRecord(Layout.QUANTIZED, cache.offset, arrays, config)
+    if kind is ChunkedKVCache:
+        arrays = {}
+        if cache.keys is not None:
+            keys, values = cache.keys_and_values()
+            arrays = {"keys": keys, "values": values}
+        return LayerRecord(Layout.CHUNKED, cache.offset, arrays, {"class": "ChunkedKVCache",
+                                                                   "chunk_size": cache.chunk_size},
+                           {"start_position": cache.start_position})
+    if kind is ArraysCache:
+        return _state_record(cache, tokens, {})
+    if kind is CacheList:
+        return join_children([_native_record(c, tokens) for c in cache.caches], {"class": "CacheList"})
+    if kind.__module__.startswith(_MODEL_MODULES):
+        return _fields_record(cache)
+    raise TypeError(f"cannot snapshot a {kind.__name__}: not one of mlx-lm's cache classes nor a model's own")
 
 
-def snapshot(caches: list[Any]) -> Snapshot:
-    """Every layer as a record plus the codecs they use (arrays shared, not copied)."""
+def _state_record(cache: ArraysCache, tokens: int | None, checkpoints: Mapping[int, list]) -> LayerRecord:
+    if cache.left_padding is not None or cache.lengths is not None:
+        raise ValueError("a batched ArraysCache (left padding or lengths set) cannot be stored")
+    arrays = {f"state{j}": _own(a) for j, a in enumerate(cache.cache) if a is not None}
+    for t, states in checkpoints.items():
+        arrays.update({f"state{j}@{t}": a for j, a in enumerate(states) if a is not None})
+    offset = 0 if not arrays else tokens or 0
+    return LayerRecord(Layout.STATE, offset, arrays, {"class": "ArraysCache", "size": len(cache.cache)})
+
+
+def _fields_record(cache) -> LayerRecord:
+    arrays, state = {}, {}
+    for name, value in vars(cache).items():
+        if isinstance(value, mx.array):
+            arrays[name] = _own(value)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            state[name] = value
+        else:
+            raise TypeError(f"cannot snapshot {type(cache).__name__}.{name}, a {type(value).__name__}")
+    config = {"class": f"{type(cache).__module__}:{type(cache).__qualname__}"}
+    return LayerRecord(Layout.FIELDS, int(getattr(cache, "offset", 0)), arrays, config, state)
+
+
+def snapshot(caches: list[Any], *, tokens: int | None = None,
+             checkpoints: Mapping[int, Mapping[int, list]] | None = None) -> Snapshot:
+    """Every layer as a record plus the codecs they use (arrays shared, not copied).
+
+    Recurrent states (ArraysCache) count no tokens themselves: they take `tokens`, by default
+    the other layers' token count. `checkpoints` adds recurrent states at earlier block
+    boundaries ({layer: {tokens seen: the ArraysCache's arrays}}), so that a prefix of the
+    entry can be restored (see `StateCheckpoints`).
+    """
+    if tokens is None:
+        tokens = max((c.offset for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
     layers, codecs = [], {}
-    for cache in caches:
+    for i, cache in enumerate(caches):
         if isinstance(cache, (TurboQuantKVCache, AtRestKVCache)):
             layers.append(cache.to_record())
             codecs.update(cache.plan.codecs())
+        elif type(cache) is ArraysCache:
+            layers.append(_state_record(cache, tokens, (checkpoints or {}).get(i, {})))
         else:
-            layers.append(_native_record(cache))
+            layers.append(_native_record(cache, tokens))
     return Snapshot(layers=layers, codecs=codecs)
 
 
 def _restore_native(record: LayerRecord):
     cls = record.config.get("class")
-    if cls == "RotatingKVCache":
+    if record.layout is Layout.ROTATING:
         cache = RotatingKVCache(max_size=int(record.config["max_size"]), keep=int(record.config["keep"]))
         if record.arrays:
             cache.keys, cache.values = detach(record.arrays["keys"]), detach(record.arrays["values"])
         cache.offset, cache._idx = record.offset, int(record.state["idx"])
         return cache
-    if cls == "KVCache":
-        cache = KVCache()
+    if record.layout is Layout.RAW and cls in _KV_CLASSES:
+        cache = _KV_CLASSES[cls]()
         if record.offset:
             cache.keys, cache.values = detach(record.arrays["keys"]), detach(record.arrays["values"])
             cache.offset = record.offset
         return cache
+    if record.layout is Layout.QUANTIZED:
+        cache = QuantizedKVCache(group_size=int(record.config["group_size"]), bits=int(record.config["bits"]))
+        if record.offset:
+            cache.keys, cache.values = (tuple(detach(record.arrays[f"{side}{s}"]) for s in SIDE_SUFFIXES["affine"])
+                                        for side in ("keys", "values"))
+            cache.offset = record.offset
+        return cache
+    if record.layout is Layout.CHUNKED:
+        cache = ChunkedKVCache(int(record.config["chunk_size"]))
+        if record.arrays:
+            cache.keys, cache.values = detach(record.arrays["keys"]), detach(record.arrays["values"])
+        cache.offset, cache.start_position = record.offset, int(record.state["start_position"])
+        return cache
+    if record.layout is Layout.STATE:
+        cache = ArraysCache(int(record.config["size"]))
+        for name, a in state_at(record, record.offset).items():
+            cache[state_boundary(name)[0]] = _own(a)
+        return cache
+    if record.layout is Layout.LIST:
+        return CacheList(*(_restore_native(c) for c in split_children(record)))
+    if record.layout is Layout.FIELDS:
+        return _restore_fields(record)
     raise ValueError(f"unknown cache class {cls!r} in snapshot")
+
+
+def _restore_fields(record: LayerRecord):
+    module_name, _, qualname = str(record.config["class"]).partition(":")
+    # Only classes of mlx-lm's model modules: a stored name must not pick arbitrary code.
+    if not module_name.startswith(_MODEL_MODULES) or "." in qualname:
+        raise ValueError(f"cache class {record.config['class']!r} is not a class of an mlx-lm model module")
+    cls = getattr(importlib.import_module(module_name), qualname)
+    cache = cls.__new__(cls)
+    for name, value in record.state.items():
+        setattr(cache, name, value)
+    for name, a in record.arrays.items():
+        setattr(cache, name, _own(a))
+    return cache
 
 
 def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
@@ -290,22 +395,21 @@ def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
         raise ValueError(f"snapshot has {len(snap.layers)} layers, the model has {len(caches)}")
     out = []
     for record, cache in zip(snap.layers, caches):
-        if record.layout not in (Layout.RAW, Layout.ROTATING):
-            raise ValueError(f"restore_as needs uncompressed layers, got {record.layout.value}")
-        if isinstance(cache, TurboQuantKVCache):
-            if record.layout is Layout.ROTATING:
-                raise ValueError("a sliding-window layer cannot become a compressed one")
+        if record.layout is Layout.RAW and isinstance(cache, TurboQuantKVCache):
             out.append(TurboQuantKVCache.from_record(record, snap.codecs, plan=cache.plan))
-        elif isinstance(cache, AtRestKVCache):
-            if record.layout is Layout.ROTATING:
-                raise ValueError("a sliding-window layer cannot become a compressed one")
+        elif record.layout is Layout.RAW and isinstance(cache, AtRestKVCache):
             out.append(AtRestKVCache.from_record(record, snap.codecs, plan=cache.plan))
-        elif record.layout is Layout.ROTATING:
-            out.append(_restore_native(record))
-        else:
+        elif record.layout is Layout.RAW and type(cache) is KVCache:
             if record.offset:
                 cache.update_and_fetch(record.arrays["keys"], record.arrays["values"])
             out.append(cache)
+        elif isinstance(cache, (TurboQuantKVCache, AtRestKVCache)):
+            raise ValueError(f"a {record.layout.value} layer cannot become a compressed one")
+        elif record.layout in (Layout.AFFINE, Layout.TURBO, Layout.CALIBRATED, Layout.RAWK_TURBO,
+                               Layout.AFFINEK_TURBO):
+            raise ValueError(f"restore_as needs uncompressed layers, got {record.layout.value}")
+        else:
+            out.append(_restore_native(record))
     return out
 
 
