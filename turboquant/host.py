@@ -10,7 +10,8 @@ same results come from fewer, cache-sized passes:
 - packing: 8 codes -> one `bits`-byte group (an LSB-first bit stream of little-endian uint32
   words is the same stream cut into bytes), so every supported width packs with eight
   shift-ors of uint32 lanes;
-- centroid lookup: 4-bit rows map each byte to its two float32 values with one 8-byte gather.
+- centroid lookup: 4-bit rows map each byte to its two float32 values with one 8-byte gather,
+  3-bit rows each 12-bit field to four values with one 16-byte gather.
 
 Every function is bit-identical to the MLX reference (tests/test_host.py), so the same rows
 encode to the same bytes on the CPU and on a GPU.
@@ -100,10 +101,26 @@ def _byte_pairs(centroids: bytes) -> np.ndarray:
     return np.ascontiguousarray(np.stack([c[b & 15], c[b >> 4]], axis=-1)).view(np.float64).reshape(256)
 
 
+@functools.lru_cache(maxsize=64)
+def _twelve_bit_quads(centroids: bytes) -> np.ndarray:
+    """[4096] 16-byte items: the four float32 centroids of a 12-bit field of 3-bit codes."""
+    c = np.frombuffer(centroids, np.float32)
+    e = np.arange(4096)
+    quads = np.stack([c[(e >> (3 * k)) & 7] for k in range(4)], axis=-1)
+    return np.ascontiguousarray(quads).view(np.complex128).reshape(4096)
+
+
 def centroid_values(centroids: np.ndarray, words: np.ndarray, bits: int, d: int) -> np.ndarray:
-    """c[code] [..., d] float32 straight from packed words (one table lookup per byte at 4 bits)."""
+    """c[code] [..., d] float32 straight from packed words: one gather of 8-byte pairs per byte at
+    4 bits, of 16-byte quads per 12-bit field at 3 bits (8 codes are 3 whole bytes)."""
     centroids = np.asarray(centroids, np.float32)
-    if bits == 4 and d % CHUNK == 0:
-        raw = np.ascontiguousarray(words, np.uint32).view(np.uint8)
-        return np.take(_byte_pairs(centroids.tobytes()), raw).view(np.float32).reshape(*words.shape[:-1], d)
-    return centroids[unpack_codes(words, bits, d)]
+    lead = words.shape[:-1]
+    if bits not in (3, 4) or d % CHUNK:
+        return centroids[unpack_codes(words, bits, d)]
+    raw = np.ascontiguousarray(words, np.uint32).view(np.uint8)
+    if bits == 4:
+        return np.take(_byte_pairs(centroids.tobytes()), raw).view(np.float32).reshape(*lead, d)
+    groups = raw.reshape(*lead, -1, 3).astype(np.uint32)
+    stream = groups[..., 0] | (groups[..., 1] << np.uint32(8)) | (groups[..., 2] << np.uint32(16))
+    fields = np.stack([stream & np.uint32(0xFFF), stream >> np.uint32(12)], axis=-1)
+    return np.take(_twelve_bit_quads(centroids.tobytes()), fields).view(np.float32).reshape(*lead, d)
