@@ -50,9 +50,7 @@ META_KEY = "tqstore"
 _FRAME = struct.Struct("<8sIIQQ32s")
 FRAME_SIZE = _FRAME.size  # 64
 ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller than 3 (docs/format.md)
-# Keep zstd only where it saves at least 10%: below that, decompressing (and un-shuffling) costs
-# more time than the bytes it saves take to read (packed codes compress by about 5%).
-MIN_SAVING = 0.10
+MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 
@@ -229,8 +227,8 @@ def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) 
 def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
     """(encoding, stored bytes) of one group, or ("raw", None) to store it as it is: the
     smallest of raw, zstd and zstd over byte planes, chosen on a sample of the first 256 KiB
-    (packed codes are close to random: one sample decides, the rest is not compressed), zstd
-    kept only where it saves MIN_SAVING."""
+    (a sample that cannot win decides raw, and the rest is not compressed), zstd kept only
+    where it saves MIN_SAVING."""
     if raw.size < MIN_COMPRESS_BYTES:
         return "raw", None
     zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # one per call: compressors are not thread-safe
