@@ -48,22 +48,15 @@ NOT_BUILDABLE: dict[str, str] = {
     "gemma4_text": "generic config fails: IndexError list index out of range",
     "glm_moe_dsa": "generic config fails: KeyError 'rope_theta'",
     "hunyuan": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "jamba": "generic config fails: ValueError 'attention' is not in list",
     "kimi_k3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "kimi_linear": "generic config fails: KeyError 'kda_layers'",
-    "lfm2": "generic config fails: TypeError 'NoneType' object is not iterable",
-    "lfm2-vl": "generic config fails: TypeError 'NoneType' object is not iterable",
-    "lfm2_moe": "generic config fails: TypeError 'NoneType' object is not iterable",
     "llama4_text": "generic config fails: IndexError list index out of range",
     "longcat_flash": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "longcat_flash_ngram": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
-    "mamba2": "generic config fails: IndexError list index out of range",
     "mellum": "generic config fails: IndexError list index out of range",
     "mimo_v2_flash": "generic config fails: IndexError list index out of range",
     "minicpm3": "generic config fails: AttributeError 'NoneType' object has no attribute 'get'",
     "ministral3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
     "mistral4": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "nemotron_h": "generic config fails: ValueError The config must have layers_block_type or hybrid_override_pattern",
     "nemotron-nas": "generic config fails: ValueError Number of block_configs (0) must match num_hidden_layers (4)",
     "openelm": "generic config fails: IndexError list index out of range",
     "plamo": "generic config fails: ValueError n_heads must be a multiple of n_kv_heads",
@@ -89,10 +82,23 @@ GENERIC: dict[str, Any] = dict(
     n_group=1, topk_group=1, routed_scaling_factor=1.0,
     kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
     sliding_window=16, attention_chunk_size=16, sliding_window_pattern=2, rotary_dim=8,
+    # recurrent and convolution layers
+    n_groups=1, conv_kernel=4, conv_L_cache=3, ssm_state_size=16, state_size=16, mamba_num_heads=4,
+    mamba_head_dim=16, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, expand=2, conv_bias=False,
+    use_conv_bias=True, time_step_rank=8, num_dense_layers=1, time_step_limit=(0.0, float("inf")),
+    block_dim=64, block_ff_dim=128, block_multiple_of=16,
 )
 
 # What a family needs beyond the generic config.
-OVERRIDES: dict[str, dict[str, Any]] = {}
+_LFM2 = dict(layer_types=["conv", "full_attention", "conv", "full_attention"])
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "lfm2": _LFM2, "lfm2_moe": _LFM2, "lfm2-vl": {"text_config": {"model_type": "lfm2", **_LFM2}},
+    "nemotron_h": dict(hybrid_override_pattern=["M", "*", "M", "-"]),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
+    "mamba2": dict(num_heads=8, head_dim=16),
+    "kimi_linear": dict(linear_attn_config={"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
+                                            "short_conv_kernel_size": 4}),
+}
 
 
 @functools.lru_cache(maxsize=None)
