@@ -80,13 +80,14 @@ GENERIC: dict[str, Any] = dict(
     num_experts_per_tok=2, moe_topk=2, top_k=2, moe_k=2, n_shared_experts=1, num_shared_experts=1,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, first_k_dense_replace=1,
     n_group=1, topk_group=1, routed_scaling_factor=1.0,
-    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
     sliding_window=16, attention_chunk_size=16, sliding_window_pattern=2, rotary_dim=8,
     # recurrent and convolution layers
     n_groups=1, conv_kernel=4, conv_L_cache=3, ssm_state_size=16, state_size=16, mamba_num_heads=4,
     mamba_head_dim=16, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, expand=2, conv_bias=False,
     use_conv_bias=True, time_step_rank=8, num_dense_layers=1, time_step_limit=(0.0, float("inf")),
-    block_dim=64, block_ff_dim=128, block_multiple_of=16,
+    block_dim=64, block_ff_dim=128, block_multiple_of=16, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
 )
 
 # What a family needs beyond the generic config.
@@ -117,8 +118,9 @@ def families() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def config(family: str) -> dict[str, Any]:
-    """The tiny config of `family`: generic values for the fields its ModelArgs has, then overrides.
+def config(family: str, **changes) -> dict[str, Any]:
+    """The tiny config of `family`: generic values for the fields its ModelArgs has, then
+    overrides, then `changes` (applied to the text config of a wrapper too).
 
     A wrapper family (a `text_config` field) gets the generic config as its text config, with
     the required fields of the argument classes it uses filled in too.
@@ -129,9 +131,9 @@ def config(family: str) -> dict[str, Any]:
         text = dict(GENERIC)
         for cls in _arg_classes(module):
             text.update({k: v for k, v in _fill(cls).items() if k not in text})
-        cfg["text_config"] = {**text, **OVERRIDES.get(family, {}).get("text_config", {})}
+        cfg["text_config"] = {**text, **OVERRIDES.get(family, {}).get("text_config", {}), **changes}
     overrides = {k: v for k, v in OVERRIDES.get(family, {}).items() if k != "text_config"}
-    return {"model_type": family, **cfg, **overrides}
+    return {**cfg, "model_type": family, **overrides, **changes}
 
 
 def _fill(args) -> dict[str, Any]:
@@ -183,11 +185,11 @@ def _guess(name: str, annotation: Any) -> Any:
     return None
 
 
-def build(family: str, seed: int = 0):
-    """A random-weight float32 model of `family`, evaluated."""
+def build(family: str, seed: int = 0, **overrides):
+    """A random-weight float32 model of `family` (its config with `overrides`), evaluated."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config(family)))
+    model = module.Model(module.ModelArgs.from_dict(config(family, **overrides)))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
