@@ -38,8 +38,6 @@ NOT_BUILDABLE: dict[str, str] = {
     "afmoe": "generic config fails: ValueError 'full_attention' is not in list",
     "baichuan_m1": "generic config fails: AssertionError",
     "bailing_moe_linear": "generic config fails: IndexError list index out of range",
-    "dbrx": "generic config fails: KeyError 'ffn_hidden_size'",
-    "deepseek_v2": "generic config fails: AttributeError 'NoneType' object has no attribute 'get'",
     "exaone4": "generic config fails: TypeError object of type 'int' has no len()",
     "exaone_moe": "generic config fails: IndexError list index out of range",
     "gear": "generic config fails: ValueError Expected 4 layer types, got 0.",
@@ -47,16 +45,12 @@ NOT_BUILDABLE: dict[str, str] = {
     "gemma4": "generic config fails: IndexError list index out of range",
     "gemma4_text": "generic config fails: IndexError list index out of range",
     "glm_moe_dsa": "generic config fails: KeyError 'rope_theta'",
-    "hunyuan": "generic config fails: TypeError 'NoneType' object is not subscriptable",
     "kimi_k3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
     "llama4_text": "generic config fails: IndexError list index out of range",
     "longcat_flash": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "longcat_flash_ngram": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "mellum": "generic config fails: IndexError list index out of range",
     "mimo_v2_flash": "generic config fails: IndexError list index out of range",
-    "minicpm3": "generic config fails: AttributeError 'NoneType' object has no attribute 'get'",
-    "ministral3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "mistral4": "generic config fails: TypeError 'NoneType' object is not subscriptable",
     "nemotron-nas": "generic config fails: ValueError Number of block_configs (0) must match num_hidden_layers (4)",
     "openelm": "generic config fails: IndexError list index out of range",
     "plamo": "generic config fails: ValueError n_heads must be a multiple of n_kv_heads",
@@ -91,14 +85,26 @@ GENERIC: dict[str, Any] = dict(
 )
 
 # What a family needs beyond the generic config.
+_KDA = {"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
+_LLAMA4_ROPE = {"rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}
 _LFM2 = dict(layer_types=["conv", "full_attention", "conv", "full_attention"])
 OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2": _LFM2, "lfm2_moe": _LFM2, "lfm2-vl": {"text_config": {"model_type": "lfm2", **_LFM2}},
+    "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_proj_bias=False, mamba_conv_bias=True,
+                             shared_intermediate_size=128),
     "nemotron_h": dict(hybrid_override_pattern=["M", "*", "M", "-"]),
     "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
     "mamba2": dict(num_heads=8, head_dim=16),
-    "kimi_linear": dict(linear_attn_config={"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
-                                            "short_conv_kernel_size": 4}),
+    "kimi_linear": dict(linear_attn_config=_KDA), "kimi_k3": dict(linear_attn_config=_KDA),
+    "ministral3": dict(rope_parameters=_LLAMA4_ROPE), "mistral4": dict(rope_parameters=_LLAMA4_ROPE),
+    "hunyuan": dict(rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
+    "deepseek_v2": dict(rope_scaling={"factor": 1.0, "original_max_position_embeddings": 512, "beta_fast": 32,
+                                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "minicpm3": dict(rope_scaling={"original_max_position_embeddings": 512}),
+    "step3p5": dict(num_attention_groups=2),
+    "dbrx": dict(ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+                 attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}),
 }
 
 
