@@ -15,11 +15,13 @@ import arch_configs
 from model_folder import write_model_folder
 from test_arch_all import cache_arrays
 from tqstore import Store
-from tqstore.blocks import BLOCK_SIZE
+from tqstore import format as fmt
+from tqstore.blocks import BLOCK_SIZE, split_snapshot
 from tqstore.config import load_config
 from tqstore.engine import Engine
 from turboquant import make_prompt_cache
 from turboquant.checkpoints import StateCheckpoints
+from turboquant.records import Layout, state_boundaries
 
 HYBRIDS = ("qwen3_5", "lfm2", "nemotron_h")
 VOCAB = 512  # the folder's tokenizer needs the byte alphabet and more
@@ -62,3 +64,15 @@ def test_restore_at_a_block_boundary_then_continue_is_exact(engine, folder, shar
         assert mx.array_equal(a, b), f"{name} differs"
     step = mx.array([[5]])
     assert mx.array_equal(loaded.model(step, cache=started.caches), loaded.model(step, cache=fresh))
+
+
+def test_a_loaded_entry_keeps_its_block_checkpoints_as_one_object(engine, folder):
+    """A whole entry read back (and written as one snapshot object, as bundles do) still holds
+    the recurrent state of every block end, so that storing it again keeps prefix reuse."""
+    loaded = engine.model(str(folder))
+    engine.save_tokens("doc", loaded, _tokens(2 * BLOCK_SIZE + 10, seed=3), scheme="raw")
+    snap, _ = engine.store.load("doc")
+    again = fmt.loads(fmt.dumps(snap), expect=fmt.Expect(kind="snapshot"))
+    states = [r for r in again.layers if r.layout is Layout.STATE]
+    assert states and all(state_boundaries(r) == [BLOCK_SIZE, 2 * BLOCK_SIZE] for r in states)
+    assert split_snapshot(again).reusable_as_prefix
