@@ -35,24 +35,14 @@ NOT_BUILDABLE: dict[str, str] = {
     "prism_hadamard_qwen35": "needs a Hadamard pack shipped with real checkpoints (schema 2)",
     # No tiny config written yet (the generic one fails as shown); to be moved to OVERRIDES.
     "afm7": "generic config fails: IndexError list index out of range",
-    "afmoe": "generic config fails: ValueError 'full_attention' is not in list",
-    "baichuan_m1": "generic config fails: AssertionError",
     "bailing_moe_linear": "generic config fails: IndexError list index out of range",
-    "exaone4": "generic config fails: TypeError object of type 'int' has no len()",
-    "exaone_moe": "generic config fails: IndexError list index out of range",
-    "gear": "generic config fails: ValueError Expected 4 layer types, got 0.",
     "gemma3n": "generic config fails: IndexError list index out of range",
-    "gemma4": "generic config fails: IndexError list index out of range",
-    "gemma4_text": "generic config fails: IndexError list index out of range",
     "glm_moe_dsa": "generic config fails: KeyError 'rope_theta'",
     "kimi_k3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "llama4_text": "generic config fails: IndexError list index out of range",
     "longcat_flash": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "longcat_flash_ngram": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
-    "mellum": "generic config fails: IndexError list index out of range",
     "mimo_v2_flash": "generic config fails: IndexError list index out of range",
     "nemotron-nas": "generic config fails: ValueError Number of block_configs (0) must match num_hidden_layers (4)",
-    "openelm": "generic config fails: IndexError list index out of range",
     "plamo": "generic config fails: ValueError n_heads must be a multiple of n_kv_heads",
     "qwen": "generic config fails: ValueError [matmul] shape mismatch",
     "recurrent_gemma": "generic config fails: TypeError object of type 'NoneType' has no len()",
@@ -87,6 +77,7 @@ GENERIC: dict[str, Any] = dict(
 # What a family needs beyond the generic config.
 _KDA = {"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
 _LLAMA4_ROPE = {"rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}
+_SLIDING = ["sliding_attention", "full_attention"] * 2
 _LFM2 = dict(layer_types=["conv", "full_attention", "conv", "full_attention"])
 OVERRIDES: dict[str, dict[str, Any]] = {
     "lfm2": _LFM2, "lfm2_moe": _LFM2, "lfm2-vl": {"text_config": {"model_type": "lfm2", **_LFM2}},
@@ -96,6 +87,18 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "nemotron_h": dict(hybrid_override_pattern=["M", "*", "M", "-"]),
     "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
     "mamba2": dict(num_heads=8, head_dim=16),
+    "afmoe": dict(layer_types=_SLIDING),
+    "mellum": dict(layer_types=_SLIDING, rope_parameters={t: {"rope_theta": 10000.0} for t in set(_SLIDING)}),
+    "gemma4": {"text_config": dict(layer_types=_SLIDING, num_kv_shared_layers=0)},
+    "gemma4_text": dict(layer_types=_SLIDING, num_kv_shared_layers=0),
+    "exaone_moe": dict(layer_types=_SLIDING, is_moe_layer=[False, True, True, True]),
+    "exaone4": dict(sliding_window_pattern="LG"),
+    "llama4_text": dict(no_rope_layers=[1, 0, 1, 0]),
+    "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0, 1, 0], moe_layer_freq=[0, 1, 1, 1], topk_method="noaux_tc"),
+    "openelm": dict(num_query_heads=[4] * 4, num_kv_heads=[2] * 4, ffn_multipliers=[2.0] * 4,
+                    num_transformer_layers=LAYERS, ffn_dim_divisor=16),
+    "baichuan_m1": dict(conv_window=2, sliding_window_layers=[1, 3]),
+    "gear": dict(layer_types=["conv_mixer", "full_attention", "conv_mixer", "sliding_attention"]),
     "kimi_linear": dict(linear_attn_config=_KDA), "kimi_k3": dict(linear_attn_config=_KDA),
     "ministral3": dict(rope_parameters=_LLAMA4_ROPE), "mistral4": dict(rope_parameters=_LLAMA4_ROPE),
     "hunyuan": dict(rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
