@@ -35,37 +35,14 @@ NOT_BUILDABLE: dict[str, str] = {
     "prism_hadamard_qwen35": "needs a Hadamard pack shipped with real checkpoints (schema 2)",
     # No tiny config written yet (the generic one fails as shown); to be moved to OVERRIDES.
     "afm7": "generic config fails: IndexError list index out of range",
-    "afmoe": "generic config fails: ValueError 'full_attention' is not in list",
-    "baichuan_m1": "generic config fails: AssertionError",
     "bailing_moe_linear": "generic config fails: IndexError list index out of range",
-    "dbrx": "generic config fails: KeyError 'ffn_hidden_size'",
-    "deepseek_v2": "generic config fails: AttributeError 'NoneType' object has no attribute 'get'",
-    "exaone4": "generic config fails: TypeError object of type 'int' has no len()",
-    "exaone_moe": "generic config fails: IndexError list index out of range",
-    "gear": "generic config fails: ValueError Expected 4 layer types, got 0.",
     "gemma3n": "generic config fails: IndexError list index out of range",
-    "gemma4": "generic config fails: IndexError list index out of range",
-    "gemma4_text": "generic config fails: IndexError list index out of range",
     "glm_moe_dsa": "generic config fails: KeyError 'rope_theta'",
-    "hunyuan": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "jamba": "generic config fails: ValueError 'attention' is not in list",
     "kimi_k3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "kimi_linear": "generic config fails: KeyError 'kda_layers'",
-    "lfm2": "generic config fails: TypeError 'NoneType' object is not iterable",
-    "lfm2-vl": "generic config fails: TypeError 'NoneType' object is not iterable",
-    "lfm2_moe": "generic config fails: TypeError 'NoneType' object is not iterable",
-    "llama4_text": "generic config fails: IndexError list index out of range",
     "longcat_flash": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "longcat_flash_ngram": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
-    "mamba2": "generic config fails: IndexError list index out of range",
-    "mellum": "generic config fails: IndexError list index out of range",
     "mimo_v2_flash": "generic config fails: IndexError list index out of range",
-    "minicpm3": "generic config fails: AttributeError 'NoneType' object has no attribute 'get'",
-    "ministral3": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "mistral4": "generic config fails: TypeError 'NoneType' object is not subscriptable",
-    "nemotron_h": "generic config fails: ValueError The config must have layers_block_type or hybrid_override_pattern",
     "nemotron-nas": "generic config fails: ValueError Number of block_configs (0) must match num_hidden_layers (4)",
-    "openelm": "generic config fails: IndexError list index out of range",
     "plamo": "generic config fails: ValueError n_heads must be a multiple of n_kv_heads",
     "qwen": "generic config fails: ValueError [matmul] shape mismatch",
     "recurrent_gemma": "generic config fails: TypeError object of type 'NoneType' has no len()",
@@ -87,12 +64,51 @@ GENERIC: dict[str, Any] = dict(
     num_experts_per_tok=2, moe_topk=2, top_k=2, moe_k=2, n_shared_experts=1, num_shared_experts=1,
     moe_intermediate_size=32, shared_expert_intermediate_size=32, first_k_dense_replace=1,
     n_group=1, topk_group=1, routed_scaling_factor=1.0,
-    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
     sliding_window=16, attention_chunk_size=16, sliding_window_pattern=2, rotary_dim=8,
+    # recurrent and convolution layers
+    n_groups=1, conv_kernel=4, conv_L_cache=3, ssm_state_size=16, state_size=16, mamba_num_heads=4,
+    mamba_head_dim=16, mamba_d_conv=4, mamba_d_state=16, mamba_expand=2, expand=2, conv_bias=False,
+    use_conv_bias=True, time_step_rank=8, num_dense_layers=1, time_step_limit=(0.0, float("inf")),
+    block_dim=64, block_ff_dim=128, block_multiple_of=16, linear_num_value_heads=4, linear_num_key_heads=2,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
 )
 
 # What a family needs beyond the generic config.
-OVERRIDES: dict[str, dict[str, Any]] = {}
+_KDA = {"kda_layers": [1, 3], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4}
+_LLAMA4_ROPE = {"rope_theta": 10000.0, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 512}
+_SLIDING = ["sliding_attention", "full_attention"] * 2
+_LFM2 = dict(layer_types=["conv", "full_attention", "conv", "full_attention"])
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "lfm2": _LFM2, "lfm2_moe": _LFM2, "lfm2-vl": {"text_config": {"model_type": "lfm2", **_LFM2}},
+    "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba", "attention"], mamba_n_heads=4,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_proj_bias=False, mamba_conv_bias=True,
+                             shared_intermediate_size=128),
+    "nemotron_h": dict(hybrid_override_pattern=["M", "*", "M", "-"]),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2),
+    "mamba2": dict(num_heads=8, head_dim=16),
+    "afmoe": dict(layer_types=_SLIDING),
+    "mellum": dict(layer_types=_SLIDING, rope_parameters={t: {"rope_theta": 10000.0} for t in set(_SLIDING)}),
+    "gemma4": {"text_config": dict(layer_types=_SLIDING, num_kv_shared_layers=0)},
+    "gemma4_text": dict(layer_types=_SLIDING, num_kv_shared_layers=0),
+    "exaone_moe": dict(layer_types=_SLIDING, is_moe_layer=[False, True, True, True]),
+    "exaone4": dict(sliding_window_pattern="LG"),
+    "llama4_text": dict(no_rope_layers=[1, 0, 1, 0]),
+    "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0, 1, 0], moe_layer_freq=[0, 1, 1, 1], topk_method="noaux_tc"),
+    "openelm": dict(num_query_heads=[4] * 4, num_kv_heads=[2] * 4, ffn_multipliers=[2.0] * 4,
+                    num_transformer_layers=LAYERS, ffn_dim_divisor=16),
+    "baichuan_m1": dict(conv_window=2, sliding_window_layers=[1, 3]),
+    "gear": dict(layer_types=["conv_mixer", "full_attention", "conv_mixer", "sliding_attention"]),
+    "kimi_linear": dict(linear_attn_config=_KDA), "kimi_k3": dict(linear_attn_config=_KDA),
+    "ministral3": dict(rope_parameters=_LLAMA4_ROPE), "mistral4": dict(rope_parameters=_LLAMA4_ROPE),
+    "hunyuan": dict(rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
+    "deepseek_v2": dict(rope_scaling={"factor": 1.0, "original_max_position_embeddings": 512, "beta_fast": 32,
+                                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "minicpm3": dict(rope_scaling={"original_max_position_embeddings": 512}),
+    "step3p5": dict(num_attention_groups=2),
+    "dbrx": dict(ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+                 attn_config={"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 10000.0}),
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,8 +127,9 @@ def families() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def config(family: str) -> dict[str, Any]:
-    """The tiny config of `family`: generic values for the fields its ModelArgs has, then overrides.
+def config(family: str, **changes) -> dict[str, Any]:
+    """The tiny config of `family`: generic values for the fields its ModelArgs has, then
+    overrides, then `changes` (applied to the text config of a wrapper too).
 
     A wrapper family (a `text_config` field) gets the generic config as its text config, with
     the required fields of the argument classes it uses filled in too.
@@ -123,9 +140,9 @@ def config(family: str) -> dict[str, Any]:
         text = dict(GENERIC)
         for cls in _arg_classes(module):
             text.update({k: v for k, v in _fill(cls).items() if k not in text})
-        cfg["text_config"] = {**text, **OVERRIDES.get(family, {}).get("text_config", {})}
+        cfg["text_config"] = {**text, **OVERRIDES.get(family, {}).get("text_config", {}), **changes}
     overrides = {k: v for k, v in OVERRIDES.get(family, {}).items() if k != "text_config"}
-    return {"model_type": family, **cfg, **overrides}
+    return {**cfg, "model_type": family, **overrides, **changes}
 
 
 def _fill(args) -> dict[str, Any]:
@@ -177,11 +194,11 @@ def _guess(name: str, annotation: Any) -> Any:
     return None
 
 
-def build(family: str, seed: int = 0):
-    """A random-weight float32 model of `family`, evaluated."""
+def build(family: str, seed: int = 0, **overrides):
+    """A random-weight float32 model of `family` (its config with `overrides`), evaluated."""
     module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config(family)))
+    model = module.Model(module.ModelArgs.from_dict(config(family, **overrides)))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model

@@ -1,7 +1,8 @@
 """`tqstore save/ask/push/pull` on tiny-model folders of families beyond plain attention (issue
-18): gpt_oss (attention sinks, compressed in memory) and deepseek_v3 (MLA latents, compressed at
-rest), through a real S3 server (moto). Before: gpt_oss stored an entry `ask` rejected ("attention
-sinks are not supported over compressed storage"); deepseek_v3 failed at compress."""
+18): gpt_oss (attention sinks, compressed in memory), deepseek_v3 (MLA latents, compressed at
+rest) and qwen3_5 (a hybrid: recurrent states native, attention compressed), through a real S3
+server (moto). Before: gpt_oss stored an entry `ask` rejected ("attention
+sinks are not supported over compressed storage"); deepseek_v3 failed at compress; qwen3_5 could not be saved at all ("cannot snapshot a ArraysCache")."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from model_folder import write_model_folder
 from test_cli_s3 import DOC, bucket, tq  # noqa: F401 (fixtures)
 
 
-@pytest.mark.parametrize("kind", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["gpt_oss", "deepseek_v3", "qwen3_5"])
 def test_save_push_pull_ask_on_another_home(bucket, tq, tmp_path, kind):
     model = str(write_model_folder(tmp_path / f"tiny-{kind}", kind=kind))
     code, saved = tq("a", "save", "doc", "--model", model, "--prompt", DOC)

@@ -42,6 +42,19 @@ CONFIGS = {
 }
 
 
+def _arch_family(family: str) -> dict:
+    """A family's tiny config from arch_configs (hybrid families), with this file's vocabulary."""
+    from arch_configs import config
+
+    cfg = config(family)
+    if "text_config" in cfg:
+        cfg["text_config"] = {**cfg["text_config"], "vocab_size": 512}
+    return {**cfg, "model_type": family, "vocab_size": 512}
+
+
+CONFIGS["qwen3_5"] = _arch_family("qwen3_5")  # hybrid: gated delta-net (ArraysCache) + attention
+
+
 def build_model(kind: str, seed: int = 0, dtype=mx.float32, **overrides):
     """A random-weight model of `kind` (see CONFIGS), evaluated, in `dtype`."""
     cfg = {**CONFIGS[kind], **overrides}

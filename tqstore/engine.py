@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
+from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
 
 from .background import BackgroundWriter
+from .blocks import BLOCK_SIZE
 from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
 from .identity import CodecIdentity, stored_bytes_at_least
 from .loading import LoadedModel, ModelRegistry, check_identity, load_model
@@ -78,6 +80,11 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+
+
+def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
+    return StateCheckpoints(BLOCK_SIZE) if recurrent_layers(caches) else None
 
 
 def _finish(steps: Generator[None, None, Any]) -> Any:
@@ -190,36 +197,47 @@ class Engine:
         codec = self.codec_identity(loaded, scheme)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
         if match is None or match.tokens == 0:
-            return Started(make_prompt_cache(loaded.model, scheme), 0, "none", 0.0)
+            caches = make_prompt_cache(loaded.model, scheme)
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
         snap, stats = self.store.restore(match)
         share = match.tokens / max(len(match.manifest.tokens), 1)
-        return Started(restore(snap), match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share)
+        caches = restore(snap)
+        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
+        return Started(caches, match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+                       checkpoints)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
-                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None) -> float:
+                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                at: int = 0, checkpoints: StateCheckpoints | None = None) -> float:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
-        Stops between chunks once `cancelled()` is true."""
-        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled))
+        Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
+        recurrent layers), chunks also end at every block boundary (`at` is the position of the
+        first token) and the recurrent states there are kept."""
+        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at,
+                                          checkpoints=checkpoints))
 
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
-                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None
-                      ) -> Generator[None, None, float]:
+                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                      at: int = 0, checkpoints: StateCheckpoints | None = None) -> Generator[None, None, float]:
         """`prefill`, yielding after each chunk so that the caller can take turns with other
         work; returns the seconds of its own steps."""
         body = _body(loaded.model)
-        seconds = 0.0
+        seconds, done = 0.0, 0
         if progress and tokens:
             progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
-        for done in range(0, len(tokens), self.prefill_chunk):
+        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.block):
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
-            chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
+            chunk = mx.array(tokens[done:end - at])[None]
             mx.eval(body(chunk, cache=caches))
             mx.eval([c.state for c in caches])
+            done = end - at
+            if checkpoints is not None:
+                checkpoints.record(caches, end)
             seconds += time.perf_counter() - t0
             if progress:
-                progress(done + chunk.shape[1], len(tokens))
+                progress(done, len(tokens))
             yield
         return seconds
 
@@ -246,14 +264,17 @@ class Engine:
         started = self.start(loaded, scheme, tokens)
         new = len(tokens) - started.matched
         self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
-        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress)
+        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
+                                                at=started.matched, checkpoints=started.checkpoints)
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
-        result = self.store.put(name, snapshot(started.caches), tokens, model=loaded.identity,
+        boundaries = started.checkpoints.before(len(tokens)) if started.checkpoints else None
+        result = self.store.put(name, snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries), tokens,
+                                model=loaded.identity,
                                 codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
                                 metadata=metadata)
@@ -309,7 +330,8 @@ class Engine:
             on_start(started)
         remainder = list(prompt[started.matched:])
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
-        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted)
+        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
+                                                at=started.matched, checkpoints=started.checkpoints)
         pieces, tokens, finish, generating, first_token = [], [], None, 0.0, 0.0
         if halted():
             finish = "stop"
@@ -397,9 +419,11 @@ class Engine:
 
         With a `writer`, the caches are compressed and their snapshot evaluated here, the put
         runs on the writer's thread, and its Future is returned."""
-        extra = caches[0].offset - len(tokens) if caches else 0
+        # Recurrent layers count no tokens: the attention layers say what the caches hold.
+        held = max((c.offset for c in caches if isinstance(getattr(c, "offset", None), int)), default=len(tokens))
+        extra = held - len(tokens)
         if extra < 0:
-            raise BadInput(f"the caches hold {caches[0].offset} tokens, fewer than the {len(tokens)} to store")
+            raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
         if extra and not all(c.is_trimmable() for c in caches):
             raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
         for cache in caches:
@@ -407,7 +431,7 @@ class Engine:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        snap = snapshot(caches)
+        snap = snapshot(caches, tokens=len(tokens))
         mx.eval(snap.arrays())
         codec = self.codec_identity(loaded, scheme)
 

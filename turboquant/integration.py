@@ -288,7 +288,7 @@ def _state_record(cache: ArraysCache, tokens: int | None, checkpoints: Mapping[i
     if cache.left_padding is not None or cache.lengths is not None:
         raise ValueError("a batched ArraysCache (left padding or lengths set) cannot be stored")
     arrays = {f"state{j}": _own(a) for j, a in enumerate(cache.cache) if a is not None}
-    for t, states in checkpoints.items():
+    for t, states in checkpoints.items() if arrays else ():
         arrays.update({f"state{j}@{t}": a for j, a in enumerate(states) if a is not None})
     offset = 0 if not arrays else tokens or 0
     return LayerRecord(Layout.STATE, offset, arrays, {"class": "ArraysCache", "size": len(cache.cache)})
@@ -381,6 +381,30 @@ def _restore_fields(record: LayerRecord):
     for name, a in record.arrays.items():
         setattr(cache, name, _own(a))
     return cache
+
+
+PREFIX_KINDS = frozenset({"in memory", "at rest", "native", "state"})  # kinds a stored prefix can be cut from
+
+
+def layer_kind(cache) -> tuple[str, str]:
+    """(cache class, how the store keeps it) for one cache of `make_prompt_cache`: "in memory"
+    (TurboQuant/affine in memory, on disk and in the bucket), "at rest" (compressed on disk and
+    in the bucket, decoded into mlx-lm's KVCache in memory: the model reads the arrays itself),
+    "native" (token rows as mlx-lm holds them), "state" (recurrent state, stored at every block
+    end), or "whole" (stored whole per entry: ring buffers, chunked windows, lists and a model's
+    own cache class). The first three are `residence.Residence`."""
+    if isinstance(cache, TurboQuantKVCache):
+        return "TurboQuantKVCache", Residence.IN_MEMORY.value
+    if isinstance(cache, AtRestKVCache):
+        return "AtRestKVCache", Residence.AT_REST.value
+    name = type(cache).__name__
+    if isinstance(cache, CacheList):
+        return f"CacheList({', '.join(layer_kind(c)[0] for c in cache.caches)})", "whole"
+    if type(cache) is ArraysCache:
+        return f"ArraysCache({len(cache.cache)})", "state"
+    if type(cache) in (*_KV_CLASSES.values(), QuantizedKVCache):
+        return name, "native"
+    return name, "whole"
 
 
 def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
