@@ -39,8 +39,6 @@ NOT_BUILDABLE: dict[str, str] = {
     "longcat_flash": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "longcat_flash_ngram": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "nemotron-nas": "generic config fails: ValueError Number of block_configs (0) must match num_hidden_layers (4)",
-    "plamo": "generic config fails: ValueError n_heads must be a multiple of n_kv_heads",
-    "qwen": "generic config fails: ValueError [matmul] shape mismatch",
 }
 
 # Generic values by field name: the same small model for every family.
@@ -90,6 +88,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                     hidden_size_per_layer_input=16, altup_num_inputs=2, altup_coef_clip=120.0,
                                     altup_correct_scale=True, altup_active_idx=0, laurel_rank=8,
                                     final_logit_softcapping=30.0, rope_local_base_freq=10000.0)},
+    "plamo": dict(n_shared_head=2),
+    "qwen": dict(kv_channels=16),
     "exaone4": dict(sliding_window_pattern="LG"),
     "llama4_text": dict(no_rope_layers=[1, 0, 1, 0]),
     "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0, 1, 0], moe_layer_freq=[0, 1, 1, 1], topk_method="noaux_tc",
