@@ -38,7 +38,6 @@ NOT_BUILDABLE: dict[str, str] = {
     "bailing_moe_linear": "generic config fails: IndexError list index out of range",
     "longcat_flash": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
     "longcat_flash_ngram": "generic config fails: AttributeError 'LongcatFlashMLA' object has no attribute 'mla_scale_q_lora'",
-    "nemotron-nas": "generic config fails: ValueError Number of block_configs (0) must match num_hidden_layers (4)",
 }
 
 # Generic values by field name: the same small model for every family.
@@ -89,6 +88,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                                     altup_correct_scale=True, altup_active_idx=0, laurel_rank=8,
                                     final_logit_softcapping=30.0, rope_local_base_freq=10000.0)},
     "plamo": dict(n_shared_head=2),
+    # a no-op attention block among attention blocks, as the real Nemotron-NAS models mix them
+    "nemotron-nas": dict(block_configs=[{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.0}},
+                                        {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
+                                        {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.0}},
+                                        {"attention": {"n_heads_in_group": 4}, "ffn": {"ffn_mult": 1.0}}]),
     "qwen": dict(kv_channels=16),
     "exaone4": dict(sliding_window_pattern="LG"),
     "llama4_text": dict(no_rope_layers=[1, 0, 1, 0]),
