@@ -405,18 +405,23 @@ class Engine:
         else:
             follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
         prompt = tokens + follow
+        starts: list[Started] = []
         result, caches = self.generate_with_caches(loaded, self.entry_scheme(manifest, loaded), prompt,
-                                                   recorded=manifest.prefill_seconds, **options)
+                                                   recorded=manifest.prefill_seconds, on_start=starts.append, **options)
         self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
-                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name})
+                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name},
+                          checkpoints=starts[0].checkpoints)
         return result
 
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,
-                     metadata: dict[str, str] | None = None, writer: BackgroundWriter | None = None
-                     ) -> Future | None:
+                     metadata: dict[str, str] | None = None, checkpoints: StateCheckpoints | None = None,
+                     writer: BackgroundWriter | None = None) -> Future | None:
         """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
 
+        `checkpoints` (recurrent states at block ends, from the prefill that filled the caches)
+        are stored with them; without one at every block end, recurrent states are stored whole
+        and the entry is reused whole, not by prefix (generated tokens are not checkpointed).
         With a `writer`, the caches are compressed and their snapshot evaluated here, the put
         runs on the writer's thread, and its Future is returned."""
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
@@ -431,7 +436,8 @@ class Engine:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        snap = snapshot(caches, tokens=len(tokens))
+        boundaries = checkpoints.before(len(tokens)) if checkpoints else None
+        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries)
         mx.eval(snap.arrays())
         codec = self.codec_identity(loaded, scheme)
 
