@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=None)
     parser.add_argument("--tail", type=int, default=None)
     parser.add_argument("--select", default=None, help="deviation, attention or product (default: compose.SELECT)")
+    parser.add_argument("--home", type=Path, help="store home to keep chunks between runs (default: a fresh temp dir)")
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv[1:])
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                "sink_tokens": SINK_TOKENS if args.sinks is None else args.sinks,
                "tail_tokens": args.tail or 0, "select": args.select or SELECT}
     variants = experiment(args.budgets, args.selects, args.scheme) if args.budgets else VARIANTS
-    home = Path(tempfile.mkdtemp(prefix="tqstore-rag-"))
+    home = args.home or Path(tempfile.mkdtemp(prefix="tqstore-rag-"))
     engine = Engine(Store.open(home, config=load_config(home)))
     loaded = engine.model(str(args.model))
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [(k, order, rng.sample(range(len(pieces)), k)) for k in ks for order in range(args.orders)]
     for scheme in sorted({v.scheme for v in variants}):
         for i in sorted({i for _, _, picked in prompts for i in picked}):
-            ensure_chunk(engine, loaded, scheme, prefix, doc_tokens[i], None)
+            info = ensure_chunk(engine, loaded, scheme, prefix, doc_tokens[i], None)[0]
+            print(f"chunk {i} ({scheme}): {'stored' if info.stored else 'reused'}", flush=True)
     rows: dict[tuple[int, str, str], list] = {}
     for k, order, picked in prompts:
         cont = mx.array(pieces[picked[-1]][1])[None]
