@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.integration import held_tokens
 
 from .blocks import BLOCK_SIZE
 from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
@@ -377,7 +378,7 @@ class Engine:
         are stored with them; without one at every block end, recurrent states are stored whole
         and the entry is reused whole, not by prefix (generated tokens are not checkpointed)."""
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
-        held = max((c.offset for c in caches if isinstance(getattr(c, "offset", None), int)), default=len(tokens))
+        held = held_tokens(caches) or len(tokens)
         extra = held - len(tokens)
         if extra < 0:
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
