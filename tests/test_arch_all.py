@@ -17,6 +17,7 @@ from mlx_lm.models.cache import CacheList, make_prompt_cache
 import arch_configs
 from tqstore import format as fmt
 from turboquant import restore, snapshot
+from turboquant.records import split_children
 
 PROMPT = 40
 
@@ -83,3 +84,11 @@ def test_families_listed_as_not_buildable_still_fail(family):
     except (Exception, SystemExit):  # any failure is what the list says; olmo exits on import
         return
     assert not finite, f"{family} now builds with finite logits: remove it from NOT_BUILDABLE"
+
+
+def test_a_cache_list_model_counts_its_tokens_without_being_told():
+    model = _model("falcon_h1")
+    caches = make_prompt_cache(model)
+    mx.eval(model(_prompt(12), cache=caches))
+    snap = snapshot(caches)
+    assert snap.offset == 12 and all(c.offset == 12 for c in split_children(snap.layers[0]))

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.integration import held_tokens
 
 from .background import BackgroundWriter
 from .blocks import BLOCK_SIZE
@@ -425,7 +426,7 @@ class Engine:
         With a `writer`, the caches are compressed and their snapshot evaluated here, the put
         runs on the writer's thread, and its Future is returned."""
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
-        held = max((c.offset for c in caches if isinstance(getattr(c, "offset", None), int)), default=len(tokens))
+        held = held_tokens(caches) or len(tokens)
         extra = held - len(tokens)
         if extra < 0:
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
