@@ -76,3 +76,20 @@ def test_a_loaded_entry_keeps_its_block_checkpoints_as_one_object(engine, folder
     states = [r for r in again.layers if r.layout is Layout.STATE]
     assert states and all(state_boundaries(r) == [BLOCK_SIZE, 2 * BLOCK_SIZE] for r in states)
     assert split_snapshot(again).reusable_as_prefix
+
+
+def test_a_chat_turn_of_a_hybrid_keeps_the_checkpoints_of_its_prompt(engine, folder):
+    """A chat child entry stores the recurrent states at the block ends its prompt's prefill
+    passed, so the next turn reuses it by prefix when the answer crosses no block end."""
+    loaded = engine.model(str(folder))
+    text = " ".join(["The contract says the seller pays for delays."] * 60)
+    engine.save("doc", text, model=str(folder), scheme="raw")
+    engine.chat_turn("doc", "Who pays?", "turn1", max_tokens=2)
+    tokens = engine.store.get("turn1").tokens
+    snap, _ = engine.store.load("turn1")
+    ends = list(range(BLOCK_SIZE, len(tokens), BLOCK_SIZE))
+    states = [r for r in snap.layers if r.layout is Layout.STATE]
+    assert ends and states and all(state_boundaries(r) == ends for r in states), (len(tokens), ends)
+    assert split_snapshot(snap).reusable_as_prefix
+    started = engine.start(loaded, "raw", list(tokens[:ends[-1] + 5]))
+    assert started.matched == ends[-1]

@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.integration import held_tokens
 
 from .blocks import BLOCK_SIZE
 from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
@@ -360,18 +361,24 @@ class Engine:
         else:
             follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
         prompt = tokens + follow
+        starts: list[Started] = []
         result, caches = self.generate_with_caches(loaded, self.entry_scheme(manifest, loaded), prompt,
-                                                   recorded=manifest.prefill_seconds, **options)
+                                                   recorded=manifest.prefill_seconds, on_start=starts.append, **options)
         self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
-                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name})
+                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name},
+                          checkpoints=starts[0].checkpoints)
         return result
 
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,
-                     metadata: dict[str, str] | None = None) -> None:
-        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed."""
+                     metadata: dict[str, str] | None = None, checkpoints: StateCheckpoints | None = None) -> None:
+        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
+
+        `checkpoints` (recurrent states at block ends, from the prefill that filled the caches)
+        are stored with them; without one at every block end, recurrent states are stored whole
+        and the entry is reused whole, not by prefix (generated tokens are not checkpointed)."""
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
-        held = max((c.offset for c in caches if isinstance(getattr(c, "offset", None), int)), default=len(tokens))
+        held = held_tokens(caches) or len(tokens)
         extra = held - len(tokens)
         if extra < 0:
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
@@ -382,7 +389,8 @@ class Engine:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        self.store.put(name, snapshot(caches, tokens=len(tokens)), tokens, model=loaded.identity,
+        boundaries = checkpoints.before(len(tokens)) if checkpoints else None
+        self.store.put(name, snapshot(caches, tokens=len(tokens), checkpoints=boundaries), tokens, model=loaded.identity,
                        codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
                        adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
                        metadata=metadata)

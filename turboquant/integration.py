@@ -307,6 +307,14 @@ def _fields_record(cache) -> LayerRecord:
     return LayerRecord(Layout.FIELDS, int(getattr(cache, "offset", 0)), arrays, config, state)
 
 
+def held_tokens(caches) -> int:
+    """The tokens a model's caches hold, from the layers that count them (CacheList children
+    too); 0 when none does (a purely recurrent model: pass the count to `snapshot`)."""
+    counts = [held_tokens(c.caches) if isinstance(c, CacheList) else c.offset for c in caches
+              if isinstance(c, CacheList) or isinstance(getattr(c, "offset", None), int)]
+    return max(counts, default=0)
+
+
 def snapshot(caches: list[Any], *, tokens: int | None = None,
              checkpoints: Mapping[int, Mapping[int, list]] | None = None) -> Snapshot:
     """Every layer as a record plus the codecs they use (arrays shared, not copied).
@@ -317,7 +325,7 @@ def snapshot(caches: list[Any], *, tokens: int | None = None,
     entry can be restored (see `StateCheckpoints`).
     """
     if tokens is None:
-        tokens = max((c.offset for c in caches if isinstance(getattr(c, "offset", None), int)), default=0)
+        tokens = held_tokens(caches)
     layers, codecs = [], {}
     for i, cache in enumerate(caches):
         if isinstance(cache, (TurboQuantKVCache, AtRestKVCache)):
