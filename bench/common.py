@@ -15,7 +15,7 @@ LICENCE_CHARS = 5000  # the corpus files open with licence headers
 
 
 def use_openblas(argv: list[str]) -> None:
-    """Re-exec this script with Debian's OpenBLAS preloaded (opt-in; see tqstore/blas.py)."""
+    """Re-exec this script with Debian's OpenBLAS preloaded (see tqstore/blas.py)."""
     from tqstore.blas import reexec_with
     from tqstore.errors import ConfigError
 
@@ -28,7 +28,7 @@ def use_openblas(argv: list[str]) -> None:
 def blas_name() -> str:
     from tqstore.blas import active_blas
 
-    return "OpenBLAS (preloaded, opt-in)" if active_blas() == "openblas" else "bundled reference BLAS (mlx[cpu] wheel)"
+    return "OpenBLAS (preloaded)" if active_blas() == "openblas" else "bundled reference BLAS (mlx[cpu] wheel)"
 
 
 def machine_line() -> str:
@@ -55,6 +55,15 @@ def git_revision() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def stamp(argv: list[str]) -> str:
+    """The provenance sentence under a table: command, git revision, date, machine."""
+    import datetime
+
+    script = f"bench/{Path(argv[0]).name}"
+    return (f"Command: `python {' '.join([script, *argv[1:]])}` (git {git_revision()}, {datetime.date.today()}). "
+            f"Machine: {machine_line()}.")
 
 
 def replace_section(path: Path, marker: str, body: str) -> None:

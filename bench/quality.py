@@ -2,6 +2,7 @@
 
     python bench/quality.py --openblas                       # every scheme, writes docs/quality.md
     python bench/quality.py --openblas --experiment calibration --no-write
+    python bench/quality.py --openblas --experiment residence --schemes turbo4 turbo8v3
 
 Prefills a raw prefix once (default 1024 tokens of the Devil's Dictionary), loads it into each
 scheme's caches, compresses, and evaluates the next 1024 positions through the compressed
@@ -57,6 +58,8 @@ def experiment_runs(name: str, schemes: list[str]):
         }
         return [(s, f"{label}, {mode}", {"calibration": cfg, "protect": mode})
                 for s in schemes for label, cfg in configs.items() for mode in ("position", "none")]
+    if name == "residence":  # every layer compressed in memory, or at rest only (native attention)
+        return [(s, label, {"at_rest": label == "at rest"}) for s in schemes for label in ("in memory", "at rest")]
     if name == "protection":
         return [(s, mode, {"protect": mode}) for s in schemes for mode in ("stats", "position", "none")]
     raise SystemExit(f"unknown experiment {name!r}")
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=128)
     parser.add_argument("--schemes", nargs="+", default=ALL_SCHEMES)
-    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection", "peers"])
+    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection", "peers", "residence"])
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")

@@ -188,15 +188,6 @@ def lmdb_put_floor(nbytes: int, segment: int = 1 << 20) -> float:
     return seconds
 
 
-def memcpy_floor(nbytes: int) -> float:
-    import numpy as np
-
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    t0 = time.perf_counter()
-    np.copy(src)
-    return time.perf_counter() - t0
-
-
 def boto3_floor(s3: LocalS3, nbytes: int) -> tuple[float, float]:
     """Seconds to upload and download `nbytes` as one object with plain boto3."""
     import os

@@ -2,6 +2,7 @@
 
     python bench/run_all.py --quick               # 1k context, three schemes (< 15 min on 2 cores)
     python bench/run_all.py --openblas            # 1k/4k/8k contexts, five schemes, OpenBLAS prefill
+    python bench/run_all.py --sections bench-storage --storage-runs 3   # some sections only
 
 Timing assertions live nowhere: these are measurements. The GPU decode kernels have their own
 script (bench/decode.py, run on the H200) and section.
@@ -20,10 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (DEFAULT_MODEL, DEFAULT_TEXT, LocalS3, git_revision, load_real_model,  # noqa: E402
                     machine_line, markdown_table, replace_section, text_tokens, use_openblas)
+from storage import memcpy_floor  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 FULL = {"contexts": [1024, 4096, 8192], "schemes": ["raw", "affine8", "turbo0v4", "turbo8v3", "turbo4"]}
 QUICK = {"contexts": [1024], "schemes": ["raw", "turbo8v3", "turbo4"]}
+MODEL_SECTIONS = ("bench-ttft", "bench-throughput", "bench-transfer", "bench-compression", "bench-peers")
+SECTIONS = ("bench-setup", *MODEL_SECTIONS, "bench-storage", "bench-blas")
 
 
 def mb(n: float) -> str:
@@ -45,16 +49,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+")
     parser.add_argument("--blas-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, help="write only these sections (default: all)")
+    parser.add_argument("--storage-tokens", type=int, default=16384)
+    parser.add_argument("--storage-runs", type=int, default=3)
     args = parser.parse_args(argv[1:])
     if args.openblas:
         use_openblas(argv)
 
+    wanted = set(args.sections or SECTIONS)
+    command = "python bench/run_all.py " + " ".join(argv[1:])
+    sections = {"bench-setup": setup_line(command, args.text)}
+    if "bench-storage" in wanted:
+        import storage
+
+        runs = storage.measure(args.storage_tokens, ["raw", "turbo4", "turbo8v3"], args.storage_runs)
+        sections["bench-storage"] = (f"{datetime.date.today()}, git {git_revision()}, `{command}`, "
+                                     f"{machine_line()}; {args.storage_runs} runs.\n\n"
+                                     + storage.table(runs, args.storage_tokens))
+    if wanted & set(MODEL_SECTIONS):
+        sections.update(model_sections(args))
+    if "bench-blas" in wanted:
+        sections["bench-blas"] = blas_section(args)
+    for name, body in sections.items():
+        if name in wanted:
+            replace_section(args.out, name, body)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def setup_line(command: str, text: Path) -> str:
+    return (f"Machine: {machine_line()}.  \nDate: {datetime.date.today()}, git {git_revision()}.  \n"
+            f"Command: `{command}`. Model: Qwen2.5-Coder-0.5B-Instruct (float32 on the CPU), text: "
+            f"{text.name}. S3 is a moto server on loopback.")
+
+
+def model_sections(args) -> dict[str, str]:
+    """The sections that need the real model: TTFT, throughput, transfer, compression, peers."""
     import restore as R
-    from blas_prefill import measure as blas_measure
     from peers import mlx_lm_files
 
-    from tqstore.blas import openblas_environment
-    from tqstore.errors import ConfigError
     from tqstore.loading import LoadedModel
     from tqstore.identity import ModelIdentity
     from tqstore.prompting import prompt_format
@@ -63,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     plan = QUICK if args.quick else FULL
     contexts = args.contexts or plan["contexts"]
     schemes = args.schemes or plan["schemes"]
-    command = "python bench/run_all.py " + " ".join(argv[1:])
     model, tokenizer = load_real_model(args.model)
     root = Path(tempfile.mkdtemp(prefix="tqstore-bench-"))
     identity = ModelIdentity.from_path(args.model, root / "digests", kv_dtype="float32")
@@ -89,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                 ttft_rows += rows
                 print(f"  {scheme}: " + ", ".join(f"{r.tier} {r.ttft_seconds:.3f}s ({r.ratio:.0f}x)" for r in rows),
                       flush=True)
-                floors[(n, scheme)] = (R.memcpy_floor(save.stored_bytes), R.lmdb_put_floor(save.stored_bytes),
+                floors[(n, scheme)] = (memcpy_floor(save.stored_bytes), R.lmdb_put_floor(save.stored_bytes),
                                        *R.boto3_floor(s3, save.stored_bytes))
             if n == contexts[-1]:
                 peers = mlx_lm_files(ctx.raw, model)
@@ -99,21 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
 
-    blas_rows = []
-    for blas in ("bundled", "openblas"):
-        try:
-            if blas == "openblas":
-                openblas_environment()
-            r = blas_measure(args.model, args.blas_tokens, blas)
-            blas_rows.append([r["blas"], r["tokens"], f"{r['seconds']:.2f}", f"{r['tokens'] / r['seconds']:.0f}"])
-        except ConfigError as e:
-            blas_rows.append([blas, args.blas_tokens, "-", f"not available here: {e}"])
-
-    header = (f"Machine: {machine_line()}.  \nDate: {datetime.date.today()}, git {git_revision()}.  \n"
-              f"Command: `{command}`. Model: Qwen2.5-Coder-0.5B-Instruct (float32 on the CPU), text: "
-              f"{args.text.name}. S3 is a moto server on loopback.")
-    sections = {
-        "bench-setup": header,
+    plot(ttft_rows, save_rows, DOCS / "img")
+    return {
         "bench-ttft": markdown_table(
             ["context", "scheme", "tier", "restored tokens", "restore s", "TTFT s", "cold TTFT s", "speed-up"],
             [[r.context, r.scheme, r.tier, r.restored_tokens, f"{r.restore_seconds:.3f}", f"{r.ttft_seconds:.3f}",
@@ -154,13 +173,26 @@ def main(argv: list[str] | None = None) -> int:
             [[p.name, mb(p.file_bytes), f"{p.save_seconds:.3f}", f"{p.load_seconds:.3f}"] for p in peers]
             + [[f"tqstore {s.scheme} (put / LMDB restore)", mb(s.stored_bytes), f"{s.compress_seconds + s.put_seconds:.3f}",
                 f"{s.restore_seconds.get('lmdb', float('nan')):.3f}"] for s in save_rows if s.context == contexts[-1]]),
-        "bench-blas": markdown_table(["BLAS", "tokens", "prefill s", "tokens/s"], blas_rows),
     }
-    for name, body in sections.items():
-        replace_section(args.out, name, body)
-    plot(ttft_rows, save_rows, DOCS / "img")
-    print(f"wrote {args.out}")
-    return 0
+
+
+def blas_section(args) -> str:
+    """Prefill speed with each BLAS library (each in its own process)."""
+    from blas_prefill import measure as blas_measure
+
+    from tqstore.blas import openblas_environment
+    from tqstore.errors import ConfigError
+
+    rows = []
+    for blas in ("bundled", "openblas"):
+        try:
+            if blas == "openblas":
+                openblas_environment()
+            r = blas_measure(args.model, args.blas_tokens, blas)
+            rows.append([r["blas"], r["tokens"], f"{r['seconds']:.2f}", f"{r['tokens'] / r['seconds']:.0f}"])
+        except ConfigError as e:
+            rows.append([blas, args.blas_tokens, "-", f"not available here: {e}"])
+    return markdown_table(["BLAS", "tokens", "prefill s", "tokens/s"], rows)
 
 
 def plot(ttft_rows, save_rows, folder: Path) -> None:

@@ -7,19 +7,15 @@ import re
 import sys
 from pathlib import Path
 
-from tqstore.errors import BadInput, NotFound
-
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", re.IGNORECASE)
-_UNIT_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
+from tqstore.config import parse_duration
+from tqstore.errors import BadInput, ConfigError, NotFound
 
 def duration(text: str) -> float:
     """argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds."""
-    match = _DURATION.fullmatch(text)
-    if not match or float(match.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a duration: use a positive number with s, m, h, d or w "
-                                         "(e.g. 12h, 7d)")
-    return float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
+    try:
+        return parse_duration(text, "duration")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def key_value(text: str) -> tuple[str, str]:

@@ -25,7 +25,9 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # transformers logs "PyTorch was not found ..." when imported without torch; tqstore uses only
 # its tokenizers, so that line is noise to a user (set before any command imports it).
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-BLAS_CHOICES = ("bundled", "openblas")
+BLAS_CHOICES = ("auto", "bundled", "openblas")
+# Commands that run the model: the only ones for which the BLAS matters to the user.
+MODEL_COMMANDS = frozenset({"demo", "save", "ask", "chat", "serve"})
 
 DESCRIPTION = "Save a long context's KV cache once; answer every later question without the prefill."
 EPILOG = """examples:
@@ -68,7 +70,7 @@ def global_options(suppress: bool) -> argparse.ArgumentParser:
     group.add_argument("-v", "--verbose", action="store_true", default=default(False),
                        help="print more detail (and tracebacks of internal errors)")
     group.add_argument("--blas", choices=BLAS_CHOICES, default=default(None),
-                       help="CPU matmul library on Linux (default: $TQSTORE_BLAS or bundled)")
+                       help="CPU matmul library on Linux (default: $TQSTORE_BLAS or auto: OpenBLAS where installed)")
     return parent
 
 
@@ -109,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.extra = extra
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
-        _choose_blas(args, argv)
+        _choose_blas(args, argv, out)
+        _keep_compiled_kernels(args)
         with Context(args, out) as ctx, warnings.catch_warnings():
             warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
@@ -160,18 +163,29 @@ def _usage_error(exc: UsageError, json_mode: bool) -> int:
     return EXIT_USAGE
 
 
-def _choose_blas(args: argparse.Namespace, argv: list[str]) -> None:
-    """Restart this process on OpenBLAS when asked (--blas, $TQSTORE_BLAS or the config's
-    store.blas), before MLX runs."""
+def _choose_blas(args: argparse.Namespace, argv: list[str], out: Output) -> None:
+    """Restart this process on OpenBLAS when --blas, $TQSTORE_BLAS or the config's store.blas
+    (default `auto`: wherever it is installed) says so, before MLX runs; commands that run the
+    model say once how to install it when it is missing."""
+    from tqstore import blas
     from tqstore.config import load_config
 
-    choice = args.blas or load_config(args.home).blas
-    if choice == "bundled":
+    library, hint = blas.resolve(args.blas or load_config(args.home).blas)
+    if hint is not None and getattr(args.func, "__name__", "") in MODEL_COMMANDS:
+        out.note(f"note: {hint}")
+    if library == "bundled":
         return
-    from tqstore import blas
-
     # The same command again through `python -m tqstore_cli`, whatever started this process.
-    blas.reexec_with(choice, ["-m", "tqstore_cli", *argv])
+    blas.reexec_with(library, ["-m", "tqstore_cli", *argv])
+
+
+def _keep_compiled_kernels(args: argparse.Namespace) -> None:
+    """Point MLX's CUDA kernel cache (compiled cubin/PTX, read before NVRTC runs) into the home
+    unless the user chose a folder: MLX's default, /tmp/mlx, is emptied on reboot and absent in a
+    fresh container, and every fused decode kernel variant then compiles again in the first ask."""
+    from tqstore.config import resolve_home
+
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(resolve_home(args.home) / "cache" / "mlx-ptx"))
 
 
 def describe_os_error(exc: OSError) -> str:

@@ -90,24 +90,29 @@ def answer_doc(result, **extra: Any) -> dict[str, Any]:
         "tier": result.tier, "restore_seconds": result.restore_seconds, "prefill_seconds": result.prefill_seconds,
         "recorded_prefill_seconds": result.recorded_prefill_seconds, "generation_tokens": len(result.tokens),
         "generation_seconds": result.generation_seconds, "finish_reason": result.finish_reason,
+        "first_token_seconds": result.first_token_seconds, "model_seconds": result.model_seconds,
     }
     return extra | doc
 
 
 def answer_line(result, verbose: bool = False) -> str:
-    """Where an answer's prompt came from, against what computing the context cost."""
+    """What the user waited for: time to the first token against what computing the context
+    cost, and where the time went (model load, restore, question prefill, generation)."""
     r = result
     if r.cached_tokens == 0:
         line = f"no stored prefix: prefilled all {r.prompt_tokens} prompt tokens in {seconds(r.prefill_seconds)}"
     else:
-        line = f"{r.cached_tokens} of {r.prompt_tokens} prompt tokens from {r.tier} in {r.restore_seconds:.3f} s"
+        line = f"{r.cached_tokens} of {r.prompt_tokens} prompt tokens from {r.tier}"
+        if r.tokens:
+            line += f": first token after {seconds(r.first_token_seconds)}"
         if r.recorded_prefill_seconds > 0:  # 0: imported, the prefill was never timed here
-            speedup = f", {r.recorded_prefill_seconds / r.restore_seconds:,.0f}x" if r.restore_seconds > 0 else ""
-            line += f" (prefill of the context: {seconds(r.recorded_prefill_seconds)}{speedup})"
-    if verbose and r.tokens:
+            line += f" (prefill of the context: {seconds(r.recorded_prefill_seconds)})"
+        line += (f"; restore {seconds(r.restore_seconds)}, question prefill {seconds(r.prefill_seconds)}")
+    if r.tokens:
         rate = len(r.tokens) / r.generation_seconds if r.generation_seconds > 0 else 0.0
-        line += (f"; {len(r.tokens)} tokens generated in {seconds(r.generation_seconds)} ({rate:.1f} tok/s), "
-                 f"remaining prompt prefilled in {seconds(r.prefill_seconds)}")
+        line += f"; {len(r.tokens)} tokens in {seconds(r.generation_seconds)} ({rate:.1f} tok/s)"
+    if r.model_seconds >= 0.05 or (verbose and r.model_seconds > 0):
+        line += f"; model load {seconds(r.model_seconds)}"
     return line
 
 

@@ -5,6 +5,9 @@ import pytest
 
 # Keep every test on one backend; the GPU kernels have their own marked tests.
 mx.set_default_device(mx.cpu)
+# One BLAS for every process a test starts (the CLI would otherwise restart itself on OpenBLAS,
+# whose logits differ in the last bits): tests that want OpenBLAS ask for it with --blas.
+os.environ["TQSTORE_BLAS"] = "bundled"
 
 
 # The reliability suite's options live here: pytest reads options only from the conftests it

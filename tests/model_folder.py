@@ -37,10 +37,12 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def write_model_folder(path: Path, kind: str = "qwen2", seed: int = 0, chat: bool = True, **overrides) -> Path:
-    """Write a loadable model folder at `path` and return it."""
+def write_model_folder(path: Path, kind: str = "qwen2", seed: int = 0, chat: bool = True, *, model=None,
+                       config: dict | None = None, **overrides) -> Path:
+    """Write a loadable model folder at `path` and return it (`model` and its `config` instead
+    of a tiny_models kind: any family, e.g. from arch_configs)."""
     path.mkdir(parents=True, exist_ok=True)
-    cfg = {**CONFIGS[kind], **overrides}
+    cfg = dict(config) if config is not None else {**CONFIGS[kind], **overrides}
     tok = train_tokenizer(cfg["vocab_size"])
     tok.save(str(path / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
@@ -51,6 +53,6 @@ def write_model_folder(path: Path, kind: str = "qwen2", seed: int = 0, chat: boo
     if chat:
         tok_cfg["chat_template"] = CHAT_TEMPLATE
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
-    model = build_model(kind, seed=seed, **overrides)
+    model = model if model is not None else build_model(kind, seed=seed, **overrides)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path

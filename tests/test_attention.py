@@ -130,3 +130,48 @@ def test_raw_phase_returns_the_rows_themselves():
     assert keys.dtype == mx.float16
     assert mx.array_equal(keys, k).item() and mx.array_equal(values, v).item()
     assert not cache.compressed and cache.layout is Layout.RAW
+
+
+@pytest.mark.parametrize("numpy_stages", [True, False], ids=["cpu", "mlx-ops"])
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "affine8"])
+def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme, numpy_stages, monkeypatch):
+    """A chunk that fills the open block and starts a raw tail (turboquant/prefill.py): block
+    means of calibrated keys, the tail's basis and the causal alignment all count, in the numpy
+    decode of the CPU and in the MLX ops a GPU runs."""
+    from turboquant import host
+
+    monkeypatch.setattr(host, "on_host", lambda: numpy_stages)
+    H, R, D, L = 2, 3, 64, 220
+    cache = _cache(scheme, H, D, mx.float32, T0=300, seed=4)
+    k_new, v_new = kv_rows(1, H, L, D, seed=9)
+    cache.update_and_fetch(k_new, v_new)
+    assert cache.stored == 512 and cache.offset == 520
+    q = mx.random.normal((1, H * R, L, D), key=mx.random.key(2))
+    T = cache.offset
+    k_hat, v_hat = cache.dequantized()
+    ref = _reference(q, k_hat, v_hat, 0.125, np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None])
+    out = np.array(cache.attention(q, 0.125, "causal"))
+    assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("scheme", ["turbo8v3", "turbo4"])
+def test_prefill_chunk_with_centred_keys_and_no_channel_scales(scheme):
+    """Block means without channel scales: the means enter the scores' basis unscaled."""
+    from turboquant.calibration import CalibrationConfig
+
+    H, R, D, L = 2, 2, 64, 8
+    plan = plan_layer(parse_scheme(scheme), H, D, D, mx.float32,
+                      calibration=CalibrationConfig(center=True, channel_scale=False))
+    cache = TurboQuantKVCache(plan)
+    k, v = kv_rows(1, H, 300, D, seed=6)
+    cache.update_and_fetch(k, v)
+    cache.compress()
+    assert cache._shifts is not None and (cache.calibration is None or cache.calibration.scale is None)
+    k_new, v_new = kv_rows(1, H, L, D, seed=7)
+    cache.update_and_fetch(k_new, v_new)
+    q = mx.random.normal((1, H * R, L, D), key=mx.random.key(4))
+    T = cache.offset
+    k_hat, v_hat = cache.dequantized()
+    ref = _reference(q, k_hat, v_hat, 0.125, np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None])
+    out = np.array(cache.attention(q, 0.125, "causal"))
+    assert np.abs(out - ref).max() <= 1e-4 * np.abs(ref).max()

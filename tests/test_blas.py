@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ def test_bundled_is_a_no_op(monkeypatch):
 
 
 def test_unknown_choice_is_refused():
-    with pytest.raises(ConfigError, match="bundled, openblas"):
+    with pytest.raises(ConfigError, match="auto, bundled, openblas"):
         blas.reexec_with("mkl")
 
 
@@ -24,18 +25,42 @@ def test_missing_library_says_how_to_install(monkeypatch):
         blas.openblas_environment()
 
 
-def test_cpu_without_avx512_is_refused(monkeypatch, tmp_path):
+@pytest.mark.parametrize("flags, kind", [
+    ({"sse2", "avx2", "fma"}, "HASWELL"),
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}, "SKYLAKEX"),
+    ({"sse2", "avx"}, None),
+])
+def test_core_type_follows_the_instruction_sets(monkeypatch, tmp_path, flags, kind):
+    """Before: a CPU without AVX-512 was refused, though OpenBLAS's Haswell kernels run there
+    at 20x the bundled BLAS."""
     lib = tmp_path / "libopenblas.so.0"
     lib.write_bytes(b"")
     monkeypatch.setattr(blas, "OPENBLAS_PATHS", (lib,))
-    monkeypatch.setattr(blas, "_cpu_flags", lambda: {"sse2", "avx2"})
+    monkeypatch.setattr(blas, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(blas.platform, "machine", lambda: "x86_64")
-    with pytest.raises(ConfigError, match="AVX-512"):
-        blas.openblas_environment()
+    env = blas.openblas_environment()
+    assert env["LD_PRELOAD"] == str(lib) and env.get("OPENBLAS_CORETYPE") == kind
 
 
-@pytest.mark.skipif(blas.openblas_library() is None or "avx512f" not in blas._cpu_flags(),
-                    reason="needs Debian's OpenBLAS and an AVX-512 CPU")
+def test_auto_picks_openblas_where_installed_and_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(blas.sys, "platform", "linux")
+    monkeypatch.setattr(blas, "OPENBLAS_PATHS", ())
+    assert blas.resolve("auto") == ("bundled", blas.INSTALL_HINT)
+    assert "apt-get install libopenblas0-pthread" in blas.INSTALL_HINT
+    lib = tmp_path / "libopenblas.so.0"
+    lib.write_bytes(b"")
+    monkeypatch.setattr(blas, "OPENBLAS_PATHS", (lib,))
+    assert blas.resolve("auto") == ("openblas", None)
+    assert blas.resolve("bundled") == ("bundled", None)
+    monkeypatch.setattr(blas.sys, "platform", "darwin")
+    assert blas.resolve("auto") == ("bundled", None)
+
+
+def test_the_tests_run_on_one_pinned_blas():
+    assert os.environ["TQSTORE_BLAS"] == "bundled" and blas.active_blas() == "bundled"
+
+
+@pytest.mark.skipif(blas.openblas_library() is None, reason="needs Debian's OpenBLAS")
 def test_reexec_preloads_openblas_into_the_process():
     code = ("import sys; from tqstore import blas; blas.reexec_with('openblas'); "
             "print(blas.active_blas(), open('/proc/self/maps').read().count('libopenblas'))")

@@ -22,7 +22,7 @@ from tqstore.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calib
 from tqstore.canonical import tensor_bytes
 from turboquant.codec import TurboCodec
 from turboquant.plan import codec_record, codec_name
-from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays
+from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays, join_children
 
 B, H, D = 1, 2, 64
 WINDOW = 64
@@ -95,6 +95,8 @@ def make_layer(layout: Layout, T: int, dtype=mx.float16, seed: int = 0, empty: b
     means. `empty` gives 0-token RAW layers no arrays at all.
     """
     rng = np.random.default_rng(seed)
+    if layout in _NATIVE_MAKERS:
+        return _NATIVE_MAKERS[layout](rng, T, dtype, seed)
     if layout is Layout.ROTATING:
         S = min(T, WINDOW)
         arrays = {} if T == 0 else {"keys": _floats(rng, (B, H, S, D), dtype, True),
@@ -123,6 +125,47 @@ def make_layer(layout: Layout, T: int, dtype=mx.float16, seed: int = 0, empty: b
     record = LayerRecord(layout, T, arrays, _turbo_config(kf, vf, dtype), {"stored": stored}, calibration)
     check_record_arrays(record)
     return record
+
+
+def _quantized(rng, T, dtype, seed):
+    arrays = {**_side(rng, "keys", "affine", T, dtype), **_side(rng, "values", "affine", T, dtype)} if T else {}
+    return LayerRecord(Layout.QUANTIZED, T, arrays, {"class": "QuantizedKVCache", "group_size": 64, "bits": 8})
+
+
+def _chunked(rng, T, dtype, seed):
+    S = min(T, WINDOW)
+    arrays = {} if T == 0 else {"keys": _floats(rng, (B, H, S, D), dtype, True), "values": _floats(rng, (B, H, S, D), dtype)}
+    return LayerRecord(Layout.CHUNKED, T, arrays, {"class": "ChunkedKVCache", "chunk_size": WINDOW},
+                       {"start_position": T - S})
+
+
+def _state(rng, T, dtype, seed, boundaries=True):
+    """A conv state [B, 3, C] and a recurrent state [B, H, D, D], with checkpoints at every block
+    end when `boundaries` (even seeds), so that the layer goes in the blocks."""
+    ends = [t for t in range(BLOCK_SIZE, T, BLOCK_SIZE)] if boundaries and seed % 2 == 0 else []
+    arrays = {}
+    for suffix in [f"@{t}" for t in ends] + [""] if T else []:
+        arrays.update({f"state0{suffix}": _floats(rng, (B, 3, 2 * D), dtype, True),
+                       f"state1{suffix}": _floats(rng, (B, H, D, D), mx.float32)})
+    return LayerRecord(Layout.STATE, T, arrays, {"class": "ArraysCache", "size": 2})
+
+
+def _list(rng, T, dtype, seed):
+    """A CacheList of a KVCache and a nested CacheList (a recurrent state and a ring buffer)."""
+    inner = join_children([_state(rng, T, dtype, seed, boundaries=False), make_layer(Layout.ROTATING, T, dtype, seed)],
+                          {"class": "CacheList"})
+    return join_children([make_layer(Layout.RAW, T, dtype, 0), inner], {"class": "CacheList"})
+
+
+def _fields(rng, T, dtype, seed):
+    arrays = {} if T == 0 else {"window": _floats(rng, (B, min(T, WINDOW), D), dtype, True),
+                                "compress_kv": _floats(rng, (B, T // 4, D), dtype)}
+    return LayerRecord(Layout.FIELDS, T, arrays, {"class": "mlx_lm.models.deepseek_v41:LayerCache"},
+                       {"window_size": WINDOW, "offset": T, "index_k": None})
+
+
+_NATIVE_MAKERS = {Layout.QUANTIZED: _quantized, Layout.CHUNKED: _chunked, Layout.STATE: _state, Layout.LIST: _list,
+                  Layout.FIELDS: _fields}
 
 
 def make_snapshot(T: int, dtype=mx.float16, layouts=HETEROGENEOUS, seed: int = 0, empty: bool = False) -> Snapshot:
@@ -326,7 +369,7 @@ def test_per_block_rows_need_whole_storage_blocks():
 
 def test_prefix_of_a_rotating_entry_is_refused():
     split = split_snapshot(make_snapshot(600))
-    with pytest.raises(ValueError, match="ROTATING.*whole entry"):
+    with pytest.raises(ValueError, match="cannot be cut"):
         join_blocks(split, 1)
     assert join_blocks(split).offset == 600
 
@@ -346,3 +389,24 @@ def test_join_refuses_blocks_of_different_saves():
         join_blocks(mixed)
     with pytest.raises(ValueError, match="out of order"):
         join_blocks(type(a)([a.blocks[1], a.blocks[0]], a.window, a.shared))
+
+
+def test_prefix_of_checkpointed_recurrent_states():
+    snap = make_snapshot(600, layouts=[Layout.STATE, Layout.RAW])
+    split = split_snapshot(snap)
+    assert split.reusable_as_prefix and 0 in split.blocks[1].layers
+    prefix = join_blocks(split, 2)
+    state = prefix.layers[0]
+    assert state.offset == 512 and sorted(state.arrays) == ["state0", "state0@256", "state1", "state1@256"]
+    for j in (0, 1):
+        assert_same_array(state.arrays[f"state{j}"], snap.layers[0].arrays[f"state{j}@512"])
+        assert_same_array(state.arrays[f"state{j}@256"], snap.layers[0].arrays[f"state{j}@256"])
+
+
+def test_recurrent_states_without_checkpoints_stay_whole():
+    snap = make_snapshot(600, layouts=[Layout.RAW, Layout.STATE], seed=0)  # the state layer gets seed 1
+    split = split_snapshot(snap)
+    assert not split.reusable_as_prefix and 1 not in split.blocks[0].layers
+    assert_same_snapshot(join_blocks(split), snap)
+    with pytest.raises(ValueError, match="cannot be cut"):
+        join_blocks(split, 1)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -44,7 +46,7 @@ def other_model(tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in ("TQSTORE_HOME", "TQSTORE_BLAS", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
+    for name in ("TQSTORE_HOME", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
                  "TQSTORE_DEFAULT_SCHEME"):
         monkeypatch.delenv(name, raising=False)
 
@@ -97,11 +99,16 @@ def test_save_then_ask_json(cli, model):
     assert answer["cached_tokens"] == doc["tokens"] and answer["prompt_tokens"] > doc["tokens"]
     assert answer["tier"] == "lmdb" and answer["generation_tokens"] == 4 and answer["finish_reason"] == "length"
     assert answer["recorded_prefill_seconds"] == pytest.approx(doc["recorded_prefill_seconds"])
+    # The first token waited for the restore, the question's prefill and its own step, not the rest.
+    waited = answer["restore_seconds"] + answer["prefill_seconds"]
+    assert waited < answer["first_token_seconds"] <= waited + answer["generation_seconds"]
+    assert answer["model_seconds"] > 0  # a fresh process loads the model for this ask
 
     human = cli("ask", "doc", "Who pays for delays?", "--max-tokens", "4")
     assert human.out.strip() == answer["text"].strip()  # greedy: the same answer, streamed
     assert f"{doc['tokens']} of {answer['prompt_tokens']} prompt tokens from lmdb" in human.err
-    assert "prefill of the context" in human.err
+    assert "prefill of the context" in human.err and "first token after" in human.err
+    assert "x)" not in human.err  # no restore-vs-prefill ratio: the answer took longer than the restore
     assert cli("-q", "ask", "doc", "Who pays for delays?", "--max-tokens", "4").err == ""
 
 
@@ -316,7 +323,7 @@ def test_bad_config_values_are_refused_with_what_is_allowed(cli, monkeypatch):
     fails(cli("ls"), "TQSTORE_LMDB_BUDGET='plenty' is not a size")
     monkeypatch.delenv("TQSTORE_LMDB_BUDGET")
     monkeypatch.setenv("TQSTORE_BLAS", "mkl")
-    fails(cli("ls"), "TQSTORE_BLAS='mkl' is not valid: use one of bundled, openblas")
+    fails(cli("ls"), "TQSTORE_BLAS='mkl' is not valid: use one of auto, bundled, openblas")
 
 
 def test_model_ls_and_install_say_what_they_do(cli, monkeypatch, tmp_path):
@@ -459,3 +466,46 @@ def test_os_errors_and_bugs_are_one_line(cli, monkeypatch):
     fails(cli("ls"), "permission denied: /data/y")
     monkeypatch.setattr(Store, "ls", raising(RuntimeError("boom")))
     fails(cli("ls"), "internal error: RuntimeError: boom (run with -v")
+
+
+def test_missing_openblas_is_one_install_line_for_model_commands_only(cli, monkeypatch, tmp_path):
+    from tqstore import blas
+
+    monkeypatch.setenv("TQSTORE_BLAS", "auto")
+    monkeypatch.setattr(blas.sys, "platform", "linux")
+    monkeypatch.setattr(blas, "OPENBLAS_PATHS", ())
+    assert "libopenblas" not in cli("ls").err
+    run = cli("ask", "nothing-here", "hi", "--model", str(tmp_path / "no-model"))
+    notes = [line for line in run.err.splitlines() if "libopenblas0-pthread" in line]
+    assert run.code == 1 and notes == [f"note: {blas.INSTALL_HINT}"], run.err
+
+
+def test_progress_shows_rate_and_eta_from_the_first_chunk():
+    """Before: rich's own speed needs several updates in 30 s, so a CPU prefill (one update per
+    512-token chunk) showed a bare bar, then no rate and an ETA of -:--:--."""
+    from tqstore_cli.progress import EtaColumn, RateColumn, progress_bar
+
+    now = [100.0]
+    with progress_bar(io.StringIO(), "prefill", "tok", clock=lambda: now[0]) as update:
+        update(0, 2048)
+        assert RateColumn("tok").render(update.task()).plain == "" and EtaColumn().render(update.task()).plain == ""
+        now[0] += 20.0
+        update(512, 2048)
+        assert RateColumn("tok").render(update.task()).plain == "26 tok/s"
+        assert EtaColumn().render(update.task()).plain == "ETA 0:01:00"
+        update(0, 10, stage="compress", unit="")  # a new stage counts from its own start
+        now[0] += 1.0
+        update(5, 10, stage="compress")
+        assert EtaColumn().render(update.task()).plain == "ETA 0:00:01"
+
+
+def test_compiled_gpu_kernels_are_kept_in_the_home(cli, monkeypatch):
+    """A fresh process finds the fused kernels MLX compiled before (MLX reads MLX_PTX_CACHE_DIR
+    before it runs NVRTC); a folder the user chose wins."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "")  # recorded, so the test leaves the variable as it found it
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR")
+    cli("ls")
+    assert os.environ["MLX_PTX_CACHE_DIR"] == str(Path(cli.home) / "cache" / "mlx-ptx")
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/elsewhere")
+    cli("ls")
+    assert os.environ["MLX_PTX_CACHE_DIR"] == "/elsewhere"

@@ -26,8 +26,7 @@ def bucket(s3, monkeypatch):
     monkeypatch.setenv("TQSTORE_S3_ENDPOINT", s3.endpoint)
     monkeypatch.setenv("TQSTORE_S3_REGION", "us-east-1")
     monkeypatch.setenv("TQSTORE_S3_MAX_ATTEMPTS", "2")
-    for name in ("TQSTORE_HOME", "TQSTORE_BLAS"):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("TQSTORE_HOME", raising=False)
     return s3
 
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tqstore.config import Config, config_keys, load_config, parse_size, save_config_value
+from tqstore.config import Config, config_keys, load_config, parse_duration, parse_size, save_config_value
 from tqstore.errors import ConfigError, DiskFull
 
 
@@ -86,6 +86,37 @@ def test_sizes(raw, expected):
 def test_bad_sizes_name_the_units(raw):
     with pytest.raises(ConfigError, match="MiB"):
         parse_size(raw, "store.x")
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [(90, 90.0), ("90", 90.0), ("90s", 90.0), ("30m", 1800.0), ("12H", 43200.0), (" 7d ", 604800.0),
+     ("1w", 604800.0), ("1.5h", 5400.0)],
+)
+def test_durations(raw, expected):
+    assert parse_duration(raw) == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", -1, "abc", "", "10y", "5 ms", True, None, "0", 0])
+def test_bad_durations_name_the_units(raw):
+    with pytest.raises(ConfigError, match="12h"):
+        parse_duration(raw, "ttl")
+
+
+def test_zero_duration_only_where_it_means_something():
+    assert parse_duration("0", "--save-ttl", allow_zero=True) == 0.0
+
+
+def test_one_duration_grammar_for_flags():
+    import argparse
+
+    from cli.arguments import duration
+    from tqstore.server import _duration
+
+    assert duration("1w") == _duration("1w") == 604800.0
+    with pytest.raises(argparse.ArgumentTypeError):
+        duration("0")
+    assert _duration("0") == 0.0
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,22 @@ def test_store_caches_trims_the_answer_off(engine, model_dir):
     assert again.cached_tokens == len(prompt) - 1 and again.tokens == result.tokens
 
 
+def test_store_caches_through_a_background_writer(engine, model_dir):
+    from tqstore.background import BackgroundWriter
+
+    loaded = engine.model(str(model_dir))
+    prompt = loaded.tokenizer.encode(DOCUMENT)[:300]
+    result, caches = engine.generate_with_caches(loaded, "turbo4", prompt, max_tokens=3)
+    writer = BackgroundWriter()
+    try:
+        future = engine.store_caches("bg", loaded, "turbo4", caches, prompt[:-1], prefill_seconds=1.0, writer=writer)
+        assert writer.wait_for(prompt, timeout=60) and future.result().name == "bg"
+    finally:
+        writer.close(60)
+    again = engine.generate(loaded, "turbo4", prompt, max_tokens=3)
+    assert again.cached_tokens == len(prompt) - 1 and again.tokens == result.tokens
+
+
 def test_resaving_a_stored_context_keeps_its_recorded_prefill_time(engine, model_dir):
     first = engine.save("doc", DOCUMENT, model=str(model_dir))
     again = engine.save("doc-copy", DOCUMENT, model=str(model_dir))

@@ -115,18 +115,26 @@ def test_every_storable_dtype_round_trips_bit_exactly():
 
 
 def test_payload_is_standard_safetensors():
+    """Format 2: one U8 tensor per group; a raw group's bytes are its arrays' bytes, in order."""
     snap = make_snapshot(40, mx.bfloat16)
     data = F.dumps(snap)
     payload = data[F.FRAME_SIZE:]
     header = F.inspect(data)
+    assert header.version == F.OBJECT_VERSION == 2
     parsed = {name: t for name, t in safetensors.deserialize(payload)}
     arrays, meta = mx.load(io.BytesIO(payload), format="safetensors", return_metadata=True)
-    assert set(parsed) == set(arrays) == set(header.tensors())
+    assert set(parsed) == set(arrays) == {f"group/{j}" for j in range(len(header.groups))}
     assert json.loads(meta["tqstore"])["kind"] == "snapshot"
+    assert {g.encoding for g in header.groups} >= {"raw", "shuffle-zstd"}
+    originals = {f"layer/{i}/{n}": a for i, r in enumerate(snap.layers) for n, a in r.arrays.items()}
     for name, info in header.tensors().items():
-        if info.encoding == "raw":
-            assert arrays[name].dtype == getattr(mx, info.dtype) and list(arrays[name].shape) == list(info.shape)
-            assert hashlib.sha256(parsed[name]["data"]).hexdigest() == info.sha256
+        group = header.groups[info.group]
+        if group.encoding == "raw" and name in originals:
+            stored = bytes(parsed[f"group/{info.group}"]["data"])
+            assert stored[info.offset:info.offset + info.nbytes] == tensor_bytes(originals[name]).tobytes()
+    for j, group in enumerate(header.groups):
+        if group.encoding == "raw":
+            assert len(parsed[f"group/{j}"]["data"]) == group.nbytes
 
 
 def test_inspect_reads_the_header_only():
@@ -199,15 +207,30 @@ def test_frame_errors():
         F.loads(_reframe(data, data[F.FRAME_SIZE:], version=0), expect=F.Expect())
 
 
-def test_tensor_digests_are_checked_after_the_frame():
+def test_group_digests_are_checked_after_the_frame():
+    """A writer bug that frames damaged bytes: every group's digest of its decoded bytes."""
     data, _ = valid_object()
     n = header_len(data)
     table = json.loads(data[F.FRAME_SIZE + 8:F.FRAME_SIZE + 8 + n])
-    encodings = {name: info.encoding for name, info in F.inspect(data).tensors().items()}
-    assert {"raw", "shuffle-zstd"} <= set(encodings.values())
+    groups = F.inspect(data).groups
+    assert {"raw", "shuffle-zstd"} <= {g.encoding for g in groups}
+    for j, group in enumerate(groups):
+        begin, end = table[f"group/{j}"]["data_offsets"]
+        if end - begin < 4:
+            continue
+        payload = bytearray(data[F.FRAME_SIZE:])
+        payload[8 + n + begin + 3] ^= 0x10
+        with pytest.raises(ChecksumMismatch, match=f"group {j}"):
+            F.loads(_reframe(data, bytes(payload)), expect=F.Expect())
+
+
+def test_format_1_tensor_digests_are_checked_after_the_frame():
+    data = (GOLDEN / "encodings.tqs").read_bytes()
+    n = header_len(data)
+    table = json.loads(data[F.FRAME_SIZE + 8:F.FRAME_SIZE + 8 + n])
     infos = F.inspect(data).tensors()
-    picks = {next(n for n, t in infos.items() if t.encoding == enc and t.nbytes) for enc in ("raw", "shuffle-zstd")}
-    for name in sorted(picks | {"layer/6/keys", "layer/1/keys_packed"}):
+    for encoding in ("raw", "zstd", "shuffle-zstd"):
+        name = next(name for name, t in infos.items() if t.encoding == encoding and t.nbytes >= 8)
         payload = bytearray(data[F.FRAME_SIZE:])
         payload[8 + n + table[name]["data_offsets"][0] + 3] ^= 0x10
         with pytest.raises(ChecksumMismatch, match=name):
@@ -306,7 +329,7 @@ def test_parser_survives_edits_behind_a_valid_frame(data):
             payload[at] ^ data.draw(st.integers(1, 255))
     obj = _loads_or_tqstore_error(_reframe(blob, bytes(payload)))
     if obj is not None and not in_header:
-        assert_same_snapshot(obj, snap)  # tensor digests catch every change to tensor bytes
+        assert_same_snapshot(obj, snap)  # group digests catch every change to tensor bytes
     assert obj is None or isinstance(obj, Snapshot)
 
 

@@ -133,10 +133,10 @@ def test_a_put_racing_another_writer_continues_from_the_copy_stored_first(store,
     tier, first = lmdb_tier(store), []
     real_put_objects = tier.put_objects
 
-    def another_process_wins(objects):
+    def another_process_wins(objects, sha256s=None):
         if not first:  # between this put's plan and its writes, another process stores its copies
             first.append(real_put_objects(their_payloads))
-        return real_put_objects(objects)
+        return real_put_objects(objects, sha256s)
 
     monkeypatch.setattr(tier, "put_objects", another_process_wins)
     result = put(store, "mine", make_snapshot(300, layouts=PLAIN), tokens)

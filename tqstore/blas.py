@@ -1,10 +1,12 @@
-"""Opt-in faster BLAS for MLX's Linux CPU backend.
+"""The BLAS under MLX's Linux CPU backend: OpenBLAS by default where it is installed.
 
-The `mlx[cpu]` wheel ships a reference BLAS (about 4-8 GFLOP/s for float32 matmul on a 2-core
-x86 box). Debian's OpenBLAS, preloaded, reaches 90-420 GFLOP/s there, but it sums in another
-order (logits differ by ~5e-6), so it is never switched on silently: the user asks for it
-(`--blas openblas`, `TQSTORE_BLAS=openblas` or `blas = "openblas"` in the config's [store] table), the CPU is
-checked first, and every benchmark records which BLAS ran.
+The `mlx[cpu]` wheel ships a reference BLAS (about 1-8 GFLOP/s for float32 matmul on a 2-core
+x86 box). Debian's OpenBLAS, preloaded, reaches 20-420 GFLOP/s there: a 16k-token prefill takes
+minutes instead of an hour. `auto` (the default) restarts the command on OpenBLAS when the
+library is installed and says in one line how to install it when it is not; `bundled` and
+`openblas` pin one library. The two sum in different orders (logits differ by ~5e-6), which
+matters to equality checks and not to a user: the tests pin `bundled` (tests/conftest.py) and
+every benchmark records which BLAS ran. Stored entries are usable under either.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ OPENBLAS_PATHS = (
     Path("/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0"),
 )
 MARKER = "TQSTORE_BLAS_ACTIVE"
-CHOICES = ("bundled", "openblas")
+CHOICES = ("auto", "bundled", "openblas")
+INSTALL_HINT = ("the CPU matmuls run on MLX's slow bundled BLAS: `apt-get install libopenblas0-pthread` "
+                "makes prefill 10-40x faster (or set store.blas = bundled to silence this)")
 
 
 def active_blas() -> str:
@@ -43,6 +47,20 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def core_type(flags: set[str]) -> str | None:
+    """The OpenBLAS x86 kernel set this CPU runs: SKYLAKEX with AVX-512, HASWELL with AVX2 + FMA,
+    None (OpenBLAS's own detection) otherwise.
+
+    OpenBLAS 0.3.21 does not recognise newer CPUs (Zen 4, Sapphire Rapids) and falls back to
+    its slowest kernels, so the type is named from the instruction sets, never the model name.
+    """
+    if "avx512f" in flags and "avx512bw" in flags and "avx512vl" in flags:
+        return "SKYLAKEX"
+    if "avx2" in flags and "fma" in flags:
+        return "HASWELL"
+    return None
+
+
 def openblas_environment() -> dict[str, str]:
     """Environment variables that preload OpenBLAS; raises ConfigError when it cannot work here."""
     if sys.platform != "linux":
@@ -52,19 +70,34 @@ def openblas_environment() -> dict[str, str]:
         raise ConfigError("OpenBLAS is not installed: apt-get install libopenblas0-pthread")
     env = {"LD_PRELOAD": str(lib), MARKER: "openblas"}
     if platform.machine() == "x86_64":
-        # OpenBLAS 0.3.21 does not recognise newer x86 CPUs; the SKYLAKEX kernels need AVX-512.
-        if "avx512f" not in _cpu_flags():
-            raise ConfigError("this CPU lacks AVX-512, which the OpenBLAS core type override needs")
-        env["OPENBLAS_CORETYPE"] = "SKYLAKEX"
+        kind = core_type(_cpu_flags())
+        if kind is not None:
+            env["OPENBLAS_CORETYPE"] = kind
     return env
+
+
+def resolve(choice: str) -> tuple[str, str | None]:
+    """The library a choice means on this machine, and the one line to tell the user (or None).
+
+    `auto` means OpenBLAS on a Linux machine that has it installed, else the bundled BLAS, with
+    the install hint on Linux.
+    """
+    if choice not in CHOICES:
+        raise ConfigError(f"blas must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice != "auto":
+        return choice, None
+    if sys.platform != "linux":
+        return "bundled", None
+    if openblas_library() is None:
+        return "bundled", INSTALL_HINT
+    return "openblas", None
 
 
 def reexec_with(choice: str, argv: list[str] | None = None) -> None:
     """Restart this process (same interpreter and arguments by default) with the chosen BLAS;
     a no-op when it is already the active one."""
-    if choice not in CHOICES:
-        raise ConfigError(f"blas must be one of {', '.join(CHOICES)}, got {choice!r}")
-    if choice == active_blas() or choice == "bundled":
+    library, _ = resolve(choice)
+    if library == active_blas() or library == "bundled":
         return
     env = dict(os.environ, **openblas_environment())
     args = sys.orig_argv[1:] if argv is None else argv

@@ -12,10 +12,12 @@ block too (calibration is fitted from the first block's keys and stored in it).
 
 A snapshot splits into three kinds of parts: per-block records (every layer that is not a ring
 buffer, cut to the block's tokens: compressed rows, raw tail rows and per-256-token-block rows
-each by the tokens they cover, `turboquant.records.token_span`; calibration in block 0), one
-per-entry `Window` (the ROTATING layers whole, since a ring buffer cannot be cut, plus a
-0-token template of every other layer that fixes its layout, config and state) and the shared
-codecs. `join_blocks` puts the first k blocks back together.
+each by the tokens they cover, `turboquant.records.token_span`; calibration in block 0;
+recurrent states as they were at the block's end), one per-entry `Window` (the layers that
+cannot be cut, whole: ring buffers, chunked and list caches, a model's own cache class, and
+recurrent states without a checkpoint at every block end; plus a 0-token template of every
+other layer that fixes its layout, config and state) and the shared codecs. `join_blocks` puts
+the first k blocks back together.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Iterable, Mapping, Sequence
 import mlx.core as mx
 
 from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
-                                 check_record_arrays, token_span)
+                                 check_record_arrays, state_at, state_boundaries, token_span)
 
 from .canonical import canonical_json, tensor_summary
 
@@ -169,8 +171,18 @@ class SplitSnapshot:
 
     @property
     def reusable_as_prefix(self) -> bool:
-        """Whether a prefix of the blocks can be restored (no ring-buffer layers)."""
-        return all(r.layout is not Layout.ROTATING for r in self.window.layers)
+        """Whether a prefix of the blocks can be restored (every layer is in the blocks)."""
+        return all(_in_blocks(r) for r in self.window.layers)
+
+
+def _in_blocks(template: LayerRecord) -> bool:
+    """Whether a window record is the template of a layer kept in the blocks (not whole)."""
+    return template.per_token or (template.layout is Layout.STATE and template.offset == 0 and not template.arrays)
+
+
+def _checkpointed(r: LayerRecord, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether a STATE record holds its state at every block end (so that it goes in the blocks)."""
+    return r.layout is Layout.STATE and bool(r.arrays) and set(state_boundaries(r)) >= {stop for _, stop in spans[:-1]}
 
 
 def split_snapshot(snapshot: Snapshot, block_size: int = BLOCK_SIZE) -> SplitSnapshot:
@@ -191,10 +203,22 @@ def split_snapshot(snapshot: Snapshot, block_size: int = BLOCK_SIZE) -> SplitSna
             raise ValueError(f"layer {i} keeps rows per {BLOCK_TOKENS}-token block ({sorted(BLOCK_ARRAYS)}): "
                              f"the block size must be a multiple of {BLOCK_TOKENS}, not {block_size}")
     spans = block_spans(n, block_size)
-    blocks = [Block(b, start, stop - start, {i: _cut(r, start, stop, b == 0) for i, r in enumerate(snapshot.layers)
-                                             if r.per_token}, block_size)
+    states = {i for i, r in enumerate(snapshot.layers) if _checkpointed(r, spans)}
+    for i in states:
+        if snapshot.layers[i].offset != n:
+            raise ValueError(f"layer {i} holds recurrent state after {snapshot.layers[i].offset} tokens, other layers "
+                             f"{n}: a snapshot splits into blocks only when every layer holds the same tokens")
+
+    def part(i: int, r: LayerRecord, b: int, start: int, stop: int) -> LayerRecord:
+        if i in states:
+            return LayerRecord(Layout.STATE, stop - start, state_at(r, stop), r.config)
+        return _cut(r, start, stop, b == 0)
+
+    blocks = [Block(b, start, stop - start, {i: part(i, r, b, start, stop) for i, r in enumerate(snapshot.layers)
+                                             if r.per_token or i in states}, block_size)
               for b, (start, stop) in enumerate(spans)]
-    window = Window([_cut(r, 0, 0, not spans) if r.per_token else r for r in snapshot.layers])
+    window = Window([LayerRecord(Layout.STATE, 0, {}, r.config) if i in states
+                     else _cut(r, 0, 0, not spans) if r.per_token else r for i, r in enumerate(snapshot.layers)])
     return SplitSnapshot(blocks, window, SharedCodecs(snapshot.codecs), block_size)
 
 
@@ -209,8 +233,8 @@ def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
     if not 0 <= k <= len(split.blocks):
         raise ValueError(f"cannot join {k} blocks of an entry with {len(split.blocks)}")
     if k < len(split.blocks) and not split.reusable_as_prefix:
-        raise ValueError("this entry has sliding-window (ROTATING) layers, whose ring buffers hold the whole "
-                         f"entry: restore all {len(split.blocks)} blocks, not a prefix of {k}")
+        raise ValueError("this entry has layers that cannot be cut (ring buffers, recurrent states without "
+                         f"block checkpoints, ...): restore all {len(split.blocks)} blocks, not a prefix of {k}")
     blocks = split.blocks[:k]
     start = 0
     for b, block in enumerate(blocks):
@@ -218,11 +242,12 @@ def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
             raise ValueError(f"block {b} is out of order or of another block size (index {block.index}, starts "
                              f"at token {block.start}, expected {start}; size {block.block_size})")
         start += block.n_tokens
-    per_token = {i for i, r in enumerate(split.window.layers) if r.per_token}
-    extra = sorted({i for blk in blocks for i in blk.layers} - per_token)
+    in_blocks = {i for i, r in enumerate(split.window.layers) if _in_blocks(r)}
+    extra = sorted({i for blk in blocks for i in blk.layers} - in_blocks)
     if extra:
-        raise ValueError(f"blocks hold layers {extra}, which the window lists as ROTATING or absent")
-    layers = [_join_layer(i, r, blocks) if r.per_token else r for i, r in enumerate(split.window.layers)]
+        raise ValueError(f"blocks hold layers {extra}, which the window lists as whole or absent")
+    layers = [r if i not in in_blocks else _join_state(i, r, blocks) if r.layout is Layout.STATE
+              else _join_layer(i, r, blocks) for i, r in enumerate(split.window.layers)]
     return Snapshot(layers=layers, codecs=split.shared.codecs)
 
 
@@ -284,6 +309,25 @@ def _join_layer(i: int, template: LayerRecord, blocks: Sequence[Block]) -> Layer
         state["stored"] = sum(int(p.state["stored"]) for p in parts)
     joined = LayerRecord(template.layout, sum(p.offset for p in parts), arrays, template.config, state,
                          parts[0].calibration)
+    check_record_arrays(joined)
+    return joined
+
+
+def _join_state(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+    """The recurrent state after the last block, with the earlier block ends as checkpoints."""
+    if not blocks:
+        return template
+    arrays, seen = {}, 0
+    for blk in blocks:
+        part = blk.layers.get(i)
+        if part is None or part.layout is not Layout.STATE or part.config != template.config \
+                or part.offset != blk.n_tokens:
+            raise ValueError(f"block {blk.index} lacks layer {i}'s recurrent state or stores another kind: blocks of "
+                             "different saves mixed")
+        if seen:
+            arrays.update({f"{name}@{seen}": a for name, a in previous.items()})
+        previous, seen = part.arrays, seen + part.offset
+    joined = LayerRecord(Layout.STATE, seen, {**arrays, **previous}, template.config)
     check_record_arrays(joined)
     return joined
 

@@ -60,8 +60,9 @@ class Config:
     s3_read_timeout: float = 60.0
     # Encryption at rest (tqstore/crypto.py): a file holding the key; $TQSTORE_S3_KEY wins over it.
     s3_key_file: str | None = None
-    # MLX's Linux CPU matmul library (tqstore/blas.py): "bundled", or the opt-in "openblas".
-    blas: str = "bundled"
+    # MLX's Linux CPU matmul library (tqstore/blas.py): "auto" (OpenBLAS where installed),
+    # "bundled" or "openblas".
+    blas: str = "auto"
 
     @property
     def lmdb_path(self) -> Path:
@@ -109,6 +110,26 @@ def parse_size(raw: object, where: str = "size") -> int:
                 raise ConfigError(f"{where}={raw!r} is not a whole number of bytes: use {_UNIT_HELP}")
             return int(exact)
     raise ConfigError(f"{where}={raw!r} is not a size: use {_UNIT_HELP}")
+
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]?)\s*")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION_HELP = "seconds, or a number with s, m, h, d or w (e.g. 90, 30m, 12h, 7d)"
+
+
+def parse_duration(raw: object, where: str = "duration", allow_zero: bool = False) -> float:
+    """Parse 90, "90s", "30m", "12h", "7d" or "1w" into seconds; ConfigError otherwise.
+
+    The one duration grammar for flags and settings alike; zero is refused unless the caller
+    gives it a meaning (e.g. "no expiry")."""
+    text = str(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else raw
+    m = _DURATION.fullmatch(text) if isinstance(text, str) else None
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise ConfigError(f"{where}={raw!r} is not a duration: use {_DURATION_HELP}")
+    value = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
+    if value == 0 and not allow_zero:
+        raise ConfigError(f"{where}={raw!r} must be positive: use {_DURATION_HELP}")
+    return value
 
 
 def _size(lo: int, hi: int | None = None) -> Callable[[str, object], int]:
@@ -254,7 +275,7 @@ _SETTINGS = (
     Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
     Setting("s3_read_timeout", "s3", "read_timeout", _number(float, 0.1, 3600.0)),
     Setting("s3_key_file", "s3", "key_file", _text),
-    Setting("blas", "store", "blas", _choice("bundled", "openblas")),
+    Setting("blas", "store", "blas", _choice("auto", "bundled", "openblas")),
 )
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 _BY_DOTTED = {s.dotted: s for s in _SETTINGS}

@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
+from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.integration import held_tokens
 
+from .background import BackgroundWriter
+from .blocks import BLOCK_SIZE
 from .errors import BadInput, IdentityMismatch, NotFound, TqstoreError
 from .identity import CodecIdentity, stored_bytes_at_least
 from .loading import LoadedModel, ModelRegistry, check_identity, load_model
 from .manifest import Manifest
-from .store import Store
+from .store import PutResult, Store
 
 if TYPE_CHECKING:
     from .chunks import ChunkInfo, Document, DocumentsAnswer
@@ -61,6 +66,10 @@ class AskResult:
     recorded_prefill_seconds: float  # what the stored context cost to compute
     generation_seconds: float
     finish_reason: str | None
+    # What the user waits for: restore + question prefill + the step that yields the first token
+    # (0 when none was generated).
+    first_token_seconds: float = 0.0
+    model_seconds: float = 0.0  # loading the model for this call (0 when it was loaded already)
 
 
 @dataclass
@@ -72,6 +81,11 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+
+
+def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
+    return StateCheckpoints(BLOCK_SIZE) if recurrent_layers(caches) else None
 
 
 def _finish(steps: Generator[None, None, Any]) -> Any:
@@ -184,34 +198,47 @@ class Engine:
         codec = self.codec_identity(loaded, scheme)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
         if match is None or match.tokens == 0:
-            return Started(make_prompt_cache(loaded.model, scheme), 0, "none", 0.0)
+            caches = make_prompt_cache(loaded.model, scheme)
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
         snap, stats = self.store.restore(match)
         share = match.tokens / max(len(match.manifest.tokens), 1)
-        return Started(restore(snap), match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share)
+        caches = restore(snap)
+        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
+        return Started(caches, match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+                       checkpoints)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
-                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None) -> float:
+                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                at: int = 0, checkpoints: StateCheckpoints | None = None) -> float:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
-        Stops between chunks once `cancelled()` is true."""
-        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled))
+        Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
+        recurrent layers), chunks also end at every block boundary (`at` is the position of the
+        first token) and the recurrent states there are kept."""
+        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at,
+                                          checkpoints=checkpoints))
 
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
-                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None
-                      ) -> Generator[None, None, float]:
+                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                      at: int = 0, checkpoints: StateCheckpoints | None = None) -> Generator[None, None, float]:
         """`prefill`, yielding after each chunk so that the caller can take turns with other
         work; returns the seconds of its own steps."""
         body = _body(loaded.model)
-        seconds = 0.0
-        for done in range(0, len(tokens), self.prefill_chunk):
+        seconds, done = 0.0, 0
+        if progress and tokens:
+            progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
+        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.block):
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
-            chunk = mx.array(tokens[done:done + self.prefill_chunk])[None]
+            chunk = mx.array(tokens[done:end - at])[None]
             mx.eval(body(chunk, cache=caches))
             mx.eval([c.state for c in caches])
+            done = end - at
+            if checkpoints is not None:
+                checkpoints.record(caches, end)
             seconds += time.perf_counter() - t0
             if progress:
-                progress(done + chunk.shape[1], len(tokens))
+                progress(done, len(tokens))
             yield
         return seconds
 
@@ -238,14 +265,17 @@ class Engine:
         started = self.start(loaded, scheme, tokens)
         new = len(tokens) - started.matched
         self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
-        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress)
+        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
+                                                at=started.matched, checkpoints=started.checkpoints)
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
-        result = self.store.put(name, snapshot(started.caches), tokens, model=loaded.identity,
+        boundaries = started.checkpoints.before(len(tokens)) if started.checkpoints else None
+        result = self.store.put(name, snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries), tokens,
+                                model=loaded.identity,
                                 codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
                                 metadata=metadata)
@@ -257,10 +287,13 @@ class Engine:
             on_text: Callable[[str], None] | None = None) -> AskResult:
         """Answer `question` about entry `name`, restoring its context instead of prefilling it."""
         manifest = self.store.get(name)
+        start = time.perf_counter()
         loaded = self.model_for(name, model)
+        model_seconds = time.perf_counter() - start
         prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
-        return self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp, top_p=top_p,
-                             seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+        result = self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp,
+                               top_p=top_p, seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+        return replace(result, model_seconds=model_seconds)
 
     def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
         """Generate after `prompt`, restoring its longest stored prefix (all but the last token:
@@ -298,8 +331,9 @@ class Engine:
             on_start(started)
         remainder = list(prompt[started.matched:])
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
-        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted)
-        pieces, tokens, finish, generating = [], [], None, 0.0
+        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
+                                                at=started.matched, checkpoints=started.checkpoints)
+        pieces, tokens, finish, generating, first_token = [], [], None, 0.0, 0.0
         if halted():
             finish = "stop"
         else:
@@ -314,6 +348,8 @@ class Engine:
                 generating += time.perf_counter() - t0
                 if response is None:
                     break
+                if not tokens:
+                    first_token = started.restore_seconds + prefill + generating
                 tokens.append(response.token)
                 pieces.append(response.text)
                 finish = response.finish_reason
@@ -325,7 +361,7 @@ class Engine:
                 yield
             responses.close()
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, generating, finish)
+                           started.restore_seconds, prefill, recorded, generating, finish, first_token)
         return result, started.caches
 
     def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,
@@ -370,19 +406,30 @@ class Engine:
         else:
             follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
         prompt = tokens + follow
+        starts: list[Started] = []
         result, caches = self.generate_with_caches(loaded, self.entry_scheme(manifest, loaded), prompt,
-                                                   recorded=manifest.prefill_seconds, **options)
+                                                   recorded=manifest.prefill_seconds, on_start=starts.append, **options)
         self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
-                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name})
+                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name},
+                          checkpoints=starts[0].checkpoints)
         return result
 
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,
-                     metadata: dict[str, str] | None = None) -> None:
-        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed."""
-        extra = caches[0].offset - len(tokens) if caches else 0
+                     metadata: dict[str, str] | None = None, checkpoints: StateCheckpoints | None = None,
+                     writer: BackgroundWriter | None = None) -> Future | None:
+        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
+
+        `checkpoints` (recurrent states at block ends, from the prefill that filled the caches)
+        are stored with them; without one at every block end, recurrent states are stored whole
+        and the entry is reused whole, not by prefix (generated tokens are not checkpointed).
+        With a `writer`, the caches are compressed and their snapshot evaluated here, the put
+        runs on the writer's thread, and its Future is returned."""
+        # Recurrent layers count no tokens: the attention layers say what the caches hold.
+        held = held_tokens(caches) or len(tokens)
+        extra = held - len(tokens)
         if extra < 0:
-            raise BadInput(f"the caches hold {caches[0].offset} tokens, fewer than the {len(tokens)} to store")
+            raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
         if extra and not all(c.is_trimmable() for c in caches):
             raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
         for cache in caches:
@@ -390,10 +437,20 @@ class Engine:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        self.store.put(name, snapshot(caches), tokens, model=loaded.identity,
-                       codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
-                       adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
-                       metadata=metadata)
+        boundaries = checkpoints.before(len(tokens)) if checkpoints else None
+        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries)
+        mx.eval(snap.arrays())
+        codec = self.codec_identity(loaded, scheme)
+
+        def put() -> PutResult:
+            return self.store.put(name, snap, tokens, model=loaded.identity, codec=codec, model_ref=str(loaded.path),
+                                  adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
+                                  metadata=metadata)
+
+        if writer is None:
+            put()
+            return None
+        return writer.submit(tokens, put)
 
     def prompt_cache(self, name: str, *, model: str | None = None) -> tuple[list[Any], list[int], LoadedModel]:
         """mlx-lm caches holding entry `name` (ready for `prompt_cache=`), its tokens and model."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,6 +33,7 @@ from .tiers.memory import HotObject, decoded_nbytes
 from .tierset import TierSet, slowest
 
 BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
+READ_AHEAD = 4  # LMDB objects read and verified ahead of the one being decoded
 
 
 @dataclass(frozen=True)
@@ -105,12 +108,12 @@ def wants_for(manifest: Manifest, n_blocks: int, remote: bool) -> list[Want]:
     return wants
 
 
-def decode(payload: bytes, want: Want) -> HotObject:
+def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
     """Verify `payload` completely against `want` and decode it. FormatError, IdentityMismatch or
     TokenMismatch if it is not that object (damage); ConflictError if it is a good object of
-    another save (`Want.other_save`)."""
-    header = F.inspect(payload, verify_digest=False)
-    obj = F.loads(payload, expect=want.expect)
+    another save (`Want.other_save`). `sha256` is the payload's hex digest where the tier that
+    returned it has just verified it against that digest (it is not hashed again)."""
+    header, obj = F.load(payload, expect=want.expect, verified=sha256 is not None)
     problem = want.problem(header.kind, header.provenance)
     if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
         problem = "its codecs do not hash to its key"
@@ -119,7 +122,8 @@ def decode(payload: bytes, want: Want) -> HotObject:
     other = want.other_save(header.kind, header.provenance)
     if other is not None:
         raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
-    return HotObject(obj, header.kind, header.provenance, hashlib.sha256(payload).hexdigest(), decoded_nbytes(obj))
+    digest = sha256 or hashlib.sha256(payload).hexdigest()
+    return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
 
 
 @dataclass
@@ -144,8 +148,8 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
             tiers.memory.drop([want.key])
             out.misses.append(f"memory copy of {want.kind} {want.key.hex()[:12]} dropped: {problem}")
     pending = [w for w in wants if w.key not in out.objects]
-    for want in pending:
-        _from_lmdb(tiers, want, out)
+    for want, found in zip(pending, _read_ahead(tiers.lmdb, pending)):
+        _from_lmdb(tiers, want, found, out)
     pending = [w for w in pending if w.key not in out.objects]
     if pending and tiers.s3 is not None:
         _from_s3(tiers, pending, out)
@@ -158,17 +162,38 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
     return out
 
 
-def _from_lmdb(tiers: TierSet, want: Want, out: Fetched) -> None:
+def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[bytes, str] | None | CorruptBlock]:
+    """Each wanted LMDB payload with its verified digest (None: absent; CorruptBlock: the tier
+    quarantined it), in order, read and hashed by a thread READ_AHEAD objects ahead of the
+    caller, who decodes meanwhile (LMDB reads and hashlib release the GIL; no MLX off-thread)."""
+    def read(want: Want) -> tuple[bytes, str] | None | CorruptBlock:
+        try:
+            return lmdb.get_verified(want.key)
+        except CorruptBlock as exc:
+            return exc
+
+    if len(wants) < 2:
+        yield from map(read, wants)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-read") as pool:
+        queued = deque(pool.submit(read, w) for w in wants[:READ_AHEAD])
+        for want in wants[READ_AHEAD:]:
+            yield queued.popleft().result()
+            queued.append(pool.submit(read, want))
+        while queued:
+            yield queued.popleft().result()
+
+
+def _from_lmdb(tiers: TierSet, want: Want, found: tuple[bytes, str] | None | CorruptBlock, out: Fetched) -> None:
     what = f"{want.kind} {want.key.hex()[:12]}"
-    try:
-        payload = tiers.lmdb.get_object(want.key)
-    except CorruptBlock as exc:  # the tier quarantined it
-        out.misses.append(f"LMDB copy of {what}: {exc}")
+    if isinstance(found, CorruptBlock):  # the tier quarantined it
+        out.misses.append(f"LMDB copy of {what}: {found}")
         return
-    if payload is None:
+    if found is None:
         return
+    payload, digest = found
     try:
-        out.objects[want.key] = (decode(payload, want), "lmdb", len(payload))
+        out.objects[want.key] = (decode(payload, want, digest), "lmdb", len(payload))
     except ConflictError as exc:  # intact, and right for other entries: keep it
         out.misses.append(f"LMDB copy of {what}: {exc}")
     except BAD_CONTENT as exc:
@@ -196,7 +221,7 @@ def _from_s3(tiers: TierSet, wants: list[Want], out: Fetched) -> None:
                 tiers.remote.gone(want.key)
             continue
         try:
-            out.objects[want.key] = (decode(result, want), "s3", len(result))
+            out.objects[want.key] = (decode(result, want, want.sha256), "s3", len(result))
             promoted[want.key] = result
         except ConflictError as exc:
             out.misses.append(f"S3 copy of {what}: {exc}")

@@ -2,26 +2,31 @@
 
     frame (64 bytes)  magic "\\x89TQS\\r\\n\\x1a\\n", u32 format version, u32 reserved (0),
                       u64 safetensors header length, u64 payload length, sha256 of the payload
-    payload           safetensors written by mx.save_safetensors; its metadata holds one key,
-                      "tqstore", whose value is the JSON header (kind, identity digests, tokens,
-                      keys, per-layer records with every tensor's dtype, shape, sha256, encoding)
+    payload           safetensors: one U8 tensor per group (format 2: every array of one name
+                      and dtype in the object, concatenated and encoded once); its metadata
+                      holds one key, "tqstore", whose value is the JSON header (kind, identity
+                      digests, tokens, keys, per-layer records with every array's dtype, shape,
+                      group and offset; the groups with encoding, size and sha256)
 
 Three verbs, like safetensors: `dumps(obj, provenance)`, `loads(data, expect=...)` and
 `inspect(data)`. `loads` checks the frame (magic, readable version, length, digest) before it
 parses anything, then the header schema and its internal consistency (block key, calibration
-digest), then the expected identity and tokens, then every tensor's sha256, and only then
+digest), then the expected identity and tokens, then every group's sha256, and only then
 builds arrays: it returns a whole object or raises one of tqstore's error types, never a part.
 Payloads are parsed here (numpy views of the bytes), not by mx.load, so damaged input never
-reaches a C++ parser and nothing is written to a temporary file.
+reaches a C++ parser and nothing is written to a temporary file. Format 1 (one tensor per
+array, each with its own digest) is still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import io
+import os
 import json
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -34,12 +39,13 @@ from .blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_cal
 from .canonical import DTYPES, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
 from .errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData, UnsupportedFormatVersion)
-from .header import (BlockInfo, CodecInfo, Expect, Header, LayerInfo, Provenance, TensorInfo, codec_tensor,
-                     layer_tensor, parse_header)
+from .header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
+                     codec_tensor, layer_tensor, parse_header)
 from .identity import FORMAT_VERSION
 
 MAGIC = b"\x89TQS\r\n\x1a\n"
-READABLE_VERSIONS = frozenset({1})
+READABLE_VERSIONS = frozenset({1, 2})
+OBJECT_VERSION = 2  # what dumps writes; the codec identity's format_version (data model) stays 1
 META_KEY = "tqstore"
 _FRAME = struct.Struct("<8sIIQQ32s")
 FRAME_SIZE = _FRAME.size  # 64
@@ -48,7 +54,7 @@ MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 
-__all__ = ["dumps", "loads", "inspect", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+__all__ = ["dumps", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
 
 Obj = Snapshot | Block | Window | SharedCodecs
@@ -64,25 +70,30 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     """
     kind, layers, codecs = _parts(obj)
     _check_names(layers, codecs)
-    pending: dict[str, tuple[mx.array, np.ndarray, dict[str, Any]]] = {}
+    # One evaluation for the whole object: the arrays of a block are lazy slices of its entry,
+    # and evaluating them one by one (in tensor_bytes) costs an MLX dispatch each.
+    mx.eval([a for _, r in layers for a in (*r.arrays.values(), *r.calibration.values())]
+            + [a for c in codecs.values() for a in c.arrays.values()])
+    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]] = {}
 
-    def put(name: str, a: mx.array) -> dict[str, Any]:
+    def put(section: str, name: str, a: mx.array, digest: bool = False) -> dict[str, Any]:
         raw = tensor_bytes(a)
-        entry = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "sha256": hashlib.sha256(raw).hexdigest(),
-                 "encoding": "raw"}
-        pending[name] = (a, raw, entry)
+        entry = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "group": 0, "offset": 0}
+        if digest:
+            entry["sha256"] = hashlib.sha256(raw).hexdigest()
+        groups.setdefault((section, name, entry["dtype"]), []).append((entry, raw))
         return entry
 
     header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
                       "state": dict(r.state),
-                      "arrays": {n: put(layer_tensor(i, n), a) for n, a in sorted(r.arrays.items())},
-                      "calibration": {n: put(layer_tensor(i, n, calibration=True), a)
-                                      for n, a in sorted(r.calibration.items())}}
+                      "arrays": {n: put("layer", n, a) for n, a in sorted(r.arrays.items())},
+                      "calibration": {n: put("calibration", n, a, digest=True) for n, a in sorted(r.calibration.items())}}
                      for i, r in layers]
     header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
-                            "arrays": {n: put(codec_tensor(name, n), a) for n, a in sorted(c.arrays.items())}}
+                            "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
                      for name, c in sorted(codecs.items())}
     prov = _complete(kind, obj, header_layers, provenance)
+    header_groups, stored = _pack(groups)
     header = {
         "kind": kind,
         "identity": {"model": _hex(prov.model), "codec": _hex(prov.codec), "calibration": _hex(prov.calibration)},
@@ -93,20 +104,46 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
                                                "block_size": obj.block_size},
         "layers": header_layers,
         "codecs": header_codecs,
+        "groups": header_groups,
     }
     try:
-        parse_header(json.loads(canonical_json(header)), FORMAT_VERSION, 0)  # what is written must read back
+        parse_header(json.loads(canonical_json(header)), OBJECT_VERSION, 0)  # what is written must read back
     except (MalformedHeader, TypeError, ValueError) as e:
         raise ValueError(f"cannot serialize this {kind}: {e}") from None
-    tensors = {}
-    for name, (a, raw, entry) in pending.items():
-        entry["encoding"], stored = _encode(raw, a.dtype.size)
-        tensors[name] = a if stored is None else mx.array(np.frombuffer(stored, dtype=np.uint8))
-    buf = io.BytesIO()
-    mx.save_safetensors(buf, tensors, metadata={META_KEY: canonical_json(header).decode()})
-    payload = buf.getvalue()
-    (n,) = struct.unpack_from("<Q", payload)
-    return _FRAME.pack(MAGIC, FORMAT_VERSION, 0, n, len(payload), hashlib.sha256(payload).digest()) + payload
+    table, at = {"__metadata__": {META_KEY: canonical_json(header).decode()}}, 0
+    for j, part in enumerate(stored):
+        table[f"group/{j}"] = {"dtype": "U8", "shape": [len(part)], "data_offsets": [at, at + len(part)]}
+        at += len(part)
+    st = json.dumps(table, separators=(",", ":")).encode()
+    st += b" " * (-len(st) % 8)  # safetensors writers pad the header to 8 bytes
+    parts = [struct.pack("<Q", len(st)), st, *stored]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    frame = _FRAME.pack(MAGIC, OBJECT_VERSION, 0, len(st), 8 + len(st) + at, digest.digest())
+    return b"".join([frame, *parts])
+
+
+def _pack(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]
+          ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Number the groups, place each array in its group, encode each group once: (the header's
+    group records, each group's stored bytes)."""
+    for j, members in enumerate(groups.values()):
+        offset = 0
+        for entry, raw in members:
+            entry["group"], entry["offset"] = j, offset
+            offset += raw.size
+
+    def pack(item: tuple[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]) -> tuple[dict, Any]:
+        (_, _, dtype), members = item
+        raw = members[0][1] if len(members) == 1 else np.concatenate([r for _, r in members])
+        encoding, packed = _encode(raw, DTYPES[dtype][0].size)
+        record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
+                  "sha256": hashlib.sha256(raw).hexdigest()}
+        return record, raw.data if packed is None else packed
+
+    done = list(_threads().map(pack, groups.items()))  # zstd and hashlib release the GIL
+    return [r for r, _ in done], [p for _, p in done]
 
 
 def inspect(data: bytes, *, verify_digest: bool = True) -> Header:
@@ -115,7 +152,7 @@ def inspect(data: bytes, *, verify_digest: bool = True) -> Header:
     With verify_digest=False, `data` may be only the first bytes of an object (the frame and
     the safetensors header, e.g. from a ranged read); nothing is then known about the rest.
     """
-    return _read(data, verify_digest)[0]
+    return _read(data, verify_digest, verify_digest)[0]
 
 
 def loads(data: bytes, *, expect: Expect) -> Obj:
@@ -125,11 +162,21 @@ def loads(data: bytes, *, expect: Expect) -> Obj:
     ChecksumMismatch, MalformedHeader, IdentityMismatch or TokenMismatch; returns only whole
     objects, with every array evaluated.
     """
-    header, table, blob = _read(data, True)
+    return load(data, expect=expect)[1]
+
+
+def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header, Obj]:
+    """`loads` that also returns the object's header (parsed once for both). `verified`: the
+    caller has just checked these whole bytes against the digest recorded when they were
+    written (an LMDB or S3 read), so the frame's digest, of the same bytes, is not computed again."""
+    header, table, blob = _read(data, True, not verified)
     _check_expect(header, expect)
-    arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
+    if header.version == 1:
+        arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
+    else:
+        arrays = _unpack(header, [blob[s:e] for _, s, e in table.values()])
     mx.eval(*arrays.values())
-    return _build(header, arrays)
+    return header, _build(header, arrays)
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -178,26 +225,30 @@ def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) 
 
 
 def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
-    """The smallest of raw, zstd and zstd over byte planes; zstd only where it saves MIN_SAVING."""
+    """(encoding, stored bytes) of one group, or ("raw", None) to store it as it is: the
+    smallest of raw, zstd and zstd over byte planes, chosen on a sample of the first 256 KiB
+    (a sample that cannot win decides raw, and the rest is not compressed), zstd kept only
+    where it saves MIN_SAVING."""
     if raw.size < MIN_COMPRESS_BYTES:
         return "raw", None
+    zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # one per call: compressors are not thread-safe
+    sample = raw[:SAMPLE_BYTES - SAMPLE_BYTES % itemsize]
     candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
-    if raw.size > 2 * SAMPLE_BYTES:
-        sample = raw[:SAMPLE_BYTES - SAMPLE_BYTES % itemsize]
-        best = min(candidates, key=lambda enc: len(_compress(sample, itemsize, enc)))
-        stored = _compress(raw, itemsize, best)
-    else:
-        best, stored = min(((enc, _compress(raw, itemsize, enc)) for enc in candidates), key=lambda es: len(es[1]))
+    tried = {enc: _compress(zstd, sample, itemsize, enc) for enc in candidates}
+    best = min(candidates, key=lambda enc: len(tried[enc]))
+    if len(tried[best]) > (1 - MIN_SAVING) * sample.size:
+        return "raw", None
+    stored = tried[best] if sample.size == raw.size else _compress(zstd, raw, itemsize, best)
     if len(stored) > (1 - MIN_SAVING) * raw.size:
         return "raw", None
     return best, stored
 
 
-def _compress(raw: np.ndarray, itemsize: int, encoding: str) -> bytes:
+def _compress(zstd: zstandard.ZstdCompressor, raw: np.ndarray, itemsize: int, encoding: str) -> bytes:
     if encoding == "shuffle-zstd":
         # Byte planes: the sign/exponent bytes of floats repeat and compress; mantissa bytes barely.
         raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
-    return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(raw.data)
+    return zstd.compress(raw.data)
 
 
 def _hex(digest: bytes | None) -> str | None:
@@ -211,8 +262,9 @@ def _hex(digest: bytes | None) -> str | None:
 # -- reading ---------------------------------------------------------------------------------
 
 
-def _read(data: bytes, verify_digest: bool) -> tuple[Header, dict[str, tuple[TensorInfo, int, int]], memoryview]:
-    """Frame checks first, then the safetensors table and the JSON header, cross-checked."""
+def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, dict[str, tuple[Any, int, int]], memoryview]:
+    """Frame checks first, then the safetensors table and the JSON header, cross-checked. The
+    table gives each tensor (format 1) or each group (format 2) its byte range in the data."""
     view = memoryview(data).cast("B")
     if len(view) < FRAME_SIZE:
         if not MAGIC.startswith(bytes(view[:len(MAGIC)])):
@@ -229,12 +281,11 @@ def _read(data: bytes, verify_digest: bool) -> tuple[Header, dict[str, tuple[Ten
         raise UnsupportedFormatVersion(f"object has format {version}, which this tqstore no longer reads (it "
                                        f"reads {readable}): compute the cache again")
     payload = view[FRAME_SIZE:]
-    if verify_digest:
-        if len(payload) != payload_len:
-            raise TruncatedData(f"object has {len(payload)} payload bytes, its frame says {payload_len}: it was "
-                                "truncated or padded in storage")
-        if hashlib.sha256(payload).digest() != digest:
-            raise ChecksumMismatch("object is corrupt: its sha256 does not match its frame")
+    if whole and len(payload) != payload_len:
+        raise TruncatedData(f"object has {len(payload)} payload bytes, its frame says {payload_len}: it was "
+                            "truncated or padded in storage")
+    if verify_digest and hashlib.sha256(payload).digest() != digest:
+        raise ChecksumMismatch("object is corrupt: its sha256 does not match its frame")
     if reserved != 0:
         raise MalformedHeader(f"the reserved frame field is {reserved}, not 0")
     if 8 + header_len > min(len(payload), payload_len):
@@ -250,7 +301,8 @@ def _read(data: bytes, verify_digest: bool) -> tuple[Header, dict[str, tuple[Ten
         raise MalformedHeader(f"the safetensors metadata must hold exactly one string, {META_KEY!r}")
     header = parse_header(_json(meta[META_KEY].encode("utf-8", "surrogatepass"), "tqstore header"), version,
                            payload_len)
-    table = _tensor_table(st, header, payload_len - 8 - header_len)
+    data_len = payload_len - 8 - header_len
+    table = _tensor_table(st, header, data_len) if version == 1 else _group_table(st, header, data_len)
     return header, table, payload[8 + header_len:]
 
 
@@ -301,6 +353,27 @@ def _tensor_table(st: dict, header: Header, data_len: int) -> dict[str, tuple[Te
     return {name: (infos[name], s, e) for s, e, name in spans}
 
 
+def _group_table(st: dict, header: Header, data_len: int) -> dict[str, tuple[GroupInfo, int, int]]:
+    """Format 2: the safetensors table holds exactly one U8 tensor per group, tiling the data."""
+    names = [f"group/{j}" for j in range(len(header.groups))]
+    if set(st) != set(names):
+        raise MalformedHeader(f"the tensor table does not hold exactly the {len(names)} groups of the header")
+    end, out = 0, {}
+    for name, group in zip(names, header.groups):
+        entry = st[name]
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if set(entry or ()) != {"dtype", "shape", "data_offsets"} or entry["dtype"] != "U8" \
+                or not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)) \
+                or offsets[0] != end or not end <= offsets[1] <= data_len or entry["shape"] != [offsets[1] - end] \
+                or (group.encoding == "raw" and offsets[1] - end != group.nbytes):
+            raise MalformedHeader(f"{name}: the entry is not U8 [its length] right after the group before it")
+        out[name] = (group, end, offsets[1])
+        end = offsets[1]
+    if end != data_len:
+        raise MalformedHeader(f"the groups cover {end} of {data_len} data bytes")
+    return out
+
+
 def _check_expect(header: Header, expect: Expect) -> None:
     what = f"this {header.kind}" + (f" (block {header.block.index})" if header.block else "")
     p = header.provenance
@@ -340,22 +413,56 @@ def _short(digest: bytes | BlockKey | None) -> str:
 
 
 def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
-    raw = stored
-    if info.encoding != "raw":
-        try:
-            size = zstandard.frame_content_size(stored)
-            if size != info.nbytes:  # also bounds the allocation below
-                raise ChecksumMismatch(f"tensor {name}: its zstd frame holds {size} bytes, {info.nbytes} expected")
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=info.nbytes)
-        except zstandard.ZstdError as e:
-            raise ChecksumMismatch(f"tensor {name}: the compressed data is corrupt ({e})") from None
-        if len(raw) != info.nbytes:
-            raise ChecksumMismatch(f"tensor {name}: decompressed to {len(raw)} bytes, {info.nbytes} expected")
-    if info.encoding == "shuffle-zstd":
-        raw = _unshuffle(np.frombuffer(raw, dtype=np.uint8), DTYPES[info.dtype][0].size)
+    """Format 1: one tensor, decoded and checked against its own digest."""
+    raw = _decoded(f"tensor {name}", info.encoding, stored, info.nbytes, DTYPES[info.dtype][0].size)
     if hashlib.sha256(raw).hexdigest() != info.sha256:
         raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
     return tensor_from_bytes(raw, info.dtype, info.shape)
+
+
+def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
+    """Format 2: each group decoded and checked against its digest once, each array a slice of
+    its group. Calibration arrays are checked against their own digests too: the calibration
+    digest in the header (and so every later block key) was computed from those."""
+    def unpack(j: int) -> np.ndarray:
+        g = header.groups[j]
+        raw = _decoded(f"group {j}", g.encoding, stored[j], g.nbytes, DTYPES[g.dtype][0].size)
+        if hashlib.sha256(raw).hexdigest() != g.sha256:
+            raise ChecksumMismatch(f"group {j} ({g.dtype}) is corrupt: its sha256 does not match the header")
+        return raw
+
+    groups = list(_threads().map(unpack, range(len(header.groups))))  # zstd and hashlib release the GIL
+    arrays = {}
+    for name, info in header.tensors().items():
+        raw = groups[info.group][info.offset:info.offset + info.nbytes]
+        if info.sha256 is not None and hashlib.sha256(raw).hexdigest() != info.sha256:
+            raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+        arrays[name] = tensor_from_bytes(raw, info.dtype, info.shape)
+    return arrays
+
+
+@functools.lru_cache(maxsize=1)
+def _threads() -> ThreadPoolExecutor:
+    """Threads for the per-group work (numpy, zstd, hashlib only: no MLX calls off the caller's
+    thread), one per core."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="tqstore-format")
+
+
+def _decoded(what: str, encoding: str, stored: memoryview, nbytes: int, itemsize: int) -> np.ndarray:
+    """The decoded bytes of one stored span (zstd frame size checked before it allocates)."""
+    if encoding == "raw":
+        return np.frombuffer(stored, dtype=np.uint8)
+    try:
+        size = zstandard.frame_content_size(stored)
+        if size != nbytes:  # also bounds the allocation below
+            raise ChecksumMismatch(f"{what}: its zstd frame holds {size} bytes, {nbytes} expected")
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=nbytes)
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"{what}: the compressed data is corrupt ({e})") from None
+    if len(raw) != nbytes:
+        raise ChecksumMismatch(f"{what}: decompressed to {len(raw)} bytes, {nbytes} expected")
+    planes = np.frombuffer(raw, dtype=np.uint8)
+    return _unshuffle(planes, itemsize) if encoding == "shuffle-zstd" else planes
 
 
 def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:

@@ -39,6 +39,12 @@ KV_CONFIG_FIELDS = (
     "max_window_layers", "attention_chunk_size", "no_rope_layers", "rope_theta", "rope_scaling",
     "rope_parameters", "rope_local_base_freq", "rope_traditional", "partial_rotary_factor",
     "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+    # Which layers are recurrent or convolutional, and the shape of their states (issue 18).
+    "full_attention_interval", "full_attn_idxs", "layers_block_type", "hybrid_override_pattern",
+    "attn_layer_period", "attn_layer_offset", "linear_attn_config", "linear_num_key_heads",
+    "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+    "conv_L_cache", "conv_kernel", "ssm_state_size", "state_size", "n_groups", "mamba_num_heads",
+    "mamba_head_dim", "mamba_d_conv", "mamba_d_state", "mamba_expand", "time_step_limit",
 )
 def codecs_digest(codecs: Mapping[str, CodecRecord]) -> bytes:
     """Content digest of a snapshot's codecs (the key of the entry's shared object)."""

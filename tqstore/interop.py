@@ -7,7 +7,8 @@ encoding of scalars in the safetensors metadata, and rebuilds each layer with
 what mlx-lm itself writes, except that buffers are cut to the tokens held: `from_state` accepts
 that and the caches grow again on the next update. Only layers mlx-lm has a class for can be
 exported: RAW (KVCache), AFFINE with equal key and value settings, no calibration and no raw
-tail (QuantizedKVCache) and ROTATING (RotatingKVCache).
+tail (QuantizedKVCache) and ROTATING (RotatingKVCache). Layers compressed at rest (the model
+reads their arrays itself) are exported decoded, as the KVCache they restore into.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from mlx_lm.models.cache import (ConcatenateKVCache, KVCache, QuantizedKVCache, 
                                  save_prompt_cache)
 
 from turboquant.affine import AffineCodec
+from turboquant.at_rest import CLASS as AT_REST_CLASS
+from turboquant.at_rest import AtRestKVCache
 from turboquant.cache import TurboQuantKVCache
 from turboquant.calibration import CalibrationConfig
 from turboquant.integration import make_prompt_cache, restore_as, snapshot
@@ -54,7 +57,7 @@ def export_prompt_cache(path: str | os.PathLike, snapshot: Snapshot, metadata: d
     path = Path(path)
     if path.suffix != ".safetensors":
         raise ValueError(f"mlx-lm prompt-cache files end in .safetensors (mlx.load picks the format by it): {path}")
-    caches = [_to_mlx(i, r) for i, r in enumerate(snapshot.layers)]
+    caches = [_to_mlx(i, r, snapshot) for i, r in enumerate(snapshot.layers)]
     buf = io.BytesIO()
     save_prompt_cache(buf, caches, dict(metadata or {}))
     write_file_atomic(path, buf.getvalue())
@@ -112,7 +115,14 @@ def compress_snapshot(snap: Snapshot, model, scheme: str, **cache_options) -> Sn
     return snapshot(caches)
 
 
-def _to_mlx(i: int, r: LayerRecord):
+def _to_mlx(i: int, r: LayerRecord, snap: Snapshot):
+    if r.config.get("class") == AT_REST_CLASS:
+        decoded = AtRestKVCache.from_record(r, snap.codecs)
+        cache = KVCache()
+        if decoded.offset:
+            cache.keys, cache.values = decoded.keys_and_values()
+            cache.offset = decoded.offset
+        return cache
     if r.layout is Layout.RAW:
         cache = KVCache()
         if r.arrays:

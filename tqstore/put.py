@@ -137,9 +137,9 @@ def _store_objects(tiers: TierSet, wants: list[Want], ours: list[HotObject], blo
         digests[key] = hashlib.sha256(payload).hexdigest()
         canonical[i] = HotObject(hot.obj, hot.kind, hot.provenance, digests[key], hot.nbytes)
         if sum(map(len, batch.values())) >= _BATCH_BYTES:
-            tiers.lmdb.put_objects(batch)
+            tiers.lmdb.put_objects(batch, sha256s=digests)
             batch = {}
-    tiers.lmdb.put_objects(batch)
+    tiers.lmdb.put_objects(batch, sha256s=digests)
     complete = True
     for key, digest in digests.items():
         info = tiers.lmdb.object_info(key)
@@ -166,13 +166,13 @@ def _stored_copy(tiers: TierSet, want: Want) -> tuple[HotObject, ObjectRef] | No
         if want.other_save(hot.kind, hot.provenance) is None:
             return hot, ref
     try:
-        payload = tiers.lmdb.get_object(want.key)
+        found = tiers.lmdb.get_verified(want.key)
     except CorruptBlock:  # quarantined by the tier: store ours
         return None
-    if payload is None:
+    if found is None:
         return None
     try:
-        return decode(payload, want), ref
+        return decode(found[0], want, found[1]), ref
     except ConflictError as exc:
         raise ConflictError(f"the store already holds the first block of these tokens from another save: {exc}. "
                             "Its later blocks cannot be combined with this snapshot: restore the stored prefix "

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from .config import Config, load_config, parse_size
+from .config import Config, load_config, parse_duration, parse_size
 from .errors import ConfigError, TqstoreError
 from .http_api import LOOPBACK_NAMES, App, HttpServer
 from .http_stream import POLL_SECONDS
@@ -27,15 +27,10 @@ API_KEY_ENV = "TQSTORE_API_KEY"
 
 
 def _duration(raw: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    text = raw.strip().lower()
     try:
-        value = float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a duration: use seconds or 30m, 24h, 7d") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{raw!r} is negative")
-    return value
+        return parse_duration(raw, "--save-ttl", allow_zero=True)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _size(raw: str) -> int:

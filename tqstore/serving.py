@@ -7,8 +7,10 @@ from its own queue. Up to `max_running` jobs run at once, taking turns of SLICE_
 (a job is a generator that yields between prefill chunks and tokens), so a long generation
 cannot hold the model while a short one waits. A client that goes away cancels its job: a
 queued job is skipped, a running one stops at its next token (the engine's `stop` callback).
-After a response is complete the worker stores the new prefix (the save policy) at the end of
-the job's turn, so responses never wait for saves and the next request already finds the prefix.
+After a response is complete the worker compresses the new prefix (the save policy) at the end
+of the job's turn and hands it to a background writer (background.py), which serializes and
+stores it while the worker takes the next request; a request whose prompt extends a prefix
+still being written waits for that write only, so it finds the prefix stored.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 
+from .background import BackgroundWriter
 from .engine import Engine, Started
 from .errors import BadInput, TqstoreError
 from .loading import LoadedModel
@@ -203,6 +207,7 @@ class ModelWorker:
         self._running: deque[Running] = deque()  # only the worker's thread changes it
         self._job_seconds = 1.0  # moving average, for Retry-After
         self._thread = threading.Thread(target=self._loop, name="tqstore-model", daemon=True)
+        self.writer = BackgroundWriter()
 
     # -- the HTTP threads' side --------------------------------------------------------------
 
@@ -222,13 +227,18 @@ class ModelWorker:
         return QueueState(self._queue.qsize(), self.capacity, len(self._running))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel the running jobs, fail the queued ones, and wait for the thread to end."""
+        """Cancel the running jobs, fail the queued ones, wait for the thread to end, then give
+        the background writer up to `timeout` seconds for the saves it still holds."""
         self._stopping.set()
         for running in list(self._running):
             running.job.cancel()
         self._drain()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        left = self.writer.pending()
+        if not self.writer.close(timeout):
+            log.warning("stopped with %d prompt saves unwritten after %.0f s: those prefixes are not stored", left,
+                        timeout)
 
     def _submit(self, job: Job) -> Job:
         if self._stopping.is_set():
@@ -345,6 +355,7 @@ class ModelWorker:
                 job.send(Text(new))
             return scanner.end is not None or job.cancelled.is_set()
 
+        self.writer.wait_for(prompt)  # a prefix of this prompt still being stored: let it land first
         result, caches = yield from self.engine.generation(
             self.loaded, self.scheme, prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p,
             seed=s.seed, stop=stop,
@@ -421,16 +432,26 @@ class ModelWorker:
         recorded = result.prefill_seconds * len(stored) / computed if computed else 0.0
         t0 = time.perf_counter()
         try:
-            self.engine.store_caches(name, self.loaded, self.scheme, caches, stored, prefill_seconds=recorded,
-                                     ttl=self.policy.ttl, metadata={"tqstore.saved_by": "serve"})
+            future = self.engine.store_caches(name, self.loaded, self.scheme, caches, stored,
+                                              prefill_seconds=recorded, ttl=self.policy.ttl,
+                                              metadata={"tqstore.saved_by": "serve"}, writer=self.writer)
         except BadInput as e:  # caches that cannot drop the answer (a full sliding window)
             log.info("not saving the prompt as %s: %s", name, e)
             self.metrics.saved("unsupported")
+            return
         except Exception:
             log.exception("saving the prompt as %s failed", name)
             self.metrics.saved("failed")
-        else:
-            self.metrics.saved("saved", time.perf_counter() - t0)
+            return
+
+        def done(f: Future) -> None:
+            if f.exception() is None:
+                self.metrics.saved("saved", time.perf_counter() - t0)
+            else:
+                log.error("saving the prompt as %s failed", name, exc_info=f.exception())
+                self.metrics.saved("failed")
+
+        future.add_done_callback(done)
 
     def _save(self, job: Job, name: str, source: CacheSource) -> Iterator[None]:
         if source.document is not None:
@@ -443,6 +464,7 @@ class ModelWorker:
             tokens = self._tokens(source.prompt, source.messages)[:-1]
             if not tokens:
                 raise BadInput("the prompt is a single token: there is nothing to store before it")
+        self.writer.wait_for(tokens)
         yield from self.engine.saving(name, self.loaded, tokens, scheme=self.scheme, pin=source.pinned,
                                       ttl=source.ttl, metadata={"tqstore.saved_by": "serve"})
         job.send(Finished(self.engine.store.info(name)))

@@ -309,11 +309,9 @@ class Store:
     # --- internals -------------------------------------------------------------------------------
 
     def _touch(self, name: str) -> None:
-        """Mark an entry used (for LRU eviction); skipped on a full disk: a read must not fail."""
-        try:
-            self._tiers.lmdb.touch(name)
-        except DiskFull:
-            pass
+        """Mark an entry used (for LRU eviction) without waiting for the commit: a read neither
+        waits for a synced write nor fails on a full disk (the touch is then dropped)."""
+        self._tiers.lmdb.touch_soon(name)
 
     def _set_pinned(self, name: str, pinned: bool) -> None:
         with self._tiers.lock.shared():

@@ -308,14 +308,14 @@ def _download(tiers: TierSet, s3: S3Tier, wants: list[Want], tally: _Tally) -> d
             raise NotFound(f"the bucket lacks {what}, which its manifest lists: push the entry again from a machine "
                            "that has it")
         try:
-            decode(payload, want)
+            decode(payload, want, want.sha256)  # the S3 tier just verified the bytes against it
         except ConflictError as exc:
             raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again") from None
         except BAD_CONTENT as exc:
             raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine that "
                                "has it") from None
         verified[want.key] = payload
-    tiers.lmdb.put_objects(verified)
+    tiers.lmdb.put_objects(verified, sha256s={w.key: w.sha256 for w in wants if w.sha256 is not None})
     digests = {}
     for key, payload in verified.items():
         info = tiers.lmdb.object_info(key)

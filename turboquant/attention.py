@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .kernels import fused_decode
+from .prefill import prefill_attention
 from .sides import Side
 
 MaskLike = None | str | mx.array
@@ -60,6 +61,7 @@ def compressed_attention(
     tail: tuple[mx.array, mx.array] | None = None,
     rows: int | None = None,
     tail_rows: int | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """softmax(q K^T * scale + mask) V for queries [B, Hq, L, D].
 
@@ -67,7 +69,8 @@ def compressed_attention(
     per-block key means of calibrated keys) followed by an optional raw tail (K, V native,
     [B, H, n, D]) of the newest rows that do not yet fill a block. `rows` / `tail_rows`: the
     arrays / the tail are buffers of which only the first `rows` / `tail_rows` tokens count
-    (None: all).
+    (None: all). `sinks` ([Hq] logits, gpt-oss): one more score per query head that joins the
+    softmax normaliser and mixes no value, as in mx.fast.scaled_dot_product_attention.
     """
     B, Hq, L, D = queries.shape
     some = next(iter(arrays.values())) if arrays else tail[0]
@@ -78,13 +81,16 @@ def compressed_attention(
     if L == 1 and arrays and (mask is None or (isinstance(mask, str) and mask == "causal")):
         # One query token: the fused GPU kernels over the stored rows and the raw tail (None on
         # the CPU, or when no kernel fits).
-        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows)
+        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks)
         if fused is not None:
             return fused[0]
     if rows is not None:
         arrays = {n: a[:, :, :rows] for n, a in arrays.items()}
     if tail is not None and tail_rows is not None:
         tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
+    if L > 1 and arrays:
+        # A prefill chunk: decode the stored rows once and run the fused SDPA (turboquant/prefill.py).
+        return prefill_attention(queries, key_side, value_side, arrays, scale, mask, shifts, tail, sinks)
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     parts = []
     if arrays:
@@ -94,7 +100,11 @@ def compressed_attention(
     scores = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     T = scores.shape[-1]
     scores = apply_mask(scores.reshape(B, H, R, L, T), mask)
-    weights = mx.softmax(scores, axis=-1, precise=True).reshape(B, H, R * L, T)
+    if sinks is not None:
+        # The sink column takes its share of the normaliser and is dropped before the mix.
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, H, R, 1, 1), (B, H, R, L, 1))
+        scores = mx.concatenate([scores, sink], axis=-1)
+    weights = mx.softmax(scores, axis=-1, precise=True)[..., :T].reshape(B, H, R * L, T)
     stored = T - (tail[0].shape[2] if tail is not None else 0)
     out = value_side.mix(arrays, weights[..., :stored]) if arrays else 0.0
     if tail is not None:

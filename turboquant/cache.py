@@ -121,12 +121,15 @@ class TurboQuantKVCache:
         query-aware and lets the guard predict the damage quantization would do."""
         if self.compressed or not self.plan.calibrated:
             return
-        L = queries.shape[2]
+        B, hq, L, D = queries.shape
+        if D != self.plan.head_dim_k or hq % self.plan.n_kv_heads:
+            # Not queries against these keys (MLA attends with projected latents of another
+            # width): calibrate from the keys alone.
+            return
         first = self.offset - L
         n = min(L, CALIBRATION_TOKENS - first)
         if n <= 0:
             return
-        B, hq, _, D = queries.shape
         q = queries[:, :, :n].astype(mx.float32) * scale
         q = q.reshape(B, self.plan.n_kv_heads, hq // self.plan.n_kv_heads, n, D)
         power = mx.sum(q * q, axis=(0, 2, 3))
@@ -199,6 +202,15 @@ class TurboQuantKVCache:
             self._encode(tail["keys"], tail["values"])
             mx.eval(*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else []))
 
+    def extend(self, keys: mx.array, values: mx.array) -> None:
+        """Append rows and compress everything held now (the encoder behind at-rest layers)."""
+        if self.compressed:
+            self._append(keys, values)
+        else:
+            self._tail.write(self.offset, {"keys": keys, "values": values})
+            self.offset += keys.shape[2]
+        self.compress()
+
     @staticmethod
     def _fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
         rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
@@ -259,8 +271,10 @@ class TurboQuantKVCache:
 
     # -- attention ---------------------------------------------------------------------------
 
-    def attention(self, queries: mx.array, scale: float, mask: MaskLike = None) -> mx.array:
-        """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail."""
+    def attention(self, queries: mx.array, scale: float, mask: MaskLike = None,
+                  sinks: mx.array | None = None) -> mx.array:
+        """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail; `sinks`
+        ([Hq] logits) join the softmax normaliser (gpt-oss)."""
         # The buffers themselves with the counts of rows that count: the decode kernels read them in
         # place (the plain path slices them).
         arrays = self._store.arrays if self.stored else {}
@@ -268,7 +282,7 @@ class TurboQuantKVCache:
         if self.offset > self.stored:
             tail = (self._tail.arrays["keys"], self._tail.arrays["values"])
         return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
-                                    self._shifts, tail, self.stored, self.offset - self.stored)
+                                    self._shifts, tail, self.stored, self.offset - self.stored, sinks)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""

@@ -111,7 +111,7 @@ def fit_key_calibration(
     if config.channel_scale:
         power = mx.mean(rows * rows, axis=1)
         ratio = mx.sqrt(power) if query_power is None else mx.sqrt(power / mx.maximum(query_power, 1e-12))
-        scale = mx.clip(mx.sqrt(ratio / mx.mean(ratio, axis=-1, keepdims=True)), *SCALE_CLIP)
+        scale = mx.clip(mx.sqrt(_relative(ratio)), *SCALE_CLIP)
         scale = scale / mx.mean(scale, axis=-1, keepdims=True)
         if _flat(scale):
             scale = None
@@ -123,7 +123,7 @@ def fit_key_calibration(
             raise ValueError("rotated-basis calibration needs the key codec's rotation")
         norms = mx.sqrt(mx.sum(rows * rows, axis=-1, keepdims=True))
         sigma = mx.sqrt(mx.var(rotation.forward(rows / mx.maximum(norms, 1e-8)), axis=1))
-        rotated_scale = mx.clip(sigma / mx.mean(sigma, axis=-1, keepdims=True), *ROTATED_CLIP)
+        rotated_scale = mx.clip(_relative(sigma), *ROTATED_CLIP)
         if _flat(rotated_scale):
             rotated_scale = None
     if scale is None and rotated_scale is None:
@@ -151,6 +151,12 @@ def noise_gain(keys: mx.array, calibration: "KeyCalibration | None", query_power
     d = keys.shape[-1]
     key_power = mx.mean(mx.sum(k * k, axis=-1), axis=(0, 2))
     return mx.sqrt(mx.sum(q_power, axis=-1) * key_power / d)
+
+
+def _relative(x: mx.array) -> mx.array:
+    """x over its mean per head; a head whose x is all zero (all-zero keys) comes out flat (1)."""
+    mean = mx.mean(x, axis=-1, keepdims=True)
+    return mx.where(mean > 0, x / mx.where(mean > 0, mean, 1.0), 1.0)
 
 
 def _flat(s: mx.array) -> bool:

@@ -15,7 +15,9 @@ import enum
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
+from . import host
 from .codebook import lloyd_max_codebook
 from .packing import pack, packed_width, unpack
 from .rotation import Rotation
@@ -95,21 +97,42 @@ class TurboCodec:
         y = self.rotation.forward(x / mx.maximum(norms, NORM_EPS)[..., None])
         if scale is not None:
             y = y / scale
+        matched = scale is not None or self.norm_mode is NormMode.MATCHED
+        if host.on_host():
+            return self._encode_on_host(y, norms, scale, matched)
         codes = self.quantize_rotated(y)
-        if scale is not None or self.norm_mode is NormMode.MATCHED:
+        if matched:
             c = self.centroids[codes]
             if scale is not None:
                 c = c * scale
             norms = norms / mx.maximum(mx.sqrt(mx.sum(c * c, axis=-1)), NORM_EPS)
         return pack(codes, self.bits), norms
 
+    def _encode_on_host(self, y: mx.array, norms: mx.array, scale: mx.array | None,
+                        matched: bool) -> tuple[mx.array, mx.array]:
+        """The codebook search, matched norms and packing in numpy (same codes and words)."""
+        codes = host.count_below(np.asarray(y), np.asarray(self.boundaries))
+        if matched:
+            c = np.asarray(self.centroids)[codes]
+            if scale is not None:
+                c *= np.asarray(scale.astype(mx.float32))
+            length = mx.array(np.sqrt(np.einsum("...d,...d->...", c, c)))
+            norms = norms / mx.maximum(length, NORM_EPS)
+        return mx.array(host.pack_codes(codes, self.bits)), norms
+
     def codes(self, packed: mx.array) -> mx.array:
         """Unpack codes [..., d] from packed rows."""
         return unpack(packed, self.bits, self.d)
 
+    def centroid_values(self, packed: mx.array) -> mx.array:
+        """c[code] [..., d] float32 of packed rows (a byte table lookup on the CPU)."""
+        if host.on_host():
+            return mx.array(host.centroid_values(np.asarray(self.centroids), np.asarray(packed), self.bits, self.d))
+        return self.centroids[self.codes(packed)]
+
     def decode_rotated(self, packed: mx.array, norms: mx.array, scale: mx.array | None = None) -> mx.array:
         """Rows in the rotated basis: norm * c[code] (* scale), float32."""
-        c = self.centroids[self.codes(packed)]
+        c = self.centroid_values(packed)
         if scale is not None:
             c = c * scale
         return c * norms[..., None]

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from .affine import AffineCodec, UnsupportedHeadDim
 from .calibration import CalibrationConfig
+from .codebook import MIN_DIM
 from .codec import NormMode, TurboCodec
 from .rotation import Rotation
 from .schemes import Format, SchemeSpec, side_bytes
@@ -161,6 +162,8 @@ class LayerPlan:
 
 def _side_plan(fmt: Format, bits: int, d: int, seed: int) -> SidePlan:
     if fmt is Format.TURBO:
+        if d < MIN_DIM:  # the Lloyd-Max codebook needs d >= 16 (tiny configs have smaller heads)
+            raise UnsupportedHeadDim(f"head dim {d} is below the TurboQuant minimum {MIN_DIM}; such layers stay native")
         codec = shared_codec(d, bits, seed)
         return SidePlan(fmt, bits, turbo=codec, turbo_name=codec_name(codec, seed))
     if fmt is Format.AFFINE:
@@ -184,8 +187,9 @@ def plan_layer(
 ) -> LayerPlan | None:
     """The plan of one attention layer under `spec`, or None when the layer stays native.
 
-    A layer stays native for the raw scheme, and when an affine side is needed but no MLX
-    group size divides the head dim (turbo8vN and affine schemes at d = 80). TurboQuant keys
+    A layer stays native for the raw scheme, when an affine side is needed but no MLX group
+    size divides the head dim (turbo8vN and affine schemes at d = 80), and when a TurboQuant
+    side's head dim is below 16. TurboQuant keys
     use `calibration`; the affine keys of turbo8vN schemes and of protected layers use its
     original-basis part when `calibrate_affine_keys`; affine schemes stay plain
     (QuantizedKVCache-compatible). `guard` enables statistics-chosen protection for

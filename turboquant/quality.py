@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from .at_rest import AtRestKVCache
 from .cache import TurboQuantKVCache
 from .integration import make_prompt_cache, restore, restore_as, snapshot
 from .records import Snapshot
@@ -65,6 +66,8 @@ def caches_from_raw(model, raw: Snapshot, scheme: str, factory: Callable | None 
     for cache in caches:
         if isinstance(cache, TurboQuantKVCache):
             cache.compress()
+    if any(isinstance(c, AtRestKVCache) for c in caches):
+        caches = restore(snapshot(caches))  # at-rest layers decode what their codes hold on restore
     return caches
 
 
@@ -81,7 +84,7 @@ def bits_per_element(caches: list[Any]) -> float:
     """Stored bits per K/V element at fp16 activations over every layer (native layers at 16)."""
     stored = elements = 0
     for c in caches:
-        if isinstance(c, TurboQuantKVCache):
+        if isinstance(c, (TurboQuantKVCache, AtRestKVCache)):
             plan = c.active
             stored += 8 * plan.bytes_per_token(NATIVE_BYTES)
             elements += plan.n_kv_heads * (plan.head_dim_k + plan.head_dim_v)

@@ -6,7 +6,10 @@ in it depends on a random generator or on the process that made it.
 Array naming: every per-token array is named `<side><suffix>` (side = `keys` or `values`) and
 has the token axis at position 2 ([B, H, T, ...]), so a record can be cut into token blocks
 along one axis and joined back. Suffixes by side format: native `""`, affine `_w` / `_scales` /
-`_biases`, TurboQuant `_packed` / `_norms`. A compressed layer also holds the raw rows that do
+`_biases`, TurboQuant `_packed` / `_norms`. Layers that are not token-addressable hold other
+names: recurrent states `state<j>` (plus `state<j>@<t>`, the state after token t, at block
+boundaries), a CacheList's children under `c<i>.` prefixes, a model's own cache class its
+attribute names. A compressed layer also holds the raw rows that do
 not yet fill a block (`tail_keys`, `tail_values`) and the per-block key means (`keys_shift`,
 [1, H, blocks, D]: axis 2 counts 256-token blocks). `token_span` says which tokens an array
 covers.
@@ -15,6 +18,7 @@ covers.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -36,6 +40,11 @@ class Layout(str, enum.Enum):
     CALIBRATED = "calibrated"  # TurboQuant K with per-dimension calibration, TurboQuant V
     AFFINE = "affine"  # affine K and V (affine schemes and protected boundary layers)
     ROTATING = "rotating"  # sliding-window layer: mlx-lm RotatingKVCache ring buffers, native
+    QUANTIZED = "quantized"  # mlx-lm QuantizedKVCache: its affine K and V as it holds them
+    CHUNKED = "chunked"  # mlx-lm ChunkedKVCache: the rows after start_position (front trimmed), native
+    STATE = "state"  # mlx-lm ArraysCache: recurrent / conv states, native, one per block boundary
+    LIST = "list"  # mlx-lm CacheList: child records flattened under "c<i>." prefixes, any depth
+    FIELDS = "fields"  # a model module's own cache class: its array attributes and scalars
 
 
 SIDE_SUFFIXES = {"native": ("",), "affine": ("_w", "_scales", "_biases"), "turbo": ("_packed", "_norms")}
@@ -49,16 +58,74 @@ LAYOUT_ARRAYS: dict[Layout, tuple[str, ...]] = {
     Layout.CALIBRATED: ("keys_packed", "keys_norms", "values_packed", "values_norms"),
     Layout.AFFINE: ("keys_w", "keys_scales", "keys_biases", "values_w", "values_scales", "values_biases"),
     Layout.ROTATING: ("keys", "values"),
+    Layout.QUANTIZED: ("keys_w", "keys_scales", "keys_biases", "values_w", "values_scales", "values_biases"),
+    Layout.CHUNKED: ("keys", "values"),
 }
+# Layouts whose arrays are not cut along the token axis (what they hold is checked by their own rule).
+WHOLE_LAYOUTS = frozenset({Layout.ROTATING, Layout.CHUNKED, Layout.STATE, Layout.LIST, Layout.FIELDS})
+_STATE_NAME = re.compile(r"state(\d+)(?:@(\d+))?")
+_CHILD_NAME = re.compile(r"c(\d+)\.(.+)")
+
+
+def state_boundary(name: str) -> tuple[int, int | None]:
+    """(state index, token boundary or None for the current state) of a STATE array name."""
+    m = _STATE_NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"{name!r} is not a recurrent state array name (state<j> or state<j>@<t>)")
+    return int(m.group(1)), None if m.group(2) is None else int(m.group(2))
+
+
+def state_boundaries(record: "LayerRecord") -> list[int]:
+    """The token boundaries at which a STATE record holds a checkpoint, in order."""
+    return sorted({t for t in (state_boundary(n)[1] for n in record.arrays) if t is not None})
+
+
+def state_at(record: "LayerRecord", boundary: int) -> dict[str, mx.array]:
+    """A STATE record's arrays after `boundary` tokens (its current state at its own offset)."""
+    if boundary == record.offset:
+        return {n: a for n, a in record.arrays.items() if state_boundary(n)[1] is None}
+    suffix = f"@{boundary}"
+    found = {n[:-len(suffix)]: a for n, a in record.arrays.items() if n.endswith(suffix)}
+    if not found:
+        raise ValueError(f"no recurrent state stored at token {boundary}")
+    return found
+
+
+def split_children(record: "LayerRecord") -> list["LayerRecord"]:
+    """The child records of a LIST record (their names, config and state without the prefix)."""
+    n = int(record.config["children"])
+
+    def part(d: dict, i: int) -> dict:
+        prefix = f"c{i}."
+        return {k[len(prefix):]: v for k, v in d.items() if k.startswith(prefix)}
+
+    children = []
+    for i in range(n):
+        config, state = part(record.config, i), part(record.state, i)
+        layout, offset = Layout(config.pop("layout")), int(state.pop("offset"))
+        children.append(LayerRecord(layout, offset, part(record.arrays, i), config, state))
+    return children
+
+
+def join_children(children: list["LayerRecord"], config: dict[str, Scalar]) -> "LayerRecord":
+    """A LIST record of `children` (the inverse of `split_children`)."""
+    arrays, cfg, state = {}, {**config, "children": len(children)}, {}
+    for i, c in enumerate(children):
+        if c.calibration:
+            raise ValueError("a CacheList child with calibration arrays cannot be stored")
+        arrays.update({f"c{i}.{k}": v for k, v in c.arrays.items()})
+        cfg.update({f"c{i}.{k}": v for k, v in c.config.items()} | {f"c{i}.layout": c.layout.value})
+        state.update({f"c{i}.{k}": v for k, v in c.state.items()} | {f"c{i}.offset": c.offset})
+    return LayerRecord(Layout.LIST, max((c.offset for c in children), default=0), arrays, cfg, state)
 
 
 def token_span(record: "LayerRecord", name: str) -> tuple[int, int] | None:
     """Tokens [start, end) that array `name` of `record` covers along axis 2; None for arrays
     that are not per token (ring buffers, and per-block arrays whose axis 2 counts blocks)."""
-    if record.layout is Layout.ROTATING or name in BLOCK_ARRAYS:
+    if record.layout in WHOLE_LAYOUTS or name in BLOCK_ARRAYS:
         return None
     stored = int(record.state.get("stored", 0))
-    if record.layout is Layout.RAW:
+    if record.layout in (Layout.RAW, Layout.QUANTIZED):
         return (0, record.offset)
     if name in TAIL_ARRAYS:
         return (stored, record.offset)
@@ -67,8 +134,11 @@ def token_span(record: "LayerRecord", name: str) -> tuple[int, int] | None:
 
 def check_record_arrays(record: "LayerRecord") -> None:
     """Raise ValueError unless the record holds exactly the arrays its layout and spans need."""
+    if record.layout in (Layout.STATE, Layout.LIST, Layout.FIELDS):
+        _check_whole(record)
+        return
     stored = int(record.state.get("stored", 0))
-    if record.layout in (Layout.RAW, Layout.ROTATING):
+    if record.layout in (Layout.RAW, Layout.ROTATING, Layout.QUANTIZED, Layout.CHUNKED):
         expected = set(LAYOUT_ARRAYS[record.layout]) if record.offset or record.arrays else set()
     else:
         expected = set(LAYOUT_ARRAYS[record.layout]) if stored else set()
@@ -86,6 +156,23 @@ def check_record_arrays(record: "LayerRecord") -> None:
     if "keys_shift" in record.arrays and record.arrays["keys_shift"].shape[TOKEN_AXIS] != -(-stored // BLOCK_TOKENS):
         raise ValueError(f"keys_shift holds {record.arrays['keys_shift'].shape[TOKEN_AXIS]} blocks, "
                          f"expected {-(-stored // BLOCK_TOKENS)}")
+
+
+def _check_whole(record: "LayerRecord") -> None:
+    if record.layout is Layout.STATE:
+        size = int(record.config["size"])
+        for name in record.arrays:
+            j, t = state_boundary(name)
+            if j >= size or (t is not None and not 0 < t < record.offset):
+                raise ValueError(f"state array {name} does not fit a cache of {size} states and {record.offset} tokens")
+    elif record.layout is Layout.LIST:
+        n = int(record.config["children"])
+        for name in record.arrays:
+            m = _CHILD_NAME.fullmatch(name)
+            if m is None or int(m.group(1)) >= n:
+                raise ValueError(f"array {name} belongs to no child of a CacheList of {n}")
+        for child in split_children(record):
+            check_record_arrays(child)
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,8 +205,8 @@ class LayerRecord:
 
     @property
     def per_token(self) -> bool:
-        """Whether the arrays can be cut along the token axis (not a ring buffer)."""
-        return self.layout is not Layout.ROTATING
+        """Whether the arrays can be cut along the token axis (not a ring buffer, state, list)."""
+        return self.layout not in WHOLE_LAYOUTS
 
     @property
     def nbytes(self) -> int:

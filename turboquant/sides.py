@@ -151,7 +151,7 @@ class TurboSide:
     def scores(self, arrays: dict[str, mx.array], q: mx.array, shifts: mx.array | None = None) -> mx.array:
         packed, norms = (arrays[n] for n in self._names())
         # The one transient expansion of this plain-ops path: codebook values of one layer.
-        c = self.codec.centroids[self.codec.codes(packed)]
+        c = self.codec.centroid_values(packed)
         return (self.rotate_queries(q) @ _t(c)) * norms[:, :, None, :] + shift_scores(q, shifts, c.shape[2])
 
     def mix(self, arrays: dict[str, mx.array], p: mx.array) -> mx.array:

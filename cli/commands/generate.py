@@ -37,7 +37,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("question", metavar="QUESTION", nargs="?")
     add_generation_options(p)
     documents.add_document_options(p)
-    p.set_defaults(func=ask)
+    p.set_defaults(func=ask, usage=p.error)
 
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
@@ -78,7 +78,7 @@ def ask(ctx: Context, args: argparse.Namespace) -> int:
     if args.doc or args.doc_file:
         return documents.ask_documents(ctx, args, options)
     if args.question is None:
-        raise BadInput("pass NAME and QUESTION (or --doc NAME ... QUESTION)")
+        args.usage("pass NAME and QUESTION (or --doc NAME ... QUESTION)")  # a usage error: exit 2
     name = validate_name(args.name)
     engine = ctx.engine()
     with ctx.out.status("loading the model"):

@@ -108,7 +108,8 @@ def rewrite_header(data: bytes, change) -> bytes:
     raw = json.dumps(st_header).encode()
     raw += b" " * (-len(raw) % 8)
     payload = struct.pack("<Q", len(raw)) + raw + data[F.FRAME_SIZE + 8 + n:]
-    return F.MAGIC + struct.pack("<IIQQ", 1, 0, len(raw), len(payload)) + hashlib.sha256(payload).digest() + payload
+    version = struct.unpack_from("<I", data, 8)[0]  # the object's own format version
+    return F.MAGIC + struct.pack("<IIQQ", version, 0, len(raw), len(payload)) + hashlib.sha256(payload).digest() + payload
 
 
 def json_edit(doc, path: list[int], value, mode: str):

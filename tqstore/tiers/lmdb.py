@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,6 +122,8 @@ class LmdbTier:
         self._env = env
         self.path = env.path
         self.segment_size = segment_size
+        self._touches: list[Future] = []
+        self._touch_lock = threading.Lock()
 
     # --- objects -------------------------------------------------------------------------------
 
@@ -128,12 +131,15 @@ class LmdbTier:
         """Store `payload` under `key`; False (and nothing written) if the key already exists."""
         return self.put_objects({key: payload}).stored == 1
 
-    def put_objects(self, objects: Mapping[bytes, bytes]) -> PutCounts:
+    def put_objects(self, objects: Mapping[bytes, bytes], sha256s: Mapping[bytes, str] | None = None) -> PutCounts:
         """Store many objects; existing keys are skipped, never rewritten.
 
-        Each object is atomic; objects are committed in batches of about 64 MiB.
+        Each object is atomic; objects are committed in batches of about 64 MiB. `sha256s`
+        gives hex digests the caller has just computed from these very bytes (not hashed again).
         """
-        items = [(check_key(k), memoryview(p), hashlib.sha256(p).digest()) for k, p in objects.items()]
+        known = sha256s or {}
+        items = [(check_key(k), memoryview(p), bytes.fromhex(known[k]) if k in known else hashlib.sha256(p).digest())
+                 for k, p in objects.items()]
         stored = 0
         batch: list[tuple[bytes, memoryview, bytes]] = []
         size = 0
@@ -152,6 +158,11 @@ class LmdbTier:
 
         A payload that fails verification is quarantined and raises CorruptBlock.
         """
+        found = self.get_verified(key)
+        return None if found is None else found[0]
+
+    def get_verified(self, key: bytes) -> tuple[bytes, str] | None:
+        """`get_object` with the hex sha256 the payload was just verified against."""
         key = check_key(key)
         payload, problem, header = self._env.read(lambda txn: load_object(txn, self._env.dbs, key, keep=True))
         if problem is not None:
@@ -160,7 +171,7 @@ class LmdbTier:
                 f"object {key.hex()} in the LMDB store at {self.path} is corrupt ({problem.detail}); "
                 "it was quarantined and counts as a miss: it will be fetched or recomputed again"
             )
-        return payload
+        return None if payload is None else (payload, HEADER.unpack(header)[1].hex())
 
     def has_object(self, key: bytes) -> bool:
         """Whether `key` is in the index (without reading or verifying its payload)."""
@@ -213,11 +224,24 @@ class LmdbTier:
 
     def list_manifests(self) -> list[ManifestInfo]:
         """Every manifest with its size and last-used time, by name."""
+        self._settle_touches()
         return self._env.read(self._list_manifests)
 
     def touch(self, name: str) -> bool:
         """Mark the manifest `name` used now (for LRU eviction); False if there is none."""
         return self._env.write(self._touch, validate_name(name).encode(), time.time())
+
+    def touch_soon(self, name: str) -> None:
+        """`touch` on the writer thread without waiting for its commit (a read's bookkeeping);
+        a touch that fails (a full disk) is dropped. Reads of last-used times wait for it."""
+        future = self._env.write_soon(self._touch, validate_name(name).encode(), time.time())
+        with self._touch_lock:
+            self._touches = [f for f in self._touches if not f.done()] + [future]
+
+    def _settle_touches(self) -> None:
+        with self._touch_lock:
+            pending, self._touches = self._touches, []
+        wait(pending)
 
     def publish(self, name: str, manifest: bytes, objects: Mapping[bytes, bytes]) -> PutCounts:
         """Store `objects`, commit them, then store the manifest in its own transaction.

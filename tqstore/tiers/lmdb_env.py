@@ -19,7 +19,9 @@ import secrets
 import shutil
 import struct
 import sys
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TypeVar
 
@@ -96,6 +98,10 @@ class LmdbEnv:
     def write(self, fn: Callable[..., T], *args: object, needed: int = 0) -> T:
         """Run `fn(txn, *args)` in one write transaction on the writer thread and return its
         result; `needed` (bytes the job writes) sizes the map growth if the map is full."""
+        return self.write_soon(fn, *args, needed=needed).result()
+
+    def write_soon(self, fn: Callable[..., T], *args: object, needed: int = 0) -> Future:
+        """`write` without waiting: the Future holds its result or its exception."""
         self.check_usable()
 
         def job() -> T:
@@ -111,7 +117,11 @@ class LmdbEnv:
                     raise lmdb_failure(self.path, exc, needed) from exc
             raise TqstoreError(f"the LMDB store at {self.path} could not grow its map: retry")
 
-        return self._writer.run(job)
+        if threading.current_thread() is self._writer.thread:
+            future: Future = Future()  # a job that writes again must not queue behind itself
+            future.set_result(job())
+            return future
+        return self._writer.submit(job)
 
     def check_free_disk(self, needed: int, txn: lmdb.Transaction | None = None) -> None:
         """DiskFull if writing `needed` bytes would leave less than the configured free space.

@@ -25,13 +25,22 @@ class WriterThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The OS thread the jobs run on."""
+        return self._thread
+
     def run(self, job: Callable[[], T]) -> T:
         """Run `job()` on the writer thread and return its result (or raise its exception)."""
         if threading.current_thread() is self._thread:
             return job()  # a job that calls back into the tier must not wait on itself
+        return self.submit(job).result()
+
+    def submit(self, job: Callable[[], T]) -> Future:
+        """Queue `job()` behind the jobs already queued; its Future holds the result."""
         future: Future = Future()
         self._jobs.put((job, future))
-        return future.result()
+        return future
 
     def stop(self) -> None:
         """Finish the queued jobs, then end the thread."""

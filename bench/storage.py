@@ -1,0 +1,275 @@
+"""The storage data path against its floors, each floor measured beside its column in one run.
+
+    python bench/storage.py --tokens 16384 --schemes raw turbo4 turbo8v3 --runs 3
+
+An entry of synthetic K/V rows with the real model's geometry (Qwen2.5-0.5B: 24 layers, 2 KV
+heads, head dim 64, float32; keys with a few outlier channels like real ones) is compressed,
+put, restored from memory and from LMDB with its pages dropped, pushed to a moto S3 server on
+loopback and pulled into an empty home. Beside each step its floor on this machine, on warm
+pages unless the step itself is cold:
+
+    put        a plain LMDB put of the same number of bytes in 1 MiB values, one transaction, synced
+    memory     a copy of the entry's decoded bytes (warm source and destination)
+    lmdb cold  a sequential read of data.mdb with its pages dropped
+    push/pull  boto3's transfer manager (upload_fileobj / download_fileobj, the store's part size
+               and concurrency) on one object of the same size
+
+Ratios are step speed / floor speed (1.0 = at the floor). Ranges over --runs runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from common import LocalS3, drop_page_cache, markdown_table  # noqa: E402
+
+GEOMETRY = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=64,
+                num_attention_heads=14, num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6,
+                tie_word_embeddings=True)
+
+
+@dataclass
+class Run:
+    """One run of one scheme: seconds per step and per floor, and the entry's sizes."""
+
+    scheme: str
+    stored_bytes: int = 0
+    fp16_bytes: int = 0
+    decoded_bytes: int = 0
+    seconds: dict = field(default_factory=dict)  # step -> seconds
+    floors: dict = field(default_factory=dict)  # step -> floor seconds
+
+
+def kv_model():
+    """A random-weight model with the real model's KV geometry (only its cache shapes matter)."""
+    from mlx_lm.models import qwen2
+
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(GEOMETRY))
+    mx.eval(model.parameters())
+    return model
+
+
+def raw_snapshot(tokens: int, seed: int = 0):
+    """An uncompressed snapshot of `tokens` synthetic rows per layer."""
+    from turboquant.records import LayerRecord, Layout, Snapshot
+
+    rng = np.random.default_rng(seed)
+    layers = []
+    for _ in range(GEOMETRY["num_hidden_layers"]):
+        k = rng.standard_normal((1, 2, tokens, 64), dtype=np.float32)
+        channels = rng.choice(64, 3, replace=False)
+        k[..., channels] = k[..., channels] * 4 + 40 * np.array([1.0, -0.6, 0.4], dtype=np.float32)
+        v = rng.standard_normal((1, 2, tokens, 64), dtype=np.float32) * 0.5
+        layers.append(LayerRecord(Layout.RAW, tokens, {"keys": mx.array(k), "values": mx.array(v)},
+                                  {"class": "KVCache"}))
+    return Snapshot(layers=layers, codecs={})
+
+
+def compressed(model, raw, scheme: str):
+    """(snapshot of `scheme`, seconds to compress)."""
+    from turboquant import TurboQuantKVCache, make_prompt_cache, restore_as, snapshot
+
+    caches = restore_as(raw, make_prompt_cache(model, scheme))
+    mx.eval([c.state for c in caches])
+    t0 = time.perf_counter()
+    for c in caches:
+        if isinstance(c, TurboQuantKVCache):
+            c.compress()
+    snap = snapshot(caches)
+    mx.eval(snap.arrays())
+    return snap, time.perf_counter() - t0
+
+
+def lmdb_put_floor(nbytes: int, folder: Path, segment: int = 1 << 20) -> float:
+    """Seconds for a plain synced LMDB put of `nbytes` (warm source) in 1 MiB values."""
+    import lmdb
+
+    payload = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    path = Path(tempfile.mkdtemp(dir=folder))
+    env = lmdb.open(str(path), map_size=max(1 << 30, 4 * nbytes))
+    try:
+        t0 = time.perf_counter()
+        with env.begin(write=True) as txn:
+            for i in range(0, nbytes, segment):
+                txn.put(i.to_bytes(8, "big"), payload[i:i + segment])
+        env.sync(True)
+        return time.perf_counter() - t0
+    finally:
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def memcpy_floor(nbytes: int) -> float:
+    """Seconds to copy `nbytes` between warm buffers (both touched before the timing)."""
+    src = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+def cold_read_floor(path: Path, nbytes: int) -> float:
+    """Seconds to read the first `nbytes` of `path` sequentially after dropping its pages."""
+    drop_page_cache(path)
+    buf = bytearray(8 << 20)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        left = nbytes
+        while left > 0:
+            n = f.readinto(buf)
+            if not n:
+                break
+            left -= n
+    return time.perf_counter() - t0
+
+
+def boto3_floors(s3: LocalS3, nbytes: int, part: int, concurrency: int) -> tuple[float, float]:
+    """Seconds to upload and download one object of `nbytes` with boto3's transfer manager."""
+    from boto3.s3.transfer import TransferConfig
+
+    cfg = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=concurrency)
+    payload = np.random.default_rng(3).integers(0, 255, nbytes, dtype=np.uint8).tobytes()
+    t0 = time.perf_counter()
+    s3.client.upload_fileobj(io.BytesIO(payload), s3.bucket, "floor/object", Config=cfg)
+    t1 = time.perf_counter()
+    s3.client.download_fileobj(s3.bucket, "floor/object", io.BytesIO(), Config=cfg)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int, run_index: int = 0) -> Run:
+    """Every step of one scheme, each beside its floor."""
+    from tqstore.config import load_config
+    from tqstore.identity import CodecIdentity, ModelIdentity
+    from tqstore.store import Store
+    from turboquant import make_prompt_cache, snapshot
+
+    run = Run(scheme)
+    snap, run.seconds["compress"] = compressed(model, raw, scheme)
+    run.decoded_bytes = sum(a.nbytes for a in snap.arrays())
+    run.fp16_bytes = 2 * 2 * 2 * 64 * n * GEOMETRY["num_hidden_layers"]
+    # A bucket prefix of its own per run: a push into one that holds the objects moves nothing.
+    home, other = root / f"{scheme}-{n}-{run_index}", root / f"{scheme}-{n}-{run_index}-pull"
+    for h in (home, other):
+        shutil.rmtree(h, ignore_errors=True)
+    overrides = {"s3_url": s3.url(home.name), "s3_endpoint": s3.endpoint}
+    config = load_config(home, overrides)
+    model_id = ModelIdentity.from_model(model, kv_dtype="float32")
+    codec_id = CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme)
+    tokens = list(range(n))
+    store = Store.open(home, config=config)
+    t0 = time.perf_counter()
+    result = store.put("e", snap, tokens, model=model_id, codec=codec_id, model_ref="bench", prefill_seconds=1.0)
+    run.seconds["put"] = time.perf_counter() - t0
+    run.stored_bytes = result.manifest.nbytes
+    run.floors["put"] = lmdb_put_floor(run.stored_bytes, root)
+
+    t0 = time.perf_counter()
+    store.load("e")
+    run.seconds["memory"] = time.perf_counter() - t0
+    run.floors["memory"] = memcpy_floor(run.decoded_bytes)
+    store.close()
+
+    data = home / "lmdb" / "data.mdb"
+    drop_page_cache(data)
+    store = Store.open(home, config=config)
+    store.get("e")  # opening is not part of a restore
+    drop_page_cache(data)
+    t0 = time.perf_counter()
+    store.load("e")
+    run.seconds["lmdb"] = time.perf_counter() - t0
+    run.floors["lmdb"] = cold_read_floor(data, run.stored_bytes)
+
+    t0 = time.perf_counter()
+    store.push("e")
+    run.seconds["push"] = time.perf_counter() - t0
+    store.close()
+    remote = Store.open(other, config=load_config(other, overrides))
+    remote.ls(remote=True)  # the remote index, outside the timing
+    t0 = time.perf_counter()
+    remote.pull("e")
+    run.seconds["pull"] = time.perf_counter() - t0
+    remote.close()
+    run.floors["push"], run.floors["pull"] = boto3_floors(s3, run.stored_bytes, config.s3_part_size,
+                                                          config.s3_concurrency)
+    for h in (home, other):
+        shutil.rmtree(h, ignore_errors=True)
+    return run
+
+
+STEPS = (("put", "stored"), ("memory", "decoded"), ("lmdb", "stored"), ("push", "stored"), ("pull", "stored"))
+TARGETS = {"put": 0.5, "lmdb": 0.8, "push": 0.9, "pull": 0.9}
+
+
+def span(values: list[float], fmt: str = "{:.2f}") -> str:
+    lo, hi = min(values), max(values)
+    return fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+def table(runs: list[Run], tokens: int) -> str:
+    """One row per scheme: GB/s of each step and of its floor, and their ratio, as ranges."""
+    header = ["tokens", "scheme", "stored MB", "save GB/s fp16-eq (compress + put)"]
+    for step, _ in STEPS:
+        header += [f"{step} GB/s", f"{step} floor GB/s", f"{step} / floor"]
+    rows = []
+    for scheme in dict.fromkeys(r.scheme for r in runs):
+        mine = [r for r in runs if r.scheme == scheme]
+        row = [tokens, scheme, f"{mine[0].stored_bytes / 1e6:.1f}",
+               span([r.fp16_bytes / (r.seconds["compress"] + r.seconds["put"]) / 1e9 for r in mine])]
+        for step, basis in STEPS:
+            nbytes = (lambda r: r.decoded_bytes) if basis == "decoded" else (lambda r: r.stored_bytes)
+            row += [span([nbytes(r) / r.seconds[step] / 1e9 for r in mine]),
+                    span([nbytes(r) / r.floors[step] / 1e9 for r in mine]),
+                    span([r.floors[step] / r.seconds[step] for r in mine]) + "x"]
+        rows.append(row)
+    return markdown_table(header, rows)
+
+
+def measure(tokens: int, schemes: list[str], runs: int) -> list[Run]:
+    """`runs` runs of every scheme (interleaved, so drift spreads over all of them)."""
+    model = kv_model()
+    raw = raw_snapshot(tokens)
+    mx.eval(raw.arrays())
+    root = Path(tempfile.mkdtemp(prefix="tqstore-storage-", dir=os.environ.get("TQSTORE_BENCH_DIR")))
+    s3 = LocalS3()
+    out = []
+    try:
+        for i in range(runs):
+            for scheme in schemes:
+                r = run_scheme(model, raw, scheme, root, s3, tokens, i)
+                out.append(r)
+                print(f"run {i + 1} {scheme}: " + ", ".join(
+                    f"{k} {v:.3f}s (floor {r.floors.get(k, float('nan')):.3f}s)" for k, v in r.seconds.items()),
+                    flush=True)
+    finally:
+        s3.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4", "turbo8v3"])
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(table(measure(args.tokens, args.schemes, args.runs), args.tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
