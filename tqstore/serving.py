@@ -430,7 +430,6 @@ class ModelWorker:
         computed = len(prompt) - result.cached_tokens
         # Prefill cost is close to linear at these lengths: scale the measured part to the whole.
         recorded = result.prefill_seconds * len(stored) / computed if computed else 0.0
-        t0 = time.perf_counter()
         try:
             future = self.engine.store_caches(name, self.loaded, self.scheme, caches, stored,
                                               prefill_seconds=recorded, ttl=self.policy.ttl,
@@ -443,6 +442,8 @@ class ModelWorker:
             log.exception("saving the prompt as %s failed", name)
             self.metrics.saved("failed")
             return
+        # Timed from the hand-over: compressing ran above, on this thread, before the next job.
+        t0 = time.perf_counter()
 
         def done(f: Future) -> None:
             if f.exception() is None:
