@@ -232,6 +232,7 @@ def test_metrics_are_prometheus_text_and_count_what_happened(server, client):
     assert delta('tqstore_prefix_hits_total{tier="memory"}') == 1
     assert delta("tqstore_cached_tokens_total") > 30
     assert delta('tqstore_autosaves_total{outcome="saved"}') == 1
+    assert delta("tqstore_autosave_seconds_count") == 1 and delta("tqstore_autosave_seconds_sum") > 0
     assert delta('tqstore_autosaves_total{outcome="covered"}') == 1
     assert delta("tqstore_restore_seconds_count") == 1 and delta("tqstore_prefill_seconds_count") == 2
     assert after['tqstore_store_bytes{tier="lmdb"}'] > 0 and after['tqstore_store_entries{tier="lmdb"}'] >= 1
