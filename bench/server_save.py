@@ -54,23 +54,25 @@ def complete(server, prompt: str, max_tokens: int) -> None:
     assert status == 200, body
 
 
-def first_token_seconds(server, prompt: str) -> float:
-    """Seconds from sending a streamed completion to its first text chunk (the rest is drained)."""
+def first_token_seconds(server, prompt: str, at_first=lambda: None) -> tuple[float, object]:
+    """Seconds from sending a streamed completion to its first text chunk (the rest is drained),
+    and what `at_first` returned when that chunk came."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
     body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     assert response.status == 200, response.read()
-    first = None
+    first = seen = None
     for line in response:
         if first is None and line.startswith(b"data: {"):
             if any(c.get("text") for c in json.loads(line[6:])["choices"]):
                 first = time.perf_counter() - t0
+                seen = at_first()
     conn.close()
     if first is None:
         raise RuntimeError("the stream carried no text")
-    return first
+    return first, seen
 
 
 def long_prompt(tokenizer, run: int, tokens: int) -> str:
@@ -82,23 +84,25 @@ def long_prompt(tokenizer, run: int, tokens: int) -> str:
     return tokenizer.decode(ids)
 
 
-def one_run(server, saving: bool, a: str, b: str) -> tuple[float, float | None]:
-    """(B's first-token seconds, A's put seconds or None) for A then B on one server."""
+def one_run(server, saving: bool, a: str, b: str) -> tuple[float, float | None, bool | None]:
+    """(B's first-token seconds, A's put seconds, whether A's save was still pending when B's
+    first token came) for A then B on one server; the last two are None without saves."""
     before = metrics(server) if saving else {}
     complete(server, a, max_tokens=1)
-    ttft = first_token_seconds(server, b)
+    ttft, pending = first_token_seconds(server, b, lambda: saving and metrics(server)[SAVED] == before[SAVED])
     if not saving:
-        return ttft, None
+        return ttft, None, None
     deadline = time.monotonic() + 300
     while (now := metrics(server))[SAVED] == before[SAVED]:
         if time.monotonic() > deadline:
             raise RuntimeError("A's prefix was not saved within 300 s")
         time.sleep(0.05)
-    return ttft, now["tqstore_autosave_seconds_sum"] - before["tqstore_autosave_seconds_sum"]
+    return ttft, now["tqstore_autosave_seconds_sum"] - before["tqstore_autosave_seconds_sum"], pending
 
 
-def measure(tmp: Path, model: Path, tokenizer, scheme: str, args) -> list[tuple[float, float, float]]:
-    """(B's first token with --no-save, with A saving, A's put) per run, for one scheme."""
+def measure(tmp: Path, model: Path, tokenizer, scheme: str, args) -> list[tuple[float, float, float, bool]]:
+    """(B's first token with --no-save, with A saving, A's put, A's save pending at B's first
+    token) per run, for one scheme."""
     from server_process import ServerProcess
 
     tmp.mkdir()
@@ -109,11 +113,11 @@ def measure(tmp: Path, model: Path, tokenizer, scheme: str, args) -> list[tuple[
     try:
         for run in range(args.runs):
             a, b = long_prompt(tokenizer, run, args.tokens), f"Question {run}: who pays for delays?"
-            sync, _ = one_run(servers[False], False, a, b)
-            ttft, put = one_run(servers[True], True, a, b)
-            runs.append((sync, ttft, put))
-            print(f"{scheme} run {run + 1}: B first token {ttft:.3f} s (no save {sync:.3f} s), A's put {put:.3f} s",
-                  flush=True)
+            sync, _, _ = one_run(servers[False], False, a, b)
+            ttft, put, pending = one_run(servers[True], True, a, b)
+            runs.append((sync, ttft, put, pending))
+            print(f"{scheme} run {run + 1}: B first token {ttft:.3f} s (no save {sync:.3f} s), A's put {put:.3f} s, "
+                  f"still pending at B's first token: {pending}", flush=True)
     finally:
         for server in servers.values():
             server.stop()
@@ -148,17 +152,19 @@ def main(argv: list[str]) -> None:
         replace_section(DOC, "bench-server-save", f"{stamp(argv)}\n\n{table}")
 
 
-def render(args, rows: list[tuple[str, list[tuple[float, float, float]]]]) -> str:
+def render(args, rows: list[tuple[str, list[tuple[float, float, float, bool]]]]) -> str:
     """Per scheme, the range over the runs of B's first token with and without saves, and A's put."""
     def span(values) -> str:
         return f"{min(values):.3f}-{max(values):.3f}"
 
     body = []
     for scheme, runs in rows:
-        s, t, p = zip(*runs)
-        body.append([args.tokens, scheme, len(runs), span(s), span(t), span([x - y for x, y in zip(t, s)]), span(p)])
+        s, t, p, pending = zip(*runs)
+        body.append([args.tokens, scheme, len(runs), span(s), span(t), span([x - y for x, y in zip(t, s)]), span(p),
+                     f"{sum(pending)}/{len(runs)}"])
     return markdown_table(["A prompt tokens", "scheme", "runs", "B first token, --no-save (s)",
-                           "B first token, A saving (s)", "difference (s)", "A's put (s)"], body)
+                           "B first token, A saving (s)", "difference (s)", "A's put (s)",
+                           "A's save still pending at B's first token"], body)
 
 
 if __name__ == "__main__":
