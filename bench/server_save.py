@@ -9,8 +9,9 @@ Each run sends both servers, in turn, request A (a long prompt, one token of ans
 prefix is saved after the response) and, as soon as A's response is read, request B (a short
 unrelated prompt, streamed); B's time to first token is timed from sending it to its first text
 chunk. A's put time is the server's own `tqstore_autosave_seconds` (from the hand-over to the
-writer until stored), read from /metrics once the save has landed. Had B waited for the put,
-its first token would come at least that much later than with `--no-save`.
+writer until stored), read from /metrics once the save has landed; /metrics is also read as
+B's first token arrives, to see whether A's save was still pending then. Had B waited for the
+put, its first token would come at least that much later than with `--no-save`.
 """
 
 from __future__ import annotations
