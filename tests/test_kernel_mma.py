@@ -292,6 +292,7 @@ def test_emulated_benchmark_shape_one_and_many_blocks(threadgroups):
 nvcc = shutil.which("nvcc")
 
 
+@pytest.mark.slow  # about 2 minutes of nvcc on 2 cores: on demand, and on the GPU machine
 @pytest.mark.skipif(nvcc is None, reason="needs nvcc")
 def test_tensor_core_sources_compile(tmp_path):
     """Every key format and value width at d=128 (every prefetch depth; affine keys also with the
