@@ -349,12 +349,7 @@ class ModelWorker:
         max_tokens = min(s.max_tokens, self.max_tokens_limit)
         scanner = StopScanner(s.stop)
 
-        def stop(text: str) -> bool:
-            new = scanner.feed(text)
-            if new:
-                job.send(Text(new))
-            return scanner.end is not None or job.cancelled.is_set()
-
+        stop = _stop_callback(job, scanner)
         self.writer.wait_for(prompt)  # a prefix of this prompt still being stored: let it land first
         result, caches = yield from self.engine.generation(
             self.loaded, self.scheme, prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p,
@@ -390,12 +385,7 @@ class ModelWorker:
         s = request.sampling
         scanner = StopScanner(s.stop)
 
-        def stop(text: str) -> bool:
-            new = scanner.feed(text)
-            if new:
-                job.send(Text(new))
-            return scanner.end is not None or job.cancelled.is_set()
-
+        stop = _stop_callback(job, scanner)
         started = Started(context.caches, len(context.tokens), "composed", context.seconds)
         job.send(Accepted(len(prompt), context.reused, "composed"))
         result, _ = yield from self.engine.generation(
@@ -470,3 +460,15 @@ class ModelWorker:
                                       ttl=source.ttl, metadata={"tqstore.saved_by": "serve"})
         job.send(Finished(self.engine.store.info(name)))
 
+
+def _stop_callback(job: Job, scanner: StopScanner) -> Callable[[str], bool]:
+    """The engine's `stop`: forwards the text that is safe to send (it cannot end in a stop
+    string) and says whether a stop string appeared or the client went away."""
+
+    def stop(text: str) -> bool:
+        new = scanner.feed(text)
+        if new:
+            job.send(Text(new))
+        return scanner.end is not None or job.cancelled.is_set()
+
+    return stop
