@@ -46,7 +46,6 @@ class SaveRow:
     compress_seconds: float
     put_seconds: float
     push_seconds: float = 0.0
-    pull_seconds: float = 0.0
     restore_seconds: dict = field(default_factory=dict)  # tier -> seconds
 
     @property
@@ -160,9 +159,6 @@ def run_scheme(ctx: Context, scheme: str, loaded, home: Path, s3: LocalS3 | None
         remote = Store.open(remote_home, config=load_config(remote_home, overrides))
         remote.ls(remote=True)  # refresh the remote index outside the timing
         measure(remote)
-        t4 = time.perf_counter()
-        remote.pull(name)
-        save.pull_seconds = time.perf_counter() - t4
         remote.close()
     else:
         store.close()

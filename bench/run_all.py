@@ -149,13 +149,13 @@ def model_sections(args) -> dict[str, str]:
               gbps(s.stored_bytes, floors[(s.context, s.scheme)][1]),
               gbps(s.stored_bytes, floors[(s.context, s.scheme)][2])] for s in save_rows]),
         "bench-transfer": markdown_table(
-            ["context", "scheme", "stored MB", "push s", "boto3 upload s", "push overhead", "pull s",
-             "boto3 download s", "pull overhead"],
+            ["context", "scheme", "stored MB", "push s", "boto3 upload s", "push overhead"],
             [[s.context, s.scheme, mb(s.stored_bytes), f"{s.push_seconds:.3f}",
               f"{floors[(s.context, s.scheme)][2]:.3f}",
-              f"{s.push_seconds / floors[(s.context, s.scheme)][2]:.1f}x", f"{s.pull_seconds:.3f}",
-              f"{floors[(s.context, s.scheme)][3]:.3f}",
-              f"{s.pull_seconds / floors[(s.context, s.scheme)][3]:.1f}x"] for s in save_rows if s.push_seconds])
+              f"{s.push_seconds / floors[(s.context, s.scheme)][2]:.1f}x"] for s in save_rows if s.push_seconds])
+        # A pull here lands in the home that pushed the entry, so nothing moves: pulls into an
+        # empty home are measured in bench-storage.
+        + "\n\nPull into an empty home: see the storage table (bench-storage)."
         + ("" if dedup is None else
            f"\n\nDedup: an entry of {dedup['first_tokens']} tokens pushed {mb(dedup['first_bytes'])} MB; a second "
            f"entry extending it by 512 tokens ({mb(dedup['second_total'])} MB in all) uploaded "
