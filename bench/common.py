@@ -6,6 +6,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HOME = Path(os.environ.get("TQSTORE_HOME", Path.home() / ".cache" / "tqstore"))
@@ -140,3 +141,20 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def compressed(model, raw, scheme: str):
+    """(snapshot of the raw caches `raw` under `scheme`, seconds to compress and evaluate it)."""
+    import mlx.core as mx
+
+    from turboquant import TurboQuantKVCache, make_prompt_cache, restore_as, snapshot
+
+    caches = restore_as(raw, make_prompt_cache(model, scheme))
+    mx.eval([c.state for c in caches])
+    t0 = time.perf_counter()
+    for c in caches:
+        if isinstance(c, TurboQuantKVCache):
+            c.compress()
+    snap = snapshot(caches)
+    mx.eval(snap.arrays())
+    return snap, time.perf_counter() - t0

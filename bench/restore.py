@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from common import LocalS3, drop_page_cache
+from common import LocalS3, compressed, drop_page_cache
 
 QUESTION_TOKENS = 16
 
@@ -115,7 +115,6 @@ def run_scheme(ctx: Context, scheme: str, loaded, home: Path, s3: LocalS3 | None
     from tqstore.config import load_config
     from tqstore.engine import Engine
     from tqstore.store import Store
-    from turboquant import TurboQuantKVCache, make_prompt_cache, restore_as, snapshot
 
     overrides = {"s3_url": s3.url(home.name), "s3_endpoint": s3.endpoint} if s3 else {}
     config = load_config(home, overrides)
@@ -123,19 +122,12 @@ def run_scheme(ctx: Context, scheme: str, loaded, home: Path, s3: LocalS3 | None
     engine = Engine(store)
     engine.use_model(loaded)
     name = f"ctx{len(ctx.tokens)}-{scheme}"
-    caches = restore_as(ctx.raw, make_prompt_cache(loaded.model, scheme))
-    mx.eval([c.state for c in caches])
-    t0 = time.perf_counter()
-    for c in caches:
-        if isinstance(c, TurboQuantKVCache):
-            c.compress()
-    snap = snapshot(caches)
-    mx.eval(snap.arrays())
+    snap, compress_seconds = compressed(loaded.model, ctx.raw, scheme)
     t1 = time.perf_counter()
     result = store.put(name, snap, ctx.tokens, model=loaded.identity, codec=engine.codec_identity(loaded, scheme),
                        model_ref=str(loaded.path), prefill_seconds=ctx.prefill_seconds)
     t2 = time.perf_counter()
-    save = SaveRow(len(ctx.tokens), scheme, result.manifest.nbytes, ctx.fp16_bytes, t1 - t0, t2 - t1)
+    save = SaveRow(len(ctx.tokens), scheme, result.manifest.nbytes, ctx.fp16_bytes, compress_seconds, t2 - t1)
     rows = []
 
     def measure(tier_store):

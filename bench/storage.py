@@ -35,7 +35,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import LocalS3, drop_page_cache, markdown_table  # noqa: E402
+from common import LocalS3, compressed, drop_page_cache, markdown_table  # noqa: E402
 
 GEOMETRY = dict(model_type="qwen2", hidden_size=896, num_hidden_layers=24, intermediate_size=64,
                 num_attention_heads=14, num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6,
@@ -77,21 +77,6 @@ def raw_snapshot(tokens: int, seed: int = 0):
         layers.append(LayerRecord(Layout.RAW, tokens, {"keys": mx.array(k), "values": mx.array(v)},
                                   {"class": "KVCache"}))
     return Snapshot(layers=layers, codecs={})
-
-
-def compressed(model, raw, scheme: str):
-    """(snapshot of `scheme`, seconds to compress)."""
-    from turboquant import TurboQuantKVCache, make_prompt_cache, restore_as, snapshot
-
-    caches = restore_as(raw, make_prompt_cache(model, scheme))
-    mx.eval([c.state for c in caches])
-    t0 = time.perf_counter()
-    for c in caches:
-        if isinstance(c, TurboQuantKVCache):
-            c.compress()
-    snap = snapshot(caches)
-    mx.eval(snap.arrays())
-    return snap, time.perf_counter() - t0
 
 
 def lmdb_put_floor(nbytes: int, folder: Path, segment: int = 1 << 20) -> float:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 
-import lmdb
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from lmdb_damage import flip_segment_byte
 from model_folder import write_model_folder
 from tiny_models import build_model
 from tqstore import Store
@@ -159,14 +159,7 @@ def test_a_damaged_chunk_is_a_miss_and_prefilled_again(engine, model_dir, tmp_pa
     key = name.blocks[0].key
     path = str(engine.store.tiers.lmdb.path)
     engine.store.close()
-    env = lmdb.open(path, max_dbs=10)
-    segments = env.open_db(b"segments")
-    with env.begin(write=True) as txn:
-        seg_key = key + (0).to_bytes(4, "big")
-        data = bytearray(txn.get(seg_key, db=segments))
-        data[len(data) // 2] ^= 0xFF
-        txn.put(seg_key, bytes(data), db=segments)
-    env.close()
+    flip_segment_byte(path, key)
     engine = open_engine(tmp_path / "home")
     engine.use_model(loaded)
     context = composed_caches(engine, loaded, docs, "turbo4", recompute=0.0)

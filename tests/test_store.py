@@ -10,11 +10,11 @@ from __future__ import annotations
 import hashlib
 import time
 
-import lmdb
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from lmdb_damage import flip_segment_byte
 from test_blocks import assert_same_array, assert_same_snapshot, make_snapshot
 from tiny_models import build_model, prompt_tokens
 from tqstore import Store
@@ -376,14 +376,7 @@ def _damage_segment(store: Store, key: bytes) -> None:
     """Flip a byte of the object's first segment in the LMDB file (the store is closed)."""
     path = str(lmdb_tier(store).path)
     store.close()
-    env = lmdb.open(path, max_dbs=10)
-    segments = env.open_db(b"segments")
-    with env.begin(write=True) as txn:
-        seg_key = key + (0).to_bytes(4, "big")
-        data = bytearray(txn.get(seg_key, db=segments))
-        data[len(data) // 2] ^= 0xFF
-        txn.put(seg_key, bytes(data), db=segments)
-    env.close()
+    flip_segment_byte(path, key)
 
 
 def test_a_corrupt_lmdb_object_is_a_miss_and_quarantined(store):
