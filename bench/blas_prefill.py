@@ -23,14 +23,14 @@ tokens = mx.array(text_tokens(tok, DEFAULT_TEXT, {n}))[None]
 mx.eval(model.model(tokens[:, :8], cache=make_prompt_cache(model)))  # warm up
 t0 = time.perf_counter()
 mx.eval(model.model(tokens, cache=make_prompt_cache(model)))
-from tqstore.blas import active_blas
+from tqstore.models.blas import active_blas
 print(json.dumps({{"blas": active_blas(), "tokens": {n}, "seconds": time.perf_counter() - t0}}))
 """
 
 
 def measure(model: Path, n: int, blas: str) -> dict:
     """Prefill `n` tokens in a fresh process using `blas` ("bundled" or "openblas")."""
-    from tqstore.blas import openblas_environment
+    from tqstore.models.blas import openblas_environment
 
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TQSTORE_BLAS_ACTIVE", "OPENBLAS_CORETYPE")}
     if blas == "openblas":

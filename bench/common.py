@@ -16,8 +16,8 @@ LICENCE_CHARS = 5000  # the corpus files open with licence headers
 
 
 def use_openblas(argv: list[str]) -> None:
-    """Re-exec this script with Debian's OpenBLAS preloaded (see tqstore/blas.py)."""
-    from tqstore.blas import reexec_with
+    """Re-exec this script with Debian's OpenBLAS preloaded (see tqstore/models/blas.py)."""
+    from tqstore.models.blas import reexec_with
     from tqstore.errors import ConfigError
 
     try:
@@ -27,7 +27,7 @@ def use_openblas(argv: list[str]) -> None:
 
 
 def blas_name() -> str:
-    from tqstore.blas import active_blas
+    from tqstore.models.blas import active_blas
 
     return "OpenBLAS (preloaded)" if active_blas() == "openblas" else "bundled reference BLAS (mlx[cpu] wheel)"
 

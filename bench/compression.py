@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from tqstore.config import load_config
-    from tqstore.identity import CodecIdentity, ModelIdentity
-    from tqstore.store import Store
+    from tqstore.models.identity import CodecIdentity, ModelIdentity
+    from tqstore.store.store import Store
     from turboquant import TurboQuantKVCache, make_prompt_cache, restore_as, snapshot
     from turboquant.quality import bits_per_element, raw_prefix
 

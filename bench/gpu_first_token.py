@@ -56,8 +56,8 @@ def probe(home: Path, max_tokens: int) -> dict:
     import mlx.core as mx
 
     from tqstore.config import load_config
-    from tqstore.engine import Engine
-    from tqstore.store import Store
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
     from turboquant import kernels
     from turboquant.kernels import host as khost
     phases["imports"] = time.perf_counter() - t

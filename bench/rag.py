@@ -110,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from tqstore import Store
-    from tqstore.chunks import ensure_chunk, prefix_tokens
-    from tqstore.compose import SELECT, SINK_TOKENS, compose
+    from tqstore.engine.chunks import ensure_chunk, prefix_tokens
+    from tqstore.engine.compose import SELECT, SINK_TOKENS, compose
     from tqstore.config import load_config
-    from tqstore.engine import Engine
+    from tqstore.engine.engine import Engine
     from turboquant import make_prompt_cache
 
     options = {"full_layers": args.full_layers,

@@ -113,8 +113,8 @@ def answer_first_token(engine, loaded, scheme: str, ctx: Context) -> tuple[float
 
 def run_scheme(ctx: Context, scheme: str, loaded, home: Path, s3: LocalS3 | None) -> tuple[SaveRow, list[TierRow]]:
     from tqstore.config import load_config
-    from tqstore.engine import Engine
-    from tqstore.store import Store
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
 
     overrides = {"s3_url": s3.url(home.name), "s3_endpoint": s3.endpoint} if s3 else {}
     config = load_config(home, overrides)
@@ -191,8 +191,8 @@ def boto3_floor(s3: LocalS3, nbytes: int) -> tuple[float, float]:
 def dedup_push(loaded, ctx: Context, scheme: str, home: Path, s3: LocalS3, extra_tokens: list[int]) -> dict:
     """Push an entry, then a second one sharing its context as a prefix: bytes uploaded each time."""
     from tqstore.config import load_config
-    from tqstore.engine import Engine
-    from tqstore.store import Store
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
 
     config = load_config(home, {"s3_url": s3.url(home.name), "s3_endpoint": s3.endpoint})
     store = Store.open(home, config=config)

@@ -88,9 +88,9 @@ def model_sections(args) -> dict[str, str]:
     import restore as R
     from peers import mlx_lm_files
 
-    from tqstore.loading import LoadedModel
-    from tqstore.identity import ModelIdentity
-    from tqstore.prompting import prompt_format
+    from tqstore.models.loading import LoadedModel
+    from tqstore.models.identity import ModelIdentity
+    from tqstore.models.prompting import prompt_format
     from turboquant.quality import prefill as body_prefill
 
     plan = QUICK if args.quick else FULL
@@ -180,7 +180,7 @@ def blas_section(args) -> str:
     """Prefill speed with each BLAS library (each in its own process)."""
     from blas_prefill import measure as blas_measure
 
-    from tqstore.blas import openblas_environment
+    from tqstore.models.blas import openblas_environment
     from tqstore.errors import ConfigError
 
     rows = []

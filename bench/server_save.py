@@ -134,7 +134,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--no-doc", action="store_true", help="print the table only")
     args = parser.parse_args(argv[1:])
     if args.openblas:
-        from tqstore.blas import openblas_environment
+        from tqstore.models.blas import openblas_environment
 
         os.environ.update(openblas_environment())
 

@@ -139,8 +139,8 @@ def boto3_floors(s3: LocalS3, nbytes: int, part: int, concurrency: int) -> tuple
 def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int, run_index: int = 0) -> Run:
     """Every step of one scheme, each beside its floor."""
     from tqstore.config import load_config
-    from tqstore.identity import CodecIdentity, ModelIdentity
-    from tqstore.store import Store
+    from tqstore.models.identity import CodecIdentity, ModelIdentity
+    from tqstore.store.store import Store
     from turboquant import make_prompt_cache, snapshot
 
     run = Run(scheme)

@@ -210,7 +210,7 @@ def _filesystem(path: Path) -> str | None:
 
 
 def blas() -> Check:
-    from tqstore.blas import active_blas, openblas_environment
+    from tqstore.models.blas import active_blas, openblas_environment
     from tqstore.errors import ConfigError
 
     active = active_blas()
@@ -230,8 +230,8 @@ def s3(config: Config) -> Check:
     if config.s3_url is None:
         return Check("s3", "skip", "not configured (tqstore config set s3.url s3://BUCKET/PREFIX)")
     from tqstore.errors import RemoteError
-    from tqstore.tiers.s3 import S3Tier
-    from tqstore.tiers.s3_errors import Missing, boto_errors
+    from tqstore.store.tiers.s3 import S3Tier
+    from tqstore.store.tiers.s3_errors import Missing, boto_errors
 
     where = config.s3_endpoint or "AWS"
     data = {"url": config.s3_url, "endpoint": config.s3_endpoint}

@@ -16,8 +16,8 @@ from tqstore.config import Config, load_config, resolve_home
 from .output import Output
 
 if TYPE_CHECKING:
-    from tqstore.engine import Engine
-    from tqstore.store import Store
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
 
 
 class Context:
@@ -45,7 +45,7 @@ class Context:
     def store(self) -> Store:
         """The home's Store, opened once per run."""
         if self._store is None:
-            from tqstore.store import Store
+            from tqstore.store.store import Store
 
             self._store = Store.open(config=self.config)
         return self._store
@@ -53,7 +53,7 @@ class Context:
     def engine(self) -> Engine:
         """An Engine over the home's Store (models load on first use)."""
         if self._engine is None:
-            from tqstore.engine import Engine
+            from tqstore.engine.engine import Engine
 
             self._engine = Engine(self.store())
         return self._engine

@@ -167,7 +167,7 @@ def _choose_blas(args: argparse.Namespace, argv: list[str], out: Output) -> None
     """Restart this process on OpenBLAS when --blas, $TQSTORE_BLAS or the config's store.blas
     (default `auto`: wherever it is installed) says so, before MLX runs; commands that run the
     model say once how to install it when it is missing."""
-    from tqstore import blas
+    from tqstore.models import blas
     from tqstore.config import load_config
 
     library, hint = blas.resolve(args.blas or load_config(args.home).blas)

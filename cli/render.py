@@ -31,7 +31,7 @@ def asdict(obj: Any) -> dict[str, Any]:
 
 
 def entry_doc(info) -> dict[str, Any]:
-    """One entry (tqstore.store.EntryInfo)."""
+    """One entry (tqstore.store.store.EntryInfo)."""
     doc = asdict(info)
     doc["metadata"] = dict(info.metadata)
     return doc
@@ -72,7 +72,7 @@ def _model(e) -> str:
 
 
 def save_doc(result, model: str) -> dict[str, Any]:
-    """`save` (tqstore.engine.SaveResult plus the model it used)."""
+    """`save` (tqstore.engine.engine.SaveResult plus the model it used)."""
     return asdict(result) | {"model": model}
 
 
@@ -84,7 +84,7 @@ def save_line(result) -> str:
 
 
 def answer_doc(result, **extra: Any) -> dict[str, Any]:
-    """`ask` (and each chat turn): tqstore.engine.AskResult without the token ids."""
+    """`ask` (and each chat turn): tqstore.engine.engine.AskResult without the token ids."""
     doc = {
         "text": result.text, "prompt_tokens": result.prompt_tokens, "cached_tokens": result.cached_tokens,
         "tier": result.tier, "restore_seconds": result.restore_seconds, "prefill_seconds": result.prefill_seconds,
@@ -120,7 +120,7 @@ def answer_line(result, verbose: bool = False) -> str:
 
 
 def transfer_line(verb: str, stats) -> str:
-    """`push` / `pull`'s summary (tqstore.store.TransferStats)."""
+    """`push` / `pull`'s summary (tqstore.store.store.TransferStats)."""
     names = ", ".join(stats.entries) if len(stats.entries) <= 3 else f"{len(stats.entries)} entries"
     if not stats.entries:
         return f"nothing to {verb}"
@@ -129,7 +129,7 @@ def transfer_line(verb: str, stats) -> str:
 
 
 def gc_lines(out: Output, stats) -> None:
-    """`gc`'s summary (tqstore.store.GcStats)."""
+    """`gc`'s summary (tqstore.store.store.GcStats)."""
     parts = [f"{len(stats.expired)} expired entries", f"{stats.orphans} unused objects ({size(stats.orphan_bytes)})"]
     if stats.quarantine_cleared:
         parts.append(f"{stats.quarantine_cleared} quarantine records")
@@ -144,7 +144,7 @@ def gc_lines(out: Output, stats) -> None:
 
 
 def stats_doc(stats) -> dict[str, Any]:
-    """`stats` (tqstore.store.StoreStats)."""
+    """`stats` (tqstore.store.store.StoreStats)."""
     doc = asdict(stats)
     doc["tiers"] = {name: asdict(tier) for name, tier in stats.tiers.items()}
     return doc
@@ -163,5 +163,5 @@ def stats_table(out: Output, stats) -> None:
 
 
 def problem_doc(problem) -> dict[str, Any]:
-    """One `verify` finding (tqstore.store.Problem)."""
+    """One `verify` finding (tqstore.store.store.Problem)."""
     return asdict(problem)

@@ -16,7 +16,7 @@ import botocore.config
 import pytest
 from moto.server import ThreadedMotoServer
 
-from tqstore.tiers.s3 import S3Tier
+from tqstore.store.tiers.s3 import S3Tier
 
 BUCKET = "tqstore-test"
 

@@ -1,6 +1,6 @@
 """A real `tqstore serve` in a subprocess on a free loopback port, and raw HTTP helpers.
 
-The server is started as `python -m tqstore.server --port 0`; it prints the port it chose, and
+The server is started as `python -m tqstore.serve --port 0`; it prints the port it chose, and
 the helper waits for /healthz before handing it to a test.
 """
 
@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """`python -m tqstore.server --home HOME --model MODEL --port 0 *flags`, ready to talk to."""
+    """`python -m tqstore.serve --home HOME --model MODEL --port 0 *flags`, ready to talk to."""
 
     def __init__(self, home: Path, model: Path, *flags: str, api_key: str | None = None):
         self.api_key = api_key
@@ -32,7 +32,7 @@ class ServerProcess:
         self.log_path = Path(home).with_name(Path(home).name + "-server.log")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tqstore.server", "--home", str(home), "--model", str(model), "--port", "0",
+            [sys.executable, "-m", "tqstore.serve", "--home", str(home), "--model", str(model), "--port", "0",
              *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.port = self._read_port(timeout=60)
         self.base = f"http://127.0.0.1:{self.port}"

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, make_prompt_cache
 
 import arch_configs
-from tqstore import format as fmt
+from tqstore.format import objects as fmt
 from turboquant import restore, snapshot
 from turboquant.records import split_children
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from arch_configs import NOT_BUILDABLE, build, families
-from tqstore import format as F
+from tqstore.format import objects as F
 from turboquant.integration import compress_caches, layer_residences, make_prompt_cache, restore, snapshot
 from turboquant.residence import Residence, residence_of
 

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import arch_configs
 from test_identity import write_model
-from tqstore.identity import CodecIdentity, ModelIdentity, describe_difference
+from tqstore.models.identity import CodecIdentity, ModelIdentity, describe_difference
 from turboquant import snapshot
 
 HYBRID = {"model_type": "qwen3_5", "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,

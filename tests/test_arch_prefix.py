@@ -15,10 +15,10 @@ import arch_configs
 from model_folder import write_model_folder
 from test_arch_all import cache_arrays
 from tqstore import Store
-from tqstore import format as fmt
-from tqstore.blocks import BLOCK_SIZE, split_snapshot
+from tqstore.format import objects as fmt
+from tqstore.format.blocks import BLOCK_SIZE, split_snapshot
 from tqstore.config import load_config
-from tqstore.engine import Engine
+from tqstore.engine.engine import Engine
 from turboquant import make_prompt_cache
 from turboquant.checkpoints import StateCheckpoints
 from turboquant.records import Layout, state_boundaries

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from tqstore.background import BackgroundWriter
+from tqstore.engine.background import BackgroundWriter
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from tqstore import blas
+from tqstore.models import blas
 from tqstore.errors import ConfigError
 
 

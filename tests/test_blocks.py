@@ -1,4 +1,4 @@
-"""Token blocks, chained keys, split/join (tqstore.blocks).
+"""Token blocks, chained keys, split/join (tqstore.format.blocks).
 
 `make_snapshot` (used by the format tests too) builds a Snapshot for any layouts with random
 arrays of the right shapes and dtypes, including values that only a bit-exact path keeps
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tqstore.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calibration_digest, join_blocks,
+from tqstore.format.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calibration_digest, join_blocks,
                             split_snapshot)
 from tqstore.canonical import tensor_bytes
 from turboquant.codec import TurboCodec
@@ -229,7 +229,7 @@ def test_keys_follow_the_documented_byte_layout():
 def test_keys_are_identical_in_another_process():
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 2**32, 700)]
     here = [k.hex for k in block_keys(tokens, M, C, K)]
-    code = ("import sys; from tqstore.blocks import block_keys; "
+    code = ("import sys; from tqstore.format.blocks import block_keys; "
             f"print(' '.join(k.hex for k in block_keys({tokens!r}, {M!r}, {C!r}, {K!r})))")
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,

@@ -1,4 +1,4 @@
-"""Single-file bundles and atomic file writes (tqstore.bundle)."""
+"""Single-file bundles and atomic file writes (tqstore.exchange.bundle)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tqstore import bundle
-from tqstore.bundle import parse_bundle, read_bundle, write_bundle
+from tqstore.exchange import bundle
+from tqstore.exchange.bundle import parse_bundle, read_bundle, write_bundle
 from tqstore.durable import write_file_atomic
 from tqstore.errors import (BadMagic, ChecksumMismatch, DiskFull, FormatVersionTooNew, MalformedHeader,
                             TqstoreError, TruncatedData)

@@ -14,10 +14,10 @@ from lmdb_damage import flip_segment_byte
 from model_folder import write_model_folder
 from tiny_models import build_model
 from tqstore import Store
-from tqstore.chunks import Document, chunk_address, composed_caches, prefix_tokens
-from tqstore.compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
+from tqstore.engine.chunks import Document, chunk_address, composed_caches, prefix_tokens
+from tqstore.engine.compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
 from tqstore.config import load_config
-from tqstore.engine import Engine
+from tqstore.engine.engine import Engine
 from tqstore.errors import BadInput, IdentityMismatch
 
 X = "The contract says the seller pays for delays, and clause seven covers delivery."

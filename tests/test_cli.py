@@ -333,7 +333,7 @@ def test_model_ls_and_install_say_what_they_do(cli, monkeypatch, tmp_path):
     assert listed[0]["path"] == f"{cli.home}/models/qwen2.5-coder-0.5b" and "Qwen2.5" in listed[0]["description"]
     fails(cli("model", "install", "no-such-model"), "unknown model 'no-such-model'")
 
-    import tqstore.modelpack as modelpack
+    import tqstore.models.pack as modelpack
 
     def fake_install(model_id, home, progress=None):  # no download in tests
         for stage in ("download", "assemble", "convert", "publish"):
@@ -453,7 +453,7 @@ def test_progress_and_notes_stay_off_stdout(cli, model, monkeypatch):
 def test_os_errors_and_bugs_are_one_line(cli, monkeypatch):
     import errno
 
-    from tqstore.store import Store
+    from tqstore.store.store import Store
 
     def raising(exc):
         def ls(self, remote=False):
@@ -469,7 +469,7 @@ def test_os_errors_and_bugs_are_one_line(cli, monkeypatch):
 
 
 def test_missing_openblas_is_one_install_line_for_model_commands_only(cli, monkeypatch, tmp_path):
-    from tqstore import blas
+    from tqstore.models import blas
 
     monkeypatch.setenv("TQSTORE_BLAS", "auto")
     monkeypatch.setattr(blas.sys, "platform", "linux")

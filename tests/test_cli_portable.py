@@ -1,4 +1,4 @@
-"""tqstore.portable: an entry through one bundle file (export, verified import) and mlx-lm files."""
+"""tqstore.exchange.portable: an entry through one bundle file (export, verified import) and mlx-lm files."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import pytest
 
 from model_folder import write_model_folder
 from tqstore import Store
-from tqstore.bundle import read_bundle, write_bundle
+from tqstore.exchange.bundle import read_bundle, write_bundle
 from tqstore.config import load_config
-from tqstore.engine import Engine
+from tqstore.engine.engine import Engine
 from tqstore.errors import ChecksumMismatch, MalformedHeader, NotFound, TruncatedData, UnsupportedCache
-from tqstore.manifest import Manifest
-from tqstore.portable import export_bundle, export_mlx_lm, import_bundle, import_mlx_lm, is_bundle
+from tqstore.format.manifest import Manifest
+from tqstore.exchange.portable import export_bundle, export_mlx_lm, import_bundle, import_mlx_lm, is_bundle
 
 DOC = ("The contract says the seller pays for delays. Clause seven covers delivery, payment and penalties. "
        "To abscond is to move in a mysterious way, commonly with the property of another.")

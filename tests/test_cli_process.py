@@ -97,7 +97,7 @@ def test_output_into_a_closed_pipe_is_quiet(home):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS is for MLX's Linux CPU backend")
 def test_blas_openblas_reexecs_the_command(home):
-    from tqstore import blas
+    from tqstore.models import blas
     from tqstore.errors import ConfigError
 
     try:

@@ -111,7 +111,7 @@ def test_one_duration_grammar_for_flags():
     import argparse
 
     from cli.arguments import duration
-    from tqstore.server import _duration
+    from tqstore.serve.main import _duration
 
     assert duration("1w") == _duration("1w") == 604800.0
     with pytest.raises(argparse.ArgumentTypeError):

@@ -5,7 +5,7 @@ from mlx_lm.models.cache import KVCache
 from model_folder import write_model_folder
 from tqstore import Store
 from tqstore.config import load_config
-from tqstore.engine import Engine
+from tqstore.engine.engine import Engine
 from tqstore.errors import BadInput, IdentityMismatch, NotFound
 from turboquant import TurboQuantKVCache, make_prompt_cache
 
@@ -133,7 +133,7 @@ def test_store_caches_trims_the_answer_off(engine, model_dir):
 
 
 def test_store_caches_through_a_background_writer(engine, model_dir):
-    from tqstore.background import BackgroundWriter
+    from tqstore.engine.background import BackgroundWriter
 
     loaded = engine.model(str(model_dir))
     prompt = loaded.tokenizer.encode(DOCUMENT)[:300]

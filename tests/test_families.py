@@ -147,7 +147,7 @@ def test_at_rest_layers_export_to_mlx_lm_decoded(models, tmp_path):
     """Before: export refused them like TurboQuant layers ("mlx-lm has no cache class that reads it")."""
     from mlx_lm.models.cache import load_prompt_cache
 
-    from tqstore.interop import export_prompt_cache
+    from tqstore.exchange.mlx_lm import export_prompt_cache
 
     model = models["deepseek_v3"]
     caches = _prefilled(model, "turbo4", 50)
@@ -180,7 +180,7 @@ def test_at_rest_entries_share_prefix_blocks(tmp_path):
     from model_folder import write_model_folder
     from tqstore import Store
     from tqstore.config import load_config
-    from tqstore.engine import Engine
+    from tqstore.engine.engine import Engine
 
     model = str(write_model_folder(tmp_path / "tiny-deepseek_v3", kind="deepseek_v3"))
     store = Store.open(tmp_path / "home", config=load_config(tmp_path / "home"))

@@ -1,4 +1,4 @@
-"""The container (tqstore.format): bit-exact round trips, verification, fail-closed errors.
+"""The container (tqstore.format.objects): bit-exact round trips, verification, fail-closed errors.
 
 Property tests mutate valid objects (byte flips, truncation, inserted bytes, header edits) and
 require one of tqstore's own errors or the original data, nothing else.
@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 
 from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapshot, make_layer, make_snapshot
 from tiny_models import build_model, prompt_tokens
-from tqstore import format as F
-from tqstore.blocks import BlockKey, SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
+from tqstore.format import objects as F
+from tqstore.format.blocks import BlockKey, SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
-from tqstore.bundle import read_bundle
+from tqstore.exchange.bundle import read_bundle
 from tqstore.canonical import tensor_bytes
-from tqstore.identity import CodecIdentity, ModelIdentity
+from tqstore.models.identity import CodecIdentity, ModelIdentity
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import LayerRecord, Layout, Snapshot
 

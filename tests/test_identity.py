@@ -1,4 +1,4 @@
-"""Model and codec identities (tqstore.identity)."""
+"""Model and codec identities (tqstore.models.identity)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from test_blocks import make_snapshot
 from tiny_models import build_model
-from tqstore import model_files
+from tqstore.models import files as model_files
 from tqstore.errors import ConfigError, NotFound
-from tqstore.identity import CodecIdentity, ModelIdentity, describe_difference
+from tqstore.models.identity import CodecIdentity, ModelIdentity, describe_difference
 from turboquant import make_prompt_cache, snapshot
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 

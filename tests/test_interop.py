@@ -1,4 +1,4 @@
-"""mlx-lm prompt-cache files <-> Snapshots (tqstore.interop)."""
+"""mlx-lm prompt-cache files <-> Snapshots (tqstore.exchange.mlx_lm)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from mlx_lm.models.cache import (ArraysCache, KVCache, QuantizedKVCache, load_pr
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from tiny_models import build_model, prompt_tokens
-from tqstore import format as F
+from tqstore.format import objects as F
 from tqstore.errors import MalformedHeader, UnsupportedCache
-from tqstore.interop import export_prompt_cache, import_prompt_cache
+from tqstore.exchange.mlx_lm import export_prompt_cache, import_prompt_cache
 from turboquant import make_prompt_cache as tq_make_prompt_cache
 from turboquant import restore, snapshot
 from turboquant.integration import restore_as

@@ -1,4 +1,4 @@
-"""Entry manifests (tqstore.manifest): round trips and strict parsing."""
+"""Entry manifests (tqstore.format.manifest): round trips and strict parsing."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from tqstore.blocks import block_keys
+from tqstore.format.blocks import block_keys
 from tqstore.errors import FormatError, FormatVersionTooNew, MalformedHeader, UnsupportedFormatVersion
-from tqstore.identity import ModelIdentity, describe_difference
+from tqstore.models.identity import ModelIdentity, describe_difference
 from tqstore.canonical import canonical_json
-from tqstore.manifest import Manifest, ObjectRef, seal, window_key
+from tqstore.format.manifest import Manifest, ObjectRef, seal, window_key
 
 MODEL = ModelIdentity("w" * 64, {"num_hidden_layers": 2, "rope_scaling": {"type": "linear", "factor": 2.0},
                                  "layer_types": ["full", "sliding"]}, "t" * 64, None, None, "float16", "tiny")

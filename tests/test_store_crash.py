@@ -19,7 +19,7 @@ from pathlib import Path
 
 from test_store import open_store
 from test_store_s3 import bucket_keys, s3_store
-from tqstore.manifest import Manifest
+from tqstore.format.manifest import Manifest
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -29,7 +29,7 @@ PREAMBLE = """
     from test_blocks import make_snapshot
     from tqstore import Store
     from tqstore.config import load_config
-    from tqstore.identity import CodecIdentity, ModelIdentity
+    from tqstore.models.identity import CodecIdentity, ModelIdentity
     from turboquant.records import Layout
 
     MODEL = ModelIdentity("weights-a", {{"num_hidden_layers": 2}}, None, None, None, "float16", "synthetic")

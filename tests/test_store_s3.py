@@ -14,7 +14,7 @@ from moto.server import ThreadedMotoServer
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import CODEC, MODEL, PLAIN, decode_logits, open_store, put, stored_model_entry, token_ids
-from tqstore.blocks import join_blocks, split_snapshot
+from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.errors import ConflictError, CorruptBlock, NotFound, RemoteNotConfigured, RemoteUnreachable
 from turboquant import restore
 from turboquant.records import Layout

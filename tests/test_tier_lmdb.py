@@ -17,8 +17,8 @@ import pytest
 
 from tqstore.errors import (ConflictError, CorruptBlock, DiskFull, FormatVersionTooNew, InvalidName, StoreDamaged,
                             TqstoreError)
-from tqstore.tiers.lmdb import LmdbTier
-from tqstore.tiers.lmdb_env import check_data_file, next_map_size
+from tqstore.store.tiers.lmdb import LmdbTier
+from tqstore.store.tiers.lmdb_env import check_data_file, next_map_size
 
 SEG = 4096  # a segment holds SEG - 16 payload bytes
 PER_SEG = SEG - 16
@@ -245,7 +245,7 @@ def test_publish_writes_objects_then_the_manifest(tier):
 
 PUBLISH_THEN_DIE = """
     import hashlib, os, signal, sys
-    from tqstore.tiers.lmdb import LmdbTier
+    from tqstore.store.tiers.lmdb import LmdbTier
     tier = LmdbTier.open(sys.argv[1], segment_size=4096, map_size=1 << 20, min_free_disk_bytes=0)
     tier.put_manifest = lambda name, data: os.kill(os.getpid(), signal.SIGKILL)  # die between the commits
     tier.publish("entry", b"{}", {hashlib.sha256(b"%d" % i).digest(): b"x" * 10000 for i in range(3)})
@@ -264,7 +264,7 @@ def test_killed_between_objects_and_manifest_leaves_only_orphans(tmp_path):
 
 PUBLISH_FOREVER = """
     import hashlib, json, os, sys
-    from tqstore.tiers.lmdb import LmdbTier
+    from tqstore.store.tiers.lmdb import LmdbTier
     tier = LmdbTier.open(sys.argv[1], segment_size=4096, map_size=1 << 20, min_free_disk_bytes=0)
     print("ready", flush=True)
     for n in range(10**6):
@@ -298,7 +298,7 @@ def test_a_visible_manifest_always_has_its_objects_even_under_kill_9(tmp_path):
 
 WRITER = """
     import hashlib, random, sys
-    from tqstore.tiers.lmdb import LmdbTier
+    from tqstore.store.tiers.lmdb import LmdbTier
     path, me, other = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     key = lambda i: hashlib.sha256(str(i).encode()).digest()
     data = lambda i: random.Random(i).randbytes(1000 + (i * 7919) % 60000)
@@ -370,7 +370,7 @@ def test_compact_shrinks_the_file_and_keeps_data(tier):
 
 HOLD_OPEN = """
     import sys
-    from tqstore.tiers.lmdb import LmdbTier
+    from tqstore.store.tiers.lmdb import LmdbTier
     LmdbTier.open(sys.argv[1], segment_size=4096, map_size=1 << 20)
     print("open", flush=True)
     sys.stdin.read()

@@ -1,4 +1,4 @@
-"""The memory tier (tqstore.tiers.memory): byte budget, LRU, pins, threads."""
+"""The memory tier (tqstore.store.tiers.memory): byte budget, LRU, pins, threads."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import threading
 
 import mlx.core as mx
 
-from tqstore.blocks import SharedCodecs, Window
-from tqstore.format import Provenance
-from tqstore.tiers.memory import HotObject, MemoryTier, decoded_nbytes
+from tqstore.format.blocks import SharedCodecs, Window
+from tqstore.format.objects import Provenance
+from tqstore.store.tiers.memory import HotObject, MemoryTier, decoded_nbytes
 from turboquant.records import LayerRecord, Layout
 
 

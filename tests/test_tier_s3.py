@@ -17,7 +17,7 @@ from tqstore.config import load_config
 from tqstore.errors import (
     ConflictError, CorruptBlock, RemoteAuthError, RemoteError, RemoteNotConfigured, RemoteUnreachable,
 )
-from tqstore.tiers.s3 import S3Tier
+from tqstore.store.tiers.s3 import S3Tier
 
 MiB = 1 << 20
 

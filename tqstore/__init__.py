@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .store import Store
+    from tqstore.store.store import Store
 
 __all__ = ["Store"]
 
@@ -13,7 +13,7 @@ __all__ = ["Store"]
 def __getattr__(name: str) -> object:
     # Imported on first use: the Store pulls in MLX and mlx-lm, which `tqstore.config` users do not need.
     if name == "Store":
-        from .store import Store
+        from tqstore.store.store import Store
 
         return Store
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

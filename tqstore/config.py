@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .durable import write_file_atomic
-from .errors import ConfigError
+from tqstore.durable import write_file_atomic
+from tqstore.errors import ConfigError
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -58,9 +58,9 @@ class Config:
     s3_max_attempts: int = 5
     s3_connect_timeout: float = 10.0
     s3_read_timeout: float = 60.0
-    # Encryption at rest (tqstore/crypto.py): a file holding the key; $TQSTORE_S3_KEY wins over it.
+    # Encryption at rest (tqstore/store/crypto.py): a file holding the key; $TQSTORE_S3_KEY wins over it.
     s3_key_file: str | None = None
-    # MLX's Linux CPU matmul library (tqstore/blas.py): "auto" (OpenBLAS where installed),
+    # MLX's Linux CPU matmul library (tqstore/models/blas.py): "auto" (OpenBLAS where installed),
     # "bundled" or "openblas".
     blas: str = "auto"
 
@@ -180,7 +180,7 @@ def _scheme(where: str, raw: object) -> str:
 
 
 def _check_key_file(where: str, raw: str) -> None:
-    from .crypto import parse_key
+    from tqstore.store.crypto import parse_key
 
     path = Path(raw).expanduser()
     try:

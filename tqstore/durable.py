@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
-from .errors import DiskFull
+from tqstore.errors import DiskFull
 
 
 def write_file_atomic(path: str | os.PathLike, data: bytes | Iterable[bytes]) -> None:

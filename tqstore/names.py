@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InvalidName
+from tqstore.errors import InvalidName
 
 # ASCII only and no separators, so a name is safe as an LMDB key, an S3 key part and a file name
 # on every platform; it cannot start with '.' or '-' (no hidden files, no ".." and no flag lookalikes).

@@ -90,7 +90,7 @@ def _stored_demo(store, loaded, text: str):
 
 
 def _active_blas() -> str:
-    from tqstore.blas import active_blas
+    from tqstore.models.blas import active_blas
 
     return active_blas()
 
@@ -99,7 +99,7 @@ def _blas_hint(ctx: Context) -> None:
     """Point at --blas openblas where it works and is not in use (CPU prefill is far faster)."""
     import mlx.core as mx
 
-    from tqstore.blas import active_blas, openblas_environment
+    from tqstore.models.blas import active_blas, openblas_environment
     from tqstore.errors import ConfigError
 
     if active_blas() == "openblas" or mx.default_device() != mx.cpu:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tqstore.chunks import DEFAULT_RECOMPUTE, Document
+from tqstore.engine.chunks import DEFAULT_RECOMPUTE, Document
 from tqstore.errors import BadInput, InvalidName
 from tqstore.names import validate_name
 

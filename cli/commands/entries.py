@@ -128,7 +128,7 @@ def verify(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def repair(ctx: Context, args: argparse.Namespace) -> int:
-    from tqstore.repair import repair_home
+    from tqstore.store.repair import repair_home
 
     result = repair_home(ctx.config)
 

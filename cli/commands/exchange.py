@@ -38,7 +38,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 
 def export(ctx: Context, args: argparse.Namespace) -> int:
-    from tqstore import portable
+    from tqstore.exchange import portable
 
     name = validate_name(args.name)
     if Path(args.file).is_dir():
@@ -53,7 +53,7 @@ def export(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def import_(ctx: Context, args: argparse.Namespace) -> int:
-    from tqstore import portable
+    from tqstore.exchange import portable
 
     name = validate_name(args.name)
     if not Path(args.file).is_file():

@@ -30,8 +30,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 def install(out: Output, model_id: str, home: Path) -> tuple[Path, bool]:
     """Install `model_id` under `home` unless it is there, saying first what will be downloaded.
     Returns (its folder, whether it was installed just now)."""
-    from tqstore.modelpack import get_model, install_model, list_models
-    from tqstore.modelpack.gguf_convert import check_dependencies
+    from tqstore.models.pack import get_model, install_model, list_models
+    from tqstore.models.pack.gguf_convert import check_dependencies
 
     spec = get_model(model_id)
     listed = next(m for m in list_models(home) if m.model_id == model_id)
@@ -61,7 +61,7 @@ def install_cmd(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def ls_cmd(ctx: Context, args: argparse.Namespace) -> int:
-    from tqstore.modelpack import get_model, list_models
+    from tqstore.models.pack import get_model, list_models
 
     models = list_models(ctx.home)
     docs = [render.asdict(m) | {"path": str(m.path), "description": get_model(m.model_id).description}

@@ -1,4 +1,4 @@
-"""`serve`: the HTTP server (tqstore/server.py owns its options and its work).
+"""`serve`: the HTTP server (tqstore/serve/main.py owns its options and its work).
 
 The server module is imported only when `serve` runs, and it adds its own options: this parser
 passes every argument it does not know (and --help) on to a parser the server fills in.
@@ -19,7 +19,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 
 def serve(ctx: Context, args: argparse.Namespace) -> int:
-    from tqstore import server
+    from tqstore.serve import main as server
 
     from ..main import Parser, global_options
 

@@ -23,12 +23,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tqstore import format as F  # noqa: E402
-from tqstore import header as H  # noqa: E402
-from tqstore.blocks import block_keys, calibration_digest, split_snapshot  # noqa: E402
-from tqstore.bundle import write_bundle  # noqa: E402
+from tqstore.format import objects as F  # noqa: E402
+from tqstore.format import header as H  # noqa: E402
+from tqstore.format.blocks import block_keys, calibration_digest, split_snapshot  # noqa: E402
+from tqstore.exchange.bundle import write_bundle  # noqa: E402
 from tqstore.canonical import tensor_bytes  # noqa: E402
-from tqstore.identity import codecs_digest  # noqa: E402
+from tqstore.models.identity import codecs_digest  # noqa: E402
 from turboquant.codec import TurboCodec  # noqa: E402
 from turboquant.plan import codec_name, codec_record  # noqa: E402
 from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays  # noqa: E402

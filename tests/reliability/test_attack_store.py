@@ -24,13 +24,14 @@ import pytest
 from harness import HERE, ROOT, TEST_SETTINGS, child_env, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
-from tqstore.engine import Engine
-from tqstore import loading, model_files
+from tqstore.engine.engine import Engine
+from tqstore.models import files as model_files
+from tqstore.models import loading
 from tqstore.canonical import canonical_json
 from tqstore.errors import DiskFull, IdentityMismatch, MalformedHeader, StoreDamaged
-from tqstore.manifest import seal
-from tqstore.prompting import SENTINEL, encode_prompt
-from tqstore.repair import repair_home
+from tqstore.format.manifest import seal
+from tqstore.models.prompting import SENTINEL, encode_prompt
+from tqstore.store.repair import repair_home
 from test_disk_full import unshare_works
 from workers import put
 

@@ -3,7 +3,7 @@ arguments and HTTP bodies. Each gets a clear, typed error (InvalidName, ConfigEr
 exit with one line and no traceback; a 4xx with a JSON error body), nothing is written, and the
 server keeps serving.
 
-The CLI (cli/) and the server (tqstore/server.py) are checked once they are importable; the
+The CLI (cli/) and the server (tqstore/serve/main.py) are checked once they are importable; the
 tests skip cleanly before.
 """
 
@@ -195,8 +195,8 @@ BAD_BODIES = [
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if importlib.util.find_spec("tqstore.server") is None:
-        pytest.skip("the server (tqstore.server) is not importable yet")
+    if importlib.util.find_spec("tqstore.serve.main") is None:
+        pytest.skip("the server (tqstore.serve.main) is not importable yet")
     try:
         from server_process import ServerProcess
     except ImportError:
@@ -224,12 +224,12 @@ def test_bad_http_bodies_get_a_4xx_and_the_server_keeps_serving(method, path, bo
 
 def test_http_parsers_refuse_any_json_with_a_4xx(ledger):
     """openai_api's parsers, fed every JSON value hypothesis makes: a request or a 4xx ApiError."""
-    if importlib.util.find_spec("tqstore.openai_api") is None:
-        pytest.skip("tqstore.openai_api is not importable yet")
+    if importlib.util.find_spec("tqstore.serve.openai_schema") is None:
+        pytest.skip("tqstore.serve.openai_schema is not importable yet")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tqstore import openai_api as api
+    from tqstore.serve import openai_schema as api
 
     defaults = api.Sampling(max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop=())
     leaves = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)

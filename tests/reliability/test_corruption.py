@@ -35,11 +35,11 @@ import pytest
 from harness import open_store, s3_settings
 from test_blocks import assert_same_snapshot
 from test_store import decode_logits, stored_model_entry
-from tqstore import format as F
-from tqstore.blocks import join_blocks, split_snapshot
+from tqstore.format import objects as F
+from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.errors import CorruptBlock
-from tqstore.tiers.lmdb_layout import delete_segments
-from tqstore.tiers.memory import HotObject
+from tqstore.store.tiers.lmdb_layout import delete_segments
+from tqstore.store.tiers.memory import HotObject
 from turboquant import restore
 
 OPS = ("flip", "zero", "truncate", "extend")

@@ -23,7 +23,7 @@ import pytest
 from harness import check_home, open_store, s3_settings, spawn
 from model_folder import write_model_folder
 from test_store_s3 import bucket_keys
-from tqstore.manifest import Manifest
+from tqstore.format.manifest import Manifest
 
 # Seconds after "ready" within which the kill lands: about two iterations of each operation, so
 # kills fall into every phase (object writes, manifest, eviction, compaction, HTTP requests).

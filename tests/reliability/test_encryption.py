@@ -1,4 +1,4 @@
-"""Encryption at rest for the cold tier (tqstore/crypto.py): AES-256-GCM envelopes, client-side.
+"""Encryption at rest for the cold tier (tqstore/store/crypto.py): AES-256-GCM envelopes, client-side.
 
 Off by default (the bucket then holds plaintext objects and manifests carrying the document's
 tokens in clear). With TQSTORE_S3_KEY or s3.key_file: nothing readable reaches the bucket, the
@@ -16,8 +16,8 @@ import pytest
 
 from harness import open_store, s3_settings
 from test_blocks import assert_same_snapshot
-from tqstore import crypto
-from tqstore import format as F
+from tqstore.store import crypto
+from tqstore.format import objects as F
 from tqstore.errors import ConfigError, CorruptBlock, RemoteAuthError
 from workers import put
 

@@ -1,4 +1,4 @@
-"""The format reader (tqstore.format.loads / inspect) and the manifest parser (Manifest.from_bytes)
+"""The format reader (tqstore.format.objects.loads / inspect) and the manifest parser (Manifest.from_bytes)
 under hypothesis, for a fixed budget of examples.
 
 Inputs: random bytes; valid objects and manifests with random byte edits (for objects also
@@ -23,11 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_blocks import make_snapshot
-from tqstore import format as F
-from tqstore.blocks import split_snapshot
+from tqstore.format import objects as F
+from tqstore.format.blocks import split_snapshot
 from tqstore.errors import FormatError, IdentityMismatch, TokenMismatch
-from tqstore.identity import CodecIdentity, ModelIdentity
-from tqstore.manifest import Manifest, ObjectRef, seal
+from tqstore.models.identity import CodecIdentity, ModelIdentity
+from tqstore.format.manifest import Manifest, ObjectRef, seal
 from turboquant.records import Layout
 
 EXPECTED = (FormatError, IdentityMismatch, TokenMismatch)
@@ -40,7 +40,7 @@ def _objects() -> list[bytes]:
     split = split_snapshot(snap)
     tokens = list(range(300))
     md, cd = MODEL.digest, CODEC.digest
-    from tqstore.blocks import block_keys, calibration_digest
+    from tqstore.format.blocks import block_keys, calibration_digest
 
     cal = calibration_digest(snap)
     keys = block_keys(tokens, md, cd, cal)
@@ -56,11 +56,11 @@ OBJECTS = _objects()
 MANIFEST = Manifest(
     name="fuzz", model_identity=MODEL, model_digest=MODEL.digest, codec_digest=CODEC.digest, scheme="turbo4",
     tokens=tuple(range(300)), block_size=256,
-    blocks=tuple(ObjectRef(k.raw, "ab" * 32, 10) for k in __import__("tqstore.blocks", fromlist=["x"]).block_keys(
+    blocks=tuple(ObjectRef(k.raw, "ab" * 32, 10) for k in __import__("tqstore.format.blocks", fromlist=["x"]).block_keys(
         list(range(300)), MODEL.digest, CODEC.digest)),
     shared=ObjectRef(bytes(32), "cd" * 32, 5), window=ObjectRef(b"\0" * 32, "ef" * 32, 7), calibration=None,
     sliding=False, created=1.0, prefill_seconds=0.5, model_ref="m")
-MANIFEST = MANIFEST.replace(window=ObjectRef(__import__("tqstore.manifest", fromlist=["x"]).window_key(
+MANIFEST = MANIFEST.replace(window=ObjectRef(__import__("tqstore.format.manifest", fromlist=["x"]).window_key(
     MANIFEST.keys[-1], MODEL.digest, CODEC.digest), "ef" * 32, 7))
 MANIFEST_BYTES = MANIFEST.to_bytes()
 

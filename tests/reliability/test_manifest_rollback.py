@@ -13,7 +13,7 @@ import base64
 import pytest
 
 from harness import open_store, s3_settings
-from tqstore import crypto
+from tqstore.store import crypto
 from tqstore.errors import ConflictError
 from workers import put, snapshot_digest
 

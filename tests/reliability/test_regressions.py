@@ -18,10 +18,10 @@ import pytest
 from harness import open_store, s3_settings, spawn
 from s3_proxy import S3Proxy
 from test_blocks import assert_same_snapshot, make_snapshot
-from tqstore import format as F
-from tqstore.blocks import Window
+from tqstore.format import objects as F
+from tqstore.format.blocks import Window
 from tqstore.errors import CorruptBlock, DiskFull, TqstoreError
-from tqstore.tiers.lmdb_env import lmdb_failure
+from tqstore.store.tiers.lmdb_env import lmdb_failure
 from workers import LAYOUTS, put
 
 _Usage = collections.namedtuple("_Usage", "total used free")

@@ -38,7 +38,7 @@ def keyless(tiny_model, tmp_path_factory):
 
 def _serve(model, home, *flags: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "TQSTORE_API_KEY"}
-    return subprocess.Popen([sys.executable, "-m", "tqstore.server", "--home", str(home), "--model", str(model),
+    return subprocess.Popen([sys.executable, "-m", "tqstore.serve", "--home", str(home), "--model", str(model),
                              "--port", "0", *flags], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -125,8 +125,8 @@ def test_no_body_is_read_before_the_key_is_checked(tiny_model, tmp_path, ledger)
 
 
 def test_which_binds_are_loopback_and_which_hosts_are_allowed():
-    from tqstore.http_api import _hostname
-    from tqstore.server import allowed_hosts, is_loopback
+    from tqstore.serve.http import _hostname
+    from tqstore.serve.main import allowed_hosts, is_loopback
 
     assert [is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LOCALHOST")] == [True] * 6
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "my-host", "localhost.evil.example"))

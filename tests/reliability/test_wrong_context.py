@@ -17,10 +17,10 @@ import pytest
 
 from harness import open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
-from tqstore import format as F
-from tqstore.engine import Engine
+from tqstore.format import objects as F
+from tqstore.engine.engine import Engine
 from tqstore.errors import IdentityMismatch
-from tqstore.identity import describe_difference
+from tqstore.models.identity import describe_difference
 
 DOCUMENT = "The contract says the seller pays for delays. Clause seven covers delivery and penalties. " * 4
 

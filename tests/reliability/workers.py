@@ -25,7 +25,7 @@ from tqstore import Store
 from tqstore.config import load_config
 from tqstore.errors import CorruptBlock, DiskFull, NotFound
 from tqstore.canonical import tensor_bytes
-from tqstore.identity import CodecIdentity, ModelIdentity
+from tqstore.models.identity import CodecIdentity, ModelIdentity
 from turboquant.records import Layout
 
 MODEL = ModelIdentity("weights-a", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
@@ -79,7 +79,7 @@ def op_put(settings: dict) -> None:
 
 
 def op_save(settings: dict) -> None:
-    from tqstore.engine import Engine
+    from tqstore.engine.engine import Engine
 
     store = open_store(settings)
     engine = Engine(store, prefill_chunk=64)
@@ -186,7 +186,7 @@ def op_reader(settings: dict) -> None:
     that entry, or, if writers removed some of its blocks meanwhile (the entry replaced or
     removed), a shorter prefix of whole blocks naming the misses, or CorruptBlock: never
     anything else."""
-    from tqstore.lookup import Match
+    from tqstore.store.lookup import Match
 
     store = open_store(settings)
     rng = random.Random(settings["seed"])
@@ -386,7 +386,7 @@ def op_full_disk(settings: dict) -> None:
     import subprocess
 
     from harness import cli
-    from tqstore.engine import Engine
+    from tqstore.engine.engine import Engine
 
     home, model = settings["home"], settings["model"]
     config = ["--home", home]

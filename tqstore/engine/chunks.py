@@ -1,0 +1,239 @@
+"""Document chunks: stored once, reused at any place in a prompt of several documents.
+
+A chunk entry is an ordinary entry (listed, pinned, pushed and pulled like any other) holding
+the tokens `[prefix][chunk]`, where the prefix is what the prompt frames documents with (the
+chat template's system turn and the start of the user turn). Its name is either the user's or
+`chunk-<address>`, the address being a digest of the model, the codec, the prefix and the chunk
+tokens and never of what precedes the chunk in a prompt: the same text is stored once however
+many prompts use it, and a chunk of another model, codec or tokenizer has another address.
+A named chunk is checked against the model and codec before use; a damaged one is a miss
+(prefilled again from its tokens), never a wrong cache.
+
+`ask_documents` composes `[prefix][doc_1]...[doc_k][question]` from chunk entries (compose.py)
+and generates; documents not stored yet are prefilled and stored on the way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+from turboquant import make_prompt_cache, parse_scheme, restore
+
+from tqstore.engine.compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
+from tqstore.errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
+from tqstore.models.loading import LoadedModel
+from tqstore.format.manifest import Manifest
+
+if TYPE_CHECKING:
+    from tqstore.engine.engine import AskResult, Engine
+
+CHUNK_KEY = "chunk.address"  # metadata: the chunk's content address (hex)
+PREFIX_KEY = "chunk.prefix"  # metadata: how many of the entry's tokens are the prefix
+ROPE_KEY = "chunk.rope"  # metadata: the RoPE the keys were rotated with
+NAME_PREFIX = "chunk-"
+DEFAULT_RECOMPUTE = 0.2  # the smallest measured budget that met KL <= 0.05 (docs/rag.md)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document of a composed prompt: a stored chunk's `name`, or a `text` (stored as a chunk
+    the first time it is seen)."""
+
+    text: str | None = None
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.name is None):
+            raise BadInput("a document is either a text or the name of a stored chunk")
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A stored chunk: its entry name, tokens (without the prefix) and whether it was new."""
+
+    name: str
+    tokens: int
+    prefix_tokens: int
+    stored: bool  # prefilled and stored now (False: it was stored already)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DocumentsAnswer:
+    """An answer over composed documents and what the composition reused."""
+
+    answer: "AskResult"
+    chunks: list[ChunkInfo]
+    reused_tokens: int  # chunk tokens served from the store (K/V kept)
+    recomputed_tokens: int  # chunk tokens recomputed in the composed context
+    prefilled_tokens: int  # tokens prefilled fresh (prefix and question, or all at budget 1)
+    compose_seconds: float  # restore, move and recompute (time to the composed cache)
+
+
+def chunk_address(model_digest: bytes, codec_digest: bytes, prefix: Sequence[int], tokens: Sequence[int]) -> str:
+    """The content address of a chunk: sha256 over model, codec, prefix and chunk tokens (u32 LE,
+    each list preceded by its length)."""
+    h = hashlib.sha256(b"tqstore-chunk-v1")
+    h.update(model_digest)
+    h.update(codec_digest)
+    for part in (prefix, tokens):
+        h.update(struct.pack(f"<I{len(part)}I", len(part), *part))
+    return h.hexdigest()
+
+
+def prefix_tokens(loaded: LoadedModel, system: str | None) -> list[int]:
+    """The tokens documents follow: the template up to where the user's text starts."""
+    return loaded.prompt.context_tokens(loaded.tokenizer, "", system)
+
+
+def add_chunk(engine: "Engine", loaded: LoadedModel, text: str, *, name: str | None = None,
+              scheme: str | None = None, system: str | None = None, pin: bool = False) -> ChunkInfo:
+    """Store `text` as a chunk (under `name`, or its content address); a chunk stored already
+    is kept as it is."""
+    if not text.strip():
+        raise BadInput("the document is empty: nothing to store")
+    scheme = parse_scheme(scheme or engine.store.config.default_scheme).name
+    prefix = prefix_tokens(loaded, system)
+    tokens = loaded.prompt.document_tokens(loaded.tokenizer, text)
+    return ensure_chunk(engine, loaded, scheme, prefix, tokens, name, pin)[0]
+
+
+def ensure_chunk(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], tokens: list[int],
+            name: str | None, pin: bool = False) -> tuple[ChunkInfo, ChunkKV | None]:
+    """The chunk entry for these tokens, stored if missing or damaged; with its K/V when it was
+    loaded or computed here."""
+    codec = engine.codec_identity(loaded, scheme)
+    address = chunk_address(loaded.identity.digest, codec.digest, prefix, tokens)
+    entry = name or NAME_PREFIX + address[:40]
+    try:
+        manifest = engine.store.get(entry)
+    except NotFound:
+        manifest = None
+    if manifest is not None and manifest.metadata.get(CHUNK_KEY) == address:
+        found = load_chunk(engine, loaded, manifest, prefix, tokens)
+        if found is not None:
+            return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0), found
+    elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
+        raise BadInput(f"entry {name!r} exists and is not a document chunk: choose another name")
+    t0 = time.perf_counter()
+    caches = make_prompt_cache(loaded.model, scheme)
+    check_composable(loaded.model, caches)
+    metadata = {CHUNK_KEY: address, PREFIX_KEY: str(len(prefix)), ROPE_KEY: rope_description(loaded.model)}
+    engine.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata)
+    seconds = time.perf_counter() - t0
+    return ChunkInfo(entry, len(tokens), len(prefix), True, seconds), None
+
+
+def load_chunk(engine: "Engine", loaded: LoadedModel, manifest: Manifest, prefix: list[int],
+          tokens: list[int]) -> ChunkKV | None:
+    """The decoded K/V of a chunk entry; None (a miss) when its objects are damaged or lost."""
+    if list(manifest.tokens) != prefix + tokens:
+        raise TokenMismatch(f"chunk {manifest.name} holds other tokens than its address says: run `tqstore verify`")
+    if manifest.metadata.get(ROPE_KEY) != rope_description(loaded.model):
+        raise IdentityMismatch(f"chunk {manifest.name} was stored with RoPE {manifest.metadata.get(ROPE_KEY)!r}, "
+                               f"this model uses {rope_description(loaded.model)!r}")
+    try:
+        snap, _ = engine.store.load(manifest.name)
+    except (CorruptBlock, FormatError):
+        return None
+    caches = restore(snap)
+    pairs = [decoded_kv(c) for c in caches]
+    return ChunkKV(prefix, tokens, [k for k, _ in pairs], [v for _, v in pairs])
+
+
+def _named(engine: "Engine", loaded: LoadedModel, scheme: str, name: str) -> tuple[Manifest, list[int]]:
+    """A stored chunk by name, checked against this model and codec: its manifest and the chunk
+    tokens (without the prefix it was stored after)."""
+    manifest = engine.store.get(name)
+    if CHUNK_KEY not in manifest.metadata:
+        raise BadInput(f"entry {name!r} is not a document chunk: store it with `tqstore chunk add`")
+    if manifest.model_digest != loaded.identity.digest:
+        raise IdentityMismatch(f"chunk {name!r} was stored with another model or tokenizer ({manifest.model_ref}): "
+                               "store it again with this model")
+    if manifest.codec_digest != engine.codec_identity(loaded, scheme).digest:
+        raise IdentityMismatch(f"chunk {name!r} was stored with scheme {manifest.scheme}, not {scheme}: pass "
+                               f"--scheme {manifest.scheme} or store it again")
+    return manifest, list(manifest.tokens[int(manifest.metadata[PREFIX_KEY]):])
+
+
+@dataclass
+class ComposedContext:
+    """Caches holding `[prefix][documents...]`, ready for the question."""
+
+    caches: list
+    tokens: list[int]
+    chunks: list[ChunkInfo]
+    reused: int
+    recomputed: int
+    seconds: float
+
+
+def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], scheme: str, *,
+                    system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
+                    question: Sequence[int] | None = None) -> ComposedContext:
+    """Caches of `[prefix][doc_1]...[doc_k]` under `scheme` from stored chunks (texts not stored
+    yet are prefilled and stored first); recompute 1 is a plain prefill of the whole. The
+    `question` tokens that follow steer which tokens are recomputed (compose.py)."""
+    if not documents:
+        raise BadInput("no documents given")
+    if not 0.0 <= recompute <= 1.0:
+        raise BadInput(f"recompute is a fraction of the document tokens from 0 to 1, got {recompute}")
+    t0 = time.perf_counter()
+    caches = make_prompt_cache(loaded.model, scheme)
+    check_composable(loaded.model, caches)
+    prefix = prefix_tokens(loaded, system)
+    infos, parts = [], []
+    for doc in documents:
+        if doc.name is not None:
+            manifest, tokens = _named(engine, loaded, scheme, doc.name)
+            same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
+            info, kv = ensure_chunk(engine, loaded, scheme, prefix, tokens, doc.name if same_prefix else None)
+        else:
+            tokens = loaded.prompt.document_tokens(loaded.tokenizer, doc.text)
+            info, kv = ensure_chunk(engine, loaded, scheme, prefix, tokens, None)
+        infos.append(info)
+        parts.append(kv)
+    if recompute >= 1.0:
+        tokens = prefix + [t for info, doc in zip(infos, parts) for t in _chunk_tokens(engine, info, doc)]
+        engine.prefill(loaded, caches, tokens)
+        return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0)
+    for i, (info, kv) in enumerate(zip(infos, parts)):
+        if kv is None:  # stored just now
+            kv = parts[i] = load_chunk(engine, loaded, engine.store.get(info.name), prefix,
+                                       _chunk_tokens(engine, info, None))
+            if kv is None:
+                raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
+    composed = compose(loaded.model, parts, recompute, question=question)
+    for cache, keys, values in zip(caches, composed.keys, composed.values):
+        cache.update_and_fetch(keys, values)
+    return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
+                           time.perf_counter() - t0)
+
+
+def _chunk_tokens(engine: "Engine", info: ChunkInfo, kv: ChunkKV | None) -> list[int]:
+    if kv is not None:
+        return kv.tokens
+    return list(engine.store.get(info.name).tokens[info.prefix_tokens:])
+
+
+def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], question: str, *,
+                  scheme: str | None = None, system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
+                  **options) -> DocumentsAnswer:
+    """Answer `question` over `documents` in the given order, reusing each stored chunk's K/V
+    wherever it sits; `recompute` (0 to 1) is the share of chunk tokens recomputed in context.
+    The scheme is `scheme`, else the first named chunk's, else the store's default."""
+    if scheme is None:
+        named = next((d.name for d in documents if d.name is not None), None)
+        scheme = engine.store.get(named).scheme if named else engine.store.config.default_scheme
+    scheme = parse_scheme(scheme).name
+    question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
+    context = composed_caches(engine, loaded, documents, scheme, system=system, recompute=recompute,
+                              question=question_tokens)
+    answer = engine.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
+                                      context.seconds, **options)
+    prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)
+    return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled, context.seconds)

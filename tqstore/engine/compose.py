@@ -1,0 +1,354 @@
+"""Composing stored document chunks into one context, wherever each chunk sits in the prompt.
+
+A chunk is prefilled once right after the prompt's prefix (BOS, system turn, the start of the
+user turn), so its first tokens are ordinary tokens, never attention sinks, and the chunk that
+directly follows the prefix is exactly what a full prefill computes. In a composed prompt
+`[prefix][chunk_1]...[chunk_k]` a chunk starts D positions later than where it was prefilled.
+
+Positions: keys are stored after RoPE. RoPE is a rotation by an angle linear in the position,
+so R(p + D) = R(D) R(p): decoded keys are re-rotated by D with the model's own RoPE module. The
+alternative, counter-rotating the query per chunk inside attention, would need one attention
+pass per chunk and a kernel change for every layout; re-rotating once into the composed cache
+costs one elementwise pass per chunk and leaves decode untouched. TurboQuant's Hadamard rotation
+does not commute with RoPE, so the keys are decoded first; the composed cache is raw (prefill
+phase) and is compressed at the first decode step like any prefill.
+
+Cross-chunk attention: a chunk prefilled alone never attended to the chunks before it. A
+budget of tokens is recomputed in the composed context (CacheBlend's selective recompute): the
+first `full_layers` layers run over every token (exact K/V there, and the exact hidden states
+to measure how far each stored token's K/V is from its composed-context value), then the tokens
+whose K/V deviate most, plus each moved chunk's first tokens, run through the remaining layers
+against the composed cache, and their K/V replace the stored ones in every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+
+from turboquant import TurboQuantKVCache
+
+from tqstore.errors import BadInput
+
+# RoPE modules whose rotation angle is linear in the position (checked by class name: mlx-lm
+# builds them from the config's rope_scaling). Dynamic NTK rescales the base with the sequence
+# length and YaRN scales magnitudes on every call: re-applying either is not a shift.
+SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3"}
+# Layers run over every token before the selected ones, for the deviation selection (layer 0's K/V
+# depend on the token and its position only, so they are exact already; layer 1's deviation is
+# the first that says something). The attention selection needs none: measured in docs/rag.md,
+# dropping them buys a larger budget for the same time and a lower KL.
+FULL_LAYERS = 2
+SELECTIONS = ("attention", "deviation", "product")
+SELECT = "attention"  # how recompute picks tokens beyond the first ones (see `compose`; measured in docs/rag.md)
+SINK_TOKENS = 4  # first tokens of each moved chunk that are always recomputed (when the budget allows)
+ATTENTION_CHUNK = 512  # queries per step in the full layers (bounds the score matrix)
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """One stored chunk decoded: the prefix it was prefilled after, its own tokens, and per
+    layer K and V [1, H, T, D] of prefix + chunk (the chunk at positions [len(prefix), T))."""
+
+    prefix: list[int]
+    tokens: list[int]
+    keys: list[mx.array]
+    values: list[mx.array]
+
+    @property
+    def start(self) -> int:
+        return len(self.prefix)
+
+
+@dataclass(frozen=True)
+class Composed:
+    """Per-layer K/V of `[prefix][chunks...]` and what was reused and recomputed."""
+
+    tokens: list[int]
+    keys: list[mx.array]
+    values: list[mx.array]
+    reused: int  # chunk tokens whose stored K/V were kept in the later layers
+    recomputed: int  # chunk tokens run through every layer in the composed context
+
+
+def rope_description(model) -> str:
+    """What the identity records of the model's RoPE ("default base=... scale=..."); BadInput
+    for models whose caches cannot be moved to another position."""
+    rope = _rope_of(model)
+    kind = SHIFTABLE_ROPES[type(rope).__name__]
+    base = getattr(rope, "base", None)
+    scale = getattr(rope, "scale", 1.0)
+    return f"{kind} base={base} scale={scale} traditional={getattr(rope, 'traditional', False)} dims={rope.dims}"
+
+
+def check_composable(model, caches: Sequence[Any]) -> None:
+    """BadInput unless every layer is a plain attention layer with a shiftable RoPE: recurrent
+    state and sliding windows are not position-free, so their chunks cannot be moved."""
+    for i, cache in enumerate(caches):
+        kind = type(cache).__name__
+        # By class name: mlx-lm is imported only by the engine and the integration modules.
+        if "ArraysCache" in {c.__name__ for c in type(cache).__mro__}:
+            raise BadInput(f"this model has recurrent layers (layer {i}: {kind}): their state is not position-free, "
+                           "so stored chunks cannot be composed; save whole prompts instead")
+        if kind not in ("KVCache", "TurboQuantKVCache"):
+            raise BadInput(f"layer {i} uses a {kind} (sliding window or special cache): stored chunks cannot be moved "
+                           "to another position in it; save whole prompts instead")
+    rope_description(model)
+
+
+def _rope_of(model):
+    layers = _layers(model)
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    rope = getattr(attention, "rope", None)
+    if rope is None:
+        raise BadInput("cannot find the model's RoPE (layers[i].self_attn.rope): composing stored chunks needs a "
+                       "llama-style attention layer")
+    name = type(rope).__name__
+    if name == "DynamicNTKScalingRoPE":
+        raise BadInput("this model uses dynamic NTK RoPE scaling, whose frequencies change with the sequence length: "
+                       "a stored chunk's keys cannot be moved to another position; save whole prompts instead")
+    if name not in SHIFTABLE_ROPES:
+        raise BadInput(f"this model's RoPE ({name}) is not a plain position shift (rope_scaling changes magnitudes "
+                       "or frequencies): stored chunks cannot be composed for it")
+    return rope
+
+
+def _layers(model):
+    inner = getattr(model, "model", model)
+    return getattr(inner, "layers", None) or getattr(model, "layers", None) or []
+
+
+def decoded_kv(cache) -> tuple[mx.array, mx.array]:
+    """K and V [1, H, T, D] held by one restored layer cache, decoded (model dtype)."""
+    if isinstance(cache, TurboQuantKVCache):
+        keys, values = cache.dequantized()
+        dtype = cache.native_dtype
+        return keys.astype(dtype), values.astype(dtype)
+    return cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :]
+
+
+def shift_keys(model, keys: mx.array, delta: int) -> mx.array:
+    """Keys [B, H, T, D] stored after RoPE, moved by `delta` positions (R(p + delta) = R(delta) R(p))."""
+    if delta == 0:
+        return keys
+    rope = _rope_of(model)
+    B, H, T, D = keys.shape
+    # One position for every row: each row becomes a length-1 sequence at position `delta`.
+    moved = rope(keys.reshape(B * H * T, 1, D), offset=delta)
+    return moved.reshape(B, H, T, D)
+
+
+def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int | None = None,
+            sink_tokens: int = SINK_TOKENS, tail_tokens: int = 0, question: Sequence[int] | None = None,
+            select: str = SELECT) -> Composed:
+    """The K/V of `[prefix][chunk_1]...[chunk_k]` from stored chunks (all prefilled after the same
+    prefix), with `budget` (a fraction of the chunk tokens, 0 to 1) recomputed in context.
+
+    The first chunk sits where it was prefilled, so its K/V are kept as stored; the others are
+    moved, and recompute goes to them: first each one's first `sink_tokens`, then the last
+    chunk's last `tail_tokens`, then by `select`: "deviation" (CacheBlend: the K/V furthest from
+    their in-context value after the first layers), or, given the `question` tokens that follow,
+    "attention" (the tokens the question attends to most in a pilot pass over the composed
+    cache) or "product" (attention times deviation: what the question reads and is wrong).
+    `full_layers` (None: 0 for "attention", FULL_LAYERS otherwise) run over every token first. A
+    full recompute is the caller's plain prefill.
+    """
+    if not chunks:
+        raise BadInput("no documents to compose")
+    if select not in SELECTIONS:
+        raise BadInput(f"unknown recompute selection {select!r}: use one of {', '.join(SELECTIONS)}")
+    prefix = chunks[0].prefix
+    if any(c.prefix != prefix for c in chunks):
+        raise BadInput("the chunks were stored after different prefixes: store them again with the same system prompt")
+    start = len(prefix)
+    n_layers = len(chunks[0].keys)
+    keys = [[chunks[0].keys[layer][:, :, :start]] for layer in range(n_layers)]
+    values = [[chunks[0].values[layer][:, :, :start]] for layer in range(n_layers)]
+    tokens, at, moved = list(prefix), start, []
+    for chunk in chunks:
+        delta = at - start
+        for layer in range(n_layers):
+            keys[layer].append(shift_keys(model, chunk.keys[layer][:, :, start:], delta))
+            values[layer].append(chunk.values[layer][:, :, start:])
+        if delta:
+            moved.append((at, len(chunk.tokens)))
+        tokens.extend(chunk.tokens)
+        at += len(chunk.tokens)
+    keys = [mx.concatenate(k, axis=2) for k in keys]
+    values = [mx.concatenate(v, axis=2) for v in values]
+    chunk_tokens = len(tokens) - start
+    want = int(round(budget * chunk_tokens))
+    if want <= 0 or not moved:
+        mx.eval(keys, values)
+        return Composed(tokens, keys, values, chunk_tokens, 0)
+    first = [p for at, n in moved for p in range(at, at + min(sink_tokens, n))]
+    if moved and tail_tokens:
+        at, n = moved[-1]
+        first += [p for p in range(max(at + min(sink_tokens, n), at + n - tail_tokens), at + n)]
+    if select != "deviation" and not question:
+        select = "deviation"
+    if full_layers is None:
+        full_layers = 0 if select == "attention" else FULL_LAYERS
+    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select)
+    return Composed(tokens, keys, values, chunk_tokens - recomputed, recomputed)
+
+
+def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],
+               moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int],
+               question: Sequence[int] | None, select: str) -> int:
+    """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; how many."""
+    layers = _layers(model)
+    for layer in layers:
+        _check_block(layer)
+    full_layers = min(full_layers, len(layers))
+    hidden = getattr(model, "model", model).embed_tokens(mx.array(prompt)[None])
+    for i in range(full_layers):
+        hidden, keys[i], values[i] = _full_layer(layers[i], hidden)
+    positions = [p for at, n in moved for p in range(at, at + n)]
+    chosen = set(first[:want])
+    if len(chosen) < want and full_layers < len(layers):
+        candidates = mx.array(positions)
+        score = None
+        if select in ("deviation", "product"):
+            exact_k, exact_v = _projected_kv(layers[full_layers], hidden)
+            score = _deviation(exact_k, keys[full_layers], exact_v, values[full_layers], candidates)
+        if select in ("attention", "product"):
+            read = _pilot_attention(model, layers, question, keys, values, full_layers)[candidates]
+            score = read if score is None else score * read
+        for i in mx.argsort(-score).tolist():
+            if len(chosen) >= want:
+                break
+            chosen.add(positions[i])
+    selected = mx.array(sorted(chosen))
+    h = hidden[:, selected]
+    for i in range(full_layers, len(layers)):
+        h, keys[i], values[i] = _selected_layer(layers[i], h, selected, keys[i], values[i])
+        mx.eval(h, keys[i], values[i])
+    return len(chosen)
+
+
+def _check_block(layer) -> None:
+    attention = getattr(layer, "self_attn", None)
+    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
+    if (attention is None or not all(hasattr(attention, a) for a in needed)
+            or not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))):
+        raise BadInput(f"recompute needs llama-style transformer blocks, not {type(layer).__module__}: "
+                       "compose with recompute 0 (plain concatenation) or 1 (full prefill)")
+
+
+class _Capture:
+    """The mlx-lm cache protocol, just enough to run one layer over a prompt in steps and keep
+    its keys and values."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+
+def _full_layer(layer, hidden: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """One layer over every token (the model's own code): hidden out, K, V."""
+    capture = _Capture()
+    out = []
+    for at in range(0, hidden.shape[1], ATTENTION_CHUNK):
+        part = layer(hidden[:, at:at + ATTENTION_CHUNK], mask="causal", cache=capture)
+        mx.eval(part, capture.keys, capture.values)
+        out.append(part)
+    return mx.concatenate(out, axis=1), capture.keys, capture.values
+
+
+def _heads(attention, x: mx.array, n_heads: int, proj, norm_name: str) -> mx.array:
+    B, L, _ = x.shape
+    out = proj(x).reshape(B, L, n_heads, -1)
+    norm = getattr(attention, norm_name, None)
+    if norm is not None:
+        out = norm(out)
+    return out.transpose(0, 2, 1, 3)
+
+
+def _rope_at(attention, x: mx.array, positions: mx.array | None) -> mx.array:
+    """RoPE on x [1, H, L, D] with token i at positions[i] (None: 0..L-1)."""
+    if positions is None:
+        return attention.rope(x)
+    # Each token as its own batch element: mx.fast.rope takes one offset per batch element.
+    return attention.rope(x.transpose(2, 1, 0, 3), offset=positions).transpose(2, 1, 0, 3)
+
+
+def _projected_kv(layer, hidden: mx.array) -> tuple[mx.array, mx.array]:
+    """K and V of this layer for every token of `hidden` (no attention needed)."""
+    attention = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    keys = _rope_at(attention, _heads(attention, x, attention.n_kv_heads, attention.k_proj, "k_norm"), None)
+    values = _heads(attention, x, attention.n_kv_heads, attention.v_proj, "v_norm")
+    return keys, values
+
+
+def _deviation(exact_k: mx.array, keys: mx.array, exact_v: mx.array, values: mx.array,
+               positions: mx.array) -> mx.array:
+    """Per position: squared K and V error relative to the layer's mean square (so that neither
+    side dominates by scale)."""
+    def relative(exact, stored):
+        exact = exact[:, :, positions].astype(mx.float32)
+        error = mx.sum(mx.square(exact - stored[:, :, positions].astype(mx.float32)), axis=(0, 1, 3))
+        return error / mx.mean(mx.sum(mx.square(exact), axis=(0, 1, 3)))
+    return relative(exact_k, keys) + relative(exact_v, values)
+
+
+def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array], values: list[mx.array],
+                     from_layer: int) -> mx.array:
+    """Attention mass each context position gets from the question's tokens, summed over heads,
+    queries and the layers from `from_layer` on, in a pass of the question over the composed
+    cache (what the answer will read)."""
+    n = keys[0].shape[2]
+    positions = mx.arange(n, n + len(question))
+    h = getattr(model, "model", model).embed_tokens(mx.array(list(question))[None])
+    mass = mx.zeros((n,), dtype=mx.float32)
+    for i, layer in enumerate(layers):
+        attention = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = _rope_at(attention, _heads(attention, x, attention.n_heads, attention.q_proj, "q_norm"), positions)
+        k = _rope_at(attention, _heads(attention, x, attention.n_kv_heads, attention.k_proj, "k_norm"), positions)
+        v = _heads(attention, x, attention.n_kv_heads, attention.v_proj, "v_norm")
+        all_k = mx.concatenate([keys[i], k.astype(keys[i].dtype)], axis=2)
+        all_v = mx.concatenate([values[i], v.astype(values[i].dtype)], axis=2)
+        B, hq, L, D = q.shape
+        groups = hq // attention.n_kv_heads
+        scores = (q * attention.scale).reshape(B, attention.n_kv_heads, groups, L, D) @ \
+            all_k[:, :, None].swapaxes(-1, -2)
+        causal = mx.arange(n + L)[None, :] <= positions[:, None]
+        probs = mx.softmax(mx.where(causal, scores.astype(mx.float32), -mx.inf), axis=-1)
+        if i >= from_layer:
+            mass = mass + mx.sum(probs[..., :n], axis=(0, 1, 2, 3))
+        out = (probs.astype(all_v.dtype) @ all_v[:, :, None]).reshape(B, hq, L, -1)
+        h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        mx.eval(h, mass)
+    return mass
+
+
+def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, values: mx.array
+                    ) -> tuple[mx.array, mx.array, mx.array]:
+    """One llama-style block for the selected tokens only, attending to the composed K/V (their
+    own rows replaced by the recomputed ones first)."""
+    attention = layer.self_attn
+    x = layer.input_layernorm(h)
+    q = _rope_at(attention, _heads(attention, x, attention.n_heads, attention.q_proj, "q_norm"), selected)
+    k = _rope_at(attention, _heads(attention, x, attention.n_kv_heads, attention.k_proj, "k_norm"), selected)
+    v = _heads(attention, x, attention.n_kv_heads, attention.v_proj, "v_norm")
+    keys[:, :, selected] = k.astype(keys.dtype)
+    values[:, :, selected] = v.astype(values.dtype)
+    mask = mx.arange(keys.shape[2])[None, :] <= selected[:, None]
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attention.scale, mask=mask)
+    h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(1, selected.shape[0], -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h)), keys, values

@@ -1,0 +1,460 @@
+"""The model side of tqstore: prefill and save a context, restore it and answer questions.
+
+Every path that computes a context restores the longest stored prefix first and prefills only
+the rest, so a re-save shares the stored blocks (and their calibration) and a question costs
+only its own tokens. All MLX work runs on the calling thread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
+
+import mlx.core as mx
+
+from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
+from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.integration import held_tokens
+
+from tqstore.engine.background import BackgroundWriter
+from tqstore.format.blocks import BLOCK_SIZE
+from tqstore.errors import BadInput, IdentityMismatch, NotFound, TqstoreError
+from tqstore.models.identity import CodecIdentity, stored_bytes_at_least
+from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model
+from tqstore.format.manifest import Manifest
+from tqstore.store.store import PutResult, Store
+
+if TYPE_CHECKING:
+    from tqstore.engine.chunks import ChunkInfo, Document, DocumentsAnswer
+
+PREFILL_CHUNK = 512
+MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
+CHAT_PARENT = "chat.parent"
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What `save` did."""
+
+    name: str
+    tokens: int
+    reused_tokens: int  # restored from the store instead of prefilled
+    prefill_seconds: float  # this save's own prefill
+    recorded_prefill_seconds: float  # what computing the whole context costs (recorded in the entry)
+    scheme: str
+    new_blocks: int
+    reused_blocks: int
+    bytes_written: int
+
+
+@dataclass(frozen=True)
+class AskResult:
+    """One answer and where its prompt came from."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens restored from the store
+    tier: str  # memory, lmdb, s3 or none
+    restore_seconds: float
+    prefill_seconds: float  # this ask's remainder
+    recorded_prefill_seconds: float  # what the stored context cost to compute
+    generation_seconds: float
+    finish_reason: str | None
+    # What the user waits for: restore + question prefill + the step that yields the first token
+    # (0 when none was generated).
+    first_token_seconds: float = 0.0
+    model_seconds: float = 0.0  # loading the model for this call (0 when it was loaded already)
+
+
+@dataclass
+class Started:
+    """Caches holding the longest stored prefix of a prompt (or fresh ones)."""
+
+    caches: list[Any]
+    matched: int
+    tier: str
+    restore_seconds: float
+    recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+
+
+def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
+    return StateCheckpoints(BLOCK_SIZE) if recurrent_layers(caches) else None
+
+
+def _finish(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (`prefill_steps`, `saving`, `generation`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
+    """`sampler` drawing from this generation's own random sequence (from `seed`, or fresh):
+    each draw reseeds MLX's global generator, which generations interleaved on one thread share."""
+    draws = random.Random(seed)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        mx.random.seed(draws.getrandbits(64))
+        return sampler(logprobs)
+
+    return sample
+
+
+def _body(model):
+    """The transformer without its output head: prefill needs no logits (the head over every
+    position costs as much as several layers)."""
+    inner = getattr(model, "model", None)
+    return inner if callable(inner) else model
+
+
+class Engine:
+    """Save contexts and answer questions with mlx-lm models over a Store."""
+
+    def __init__(self, store: Store, *, dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
+        self.store = store
+        self.dtype = dtype
+        self.prefill_chunk = prefill_chunk
+        self.registry = ModelRegistry(store.config.home)
+        self._models: dict[tuple[str, str | None], LoadedModel] = {}
+        self._codecs: dict[tuple[bytes, str], CodecIdentity] = {}
+
+    @classmethod
+    def open(cls, home: str | Path | None = None, **options) -> "Engine":
+        """An engine over the store at `home` ($TQSTORE_HOME or ~/.cache/tqstore)."""
+        return cls(Store.open(home), **options)
+
+    # -- models ---------------------------------------------------------------------------
+
+    def model(self, ref: str, adapter_path: str | None = None) -> LoadedModel:
+        """Load (once per process) a model folder or repo id, and remember where it lives."""
+        key = (ref, adapter_path)
+        if key not in self._models:
+            loaded = load_model(ref, cache_dir=Path(self.store.config.home) / "cache", adapter_path=adapter_path,
+                                dtype=self.dtype)
+            self.registry.remember(loaded)
+            self._models[key] = loaded
+        return self._models[key]
+
+    def use_model(self, loaded: LoadedModel) -> None:
+        """Share a model another engine (or the caller) already loaded."""
+        self._models[(loaded.ref, loaded.adapter_path)] = loaded
+
+    def model_for(self, name: str, ref: str | None = None) -> LoadedModel:
+        """The model an entry was saved with: `ref` if given, else the recorded one, else the
+        registry's folder for its identity; refuses a model with another identity."""
+        manifest = self.store.get(name)
+        expected = manifest.model_identity
+        if ref is None:
+            ref, adapter = manifest.model_ref, manifest.adapter_path
+            if not Path(ref).exists():
+                known = self.registry.find(expected.hexdigest)
+                if known is not None and Path(known["path"]).exists():
+                    ref, adapter = known["path"], known.get("adapter")
+                elif ref.count("/") != 1 or ref.startswith("/"):
+                    raise NotFound(f"model {expected.source or ref!r} of entry {name!r} not found here: "
+                                   "pass --model")
+        else:
+            adapter = manifest.adapter_path
+        loaded = self.model(ref, adapter)
+        check_identity(loaded, expected, name)
+        return loaded
+
+    def codec_identity(self, loaded: LoadedModel, scheme: str) -> CodecIdentity:
+        """The codec identity of `scheme` on this model (data-independent: fresh caches)."""
+        key = (loaded.identity.digest, scheme)
+        if key not in self._codecs:
+            fresh = make_prompt_cache(loaded.model, scheme)
+            self._codecs[key] = CodecIdentity.from_snapshot(snapshot(fresh), scheme)
+        return self._codecs[key]
+
+    def entry_scheme(self, manifest: Manifest, loaded: LoadedModel) -> str:
+        """The scheme of an entry, once its codec digest agrees with it on this model: a manifest
+        whose scheme was edited would otherwise miss every block and prefill cold under another
+        scheme, silently."""
+        try:
+            codec = self.codec_identity(loaded, manifest.scheme)
+        except (ValueError, TqstoreError):
+            codec = None
+        if codec is None or codec.digest != manifest.codec_digest:
+            raise IdentityMismatch(
+                f"entry {manifest.name!r} says scheme {manifest.scheme!r}, but its codec digest is not that scheme's "
+                "on this model: the manifest was edited or damaged (or written by a tqstore with another codec). "
+                f"Run `tqstore verify`, then save the entry again")
+        return manifest.scheme
+
+    # -- the two main jobs ----------------------------------------------------------------
+
+    def start(self, loaded: LoadedModel, scheme: str, tokens: Sequence[int]) -> Started:
+        """Caches holding the longest stored prefix of `tokens` for this model and scheme."""
+        codec = self.codec_identity(loaded, scheme)
+        match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
+        if match is None or match.tokens == 0:
+            caches = make_prompt_cache(loaded.model, scheme)
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
+        snap, stats = self.store.restore(match)
+        share = match.tokens / max(len(match.manifest.tokens), 1)
+        caches = restore(snap)
+        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
+        return Started(caches, match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+                       checkpoints)
+
+    def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                at: int = 0, checkpoints: StateCheckpoints | None = None) -> float:
+        """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
+        Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
+        recurrent layers), chunks also end at every block boundary (`at` is the position of the
+        first token) and the recurrent states there are kept."""
+        return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at,
+                                          checkpoints=checkpoints))
+
+    def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                      at: int = 0, checkpoints: StateCheckpoints | None = None) -> Generator[None, None, float]:
+        """`prefill`, yielding after each chunk so that the caller can take turns with other
+        work; returns the seconds of its own steps."""
+        body = _body(loaded.model)
+        seconds, done = 0.0, 0
+        if progress and tokens:
+            progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
+        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.block):
+            if cancelled is not None and cancelled():
+                break
+            t0 = time.perf_counter()
+            chunk = mx.array(tokens[done:end - at])[None]
+            mx.eval(body(chunk, cache=caches))
+            mx.eval([c.state for c in caches])
+            done = end - at
+            if checkpoints is not None:
+                checkpoints.record(caches, end)
+            seconds += time.perf_counter() - t0
+            if progress:
+                progress(done, len(tokens))
+            yield
+        return seconds
+
+    def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
+             adapter_path: str | None = None, progress: Progress | None = None, pin: bool = False,
+             ttl: float | None = None, metadata: dict[str, str] | None = None) -> SaveResult:
+        """Prefill `document` (what the store lacks of it), compress and store it as `name`."""
+        if not document.strip():
+            raise BadInput("the document is empty: nothing to save")
+        loaded = self.model(model, adapter_path)
+        tokens = loaded.prompt.context_tokens(loaded.tokenizer, document, system)
+        return self.save_tokens(name, loaded, tokens, scheme=scheme, progress=progress, pin=pin, ttl=ttl,
+                                metadata=metadata)
+
+    def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], **options) -> SaveResult:
+        """`save` for tokens already framed (chat turns, the server). Options as `saving`."""
+        return _finish(self.saving(name, loaded, tokens, **options))
+
+    def saving(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
+               progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
+               metadata: dict[str, str] | None = None) -> Generator[None, None, SaveResult]:
+        """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result."""
+        scheme = parse_scheme(scheme or self.store.config.default_scheme).name
+        started = self.start(loaded, scheme, tokens)
+        new = len(tokens) - started.matched
+        self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
+        seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
+                                                at=started.matched, checkpoints=started.checkpoints)
+        for cache in started.caches:
+            if isinstance(cache, TurboQuantKVCache):
+                cache.compress()
+        # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
+        # a context stored in full keeps the time its entry recorded.
+        recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
+        boundaries = started.checkpoints.before(len(tokens)) if started.checkpoints else None
+        result = self.store.put(name, snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries), tokens,
+                                model=loaded.identity,
+                                codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
+                                adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
+                                metadata=metadata)
+        return SaveResult(name, len(tokens), started.matched, seconds, recorded, scheme, result.new_blocks,
+                          result.reused_blocks, result.bytes_written)
+
+    def ask(self, name: str, question: str, *, model: str | None = None, max_tokens: int = 256,
+            temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+            on_text: Callable[[str], None] | None = None) -> AskResult:
+        """Answer `question` about entry `name`, restoring its context instead of prefilling it."""
+        manifest = self.store.get(name)
+        start = time.perf_counter()
+        loaded = self.model_for(name, model)
+        model_seconds = time.perf_counter() - start
+        prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
+        result = self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp,
+                               top_p=top_p, seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+        return replace(result, model_seconds=model_seconds)
+
+    def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
+        """Generate after `prompt`, restoring its longest stored prefix (all but the last token:
+        one token must run to produce logits). Options as `generate_with_caches`."""
+        return self.generate_with_caches(loaded, scheme, prompt, **options)[0]
+
+    def generate_with_caches(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options
+                             ) -> tuple[AskResult, list[Any]]:
+        """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
+        every token it yields back into the cache). Options as `generation`."""
+        return _finish(self.generation(loaded, scheme, prompt, **options))
+
+    def generation(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
+                   temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                   on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
+                   stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
+                   started: Started | None = None) -> Generator[None, None, tuple[AskResult, list[Any]]]:
+        """`generate_with_caches` one step at a time: it yields after each prefill chunk and
+        each token and returns (result, caches), so one thread can take turns between several
+        generations (the server's model worker). Its times count its own steps only, and a
+        seeded generation draws the same tokens however its steps are interleaved.
+
+        `on_start(started)` learns where the prompt came from before any prefill; `stop(text so
+        far)` ends generation early and is also asked (with "") between prefill chunks, so a
+        caller that has gone away does not wait for a long prefill. `started` gives caches that
+        already hold the prompt's first `matched` tokens (composed documents) instead of a lookup.
+        """
+        from mlx_lm import stream_generate
+        from mlx_lm.sample_utils import make_sampler
+
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
+        started = started if started is not None else self.start(loaded, scheme, prompt[:-1])
+        if on_start is not None:
+            on_start(started)
+        remainder = list(prompt[started.matched:])
+        halted = (lambda: stop("")) if stop is not None else (lambda: False)
+        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
+                                                at=started.matched, checkpoints=started.checkpoints)
+        pieces, tokens, finish, generating, first_token = [], [], None, 0.0, 0.0
+        if halted():
+            finish = "stop"
+        else:
+            sampler = make_sampler(temp=temp, top_p=top_p)
+            # The prompt's last token runs through mlx-lm's own loop: it yields the first logits.
+            responses = stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:], max_tokens=max_tokens,
+                                        prompt_cache=started.caches,
+                                        sampler=_own_randomness(sampler, seed) if temp > 0 else sampler)
+            while True:
+                t0 = time.perf_counter()
+                response = next(responses, None)
+                generating += time.perf_counter() - t0
+                if response is None:
+                    break
+                if not tokens:
+                    first_token = started.restore_seconds + prefill + generating
+                tokens.append(response.token)
+                pieces.append(response.text)
+                finish = response.finish_reason
+                if on_text and response.text:
+                    on_text(response.text)
+                if stop is not None and stop("".join(pieces)):
+                    finish = "stop"
+                    break
+                yield
+            responses.close()
+        result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
+                           started.restore_seconds, prefill, recorded, generating, finish, first_token)
+        return result, started.caches
+
+    def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,
+                  system: str | None = None, adapter_path: str | None = None, pin: bool = False) -> "ChunkInfo":
+        """Store `text` as a document chunk under `name` (None: its content address), prefilled
+        after the prompt's prefix, to be reused at any place in `ask_documents`."""
+        from tqstore.engine.chunks import add_chunk
+        return add_chunk(self, self.model(model, adapter_path), text, name=name, scheme=scheme, system=system,
+                         pin=pin)
+
+    def ask_documents(self, documents: Sequence["Document | str"], question: str, *, model: str | None = None,
+                      adapter_path: str | None = None, **options) -> "DocumentsAnswer":
+        """Answer `question` over documents in order (stored chunk names as Document(name=...),
+        texts as str or Document(text=...)), reusing stored chunks wherever they sit. The model is
+        `model`, else the first named chunk's. Options as chunks.ask_documents (scheme, system,
+        recompute) and `generation`."""
+        from tqstore.engine.chunks import Document, ask_documents
+        docs = [Document(text=d) if isinstance(d, str) else d for d in documents]
+        named = next((d.name for d in docs if d.name is not None), None)
+        if model is None and named is None:
+            raise BadInput("pass a model: no stored chunk among the documents says which one")
+        loaded = self.model(model, adapter_path) if model is not None else self.model_for(named)
+        return ask_documents(self, loaded, docs, question, **options)
+
+    def generate_composed(self, loaded: LoadedModel, scheme: str, caches: list[Any], context: Sequence[int],
+                          question: Sequence[int], compose_seconds: float, **options) -> AskResult:
+        """Generate after `context + question`, where `caches` already hold `context`."""
+        started = Started(caches, len(context), "composed", compose_seconds)
+        return self.generate(loaded, scheme, list(context) + list(question), started=started, **options)
+
+    def chat_turn(self, name: str, question: str, child: str, *, model: str | None = None,
+                  **options) -> AskResult:
+        """One chat turn on entry `name`; the finished turn is saved as entry `child`, which
+        shares `name`'s blocks (the next turn continues from `child`)."""
+        manifest = self.store.get(name)
+        loaded = self.model_for(name, model)
+        tokens = list(manifest.tokens)
+        if manifest.metadata.get(CHAT_PARENT):
+            follow = loaded.prompt.turn_tokens(loaded.tokenizer, question)
+            if follow and tokens and follow[0] == tokens[-1]:
+                follow = follow[1:]  # the answer already ended with the turn's closing token
+        else:
+            follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
+        prompt = tokens + follow
+        starts: list[Started] = []
+        result, caches = self.generate_with_caches(loaded, self.entry_scheme(manifest, loaded), prompt,
+                                                   recorded=manifest.prefill_seconds, on_start=starts.append, **options)
+        self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
+                          prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name},
+                          checkpoints=starts[0].checkpoints)
+        return result
+
+    def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
+                     *, prefill_seconds: float, ttl: float | None = None,
+                     metadata: dict[str, str] | None = None, checkpoints: StateCheckpoints | None = None,
+                     writer: BackgroundWriter | None = None) -> Future | None:
+        """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
+
+        `checkpoints` (recurrent states at block ends, from the prefill that filled the caches)
+        are stored with them; without one at every block end, recurrent states are stored whole
+        and the entry is reused whole, not by prefix (generated tokens are not checkpointed).
+        With a `writer`, the caches are compressed and their snapshot evaluated here, the put
+        runs on the writer's thread, and its Future is returned."""
+        # Recurrent layers count no tokens: the attention layers say what the caches hold.
+        held = held_tokens(caches) or len(tokens)
+        extra = held - len(tokens)
+        if extra < 0:
+            raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
+        if extra and not all(c.is_trimmable() for c in caches):
+            raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
+        for cache in caches:
+            if extra:
+                cache.trim(extra)
+            if isinstance(cache, TurboQuantKVCache):
+                cache.compress()
+        boundaries = checkpoints.before(len(tokens)) if checkpoints else None
+        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries)
+        mx.eval(snap.arrays())
+        codec = self.codec_identity(loaded, scheme)
+
+        def put() -> PutResult:
+            return self.store.put(name, snap, tokens, model=loaded.identity, codec=codec, model_ref=str(loaded.path),
+                                  adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
+                                  metadata=metadata)
+
+        if writer is None:
+            put()
+            return None
+        return writer.submit(tokens, put)
+
+    def prompt_cache(self, name: str, *, model: str | None = None) -> tuple[list[Any], list[int], LoadedModel]:
+        """mlx-lm caches holding entry `name` (ready for `prompt_cache=`), its tokens and model."""
+        manifest = self.store.get(name)
+        loaded = self.model_for(name, model)
+        snap, _ = self.store.load(name)
+        return restore(snap), list(manifest.tokens), loaded

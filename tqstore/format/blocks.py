@@ -1,0 +1,340 @@
+"""Token blocks and chained block keys (architecture.md, "Identity and keys").
+
+Tokens are cut into blocks of `block_size` (256) tokens; the last partial block is a block of
+its own. Block i's key is
+
+    sha256(key[i-1] (32 zero bytes for i = 0) || model digest || codec digest
+           || calibration digest (i > 0 of a calibrated entry only)
+           || token ids as u32 little-endian || token count as u32 little-endian)
+
+so a key names a whole prefix, and two entries that share their first block share every later
+block too (calibration is fitted from the first block's keys and stored in it).
+
+A snapshot splits into three kinds of parts: per-block records (every layer that is not a ring
+buffer, cut to the block's tokens: compressed rows, raw tail rows and per-256-token-block rows
+each by the tokens they cover, `turboquant.records.token_span`; calibration in block 0;
+recurrent states as they were at the block's end), one per-entry `Window` (the layers that
+cannot be cut, whole: ring buffers, chunked and list caches, a model's own cache class, and
+recurrent states without a checkpoint at every block end; plus a 0-token template of every
+other layer that fixes its layout, config and state) and the shared codecs. `join_blocks` puts
+the first k blocks back together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import mlx.core as mx
+
+from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
+                                 check_record_arrays, state_at, state_boundaries, token_span)
+
+from tqstore.canonical import canonical_json, tensor_summary
+
+BLOCK_SIZE = 256
+ZERO_KEY = bytes(32)
+MAX_TOKEN = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class BlockKey:
+    """A block's 32-byte key."""
+
+    raw: bytes
+
+    def __post_init__(self):
+        if not isinstance(self.raw, bytes) or len(self.raw) != 32:
+            raise ValueError(f"a block key is 32 bytes, got {self.raw!r:.80}")
+
+    @property
+    def hex(self) -> str:
+        return self.raw.hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> "BlockKey":
+        return cls(bytes.fromhex(text))
+
+    def __str__(self) -> str:
+        return self.hex
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as u32 little-endian; ValueError for ids outside 0..2^32-1."""
+    ids = [int(t) for t in tokens]
+    bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} does not fit in u32")
+    return struct.pack(f"<{len(ids)}I", *ids)
+
+
+def block_key(
+    parent: BlockKey | None,
+    tokens: Sequence[int],
+    model_digest: bytes,
+    codec_digest: bytes,
+    calibration_digest: bytes | None = None,
+) -> BlockKey:
+    """One block's key. `parent` is None for the first block, which never hashes calibration."""
+    for name, d in (("model", model_digest), ("codec", codec_digest), ("calibration", calibration_digest)):
+        if d is not None and (not isinstance(d, bytes) or len(d) != 32):
+            raise ValueError(f"the {name} digest must be 32 raw bytes (use .digest, not .hexdigest)")
+    h = hashlib.sha256(parent.raw if parent is not None else ZERO_KEY)
+    h.update(model_digest)
+    h.update(codec_digest)
+    if parent is not None and calibration_digest is not None:
+        h.update(calibration_digest)
+    h.update(token_bytes(tokens))
+    h.update(struct.pack("<I", len(tokens)))
+    return BlockKey(h.digest())
+
+
+def block_spans(n_tokens: int, block_size: int = BLOCK_SIZE) -> list[tuple[int, int]]:
+    """[start, stop) of every block of `n_tokens` tokens (the last may be partial)."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    return [(s, min(s + block_size, n_tokens)) for s in range(0, n_tokens, block_size)]
+
+
+def block_keys(
+    tokens: Sequence[int],
+    model_digest: bytes,
+    codec_digest: bytes,
+    calibration_digest: bytes | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> list[BlockKey]:
+    """The chained key of every block of `tokens` (none for no tokens)."""
+    tokens = list(tokens)
+    keys: list[BlockKey] = []
+    for start, stop in block_spans(len(tokens), block_size):
+        keys.append(block_key(keys[-1] if keys else None, tokens[start:stop], model_digest, codec_digest,
+                              calibration_digest))
+    return keys
+
+
+def calibration_digest(snapshot: Snapshot) -> bytes | None:
+    """Digest of every layer's calibration arrays, or None when no layer is calibrated."""
+    return digest_calibration([(i, {n: tensor_summary(a) for n, a in r.calibration.items()})
+                               for i, r in enumerate(snapshot.layers)])
+
+
+def digest_calibration(layers: Iterable[tuple[int, Mapping[str, Mapping]]]) -> bytes | None:
+    """sha256 of the canonical JSON [[layer index, {name: {dtype, shape, sha256}}], ...] over the
+    layers that hold calibration arrays, in layer order; None when there are none.
+
+    Takes array summaries (`identity.tensor_summary`), so a reader can check the digest from a
+    header before it decodes any tensor.
+    """
+    items = [[i, {n: {k: s[k] for k in ("dtype", "shape", "sha256")} for n, s in sorted(arrays.items())}]
+             for i, arrays in sorted(layers, key=lambda ia: ia[0]) if arrays]
+    return hashlib.sha256(canonical_json(items)).digest() if items else None
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Tokens [start, start + n_tokens) of every per-token layer (keyed by layer index).
+
+    Block i starts at token i * block_size; every block but the last holds block_size tokens.
+    """
+
+    index: int
+    start: int
+    n_tokens: int
+    layers: dict[int, LayerRecord]
+    block_size: int = BLOCK_SIZE
+
+
+@dataclass(frozen=True, eq=False)
+class Window:
+    """The per-entry layers: ROTATING layers whole, every other layer as a 0-token template."""
+
+    layers: list[LayerRecord]
+
+
+@dataclass(frozen=True, eq=False)
+class SharedCodecs:
+    """The codecs of an entry (stored once per entry, keyed by `identity.codecs_digest`)."""
+
+    codecs: dict[str, CodecRecord]
+
+
+@dataclass(frozen=True, eq=False)
+class SplitSnapshot:
+    """A snapshot cut into blocks, its window and its shared codecs."""
+
+    blocks: list[Block]
+    window: Window
+    shared: SharedCodecs
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def reusable_as_prefix(self) -> bool:
+        """Whether a prefix of the blocks can be restored (every layer is in the blocks)."""
+        return all(_in_blocks(r) for r in self.window.layers)
+
+
+def _in_blocks(template: LayerRecord) -> bool:
+    """Whether a window record is the template of a layer kept in the blocks (not whole)."""
+    return template.per_token or (template.layout is Layout.STATE and template.offset == 0 and not template.arrays)
+
+
+def _checkpointed(r: LayerRecord, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether a STATE record holds its state at every block end (so that it goes in the blocks)."""
+    return r.layout is Layout.STATE and bool(r.arrays) and set(state_boundaries(r)) >= {stop for _, stop in spans[:-1]}
+
+
+def split_snapshot(snapshot: Snapshot, block_size: int = BLOCK_SIZE) -> SplitSnapshot:
+    """Cut a snapshot into blocks of `block_size` tokens (slices, nothing copied).
+
+    Every non-ROTATING layer must hold `snapshot.offset` tokens (all layers of one model see
+    the same tokens). Each array is cut by the tokens it covers (`token_span`: compressed rows,
+    the raw tail, or per-block rows such as `keys_shift`); a block's `state["stored"]` counts
+    its compressed tokens. Calibration goes into block 0 (into the window when there are no
+    tokens).
+    """
+    n = snapshot.offset
+    for i, r in enumerate(snapshot.layers):
+        if r.per_token and r.offset != n:
+            raise ValueError(f"layer {i} holds {r.offset} tokens, other layers {n}: a snapshot splits into "
+                             "blocks only when every layer holds the same tokens")
+        if r.per_token and block_size % BLOCK_TOKENS and set(r.arrays) & set(BLOCK_ARRAYS):
+            raise ValueError(f"layer {i} keeps rows per {BLOCK_TOKENS}-token block ({sorted(BLOCK_ARRAYS)}): "
+                             f"the block size must be a multiple of {BLOCK_TOKENS}, not {block_size}")
+    spans = block_spans(n, block_size)
+    states = {i for i, r in enumerate(snapshot.layers) if _checkpointed(r, spans)}
+    for i in states:
+        if snapshot.layers[i].offset != n:
+            raise ValueError(f"layer {i} holds recurrent state after {snapshot.layers[i].offset} tokens, other layers "
+                             f"{n}: a snapshot splits into blocks only when every layer holds the same tokens")
+
+    def part(i: int, r: LayerRecord, b: int, start: int, stop: int) -> LayerRecord:
+        if i in states:
+            return LayerRecord(Layout.STATE, stop - start, state_at(r, stop), r.config)
+        return _cut(r, start, stop, b == 0)
+
+    blocks = [Block(b, start, stop - start, {i: part(i, r, b, start, stop) for i, r in enumerate(snapshot.layers)
+                                             if r.per_token or i in states}, block_size)
+              for b, (start, stop) in enumerate(spans)]
+    window = Window([LayerRecord(Layout.STATE, 0, {}, r.config) if i in states
+                     else _cut(r, 0, 0, not spans) if r.per_token else r for i, r in enumerate(snapshot.layers)])
+    return SplitSnapshot(blocks, window, SharedCodecs(snapshot.codecs), block_size)
+
+
+def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
+    """The snapshot made of the first `n_blocks` blocks (all by default), the window and the codecs.
+
+    Arrays are exactly the original ones (concatenated along the token axis). A prefix of the
+    blocks cannot be restored for an entry with ROTATING layers: their ring buffers hold the
+    whole entry's window, so such entries are reused whole.
+    """
+    k = len(split.blocks) if n_blocks is None else n_blocks
+    if not 0 <= k <= len(split.blocks):
+        raise ValueError(f"cannot join {k} blocks of an entry with {len(split.blocks)}")
+    if k < len(split.blocks) and not split.reusable_as_prefix:
+        raise ValueError("this entry has layers that cannot be cut (ring buffers, recurrent states without "
+                         f"block checkpoints, ...): restore all {len(split.blocks)} blocks, not a prefix of {k}")
+    blocks = split.blocks[:k]
+    start = 0
+    for b, block in enumerate(blocks):
+        if block.index != b or block.start != start or block.block_size != split.block_size:
+            raise ValueError(f"block {b} is out of order or of another block size (index {block.index}, starts "
+                             f"at token {block.start}, expected {start}; size {block.block_size})")
+        start += block.n_tokens
+    in_blocks = {i for i, r in enumerate(split.window.layers) if _in_blocks(r)}
+    extra = sorted({i for blk in blocks for i in blk.layers} - in_blocks)
+    if extra:
+        raise ValueError(f"blocks hold layers {extra}, which the window lists as whole or absent")
+    layers = [r if i not in in_blocks else _join_state(i, r, blocks) if r.layout is Layout.STATE
+              else _join_layer(i, r, blocks) for i, r in enumerate(split.window.layers)]
+    return Snapshot(layers=layers, codecs=split.shared.codecs)
+
+
+def _cut(r: LayerRecord, start: int, stop: int, with_calibration: bool) -> LayerRecord:
+    """Tokens [start, stop) of a per-token layer as a record of its own (start == stop: a template)."""
+    stored = int(r.state.get("stored", 0))
+    state = dict(r.state)
+    if "stored" in state:
+        state["stored"] = min(max(stored - start, 0), stop - start)
+    arrays = {}
+    for name, a in r.arrays.items():
+        span = token_span(r, name)
+        if span is None:  # per-block rows: axis 2 counts BLOCK_TOKENS-token blocks
+            first = start // BLOCK_TOKENS
+            arrays[name] = a[:, :, first:max(first, -(-min(stop, stored) // BLOCK_TOKENS))]
+            continue
+        lo, hi = max(start, span[0]), min(stop, span[1])
+        # RAW layers keep their arrays even with no tokens (templates keep dtypes and shapes);
+        # a compressed layer holds only the arrays covering some of its tokens.
+        if hi > lo or r.layout is Layout.RAW:
+            arrays[name] = a[:, :, lo - span[0]:max(lo, hi) - span[0]]
+    return LayerRecord(r.layout, stop - start, arrays, r.config, state, r.calibration if with_calibration else {})
+
+
+def _join_layer(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+    if not blocks:
+        return template
+    parts, partial = [], False
+    for blk in blocks:
+        part = blk.layers.get(i)
+        if part is None:
+            raise ValueError(f"block {blk.index} lacks layer {i}")
+        if part.layout is not template.layout or part.config != template.config \
+                or _without_stored(part.state) != _without_stored(template.state):
+            raise ValueError(f"block {blk.index} stores layer {i} as {part.layout.value} with another config or "
+                             f"state than the entry ({template.layout.value}): blocks of different saves mixed")
+        if part.offset != blk.n_tokens or (blk.index > 0 and part.calibration):
+            raise ValueError(f"block {blk.index} holds {part.offset} tokens of layer {i} (expected {blk.n_tokens})"
+                             f"{' and calibration, which only block 0 may hold' if part.calibration else ''}")
+        stored = int(part.state.get("stored", 0))
+        if partial and stored:
+            raise ValueError(f"block {blk.index} has compressed tokens of layer {i} after a block with raw ones: "
+                             "blocks of different saves mixed")
+        partial = partial or stored < part.offset
+        parts.append(part)
+    names = list(dict.fromkeys(n for p in parts for n in p.arrays))
+    for name in names:
+        first = next(p.arrays[name] for p in parts if name in p.arrays)
+        t = template.arrays.get(name, first)
+        for a in (p.arrays[name] for p in parts if name in p.arrays):
+            if a.dtype != t.dtype or _without_tokens(a.shape) != _without_tokens(t.shape):
+                raise ValueError(f"layer {i} {name}: block arrays {a.dtype}{a.shape} do not match {t.dtype}{t.shape}")
+    arrays = {}
+    for name in names:
+        pieces = [p.arrays[name] for p in parts if name in p.arrays]
+        arrays[name] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=TOKEN_AXIS)
+    state = dict(template.state)
+    if "stored" in state:
+        state["stored"] = sum(int(p.state["stored"]) for p in parts)
+    joined = LayerRecord(template.layout, sum(p.offset for p in parts), arrays, template.config, state,
+                         parts[0].calibration)
+    check_record_arrays(joined)
+    return joined
+
+
+def _join_state(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+    """The recurrent state after the last block, with the earlier block ends as checkpoints."""
+    if not blocks:
+        return template
+    arrays, seen = {}, 0
+    for blk in blocks:
+        part = blk.layers.get(i)
+        if part is None or part.layout is not Layout.STATE or part.config != template.config \
+                or part.offset != blk.n_tokens:
+            raise ValueError(f"block {blk.index} lacks layer {i}'s recurrent state or stores another kind: blocks of "
+                             "different saves mixed")
+        if seen:
+            arrays.update({f"{name}@{seen}": a for name, a in previous.items()})
+        previous, seen = part.arrays, seen + part.offset
+    joined = LayerRecord(Layout.STATE, seen, {**arrays, **previous}, template.config)
+    check_record_arrays(joined)
+    return joined
+
+
+def _without_stored(state: Mapping) -> dict:
+    return {k: v for k, v in state.items() if k != "stored"}
+
+
+def _without_tokens(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(shape[:TOKEN_AXIS]) + tuple(shape[TOKEN_AXIS + 1:])

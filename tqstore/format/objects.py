@@ -1,0 +1,495 @@
+"""Snapshot parts <-> bytes: a verified frame around a safetensors payload (docs/format.md).
+
+    frame (64 bytes)  magic "\\x89TQS\\r\\n\\x1a\\n", u32 format version, u32 reserved (0),
+                      u64 safetensors header length, u64 payload length, sha256 of the payload
+    payload           safetensors: one U8 tensor per group (format 2: every array of one name
+                      and dtype in the object, concatenated and encoded once); its metadata
+                      holds one key, "tqstore", whose value is the JSON header (kind, identity
+                      digests, tokens, keys, per-layer records with every array's dtype, shape,
+                      group and offset; the groups with encoding, size and sha256)
+
+Three verbs, like safetensors: `dumps(obj, provenance)`, `loads(data, expect=...)` and
+`inspect(data)`. `loads` checks the frame (magic, readable version, length, digest) before it
+parses anything, then the header schema and its internal consistency (block key, calibration
+digest), then the expected identity and tokens, then every group's sha256, and only then
+builds arrays: it returns a whole object or raises one of tqstore's error types, never a part.
+Payloads are parsed here (numpy views of the bytes), not by mx.load, so damaged input never
+reaches a C++ parser and nothing is written to a temporary file. Format 1 (one tensor per
+array, each with its own digest) is still read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+import zstandard
+
+from turboquant.records import CodecRecord, LayerRecord, Snapshot
+
+from tqstore.format.blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
+from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
+from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
+                     TokenMismatch, TruncatedData, UnsupportedFormatVersion)
+from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
+                     codec_tensor, layer_tensor, parse_header)
+from tqstore.models.identity import FORMAT_VERSION
+
+MAGIC = b"\x89TQS\r\n\x1a\n"
+READABLE_VERSIONS = frozenset({1, 2})
+OBJECT_VERSION = 2  # what dumps writes; the codec identity's format_version (data model) stays 1
+META_KEY = "tqstore"
+_FRAME = struct.Struct("<8sIIQQ32s")
+FRAME_SIZE = _FRAME.size  # 64
+ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller than 3 (docs/format.md)
+MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
+MIN_COMPRESS_BYTES = 256
+SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
+
+__all__ = ["dumps", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+           "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
+
+Obj = Snapshot | Block | Window | SharedCodecs
+
+
+def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
+    """Serialize a Snapshot, Block, Window or SharedCodecs with its provenance.
+
+    A block's key is computed here from the provenance, so a stored block always matches its
+    key; for block 0 and snapshots the calibration digest is computed from the data. Raises
+    ValueError for an object that breaks the data model (arrays of another layout, shapes,
+    dtypes, non-scalar config values).
+    """
+    kind, layers, codecs = _parts(obj)
+    _check_names(layers, codecs)
+    # One evaluation for the whole object: the arrays of a block are lazy slices of its entry,
+    # and evaluating them one by one (in tensor_bytes) costs an MLX dispatch each.
+    mx.eval([a for _, r in layers for a in (*r.arrays.values(), *r.calibration.values())]
+            + [a for c in codecs.values() for a in c.arrays.values()])
+    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]] = {}
+
+    def put(section: str, name: str, a: mx.array, digest: bool = False) -> dict[str, Any]:
+        raw = tensor_bytes(a)
+        entry = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "group": 0, "offset": 0}
+        if digest:
+            entry["sha256"] = hashlib.sha256(raw).hexdigest()
+        groups.setdefault((section, name, entry["dtype"]), []).append((entry, raw))
+        return entry
+
+    header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
+                      "state": dict(r.state),
+                      "arrays": {n: put("layer", n, a) for n, a in sorted(r.arrays.items())},
+                      "calibration": {n: put("calibration", n, a, digest=True) for n, a in sorted(r.calibration.items())}}
+                     for i, r in layers]
+    header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
+                            "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
+                     for name, c in sorted(codecs.items())}
+    prov = _complete(kind, obj, header_layers, provenance)
+    header_groups, stored = _pack(groups)
+    header = {
+        "kind": kind,
+        "identity": {"model": _hex(prov.model), "codec": _hex(prov.codec), "calibration": _hex(prov.calibration)},
+        "tokens": None if prov.tokens is None else [int(t) for t in prov.tokens],
+        "key": None if prov.key is None else prov.key.hex,
+        "parent": None if prov.parent is None else prov.parent.hex,
+        "block": None if kind != "block" else {"index": obj.index, "start": obj.start, "n_tokens": obj.n_tokens,
+                                               "block_size": obj.block_size},
+        "layers": header_layers,
+        "codecs": header_codecs,
+        "groups": header_groups,
+    }
+    try:
+        parse_header(json.loads(canonical_json(header)), OBJECT_VERSION, 0)  # what is written must read back
+    except (MalformedHeader, TypeError, ValueError) as e:
+        raise ValueError(f"cannot serialize this {kind}: {e}") from None
+    table, at = {"__metadata__": {META_KEY: canonical_json(header).decode()}}, 0
+    for j, part in enumerate(stored):
+        table[f"group/{j}"] = {"dtype": "U8", "shape": [len(part)], "data_offsets": [at, at + len(part)]}
+        at += len(part)
+    st = json.dumps(table, separators=(",", ":")).encode()
+    st += b" " * (-len(st) % 8)  # safetensors writers pad the header to 8 bytes
+    parts = [struct.pack("<Q", len(st)), st, *stored]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    frame = _FRAME.pack(MAGIC, OBJECT_VERSION, 0, len(st), 8 + len(st) + at, digest.digest())
+    return b"".join([frame, *parts])
+
+
+def _pack(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]
+          ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Number the groups, place each array in its group, encode each group once: (the header's
+    group records, each group's stored bytes)."""
+    for j, members in enumerate(groups.values()):
+        offset = 0
+        for entry, raw in members:
+            entry["group"], entry["offset"] = j, offset
+            offset += raw.size
+
+    def pack(item: tuple[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]) -> tuple[dict, Any]:
+        (_, _, dtype), members = item
+        raw = members[0][1] if len(members) == 1 else np.concatenate([r for _, r in members])
+        encoding, packed = _encode(raw, DTYPES[dtype][0].size)
+        record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
+                  "sha256": hashlib.sha256(raw).hexdigest()}
+        return record, raw.data if packed is None else packed
+
+    done = list(_threads().map(pack, groups.items()))  # zstd and hashlib release the GIL
+    return [r for r, _ in done], [p for _, p in done]
+
+
+def inspect(data: bytes, *, verify_digest: bool = True) -> Header:
+    """An object's header, without decoding any tensor.
+
+    With verify_digest=False, `data` may be only the first bytes of an object (the frame and
+    the safetensors header, e.g. from a ranged read); nothing is then known about the rest.
+    """
+    return _read(data, verify_digest, verify_digest)[0]
+
+
+def loads(data: bytes, *, expect: Expect) -> Obj:
+    """The object in `data`, verified completely (frame, header, identity, tokens, every tensor).
+
+    Raises BadMagic, FormatVersionTooNew, UnsupportedFormatVersion, TruncatedData,
+    ChecksumMismatch, MalformedHeader, IdentityMismatch or TokenMismatch; returns only whole
+    objects, with every array evaluated.
+    """
+    return load(data, expect=expect)[1]
+
+
+def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header, Obj]:
+    """`loads` that also returns the object's header (parsed once for both). `verified`: the
+    caller has just checked these whole bytes against the digest recorded when they were
+    written (an LMDB or S3 read), so the frame's digest, of the same bytes, is not computed again."""
+    header, table, blob = _read(data, True, not verified)
+    _check_expect(header, expect)
+    if header.version == 1:
+        arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
+    else:
+        arrays = _unpack(header, [blob[s:e] for _, s, e in table.values()])
+    mx.eval(*arrays.values())
+    return header, _build(header, arrays)
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _parts(obj: Obj) -> tuple[str, list[tuple[int, LayerRecord]], dict[str, CodecRecord]]:
+    if isinstance(obj, Snapshot):
+        return "snapshot", list(enumerate(obj.layers)), obj.codecs
+    if isinstance(obj, Block):
+        return "block", sorted(obj.layers.items()), {}
+    if isinstance(obj, Window):
+        return "window", list(enumerate(obj.layers)), {}
+    if isinstance(obj, SharedCodecs):
+        return "shared", [], obj.codecs
+    raise TypeError(f"cannot serialize a {type(obj).__name__}: pass a Snapshot, Block, Window or SharedCodecs")
+
+
+def _check_names(layers, codecs) -> None:
+    names = [n for _, r in layers for n in (*r.arrays, *r.calibration)]
+    names += [n for name, c in codecs.items() for n in (name, *c.arrays)]
+    bad = next((n for n in names if not isinstance(n, str) or not n or "/" in n), None)
+    if bad is not None:
+        raise ValueError(f"array and codec names are non-empty strings without '/', got {bad!r}")
+
+
+def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) -> Provenance:
+    """The provenance as written: block keys and calibration digests computed from the data."""
+    calibration = prov.calibration
+    if kind == "snapshot" or (kind == "block" and obj.index == 0):
+        calibration = digest_calibration([(li["index"], li["calibration"]) for li in header_layers])
+        if prov.calibration is not None and prov.calibration != calibration:
+            raise ValueError("the provenance's calibration digest does not match the calibration arrays")
+    if kind != "block":
+        if prov.parent is not None:
+            raise ValueError(f"only blocks have a parent key, not a {kind}")
+        return dataclasses.replace(prov, calibration=calibration)
+    if prov.model is None or prov.codec is None or prov.tokens is None:
+        raise ValueError("a block needs the model and codec digests and its tokens")
+    if len(prov.tokens) != obj.n_tokens or (obj.index == 0) != (prov.parent is None):
+        raise ValueError(f"block {obj.index} holds {obj.n_tokens} tokens and the provenance gives "
+                         f"{len(prov.tokens)}, or the parent key is wrong (only block 0 has none)")
+    key = block_key(prov.parent, prov.tokens, prov.model, prov.codec, calibration)
+    if prov.key is not None and prov.key != key:
+        raise ValueError(f"the provenance's key {prov.key.hex} is not this block's key {key.hex}")
+    return dataclasses.replace(prov, calibration=calibration, key=key)
+
+
+def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
+    """(encoding, stored bytes) of one group, or ("raw", None) to store it as it is: the
+    smallest of raw, zstd and zstd over byte planes, chosen on a sample of the first 256 KiB
+    (a sample that cannot win decides raw, and the rest is not compressed), zstd kept only
+    where it saves MIN_SAVING."""
+    if raw.size < MIN_COMPRESS_BYTES:
+        return "raw", None
+    zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # one per call: compressors are not thread-safe
+    sample = raw[:SAMPLE_BYTES - SAMPLE_BYTES % itemsize]
+    candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
+    tried = {enc: _compress(zstd, sample, itemsize, enc) for enc in candidates}
+    best = min(candidates, key=lambda enc: len(tried[enc]))
+    if len(tried[best]) > (1 - MIN_SAVING) * sample.size:
+        return "raw", None
+    stored = tried[best] if sample.size == raw.size else _compress(zstd, raw, itemsize, best)
+    if len(stored) > (1 - MIN_SAVING) * raw.size:
+        return "raw", None
+    return best, stored
+
+
+def _compress(zstd: zstandard.ZstdCompressor, raw: np.ndarray, itemsize: int, encoding: str) -> bytes:
+    if encoding == "shuffle-zstd":
+        # Byte planes: the sign/exponent bytes of floats repeat and compress; mantissa bytes barely.
+        raw = np.ascontiguousarray(raw.reshape(-1, itemsize).T)
+    return zstd.compress(raw.data)
+
+
+def _hex(digest: bytes | None) -> str | None:
+    if digest is None:
+        return None
+    if not isinstance(digest, bytes) or len(digest) != 32:
+        raise ValueError(f"identity digests are 32 raw bytes (use .digest, not .hexdigest), got {digest!r:.80}")
+    return digest.hex()
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+
+def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, dict[str, tuple[Any, int, int]], memoryview]:
+    """Frame checks first, then the safetensors table and the JSON header, cross-checked. The
+    table gives each tensor (format 1) or each group (format 2) its byte range in the data."""
+    view = memoryview(data).cast("B")
+    if len(view) < FRAME_SIZE:
+        if not MAGIC.startswith(bytes(view[:len(MAGIC)])):
+            raise BadMagic("not a tqstore object (wrong magic bytes)")
+        raise TruncatedData(f"object truncated to {len(view)} bytes, shorter than its {FRAME_SIZE}-byte frame")
+    magic, version, reserved, header_len, payload_len, digest = _FRAME.unpack_from(view)
+    if magic != MAGIC:
+        raise BadMagic("not a tqstore object (wrong magic bytes)")
+    if version not in READABLE_VERSIONS:
+        readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
+        if version > max(READABLE_VERSIONS):
+            raise FormatVersionTooNew(f"object written by a newer tqstore (format {version}; this one reads "
+                                      f"{readable}): upgrade tqstore")
+        raise UnsupportedFormatVersion(f"object has format {version}, which this tqstore no longer reads (it "
+                                       f"reads {readable}): compute the cache again")
+    payload = view[FRAME_SIZE:]
+    if whole and len(payload) != payload_len:
+        raise TruncatedData(f"object has {len(payload)} payload bytes, its frame says {payload_len}: it was "
+                            "truncated or padded in storage")
+    if verify_digest and hashlib.sha256(payload).digest() != digest:
+        raise ChecksumMismatch("object is corrupt: its sha256 does not match its frame")
+    if reserved != 0:
+        raise MalformedHeader(f"the reserved frame field is {reserved}, not 0")
+    if 8 + header_len > min(len(payload), payload_len):
+        raise TruncatedData(f"the {header_len}-byte header runs past the {min(len(payload), payload_len)}-byte payload")
+    (st_len,) = struct.unpack_from("<Q", payload)
+    if st_len != header_len:
+        raise MalformedHeader(f"the frame gives a {header_len}-byte header, the safetensors payload {st_len}")
+    st = _json(payload[8:8 + header_len], "safetensors header")
+    if not isinstance(st, dict):
+        raise MalformedHeader("the safetensors header is not a JSON object")
+    meta = st.pop("__metadata__", None)
+    if not isinstance(meta, dict) or set(meta) != {META_KEY} or not isinstance(meta[META_KEY], str):
+        raise MalformedHeader(f"the safetensors metadata must hold exactly one string, {META_KEY!r}")
+    header = parse_header(_json(meta[META_KEY].encode("utf-8", "surrogatepass"), "tqstore header"), version,
+                           payload_len)
+    data_len = payload_len - 8 - header_len
+    table = _tensor_table(st, header, data_len) if version == 1 else _group_table(st, header, data_len)
+    return header, table, payload[8 + header_len:]
+
+
+def _json(raw, what: str) -> Any:
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key appears twice")
+        return dict(pairs)
+
+    try:
+        return json.loads(bytes(raw).decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)
+    except (UnicodeError, ValueError, RecursionError) as e:
+        raise MalformedHeader(f"the {what} is not valid JSON ({e})") from None
+
+
+def _tensor_table(st: dict, header: Header, data_len: int) -> dict[str, tuple[TensorInfo, int, int]]:
+    """Match the safetensors table to the header; the tensors' bytes must tile the data."""
+    infos = header.tensors()
+    if set(st) != set(infos):
+        missing, extra = sorted(set(infos) - set(st)), sorted(set(st) - set(infos))
+        raise MalformedHeader(f"the tensor table does not match the header (missing {missing[:3]}, extra {extra[:3]})")
+    spans = []
+    for name, entry in st.items():
+        info = infos[name]
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise MalformedHeader(f"tensor {name}: the entry needs exactly dtype, shape and data_offsets")
+        offsets = entry["data_offsets"]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise MalformedHeader(f"tensor {name}: bad data offsets {offsets!r:.80}")
+        size = offsets[1] - offsets[0]
+        want = (DTYPES[info.dtype][1], list(info.shape)) if info.encoding == "raw" else ("U8", [size])
+        if (entry["dtype"], entry["shape"]) != want or (info.encoding == "raw" and size != info.nbytes):
+            raise MalformedHeader(f"tensor {name}: stored as {entry['dtype']!r:.20} {entry['shape']!r:.80} in "
+                                  f"{size} bytes, the header says {info.encoding} {info.dtype} {list(info.shape)}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for start, stop, name in sorted(spans):
+        if start != end:
+            raise MalformedHeader(f"tensor {name} starts at byte {start}, expected {end}: data must be contiguous")
+        end = stop
+    if end != data_len:
+        raise MalformedHeader(f"the tensors cover {end} of {data_len} data bytes")
+    return {name: (infos[name], s, e) for s, e, name in spans}
+
+
+def _group_table(st: dict, header: Header, data_len: int) -> dict[str, tuple[GroupInfo, int, int]]:
+    """Format 2: the safetensors table holds exactly one U8 tensor per group, tiling the data."""
+    names = [f"group/{j}" for j in range(len(header.groups))]
+    if set(st) != set(names):
+        raise MalformedHeader(f"the tensor table does not hold exactly the {len(names)} groups of the header")
+    end, out = 0, {}
+    for name, group in zip(names, header.groups):
+        entry = st[name]
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if set(entry or ()) != {"dtype", "shape", "data_offsets"} or entry["dtype"] != "U8" \
+                or not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)) \
+                or offsets[0] != end or not end <= offsets[1] <= data_len or entry["shape"] != [offsets[1] - end] \
+                or (group.encoding == "raw" and offsets[1] - end != group.nbytes):
+            raise MalformedHeader(f"{name}: the entry is not U8 [its length] right after the group before it")
+        out[name] = (group, end, offsets[1])
+        end = offsets[1]
+    if end != data_len:
+        raise MalformedHeader(f"the groups cover {end} of {data_len} data bytes")
+    return out
+
+
+def _check_expect(header: Header, expect: Expect) -> None:
+    what = f"this {header.kind}" + (f" (block {header.block.index})" if header.block else "")
+    p = header.provenance
+    if expect.kind is not None and header.kind != expect.kind:
+        raise MalformedHeader(f"{what} is not a {expect.kind}: the wrong object is stored under this key")
+    if expect.model is not None and p.model != expect.model:
+        raise IdentityMismatch(f"{what} was saved for another model (model identity {_short(p.model)}, the model in "
+                               f"use is {_short(expect.model)}): its weights, KV config, tokenizer, chat template, "
+                               "adapter or KV dtype differ; save the cache again with this model")
+    if expect.codec is not None and p.codec != expect.codec:
+        raise IdentityMismatch(f"{what} was encoded with another codec (codec identity {_short(p.codec)}, expected "
+                               f"{_short(expect.codec)}): the scheme, layer configuration, codebooks, rotations or "
+                               "format version differ; save the cache again with this scheme")
+    if expect.tokens is not None:
+        want = [int(t) for t in expect.tokens]
+        if p.tokens is None or list(p.tokens) != want:
+            raise TokenMismatch(_token_difference(what, p.tokens, want))
+    if expect.key is not None and p.key != expect.key:
+        raise IdentityMismatch(f"{what} has key {_short(p.key)}, expected {_short(expect.key)}: it belongs to another "
+                               "prefix chain or calibration; look it up again")
+
+
+def _token_difference(what: str, have: Sequence[int] | None, want: list[int]) -> str:
+    if have is None:
+        return f"{what} records no tokens; {len(want)} were expected"
+    i = next((i for i, (a, b) in enumerate(zip(have, want)) if a != b), min(len(have), len(want)))
+    stored = have[i] if i < len(have) else "the end"
+    wanted = want[i] if i < len(want) else "the end"
+    return (f"{what} holds {len(have)} tokens, {len(want)} were asked for; they differ first at position {i} "
+            f"({stored} stored, {wanted} asked for)")
+
+
+def _short(digest: bytes | BlockKey | None) -> str:
+    if digest is None:
+        return "none"
+    return (digest.hex if isinstance(digest, BlockKey) else digest.hex())[:12] + "…"
+
+
+def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
+    """Format 1: one tensor, decoded and checked against its own digest."""
+    raw = _decoded(f"tensor {name}", info.encoding, stored, info.nbytes, DTYPES[info.dtype][0].size)
+    if hashlib.sha256(raw).hexdigest() != info.sha256:
+        raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+    return tensor_from_bytes(raw, info.dtype, info.shape)
+
+
+def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
+    """Format 2: each group decoded and checked against its digest once, each array a slice of
+    its group. Calibration arrays are checked against their own digests too: the calibration
+    digest in the header (and so every later block key) was computed from those."""
+    def unpack(j: int) -> np.ndarray:
+        g = header.groups[j]
+        raw = _decoded(f"group {j}", g.encoding, stored[j], g.nbytes, DTYPES[g.dtype][0].size)
+        if hashlib.sha256(raw).hexdigest() != g.sha256:
+            raise ChecksumMismatch(f"group {j} ({g.dtype}) is corrupt: its sha256 does not match the header")
+        return raw
+
+    groups = list(_threads().map(unpack, range(len(header.groups))))  # zstd and hashlib release the GIL
+    arrays = {}
+    for name, info in header.tensors().items():
+        raw = groups[info.group][info.offset:info.offset + info.nbytes]
+        if info.sha256 is not None and hashlib.sha256(raw).hexdigest() != info.sha256:
+            raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+        arrays[name] = tensor_from_bytes(raw, info.dtype, info.shape)
+    return arrays
+
+
+@functools.lru_cache(maxsize=1)
+def _threads() -> ThreadPoolExecutor:
+    """Threads for the per-group work (numpy, zstd, hashlib only: no MLX calls off the caller's
+    thread), one per core."""
+    return ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="tqstore-format")
+
+
+def _decoded(what: str, encoding: str, stored: memoryview, nbytes: int, itemsize: int) -> np.ndarray:
+    """The decoded bytes of one stored span (zstd frame size checked before it allocates)."""
+    if encoding == "raw":
+        return np.frombuffer(stored, dtype=np.uint8)
+    try:
+        size = zstandard.frame_content_size(stored)
+        if size != nbytes:  # also bounds the allocation below
+            raise ChecksumMismatch(f"{what}: its zstd frame holds {size} bytes, {nbytes} expected")
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=nbytes)
+    except zstandard.ZstdError as e:
+        raise ChecksumMismatch(f"{what}: the compressed data is corrupt ({e})") from None
+    if len(raw) != nbytes:
+        raise ChecksumMismatch(f"{what}: decompressed to {len(raw)} bytes, {nbytes} expected")
+    planes = np.frombuffer(raw, dtype=np.uint8)
+    return _unshuffle(planes, itemsize) if encoding == "shuffle-zstd" else planes
+
+
+def _unshuffle(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """Byte planes back to little-endian items (shifts over contiguous planes beat a strided copy)."""
+    p = planes.reshape(itemsize, -1)
+    wide = {2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize]
+    out = p[0].astype(wide)
+    for j in range(1, itemsize):
+        out |= p[j].astype(wide) << wide(8 * j)
+    return out.view(np.uint8)
+
+
+def _build(header: Header, arrays: dict[str, mx.array]) -> Obj:
+    def layer(li: LayerInfo) -> LayerRecord:
+        return LayerRecord(li.layout, li.offset, {n: arrays[layer_tensor(li.index, n)] for n in li.arrays},
+                           dict(li.config), dict(li.state),
+                           {n: arrays[layer_tensor(li.index, n, calibration=True)] for n in li.calibration})
+
+    codecs = {name: CodecRecord(c.rotation_kind, c.norm_mode, {n: arrays[codec_tensor(name, n)] for n in c.arrays})
+              for name, c in header.codecs.items()}
+    if header.kind == "snapshot":
+        return Snapshot(layers=[layer(li) for li in header.layers], codecs=codecs)
+    if header.kind == "block":
+        b = header.block
+        return Block(b.index, b.start, b.n_tokens, {li.index: layer(li) for li in header.layers}, b.block_size)
+    if header.kind == "window":
+        return Window([layer(li) for li in header.layers])
+    return SharedCodecs(codecs)
+
+

@@ -1,0 +1,141 @@
+"""Loading models for the engine, and the local registry from model identity to folder.
+
+An entry records the model it was made with (a path or a repo id, and its identity digest).
+On another machine the path may not exist: the registry maps identity digests to the folders
+this machine has loaded, so a pulled entry finds its model, or says to pass --model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from tqstore.durable import write_file_atomic
+from tqstore.models.files import NO_SPACE
+from tqstore.errors import ConfigError, IdentityMismatch, NotFound, TqstoreError
+from tqstore.models.identity import ModelIdentity, describe_difference
+from tqstore.models.prompting import PromptFormat, prompt_format
+
+REGISTRY_FILE = "models.json"
+COMPUTE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: weights, tokenizer, identity and prompt framing."""
+
+    model: object
+    tokenizer: object
+    identity: ModelIdentity
+    ref: str  # what the user passed: a folder or a repo id
+    path: Path
+    adapter_path: str | None
+    prompt: PromptFormat
+
+
+def compute_dtype(choice: str = "auto") -> mx.Dtype | None:
+    """The dtype models run in: float32 on the CPU (MLX's CPU half-precision matmul is very slow),
+    the checkpoint's own dtype on a GPU (None = keep)."""
+    if choice not in COMPUTE_DTYPES:
+        raise ConfigError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {choice!r}")
+    if choice == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else None
+    return getattr(mx, choice)
+
+
+def resolve_model_path(ref: str) -> Path:
+    """A local folder as is; a repo id from the local hub cache, or downloaded when allowed."""
+    path = Path(ref).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise NotFound(f"{path} is not a model folder (no config.json): pass the folder holding the model")
+        return path
+    if ref.count("/") != 1 or ref.startswith((".", "/", "~")):
+        raise NotFound(f"model {ref!r} not found: pass a local model folder or a Hugging Face repo id "
+                       "(owner/name), or run `tqstore model install qwen2.5-coder-0.5b`")
+    try:
+        from huggingface_hub import snapshot_download
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+        try:
+            return Path(snapshot_download(ref, local_files_only=True, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+        except Exception:  # noqa: BLE001 - not cached yet: try the network below
+            return Path(snapshot_download(ref, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except Exception as e:  # noqa: BLE001 - any hub failure is one user-facing message
+        raise NotFound(f"could not get model {ref!r} from the Hugging Face hub ({type(e).__name__}); "
+                       "without network access pass a local folder, or run "
+                       "`tqstore model install qwen2.5-coder-0.5b`") from None
+
+
+def load_model(ref: str, *, cache_dir: Path, adapter_path: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load a model with mlx-lm (optionally with a LoRA adapter) and compute its identity."""
+    from mlx_lm import load
+
+    path = resolve_model_path(ref)
+    if adapter_path is not None and not Path(adapter_path).exists():
+        raise NotFound(f"adapter {adapter_path} not found")
+    try:
+        model, tokenizer = load(str(path), adapter_path=adapter_path)
+    except (FileNotFoundError, ValueError) as e:
+        raise TqstoreError(f"mlx-lm cannot load {path}: {e}") from None
+    target = compute_dtype(dtype)
+    if target is not None:
+        model.set_dtype(target)
+    kv_dtype = str(target or _parameter_dtype(model)).rsplit(".", 1)[-1]
+    identity = ModelIdentity.from_path(path, cache_dir, adapter_path=adapter_path, kv_dtype=kv_dtype)
+    return LoadedModel(model, tokenizer, identity, ref, path.resolve(), adapter_path, prompt_format(tokenizer))
+
+
+def _parameter_dtype(model) -> mx.Dtype:
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32
+
+
+class ModelRegistry:
+    """identity digest -> {path, ref, adapter} of models this machine has loaded (a JSON file)."""
+
+    def __init__(self, home: Path):
+        self.path = Path(home) / REGISTRY_FILE
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{self.path} is unreadable ({e}); delete it, it is rebuilt as models load") from None
+        return data if isinstance(data, dict) else {}
+
+    def remember(self, loaded: LoadedModel) -> None:
+        """Record where `loaded` lives. Written only when that changes: loading a known model is a
+        read, and reads must work on a full disk; a record that cannot be written for want of
+        space is skipped (it only helps find the model of a pulled entry)."""
+        data = self._read()
+        record = {"path": str(loaded.path), "ref": loaded.ref, "adapter": loaded.adapter_path}
+        if data.get(loaded.identity.hexdigest) == record:
+            return
+        data[loaded.identity.hexdigest] = record
+        try:
+            write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+
+    def find(self, digest_hex: str) -> dict | None:
+        return self._read().get(digest_hex)
+
+
+def check_identity(loaded: LoadedModel, expected: ModelIdentity, entry: str) -> None:
+    """Refuse a model that is not the one an entry was made with, naming what differs."""
+    if loaded.identity.digest == expected.digest:
+        return
+    differences = "; ".join(describe_difference(expected, loaded.identity)[:6])
+    raise IdentityMismatch(f"entry {entry!r} was saved with another model ({expected.source or 'unknown'}); "
+                           f"{loaded.ref} differs: {differences}. Pass the model it was saved with (--model)")

@@ -1,0 +1,258 @@
+"""Removing and checking entries: budget eviction, rm, gc, verify.
+
+Every operation that deletes objects holds the home lock exclusively (tierset.HomeLock), so no
+put or pull is between writing its objects and publishing its manifest meanwhile: an object no
+manifest references is then truly garbage (an orphan of a killed writer, a leftover of an
+evicted entry, or a copy promoted from S3 by a prefix restore). When a manifest cannot be read
+(damaged, or written by a newer tqstore) nobody knows what it references, so no object is
+collected and the caller is told why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tqstore.config import format_size
+from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
+from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.format.manifest import Manifest
+from tqstore.names import is_valid_name
+from tqstore.store.tiers.lmdb import CompactResult
+from tqstore.store.tierset import TierSet, not_found
+
+REMOTE_GRACE = 3600.0  # seconds an unreferenced bucket object is left for a push in flight elsewhere
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing `verify` found: the entry (None for store-level problems), a kind, the object
+    key if one is concerned, and what is wrong."""
+
+    entry: str | None
+    kind: str  # manifest, missing, corrupt, digest, content, other_save, or an LMDB kind (checksum, ...)
+    key: bytes | None
+    detail: str
+
+
+@dataclass(frozen=True)
+class GcStats:
+    """What `gc` removed (locally, and in the bucket with remote=True)."""
+
+    expired: tuple[str, ...] = ()
+    orphans: int = 0
+    orphan_bytes: int = 0
+    quarantine_cleared: int = 0
+    remote_expired: tuple[str, ...] = ()
+    remote_orphans: int = 0
+    remote_orphan_bytes: int = 0
+    compact: CompactResult | None = None
+    notes: tuple[str, ...] = ()
+
+
+def enforce_budget(tiers: TierSet, keep: str) -> tuple[list[str], list[str]]:
+    """Evict until the LMDB objects fit `lmdb_budget_bytes`: unreferenced objects, then expired
+    entries, then least recently used ones; pinned entries and `keep` (the entry just written)
+    stay. Returns (evicted entry names, warnings)."""
+    budget = tiers.config.lmdb_budget_bytes
+    if tiers.lmdb.stats().payload_bytes <= budget:
+        return [], []
+    with tiers.lock.exclusive():
+        used = tiers.lmdb.stats().payload_bytes
+        entries, unreadable = tiers.local_manifests()
+        if unreadable:
+            return [], [f"the LMDB store is over its budget ({format_size(used)} of {format_size(budget)}) but "
+                        f"manifests {', '.join(unreadable)} cannot be read, so nothing was evicted: run tqstore verify"]
+        refs = Counter(key for m, _ in entries for key in _keys(m))
+        objects, freed = _delete(tiers, [k for k in tiers.lmdb.iter_object_keys() if k not in refs])
+        used -= freed
+        now = time.time()
+        order = sorted(((m, used_at) for m, used_at in entries if m.name != keep and not m.pinned),
+                       key=lambda e: (not e[0].expired(now), e[1]))
+        evicted = []
+        for m, _ in order:
+            if used <= budget:
+                break
+            tiers.lmdb.delete_manifest(m.name)
+            refs.subtract(_keys(m))
+            n, nbytes = _delete(tiers, [k for k in _keys(m) if refs[k] <= 0])
+            used, objects, freed = used - nbytes, objects + n, freed + nbytes
+            evicted.append(m.name)
+        tiers.counters.evicted(len(evicted), objects, freed)
+    warnings = []
+    if used > budget:
+        kept = next((m for m, _ in entries if m.name == keep), None)
+        size = f" ({format_size(kept.nbytes)})" if kept is not None else ""
+        warnings.append(f"the LMDB store holds {format_size(used)}, over its budget of {format_size(budget)}: what is "
+                        f"left is pinned or the entry just written, {keep}{size}; raise store.lmdb_budget "
+                        "(TQSTORE_LMDB_BUDGET) or unpin entries")
+    return evicted, warnings
+
+
+def rm_local(tiers: TierSet, name: str) -> None:
+    """Delete entry `name` and the objects no other entry uses; NotFound if there is none."""
+    with tiers.lock.exclusive():
+        try:
+            manifest = tiers.local_manifest(name)
+        except FormatError:
+            manifest = None  # unreadable: remove it; gc collects its objects
+        if not tiers.lmdb.delete_manifest(name):
+            raise not_found(name, tiers)
+        entries, unreadable = tiers.local_manifests()
+        if manifest is not None and not unreadable:
+            refs = {key for m, _ in entries for key in _keys(m)}
+            freed = [k for k in _keys(manifest) if k not in refs]
+            _delete(tiers, freed)
+            tiers.memory.drop(freed)
+    if manifest is not None and manifest.pinned:
+        tiers.refresh_pins()
+
+
+def rm_damaged_key(tiers: TierSet, label: str) -> bool:
+    """Drop the manifest stored under a damaged key shown as `label`; False if there is none."""
+    with tiers.lock.exclusive():
+        records = [r for r in tiers.lmdb.damaged_records() if r.db == "manifests" and r.label == label]
+        return tiers.lmdb.fix_records(records) > 0
+
+
+def rm_remote(tiers: TierSet, name: str) -> None:
+    """Delete the bucket's manifest `name` (its objects go at the next `gc --remote`)."""
+    s3 = tiers.require_s3()
+    if not s3.delete_manifest(name):
+        raise NotFound(f"no entry {name} in s3://{s3.bucket}/{s3.prefix}: `tqstore ls --remote` lists them")
+    tiers.remote.forget(name)
+
+
+def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> GcStats:
+    """Drop expired entries, unreferenced objects and quarantine records; the
+    same in the bucket with `remote` (objects younger than `remote_grace` seconds stay: a push
+    elsewhere may not have written its manifest yet); then compact LMDB if asked."""
+    if remote:
+        tiers.require_s3()
+    notes = []
+    with tiers.lock.exclusive():
+        entries, unreadable = tiers.local_manifests()
+        now = time.time()
+        expired = [m.name for m, _ in entries if m.expired(now)]
+        for name in expired:
+            tiers.lmdb.delete_manifest(name)
+        orphans, orphan_bytes = 0, 0
+        if unreadable:
+            notes.append(_unreadable_note(unreadable, "the local store"))
+        else:
+            refs = {key for m, _ in entries if m.name not in expired for key in _keys(m)}
+            orphans, orphan_bytes = _delete(tiers, [k for k in tiers.lmdb.iter_object_keys() if k not in refs])
+        cleared = tiers.lmdb.clear_quarantine()
+    stats = GcStats(tuple(expired), orphans, orphan_bytes, cleared)
+    if remote:
+        stats = _gc_remote(tiers, stats, remote_grace, notes)
+    if compact:
+        try:
+            stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
+        except DiskFull as exc:  # the store works without it: what gc removed is room again
+            notes.append(f"compaction skipped: {exc}")
+    return dataclasses.replace(stats, notes=tuple(notes))
+
+
+def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -> GcStats:
+    s3 = tiers.require_s3()
+    live: list[Manifest] = []
+    expired = []
+    now = time.time()
+    found, unreadable = tiers.remote_manifests()
+    for manifest in (remote.manifest for remote in found):
+        if manifest.expired(now):
+            s3.delete_manifest(manifest.name)
+            tiers.remote.forget(manifest.name)
+            expired.append(manifest.name)
+        else:
+            live.append(manifest)
+    orphans, nbytes = [], 0
+    if unreadable:
+        notes.append(_unreadable_note(unreadable, f"s3://{s3.bucket}/{s3.prefix}"))
+    else:
+        refs = {key for m in live for key in _keys(m)}
+        for key in s3.list_object_keys():
+            if key in refs:
+                continue
+            try:
+                info = s3.object_info(key)
+            except CorruptBlock:  # unreadable metadata: not ours to keep
+                orphans.append(key)
+                continue
+            if info is not None and now - info.created >= grace:
+                orphans.append(key)
+                nbytes += info.size
+        s3.delete_objects(orphans)
+    return dataclasses.replace(stats, remote_expired=tuple(expired), remote_orphans=len(orphans),
+                               remote_orphan_bytes=nbytes)
+
+
+def verify(tiers: TierSet, name: str | None) -> list[Problem]:
+    """Check every object of entry `name` (every entry by default) in LMDB: present, the
+    recorded digest, and fully verified against what the entry expects; then LMDB's own check
+    of every object and segment. Damaged copies are quarantined as a restore would."""
+    problems: list[Problem] = []
+    if name is not None:
+        manifests = [tiers.require_manifest(name)]
+    else:
+        entries, unreadable = tiers.local_manifests()
+        manifests = [m for m, _ in entries]
+        problems += [Problem(n, "manifest", None, _unreadable_reason(tiers, n)) for n in unreadable
+                     if is_valid_name(n)]  # invalid keys are among the damaged records below
+        problems += [Problem(r.label if r.db == "manifests" else None, "record", r.key, f"{r.db}: {r.detail}")
+                     for r in tiers.lmdb.damaged_records()]
+    for manifest in manifests:
+        for want, ref in zip(wants_for(manifest, len(manifest.blocks), remote=False), manifest.objects):
+            problems += _check_object(tiers, manifest.name, want, ref.sha256)
+    problems += [Problem(None, p.kind, p.key, p.detail) for p in tiers.lmdb.verify()]
+    return problems
+
+
+def _unreadable_reason(tiers: TierSet, name: str) -> str:
+    try:
+        tiers.local_manifest(name)
+    except FormatError as exc:
+        return f"the manifest cannot be read: {exc}"
+    return "the manifest cannot be read"  # replaced meanwhile
+
+
+def _check_object(tiers: TierSet, entry: str, want: Want, sha256: str) -> list[Problem]:
+    try:
+        payload = tiers.lmdb.get_object(want.key)
+    except CorruptBlock as exc:
+        return [Problem(entry, "corrupt", want.key, str(exc))]
+    if payload is None:
+        return [Problem(entry, "missing", want.key, f"the {want.kind} is not in the store")]
+    problems = []
+    info = tiers.lmdb.object_info(want.key)
+    if info is not None and info.sha256 != sha256:
+        problems.append(Problem(entry, "digest", want.key, f"the stored {want.kind} is not the copy the entry "
+                                                           f"recorded (sha256 {info.sha256[:12]}, not {sha256[:12]})"))
+    try:
+        decode(payload, want)
+    except ConflictError as exc:
+        problems.append(Problem(entry, "other_save", want.key, str(exc)))
+    except BAD_CONTENT as exc:
+        quarantine_lmdb(tiers.lmdb, want.key, f"{type(exc).__name__}: {exc}")
+        problems.append(Problem(entry, "content", want.key, f"{exc} (quarantined)"))
+    return problems
+
+
+def _keys(manifest: Manifest) -> list[bytes]:
+    return list(dict.fromkeys(r.key for r in manifest.objects))
+
+
+def _delete(tiers: TierSet, keys: Iterable[bytes]) -> tuple[int, int]:
+    """Delete LMDB objects; returns how many existed and their payload bytes."""
+    infos = [info for info in map(tiers.lmdb.object_info, keys) if info is not None]
+    tiers.lmdb.delete_objects(info.key for info in infos)
+    return len(infos), sum(info.size for info in infos)
+
+
+def _unreadable_note(names: list[str], where: str) -> str:
+    return (f"manifests {', '.join(names)} in {where} cannot be read (damaged, or written by a newer tqstore), so "
+            "no unreferenced objects were removed: fix or remove them (tqstore verify, tqstore rm)")

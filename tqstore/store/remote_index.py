@@ -1,0 +1,132 @@
+"""What this process knows the bucket holds, so lookups do not send a HEAD per block.
+
+Filled from the manifests read from the bucket (a manifest is written after its objects, so
+its objects are there) and from the objects this process pushed or found there. A refresh
+LISTs the manifests and GETs the ones that changed, at most once per `max_age` seconds. The
+index only decides where a restore looks first: a stale entry costs a miss (the restore
+verifies every object), never wrong data, so LIST is never trusted for correctness.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+from tqstore.errors import CorruptBlock, FormatError, TqstoreError
+from tqstore.format.manifest import Manifest
+from tqstore.store.tiers.s3 import S3Tier
+
+
+class RemoteIndex:
+    """Remote manifests (with their etags) and object keys, as last seen."""
+
+    def __init__(self, s3: S3Tier, max_age: float = 60.0) -> None:
+        self.s3 = s3
+        self.max_age = max_age
+        self.last_error: str | None = None  # why the last refresh failed, for stats()
+        self._lock = threading.Lock()
+        self._manifests: dict[str, tuple[float, int, Manifest, str]] = {}  # name -> (modified, size, m, etag)
+        self._pushed: set[bytes] = set()
+        self._gone: set[bytes] = set()  # found missing or damaged in the bucket
+        self._keys: set[bytes] = set()
+        self._refreshed = float("-inf")
+        self._busy = False  # a refresh is running
+
+    def manifests(self) -> list[tuple[Manifest, str]]:
+        """Every known remote manifest and its etag. The first call refreshes and waits (so a
+        one-shot lookup sees the bucket); later stale calls refresh in the background, so a slow
+        or unreachable bucket delays no lookup but the first."""
+        if self._refreshed == float("-inf"):
+            self.refresh()
+        elif time.monotonic() - self._refreshed > self.max_age:
+            with self._lock:
+                start, self._refreshed = not self._busy, time.monotonic()
+            if start:
+                threading.Thread(target=self.refresh, name="tqstore-remote-index", daemon=True).start()
+        with self._lock:
+            return [(m, etag) for _, _, m, etag in self._manifests.values()]
+
+    def refresh(self) -> None:
+        """LIST the bucket's manifests and GET those that changed. A failure is remembered in
+        `last_error` and leaves what was known (S3 being down must not break local lookups)."""
+        with self._lock:
+            if self._busy:
+                return
+            self._busy, self._refreshed = True, time.monotonic()
+        try:
+            self._refresh()
+        finally:
+            with self._lock:
+                self._busy = False
+
+    def _refresh(self) -> None:
+        try:
+            listed = self.s3.list_manifests()
+            with self._lock:
+                known = dict(self._manifests)
+            fresh = {}
+            for info in listed:
+                old = known.get(info.name)
+                if old is not None and old[:2] == (info.last_used, info.size):
+                    fresh[info.name] = old
+                    continue
+                try:
+                    got = self.s3.get_manifest(info.name)
+                    if got is None:
+                        continue  # deleted since the listing
+                    manifest = Manifest.from_bytes(got[0])
+                except (FormatError, CorruptBlock):
+                    continue  # a damaged or newer manifest matches nothing; `gc --remote` reports it
+                if manifest.name != info.name:
+                    continue  # copied under another name: not to be trusted
+                fresh[info.name] = (info.last_used, info.size, manifest, got[1])
+        except TqstoreError as exc:
+            self.last_error = str(exc)
+            return
+        self.last_error = None
+        with self._lock:
+            self._manifests = fresh
+            self._rebuild()
+
+    def has(self, key: bytes) -> bool:
+        """Whether the bucket is believed to hold object `key`."""
+        with self._lock:
+            return key in self._keys
+
+    def note_manifest(self, manifest: Manifest, etag: str) -> None:
+        """Record a manifest read from or written to the bucket (its objects are there)."""
+        with self._lock:
+            self._manifests[manifest.name] = (float("nan"), -1, manifest, etag)  # re-read at the next refresh
+            self._gone.difference_update(r.key for r in manifest.objects)
+            self._rebuild()
+
+    def note_objects(self, keys: Iterable[bytes]) -> None:
+        """Record objects uploaded to or found in the bucket."""
+        with self._lock:
+            keys = set(keys)
+            self._pushed |= keys
+            self._gone -= keys
+            self._rebuild()
+
+    def forget(self, name: str) -> None:
+        """Drop a manifest deleted from the bucket."""
+        with self._lock:
+            self._manifests.pop(name, None)
+            self._rebuild()
+
+    def gone(self, key: bytes) -> None:
+        """Record that the bucket does not hold a good copy of `key` (missing or damaged)."""
+        with self._lock:
+            self._gone.add(key)
+            self._rebuild()
+
+    def counts(self) -> tuple[int, int, int]:
+        """(known manifests, known objects, bytes of the known manifests' objects)."""
+        with self._lock:
+            sizes = {r.key: r.size for _, _, m, _ in self._manifests.values() for r in m.objects}
+            return len(self._manifests), len(self._keys), sum(sizes.values())
+
+    def _rebuild(self) -> None:
+        listed = {r.key for _, _, m, _ in self._manifests.values() for r in m.objects}
+        self._keys = (listed | self._pushed) - self._gone

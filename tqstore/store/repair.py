@@ -1,0 +1,121 @@
+"""`tqstore repair`: bring a damaged store back to working, keeping everything that is sound.
+
+Two kinds of damage, handled in order:
+- data.mdb as a whole cannot be mapped safely (truncated: lmdb_env.check_data_file). The
+  LMDB folder is moved aside (never deleted: a backup tool may still get something out of it)
+  and an empty one is started; entries come back by `tqstore pull` or by saving them again.
+- single records are damaged (lmdb_records.py, and manifests that do not parse or fail their
+  own digest). Each is fixed or dropped on its own: a manifest under a key that is not a valid
+  name is stored again under its own name when it parses and that name is free; damaged
+  objects are quarantined (verify); then gc removes what no entry references any more.
+Manifests written by a newer tqstore are kept: they are not damaged.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqstore.config import Config
+from tqstore.errors import ConflictError, FormatError, FormatVersionTooNew, StoreDamaged
+from tqstore.store.maintenance import GcStats, gc, verify
+from tqstore.format.manifest import Manifest
+from tqstore.names import is_valid_name
+from tqstore.store.tiers.lmdb_env import check_data_file, lock_holder
+from tqstore.store.tierset import TierSet
+
+_LMDB_DAMAGE = ("bad_header", "missing_segment", "segment_length", "checksum")
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    """What `repair` did: where a damaged LMDB folder went, the records fixed or dropped (as
+    "db key: what was wrong"), manifests stored again under their own names, the damaged
+    objects quarantined, the gc that followed and the problems left."""
+
+    moved_aside: str | None
+    records: tuple[str, ...]
+    rekeyed: tuple[str, ...]
+    quarantined: int
+    gc: GcStats
+    remaining: tuple[str, ...]  # what verify still finds (objects lost: pull or save those entries again)
+
+
+def move_aside_if_unreadable(config: Config) -> str | None:
+    """Move the LMDB folder aside when data.mdb cannot be mapped safely; where it went, or None.
+    Call it before the store is opened. ConflictError while another process has it open."""
+    path = Path(config.lmdb_path)
+    try:
+        check_data_file(path)
+        return None
+    except StoreDamaged:
+        pass
+    fd = os.open(path / "lock.mdb", os.O_RDWR) if (path / "lock.mdb").exists() else None
+    try:
+        pid = None if fd is None else lock_holder(fd)
+        if pid is not None:
+            raise ConflictError(f"process {pid} has the LMDB store at {path} open: stop it (e.g. `tqstore serve`) "
+                                "and run `tqstore repair` again")
+        target = path.with_name(f"{path.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(path, target)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return str(target)
+
+
+def repair_records(tiers: TierSet, moved_aside: str | None = None) -> RepairResult:
+    """Fix or drop every damaged record, quarantine damaged objects, then gc (see the module)."""
+    lmdb = tiers.lmdb
+    notes, rekeyed = [], []
+    with tiers.lock.exclusive():
+        damaged = lmdb.damaged_records()
+        for record in damaged:
+            if record.db == "manifests":
+                name = _own_name(lmdb.manifest_record(record.key))
+                if name is not None and lmdb.get_manifest(name) is None:
+                    lmdb.put_manifest(name, lmdb.manifest_record(record.key))
+                    rekeyed.append(name)
+        lmdb.fix_records(damaged)
+        notes += [f"{r.db} {r.label}: {r.detail}" for r in damaged]
+        entries, unreadable = tiers.local_manifests()
+        for name in unreadable:
+            try:
+                tiers.local_manifest(name)
+            except FormatVersionTooNew:
+                continue  # another tqstore's, not damaged
+            except FormatError as exc:
+                lmdb.delete_manifest(name)
+                notes.append(f"manifests {name}: dropped ({exc})")
+    quarantined = 0
+    for problem in verify(tiers, None):  # quarantines objects whose content is damaged
+        if problem.kind == "content":
+            quarantined += 1
+        elif problem.entry is None and problem.kind in _LMDB_DAMAGE and problem.key is not None:
+            quarantined += lmdb.quarantine(problem.key, f"{problem.kind}: {problem.detail}")
+    stats = gc(tiers, remote=False, compact=False, remote_grace=0.0)
+    remaining = tuple(f"{p.entry or '-'} {p.kind}: {p.detail}" for p in verify(tiers, None))
+    return RepairResult(moved_aside, tuple(notes), tuple(rekeyed), quarantined, stats, remaining)
+
+
+def repair_home(config: Config) -> RepairResult:
+    """`repair` of the home of `config`, whose store must not be open in this process yet."""
+    from tqstore.store.store import Store
+
+    moved = move_aside_if_unreadable(config)
+    store = Store.open(config=config)
+    try:
+        return repair_records(store.tiers, moved)
+    finally:
+        store.close()
+
+
+def _own_name(data: bytes | None) -> str | None:
+    """The name a stored manifest gives itself, if it parses whole."""
+    try:
+        manifest = Manifest.from_bytes(data or b"")
+    except FormatError:
+        return None
+    return manifest.name if is_valid_name(manifest.name) else None

@@ -1,0 +1,304 @@
+"""Restoring an entry (or a block prefix of it): fetch each object from the fastest tier with a
+good copy, verify it, promote it, join, evaluate.
+
+Tiers are tried memory -> LMDB -> S3. A copy that fails any check is a miss with a reason and
+is quarantined where it lies (LMDB quarantines checksum failures itself; format and identity
+failures are quarantined here; a damaged memory copy is dropped; a damaged or missing bucket
+object is marked gone in the remote index, never deleted from the bucket, since one bad GET
+may be the network's fault). The next tier is tried. Good copies are promoted (S3 -> LMDB ->
+memory). Nothing is joined before every object needed is verified, and a restore returns the
+whole requested prefix, a shorter prefix of whole blocks (block-prefix restores only), or raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from turboquant.records import Snapshot
+
+from tqstore.format.header import Expect, Provenance
+from tqstore.format.objects import load as load_object
+from tqstore.format.blocks import BlockKey, SplitSnapshot, join_blocks
+from tqstore.errors import ConflictError, CorruptBlock, FormatError, IdentityMismatch, TokenMismatch, TqstoreError
+from tqstore.models.identity import codecs_digest
+from tqstore.format.manifest import Manifest
+from tqstore.store.tiers.lmdb import LmdbTier
+from tqstore.store.tiers.memory import HotObject, decoded_nbytes
+from tqstore.store.tierset import TierSet, slowest
+
+BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
+READ_AHEAD = 4  # LMDB objects read and verified ahead of the one being decoded
+
+
+@dataclass(frozen=True)
+class RestoreStats:
+    """How a restore went: the slowest tier it read from, tokens and bytes restored, seconds
+    (fetch, verification, join and mx.eval), and the misses it recovered from."""
+
+    tier: str
+    tokens: int
+    bytes: int
+    seconds: float
+    objects: dict[str, int] = field(default_factory=dict)  # objects served per tier
+    misses: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Want:
+    """One object a restore needs and what it must be (identity, tokens, keys, calibration)."""
+
+    key: bytes
+    kind: str
+    model: bytes
+    codec: bytes
+    tokens: tuple[int, ...] | None = None
+    bound: BlockKey | None = None  # a block's own key; a window's entry's last block key
+    calibration: bytes | None = None  # checked on block 0 and windows: later block keys hash it
+    sha256: str | None = None  # the bucket copy's digest, from a remote manifest
+
+    @property
+    def expect(self) -> Expect:
+        if self.kind == "shared":  # content-addressed and shared across identities: checked by digest
+            return Expect(kind="shared")
+        return Expect(self.kind, self.model, self.codec, self.tokens, self.bound)
+
+    def problem(self, kind: str, prov: Provenance) -> str | None:
+        """Why an object of `kind` with provenance `prov` is not this one, or None."""
+        if kind != self.kind:
+            return f"it is a {kind}, not a {self.kind}"
+        if kind == "shared":
+            return None
+        if (prov.model, prov.codec) != (self.model, self.codec):
+            return "it belongs to another model or codec identity"
+        if self.tokens is not None and tuple(prov.tokens or ()) != self.tokens:
+            return "it holds other tokens"
+        if self.bound is not None and prov.key != self.bound:
+            return "it belongs to another prefix chain"
+        return None
+
+    def other_save(self, kind: str, prov: Provenance) -> str | None:
+        """Why a good object under this key belongs to another save than the one wanted, or None.
+
+        Block 0's key does not hash calibration (it is fitted from block 0 itself), so two saves
+        of the same first tokens calibrated differently share that key; their later blocks do
+        not. Such an object is valid for the entries of its own save: a miss, not damage.
+        """
+        first = kind == "block" and prov.parent is None
+        if (first or kind == "window") and prov.calibration != self.calibration:
+            return ("it was calibrated differently from the entry's later blocks (another save of the same "
+                    "first tokens)")
+        return None
+
+
+def wants_for(manifest: Manifest, n_blocks: int, remote: bool) -> list[Want]:
+    """The objects of the first `n_blocks` blocks of `manifest`, its window and its shared codecs."""
+    keys, bs, ids = manifest.keys, manifest.block_size, (manifest.model_digest, manifest.codec_digest)
+    sha = (lambda ref: ref.sha256) if remote else (lambda ref: None)
+    wants = [Want(keys[i].raw, "block", *ids, manifest.tokens[i * bs:(i + 1) * bs], keys[i], manifest.calibration,
+                  sha(manifest.blocks[i])) for i in range(n_blocks)]
+    last = keys[-1] if keys else None
+    wants.append(Want(manifest.window.key, "window", *ids, None, last, manifest.calibration, sha(manifest.window)))
+    wants.append(Want(manifest.shared.key, "shared", *ids, sha256=sha(manifest.shared)))
+    return wants
+
+
+def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
+    """Verify `payload` completely against `want` and decode it. FormatError, IdentityMismatch or
+    TokenMismatch if it is not that object (damage); ConflictError if it is a good object of
+    another save (`Want.other_save`). `sha256` is the payload's hex digest where the tier that
+    returned it has just verified it against that digest (it is not hashed again)."""
+    header, obj = load_object(payload, expect=want.expect, verified=sha256 is not None)
+    problem = want.problem(header.kind, header.provenance)
+    if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
+        problem = "its codecs do not hash to its key"
+    if problem is not None:
+        raise IdentityMismatch(f"{want.kind} {want.key.hex()[:12]} does not fit here: {problem}")
+    other = want.other_save(header.kind, header.provenance)
+    if other is not None:
+        raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
+    digest = sha256 or hashlib.sha256(payload).hexdigest()
+    return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
+
+
+@dataclass
+class Fetched:
+    """Verified objects by key with the tier each came from and its bytes, and the misses."""
+
+    objects: dict[bytes, tuple[HotObject, str, int]] = field(default_factory=dict)
+    misses: list[str] = field(default_factory=list)
+
+
+def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
+    """Every wanted object from the fastest tier holding a good copy, promoted to faster tiers."""
+    out = Fetched()
+    for want in wants:  # memory: already verified; check it is the object wanted here
+        hot = tiers.memory.get(want.key)
+        if hot is None:
+            continue
+        problem = want.problem(hot.kind, hot.provenance) or want.other_save(hot.kind, hot.provenance)
+        if problem is None:
+            out.objects[want.key] = (hot, "memory", hot.nbytes)
+        else:
+            tiers.memory.drop([want.key])
+            out.misses.append(f"memory copy of {want.kind} {want.key.hex()[:12]} dropped: {problem}")
+    pending = [w for w in wants if w.key not in out.objects]
+    for want, found in zip(pending, _read_ahead(tiers.lmdb, pending)):
+        _from_lmdb(tiers, want, found, out)
+    pending = [w for w in pending if w.key not in out.objects]
+    if pending and tiers.s3 is not None:
+        _from_s3(tiers, pending, out)
+    tiers.ensure_pins()
+    for key, (hot, tier, _) in out.objects.items():
+        tiers.counters.hit(tier)
+        if tier != "memory":
+            tiers.memory.put(key, hot)
+    tiers.counters.miss(sum(1 for w in wants if w.key not in out.objects))
+    return out
+
+
+def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[bytes, str] | None | CorruptBlock]:
+    """Each wanted LMDB payload with its verified digest (None: absent; CorruptBlock: the tier
+    quarantined it), in order, read and hashed by a thread READ_AHEAD objects ahead of the
+    caller, who decodes meanwhile (LMDB reads and hashlib release the GIL; no MLX off-thread)."""
+    def read(want: Want) -> tuple[bytes, str] | None | CorruptBlock:
+        try:
+            return lmdb.get_verified(want.key)
+        except CorruptBlock as exc:
+            return exc
+
+    if len(wants) < 2:
+        yield from map(read, wants)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-read") as pool:
+        queued = deque(pool.submit(read, w) for w in wants[:READ_AHEAD])
+        for want in wants[READ_AHEAD:]:
+            yield queued.popleft().result()
+            queued.append(pool.submit(read, want))
+        while queued:
+            yield queued.popleft().result()
+
+
+def _from_lmdb(tiers: TierSet, want: Want, found: tuple[bytes, str] | None | CorruptBlock, out: Fetched) -> None:
+    what = f"{want.kind} {want.key.hex()[:12]}"
+    if isinstance(found, CorruptBlock):  # the tier quarantined it
+        out.misses.append(f"LMDB copy of {what}: {found}")
+        return
+    if found is None:
+        return
+    payload, digest = found
+    try:
+        out.objects[want.key] = (decode(payload, want, digest), "lmdb", len(payload))
+    except ConflictError as exc:  # intact, and right for other entries: keep it
+        out.misses.append(f"LMDB copy of {what}: {exc}")
+    except BAD_CONTENT as exc:
+        quarantine_lmdb(tiers.lmdb, want.key, f"{type(exc).__name__}: {exc}")
+        out.misses.append(f"LMDB copy of {what} quarantined: {exc}")
+
+
+def _from_s3(tiers: TierSet, wants: list[Want], out: Fetched) -> None:
+    s3 = tiers.s3
+
+    def get(want: Want) -> bytes | None | TqstoreError:
+        try:
+            return s3.get_object(want.key, want.sha256)
+        except TqstoreError as exc:  # reported per object below, on this thread
+            return exc
+
+    with ThreadPoolExecutor(max_workers=min(s3.concurrency, len(wants))) as pool:
+        results = list(pool.map(get, wants))
+    promoted = {}
+    for want, result in zip(wants, results):
+        what = f"{want.kind} {want.key.hex()[:12]}"
+        if result is None or isinstance(result, TqstoreError):
+            out.misses.append(f"S3 copy of {what}: {result or 'not in the bucket'}")
+            if result is None or isinstance(result, CorruptBlock):  # not when S3 was merely unreachable
+                tiers.remote.gone(want.key)
+            continue
+        try:
+            out.objects[want.key] = (decode(result, want, want.sha256), "s3", len(result))
+            promoted[want.key] = result
+        except ConflictError as exc:
+            out.misses.append(f"S3 copy of {what}: {exc}")
+        except BAD_CONTENT as exc:
+            tiers.remote.gone(want.key)
+            out.misses.append(f"S3 copy of {what} is unusable: {exc}")
+    try:
+        tiers.lmdb.put_objects(promoted)
+    except TqstoreError as exc:  # a full disk must not fail a restore whose objects are in hand
+        out.misses.append(f"objects fetched from S3 were not kept in LMDB: {exc}")
+
+
+def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: bool,
+                  allow_prefix: bool) -> tuple[Snapshot, RestoreStats]:
+    """The snapshot of the first `n_blocks` blocks of `manifest` (all of them: the whole entry).
+
+    A block that no tier holds in good shape shortens a block-prefix restore (`allow_prefix`, an
+    entry without sliding-window layers) to the blocks before it; otherwise, or when nothing is
+    left, or when the window or the shared codecs are lost, CorruptBlock names every miss.
+    """
+    start = time.perf_counter()
+    wants = wants_for(manifest, n_blocks, remote)
+    got = fetch(tiers, wants)
+    lost = [w for w in wants if w.key not in got.objects]
+    whole = n_blocks == len(manifest.blocks)
+    if lost:
+        first = min((i for i, w in enumerate(wants[:n_blocks]) if w.key not in got.objects), default=None)
+        reusable = (allow_prefix and not manifest.sliding and first is not None and first > 0
+                    and all(w.kind == "block" for w in lost))
+        if not reusable:
+            reasons = "; ".join(got.misses) or "no tier holds them"
+            raise CorruptBlock(f"entry {manifest.name} cannot be restored: {len(lost)} of its objects are missing or "
+                               f"damaged in every tier ({reasons}); save it again (or pull it again)")
+        n_blocks, whole = first, False
+    used = [got.objects[w.key] for w in wants if w.kind != "block"] + [got.objects[w.key] for w in wants[:n_blocks]]
+    split = SplitSnapshot([got.objects[w.key][0].obj for w in wants[:n_blocks]], got.objects[wants[-2].key][0].obj,
+                          got.objects[wants[-1].key][0].obj, manifest.block_size)
+    try:
+        snapshot = join_blocks(split, n_blocks)
+    except ValueError as exc:
+        suspects = _misfit(tiers, [(w, got.objects[w.key][0]) for w in wants if w.key in got.objects])
+        why = "; ".join(f"{w.kind} {w.key.hex()[:12]} is not the copy any entry recorded (quarantined: it will be "
+                        "fetched or recomputed again)" for w in suspects) or "they come from different saves"
+        raise CorruptBlock(f"the stored objects of entry {manifest.name} do not fit together ({exc}): {why}; remove "
+                           "the entry and save it again if this repeats") from None
+    mx.eval(*snapshot.arrays())
+    tokens = len(manifest.tokens) if whole else n_blocks * manifest.block_size
+    per_tier: dict[str, int] = {}
+    for _, tier, _ in used:
+        per_tier[tier] = per_tier.get(tier, 0) + 1
+    stats = RestoreStats(slowest(list(per_tier)), tokens, sum(n for _, _, n in used), time.perf_counter() - start,
+                         per_tier, tuple(got.misses))
+    return snapshot, stats
+
+
+def _misfit(tiers: TierSet, used: list[tuple[Want, HotObject]]) -> list[Want]:
+    """After objects that each verified failed to join: forget them in memory (the next restore
+    reads them again) and quarantine the LMDB copies whose digest no local entry recorded, which
+    were stored by no put or pull of this store (a rewritten object can pass every check of its
+    own and still not be the entry's). Returns the quarantined ones."""
+    tiers.memory.drop([w.key for w, _ in used])
+    recorded: dict[bytes, set[str]] = {}
+    for m, _ in tiers.local_manifests()[0]:
+        for ref in m.objects:
+            recorded.setdefault(ref.key, set()).add(ref.sha256)
+    suspects = []
+    for want, hot in used:
+        info = tiers.lmdb.object_info(want.key)
+        if info is not None and info.sha256 == hot.sha256 and info.sha256 not in recorded.get(want.key, ()):
+            quarantine_lmdb(tiers.lmdb, want.key, f"misfit: the {want.kind} does not fit its entry and is not the "
+                                                  "copy any entry recorded")
+            suspects.append(want)
+    return suspects
+
+
+def quarantine_lmdb(lmdb: LmdbTier, key: bytes, reason: str) -> None:
+    """Quarantine an LMDB object whose bytes are intact but whose content is not what its key
+    promises (LmdbTier quarantines checksum failures itself)."""
+    lmdb.quarantine(key, reason)

@@ -1,0 +1,418 @@
+"""The S3-compatible tier (cold storage): immutable objects and compare-and-swap manifests.
+
+Bucket layout under the configured prefix (docs/tiers.md):
+
+    <prefix>objects/<hex[:2]>/<hex>     an object payload; hex = its 32-byte key in hex
+    <prefix>manifests/<name>.json       a manifest
+
+Every PUT sends an explicit ChecksumSHA256 and stores tqstore's own sha256 as the metadata
+`tq-sha256` (and the size as `tq-size`); every GET is verified against that sha256 or the one the
+caller passes, because multipart objects cannot carry a full-object SHA-256 and some servers
+(moto) accept a wrong ChecksumSHA256 silently. Objects are create-only (If-None-Match: *);
+manifests are created with If-None-Match: * and replaced with If-Match: <etag>. No boto
+exception leaves this module: failures become tqstore.errors types.
+
+With a `cipher` (encryption at rest, tqstore/store/crypto.py) every body is sealed before it is sent
+and opened after it is read; tq-sha256 and tq-size still describe the plaintext, and `tq-enc`
+marks the envelope.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import AbstractContextManager, suppress
+from typing import TypeVar
+
+import boto3
+import botocore.config
+import botocore.exceptions as bx
+
+from tqstore.config import MiB, Config, format_size
+from tqstore.store.crypto import OVERHEAD, SCHEME, ObjectCipher, cipher_from_config, open_payload
+from tqstore.errors import ConflictError, CorruptBlock, RemoteError, RemoteNotConfigured, TqstoreError
+from tqstore.names import is_valid_name, validate_name
+from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts, check_key
+from tqstore.store.tiers.s3_errors import (
+    TRANSPORT, BadDigest, ConditionalConflict, Missing, PreconditionFailed, boto_errors, unreachable,
+)
+
+T = TypeVar("T")
+K = TypeVar("K")
+
+_META_SHA = "tq-sha256"
+_META_SIZE = "tq-size"
+_META_ENC = "tq-enc"
+_MIN_PART = 5 * MiB  # S3's minimum for every part but the last
+_MAX_PARTS = 10_000
+
+
+class S3Tier:
+    """Objects and manifests in an S3-compatible bucket (AWS, MinIO, R2, Ceph, moto).
+
+    Credentials come from boto3's default chain (environment, ~/.aws, instance roles). `client`
+    is the underlying boto3 client, exposed for instrumentation (boto3 events).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        multipart_threshold: int = Config.s3_multipart_threshold,
+        part_size: int = Config.s3_part_size,
+        concurrency: int = Config.s3_concurrency,
+        max_attempts: int = Config.s3_max_attempts,
+        connect_timeout: float = Config.s3_connect_timeout,
+        read_timeout: float = Config.s3_read_timeout,
+        retry_delay: float = 0.2,
+        cipher: ObjectCipher | None = None,
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.endpoint_url = endpoint_url
+        self.multipart_threshold = multipart_threshold
+        self.part_size = max(part_size, _MIN_PART)
+        self.concurrency = concurrency
+        self.max_attempts = max_attempts
+        self.retry_delay = retry_delay
+        self.cipher = cipher
+        boto_config = botocore.config.Config(
+            # boto3 >= 1.36 adds CRC checksums (aws-chunked trailers) by default, which R2, MinIO
+            # and B2 reject; tqstore sends its own ChecksumSHA256 and verifies GETs itself.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            retries={"mode": "standard", "max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            max_pool_connections=max(10, concurrency),
+        )
+        try:
+            self.client = boto3.session.Session().client(
+                "s3", endpoint_url=endpoint_url, region_name=region, config=boto_config
+            )
+        except (bx.BotoCoreError, ValueError) as exc:
+            raise RemoteError(f"cannot set up the S3 client for {self._where()}: {exc}") from exc
+
+    @classmethod
+    def from_config(cls, config: Config) -> S3Tier:
+        """The tier `config` describes; RemoteNotConfigured if no s3.url is set."""
+        if config.s3_bucket is None:
+            raise RemoteNotConfigured(
+                "no S3 bucket configured: set TQSTORE_S3_URL=s3://BUCKET/PREFIX "
+                "(or `s3.url` in config.toml), and TQSTORE_S3_ENDPOINT for non-AWS servers"
+            )
+        return cls(
+            config.s3_bucket, config.s3_prefix, endpoint_url=config.s3_endpoint,
+            region=config.s3_region, multipart_threshold=config.s3_multipart_threshold,
+            part_size=config.s3_part_size, concurrency=config.s3_concurrency,
+            max_attempts=config.s3_max_attempts, connect_timeout=config.s3_connect_timeout,
+            read_timeout=config.s3_read_timeout, cipher=cipher_from_config(config),
+        )
+
+    def object_name(self, key: bytes) -> str:
+        """The bucket key of object `key`."""
+        hex_key = check_key(key).hex()
+        return f"{self.prefix}objects/{hex_key[:2]}/{hex_key}"
+
+    def manifest_name(self, name: str) -> str:
+        """The bucket key of manifest `name`."""
+        return f"{self.prefix}manifests/{validate_name(name)}.json"
+
+    # --- objects -------------------------------------------------------------------------------
+
+    def object_info(self, key: bytes) -> ObjectInfo | None:
+        """Size and tqstore sha256 of `key` from a HEAD request, or None if absent.
+
+        CorruptBlock if the object exists but its size contradicts its own metadata.
+        """
+        name = self.object_name(key)
+        try:
+            head = self._call("head_object", Key=name)
+        except Missing:
+            return None
+        meta, size = head.get("Metadata", {}), head["ContentLength"]
+        if meta.get(_META_ENC) == SCHEME:
+            size -= OVERHEAD  # the plaintext's size, as tq-size records it
+        if meta.get(_META_SIZE) not in (None, str(size)) or _META_SHA not in meta:
+            raise CorruptBlock(
+                f"S3 object {name} is damaged or was not written by tqstore ({size} bytes, "
+                f"metadata {meta}): delete that object from the bucket and push again"
+            )
+        modified = head["LastModified"].timestamp()
+        return ObjectInfo(check_key(key), size, meta[_META_SHA], modified, modified)
+
+    def has_object(self, key: bytes) -> bool:
+        """Whether `key` exists in the bucket (one HEAD request)."""
+        return self.object_info(key) is not None
+
+    def put_object(self, key: bytes, payload: bytes) -> bool:
+        """Upload `payload` unless `key` exists (If-None-Match: *); False if it already did."""
+        name, payload = self.object_name(key), bytes(payload)
+        meta = {_META_SHA: hashlib.sha256(payload).hexdigest(), _META_SIZE: str(len(payload))}
+        body = self._seal(payload, "object", check_key(key).hex(), meta)
+        for attempt in range(self.max_attempts):
+            try:
+                if len(body) > self.multipart_threshold:
+                    self._put_multipart(name, body, meta)
+                else:
+                    self._retrying(
+                        "put_object", Key=name, Body=body, IfNoneMatch="*",
+                        ChecksumSHA256=_b64(hashlib.sha256(body).digest()), Metadata=meta,
+                    )
+                return True
+            except PreconditionFailed:
+                # 412: the key exists, unless it was deleted since (a remote gc) or the 412 came
+                # from something in between: then the object is not there and the put goes again.
+                if self.object_info(key) is not None:  # raises CorruptBlock if what is there is damaged
+                    return False
+                self._sleep(attempt)
+        raise ConflictError(
+            f"s3://{self.bucket}/{name} answered 412 (exists) {self.max_attempts} times but is not there: "
+            "check for a proxy rewriting conditional requests, then retry"
+        )
+
+    def put_objects(
+        self, objects: Mapping[bytes, bytes], progress: Callable[[int, int, int], None] | None = None
+    ) -> PutCounts:
+        """Upload many objects in parallel, skipping those already in the bucket (HEAD first,
+        so an existing object's bytes are not sent again).
+
+        `progress(done, total, bytes_uploaded)` is called on this thread after each object.
+        Objects uploaded before a failure stay (a retried push skips them).
+        """
+        done, sent = 0, 0
+
+        def upload(key: bytes) -> bool:
+            return self.object_info(key) is None and self.put_object(key, objects[key])
+
+        def on_done(key: bytes, uploaded: bool) -> None:
+            nonlocal done, sent
+            done, sent = done + 1, sent + (len(objects[key]) if uploaded else 0)
+            if progress is not None:
+                progress(done, len(objects), sent)
+
+        results = self._parallel(upload, [check_key(k) for k in objects], on_done)
+        uploaded = sum(results.values())
+        return PutCounts(uploaded, len(results) - uploaded)
+
+    def get_object(self, key: bytes, sha256: str | None = None) -> bytes | None:
+        """The payload of `key` verified against `sha256` (hex; default: the object's tq-sha256
+        metadata), or None if absent. CorruptBlock if it does not match."""
+        found = self._get(self.object_name(key), sha256, ("object", check_key(key).hex()))
+        return None if found is None else found[0]
+
+    def get_objects(
+        self, keys: Iterable[bytes], sha256s: Mapping[bytes, str] | None = None
+    ) -> dict[bytes, bytes | None]:
+        """`get_object` for many keys in parallel: {key: payload or None if absent}."""
+        digests = sha256s or {}
+        return self._parallel(lambda k: self.get_object(k, digests.get(k)), [check_key(k) for k in keys])
+
+    def delete_objects(self, keys: Iterable[bytes]) -> int:
+        """Delete objects in parallel; returns the number of keys (S3 does not say which existed).
+
+        One DeleteObject per key: the batch DeleteObjects call needs a Content-MD5 or checksum
+        header that S3-compatible servers handle inconsistently.
+        """
+        names = [self.object_name(k) for k in keys]
+        return len(self._parallel(lambda n: self._call("delete_object", Key=n), names))
+
+    def list_object_keys(self) -> Iterator[bytes]:
+        """Every object key in the bucket (LIST: for remote gc, never for correctness)."""
+        for item in self._list("objects/"):
+            fanout, _, hex_key = item["Key"][len(self.prefix) + len("objects/"):].partition("/")
+            if len(hex_key) == 64 and fanout == hex_key[:2]:
+                with suppress(ValueError):
+                    yield bytes.fromhex(hex_key)
+
+    # --- manifests -----------------------------------------------------------------------------
+
+    def get_manifest(self, name: str) -> tuple[bytes, str] | None:
+        """(manifest bytes, etag) of `name`, verified like objects, or None if absent."""
+        return self._get(self.manifest_name(name), None, ("manifest", name))
+
+    def put_manifest(self, name: str, data: bytes, etag: str | None = None) -> str:
+        """Create `name` (etag None: If-None-Match: *) or replace the version read with `etag`
+        (If-Match). ConflictError if another machine wrote it first. Returns the new etag."""
+        data = bytes(data)
+        meta = {_META_SHA: hashlib.sha256(data).hexdigest(), _META_SIZE: str(len(data))}
+        body = self._seal(data, "manifest", name, meta)
+        condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
+        try:
+            response = self._retrying(
+                "put_object", Key=self.manifest_name(name), Body=body, ContentType="application/json",
+                ChecksumSHA256=_b64(hashlib.sha256(body).digest()), Metadata=meta, **condition,
+            )
+        except (PreconditionFailed, Missing):  # If-Match on a deleted manifest is a 404
+            raise ConflictError(
+                f"another machine pushed {name} first ({'it exists' if etag is None else 'it changed'} "
+                f"in s3://{self.bucket}/{self.prefix}): pull it, or push under another name"
+            ) from None
+        if self.cipher is not None:  # its version is the highest seen now (rollback checks)
+            self.cipher.written(body, "manifest", name, f"s3://{self.bucket}/{self.manifest_name(name)}")
+        return response["ETag"]
+
+    def delete_manifest(self, name: str) -> bool:
+        """Delete manifest `name`; False if there was none."""
+        key = self.manifest_name(name)
+        try:
+            self._call("head_object", Key=key)
+        except Missing:
+            return False
+        self._call("delete_object", Key=key)
+        return True
+
+    def list_manifests(self) -> list[ManifestInfo]:
+        """Manifests in the bucket, by name (LIST: for `ls --remote`, never for correctness)."""
+        infos = []
+        start = len(self.prefix) + len("manifests/")
+        for item in self._list("manifests/"):
+            name = item["Key"][start:].removesuffix(".json")
+            if item["Key"].endswith(".json") and is_valid_name(name):
+                infos.append(ManifestInfo(name, item["Size"], item["LastModified"].timestamp()))
+        return sorted(infos, key=lambda info: info.name)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def _get(self, name: str, sha256: str | None, what: tuple[str, str]) -> tuple[bytes, str] | None:
+        """(plaintext, etag) of bucket key `name`, verified; `what` is (kind, name) as sealed."""
+        last: Exception | None = None
+        for attempt in range(self.max_attempts):
+            try:
+                response = self._call("get_object", Key=name)
+            except Missing:
+                return None
+            try:
+                body = response["Body"].read()
+            except TRANSPORT as exc:  # a body cut off mid-read: botocore does not retry those
+                last = exc
+                self._sleep(attempt)
+                continue
+            expected = sha256 or response.get("Metadata", {}).get(_META_SHA)
+            body = open_payload(self.cipher, body, *what, f"s3://{self.bucket}/{name}")
+            _verify(name, body, expected)
+            return body, response["ETag"]
+        raise unreachable(last, self._where(), self.max_attempts)
+
+    def _put_multipart(self, name: str, payload: bytes, meta: dict[str, str]) -> None:
+        part = self._part_size(len(payload))
+        upload = self._call(
+            "create_multipart_upload", Key=name, Metadata=meta, ChecksumAlgorithm="SHA256"
+        )["UploadId"]
+        try:
+            parts = []
+            for number, start in enumerate(range(0, len(payload), part), start=1):
+                body = payload[start:start + part]
+                checksum = _b64(hashlib.sha256(body).digest())
+                response = self._retrying(
+                    "upload_part", Key=name, UploadId=upload, PartNumber=number, Body=body,
+                    ChecksumSHA256=checksum,
+                )
+                parts.append({"ETag": response["ETag"], "PartNumber": number, "ChecksumSHA256": checksum})
+            self._retrying(
+                "complete_multipart_upload", Key=name, UploadId=upload, IfNoneMatch="*",
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            with suppress(TqstoreError):  # best effort; a lifecycle rule catches the rest
+                self._call("abort_multipart_upload", Key=name, UploadId=upload)
+            raise
+
+    def _part_size(self, size: int) -> int:
+        """Equal parts (R2 needs them equal but the last) of at least part_size, <= 10,000 parts."""
+        at_least = -(-size // _MAX_PARTS)
+        return max(self.part_size, -(-at_least // MiB) * MiB)
+
+    def _retrying(self, operation: str, **params: object) -> dict:
+        """A write that may meet 409 ConditionalRequestConflict (a concurrent conditional write)
+        or BadDigest (body damaged in transit): retried with backoff, which botocore does not."""
+        for attempt in range(self.max_attempts):
+            try:
+                return self._call(operation, **params)
+            except (ConditionalConflict, BadDigest) as exc:
+                last = exc
+                if attempt + 1 < self.max_attempts:
+                    self._sleep(attempt)
+        where = f"s3://{self.bucket}/{params['Key']}"
+        if isinstance(last, BadDigest):
+            raise RemoteError(
+                f"the upload of {where} arrived damaged {self.max_attempts} times (BadDigest): "
+                "check proxies and the network, then retry"
+            )
+        raise ConflictError(
+            f"{where} kept conflicting with a concurrent write (409) after {self.max_attempts} "
+            "attempts: retry in a moment"
+        )
+
+    def _seal(self, data: bytes, kind: str, name: str, meta: dict[str, str]) -> bytes:
+        """The body to upload: `data`, or its envelope when encryption is on (marked in `meta`)."""
+        if self.cipher is None:
+            return data
+        meta[_META_ENC] = SCHEME
+        return self.cipher.seal(data, kind, name)
+
+    def _sleep(self, attempt: int) -> None:
+        time.sleep(min(5.0, self.retry_delay * 2**attempt) * random.uniform(0.5, 1.5))
+
+    def _call(self, operation: str, **params: object) -> dict:
+        with self._errors(operation, str(params.get("Key", ""))):
+            return getattr(self.client, operation)(Bucket=self.bucket, **params)
+
+    def _list(self, folder: str) -> Iterator[dict]:
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self.prefix + folder
+        )
+        with self._errors("list_objects_v2", self.prefix + folder):
+            for page in pages:
+                yield from page.get("Contents", [])
+
+    def _parallel(
+        self, fn: Callable[[K], T], items: list[K], on_done: Callable[[K, T], None] | None = None
+    ) -> dict[K, T]:
+        results: dict[K, T] = {}
+        if not items:
+            return results
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(items))) as pool:
+            futures = {pool.submit(fn, item): item for item in items}
+            try:
+                for future in as_completed(futures):
+                    item = futures[future]
+                    results[item] = future.result()
+                    if on_done is not None:
+                        on_done(item, results[item])
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+        return results
+
+    def _errors(self, operation: str, key: str) -> AbstractContextManager[None]:
+        return boto_errors(operation, key, self.bucket, self._where(), self.max_attempts)
+
+    def _where(self) -> str:
+        return self.endpoint_url or "the AWS S3 default endpoint"
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def _verify(name: str, body: bytes, expected: str | None) -> None:
+    if expected is None:
+        raise CorruptBlock(
+            f"S3 object {name} has no tqstore sha256 (metadata {_META_SHA}), so it was not written "
+            "by tqstore and cannot be trusted: delete it and push again"
+        )
+    actual = hashlib.sha256(body).hexdigest()
+    if actual != expected.lower():
+        raise CorruptBlock(
+            f"S3 object {name} failed verification: sha256 {actual} of {format_size(len(body))} "
+            f"does not match {expected}; it was changed or damaged in the bucket: delete it and "
+            "push it again from a machine that has it"
+        )

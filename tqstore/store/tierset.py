@@ -1,0 +1,228 @@
+"""The tiers of one open Store and what its operations share: the home lock, the parsed
+manifests, the counters.
+
+The home lock (`HOME/store.lock`, flock) orders writers against deleters across processes and
+threads: an operation that publishes a manifest (put, pull) holds it shared from its first
+object write to the manifest, and one that deletes objects no manifest references (eviction,
+rm, gc) holds it exclusively. Otherwise a gc in another process could delete an object that a
+put has just written (or decided to reuse) but not yet referenced. Readers take no lock: an
+object deleted under a restore is a miss, never wrong data. flock is released by the kernel
+when a process dies, so a killed writer never blocks anyone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqstore.format.blocks import BLOCK_SIZE
+from tqstore.config import Config
+from tqstore.errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
+from tqstore.format.manifest import Manifest
+from tqstore.names import is_valid_name
+from tqstore.store.remote_index import RemoteIndex
+from tqstore.store.tiers.lmdb import LmdbTier
+from tqstore.store.tiers.memory import MemoryTier
+from tqstore.store.tiers.s3 import S3Tier
+
+TIERS = ("memory", "lmdb", "s3")  # fastest first
+
+
+class HomeLock:
+    """Shared/exclusive flock on one file; each hold opens its own descriptor, so threads of
+    one process exclude each other like processes do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        """Held by operations that write objects and then a manifest referencing them."""
+        with self._hold(fcntl.LOCK_SH):
+            yield
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Held by operations that delete objects no manifest references."""
+        with self._hold(fcntl.LOCK_EX):
+            yield
+
+    @contextmanager
+    def _hold(self, mode: int) -> Iterator[None]:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+
+@dataclass
+class Counters:
+    """Events since the Store was opened (stats())."""
+
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    misses: int = 0
+    evicted_entries: int = 0
+    evicted_objects: int = 0
+    evicted_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def hit(self, tier: str, n: int = 1) -> None:
+        with self.lock:
+            self.hits[tier] += n
+
+    def miss(self, n: int = 1) -> None:
+        with self.lock:
+            self.misses += n
+
+    def evicted(self, entries: int, objects: int, nbytes: int) -> None:
+        with self.lock:
+            self.evicted_entries += entries
+            self.evicted_objects += objects
+            self.evicted_bytes += nbytes
+
+
+@dataclass(frozen=True)
+class RemoteManifest:
+    """A manifest read from the bucket, with the object's etag and Last-Modified time."""
+
+    manifest: Manifest
+    etag: str
+    modified: float
+
+
+class TierSet:
+    """Memory, LMDB and (when configured) S3 tiers of one home, with shared bookkeeping."""
+
+    def __init__(self, config: Config, lmdb: LmdbTier, memory: MemoryTier, s3: S3Tier | None) -> None:
+        self.config = config
+        self.lmdb = lmdb
+        self.memory = memory
+        self.s3 = s3
+        self.remote = RemoteIndex(s3) if s3 is not None else None
+        self.lock = HomeLock(config.home / "store.lock")
+        self.counters = Counters()
+        self.block_size = BLOCK_SIZE
+        self._cache: dict[str, tuple[int, float, Manifest]] = {}  # name -> (size, last used, parsed)
+        self._cache_lock = threading.Lock()
+        self._pins_known = False
+
+    def require_s3(self) -> S3Tier:
+        """The S3 tier; RemoteNotConfigured when there is none."""
+        if self.s3 is None:
+            raise RemoteNotConfigured(
+                "no S3 bucket configured: set TQSTORE_S3_URL=s3://BUCKET/PREFIX (or `s3.url` in "
+                f"{self.config.config_path}), and TQSTORE_S3_ENDPOINT for non-AWS servers"
+            )
+        return self.s3
+
+    def local_manifest(self, name: str) -> Manifest | None:
+        """The local manifest `name`, parsed (FormatError if it is damaged), or None."""
+        data = self.lmdb.get_manifest(name)
+        if data is None:
+            return None
+        return check_name(Manifest.from_bytes(data), name)
+
+    def require_manifest(self, name: str) -> Manifest:
+        """The local manifest `name`; NotFound (saying where to look) if there is none."""
+        manifest = self.local_manifest(name)
+        if manifest is None:
+            raise not_found(name, self)
+        return manifest
+
+    def remote_manifests(self, names: list[str] | None = None) -> tuple[list[RemoteManifest], list[str]]:
+        """(each readable bucket manifest, names that failed to parse or verify); all by listing,
+        or only `names`. One damaged manifest must not hide the others."""
+        s3 = self.require_s3()
+        listed = s3.list_manifests()
+        if names is not None:
+            listed = [info for info in listed if info.name in names]
+        found, unreadable = [], []
+        for info in listed:
+            try:
+                got = s3.get_manifest(info.name)
+                if got is None:
+                    continue  # deleted since the listing
+                found.append(RemoteManifest(check_name(Manifest.from_bytes(got[0]), info.name), got[1],
+                                            info.last_used))
+            except (FormatError, CorruptBlock):  # CorruptBlock: its digest or AES-GCM tag failed
+                unreadable.append(info.name)
+        return found, unreadable
+
+    def local_manifests(self) -> tuple[list[tuple[Manifest, float]], list[str]]:
+        """(every readable local manifest with its last-used time, names that failed to parse).
+
+        Parsed manifests are cached by (size, last-used time): a put or touch changes the time,
+        so a replaced manifest is parsed again.
+        """
+        entries, unreadable = [], []
+        with self._cache_lock:
+            cache = dict(self._cache)
+        fresh = {}
+        for info in self.lmdb.list_manifests():
+            if not is_valid_name(info.name):  # a damaged key (verify lists it, repair drops it)
+                unreadable.append(info.name)
+                continue
+            hit = cache.get(info.name)
+            if hit is not None and hit[:2] == (info.size, info.last_used):
+                fresh[info.name] = hit
+            else:
+                try:
+                    manifest = self.local_manifest(info.name)
+                except FormatError:
+                    unreadable.append(info.name)
+                    continue
+                if manifest is None:
+                    continue  # deleted since the listing
+                fresh[info.name] = (info.size, info.last_used, manifest)
+            entries.append((fresh[info.name][2], info.last_used))
+        with self._cache_lock:
+            self._cache = fresh
+        return entries, unreadable
+
+    def refresh_pins(self) -> None:
+        """Pin the objects of pinned local entries in the memory tier."""
+        entries, _ = self.local_manifests()
+        self.memory.set_pinned(r.key for m, _ in entries if m.pinned for r in m.objects)
+        self._pins_known = True
+
+    def ensure_pins(self) -> None:
+        """refresh_pins once, before the memory tier first needs to know the pins."""
+        if not self._pins_known:
+            self.refresh_pins()
+
+    def where(self, key: bytes) -> str | None:
+        """The fastest tier believed to hold `key`, or None."""
+        if self.memory.has(key):
+            return "memory"
+        if self.lmdb.has_object(key):
+            return "lmdb"
+        if self.remote is not None and self.remote.has(key):
+            return "s3"
+        return None
+
+
+def not_found(name: str, tiers: "TierSet") -> NotFound:
+    """The error for a missing local entry."""
+    hint = f" or `tqstore pull {name}` it from the bucket" if tiers.s3 is not None else ""
+    return NotFound(f"no entry {name} in the store at {tiers.config.home}: `tqstore ls` lists the entries{hint}")
+
+
+def check_name(manifest: Manifest, name: str) -> Manifest:
+    """`manifest` if it was stored under its own name; a manifest that names another entry was
+    copied or damaged and is not to be trusted (MalformedHeader)."""
+    if manifest.name != name:
+        raise MalformedHeader(f"the manifest stored as {name!r} names itself {manifest.name!r}: remove it "
+                              f"(tqstore rm {name}) and save or pull the entry again")
+    return manifest
+
+
+def slowest(tiers: list[str]) -> str:
+    """The slowest of `tiers` (what a restore that uses all of them waits for)."""
+    return max(tiers, key=TIERS.index) if tiers else "memory"
