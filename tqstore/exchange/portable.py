@@ -17,7 +17,6 @@ from to recover them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqstore.exchange.bundle import BUNDLE_MAGIC, read_bundle, write_bundle
-from tqstore.errors import (BadInput, ChecksumMismatch, ConflictError, CorruptBlock, FormatError, IdentityMismatch,
+from tqstore.errors import (BadInput, ConflictError, CorruptBlock, FormatError, IdentityMismatch,
                      NotFound, TruncatedData, UnsupportedCache)
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import BAD_CONTENT, Want, check_digest, decode, quarantine_lmdb, wants_for
 from tqstore.store.maintenance import enforce_budget
 from tqstore.format.manifest import Manifest, ObjectRef
 from tqstore.names import validate_name
@@ -96,7 +95,7 @@ def export_bundle(store: Store, name: str, path: str | os.PathLike) -> ExportRes
         if payload is None:
             raise NotFound(f"entry {name} cannot be exported: object {ref.key.hex()[:12]} is missing from the store "
                            "(tqstore verify lists the damage); save or pull the entry again")
-        _check_digest(payload, ref, f"the stored object {ref.key.hex()[:12]} of {name}")
+        check_digest(payload, ref, f"the stored object {ref.key.hex()[:12]} of {name}")
         objects[ref.key] = payload
     portable = manifest.replace(pinned=False, remote_etag=None)
     write_bundle(path, portable.to_bytes(), objects)
@@ -121,7 +120,7 @@ def import_bundle(store: Store, path: str | os.PathLike, name: str | None = None
         if payload is None:
             raise TruncatedData(f"{path} lacks the {want.kind} {ref.key.hex()[:12]} its manifest lists: export the "
                                 "entry again")
-        _check_digest(payload, ref, f"the {want.kind} {ref.key.hex()[:12]} in {path}")
+        check_digest(payload, ref, f"the {want.kind} {ref.key.hex()[:12]} in {path}")
         try:
             decode(payload, want)
         except ConflictError as exc:
@@ -149,12 +148,6 @@ def import_bundle(store: Store, path: str | os.PathLike, name: str | None = None
     new_blocks = sum(1 for ref in manifest.blocks if ref.key in missing)
     return ImportResult(name, str(path), "bundle", len(manifest.tokens), manifest.scheme, len(manifest.blocks),
                         new_blocks, tuple(evicted), tuple(warnings))
-
-
-def _check_digest(payload: bytes, ref: ObjectRef, what: str) -> None:
-    if hashlib.sha256(payload).hexdigest() != ref.sha256:
-        raise ChecksumMismatch(f"{what} is not the copy its manifest records (sha256 mismatch): run tqstore verify, "
-                               "then save, pull or export the entry again")
 
 
 def _usable_local_copy(tiers: TierSet, name: str, want: Want, ref: ObjectRef) -> tuple[str, int] | None:

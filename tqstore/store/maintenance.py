@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tqstore.config import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
 from tqstore.store.tiers.lmdb import CompactResult

@@ -22,7 +22,7 @@ from tqstore.format.header import Provenance
 from tqstore.format.objects import dumps as dump_object
 from tqstore.format.blocks import SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, TokenMismatch
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb
+from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb
 from tqstore.models.identity import CodecIdentity, ModelIdentity, codecs_digest
 from tqstore.store.maintenance import enforce_budget
 from tqstore.format.manifest import Manifest, ObjectRef, window_key

@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from tqstore.store.maintenance import enforce_budget
 from tqstore.format.manifest import Manifest, ObjectRef
 from tqstore.store.tiers.s3 import S3Tier
