@@ -1,6 +1,6 @@
 """Removing and checking entries: budget eviction, rm, gc, verify.
 
-Every operation that deletes objects holds the home lock exclusively (tierset.HomeLock), so no
+Every operation that deletes objects holds the home lock exclusively (home_lock.HomeLock), so no
 put or pull is between writing its objects and publishing its manifest meanwhile: an object no
 manifest references is then truly garbage (an orphan of a killed writer, a leftover of an
 evicted entry, or a copy promoted from S3 by a prefix restore). When a manifest cannot be read
