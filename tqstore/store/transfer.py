@@ -90,7 +90,7 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         digests = _upload(tiers, s3, manifest, tally)
         remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
         manifest = _intend(tiers, manifest, remote)
-        etag, written = _publish(s3, manifest, remote)
+        etag, written = _publish_manifest(s3, manifest, remote)
         if not written:
             up_to_date.append(manifest.name)
         if tiers.lmdb.get_manifest(manifest.name) == manifest.to_bytes():  # unless replaced meanwhile
@@ -198,7 +198,7 @@ def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
         raise
 
 
-def _publish(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
+def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
     """Write the bucket's manifest; returns (its etag, whether it was written)."""
     got = s3.get_manifest(local.name)
     if got is None:
