@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from tqstore.config import parse_duration
+from tqstore.units import parse_duration
 from tqstore.errors import BadInput, ConfigError, NotFound
 
 def duration(text: str) -> float:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-from tqstore.config import format_size
+from tqstore.units import format_size
 
 
 class AmountColumn(ProgressColumn):

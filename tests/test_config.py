@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tqstore.config import Config, config_keys, load_config, parse_duration, parse_size, save_config_value
+from tqstore.config import Config, config_keys, load_config, save_config_value
 from tqstore.errors import ConfigError, DiskFull
 
 
@@ -71,40 +71,6 @@ def test_s3_settings_from_environment(tmp_path, monkeypatch):
     assert config.s3_region == "auto"
     monkeypatch.setenv("TQSTORE_S3_URL", "s3://my-bucket")
     assert (load_config(tmp_path).s3_bucket, load_config(tmp_path).s3_prefix) == ("my-bucket", "")
-
-
-@pytest.mark.parametrize(
-    "raw, expected",
-    [(4096, 4096), ("4096", 4096), ("10GB", 10 * 10**9), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29),
-     (" 2 kb ", 2000), ("3tib", 3 << 40), ("0", 0), ("7B", 7)],
-)
-def test_sizes(raw, expected):
-    assert parse_size(raw) == expected
-
-
-@pytest.mark.parametrize("raw", ["10 GBs", "-1", -1, "abc", "", True, 1.5, "5M", None])
-def test_bad_sizes_name_the_units(raw):
-    with pytest.raises(ConfigError, match="MiB"):
-        parse_size(raw, "store.x")
-
-
-@pytest.mark.parametrize(
-    "raw, expected",
-    [(90, 90.0), ("90", 90.0), ("90s", 90.0), ("30m", 1800.0), ("12H", 43200.0), (" 7d ", 604800.0),
-     ("1w", 604800.0), ("1.5h", 5400.0)],
-)
-def test_durations(raw, expected):
-    assert parse_duration(raw) == expected
-
-
-@pytest.mark.parametrize("raw", ["-1", -1, "abc", "", "10y", "5 ms", True, None, "0", 0])
-def test_bad_durations_name_the_units(raw):
-    with pytest.raises(ConfigError, match="12h"):
-        parse_duration(raw, "ttl")
-
-
-def test_zero_duration_only_where_it_means_something():
-    assert parse_duration("0", "--save-ttl", allow_zero=True) == 0.0
 
 
 def test_one_duration_grammar_for_flags():

@@ -29,8 +29,9 @@ from pathlib import Path
 
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError
-
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+from tqstore.units import GiB, KiB, MiB, format_size, parse_size
+# Not used here: tqstore/serve/main.py imports it from this module until it imports tqstore.units.
+from tqstore.units import parse_duration  # noqa: F401
 
 CONFIG_FILE = "config.toml"
 DEFAULT_HOME = "~/.cache/tqstore"
@@ -86,50 +87,6 @@ class Config:
 
 
 # --- value parsers: (where, raw) -> value; `where` names the source in error messages ---------
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
-}
-_UNIT_HELP = "bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB"
-
-
-def parse_size(raw: object, where: str = "size") -> int:
-    """Parse 4096, "10GB" (decimal) or "512MiB" (binary) into bytes; ConfigError otherwise."""
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        if raw < 0:
-            raise ConfigError(f"{where}={raw!r} is negative: use {_UNIT_HELP}")
-        return raw
-    if isinstance(raw, str):
-        m = _SIZE.fullmatch(raw)
-        if m and m.group(2).lower() in _UNITS:
-            exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if exact != int(exact):  # "0.5" would silently become 0 bytes
-                raise ConfigError(f"{where}={raw!r} is not a whole number of bytes: use {_UNIT_HELP}")
-            return int(exact)
-    raise ConfigError(f"{where}={raw!r} is not a size: use {_UNIT_HELP}")
-
-
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]?)\s*")
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION_HELP = "seconds, or a number with s, m, h, d or w (e.g. 90, 30m, 12h, 7d)"
-
-
-def parse_duration(raw: object, where: str = "duration", allow_zero: bool = False) -> float:
-    """Parse 90, "90s", "30m", "12h", "7d" or "1w" into seconds; ConfigError otherwise.
-
-    The one duration grammar for flags and settings alike; zero is refused unless the caller
-    gives it a meaning (e.g. "no expiry")."""
-    text = str(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else raw
-    m = _DURATION.fullmatch(text) if isinstance(text, str) else None
-    if not m or m.group(2).lower() not in _DURATION_UNITS:
-        raise ConfigError(f"{where}={raw!r} is not a duration: use {_DURATION_HELP}")
-    value = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
-    if value == 0 and not allow_zero:
-        raise ConfigError(f"{where}={raw!r} must be positive: use {_DURATION_HELP}")
-    return value
 
 
 def _size(lo: int, hi: int | None = None) -> Callable[[str, object], int]:
@@ -228,14 +185,6 @@ def _endpoint(where: str, raw: object) -> str:
     except ValueError:
         raise ConfigError(f"{where}={raw!r} has a malformed port: use http(s)://HOST[:PORT]") from None
     return raw.rstrip("/")
-
-
-def format_size(n: int) -> str:
-    """Bytes for messages: "5 MiB" when exact, else one decimal ("12.3 GiB")."""
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)
