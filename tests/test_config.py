@@ -1,4 +1,7 @@
+import base64
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -193,3 +196,24 @@ def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
     assert config.segment_size == 64 << 10 and config.s3_part_size == 6 << 20
     assert config.s3_connect_timeout == 1.5 and config.s3_max_attempts == 2 and config.blas == "openblas"
     assert config.default_scheme == "turbo4" and config.lmdb_map_size == 8 << 20
+
+
+def test_key_file_is_checked_with_the_key_rule(tmp_path):
+    bad, good = tmp_path / "bad.key", tmp_path / "good.key"
+    bad.write_text("not a key\n")
+    good.write_text(base64.b64encode(bytes(range(32))).decode() + "\n")
+    with pytest.raises(ConfigError, match="bad.key is not base64 of 32 bytes"):
+        save_config_value(tmp_path, "s3.key_file", str(bad))
+    save_config_value(tmp_path, "s3.key_file", str(good))
+    assert load_config(tmp_path).s3_key_file == str(good)
+
+
+def test_config_imports_nothing_from_the_store(tmp_path):
+    # The foundation sits below the store: checking a key file must not load tqstore.store.
+    key = tmp_path / "k"
+    key.write_text(base64.b64encode(bytes(32)).decode())
+    code = ("import sys; from tqstore.config import save_config_value; "
+            f"save_config_value({str(tmp_path)!r}, 's3.key_file', {str(key)!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('tqstore.store')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError
+from tqstore.keys import parse_key
 from tqstore.units import GiB, KiB, MiB, format_size, parse_size
 # Not used here: tqstore/serve/main.py imports it from this module until it imports tqstore.units.
 from tqstore.units import parse_duration  # noqa: F401
@@ -137,8 +138,6 @@ def _scheme(where: str, raw: object) -> str:
 
 
 def _check_key_file(where: str, raw: str) -> None:
-    from tqstore.store.crypto import parse_key
-
     path = Path(raw).expanduser()
     try:
         parse_key(path.read_text(encoding="ascii"), str(path))
