@@ -18,7 +18,6 @@ value and what is allowed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tomllib
@@ -26,6 +25,8 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomli_w
 
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError
@@ -329,13 +330,5 @@ def _read_toml(path: Path) -> dict[str, dict[str, object]]:
 
 
 def _dump_toml(data: Mapping[str, Mapping[str, object]]) -> str:
-    lines = ["# tqstore configuration (docs/tiers.md lists the keys)"]
-    for table, entries in data.items():
-        if not entries:
-            continue
-        lines += ["", f"[{table}]"]
-        for key, value in entries.items():
-            # JSON string escapes are valid TOML basic-string escapes.
-            rendered = json.dumps(value) if isinstance(value, str) else repr(value)
-            lines.append(f"{key} = {rendered}")
-    return "\n".join(lines) + "\n"
+    tables = {table: dict(entries) for table, entries in data.items() if entries}
+    return "# tqstore configuration (docs/tiers.md lists the keys)\n\n" + tomli_w.dumps(tables)
