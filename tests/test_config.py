@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tqstore.config import Config, config_keys, load_config, save_config_value
+from tqstore.config import Config, config_keys, load_config, save_config_value, setting, sources
 from tqstore.errors import ConfigError, DiskFull
 
 
@@ -217,3 +217,15 @@ def test_config_imports_nothing_from_the_store(tmp_path):
             "print(sorted(m for m in sys.modules if m.startswith('tqstore.store')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_sources_say_where_each_value_comes_from(tmp_path, monkeypatch):
+    write_config(tmp_path, '[store]\nsegment_size = "2MiB"\nlmdb_budget = "1GB"\n')
+    monkeypatch.setenv("TQSTORE_SEGMENT_SIZE", "4MiB")
+    monkeypatch.setenv("TQSTORE_S3_REGION", "")  # empty: unset, like load_config reads it
+    found = sources(load_config(tmp_path))
+    assert sorted(found) == sorted(config_keys())
+    assert (found["store.segment_size"], found["store.lmdb_budget"], found["s3.region"]) == ("env", "file", "default")
+    assert [k for k in config_keys() if setting(k).is_size] == [
+        "store.lmdb_budget", "store.memory_budget", "store.segment_size", "store.min_free_disk", "store.lmdb_map_size",
+        "s3.multipart_threshold", "s3.part_size"]
