@@ -31,9 +31,8 @@ import tomli_w
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError
 from tqstore.keys import parse_key
-from tqstore.units import GiB, KiB, MiB, format_size, parse_size
-# Not used here: tqstore/serve/main.py imports it from this module until it imports tqstore.units.
-from tqstore.units import parse_duration  # noqa: F401
+# parse_duration is not used here: tqstore/serve/main.py imports it from here until it imports tqstore.units.
+from tqstore.units import GiB, KiB, MiB, format_size, parse_duration, parse_size  # noqa: F401
 
 CONFIG_FILE = "config.toml"
 DEFAULT_HOME = "~/.cache/tqstore"
