@@ -6,16 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from tqstore.errors import BadInput, ConfigError, NotFound
-from tqstore.units import parse_duration
+from tqstore.errors import BadInput, NotFound
+from tqstore.units import flag_type, parse_duration
 
 
-def duration(text: str) -> float:
-    """argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds."""
-    try:
-        return parse_duration(text, "duration")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds (zero refused).
+duration = flag_type(parse_duration, "duration")
 
 
 def key_value(text: str) -> tuple[str, str]:

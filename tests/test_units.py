@@ -1,9 +1,11 @@
 """tqstore.units: the one size and duration grammar of settings and flags (edge cases included)."""
 
+import argparse
+
 import pytest
 
 from tqstore.errors import ConfigError
-from tqstore.units import format_size, parse_duration, parse_size
+from tqstore.units import flag_type, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(
@@ -74,3 +76,13 @@ def test_format_size(n, text):
 def test_formatted_sizes_parse_back():
     for n in (0, 7, 4 << 10, 5 << 20, 3 << 30, 2 << 40):
         assert parse_size(format_size(n).replace(" ", "")) == n
+
+
+def test_flag_type_makes_a_bad_value_a_usage_error():
+    parser = argparse.ArgumentParser(prog="t", exit_on_error=False)
+    parser.add_argument("--ttl", type=flag_type(parse_duration, "--ttl", allow_zero=True))
+    parser.add_argument("--max", type=flag_type(parse_size, "--max"))
+    args = parser.parse_args(["--ttl", "0", "--max", "1KiB"])
+    assert (args.ttl, args.max) == (0.0, 1024)
+    with pytest.raises(argparse.ArgumentError, match=r"--ttl='-1' is not a duration: use seconds"):
+        parser.parse_args(["--ttl=-1"])

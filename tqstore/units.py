@@ -13,14 +13,19 @@ unless the caller gives it a meaning (`allow_zero`, e.g. "never expire").
 
 Anything else (negative numbers, booleans, None, other units, empty text) raises ConfigError
 naming `where` (the file key, variable or flag the value came from), the value and the grammar.
-`format_size` writes sizes back for people.
+`format_size` writes sizes back for people; `flag_type` makes either parser an argparse `type`.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 from tqstore.errors import ConfigError
+
+T = TypeVar("T")
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 
@@ -64,6 +69,18 @@ def parse_duration(raw: object, where: str = "duration", allow_zero: bool = Fals
     if value == 0 and not allow_zero:
         raise ConfigError(f"{where}={raw!r} must be positive: use {DURATION_HELP}")
     return value
+
+
+def flag_type(parse: Callable[..., T], where: str, **options: object) -> Callable[[str], T]:
+    """An argparse `type` that runs `parse(text, where, **options)` and turns its ConfigError
+    into argparse's error, so a bad flag value is a usage error (exit 2) with the grammar."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text, where, **options)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def format_size(n: int) -> str:
