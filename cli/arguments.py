@@ -9,7 +9,6 @@ from pathlib import Path
 from tqstore.errors import BadInput, NotFound
 from tqstore.units import flag_type, parse_duration
 
-
 # argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds (zero refused).
 duration = flag_type(parse_duration, "duration")
 
