@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import dialects, emulate, host, merge, metal
+from turboquant.kernels import dialects, emulate, host, metal
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.merge import Pass2
@@ -45,7 +45,7 @@ def test_sink_variants_generate_both_dialects_and_differ_only_in_the_normaliser(
             assert not dialects.leftover_markers(header + body)
             assert header == tpl.source(plain, dialect)[0]
             # the one difference: the sink joins M and L where the plain merge takes 1 / L
-            assert body.replace(merge._SINK, "const float inv = 1.0f / L;") == tpl.source(plain, dialect)[1]
+            assert body.replace(dialects.section("pass2.h", "sink"), "const float inv = 1.0f / L;") == tpl.source(plain, dialect)[1]
         assert tpl.source(sink, "cuda")[1].replace(dialects.PROLOGUE["cuda"], "") == \
             tpl.source(sink, "metal")[1].replace(dialects.PROLOGUE["metal"], "")
         assert "sinks" not in tpl.source(plain, "cuda")[1]
