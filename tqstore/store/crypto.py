@@ -49,6 +49,7 @@ from tqstore.config import Config
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError, CorruptBlock, RemoteAuthError, TqstoreError
 from tqstore.keys import parse_key
+from tqstore.store.home_lock import HomeLock
 
 log = logging.getLogger("tqstore.store.crypto")
 KEY_ENV = "TQSTORE_S3_KEY"
@@ -119,8 +120,6 @@ class ManifestVersions:
             log.warning("cannot record manifest versions in %s: %s", self.path, exc)
 
     def _locked(self):
-        from tqstore.store.tierset import HomeLock  # tierset imports the S3 tier, which imports this module
-
         return HomeLock(self.path.with_name("." + self.path.name + ".lock")).exclusive()
 
 
