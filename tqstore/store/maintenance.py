@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tqstore.config import format_size
+from tqstore.units import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
 from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from turboquant.records import Snapshot
 
-from tqstore.config import Config, format_size, load_config, resolve_home
+from tqstore.config import Config, load_config, resolve_home
+from tqstore.units import format_size
 from tqstore.errors import DiskFull, InvalidName, NotFound
 from tqstore.store.restore import RestoreStats, restore_entry
 from tqstore.models.identity import CodecIdentity, ModelIdentity

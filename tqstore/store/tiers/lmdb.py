@@ -29,7 +29,8 @@ from pathlib import Path
 
 import lmdb
 
-from tqstore.config import MiB, Config
+from tqstore.config import Config
+from tqstore.units import MiB
 from tqstore.errors import CorruptBlock, TqstoreError
 from tqstore.names import validate_name
 from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts, check_key

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 import lmdb
 
-from tqstore.config import MiB, format_size
+from tqstore.units import MiB, format_size
 from tqstore.durable import fsync_dir
 from tqstore.errors import ConflictError, DiskFull, FormatVersionTooNew, StoreDamaged, TqstoreError
 from tqstore.store.tiers.lmdb_records import schema_number

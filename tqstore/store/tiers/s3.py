@@ -32,7 +32,8 @@ import boto3
 import botocore.config
 import botocore.exceptions as bx
 
-from tqstore.config import MiB, Config, format_size
+from tqstore.config import Config
+from tqstore.units import MiB, format_size
 from tqstore.store.crypto import OVERHEAD, SCHEME, ObjectCipher, cipher_from_config, open_payload
 from tqstore.errors import ConflictError, CorruptBlock, RemoteError, RemoteNotConfigured, TqstoreError
 from tqstore.names import is_valid_name, validate_name
