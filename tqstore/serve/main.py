@@ -1,29 +1,37 @@
 """`tqstore serve` (and `python -m tqstore.serve`): its options, startup, signals and shutdown.
-The HTTP layer is `http_api.py`; docs/server.md describes the API."""
+The HTTP layer is `http.py`; uvicorn runs it; docs/server.md describes the API."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from tqstore.config import Config, load_config, parse_duration, parse_size
 from tqstore.errors import ConfigError, TqstoreError
-from tqstore.serve.http import LOOPBACK_NAMES, App, HttpServer
-from tqstore.serve.streams import POLL_SECONDS
+from tqstore.serve.http import LOOPBACK_NAMES, App, Guard
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import Sampling
 from tqstore.serve.worker import ModelWorker, SavePolicy
 
 log = logging.getLogger("tqstore.serve")
 API_KEY_ENV = "TQSTORE_API_KEY"
+BACKLOG = 64  # the listen backlog: bursts of clients connect at once
+# Seconds an idle keep-alive connection is kept, and a new connection has to send its request
+# head (slow clients: see _Protocol).
+KEEP_ALIVE_SECONDS = 30
+MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this get 400 (h11's limit)
 
 
 def _duration(raw: str) -> float:
@@ -99,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-limit", type=_positive, default=None,
                         help="the server's cap on max_tokens: longer requests stop there with finish_reason "
                              "'length' (default: the model's context length)")
+    parser.add_argument("--max-connections", type=_positive, default=1024,
+                        help="open connections (and requests in progress) beyond which new requests get 503 at "
+                             "once (default 1024)")
     parser.add_argument("--max-body-bytes", type=_size, default=16 << 20,
                         help="largest request body, e.g. 16MiB (default); larger ones get 413")
     parser.add_argument("--max-tokens", type=_positive, default=512,
@@ -147,48 +158,83 @@ def run(args: argparse.Namespace, config: Config) -> int:
         app = App(worker, worker.metrics, model_id, tuple(dict.fromkeys((model_id, args.model))),
                   Sampling(args.max_tokens, args.temp, args.top_p, None, ()), api_key, args.max_body_bytes,
                   int(time.time()), allowed_hosts(args.host, args.allowed_host))
-        try:
-            httpd = HttpServer((args.host, args.port), app)
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}: choose another --port "
-                              "(0 picks a free one)") from None
-        return _serve(httpd, worker, args, scheme)
+        return _serve(app, _listen(args.host, args.port), args, scheme)
     finally:
         store.close()
 
 
-def _serve(httpd: HttpServer, worker: ModelWorker, args: argparse.Namespace, scheme: str) -> int:
-    host, port = httpd.server_address[:2]
-    if httpd.app.api_key is None and not is_loopback(host):  # --insecure
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on a new connection's first request head:
+    uvicorn arms its keep-alive timer only after a response, so a client that connects and
+    sends nothing, or its headers a byte at a time, would hold the connection forever. The
+    timer is the keep-alive one; uvicorn stops it when a whole request head has arrived."""
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending with the model worker: it stops when the model cannot load,
+    and its shutdown stops the worker first, so that every job waited for ends (503
+    shutting_down) and the handlers waiting for them finish."""
+
+    def __init__(self, config: uvicorn.Config, worker: ModelWorker):
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # SIGINT and SIGTERM are how this server is meant to stop: exit 0, where uvicorn would
+        # raise the signal again after its shutdown. A second Ctrl-C stops at once.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        return self.worker.load_error is not None or await super().on_tick(counter)
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.worker.stop)
+        await super().shutdown(sockets)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that port 0 is known before serving starts."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}: choose another --port "
+                          "(0 picks a free one)") from None
+    return sock
+
+
+def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str) -> int:
+    host, port = sock.getsockname()[:2]
+    worker = app.worker
+    if app.api_key is None and not is_loopback(host):  # --insecure
         log.warning("listening on %s without an API key (--insecure): anyone who can reach it can use the model "
                     "and the store (set %s)", host, API_KEY_ENV)
-    stopping = threading.Event()
-    previous = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[sig] = signal.signal(sig, lambda *_: stopping.set())
-        except ValueError:  # not the main thread (run embedded): the caller stops the process
-            pass
+    config = uvicorn.Config(Guard(app), http=_Protocol, loop="asyncio", lifespan="off", log_config=None,
+                            log_level=args.log_level, server_header=False, limit_concurrency=args.max_connections,
+                            backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+    server = _Server(config, worker)
     worker.start()
-    serving = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": POLL_SECONDS},
-                               name="tqstore-http", daemon=True)
-    serving.start()
     url = f"http://{host}:{port}/v1"
     if getattr(args, "json", False):  # the CLI's --json: one JSON document on stdout
-        print(json.dumps({"listening": url, "host": host, "port": port, "model": httpd.app.model_id,
+        print(json.dumps({"listening": url, "host": host, "port": port, "model": app.model_id,
                           "scheme": scheme}), flush=True)
     else:
-        print(f"tqstore serve: listening on {url} (model {httpd.app.model_id}, scheme {scheme})", flush=True)
+        print(f"tqstore serve: listening on {url} (model {app.model_id}, scheme {scheme})", flush=True)
     try:
-        while not stopping.wait(POLL_SECONDS):
-            if worker.load_error is not None:
-                break
+        server.run(sockets=[sock])
     finally:
-        httpd.shutdown()
-        worker.stop()
-        httpd.server_close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        sock.close()
+        worker.stop()  # again, in case the server never started: it returns at once otherwise
     error = worker.load_error
     if error is not None:
         if isinstance(error, TqstoreError):
