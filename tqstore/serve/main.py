@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import prometheus_client
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -134,6 +135,9 @@ def run(args: argparse.Namespace, config: Config) -> int:
     from tqstore import Store
     from tqstore.engine.engine import Engine
 
+    # The _created series prometheus_client adds beside each counter and histogram: noise for a
+    # server whose counters all start with it (a process-wide switch; this process is the server).
+    prometheus_client.disable_created_metrics()
     if not logging.getLogger().handlers:
         level = "WARNING" if getattr(args, "quiet", False) else args.log_level.upper()  # the CLI's -q
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
