@@ -101,14 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        if extra and not getattr(args, "takes_extra", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = parser.parse_args(argv)
     except UsageError as exc:
         return _usage_error(exc, "--json" in argv)
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else EXIT_OK
-    args.extra = extra
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
         _choose_blas(args, argv, out)
@@ -116,10 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with Context(args, out) as ctx, warnings.catch_warnings():
             warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
-    except UsageError as exc:  # a command's own parser (serve)
+    except UsageError as exc:  # a command that checks its arguments further (ask)
         return _usage_error(exc, args.json)
-    except SystemExit as exc:  # its --help
-        return exc.code if isinstance(exc.code, int) else EXIT_OK
     except KeyboardInterrupt:
         out.error("Interrupted", "interrupted")
         return EXIT_INTERRUPTED

@@ -36,6 +36,7 @@ from tqstore.errors import TqstoreError
 from tqstore.names import validate_name
 from tqstore.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from tqstore.serve.metrics import Metrics
+from tqstore.serve.options import LOOPBACK_NAMES
 from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, api_error, check_model, chunk,
                                          completion_response, parse_cache_source, parse_generation, parse_pin,
                                          store_details, usage_chunk)
@@ -43,7 +44,6 @@ from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
 from tqstore.serve.worker import Failed, Finished, Job, ModelWorker, QueueFull, Text
 
 log = logging.getLogger("tqstore.serve")
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 BODY_STALL_SECONDS = 30.0  # a request body that sends nothing for this long gets 408
 
 
