@@ -23,6 +23,7 @@ Needs an MLX GPU backend (CUDA or Metal).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
 import os
@@ -52,6 +53,22 @@ CONTEXTS = [4096, 16384, 65536, 131072]
 CHECK_UP_TO = 16384  # contexts whose fused output is also checked against float64 here
 TENSOR_CORES = kernels.select_backend() == "cuda"  # what `fused_decode` does on this backend
 WORKING_SET = 400 << 20  # fp16 bytes cycled over per context (many times the 50 MB L2)
+
+
+@contextlib.contextmanager
+def kernel_env(**values):
+    """The TQSTORE_KERNEL_* variables set for a block (`KernelTuning.from_env` reads them at every
+    call, so the cache's own attention path sees them), then as they were."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: str(v) for name, v in values.items()})
+    try:
+        yield
+    finally:
+        for name, v in saved.items():
+            if v is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = v
 
 
 def device_line() -> str:
@@ -165,13 +182,10 @@ def bench_context(T: int, schemes: list[str], calls: int, plain: bool, tail: int
         rows.append(dict(T=T, method=f"{scheme} fused" + (" (tensor cores)" if mma else ""), bytes=nbytes, err=err,
                          kernel=call.pass1.name, **measure(steps, q, calls, base)))
         if mma:  # the CUDA-core pass 1 on the same caches, for comparison
-            host.TUNING["mma"] = False
-            try:
+            with kernel_env(TQSTORE_KERNEL_MMA=0):
                 cerr = check(caches[0], q) if T <= CHECK_UP_TO else None
                 rows.append(dict(T=T, method=f"{scheme} fused (CUDA cores)", bytes=nbytes, err=cerr,
                                  **measure(steps, q, calls, base)))
-            finally:
-                host.TUNING["mma"] = True
         if sinks:
             rows += sink_rows(T, scheme, caches, q, calls, base, nbytes)
         if plain:
@@ -249,12 +263,11 @@ def sweep(calls: int) -> tuple[int, int, int]:
             fns = [lambda c=c: c.attention(q, SCALE) for c in caches]
             got = {}
             for ns, u, tgs in CANDIDATES:
-                host.TUNING.update(ns=ns, unroll=u, threadgroups=tgs)
-                got[(ns, u, tgs)] = timed(fns, calls, reps=3)[0]
+                with kernel_env(TQSTORE_KERNEL_NS=ns, TQSTORE_KERNEL_UNROLL=u, TQSTORE_KERNEL_THREADGROUPS=tgs):
+                    got[(ns, u, tgs)] = timed(fns, calls, reps=3)[0]
             best = min(got.values())
             for k, v in got.items():
                 scores[k] += v / best
-            host.TUNING.update(ns=0, unroll=0, threadgroups=0)
             print(f"  T={T} {scheme}: " + " ".join(f"ns{k[0]}u{k[1]}t{k[2]}={v * 1e6:.1f}" for k, v in got.items()),
                   flush=True)
             del caches, fns
@@ -305,7 +318,8 @@ def main() -> None:
     tuning = ""
     if args.sweep:
         ns, u, tgs = sweep(args.calls)
-        host.TUNING.update(ns=ns, unroll=u, threadgroups=tgs)
+        # (the rest of the run: the cache's attention path reads them at every call)
+        os.environ.update(TQSTORE_KERNEL_NS=str(ns), TQSTORE_KERNEL_UNROLL=str(u), TQSTORE_KERNEL_THREADGROUPS=str(tgs))
         tuning = f" Kernel tuning from the sweep: ns={ns}, unroll={u}, threadgroups={tgs}."
     if args.breakdown:
         for scheme in ("turbo4", "turbo8v3"):

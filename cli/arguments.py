@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
-from tqstore.config import parse_duration
-from tqstore.errors import BadInput, ConfigError, NotFound
+from tqstore.errors import BadInput, NotFound
+from tqstore.units import flag_type, parse_duration
 
-def duration(text: str) -> float:
-    """argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds."""
-    try:
-        return parse_duration(text, "duration")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# argparse type: "90", "90s", "10m", "2h", "7d" or "1w" -> seconds (zero refused).
+duration = flag_type(parse_duration, "duration")
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -26,10 +21,13 @@ def key_value(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def scheme_name(name: str) -> str:
-    """The canonical name of a scheme; BadInput listing the valid ones otherwise."""
+def scheme_name(name: str | None) -> str | None:
+    """The canonical name of a --scheme value (None: not given); BadInput listing the valid ones
+    otherwise (exit 1, not a usage error: the list is the help)."""
     from turboquant.schemes import parse_scheme
 
+    if name is None:
+        return None
     try:
         return parse_scheme(name).name
     except ValueError as exc:

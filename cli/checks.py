@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tqstore.config import Config
-from tqstore.durable import fsync_dir
+from tqstore.durable import fsync_dir, full_fsync
 
 ATTENTION_SCHEMES = ("turbo4", "turbo8v3", "turbo0v4", "affine8")
 # Max error relative to the largest output. float32 on the CPU is exact up to rounding; float16
@@ -48,23 +48,17 @@ def backend() -> Check:
     import mlx.core as mx
 
     device = "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
-    gpus = [name for name, probe in (("metal", _metal), ("cuda", _cuda)) if probe(mx)]
+    gpus = [name for name in ("metal", "cuda") if _available(mx, name)]
     data = {"mlx": mx.__version__, "device": device, "gpu_backends": gpus}
     available = f", GPU backend available: {', '.join(gpus)}" if gpus else ""
     return Check("backend", "ok", f"MLX {mx.__version__}, default device {device}{available}", data)
 
 
-def _metal(mx) -> bool:
+def _available(mx, backend: str) -> bool:
+    """Whether MLX has GPU backend `backend` ("metal", "cuda") and it is usable here."""
     try:
-        return bool(mx.metal.is_available())
-    except AttributeError:
-        return False
-
-
-def _cuda(mx) -> bool:
-    try:
-        return bool(mx.cuda.is_available())
-    except AttributeError:
+        return bool(getattr(mx, backend).is_available())
+    except AttributeError:  # an MLX build without that backend
         return False
 
 
@@ -141,11 +135,7 @@ def _attention_error(scheme: str, dtype, L: int, kernels: bool) -> float:
 
 
 def home_fsync(home: Path) -> Check:
-    import fcntl
-
-    data: dict[str, Any] = {"home": str(home), "filesystem": _filesystem(home)}
-    full = getattr(fcntl, "F_FULLFSYNC", None)
-    data["f_fullfsync"] = None if full is None else False
+    data: dict[str, Any] = {"home": str(home), "filesystem": _filesystem(home), "f_fullfsync": None}
     try:
         home.mkdir(parents=True, exist_ok=True)
         token = secrets.token_hex(6)
@@ -155,14 +145,7 @@ def home_fsync(home: Path) -> Check:
         try:
             os.write(fd, payload)
             start = time.perf_counter()
-            if full is not None:
-                try:
-                    fcntl.fcntl(fd, full)
-                    data["f_fullfsync"] = True
-                except OSError:
-                    os.fsync(fd)  # network and FAT volumes refuse F_FULLFSYNC
-            else:
-                os.fsync(fd)
+            data["f_fullfsync"] = full_fsync(fd)
             data["fsync_seconds"] = time.perf_counter() - start
         finally:
             os.close(fd)
@@ -176,7 +159,7 @@ def home_fsync(home: Path) -> Check:
     if not intact:
         return Check("fsync", "fail", f"a file written in {home} read back different", data)
     took = f"fsync {data['fsync_seconds'] * 1e3:.2f} ms on {data['filesystem'] or 'unknown filesystem'}"
-    if full is not None:
+    if data["f_fullfsync"] is not None:
         took += ", F_FULLFSYNC " + ("honoured" if data["f_fullfsync"] else "refused (plain fsync used)")
     if data["filesystem"] in VOLATILE_FS:
         return Check("fsync", "warn", f"{took}: the home is in memory and is lost at reboot; use --home on a disk",
@@ -210,8 +193,8 @@ def _filesystem(path: Path) -> str | None:
 
 
 def blas() -> Check:
-    from tqstore.models.blas import active_blas, openblas_environment
     from tqstore.errors import ConfigError
+    from tqstore.models.blas import active_blas, openblas_environment
 
     active = active_blas()
     data: dict[str, Any] = {"active": active}

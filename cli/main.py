@@ -102,10 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except UsageError as exc:
-        return _usage_error(exc, "--json" in argv)
-    except SystemExit as exc:  # --help, --version
-        return exc.code if isinstance(exc.code, int) else EXIT_OK
+    except (UsageError, SystemExit) as exc:  # SystemExit: --help, --version
+        return _stopped(exc, "--json" in argv)
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
         _choose_blas(args, argv, out)
@@ -114,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
     except UsageError as exc:  # a command that checks its arguments further (ask)
-        return _usage_error(exc, args.json)
+        return _stopped(exc, args.json)
     except KeyboardInterrupt:
         out.error("Interrupted", "interrupted")
         return EXIT_INTERRUPTED
@@ -149,7 +147,10 @@ def _as_note(out: Output):
     return show
 
 
-def _usage_error(exc: UsageError, json_mode: bool) -> int:
+def _stopped(exc: UsageError | SystemExit, json_mode: bool) -> int:
+    """The exit code of a refused command line (after saying why) or of --help and --version."""
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else EXIT_OK
     if json_mode:
         Output(json_mode=True).error("UsageError", str(exc))
     else:
@@ -162,8 +163,8 @@ def _choose_blas(args: argparse.Namespace, argv: list[str], out: Output) -> None
     """Restart this process on OpenBLAS when --blas, $TQSTORE_BLAS or the config's store.blas
     (default `auto`: wherever it is installed) says so, before MLX runs; commands that run the
     model say once how to install it when it is missing."""
-    from tqstore.models import blas
     from tqstore.config import load_config
+    from tqstore.models import blas
 
     library, hint = blas.resolve(args.blas or load_config(args.home).blas)
     if hint is not None and getattr(args.func, "__name__", "") in MODEL_COMMANDS:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from tqstore.config import format_size
+from tqstore.units import format_size
 
 Progress = Callable[..., None]
 

@@ -11,18 +11,25 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-from tqstore.config import format_size
+from tqstore.units import format_size
 
 
-class AmountColumn(ProgressColumn):
-    """done/total in the unit (sizes for bytes)."""
+class UnitColumn(ProgressColumn):
+    """A column in the bar's unit, or in the current stage's (the task's `unit` field)."""
 
     def __init__(self, unit: str) -> None:
         super().__init__()
         self.unit = unit
 
+    def unit_of(self, task: Task) -> str:
+        return task.fields.get("unit", self.unit)
+
+
+class AmountColumn(UnitColumn):
+    """done/total in the unit (sizes for bytes)."""
+
     def render(self, task: Task) -> Text:
-        unit = task.fields.get("unit", self.unit)
+        unit = self.unit_of(task)
         if task.total is None:
             return Text("")
         if unit == "bytes":
@@ -43,15 +50,11 @@ def average_rate(task: Task) -> float | None:
     return (task.completed - base) / elapsed if elapsed > 0 else None
 
 
-class RateColumn(ProgressColumn):
+class RateColumn(UnitColumn):
     """Units per second, from the first finished chunk on."""
 
-    def __init__(self, unit: str) -> None:
-        super().__init__()
-        self.unit = unit
-
     def render(self, task: Task) -> Text:
-        unit, speed = task.fields.get("unit", self.unit), average_rate(task)
+        unit, speed = self.unit_of(task), average_rate(task)
         if not speed or not unit:
             return Text("")
         if unit == "bytes":

@@ -1,31 +1,17 @@
 """The JSON documents and human lines of the commands' results (docs/cli.md shows each shape).
 
-Every `*_doc` function returns plain JSON-ready data; the human renderers print through
-Output. Keeping both here means a JSON shape and its docs change in one place.
+Every `*_doc` function (and `asdict`, for results printed as they are) returns plain data that
+`Output` writes as JSON (bytes as hex); the human renderers print through Output. Keeping both
+here means a JSON shape and its docs change in one place.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from dataclasses import asdict
 from typing import Any
 
 from .output import Output, ago, seconds, size
-
-
-def asdict(obj: Any) -> dict[str, Any]:
-    """A result dataclass as JSON-ready data (bytes as hex, tuples as lists)."""
-    def convert(value: Any) -> Any:
-        if isinstance(value, bytes):
-            return value.hex()
-        if isinstance(value, (list, tuple)):
-            return [convert(v) for v in value]
-        if isinstance(value, dict):
-            return {k: convert(v) for k, v in value.items()}
-        return value
-
-    return convert(dataclasses.asdict(obj))
-
 
 # --- entries -------------------------------------------------------------------------------------
 

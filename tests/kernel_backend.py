@@ -1,13 +1,18 @@
 """Test support for the fused decode kernels without a GPU: route `fused_decode` to a backend
 with a stand-in kernel factory (the emulator, or a deliberately broken one)."""
 
-from turboquant import kernels
+import functools
+
+from turboquant import attention, kernels
 from turboquant.kernels import metal
 
 
-def force_backend(monkeypatch, backend, factory):
-    """Route fused_decode to `backend` with `factory` standing in for the GPU kernel."""
+def force_backend(monkeypatch, backend, factory, tuning=None):
+    """Route fused_decode to `backend` with `factory` standing in for the GPU kernel; with
+    `tuning` (a KernelTuning), the attention path's calls use that value."""
     monkeypatch.setattr(kernels, "select_backend", lambda: backend)
+    if tuning is not None:
+        monkeypatch.setattr(attention, "fused_decode", functools.partial(kernels.fused_decode, tuning=tuning))
     if backend == "cuda":
         import turboquant.kernels.cuda as cuda_mod
 

@@ -8,7 +8,7 @@ from turboquant import lloyd_max_codebook
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "codebooks.json").read_text())
 
-# turboquant.md section 1.4, d = 128: positive halves, positive boundaries, D_mse.
+# docs/turboquant.md (the `python -m turboquant` tables), d = 128: positive halves, positive boundaries, D_mse.
 D128 = {
     1: ([0.07066157], [], 0.3609),
     2: ([0.03999160, 0.13304152], [0.08651656], 0.1160),
@@ -20,7 +20,7 @@ D128 = {
     ),
 }
 
-# turboquant.md section 1.4, other head dims, positive halves.
+# docs/turboquant.md (the `python -m turboquant` tables), other head dims, positive halves.
 OTHER_DIMS = {
     64: {2: [.05651487, .18749685], 3: [.03046918, .09383226, .16616786, .26391393],
          4: [.01591902, .04808978, .08131177, .11648675, .15492553, .19885614, .25291373, .33079631]},

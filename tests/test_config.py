@@ -1,10 +1,13 @@
+import base64
 import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from tqstore.config import Config, config_keys, load_config, parse_duration, parse_size, save_config_value
+from tqstore.config import Config, config_keys, load_config, save_config_value, setting, sources
 from tqstore.errors import ConfigError, DiskFull
 
 
@@ -71,40 +74,6 @@ def test_s3_settings_from_environment(tmp_path, monkeypatch):
     assert config.s3_region == "auto"
     monkeypatch.setenv("TQSTORE_S3_URL", "s3://my-bucket")
     assert (load_config(tmp_path).s3_bucket, load_config(tmp_path).s3_prefix) == ("my-bucket", "")
-
-
-@pytest.mark.parametrize(
-    "raw, expected",
-    [(4096, 4096), ("4096", 4096), ("10GB", 10 * 10**9), ("512MiB", 512 << 20), ("1.5GiB", 3 << 29),
-     (" 2 kb ", 2000), ("3tib", 3 << 40), ("0", 0), ("7B", 7)],
-)
-def test_sizes(raw, expected):
-    assert parse_size(raw) == expected
-
-
-@pytest.mark.parametrize("raw", ["10 GBs", "-1", -1, "abc", "", True, 1.5, "5M", None])
-def test_bad_sizes_name_the_units(raw):
-    with pytest.raises(ConfigError, match="MiB"):
-        parse_size(raw, "store.x")
-
-
-@pytest.mark.parametrize(
-    "raw, expected",
-    [(90, 90.0), ("90", 90.0), ("90s", 90.0), ("30m", 1800.0), ("12H", 43200.0), (" 7d ", 604800.0),
-     ("1w", 604800.0), ("1.5h", 5400.0)],
-)
-def test_durations(raw, expected):
-    assert parse_duration(raw) == expected
-
-
-@pytest.mark.parametrize("raw", ["-1", -1, "abc", "", "10y", "5 ms", True, None, "0", 0])
-def test_bad_durations_name_the_units(raw):
-    with pytest.raises(ConfigError, match="12h"):
-        parse_duration(raw, "ttl")
-
-
-def test_zero_duration_only_where_it_means_something():
-    assert parse_duration("0", "--save-ttl", allow_zero=True) == 0.0
 
 
 def test_one_duration_grammar_for_flags():
@@ -230,3 +199,36 @@ def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
     assert config.segment_size == 64 << 10 and config.s3_part_size == 6 << 20
     assert config.s3_connect_timeout == 1.5 and config.s3_max_attempts == 2 and config.blas == "openblas"
     assert config.default_scheme == "turbo4" and config.lmdb_map_size == 8 << 20
+
+
+def test_key_file_is_checked_with_the_key_rule(tmp_path):
+    bad, good = tmp_path / "bad.key", tmp_path / "good.key"
+    bad.write_text("not a key\n")
+    good.write_text(base64.b64encode(bytes(range(32))).decode() + "\n")
+    with pytest.raises(ConfigError, match="bad.key is not base64 of 32 bytes"):
+        save_config_value(tmp_path, "s3.key_file", str(bad))
+    save_config_value(tmp_path, "s3.key_file", str(good))
+    assert load_config(tmp_path).s3_key_file == str(good)
+
+
+def test_config_imports_nothing_from_the_store(tmp_path):
+    # The foundation sits below the store: checking a key file must not load tqstore.store.
+    key = tmp_path / "k"
+    key.write_text(base64.b64encode(bytes(32)).decode())
+    code = ("import sys; from tqstore.config import save_config_value; "
+            f"save_config_value({str(tmp_path)!r}, 's3.key_file', {str(key)!r}); "
+            "print(sorted(m for m in sys.modules if m.startswith('tqstore.store')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_sources_say_where_each_value_comes_from(tmp_path, monkeypatch):
+    write_config(tmp_path, '[store]\nsegment_size = "2MiB"\nlmdb_budget = "1GB"\n')
+    monkeypatch.setenv("TQSTORE_SEGMENT_SIZE", "4MiB")
+    monkeypatch.setenv("TQSTORE_S3_REGION", "")  # empty: unset, like load_config reads it
+    found = sources(load_config(tmp_path))
+    assert sorted(found) == sorted(config_keys())
+    assert (found["store.segment_size"], found["store.lmdb_budget"], found["s3.region"]) == ("env", "file", "default")
+    assert [k for k in config_keys() if setting(k).is_size] == [
+        "store.lmdb_budget", "store.memory_budget", "store.segment_size", "store.min_free_disk", "store.lmdb_map_size",
+        "s3.multipart_threshold", "s3.part_size"]

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.kernels import emulate, host
+from turboquant.kernels import DEFAULT_TUNING, KernelTuning, emulate, host
 from turboquant.kernels import dialects
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
@@ -28,10 +28,8 @@ from turboquant.kernels.reference import build_cache, reference, stored
 RTOL = 2e-3
 
 
-@pytest.fixture(autouse=True)
-def any_length(monkeypatch):
-    """The tensor-core pass 1 from the first stored row (by default only long caches use it)."""
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+# The tensor-core pass 1 from the first stored row (by default only long caches use it).
+ANY_LENGTH = KernelTuning(mma_min_tokens=0)
 
 
 needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
@@ -166,18 +164,18 @@ def test_describe_uses_tensor_cores_for_half_activations(scheme, dtype, expected
     cache = build_cache(scheme, 2, 64, dtype, 300)
     q = mx.zeros((1, 4, 1, 64), dtype=dtype)
     args = (q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
-    assert type(host.describe(*args, tensor_cores=True).pass1) is expected
-    assert type(host.describe(*args).pass1) is tpl.Pass1
+    assert type(host.describe(*args, tensor_cores=True, tuning=ANY_LENGTH).pass1) is expected
+    assert type(host.describe(*args, tuning=ANY_LENGTH).pass1) is tpl.Pass1
 
 
-def test_short_caches_keep_the_cuda_core_kernel(monkeypatch):
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", None)
+def test_short_caches_keep_the_cuda_core_kernel():
     q = mx.zeros((1, 4, 1, 64), dtype=mx.float16)
     cache = build_cache("turbo4", 2, 64, mx.float16, 300, calibrated=False)
     full = stored(cache)
     for T, expected in ((host.MMA_MIN_TOKENS - 1, tpl.Pass1), (host.MMA_MIN_TOKENS, MmaPass1)):
         arrays = {n: mx.concatenate([a] * -(-T // 300), axis=2)[:, :, :T] for n, a in full.items()}
-        call = host.describe(q, cache._key_side, cache._value_side, arrays, None, tensor_cores=True)
+        call = host.describe(q, cache._key_side, cache._value_side, arrays, None, tensor_cores=True,
+                             tuning=DEFAULT_TUNING)
         assert type(call.pass1) is expected, T
 
 
@@ -185,9 +183,34 @@ def test_tensor_cores_can_be_turned_off(monkeypatch):
     cache = build_cache("turbo4", 2, 64, mx.float16, 300)
     args = (mx.zeros((1, 4, 1, 64), dtype=mx.float16), cache._key_side, cache._value_side, stored(cache),
             cache._shifts)
-    assert isinstance(host.describe(*args, tensor_cores=True).pass1, MmaPass1)
+    assert isinstance(host.describe(*args, tensor_cores=True, tuning=ANY_LENGTH).pass1, MmaPass1)
+    off = dataclasses.replace(ANY_LENGTH, mma=False)
+    assert type(host.describe(*args, tensor_cores=True, tuning=off).pass1) is tpl.Pass1
     monkeypatch.setenv("TQSTORE_KERNEL_MMA", "0")
-    assert type(host.describe(*args, tensor_cores=True).pass1) is tpl.Pass1
+    assert KernelTuning.from_env() == KernelTuning(mma=False)
+
+
+def test_tuning_from_the_environment(monkeypatch):
+    """`from_env` builds a value from the TQSTORE_KERNEL_* variables (read at each call) and
+    leaves the defaults alone; describe and plan_blocks take it when given no tuning."""
+    for name in host.TUNING_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert KernelTuning.from_env() == DEFAULT_TUNING == KernelTuning()
+    monkeypatch.setenv("TQSTORE_KERNEL_MMA", "0")
+    monkeypatch.setenv("TQSTORE_KERNEL_THREADGROUPS", "24")
+    monkeypatch.setenv("TQSTORE_KERNEL_NS", "2")
+    monkeypatch.setenv("TQSTORE_KERNEL_UNROLL", "1")
+    assert KernelTuning.from_env() == KernelTuning(ns=2, unroll=1, threadgroups=24, mma=False)
+    assert DEFAULT_TUNING == KernelTuning()
+    assert host.plan_blocks(65536, 8) == host.plan_blocks(65536, 8, tuning=KernelTuning(threadgroups=24))
+    assert host.plan_blocks(65536, 8, tuning=DEFAULT_TUNING) != host.plan_blocks(65536, 8)
+    cache = build_cache("turbo4", 2, 128, mx.float16, 300)
+    args = (mx.zeros((1, 4, 1, 128), dtype=mx.float16), cache._key_side, cache._value_side, stored(cache),
+            cache._shifts)
+    p1 = host.describe(*args).pass1
+    assert (p1.ns, p1.u) == (2, 1) and p1.lanes == (2, 8)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_TUNING.ns = 1
 
 
 def _check(cache, q, scale, out, lse):
@@ -218,12 +241,12 @@ EMULATED = [
 
 @needs_cxx
 @pytest.mark.parametrize("case", EMULATED, ids=lambda c: f"{c[0]}-H{c[1]}R{c[2]}d{c[3]}T{c[4]}-p{c[6]}")
-def test_emulated_tensor_core_kernel_matches_f64_reference(case, monkeypatch):
+def test_emulated_tensor_core_kernel_matches_f64_reference(case):
     scheme, H, R, D, T, dtype, prefetch = case
-    monkeypatch.setitem(host.TUNING, "mma_prefetch", prefetch)
     cache = build_cache(scheme, H, D, dtype, T, seed=T + D)
     q = mx.random.normal((1, H * R, 1, D), key=mx.random.key(D)).astype(dtype)
-    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True,
+                         tuning=dataclasses.replace(ANY_LENGTH, mma_prefetch=prefetch))
     assert isinstance(call.pass1, MmaPass1)
     args = (call, q, cache._key_side, cache._value_side, stored(cache), 1 / math.sqrt(D), cache._shifts)
     out, lse, po, pm, pl = host.launch(emulate.kernel, *args, init_value=float("nan"), partials=True)
@@ -235,16 +258,15 @@ def test_emulated_tensor_core_kernel_matches_f64_reference(case, monkeypatch):
 
 @needs_cxx
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_emulated_tensor_core_kernel_scales_the_raw_query(dtype, monkeypatch):
+def test_emulated_tensor_core_kernel_scales_the_raw_query(dtype):
     """Affine keys, with and without key means: pass 1 reads the activation-dtype query itself
     (no query op before it), through a non-contiguous view, and matches the f64 reference."""
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
     q = mx.random.normal((1, 1, 8, 128), key=mx.random.key(3)).astype(dtype).swapaxes(1, 2)
     for calibrated in (False, True):
         cache = build_cache("turbo8v3", 2, 128, dtype, 300, seed=5, calibrated=calibrated)
         assert (cache._shifts is None) == (not calibrated)
         call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts,
-                             tensor_cores=True)
+                             tensor_cores=True, tuning=ANY_LENGTH)
         assert isinstance(call.pass1, MmaPass1) and call.pass1.q_dtype == host.DTYPE_NAMES[dtype]
         assert "q_raw" in call.pass1.input_names() and "q_k" not in call.pass1.input_names()
         out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
@@ -252,24 +274,22 @@ def test_emulated_tensor_core_kernel_scales_the_raw_query(dtype, monkeypatch):
         _check(cache, q, 1 / math.sqrt(128), out, lse)
 
 
-def test_spread_tables_serve_turbo_keys_only(monkeypatch):
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+def test_spread_tables_serve_turbo_keys_only():
     q = mx.zeros((1, 8, 1, 128), dtype=mx.float16)
     for scheme, spread in (("turbo4", True), ("turbo3", True), ("turbo8v3", False)):
         cache = build_cache(scheme, 2, 128, mx.float16, 64)
         call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts,
-                             tensor_cores=True)
+                             tensor_cores=True, tuning=ANY_LENGTH)
         assert call.pass1.spread is spread, scheme
 
 
 @needs_cxx
-def test_emulated_tensor_core_kernel_with_one_table_copy(monkeypatch):
+def test_emulated_tensor_core_kernel_with_one_table_copy():
     """Unspread pair tables (one copy, `mma_spread` off) decode the same codes."""
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
-    monkeypatch.setitem(host.TUNING, "mma_spread", False)
     cache = build_cache("turbo4v3", 2, 128, mx.float16, 150, seed=9)
     q = mx.random.normal((1, 8, 1, 128), key=mx.random.key(9)).astype(mx.float16)
-    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True,
+                         tuning=dataclasses.replace(ANY_LENGTH, mma_spread=False))
     assert isinstance(call.pass1, MmaPass1) and not call.pass1.spread
     out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
                            1 / math.sqrt(128), cache._shifts)
@@ -283,9 +303,10 @@ def test_emulated_benchmark_shape_one_and_many_blocks(threadgroups):
     chunks, prefetch carried across them) and many short blocks (warps with no chunk at all)."""
     cache = build_cache("turbo4", 8, 128, mx.float16, 700, seed=4)
     q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(6)).astype(mx.float16)
-    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True)
+    call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts, tensor_cores=True,
+                         tuning=ANY_LENGTH)
     out, lse = host.launch(emulate.kernel, call, q, cache._key_side, cache._value_side, stored(cache),
-                           1 / math.sqrt(128), cache._shifts, target=threadgroups)
+                           1 / math.sqrt(128), cache._shifts, tuning=KernelTuning(threadgroups=threadgroups))
     _check(cache, q, 1 / math.sqrt(128), out, lse)
 
 

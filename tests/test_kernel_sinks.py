@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import dialects, emulate, host, merge, metal
+from turboquant.kernels import KernelTuning, dialects, emulate, host, metal
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.merge import Pass2
@@ -45,7 +45,8 @@ def test_sink_variants_generate_both_dialects_and_differ_only_in_the_normaliser(
             assert not dialects.leftover_markers(header + body)
             assert header == tpl.source(plain, dialect)[0]
             # the one difference: the sink joins M and L where the plain merge takes 1 / L
-            assert body.replace(merge._SINK, "const float inv = 1.0f / L;") == tpl.source(plain, dialect)[1]
+            plain_body = body.replace(dialects.section("pass2.h", "sink"), "const float inv = 1.0f / L;")
+            assert plain_body == tpl.source(plain, dialect)[1]
         assert tpl.source(sink, "cuda")[1].replace(dialects.PROLOGUE["cuda"], "") == \
             tpl.source(sink, "metal")[1].replace(dialects.PROLOGUE["metal"], "")
         assert "sinks" not in tpl.source(plain, "cuda")[1]
@@ -83,16 +84,16 @@ OFFSETS = (-3.0, 0.0, 2.0, 1000.0, -1000.0)  # light, equal, heavy, all of it, n
 
 @needs_cxx
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-R{c[2]}d{c[3]}T{c[4]}+{c[5]}-mma{int(c[7])}")
-def test_emulated_decode_with_sinks_matches_f64_softmax_with_the_sink(case, monkeypatch):
+def test_emulated_decode_with_sinks_matches_f64_softmax_with_the_sink(case):
     scheme, H, R, D, T, n, dtype, mma = case
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
     cache = build_cache(scheme, H, D, dtype, T, seed=T + n, tail=n)
     q = mx.random.normal((1, H * R, 1, D), key=mx.random.key(D + R)).astype(dtype)
     scale = 1 / math.sqrt(D)
     sinks = _sinks(cache, q, scale, OFFSETS, mx.bfloat16 if dtype == mx.bfloat16 else mx.float32)
     arrays, t = stored(cache), tail(cache)
     assert (t is not None) == (n > 0)
-    call = host.describe(q, cache._key_side, cache._value_side, arrays, cache._shifts, tensor_cores=mma)
+    call = host.describe(q, cache._key_side, cache._value_side, arrays, cache._shifts, tensor_cores=mma,
+                         tuning=KernelTuning(mma_min_tokens=0))
     assert isinstance(call.pass1, MmaPass1) == mma
     launched = []
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import emulate, host, metal
+from turboquant.kernels import KernelTuning, emulate, host, metal
 from turboquant.kernels import dialects, merge
 from turboquant.kernels import template as tpl
 from turboquant.kernels.merge import Pass2
@@ -191,8 +191,7 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
         calls.append(v)
         return emulate.kernel(v)
 
-    force_backend(monkeypatch, "cuda", factory)
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+    force_backend(monkeypatch, "cuda", factory, tuning=KernelTuning(mma_min_tokens=0))
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(1)).astype(mx.float16)
     ref, _ = reference(cache, q, 0.125)
     for mask in (None, "causal"):
@@ -326,15 +325,15 @@ def test_emulated_pass1_scales_the_raw_query(scheme, dtype):
 @needs_cxx
 @pytest.mark.parametrize("scheme,D,R,dtype", [("turbo4", 128, 4, mx.float16), ("turbo3", 64, 7, mx.bfloat16),
                                               ("turbo2", 256, 1, mx.float32)])
-def test_emulated_pass1_rotates_the_raw_query(scheme, D, R, dtype, monkeypatch):
+def test_emulated_pass1_rotates_the_raw_query(scheme, D, R, dtype):
     """TurboQuant keys under a Hadamard rotation (d a power of two): pass 1 stages the raw query
     and applies signs, butterfly and channel scales itself, with and without key means, so a
     step runs no pass-0 kernel; `fuse_rotation` off (and d = 96) keeps pass 0. All match f64."""
     q = mx.random.normal((1, 2 * R, 1, D), key=mx.random.key(R)).astype(dtype)
     for calibrated, fuse in ((True, True), (False, True), (True, False)):
-        monkeypatch.setitem(host.TUNING, "fuse_rotation", fuse)
         cache = build_cache(scheme, 2, D, dtype, 200, seed=D, calibrated=calibrated)
-        call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts)
+        call = host.describe(q, cache._key_side, cache._value_side, stored(cache), cache._shifts,
+                             tuning=KernelTuning(fuse_rotation=fuse))
         launched = []
 
         def factory(v):
@@ -364,17 +363,16 @@ TAILS = [
 
 @needs_cxx
 @pytest.mark.parametrize("case", TAILS, ids=lambda c: f"{c[0]}-R{c[2]}d{c[3]}T{c[4]}+{c[5]}")
-def test_emulated_pass2_attends_over_the_raw_tail(case, monkeypatch):
+def test_emulated_pass2_attends_over_the_raw_tail(case):
     """Pass 2 with the raw tail equals the f64 reference over [stored | tail] and the plain-ops
     merge of the same stored rows; every output is written."""
     scheme, H, R, D, T, n, dtype = case
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
     cache = build_cache(scheme, H, D, dtype, T, seed=n, tail=n)
     assert tail(cache) is not None and tail(cache)[0].shape[2] == n
     q = mx.random.normal((1, H * R, 1, D), key=mx.random.key(n)).astype(dtype)
     arrays = stored(cache)
     call = host.describe(q, cache._key_side, cache._value_side, arrays, cache._shifts,
-                         tensor_cores=dtype != mx.float32)
+                         tensor_cores=dtype != mx.float32, tuning=KernelTuning(mma_min_tokens=0))
     args = (call, q, cache._key_side, cache._value_side, arrays, 1 / math.sqrt(D), cache._shifts)
     calls = []
 

@@ -14,6 +14,7 @@ cases, held to RTOL_MMA. Attention sinks run through the entry point with both p
 the raw tail. About 5 minutes on an H200, most of it NVRTC compiles.
 """
 
+import dataclasses
 import math
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import host
+from turboquant.kernels import KernelTuning, host
 from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import attention64, build_cache, dequantized, reference, stored, tail
 
@@ -95,9 +96,10 @@ def _check(out, lse, ref_out, ref_lse, what, rtol=RTOL):
     return err, lerr
 
 
-def _run_views(cache, q, scale, t_values, k64, v64, tensor_cores=False):
+def _run_views(cache, q, scale, t_values, k64, v64, tensor_cores=False, tuning=None):
     """Kernel over the first T stored rows for each T: matches f64, fully written, repeatable.
-    `tensor_cores`: the tensor-core pass 1 (CUDA; fp16 products, so RTOL_MMA)."""
+    `tensor_cores`: the tensor-core pass 1 (CUDA; fp16 products, so RTOL_MMA). `tuning`: a
+    KernelTuning (None: the environment's)."""
     make = _backend_kernel()
     ks, vs = cache._key_side, cache._value_side
     full = stored(cache)
@@ -105,17 +107,17 @@ def _run_views(cache, q, scale, t_values, k64, v64, tensor_cores=False):
     for T in t_values:
         arrays = {n: a[:, :, :T] for n, a in full.items()}
         shifts = None if cache._shifts is None else cache._shifts[:, : -(-T // 256)]
-        assert kernels.fused_decode(q, ks, vs, arrays, scale, shifts) is not None
-        call = host.describe(q, ks, vs, arrays, shifts, tensor_cores=tensor_cores)
+        assert kernels.fused_decode(q, ks, vs, arrays, scale, shifts, tuning=tuning) is not None
+        call = host.describe(q, ks, vs, arrays, shifts, tensor_cores=tensor_cores, tuning=tuning)
         assert isinstance(call.pass1, MmaPass1) == tensor_cores
         args = (call, q, ks, vs, arrays, scale, shifts)
-        out, lse, po, pm, pl = host.launch(make, *args, init_value=float("nan"), partials=True)
+        out, lse, po, pm, pl = host.launch(make, *args, init_value=float("nan"), partials=True, tuning=tuning)
         for part in (po, pm, pl):
             assert not mx.any(mx.isnan(part)).item(), (call.pass1.name, T)
         ref_out, ref_lse = attention64(q, k64[:, :, :T], v64[:, :, :T], scale)
         err, _ = _check(out, lse, ref_out, ref_lse, (call.pass1.name, T), RTOL_MMA if tensor_cores else RTOL)
         worst = max(worst, err)
-        again = host.launch(make, *args)
+        again = host.launch(make, *args, tuning=tuning)
         assert mx.array_equal(again[0], out).item() and mx.array_equal(again[1], lse).item(), (call.pass1.name, T)
     return worst
 
@@ -179,13 +181,9 @@ def test_benchmark_shape_every_lane_shape(scheme, lanes):
     cache = build_cache(scheme, 8, 128, mx.float16, 3000, seed=4)
     q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(6)).astype(mx.float16)
     k64, v64 = dequantized(cache)
-    saved = dict(host.TUNING)
-    try:
-        for tgs in (1, 1024):
-            host.TUNING.update(ns=lanes[0], unroll=lanes[1], threadgroups=tgs)
-            _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64)
-    finally:
-        host.TUNING.update(saved)
+    for tgs in (1, 1024):
+        tuning = KernelTuning(ns=lanes[0], unroll=lanes[1], threadgroups=tgs)
+        _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64, tuning=tuning)
 
 
 # The tensor-core pass 1 (CUDA only): every layout it serves meets every head dim, GQA 1/2/4/7 and
@@ -199,10 +197,8 @@ MMA_CASES = [
 ]
 
 
-@pytest.fixture
-def any_length(monkeypatch):
-    """The tensor-core pass 1 from the first stored row (by default only long caches use it)."""
-    monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+# The tensor-core pass 1 from the first stored row (by default only long caches use it).
+ANY_LENGTH = KernelTuning(mma_min_tokens=0)
 
 
 def _cuda_only():
@@ -211,40 +207,39 @@ def _cuda_only():
 
 
 @pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: _id(c[:5]) + f"-p{c[5]}")
-def test_tensor_core_kernel_matches_f64_reference(case, monkeypatch, any_length):
+def test_tensor_core_kernel_matches_f64_reference(case):
     _cuda_only()
     layout, scheme, d, R, dtype, prefetch = case
-    monkeypatch.setitem(host.TUNING, "mma_prefetch", prefetch)
     cache = build_cache(scheme, H, d, dtype, max(T_VIEWS), seed=d * 5 + R, calibrated=layout != "turbo")
     assert cache.layout.value == layout
     q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(d + 2 * R)).astype(dtype)
     k64, v64 = dequantized(cache)
-    _run_views(cache, q, 1 / math.sqrt(d), T_VIEWS, k64, v64, tensor_cores=True)
+    _run_views(cache, q, 1 / math.sqrt(d), T_VIEWS, k64, v64, tensor_cores=True,
+               tuning=dataclasses.replace(ANY_LENGTH, mma_prefetch=prefetch))
 
 
 @pytest.mark.parametrize("case", [("affinek-turbo", "turbo8v3", 128, 4, mx.float16),
                                   ("calibrated", "turbo4", 64, 7, mx.bfloat16)], ids=_id)
-def test_tensor_core_kernel_long_context(case, any_length):
+def test_tensor_core_kernel_long_context(case):
     _cuda_only()
     layout, scheme, d, R, dtype = case
     cache = build_cache(scheme, H, d, dtype, 70000, seed=13)
     q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(5)).astype(dtype)
     k64, v64 = dequantized(cache)
-    _run_views(cache, q, 1 / math.sqrt(d), (70000,), k64, v64, tensor_cores=True)
+    _run_views(cache, q, 1 / math.sqrt(d), (70000,), k64, v64, tensor_cores=True, tuning=ANY_LENGTH)
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3"])
-def test_tensor_core_benchmark_shape(scheme, prefetch, monkeypatch, any_length):
+def test_tensor_core_benchmark_shape(scheme, prefetch):
     """32 query / 8 KV heads, d=128: one block per head (a long loop) and many blocks."""
     _cuda_only()
-    monkeypatch.setitem(host.TUNING, "mma_prefetch", prefetch)
     cache = build_cache(scheme, 8, 128, mx.float16, 3000, seed=4)
     q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(6)).astype(mx.float16)
     k64, v64 = dequantized(cache)
     for tgs in (1, 1024):
-        monkeypatch.setitem(host.TUNING, "threadgroups", tgs)
-        _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64, tensor_cores=True)
+        tuning = dataclasses.replace(ANY_LENGTH, mma_prefetch=prefetch, threadgroups=tgs)
+        _run_views(cache, q, 1 / math.sqrt(128), (3000,), k64, v64, tensor_cores=True, tuning=tuning)
 
 
 # Attention sinks (gpt-oss: 64 query / 8 KV heads, d = 64): the whole entry point with the raw tail
@@ -261,11 +256,12 @@ SINK_OFFSETS = (-3.0, 0.0, 2.0, 1000.0, -1000.0)
 
 @pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"{c[0]}-d{c[1]}-R{c[2]}-{str(c[3]).split('.')[-1]}"
                                                           f"-T{c[4]}+{c[5]}-mma{int(c[6])}")
-def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case, monkeypatch):
+def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case):
     scheme, d, R, dtype, T, n, mma = case
+    tuning = None
     if mma:
         _cuda_only()
-        monkeypatch.setitem(host.TUNING, "mma_min_tokens", 0)
+        tuning = ANY_LENGTH
     cache = build_cache(scheme, H, d, dtype, T, seed=d + n, tail=n)
     q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(R + n)).astype(dtype)
     scale = 1 / math.sqrt(d)
@@ -275,9 +271,9 @@ def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case, monkeypatch):
     t = tail(cache)
     assert (t is not None) == (n > 0)
     args = (q, cache._key_side, cache._value_side, stored(cache), scale, cache._shifts, t)
-    call = host.describe(*args[:4], cache._shifts, tensor_cores=kernels.select_backend() == "cuda")
+    call = host.describe(*args[:4], cache._shifts, tensor_cores=kernels.select_backend() == "cuda", tuning=tuning)
     assert isinstance(call.pass1, MmaPass1) == mma
-    out, lse = kernels.fused_decode(*args, sinks=sinks)
+    out, lse = kernels.fused_decode(*args, sinks=sinks, tuning=tuning)
     ref_out, ref_lse = reference(cache, q, scale, sinks=sinks)
     assert out.dtype == dtype
     rtol = RTOL if dtype == mx.float32 else RTOL_MMA
@@ -290,6 +286,6 @@ def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case, monkeypatch):
     heads = got.reshape(H * R, d)
     assert np.abs(heads[3::len(SINK_OFFSETS)]).max() <= 1e-30
     # sinks of -inf are no sinks: the same bits as sinks=None
-    plain = kernels.fused_decode(*args)
-    none = kernels.fused_decode(*args, sinks=mx.full((H * R,), -math.inf))
+    plain = kernels.fused_decode(*args, tuning=tuning)
+    none = kernels.fused_decode(*args, sinks=mx.full((H * R,), -math.inf), tuning=tuning)
     assert mx.array_equal(plain[0], none[0]).item() and mx.array_equal(plain[1], none[1]).item()

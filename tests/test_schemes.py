@@ -3,7 +3,7 @@ import pytest
 from turboquant import parse_scheme
 from turboquant.schemes import SCHEMES, Format
 
-# turboquant.md section 3: bytes per token per KV head at d=128, fp16 activations, f32 norms.
+# docs/turboquant.md ("Schemes" table): bytes per token per KV head at d=128, fp16 activations, f32 norms.
 BYTES_D128 = {"raw": 512, "affine8": 272, "affine4": 144, "turbo0v4": 324, "turbo0v3": 308, "turbo0v2": 292,
               "turbo8v4": 204, "turbo8v3": 188, "turbo8v2": 172, "turbo4": 136, "turbo3": 104, "turbo2": 72,
               "turbo4v2": 104}

@@ -18,19 +18,21 @@ value and what is allowed.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tomllib
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomli_w
+
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError
-
-KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+from tqstore.keys import parse_key
+# parse_duration is not used here: tqstore/serve/main.py imports it from here until it imports tqstore.units.
+from tqstore.units import GiB, KiB, MiB, format_size, parse_duration, parse_size  # noqa: F401
 
 CONFIG_FILE = "config.toml"
 DEFAULT_HOME = "~/.cache/tqstore"
@@ -87,60 +89,21 @@ class Config:
 
 # --- value parsers: (where, raw) -> value; `where` names the source in error messages ---------
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
-}
-_UNIT_HELP = "bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB"
 
+@dataclass(frozen=True)
+class _Size:
+    """A size setting's parser: `parse_size`, then the range lo..hi (hi None: no upper bound)."""
 
-def parse_size(raw: object, where: str = "size") -> int:
-    """Parse 4096, "10GB" (decimal) or "512MiB" (binary) into bytes; ConfigError otherwise."""
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        if raw < 0:
-            raise ConfigError(f"{where}={raw!r} is negative: use {_UNIT_HELP}")
-        return raw
-    if isinstance(raw, str):
-        m = _SIZE.fullmatch(raw)
-        if m and m.group(2).lower() in _UNITS:
-            exact = float(m.group(1)) * _UNITS[m.group(2).lower()]
-            if exact != int(exact):  # "0.5" would silently become 0 bytes
-                raise ConfigError(f"{where}={raw!r} is not a whole number of bytes: use {_UNIT_HELP}")
-            return int(exact)
-    raise ConfigError(f"{where}={raw!r} is not a size: use {_UNIT_HELP}")
+    lo: int
+    hi: int | None = None
 
-
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]?)\s*")
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_DURATION_HELP = "seconds, or a number with s, m, h, d or w (e.g. 90, 30m, 12h, 7d)"
-
-
-def parse_duration(raw: object, where: str = "duration", allow_zero: bool = False) -> float:
-    """Parse 90, "90s", "30m", "12h", "7d" or "1w" into seconds; ConfigError otherwise.
-
-    The one duration grammar for flags and settings alike; zero is refused unless the caller
-    gives it a meaning (e.g. "no expiry")."""
-    text = str(raw) if isinstance(raw, (int, float)) and not isinstance(raw, bool) else raw
-    m = _DURATION.fullmatch(text) if isinstance(text, str) else None
-    if not m or m.group(2).lower() not in _DURATION_UNITS:
-        raise ConfigError(f"{where}={raw!r} is not a duration: use {_DURATION_HELP}")
-    value = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
-    if value == 0 and not allow_zero:
-        raise ConfigError(f"{where}={raw!r} must be positive: use {_DURATION_HELP}")
-    return value
-
-
-def _size(lo: int, hi: int | None = None) -> Callable[[str, object], int]:
-    def parse(where: str, raw: object) -> int:
+    def __call__(self, where: str, raw: object) -> int:
         value = parse_size(raw, where)
-        if value < lo or (hi is not None and value > hi):
-            allowed = f"from {format_size(lo)} to {format_size(hi)}" if hi else f"of at least {format_size(lo)}"
+        if value < self.lo or (self.hi is not None and value > self.hi):
+            allowed = (f"from {format_size(self.lo)} to {format_size(self.hi)}" if self.hi
+                       else f"of at least {format_size(self.lo)}")
             raise ConfigError(f"{where}={raw!r} is out of range: use a size {allowed}")
         return value
-
-    return parse
 
 
 def _number(kind: type, lo: float, hi: float) -> Callable[[str, object], float]:
@@ -180,8 +143,6 @@ def _scheme(where: str, raw: object) -> str:
 
 
 def _check_key_file(where: str, raw: str) -> None:
-    from tqstore.store.crypto import parse_key
-
     path = Path(raw).expanduser()
     try:
         parse_key(path.read_text(encoding="ascii"), str(path))
@@ -230,14 +191,6 @@ def _endpoint(where: str, raw: object) -> str:
     return raw.rstrip("/")
 
 
-def format_size(n: int) -> str:
-    """Bytes for messages: "5 MiB" when exact, else one decimal ("12.3 GiB")."""
-    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size:
-            return f"{n // size} {unit}" if n % size == 0 else f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 @dataclass(frozen=True)
 class Setting:
     """One configuration key: its Config field, its place in the file and its variable."""
@@ -255,21 +208,26 @@ class Setting:
     def env(self) -> str:
         return "TQSTORE_" + ("S3_" if self.table == "s3" else "") + self.key.upper()
 
+    @property
+    def is_size(self) -> bool:
+        """Whether the value is a number of bytes (shown as "5 MiB")."""
+        return isinstance(self.parse, _Size)
+
 
 _SETTINGS = (
     # A budget of 0 would evict every object as soon as it is written.
-    Setting("lmdb_budget_bytes", "store", "lmdb_budget", _size(1)),
-    Setting("memory_budget_bytes", "store", "memory_budget", _size(0)),
-    Setting("segment_size", "store", "segment_size", _size(4 * KiB, 256 * MiB)),
-    Setting("min_free_disk_bytes", "store", "min_free_disk", _size(0)),
-    Setting("lmdb_map_size", "store", "lmdb_map_size", _size(1 * MiB)),
+    Setting("lmdb_budget_bytes", "store", "lmdb_budget", _Size(1)),
+    Setting("memory_budget_bytes", "store", "memory_budget", _Size(0)),
+    Setting("segment_size", "store", "segment_size", _Size(4 * KiB, 256 * MiB)),
+    Setting("min_free_disk_bytes", "store", "min_free_disk", _Size(0)),
+    Setting("lmdb_map_size", "store", "lmdb_map_size", _Size(1 * MiB)),
     Setting("default_scheme", "store", "default_scheme", _scheme),
     Setting("s3_url", "s3", "url", _s3_url),
     Setting("s3_endpoint", "s3", "endpoint", _endpoint),
     Setting("s3_region", "s3", "region", _text),
     # S3 multipart limits: parts of at least 5 MiB (but the last), at most 5 GiB.
-    Setting("s3_multipart_threshold", "s3", "multipart_threshold", _size(5 * MiB, 5 * GiB)),
-    Setting("s3_part_size", "s3", "part_size", _size(5 * MiB, 5 * GiB)),
+    Setting("s3_multipart_threshold", "s3", "multipart_threshold", _Size(5 * MiB, 5 * GiB)),
+    Setting("s3_part_size", "s3", "part_size", _Size(5 * MiB, 5 * GiB)),
     Setting("s3_concurrency", "s3", "concurrency", _number(int, 1, 64)),
     Setting("s3_max_attempts", "s3", "max_attempts", _number(int, 1, 20)),
     Setting("s3_connect_timeout", "s3", "connect_timeout", _number(float, 0.1, 3600.0)),
@@ -313,19 +271,8 @@ def load_config(
     """
     home_path = resolve_home(home)
     values: dict[str, object] = {}
-    path = home_path / CONFIG_FILE
-    for table, entries in _read_toml(path).items():
-        for key, raw in entries.items():
-            setting = _BY_DOTTED.get(f"{table}.{key}")
-            if setting is None:
-                raise ConfigError(
-                    f"unknown key [{table}] {key} in {path}: known keys are {', '.join(config_keys())}"
-                )
-            values[setting.field] = setting.parse(f"{path} [{table}] {key}", raw)
-    for setting in _SETTINGS:
-        raw = os.environ.get(setting.env)
-        if raw:  # an empty variable counts as unset, as shells make that easy to do by accident
-            values[setting.field] = setting.parse(setting.env, raw)
+    for _, setting, where, raw in _given(home_path / CONFIG_FILE):
+        values[setting.field] = setting.parse(where, raw)
     for name, raw in (overrides or {}).items():
         setting = _BY_FIELD.get(name) or _BY_DOTTED.get(name)
         if setting is None:
@@ -335,6 +282,32 @@ def load_config(
     return Config(home=home_path, **values)
 
 
+def sources(config: Config) -> dict[str, str]:
+    """Where each setting of `config` comes from, by `table.key`: "env", "file" or "default"
+    (overrides are not known here: `config` records only the result)."""
+    found = dict.fromkeys(config_keys(), "default")
+    for source, setting, _, _ in _given(config.config_path):
+        found[setting.dotted] = source
+    return found
+
+
+def _given(path: Path) -> Iterator[tuple[str, Setting, str, object]]:
+    """(source, setting, where, raw value) of each value the config file at `path`, then the
+    environment, gives; ConfigError for an unknown key in the file."""
+    for table, entries in _read_toml(path).items():
+        for key, raw in entries.items():
+            setting = _BY_DOTTED.get(f"{table}.{key}")
+            if setting is None:
+                raise ConfigError(
+                    f"unknown key [{table}] {key} in {path}: known keys are {', '.join(config_keys())}"
+                )
+            yield "file", setting, f"{path} [{table}] {key}", raw
+    for setting in _SETTINGS:
+        raw = os.environ.get(setting.env)
+        if raw:  # an empty variable counts as unset, as shells make that easy to do by accident
+            yield "env", setting, setting.env, raw
+
+
 def save_config_value(home: str | os.PathLike[str] | None, key: str, value: object) -> Path:
     """Set `key` ("s3.url", or the field name "s3_url") in home/config.toml; None removes it.
 
@@ -342,21 +315,19 @@ def save_config_value(home: str | os.PathLike[str] | None, key: str, value: obje
     of the folder), so a crash leaves the old file or the new one, never a torn one. Comments in
     the file are not kept. Returns the path written.
     """
-    setting = _BY_DOTTED.get(key) or _BY_FIELD.get(key)
-    if setting is None:
-        raise ConfigError(f"unknown config key {key!r}: known keys are {', '.join(config_keys())}")
+    chosen = setting(key)
     if value is not None:
-        parsed = setting.parse(key, value)
-        if setting.field == "s3_key_file":  # only when set: a missing file must not stop local use
+        parsed = chosen.parse(key, value)
+        if chosen.field == "s3_key_file":  # only when set: a missing file must not stop local use
             _check_key_file(key, parsed)
     home_path = resolve_home(home)
     path = home_path / CONFIG_FILE
     data = _read_toml(path)
-    table = data.setdefault(setting.table, {})
+    table = data.setdefault(chosen.table, {})
     if value is None:
-        table.pop(setting.key, None)
+        table.pop(chosen.key, None)
     else:
-        table[setting.key] = value
+        table[chosen.key] = value
     home_path.mkdir(parents=True, exist_ok=True)
     write_file_atomic(path, _dump_toml(data).encode())
     return path
@@ -381,13 +352,5 @@ def _read_toml(path: Path) -> dict[str, dict[str, object]]:
 
 
 def _dump_toml(data: Mapping[str, Mapping[str, object]]) -> str:
-    lines = ["# tqstore configuration (docs/tiers.md lists the keys)"]
-    for table, entries in data.items():
-        if not entries:
-            continue
-        lines += ["", f"[{table}]"]
-        for key, value in entries.items():
-            # JSON string escapes are valid TOML basic-string escapes.
-            rendered = json.dumps(value) if isinstance(value, str) else repr(value)
-            lines.append(f"{key} = {rendered}")
-    return "\n".join(lines) + "\n"
+    tables = {table: dict(entries) for table, entries in data.items() if entries}
+    return "# tqstore configuration (docs/tiers.md lists the keys)\n\n" + tomli_w.dumps(tables)

@@ -11,8 +11,8 @@ import errno
 import os
 import secrets
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tqstore.errors import DiskFull
 
@@ -42,18 +42,21 @@ def write_file_atomic(path: str | os.PathLike, data: bytes | Iterable[bytes]) ->
         raise
 
 
-def full_fsync(fd: int) -> None:
-    """fsync, or F_FULLFSYNC on macOS (falling back to fsync where a filesystem refuses it)."""
+def full_fsync(fd: int) -> bool | None:
+    """fsync, or F_FULLFSYNC on macOS (falling back to fsync where a filesystem refuses it).
+    Returns whether F_FULLFSYNC was honoured (None where the platform has none)."""
     if sys.platform == "darwin":
         import fcntl
 
         if hasattr(fcntl, "F_FULLFSYNC"):
             try:
                 fcntl.fcntl(fd, fcntl.F_FULLFSYNC)
-                return
+                return True
             except OSError:
-                pass  # some filesystems (network, FAT) refuse it
+                os.fsync(fd)  # some filesystems (network, FAT) refuse it
+                return False
     os.fsync(fd)
+    return None
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -4,7 +4,7 @@ After a random rotation every coordinate of a unit vector in R^d follows
 f(x) = C (1 - x^2)^((d-3)/2) on [-1, 1] (x = 2B - 1, B ~ Beta((d-1)/2, (d-1)/2)).
 Every cell moment of f has a closed form, so the continuous Lloyd-Max iteration
 runs without a grid; reference implementations that k-means a float32 grid are
-off by up to 1.6e-3 at 4 bits (turboquant.md section 1.4).
+off by up to 1.6e-3 at 4 bits (docs/turboquant.md, "Codebooks").
 """
 
 from __future__ import annotations

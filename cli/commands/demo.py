@@ -99,8 +99,8 @@ def _blas_hint(ctx: Context) -> None:
     """Point at --blas openblas where it works and is not in use (CPU prefill is far faster)."""
     import mlx.core as mx
 
-    from tqstore.models.blas import active_blas, openblas_environment
     from tqstore.errors import ConfigError
+    from tqstore.models.blas import active_blas, openblas_environment
 
     if active_blas() == "openblas" or mx.default_device() != mx.cpu:
         return

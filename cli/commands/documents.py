@@ -54,7 +54,7 @@ def chunk_name(path: str) -> str | None:
 def chunk_add(ctx: Context, args: argparse.Namespace) -> int:
     if args.name is not None and len(args.files) != 1:
         raise BadInput("--name names one chunk: pass one FILE with it")
-    scheme = arguments.scheme_name(args.scheme) if args.scheme is not None else None
+    scheme = arguments.scheme_name(args.scheme)
     texts = [(path, arguments.read_text(path)) for path in args.files]
     engine = ctx.engine()
     with ctx.out.status(f"loading {args.model}"):
@@ -80,7 +80,7 @@ def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
         raise BadInput(f"--recompute {args.recompute}: use a fraction from 0 to 1")
     documents = [Document(name=validate_name(n)) for n in args.doc]
     documents += [Document(text=arguments.read_text(path)) for path in args.doc_file]
-    scheme = arguments.scheme_name(args.scheme) if args.scheme is not None else None
+    scheme = arguments.scheme_name(args.scheme)
     engine = ctx.engine()
     on_text = None if ctx.out.json_mode else ctx.out.stream
     result = engine.ask_documents(documents, args.name, model=args.model, scheme=scheme, system=args.system,

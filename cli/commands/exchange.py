@@ -67,7 +67,7 @@ def import_(ctx: Context, args: argparse.Namespace) -> int:
             raise BadInput("importing an mlx-lm prompt-cache file needs the model it was made with: --model M")
         text = args.prompt if args.prompt is not None else (
             arguments.read_text(args.prompt_file) if args.prompt_file else None)
-        scheme = arguments.scheme_name(args.scheme) if args.scheme is not None else None
+        scheme = arguments.scheme_name(args.scheme)
         result = portable.import_mlx_lm(ctx.engine(), args.file, name, model=args.model, scheme=scheme, text=text,
                                         system=args.system)
     else:

@@ -8,8 +8,8 @@ from tqstore.errors import BadInput
 from tqstore.names import validate_name
 
 from .. import arguments, render
-from . import documents
 from ..context import Context
+from . import documents
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
@@ -60,7 +60,7 @@ def generation_options(args: argparse.Namespace) -> dict:
 
 def save(ctx: Context, args: argparse.Namespace) -> int:
     name = validate_name(args.name)
-    scheme = arguments.scheme_name(args.scheme) if args.scheme is not None else None
+    scheme = arguments.scheme_name(args.scheme)
     text = arguments.document(args.file, args.prompt)
     engine = ctx.engine()
     with ctx.out.status(f"loading {args.model}"):

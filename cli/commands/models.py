@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from tqstore.config import format_size
+from tqstore.units import format_size
 
 from .. import render
 from ..context import Context

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tomllib
 
 from tqstore import config as tqconfig
-from tqstore.errors import ConfigError
 
 from ..context import Context
 from ..output import size
-
-SIZE_FIELDS = {"lmdb_budget_bytes", "memory_budget_bytes", "segment_size", "min_free_disk_bytes", "lmdb_map_size",
-               "s3_multipart_threshold", "s3_part_size"}
 
 
 def register(sub, common: argparse.ArgumentParser) -> None:
@@ -33,32 +28,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 
 def settings(ctx: Context) -> list[dict]:
-    """[{key, value, source, env}] for every setting; source is "env", "file" or "default"."""
-    config = ctx.config
-    file_values = _file_values(config.config_path)
-    rows = []
-    for key in tqconfig.config_keys():
-        setting = tqconfig.setting(key)
-        if os.environ.get(setting.env):
-            source = "env"
-        elif key in file_values:
-            source = "file"
-        else:
-            source = "default"
-        rows.append({"key": key, "value": getattr(config, setting.field), "source": source, "env": setting.env,
-                     "size": setting.field in SIZE_FIELDS})
-    return rows
-
-
-def _file_values(path) -> set[str]:
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        return set()
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"cannot read {path}: {exc}") from None
-    return {f"{table}.{key}" for table, entries in data.items() if isinstance(entries, dict) for key in entries}
+    """[{key, value, source, env, size}] for every setting; source is "env", "file" or "default"."""
+    config, sources = ctx.config, tqconfig.sources(ctx.config)
+    return [{"key": s.dotted, "value": getattr(config, s.field), "source": sources[s.dotted], "env": s.env,
+             "size": s.is_size} for s in map(tqconfig.setting, tqconfig.config_keys())]
 
 
 def show_config(ctx: Context, args: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 Entries of 513 to 3512 tokens over 8 layers (the production segment size, 1 MiB), at most 8
 alive, each cycle a save or an rm. The LMDB file must stay under 1.5 times the peak live
-payload (storage.md §2 and §11: the bound that decides whether payloads stay inside LMDB),
+payload (the bound that decides whether payloads stay inside LMDB; docs/reliability.md, "Churn"),
 `gc(compact=True)` must bring it back to the live data, and the process's memory (RSS, and
 MLX's active memory) must stay flat once warm.
 

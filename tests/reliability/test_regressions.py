@@ -21,6 +21,7 @@ from test_blocks import assert_same_snapshot, make_snapshot
 from tqstore.format import objects as F
 from tqstore.format.blocks import Window
 from tqstore.errors import CorruptBlock, DiskFull, TqstoreError
+from tqstore.exchange.portable import export_bundle, import_bundle
 from tqstore.store.tiers.lmdb_env import lmdb_failure
 from workers import LAYOUTS, put
 
@@ -53,18 +54,38 @@ def test_a_rm_on_a_full_disk_makes_room_for_the_next_put(tmp_path, monkeypatch):
     store.close()
 
 
-def test_a_store_over_a_lowered_budget_evicts_before_it_writes(tmp_path, monkeypatch):
-    """Before: eviction ran only after a successful put, so on a full disk lowering
-    store.lmdb_budget (as the DiskFull message advises) never freed anything."""
-    home = tmp_path / "home"
+def over_a_lowered_budget_on_a_full_disk(monkeypatch, home):
+    """A store of four entries, opened again with a lower budget than they fill, on a disk with
+    100 kB left (less than one more entry)."""
     store = open_store(home)
     for i in range(4):
         put(store, f"e{i}", 600, i)
     store.close()
     small_disk(monkeypatch, home, sum(f.stat().st_size for f in home.rglob("*") if f.is_file()) + 100_000)
-    store = open_store(home, lmdb_budget_bytes=1_500_000)
+    return open_store(home, lmdb_budget_bytes=1_500_000)
+
+
+def test_a_store_over_a_lowered_budget_evicts_before_it_writes(tmp_path, monkeypatch):
+    """Before: eviction ran only after a successful put, so on a full disk lowering
+    store.lmdb_budget (as the DiskFull message advises) never freed anything."""
+    store = over_a_lowered_budget_on_a_full_disk(monkeypatch, tmp_path / "home")
     result = put(store, "new", 600, 10)
     assert result.evicted and "new" in [e.name for e in store.ls()] and store.verify() == []
+    store.close()
+
+
+def test_an_import_into_a_store_over_a_lowered_budget_evicts_before_it_writes(tmp_path, monkeypatch):
+    """Before: import_bundle published its objects by its own copy of the put path, without the
+    eviction that put and pull run before they write, so on a full disk lowering the budget
+    never let an import in (the three now share store/publish.py)."""
+    source = open_store(tmp_path / "source")
+    put(source, "doc", 600, 10)
+    export_bundle(source, "doc", tmp_path / "doc.tqb")
+    source.close()
+    store = over_a_lowered_budget_on_a_full_disk(monkeypatch, tmp_path / "home")
+    result = import_bundle(store, tmp_path / "doc.tqb")
+    assert result.evicted and "doc" in [e.name for e in store.ls()] and store.verify() == []
+    assert store.load("doc")[1].tokens == 1112
     store.close()
 
 

@@ -6,9 +6,10 @@
     import_mlx_lm(engine, "cache.safetensors", "contract", model="./Qwen2.5-0.5B", text=document)
 
 A bundle (tqstore.exchange.bundle, docs/format.md) holds the entry's manifest and the exact stored bytes
-of its objects, so an import publishes the same entry as a `pull` would: every object is
-verified against what the manifest expects before anything is written, objects go to the LMDB
-tier first and the manifest last (under the home lock), so a failed import leaves nothing visible.
+of its objects, so an import publishes the same entry as a `pull` would, by the same path
+(tqstore.store.publish): every object is verified against what the manifest expects before
+anything is written, objects go to the LMDB tier first and the manifest last (under the home
+lock), so a failed import leaves nothing visible.
 
 An mlx-lm prompt-cache file holds caches but no token ids; tqstore writes them into the file's
 metadata on export, and a file made elsewhere (mlx_lm.cache_prompt) needs the text it was made
@@ -17,21 +18,19 @@ from to recover them.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tqstore.exchange.bundle import BUNDLE_MAGIC, read_bundle, write_bundle
-from tqstore.errors import (BadInput, ChecksumMismatch, ConflictError, CorruptBlock, FormatError, IdentityMismatch,
-                     NotFound, TruncatedData, UnsupportedCache)
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
-from tqstore.store.maintenance import enforce_budget
-from tqstore.format.manifest import Manifest, ObjectRef
+from tqstore.errors import BadInput, ConflictError, IdentityMismatch, NotFound, TruncatedData, UnsupportedCache
+from tqstore.format.manifest import Manifest
 from tqstore.names import validate_name
-from tqstore.store.tierset import TierSet
+from tqstore.store.publish import Batch, publish
+from tqstore.store.verify import Want, check_digest, decode, wants_for
 
 if TYPE_CHECKING:
     from tqstore.engine.engine import Engine
@@ -96,7 +95,7 @@ def export_bundle(store: Store, name: str, path: str | os.PathLike) -> ExportRes
         if payload is None:
             raise NotFound(f"entry {name} cannot be exported: object {ref.key.hex()[:12]} is missing from the store "
                            "(tqstore verify lists the damage); save or pull the entry again")
-        _check_digest(payload, ref, f"the stored object {ref.key.hex()[:12]} of {name}")
+        check_digest(payload, ref, f"the stored object {ref.key.hex()[:12]} of {name}")
         objects[ref.key] = payload
     portable = manifest.replace(pinned=False, remote_etag=None)
     write_bundle(path, portable.to_bytes(), objects)
@@ -107,10 +106,11 @@ def import_bundle(store: Store, path: str | os.PathLike, name: str | None = None
     """Publish the entry in bundle `path` as `name` (default: its own name) in the LMDB tier.
 
     Every object is verified (bundle digests, the manifest's digests, then format, identity,
-    tokens and keys) before anything is written; a local entry of that name is replaced (its
-    pin is kept). ConflictError when this store holds the entry's first block from another save.
+    tokens and keys) before anything is written; then the entry is published as put and pull
+    publish (tqstore.store.publish: the budget enforced before and after). A local entry of
+    that name is replaced (its pin is kept). ConflictError when this store holds the entry's
+    first block from another save.
     """
-    tiers = store.tiers
     manifest_bytes, payloads = read_bundle(path)
     manifest = Manifest.from_bytes(manifest_bytes)
     name = validate_name(manifest.name if name is None else name)
@@ -121,73 +121,36 @@ def import_bundle(store: Store, path: str | os.PathLike, name: str | None = None
         if payload is None:
             raise TruncatedData(f"{path} lacks the {want.kind} {ref.key.hex()[:12]} its manifest lists: export the "
                                 "entry again")
-        _check_digest(payload, ref, f"the {want.kind} {ref.key.hex()[:12]} in {path}")
+        check_digest(payload, ref, f"the {want.kind} {ref.key.hex()[:12]} in {path}")
         try:
             decode(payload, want)
         except ConflictError as exc:
             raise ConflictError(f"{path} does not hold one save's objects ({exc}): export the entry again") from None
-    with tiers.lock.shared():
-        digests, missing = {}, {}
-        for want, ref in zip(wants, manifest.objects):
-            local = _usable_local_copy(tiers, name, want, ref)
-            if local is None:
-                missing[ref.key] = payloads[ref.key]
-            else:
-                digests[ref.key] = local
-        tiers.lmdb.put_objects(missing)
-        for key in missing:
-            info = tiers.lmdb.object_info(key)
-            if info is None:
-                raise NotFound(f"object {key.hex()[:12]} vanished right after it was stored: import again")
-            digests[key] = (info.sha256, info.size)
-        old = _old_manifest(tiers, name)
-        local = manifest.with_digests(digests).replace(pinned=old is not None and old.pinned)
-        tiers.lmdb.put_manifest(name, local.to_bytes())
-    if local.pinned:
-        tiers.refresh_pins()
-    evicted, warnings = enforce_budget(tiers, keep=name)
-    new_blocks = sum(1 for ref in manifest.blocks if ref.key in missing)
+    published = publish(store.tiers, name, wants, _Bundle(manifest, payloads),
+                        lambda digests, old: manifest.with_digests(digests).replace(
+                            pinned=old is not None and old.pinned))
+    new_blocks = sum(1 for ref in manifest.blocks if ref.key in published.written)
     return ImportResult(name, str(path), "bundle", len(manifest.tokens), manifest.scheme, len(manifest.blocks),
-                        new_blocks, tuple(evicted), tuple(warnings))
+                        new_blocks, published.evicted, published.warnings)
 
 
-def _check_digest(payload: bytes, ref: ObjectRef, what: str) -> None:
-    if hashlib.sha256(payload).hexdigest() != ref.sha256:
-        raise ChecksumMismatch(f"{what} is not the copy its manifest records (sha256 mismatch): run tqstore verify, "
-                               "then save, pull or export the entry again")
+class _Bundle:
+    """A bundle's objects, all verified already, as a publish source."""
 
+    action = "import"
+    advice = "remove those entries (tqstore rm) and import again"
 
-def _usable_local_copy(tiers: TierSet, name: str, want: Want, ref: ObjectRef) -> tuple[str, int] | None:
-    """(sha256, size) of an LMDB copy of `want` to keep, or None to write the bundle's. A copy
-    with other bytes is checked in full: damaged ones are quarantined, a good copy of another
-    save is a ConflictError."""
-    info = tiers.lmdb.object_info(want.key)
-    if info is None:
-        return None
-    if info.sha256 == ref.sha256:
-        return info.sha256, info.size
-    try:
-        payload = tiers.lmdb.get_object(want.key)
-    except CorruptBlock:
-        return None  # quarantined by the tier
-    if payload is None:
-        return None
-    try:
-        decode(payload, want)
-    except ConflictError as exc:
-        raise ConflictError(f"cannot import {name}: this store holds its first tokens from another save ({exc}); "
-                            "remove the entries made from that save (tqstore rm) and import again") from None
-    except BAD_CONTENT as exc:
-        quarantine_lmdb(tiers.lmdb, want.key, f"{type(exc).__name__}: {exc}")
-        return None
-    return info.sha256, info.size
+    def __init__(self, manifest: Manifest, payloads: dict[bytes, bytes]) -> None:
+        self.refs = {ref.key: ref for ref in manifest.objects}
+        self.data = payloads
 
+    def expected(self, want: Want) -> str | None:
+        """The digest the bundle's manifest records."""
+        return self.refs[want.key].sha256
 
-def _old_manifest(tiers: TierSet, name: str) -> Manifest | None:
-    try:
-        return tiers.local_manifest(name)
-    except FormatError:
-        return None  # a damaged entry of that name is simply replaced
+    def payloads(self, missing: list[Want], kept: object) -> Iterator[Batch]:
+        """The missing objects, in one batch (the bundle is in memory already)."""
+        yield {w.key: (self.data[w.key], self.refs[w.key].sha256) for w in missing}
 
 
 # --- mlx-lm prompt-cache files -------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Token blocks and chained block keys (architecture.md, "Identity and keys").
+"""Token blocks and chained block keys (docs/architecture.md, "Identity and keys").
 
 Tokens are cut into blocks of `block_size` (256) tokens; the last partial block is a block of
 its own. Block i's key is

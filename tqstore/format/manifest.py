@@ -25,7 +25,8 @@ from typing import Any, Mapping, Sequence
 
 from tqstore.format.blocks import BlockKey, block_keys
 from tqstore.canonical import canonical_json
-from tqstore.errors import FormatVersionTooNew, MalformedHeader, UnsupportedFormatVersion
+from tqstore.errors import MalformedHeader
+from tqstore.format.versions import check_version
 from tqstore.models.identity import ModelIdentity
 from tqstore.names import is_valid_name
 
@@ -157,13 +158,7 @@ class Manifest:
         version = doc.get("version")
         if type(version) is not int:
             raise MalformedHeader(f"manifest version {version!r:.40} is not an integer")
-        if version not in READABLE_MANIFEST_VERSIONS:
-            readable = ", ".join(map(str, sorted(READABLE_MANIFEST_VERSIONS)))
-            if version > max(READABLE_MANIFEST_VERSIONS):
-                raise FormatVersionTooNew(f"manifest written by a newer tqstore (version {version}; this one reads "
-                                          f"{readable}): upgrade tqstore")
-            raise UnsupportedFormatVersion(f"manifest version {version} is no longer readable (this tqstore reads "
-                                           f"{readable}): save the entry again")
+        check_version(version, READABLE_MANIFEST_VERSIONS, "manifest", "save the entry again")
         _exact(doc, _MEMBERS + (("digest",) if version >= 2 else ()), "manifest")
         name = doc["name"]
         if not is_valid_name(name):

@@ -41,6 +41,7 @@ from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, Ide
                      TokenMismatch, TruncatedData, UnsupportedFormatVersion)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
                      codec_tensor, layer_tensor, parse_header)
+from tqstore.format.versions import check_version
 from tqstore.models.identity import FORMAT_VERSION
 
 MAGIC = b"\x89TQS\r\n\x1a\n"
@@ -273,13 +274,7 @@ def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, dict[s
     magic, version, reserved, header_len, payload_len, digest = _FRAME.unpack_from(view)
     if magic != MAGIC:
         raise BadMagic("not a tqstore object (wrong magic bytes)")
-    if version not in READABLE_VERSIONS:
-        readable = ", ".join(map(str, sorted(READABLE_VERSIONS)))
-        if version > max(READABLE_VERSIONS):
-            raise FormatVersionTooNew(f"object written by a newer tqstore (format {version}; this one reads "
-                                      f"{readable}): upgrade tqstore")
-        raise UnsupportedFormatVersion(f"object has format {version}, which this tqstore no longer reads (it "
-                                       f"reads {readable}): compute the cache again")
+    check_version(version, READABLE_VERSIONS, "object", "compute the cache again")
     payload = view[FRAME_SIZE:]
     if whole and len(payload) != payload_len:
         raise TruncatedData(f"object has {len(payload)} payload bytes, its frame says {payload_len}: it was "

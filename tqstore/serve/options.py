@@ -7,28 +7,11 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-from collections.abc import Callable
-from typing import Any
 
-from tqstore.config import parse_duration, parse_size
-from tqstore.errors import ConfigError
+from tqstore.units import flag_type, parse_duration, parse_size
 
 API_KEY_ENV = "TQSTORE_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-def flag_type(parse: Callable[..., Any], flag: str, **options: Any) -> Callable[[str], Any]:
-    """An argparse type from one of tqstore.config's parsers (parse_duration, parse_size): its
-    ConfigError, which says what is accepted, is argparse's message."""
-
-    def convert(raw: str) -> Any:
-        try:
-            return parse(raw, flag, **options)
-        except ConfigError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    convert.__name__ = parse.__name__  # argparse names the type in some messages
-    return convert
 
 
 def positive_int(raw: str) -> int:

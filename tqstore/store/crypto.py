@@ -33,8 +33,6 @@ cached K/V.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 import json
@@ -50,6 +48,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from tqstore.config import Config
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError, CorruptBlock, RemoteAuthError, TqstoreError
+from tqstore.keys import parse_key
+from tqstore.store.home_lock import HomeLock
 
 log = logging.getLogger("tqstore.store.crypto")
 KEY_ENV = "TQSTORE_S3_KEY"
@@ -120,8 +120,6 @@ class ManifestVersions:
             log.warning("cannot record manifest versions in %s: %s", self.path, exc)
 
     def _locked(self):
-        from tqstore.store.tierset import HomeLock  # tierset imports the S3 tier, which imports this module
-
         return HomeLock(self.path.with_name("." + self.path.name + ".lock")).exclusive()
 
 
@@ -229,18 +227,6 @@ def cipher_from_config(config: Config) -> ObjectCipher | None:
     except (OSError, UnicodeError) as exc:
         raise ConfigError(f"cannot read the S3 encryption key file {path} (s3.key_file): {exc}") from None
     return ObjectCipher(parse_key(text, str(path)), str(path), versions)
-
-
-def parse_key(text: str, source: str) -> bytes:
-    """32 key bytes from base64 text; ConfigError naming `source` otherwise."""
-    try:
-        key = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        key = b""
-    if len(key) != 32:
-        raise ConfigError(f"the S3 encryption key from {source} is not base64 of 32 bytes: create one with "
-                          "`openssl rand -base64 32`")
-    return key
 
 
 def _aad(header: bytes, kind: str, name: str) -> bytes:

@@ -1,6 +1,6 @@
 """Removing and checking entries: budget eviction, rm, gc, verify.
 
-Every operation that deletes objects holds the home lock exclusively (tierset.HomeLock), so no
+Every operation that deletes objects holds the home lock exclusively (home_lock.HomeLock), so no
 put or pull is between writing its objects and publishing its manifest meanwhile: an object no
 manifest references is then truly garbage (an orphan of a killed writer, a leftover of an
 evicted entry, or a copy promoted from S3 by a prefix restore). When a manifest cannot be read
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tqstore.config import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
 from tqstore.store.tiers.lmdb import CompactResult

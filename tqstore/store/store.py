@@ -6,9 +6,10 @@
     match = store.lookup(prompt[:-1], model=model_id.digest, codec=codec_id.digest)
     snap, stats = store.restore(match)                      # or store.load("project-x")
 
-The work lives in small modules: put.py (writing), lookup.py (longest prefix), fetch.py
-(restore across tiers), transfer.py (push, pull), maintenance.py (eviction, rm, gc, verify);
-manifest.py defines the entry format. docs/tiers.md describes the whole.
+The work lives in small modules: put.py (writing), lookup.py (longest prefix), restore.py
+(restore across tiers), transfer.py (push, pull), maintenance.py (eviction, rm, gc, verify),
+verify.py (the checks of an object every one of them applies); format/manifest.py defines the
+entry format. docs/tiers.md describes the whole.
 
 One Store per process and home (by real path): `open` returns the open one (the first
 configuration wins) and counts opens; the last `close` closes it.

@@ -1,65 +1,31 @@
 """The tiers of one open Store and what its operations share: the home lock, the parsed
 manifests, the counters.
 
-The home lock (`HOME/store.lock`, flock) orders writers against deleters across processes and
-threads: an operation that publishes a manifest (put, pull) holds it shared from its first
-object write to the manifest, and one that deletes objects no manifest references (eviction,
-rm, gc) holds it exclusively. Otherwise a gc in another process could delete an object that a
-put has just written (or decided to reuse) but not yet referenced. Readers take no lock: an
-object deleted under a restore is a miss, never wrong data. flock is released by the kernel
-when a process dies, so a killed writer never blocks anyone.
+The home lock (`HOME/store.lock`, home_lock.HomeLock) orders writers against deleters across
+processes and threads: an operation that publishes a manifest (put, pull, import: publish.py)
+holds it shared from its first object write to the manifest, and one that deletes objects no
+manifest references (eviction, rm, gc) holds it exclusively. Otherwise a gc in another process
+could delete an object that a put has just written (or decided to reuse) but not yet
+referenced. Readers take no lock: an object deleted under a restore is a miss, never wrong data.
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.config import Config
 from tqstore.errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
+from tqstore.store.home_lock import HomeLock
 from tqstore.store.remote_index import RemoteIndex
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import MemoryTier
 from tqstore.store.tiers.s3 import S3Tier
 
 TIERS = ("memory", "lmdb", "s3")  # fastest first
-
-
-class HomeLock:
-    """Shared/exclusive flock on one file; each hold opens its own descriptor, so threads of
-    one process exclude each other like processes do."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        """Held by operations that write objects and then a manifest referencing them."""
-        with self._hold(fcntl.LOCK_SH):
-            yield
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Held by operations that delete objects no manifest references."""
-        with self._hold(fcntl.LOCK_EX):
-            yield
-
-    @contextmanager
-    def _hold(self, mode: int) -> Iterator[None]:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
 
 
 @dataclass

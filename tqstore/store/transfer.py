@@ -6,8 +6,9 @@ manifest last with a conditional write: created with If-None-Match, or replaced 
 when the bucket still holds the version this entry was last pushed as or pulled from. Any
 other manifest under that name is a ConflictError, unless it describes the same entry.
 
-Pull downloads the objects LMDB lacks, verifies every one completely (digest from the bucket's
-manifest, then format, identity, tokens and keys), writes them, then the manifest.
+Pull publishes the bucket's entry locally by the path put and import take (publish.py): the
+objects LMDB lacks are downloaded and verified completely (digest from the bucket's manifest,
+then format, identity, tokens and keys), written, then the manifest.
 
 Block 0's key does not cover its calibration (see put.py): when the destination already holds a
 block 0 (or window) of another save under the same key, the transfer stops with ConflictError
@@ -18,16 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
-from tqstore.store.restore import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
-from tqstore.store.maintenance import enforce_budget
 from tqstore.format.manifest import Manifest, ObjectRef
+from tqstore.store.publish import Batch, publish
 from tqstore.store.tiers.s3 import S3Tier
 from tqstore.store.tierset import TierSet, check_name
+from tqstore.store.verify import BAD_CONTENT, Want, decode, wants_for
 
 Progress = Callable[[int, int, int], None]  # (objects done, objects in all, bytes transferred)
 PENDING = "pending:"  # a remote_etag recorded before a manifest write whose etag is not known yet
@@ -54,6 +55,7 @@ class _Tally:
     def __init__(self, total: int, progress: Progress | None) -> None:
         self.total, self.progress = total, progress
         self.done = self.transferred = self.skipped = self.bytes = 0
+        self._keys: set[bytes] = set()
 
     def count(self, moved: int | None) -> None:
         """One object done: `moved` bytes transferred, or None when it was already there."""
@@ -65,6 +67,13 @@ class _Tally:
             self.bytes += moved
         if self.progress is not None:
             self.progress(self.done, self.total, self.bytes)
+
+    def count_once(self, key: bytes, moved: int | None) -> None:
+        """`count` for object `key` unless it was counted already (a publish that plans again
+        meets the objects it has just written)."""
+        if key not in self._keys:
+            self._keys.add(key)
+            self.count(moved)
 
 
 def push(tiers: TierSet, name: str | None, progress: Progress | None) -> TransferStats:
@@ -236,91 +245,59 @@ def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
     remote = check_name(Manifest.from_bytes(got[0]), name)
     wants = wants_for(remote, len(remote.blocks), remote=True)
     tally = _Tally(len(wants), progress)
-    before, _ = enforce_budget(tiers, keep=name)  # over the budget already: make room first (see put.py)
-    with tiers.lock.shared():
-        digests, missing = {}, []
-        for want, ref in zip(wants, remote.objects):
-            local = _local_copy(tiers, remote, want, ref)
-            if local is None:
-                missing.append(want)
-            else:
-                digests[want.key] = local
-                tally.count(None)
-        for i in range(0, len(missing), 2 * s3.concurrency):  # bounded memory: a few objects at a time
-            digests.update(_download(tiers, s3, missing[i:i + 2 * s3.concurrency], tally))
-        try:
-            old = tiers.local_manifest(name)
-        except FormatError:
-            old = None
-        local = remote.with_digests(digests).replace(remote_etag=got[1], pinned=old is not None and old.pinned)
-        tiers.lmdb.put_manifest(name, local.to_bytes())
+    published = publish(tiers, name, wants, _Bucket(s3),
+                        lambda digests, old: remote.with_digests(digests).replace(
+                            remote_etag=got[1], pinned=old is not None and old.pinned),
+                        tally.count_once)
     tiers.remote.note_manifest(remote, got[1])
-    if local.pinned:
-        tiers.refresh_pins()
-    evicted, warnings = enforce_budget(tiers, keep=name)
     return TransferStats((name,), tally.total, tally.transferred, tally.skipped, tally.bytes,
-                         time.perf_counter() - start, evicted=tuple(before + evicted), warnings=tuple(warnings))
+                         time.perf_counter() - start, evicted=published.evicted, warnings=published.warnings)
 
 
-def _local_copy(tiers: TierSet, remote: Manifest, want: Want, ref: ObjectRef) -> tuple[str, int] | None:
-    """(sha256, size) of a usable LMDB copy of `want`, or None to download it. A copy with other
-    bytes is checked in full; a good copy of another save is a ConflictError."""
-    info = tiers.lmdb.object_info(want.key)
-    if info is None:
-        return None
-    if info.sha256 == ref.sha256:
-        return info.sha256, info.size
-    try:
-        payload = tiers.lmdb.get_object(want.key)
-    except CorruptBlock:
-        return None  # quarantined by the tier
-    if payload is None:
-        return None
-    try:
-        decode(payload, want)
-    except ConflictError as exc:
-        users = [m.name for m, _ in tiers.local_manifests()[0] if want.key in {r.key for r in m.objects}]
-        raise ConflictError(f"cannot pull {remote.name}: this store holds its first tokens from another save ({exc}), "
-                            f"used by {', '.join(users) or 'no entry'}; remove those entries (tqstore rm) and pull "
-                            "again") from None
-    except BAD_CONTENT as exc:
-        quarantine_lmdb(tiers.lmdb, want.key, f"{type(exc).__name__}: {exc}")
-        return None
-    return info.sha256, info.size
+class _Bucket:
+    """The bucket's objects as a publish source: fetched a few at a time (bounded memory), each
+    verified against the bucket manifest's digest, then in full."""
 
+    action = "pull"
+    advice = "remove those entries (tqstore rm) and pull again"
 
-def _download(tiers: TierSet, s3: S3Tier, wants: list[Want], tally: _Tally) -> dict[bytes, tuple[str, int]]:
-    """Fetch, verify (on this thread) and store a few objects; returns their LMDB digests."""
-    def get(want: Want) -> bytes | None | TqstoreError:
-        try:
-            return s3.get_object(want.key, want.sha256)
-        except TqstoreError as exc:
-            return exc
+    def __init__(self, s3: S3Tier) -> None:
+        self.s3 = s3
 
-    with ThreadPoolExecutor(max_workers=max(1, min(s3.concurrency, len(wants)))) as pool:
-        payloads = list(pool.map(get, wants))
-    verified = {}
-    for want, payload in zip(wants, payloads):
-        what = f"{want.kind} {want.key.hex()[:12]}"
-        if isinstance(payload, TqstoreError):
-            raise payload
-        if payload is None:
-            raise NotFound(f"the bucket lacks {what}, which its manifest lists: push the entry again from a machine "
-                           "that has it")
-        try:
-            decode(payload, want, want.sha256)  # the S3 tier just verified the bytes against it
-        except ConflictError as exc:
-            raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again") from None
-        except BAD_CONTENT as exc:
-            raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine that "
-                               "has it") from None
-        verified[want.key] = payload
-    tiers.lmdb.put_objects(verified, sha256s={w.key: w.sha256 for w in wants if w.sha256 is not None})
-    digests = {}
-    for key, payload in verified.items():
-        info = tiers.lmdb.object_info(key)
-        if info is None:
-            raise NotFound(f"object {key.hex()[:12]} vanished right after it was stored: retry the pull")
-        digests[key] = (info.sha256, info.size)
-        tally.count(len(payload))
-    return digests
+    def expected(self, want: Want) -> str | None:
+        """The digest the bucket's manifest records."""
+        return want.sha256
+
+    def payloads(self, missing: list[Want], kept: object) -> Iterator[Batch]:
+        """Download, verify and yield `missing`, 2 x concurrency objects at a time."""
+        step = 2 * self.s3.concurrency
+        for i in range(0, len(missing), step):
+            yield self._download(missing[i:i + step])
+
+    def _download(self, wants: list[Want]) -> Batch:
+        def get(want: Want) -> bytes | None | TqstoreError:
+            try:
+                return self.s3.get_object(want.key, want.sha256)
+            except TqstoreError as exc:
+                return exc
+
+        with ThreadPoolExecutor(max_workers=max(1, min(self.s3.concurrency, len(wants)))) as pool:
+            payloads = list(pool.map(get, wants))
+        verified = {}
+        for want, payload in zip(wants, payloads):
+            what = f"{want.kind} {want.key.hex()[:12]}"
+            if isinstance(payload, TqstoreError):
+                raise payload
+            if payload is None:
+                raise NotFound(f"the bucket lacks {what}, which its manifest lists: push the entry again from a "
+                               "machine that has it")
+            try:
+                decode(payload, want, want.sha256)  # the S3 tier just verified the bytes against it
+            except ConflictError as exc:
+                raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again"
+                                    ) from None
+            except BAD_CONTENT as exc:
+                raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine "
+                                   "that has it") from None
+            verified[want.key] = (payload, want.sha256)
+        return verified

@@ -22,6 +22,10 @@ layout or shape (native values, head dims that are not a multiple of 8 in [8, 25
 value head dims that differ, more than 1024 * 4096 tokens, sinks of another shape than [Hq]),
 `TQSTORE_KERNELS=0`, or a Metal kernel that failed its self-check.
 
+`tuning` (`KernelTuning`, a frozen value: lane shapes, threadgroup target, the tensor-core pass 1
+and its thresholds) says how kernels are picked and launched; None is `KernelTuning.from_env()`,
+the defaults (`DEFAULT_TUNING`) with the TQSTORE_KERNEL_* variables applied.
+
 Kernels per call: pass 1 over blocks of stored rows (transforming the query itself for
 Hadamard rotations and plain scales; other rotations add a pass-0 kernel), pass 2 merging the
 blocks, un-rotating the values and, on CUDA, attending over the raw tail (Metal merges the tail
@@ -54,9 +58,9 @@ import os
 import mlx.core as mx
 
 from . import host
-from .host import merge_tail
+from .host import DEFAULT_TUNING, KernelTuning, merge_tail
 
-__all__ = ["fused_decode", "merge_tail", "select_backend"]
+__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "merge_tail", "select_backend"]
 
 
 def select_backend() -> str | None:
@@ -78,16 +82,19 @@ def select_backend() -> str | None:
 def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
                  shifts: mx.array | None = None, tail: tuple[mx.array, mx.array] | None = None,
                  rows: int | None = None, tail_rows: int | None = None,
-                 sinks: mx.array | None = None) -> tuple[mx.array, mx.array] | None:
+                 sinks: mx.array | None = None, tuning: KernelTuning | None = None) -> tuple[mx.array, mx.array] | None:
     """(out, lse) of the stored rows and the raw `tail` through the GPU kernels, or None (see the
     module docstring). `rows` / `tail_rows`: `arrays` / `tail` are token buffers of which only
     the first `rows` / `tail_rows` tokens count (the kernels read them in place, so a decode step
     adds no slicing ops to the graph); None: all of them. `sinks`: [Hq] attention-sink logits
-    in the normaliser, or None."""
+    in the normaliser, or None. `tuning`: how kernels are picked and launched (None: the
+    defaults with the environment's settings, `KernelTuning.from_env()`)."""
     backend = select_backend()
     if backend is None or not host.check_sinks(sinks, queries):
         return None
-    call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows)
+    tuning = host.resolve(tuning)
+    call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows,
+                         tuning=tuning)
     if call is None:
         return None
 
@@ -95,7 +102,7 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
         from . import cuda
 
         return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail,
-                           tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks)
+                           tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks, tuning=tuning)
     from . import metal
 
     if rows is not None:  # the self-check's plain-ops reference needs exact views
@@ -103,7 +110,7 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     if tail is not None and tail_rows is not None:
         tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
     stored = metal.verdict(call, lambda: host.launch(metal.kernel, call, queries, key_side, value_side, arrays,
-                                                     scale, shifts, sinks=sinks),
+                                                     scale, shifts, sinks=sinks, tuning=tuning),
                            lambda: host.plain_decode(queries, key_side, value_side, arrays, scale, shifts, sinks),
                            sinks=sinks is not None)
     if stored is None:

@@ -3,7 +3,8 @@
 `kernel(variant)` builds (once) the kernel object of a pass-1 or pass-2 variant; the name
 carries the whole variant (formats, bits, head dim, rows, dtypes), so MLX's per-name JIT cache
 never hands one variant's module to another. `translation_unit` reproduces the file MLX hands to
-NVRTC, so the source can be compiled offline (`nvcc`) where no GPU is present.
+NVRTC, so the source can be compiled offline (`nvcc`) where no GPU is present (with
+`src/mlx_prelude.cuh` standing in for MLX's device header).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import mlx.core as mx
 
 from .merge import Pass2
 from .query import Pass0
+from .dialects import section
 from .template import Pass1, output_names, source
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",
@@ -51,16 +53,6 @@ def input_types(variant: Pass0 | Pass1 | Pass2) -> dict[str, str]:
     return {n: types[n] for n in variant.input_names()}
 
 
-PRELUDE = """#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cuda/std/array>
-#include <cstdint>
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, 10>;
-using Strides = cuda::std::array<int64_t, 10>;
-}
-"""
-
 
 def translation_unit(variant: Pass0 | Pass1 | Pass2) -> str:
     """The kernel as MLX 0.32.4 assembles it (signature from the inputs; strides where the body
@@ -73,5 +65,6 @@ def translation_unit(variant: Pass0 | Pass1 | Pass2) -> str:
         if f"{name}_strides" in body:
             params.append(f"    const __grid_constant__ Strides {name}_strides")
     params += [f"    float* {name}" for name in outputs]
-    return (PRELUDE + header + "namespace mlx::core::cu {\n\n__global__ void " + variant.name + "(\n"
+    return (section("mlx_prelude.cuh", "prelude") + header + "namespace mlx::core::cu {\n\n__global__ void "
+            + variant.name + "(\n"
             + ",\n".join(params) + ") {\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")

@@ -1,13 +1,20 @@
-"""The dialects the kernel texts are written over: CUDA (NVRTC) and Metal (MSL) headers that
-define the same macros (shuffles, barriers, address spaces, bit casts, output conversions), the
-prologues that read the thread and threadgroup indices, and the marker substitution the
-templates use."""
+"""The dialects the kernel texts are written over and the files the texts live in.
+
+The kernel sources are C++ files under `src/` (package data), cut into named sections that the
+Python templates fill: `sections` reads them (once), `fill` substitutes the `@@NAME@@` markers.
+`src/dialect.cuh` (NVRTC) and `src/dialect.metal` (MSL) define the same macros (shuffles,
+barriers, address spaces, bit casts, output conversions) and the prologues that read the thread
+and threadgroup indices."""
 
 from __future__ import annotations
 
+import functools
 import re
+from importlib import resources
 
 MARK = "@@"
+SECTION = "//@@ "  # starts a named section of a kernel source file
+NOTE = "//!"  # a reader's note in a kernel source file
 DIALECTS = ("cuda", "metal")
 SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
@@ -19,87 +26,34 @@ def pow2ceil(n: int) -> int:
     return p
 
 
-_COMMON_MACROS = """
-#define TQ_LN2 0.6931471805599453f
-"""
+@functools.cache
+def sections(filename: str) -> dict[str, str]:
+    """The named sections of the kernel source file `src/<filename>`, read once.
 
-CUDA_HEADER = _COMMON_MACROS + """
-#define DEV
-#define TGMEM __shared__
-#define TQ_OUT_float32(x) (x)
-#define TQ_OUT_float16(x) __float2half_rn(x)
-#define TQ_OUT_bfloat16(x) __float2bfloat16_rn(x)
-#define SYNC() __syncthreads()
-#define SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
-#define EXP2(x) exp2f(x)
-#define LOG2(x) log2f(x)
-#define FMAX(a, b) fmaxf((a), (b))
-#define IMIN(a, b) min((a), (b))
-#define AS_FLOAT(u) __uint_as_float(u)
-#define NEG_INF __uint_as_float(0xff800000u)
-#define CBLOOK(tbl, off) (*(const float*)((const char*)(tbl) + (off)))
-#define U2 uint2
-#define U4 uint4
-#define F4 float4
-__device__ __forceinline__ uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
-  return __funnelshift_r(lo, hi, sh);
-}
-__device__ __forceinline__ float tq_half(uint32_t bits) {
-  return __half2float(__ushort_as_half((unsigned short)bits));
-}
-__device__ __forceinline__ void tq_h2(uint32_t w, float& a, float& b) {
-  __half2 h = *reinterpret_cast<__half2*>(&w);
-  float2 f = __half22float2(h);
-  a = f.x;
-  b = f.y;
-}
-"""
-
-METAL_HEADER = _COMMON_MACROS + """
-#define DEV device
-#define TGMEM threadgroup
-#define TQ_OUT_float32(x) (x)
-#define TQ_OUT_float16(x) static_cast<half>(x)
-#define TQ_OUT_bfloat16(x) static_cast<bfloat16_t>(x)
-#define SYNC() threadgroup_barrier(metal::mem_flags::mem_threadgroup)
-#define SHFL_XOR(x, m) metal::simd_shuffle_xor((x), (ushort)(m))
-#define EXP2(x) metal::exp2(x)
-#define LOG2(x) metal::log2(x)
-#define FMAX(a, b) metal::max((a), (b))
-#define IMIN(a, b) metal::min((a), (b))
-#define AS_FLOAT(u) as_type<float>((uint32_t)(u))
-#define NEG_INF as_type<float>(0xff800000u)
-#define CBLOOK(tbl, off) (*(threadgroup const float*)((threadgroup const char*)(tbl) + (off)))
-#define U2 uint2
-#define U4 uint4
-#define F4 float4
-inline uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
-  return sh == 0 ? lo : ((lo >> sh) | (hi << (32u - sh)));
-}
-inline float tq_half(uint32_t bits) {
-  return float(as_type<half>((ushort)bits));
-}
-inline void tq_h2(uint32_t w, thread float& a, thread float& b) {
-  float2 f = float2(as_type<half2>(w));
-  a = f.x;
-  b = f.y;
-}
-"""
-
-PROLOGUE = {
-    "cuda": """const int tid = (int)threadIdx.x;
-const int blk = (int)blockIdx.x;
-const int gy = (int)blockIdx.y;""",
-    "metal": """const int tid = (int)thread_position_in_threadgroup.x;
-const int blk = (int)threadgroup_position_in_grid.x;
-const int gy = (int)threadgroup_position_in_grid.y;""",
-}
-
-def _guard(text: str) -> str:
-    return "#ifndef TQ_DECODE_HEADER\n#define TQ_DECODE_HEADER\n" + text + "#endif\n"
+    A line `//@@ name` starts section `name`; its text is every line up to the next such line,
+    verbatim, joined by newlines (a blank line before the next marker is a trailing newline; the
+    file's own final newline is not part of its last section). Lines starting with `//!` are
+    notes for readers and belong to no section."""
+    text = resources.files(__package__).joinpath("src", filename).read_text(encoding="utf-8")
+    found: dict[str, list[str]] = {}
+    lines = None
+    for line in text.removesuffix("\n").split("\n"):
+        if line.startswith(SECTION):
+            lines = found.setdefault(line[len(SECTION):].strip(), [])
+        elif lines is not None and not line.startswith(NOTE):
+            lines.append(line)
+    return {name: "\n".join(body) for name, body in found.items()}
 
 
-HEADERS = {"cuda": _guard(CUDA_HEADER), "metal": _guard(METAL_HEADER)}
+def section(filename: str, name: str) -> str:
+    """Section `name` of `src/<filename>` (see `sections`)."""
+    return sections(filename)[name]
+
+
+DIALECT_FILES = {"cuda": "dialect.cuh", "metal": "dialect.metal"}
+# the macro header (guarded: a kernel's header may repeat it) and the thread-index prologue
+HEADERS = {d: section(f, "header") for d, f in DIALECT_FILES.items()}
+PROLOGUE = {d: section(f, "prologue") for d, f in DIALECT_FILES.items()}
 
 
 def fill(text: str, **values) -> str:

@@ -50,31 +50,85 @@ class Call:
     D: int
 
 
-# Tuning knobs for benchmarks and tests (0 / None = the defaults: lane shape and unroll by rows
-# bucket; mma: the tensor-core pass 1 where it applies; mma_prefetch: chunks loaded ahead;
-# mma_min_tokens: MMA_MIN_TOKENS; raw_query: pass 1 scales the raw query of keys without a
-# rotation; False scales it with plain ops first; mma_spread: spread pair tables (`MmaPass1`),
-# None = for TurboQuant keys only: with affine keys they measured slower at three threadgroups
-# per SM, 64k turbo8v3 100 against 77 us chained); fuse_rotation: pass 1 rotates the raw query
-# of TurboQuant keys under a Hadamard rotation, False keeps the pass-0 kernel).
-TUNING = {"ns": 0, "unroll": 0, "threadgroups": 0, "mma": True, "mma_prefetch": None, "mma_min_tokens": None,
-          "raw_query": True, "mma_spread": None, "fuse_rotation": True}
 # Below this many stored rows the CUDA-core pass 1 was faster on the H200 (docs/benchmarks.md:
 # at 4k every scheme, at 16k turbo8v3; from 64k on the tensor-core pass 1 wins for all).
 MMA_MIN_TOKENS = 16384
 
 
-def target_threadgroups(mma: bool = False) -> int:
-    default = MMA_TARGET_THREADGROUPS if mma else TARGET_THREADGROUPS
-    return TUNING["threadgroups"] or int(os.environ.get("TQSTORE_KERNEL_THREADGROUPS", default))
+# The environment variables `KernelTuning.from_env` reads, in its fields' order.
+TUNING_ENV = ("TQSTORE_KERNEL_NS", "TQSTORE_KERNEL_UNROLL", "TQSTORE_KERNEL_THREADGROUPS", "TQSTORE_KERNEL_MMA")
 
 
-def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = False) -> tuple[int, int] | None:
-    """(span, nblocks) of pass 1: enough threadgroups to fill the GPU, blocks of at least
-    MIN_SPAN and at most MAX_SPAN tokens, at most MAX_BLOCKS blocks; None when T is too long."""
+@dataclass(frozen=True)
+class KernelTuning:
+    """How the fused decode picks and launches its kernels: a value handed to `fused_decode`,
+    `describe`, `launch` (None there: `KernelTuning.from_env()`). Benchmarks and tests build
+    their own; nothing changes one in place.
+
+    `ns`, `unroll`: lane shape and tokens per group per iteration of the CUDA-core pass 1 (0: by
+    rows bucket). `threadgroups`: pass-1 threadgroups per call (0: TARGET_THREADGROUPS, or
+    MMA_TARGET_THREADGROUPS for the tensor-core pass 1). `mma`: the tensor-core pass 1 where it
+    applies (CUDA); `mma_prefetch`: chunks it loads ahead (None: 1); `mma_min_tokens`: the fewest
+    stored rows it serves (None: MMA_MIN_TOKENS); `mma_spread`: spread pair tables (`MmaPass1`),
+    None: for TurboQuant keys only (with affine keys they measured slower at three threadgroups
+    per SM, 64k turbo8v3 100 against 77 us chained). `raw_query`: pass 1 scales the raw query of
+    keys without a rotation (False: plain ops scale it first); `fuse_rotation`: pass 1 rotates
+    the raw query of TurboQuant keys under a Hadamard rotation (False: the pass-0 kernel does)."""
+
+    ns: int = 0
+    unroll: int = 0
+    threadgroups: int = 0
+    mma: bool = True
+    mma_prefetch: int | None = None
+    mma_min_tokens: int | None = None
+    mma_spread: bool | None = None
+    raw_query: bool = True
+    fuse_rotation: bool = True
+
+    @staticmethod
+    def from_env() -> KernelTuning:
+        """The defaults with the environment's settings (read at every call, so a process may
+        change them between steps): `TQSTORE_KERNEL_MMA=0` keeps the CUDA-core pass 1,
+        `TQSTORE_KERNEL_THREADGROUPS` sets `threadgroups`, and for benchmarks
+        `TQSTORE_KERNEL_NS` / `TQSTORE_KERNEL_UNROLL` set `ns` / `unroll`."""
+        return _tuning_from_env(*(os.environ.get(name) for name in TUNING_ENV))
+
+    def target_threadgroups(self, mma: bool = False) -> int:
+        return self.threadgroups or (MMA_TARGET_THREADGROUPS if mma else TARGET_THREADGROUPS)
+
+    def min_mma_tokens(self) -> int:
+        return MMA_MIN_TOKENS if self.mma_min_tokens is None else self.mma_min_tokens
+
+    def prefetch(self) -> int:
+        return 1 if self.mma_prefetch is None else int(self.mma_prefetch)
+
+    def spread(self, key_format: str) -> bool:
+        return key_format == "turbo" if self.mma_spread is None else self.mma_spread
+
+
+@functools.lru_cache(maxsize=16)
+def _tuning_from_env(ns: str | None, unroll: str | None, threadgroups: str | None, mma: str | None) -> KernelTuning:
+    # (one value per distinct environment: a decode step pays the variable lookups only)
+    return dataclasses.replace(DEFAULT_TUNING, ns=int(ns or 0), unroll=int(unroll or 0),
+                               threadgroups=int(threadgroups or 0), mma=mma != "0")
+
+
+DEFAULT_TUNING = KernelTuning()  # the measured defaults, no environment
+
+
+def resolve(tuning: KernelTuning | None) -> KernelTuning:
+    """`tuning`, or the environment's (`KernelTuning.from_env`) when None."""
+    return KernelTuning.from_env() if tuning is None else tuning
+
+
+def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = False,
+                tuning: KernelTuning | None = None) -> tuple[int, int] | None:
+    """(span, nblocks) of pass 1: about `target` threadgroups (None: the tuning's) to fill the
+    GPU, blocks of at least MIN_SPAN and at most MAX_SPAN tokens, at most MAX_BLOCKS blocks; None
+    when T is too long."""
     if T < 1:
         return None
-    target = target or target_threadgroups(mma)
+    target = target or resolve(tuning).target_threadgroups(mma)
     # (rounded down: one threadgroup more than the target can cost a whole second wave)
     nblk = min(max(1, target // tg_rows), -(-T // MIN_SPAN), MAX_BLOCKS)
     nblk = max(nblk, -(-T // MAX_SPAN))
@@ -97,14 +151,15 @@ def _side(side) -> tuple[str, int, int, str] | None:
 
 
 def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
-             shifts: mx.array | None, tensor_cores: bool = False, rows: int | None = None) -> Call | None:
+             shifts: mx.array | None, tensor_cores: bool = False, rows: int | None = None,
+             tuning: KernelTuning | None = None) -> Call | None:
     """The kernels of this decode step, or None when none applies (shape, layout, sizes).
     `rows`: the arrays are token buffers whose first `rows` tokens are the stored rows (the
     kernels read them in place; None: every token of the arrays).
 
     `tensor_cores` (CUDA): pass 1 on the tensor cores (`mma.py`) where it applies: fp16/bf16
     activations, TurboQuant or affine keys, TurboQuant values, head dims a multiple of 16, at
-    least `mma_min_tokens()` stored rows."""
+    least `tuning.min_mma_tokens()` stored rows. `tuning`: None is `KernelTuning.from_env()`."""
     if queries.ndim != 4 or queries.shape[2] != 1 or not arrays:
         return None
     B, Hq, _, D = queries.shape
@@ -156,18 +211,19 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
         if shifts.shape[1] * SHIFT_BLOCK < T:
             return None
     R = Hq // H
+    tuning = resolve(tuning)
     # Pass 1 takes the raw query (no query op or pass-0 kernel in the step) for keys without a
     # rotation and for TurboQuant keys under a Hadamard rotation (a butterfly in pass 1).
-    raw = TUNING["raw_query"] and (kfmt != "turbo" or (TUNING["fuse_rotation"] and fused_rotation(key_side)))
+    raw = tuning.raw_query and (kfmt != "turbo" or (tuning.fuse_rotation and fused_rotation(key_side)))
     q_dtype = DTYPE_NAMES.get(queries.dtype, "") if raw else ""
-    if tensor_cores and use_mma() and queries.dtype in (mx.float16, mx.bfloat16) and T >= mma_min_tokens():
-        depth = 1 if TUNING["mma_prefetch"] is None else int(TUNING["mma_prefetch"])
-        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None, depth,
-                             q_dtype, kfmt == "turbo" if TUNING["mma_spread"] is None else TUNING["mma_spread"])
+    if (tensor_cores and tuning.mma and queries.dtype in (mx.float16, mx.bfloat16)
+            and T >= tuning.min_mma_tokens()):
+        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None,
+                             tuning.prefetch(), q_dtype, tuning.spread(kfmt))
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
-                     shifts is not None, TUNING["ns"], TUNING["unroll"], q_dtype)
+                     shifts is not None, tuning.ns, tuning.unroll, q_dtype)
     if pair is None:
         return None
     return Call(pair[0], pair[1], B, H, R, T, D)
@@ -182,16 +238,6 @@ def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax,
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=vfmt == "turbo")
-
-
-def use_mma() -> bool:
-    """Whether CUDA decode may use the tensor-core pass 1 (`TQSTORE_KERNEL_MMA=0` turns it off)."""
-    return TUNING["mma"] and os.environ.get("TQSTORE_KERNEL_MMA", "1") != "0"
-
-
-def mma_min_tokens() -> int:
-    minimum = TUNING["mma_min_tokens"]
-    return MMA_MIN_TOKENS if minimum is None else minimum
 
 
 @functools.lru_cache(maxsize=None)
@@ -317,7 +363,7 @@ def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, sca
     for calibrated affine keys) and, for key means, the plain scaled query; [B*Hq, D] float32 in
     log2 units (scale * log2(e) folded in): one pass-0 kernel for TurboQuant keys, plain ops
     for the other keys whose pass 1 does not scale the raw query itself (another dtype, or
-    `TUNING["raw_query"]` off)."""
+    `KernelTuning.raw_query` off)."""
     B, H, R, D = call.B, call.H, call.R, call.D
     c = scale * LOG2E
     kind, pre, m, post, cq = _query_transform(key_side, c, H, D)
@@ -360,12 +406,13 @@ def _params(*sizes: int) -> mx.array:
 
 
 def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
-               scale: float, shifts: mx.array | None, target: int | None = None, tail_rows: int = 0) -> dict | None:
+               scale: float, shifts: mx.array | None, target: int | None = None, tail_rows: int = 0,
+               tuning: KernelTuning | None = None) -> dict | None:
     """Keyword arguments of the pass-1 kernel call (inputs, grid, outputs), or None (T too long).
     `tail_rows` travels in `params` for a pass 2 that also attends over the raw tail."""
     p1 = call.pass1
     NG = -(-call.R // p1.rmax)
-    blocks = plan_blocks(call.T, call.B * call.H * NG, target, isinstance(p1, MmaPass1))
+    blocks = plan_blocks(call.T, call.B * call.H * NG, target, isinstance(p1, MmaPass1), tuning)
     if blocks is None:
         return None
     span, nblk = blocks
@@ -463,14 +510,16 @@ def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, 
            init_value: float | None = None, target: int | None = None,
            partials: bool = False, tail: tuple[mx.array, mx.array] | None = None,
            fuse_tail: bool = True, tail_rows: int | None = None,
-           out_dtype: mx.Dtype | None = None, sinks: mx.array | None = None) -> tuple[mx.array, ...] | None:
+           out_dtype: mx.Dtype | None = None, sinks: mx.array | None = None,
+           tuning: KernelTuning | None = None) -> tuple[mx.array, ...] | None:
     """Run both passes; returns (out [B, Hq, 1, D] normalised in the original basis, float32 or
     `out_dtype` (CUDA: pass 2 writes it), lse [B, Hq, 1] float32 natural-log log-sum-exp of the
     scaled scores) over the stored rows and the raw `tail` (its first `tail_rows` rows; None:
     all) when given (pass 2 attends over it when `fuse_tail` and it can, else plain ops merge
     it), plus pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value` fills
     every output before the kernels run (tests poison them with NaN). `sinks` [Hq]: one logit
-    per query head in the normaliser (`check_sinks`); out and lse then include it."""
+    per query head in the normaliser (`check_sinks`); out and lse then include it. `tuning` sets
+    the threadgroup target when `target` is None (None: `KernelTuning.from_env()`)."""
     half = out_dtype is not None and out_dtype != mx.float32
     dtype = DTYPE_NAMES.get(out_dtype, "") if half else ""
     p2 = tail_pass2(call, queries, tail, tail_rows, dtype) if fuse_tail else None
@@ -480,7 +529,7 @@ def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, 
         p2 = _with_sinks(p2 or call.pass2)
     n_tail = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
     args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target,
-                       n_tail if p2 is not None and p2.tail_dtype else 0)
+                       n_tail if p2 is not None and p2.tail_dtype else 0, tuning)
     if args1 is None:
         return None
     po, pm, pl = make_kernel(call.pass1)(**args1, init_value=init_value)

@@ -1,13 +1,13 @@
 """Pass 0 of the fused decode, the query transform (one threadgroup per query row): the query in
 the codes' basis, ((q * pre) @ M) * post with the rotation as an exact float32 matrix, and the
 plain scaled query for the per-block key means; one launch instead of five elementwise/Hadamard
-ops."""
+ops. The kernel text is `src/pass0.h`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .dialects import fill
+from .dialects import fill, section
 from .matvec import matvec
 
 
@@ -38,26 +38,8 @@ class Pass0:
         return ["q_k"] + (["q_s"] if self.qs else [])
 
 
-_PASS0 = """
-constexpr int D = @@D@@;
-constexpr int NT = @@NT@@;
-@@PROLOGUE@@
-const int row = blk;
-const int R = params[3];
-const int H = params[4];
-const int h = (row / R) % H;
-TGMEM float s_x[D];
-for (int d = tid; d < D; d += NT) {
-  const float x = static_cast<float>(q[row * D + d]);
-  s_x[d] = x * pre[h * D + d];
-@@QS@@
-}
-SYNC();
-@@PRODUCT@@
-"""
-
 
 def pass0_body(v: Pass0, prologue: str) -> str:
-    return fill(_PASS0, PROLOGUE=prologue, D=v.d, NT=v.threads,
+    return fill(section("pass0.h", "pass0"), PROLOGUE=prologue, D=v.d, NT=v.threads,
                 QS="  q_s[row * D + d] = x * cq[0];" if v.qs else "",
                 PRODUCT=matvec("s_x", "mf", "q_k[row * D + e]", " * post[h * D + e]" if v.post else ""))

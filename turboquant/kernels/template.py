@@ -1,6 +1,7 @@
 """One template, two dialects: the source of pass 1 of the fused decode for CUDA and Metal.
 
-The kernel bodies below are written once, in C++ that both `mx.fast.cuda_kernel` (NVRTC) and
+The kernel bodies (`src/pass1.h`, the key and value sides in `src/pass1_sides.h`) are written
+once, in C++ that both `mx.fast.cuda_kernel` (NVRTC) and
 `mx.fast.metal_kernel` (MSL, C++14) accept, over a few dialect macros (shuffles, barriers,
 address spaces, bit casts) that each dialect's header defines, and a prologue that reads the
 thread and threadgroup indices (Metal needs the attribute names in the body itself). A variant's
@@ -18,7 +19,8 @@ used. The groups are merged in threadgroup memory; each (row, block) writes its 
 output, its max m and its sum l.
 
 Pass 0 (the query transform) is in `query.py`, pass 2 (the merge) in `merge.py`, the dialect
-headers in `dialects.py`.
+headers in `src/dialect.cuh` and `src/dialect.metal`, read by `dialects.py`. This module fills
+the bodies' `@@NAME@@` markers: constants, and code it unrolls per code or per dim.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .dialects import DIALECTS, HEADERS, PROLOGUE, SHORT, fill, pow2ceil
+from .dialects import DIALECTS, HEADERS, PROLOGUE, SHORT, fill, pow2ceil, section, sections
 from .merge import OUTPUTS2, Pass2, pass2_body
 from .query import Pass0, pass0_body
 
@@ -41,6 +43,8 @@ TURBO_BITS = (1, 2, 3, 4)
 AFFINE_BITS = (4, 8)
 AFFINE_GROUPS = (32, 64, 128)
 ROW_BUCKETS = (1, 2, 4, 8)
+PASS1_FILE = "pass1.h"  # the body and the query staging
+SIDES_FILE = "pass1_sides.h"  # the key and value sides
 
 
 def rows_bucket(r: int) -> int:
@@ -213,376 +217,6 @@ def query_plain(v: Pass1, row: str, dim: str) -> str:
     return f"q_s[({row}) * D + ({dim})]"
 
 
-# --------------------------------------------------------------------------------------------
-# Pass 1
-# --------------------------------------------------------------------------------------------
-
-# Which (batch, KV head, row group) and which tokens a pass-1 threadgroup serves (both pass 1s).
-BLOCK = """const int T = params[0];
-const int span = params[1];
-const int nblk = params[2];
-const int R = params[3];
-const int H = params[4];
-const int NG = params[5];
-const int bh = gy / NG;
-const int rg = gy - bh * NG;
-const int b = bh / H;
-const int h = bh - b * H;
-const int r0 = rg * RMAX;
-const int nrows = IMIN(RMAX, R - r0);
-const int qrow0 = bh * R + r0;
-const int t_begin = blk * span;
-const int t_end = IMIN(t_begin + span, T);"""
-
-_PASS1 = """
-constexpr int D = @@D@@;
-constexpr int RMAX = @@RMAX@@;
-constexpr int NS = @@NS@@;
-constexpr int G = @@G@@;
-constexpr int NSUB = D / 8;
-constexpr int E = NS * 8;
-constexpr int NT = @@NT@@;
-constexpr int NGRP = NT / G;
-constexpr int U = @@U@@;
-constexpr int STEP = NGRP * U;
-constexpr int MAXSB = @@MAXSB@@;
-@@PROLOGUE@@
-@@BLOCK@@
-const int gl = tid % G;
-const int tg = tid / G;
-const int lane = tid % 32;
-const int warp = tid / 32;
-const int sb0 = t_begin >> 8;
-@@SHARED@@
-@@SETUP_SHARED@@
-SYNC();
-
-float q[RMAX][E];
-#pragma unroll
-for (int r = 0; r < RMAX; ++r) {
-#pragma unroll
-  for (int k = 0; k < NS; ++k) {
-    const int sc = gl + k * G;
-    const bool in = sc < NSUB;
-    const F4 lo = s_q4[r * (D / 4) + 2 * (in ? sc : 0)];
-    const F4 hi = s_q4[r * (D / 4) + 2 * (in ? sc : 0) + 1];
-    q[r][k * 8] = in ? lo.x : 0.0f;
-    q[r][k * 8 + 1] = in ? lo.y : 0.0f;
-    q[r][k * 8 + 2] = in ? lo.z : 0.0f;
-    q[r][k * 8 + 3] = in ? lo.w : 0.0f;
-    q[r][k * 8 + 4] = in ? hi.x : 0.0f;
-    q[r][k * 8 + 5] = in ? hi.y : 0.0f;
-    q[r][k * 8 + 6] = in ? hi.z : 0.0f;
-    q[r][k * 8 + 7] = in ? hi.w : 0.0f;
-  }
-}
-@@KEY_SETUP@@
-@@VALUE_SETUP@@
-float m[RMAX];
-float l[RMAX];
-float o[RMAX][E];
-#pragma unroll
-for (int r = 0; r < RMAX; ++r) {
-  m[r] = NEG_INF;
-  l[r] = 0.0f;
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    o[r][e] = 0.0f;
-  }
-}
-@@VALUE_STATE@@
-
-int tt[U];
-bool ok[U];
-#pragma unroll
-for (int u = 0; u < U; ++u) {
-  const int t = t_begin + tg + u * NGRP;
-  ok[u] = t < t_end;
-  tt[u] = ok[u] ? t : t_begin;
-}
-@@KEY_DECL@@
-@@VALUE_DECL@@
-@@KEY_FILL@@
-@@VALUE_FILL@@
-for (int base = t_begin; base < t_end; base += STEP) {
-  // Prefetch the next chunk's rows while this one is scored and mixed (clamped past the end).
-  int ntt[U];
-  bool nok[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int t = base + STEP + tg + u * NGRP;
-    nok[u] = t < t_end;
-    ntt[u] = nok[u] ? t : t_begin;
-  }
-@@KEY_NDECL@@
-@@VALUE_NDECL@@
-@@KEY_NFILL@@
-@@VALUE_NFILL@@
-  float s[U][RMAX];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-@@KEY_SCORE@@
-  }
-#pragma unroll
-  for (int off = G / 2; off >= 1; off /= 2) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int r = 0; r < RMAX; ++r) {
-        s[u][r] += SHFL_XOR(s[u][r], off);
-      }
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int r = 0; r < RMAX; ++r) {
-      float x = s[u][r];
-@@KEY_FINISH@@
-      s[u][r] = ok[u] ? x : NEG_INF;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < RMAX; ++r) {
-    float mx = s[0][r];
-#pragma unroll
-    for (int u = 1; u < U; ++u) {
-      mx = FMAX(mx, s[u][r]);
-    }
-    if (mx > m[r]) {
-      const float a = EXP2(m[r] - mx);
-      l[r] *= a;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        o[r][e] *= a;
-      }
-@@VALUE_RESCALE@@
-      m[r] = mx;
-    }
-  }
-  float w[U][RMAX];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-#pragma unroll
-    for (int r = 0; r < RMAX; ++r) {
-      const float p = ok[u] ? EXP2(s[u][r] - m[r]) : 0.0f;
-      l[r] += p;
-      w[u][r] = p;
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-@@VALUE_ACCUM@@
-  }
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    tt[u] = ntt[u];
-    ok[u] = nok[u];
-  }
-@@KEY_COPY@@
-@@VALUE_COPY@@
-}
-
-// Merge the token groups of this threadgroup (SIMD shuffles, then one slot per SIMD group),
-// then write (o, m, l) of each row for this block.
-TGMEM float s_m[NGRP * RMAX];
-TGMEM float s_l[NGRP * RMAX];
-TGMEM float s_red[(NT / 32) * D];
-if (gl == 0) {
-#pragma unroll
-  for (int r = 0; r < RMAX; ++r) {
-    s_m[tg * RMAX + r] = m[r];
-    s_l[tg * RMAX + r] = l[r];
-  }
-}
-SYNC();
-#pragma unroll
-for (int r = 0; r < RMAX; ++r) {
-  if (r < nrows) {
-    float M = NEG_INF;
-    for (int j = 0; j < NGRP; ++j) {
-      M = FMAX(M, s_m[j * RMAX + r]);
-    }
-    const float fac = (m[r] == NEG_INF) ? 0.0f : EXP2(m[r] - M);
-#pragma unroll
-    for (int k = 0; k < NS; ++k) {
-      const int sc = gl + k * G;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float val = (@@VALUE_OUT@@) * fac;
-#pragma unroll
-        for (int off = G; off < 32; off *= 2) {
-          val += SHFL_XOR(val, off);
-        }
-        if (lane < G && sc < NSUB) {
-          s_red[warp * D + sc * 8 + i] = val;
-        }
-      }
-    }
-    SYNC();
-    const int prow = (qrow0 + r) * nblk + blk;
-    for (int d = tid; d < D; d += NT) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int j = 0; j < NT / 32; ++j) {
-        acc += s_red[j * D + d];
-      }
-      po[prow * D + d] = acc;
-    }
-    if (tid == 0) {
-      float L = 0.0f;
-      for (int j = 0; j < NGRP; ++j) {
-        const float mj = s_m[j * RMAX + r];
-        L += (mj == NEG_INF) ? 0.0f : s_l[j * RMAX + r] * EXP2(mj - M);
-      }
-      pm[prow] = M;
-      pl[prow] = L;
-    }
-    SYNC();
-  }
-}
-"""
-
-# The query rows of this threadgroup are staged once in threadgroup memory (zero past the last
-# row), both pass 1s: the setup's global loads are independent and coalesced, one round trip,
-# where per-lane loads under a row guard became a chain of round trips. With key means, the
-# plain scaled rows too, then q . mean for every (row, 256-token block) of the span, one pair
-# per thread with independent 16-byte loads of the mean rows.
-_QUERY_STAGE = """
-constexpr int QI = (RMAX * D / 4 + NT - 1) / NT;
-@@POST_DECL@@
-#pragma unroll
-for (int qi = 0; qi < QI; ++qi) {
-  const int i = tid + qi * NT;
-  const int r = i / (D / 4);
-  const int d = 4 * (i - r * (D / 4));
-@@INIT@@
-  if (r < nrows) {
-@@SET@@
-  }
-@@POST_LOAD@@
-  if (i < RMAX * D / 4) {
-@@STORE@@
-  }
-}
-SYNC();
-"""
-
-# The Hadamard transform of the staged query rows (Sylvester order, as mx.hadamard_transform):
-# the butterflies inside each float4 as it is staged, then one pass per wider stride over float4
-# pairs, then the per-channel `post` scale (loaded with the query, into registers).
-_FWHT4 = """    {
-      const float a0 = x0.x + x0.y, a1 = x0.x - x0.y, a2 = x0.z + x0.w, a3 = x0.z - x0.w;
-      x0.x = a0 + a2;
-      x0.y = a1 + a3;
-      x0.z = a0 - a2;
-      x0.w = a1 - a3;
-    }
-"""
-
-_POST_DECL = "F4 pst[QI];"
-_POST_LOAD = """  pst[qi].x = post[h * D + d];
-  pst[qi].y = post[h * D + d + 1];
-  pst[qi].z = post[h * D + d + 2];
-  pst[qi].w = post[h * D + d + 3];"""
-
-_FWHT_STAGES = """
-for (int hq = 1; hq < D / 4; hq *= 2) {
-  for (int p = tid; p < RMAX * D / 8; p += NT) {
-    const int r = p / (D / 8);
-    const int j = p - r * (D / 8);
-    const int i = r * (D / 4) + (j / hq) * 2 * hq + (j % hq);
-    const F4 fa = s_q4[i];
-    const F4 fb = s_q4[i + hq];
-    F4 s0;
-    F4 s1;
-    s0.x = fa.x + fb.x;
-    s0.y = fa.y + fb.y;
-    s0.z = fa.z + fb.z;
-    s0.w = fa.w + fb.w;
-    s1.x = fa.x - fb.x;
-    s1.y = fa.y - fb.y;
-    s1.z = fa.z - fb.z;
-    s1.w = fa.w - fb.w;
-    s_q4[i] = s0;
-    s_q4[i + hq] = s1;
-  }
-  SYNC();
-}
-#pragma unroll
-for (int qi = 0; qi < QI; ++qi) {
-  const int i = tid + qi * NT;
-  if (i < RMAX * D / 4) {
-    F4 x = s_q4[i];
-    x.x *= pst[qi].x;
-    x.y *= pst[qi].y;
-    x.z *= pst[qi].z;
-    x.w *= pst[qi].w;
-    s_q4[i] = x;
-  }
-}
-SYNC();
-"""
-
-# q . mean per (row, key-mean block): one SIMD group per block, a lane per 4 dims and every row
-# reduced by shuffles. The blocks' mean rows are loaded before the query is staged, so both
-# round trips overlap (a thread-per-pair loop held a whole mean row in registers: ~30 more
-# registers for the whole kernel).
-_SHIFT_LOADS = """
-constexpr int MU_SW = NT / 32;
-constexpr int MU_JW = (MAXSB + MU_SW - 1) / MU_SW;
-constexpr int MU_DL = (D / 4 + 31) / 32;
-const int mu_nsb = ((t_end - 1) >> 8) - sb0 + 1;
-const int mu_sl = tid & 31;
-const int mu_sw = tid >> 5;
-F4 mu4[MU_JW][MU_DL];
-{
-  const int mu_nb = params[6];
-#pragma unroll
-  for (int k = 0; k < MU_JW; ++k) {
-    const int j = mu_sw + k * MU_SW;
-#pragma unroll
-    for (int e = 0; e < MU_DL; ++e) {
-      const int d4 = mu_sl + 32 * e;
-      mu4[k][e].x = 0.0f;
-      mu4[k][e].y = 0.0f;
-      mu4[k][e].z = 0.0f;
-      mu4[k][e].w = 0.0f;
-      if (j < mu_nsb && d4 < D / 4) {
-        mu4[k][e] = ((const DEV F4*)(mu + ((int64_t)h * mu_nb + sb0 + j) * D))[d4];
-      }
-    }
-  }
-}
-"""
-
-_SHIFT_PAIRS = """
-#pragma unroll
-for (int k = 0; k < MU_JW; ++k) {
-  const int j = mu_sw + k * MU_SW;
-  if (j < mu_nsb) {
-    for (int r = 0; r < RMAX; ++r) {
-      float acc = 0.0f;
-#pragma unroll
-      for (int e = 0; e < MU_DL; ++e) {
-        const int d4 = IMIN(mu_sl + 32 * e, D / 4 - 1);
-        const F4 a = s_qs4[r * (D / 4) + d4];
-        acc += a.x * mu4[k][e].x + a.y * mu4[k][e].y + a.z * mu4[k][e].z + a.w * mu4[k][e].w;
-      }
-      acc += SHFL_XOR(acc, 16);
-      acc += SHFL_XOR(acc, 8);
-      acc += SHFL_XOR(acc, 4);
-      acc += SHFL_XOR(acc, 2);
-      acc += SHFL_XOR(acc, 1);
-      if (mu_sl == 0) {
-        s_qmu[r * MAXSB + j] = acc;
-      }
-    }
-  }
-}
-"""
-
-
 def query_setup(v: Pass1) -> tuple[str, str]:
     """(threadgroup declarations, setup text) of the staged query rows `s_q4` (keys' basis), and
     with key means `s_qs4` (plain scaled) and `s_qmu` (q . mean per row and block). Every
@@ -596,21 +230,20 @@ def query_setup(v: Pass1) -> tuple[str, str]:
         set_.append("".join(f"    x{k}.{c} = {expr(v, 'qrow0 + r', f'd + {j}')};\n"
                             for j, c in enumerate("xyzw")))
         store.append(f"    {n}[i] = x{k};")
+    src = sections(PASS1_FILE)
     fused = bool(v.q_dtype) and v.key == "turbo"
     if fused:
-        store[0] = _FWHT4 + store[0]
-    text = fill(_QUERY_STAGE, INIT="".join(init).rstrip("\n"), SET="".join(set_).rstrip("\n"),
-                STORE="\n".join(store), POST_DECL=_POST_DECL if fused else "",
-                POST_LOAD=_POST_LOAD if fused else "")
+        store[0] = src["fwht4"] + store[0]
+    text = fill(src["query_stage"], INIT="".join(init).rstrip("\n"), SET="".join(set_).rstrip("\n"),
+                STORE="\n".join(store), POST_DECL=src["post_decl"] if fused else "",
+                POST_LOAD=src["post_load"] if fused else "")
     if fused:
-        text += _FWHT_STAGES
+        text += src["fwht_stages"]
     if v.shifts:
         shared.append("TGMEM float s_qmu[RMAX * MAXSB];")
-        text = _SHIFT_LOADS + text + _SHIFT_PAIRS
+        text = src["shift_loads"] + text + src["shift_pairs"]
     return "\n".join(shared), text
 
-
-_SHIFT_FINISH = "      x += s_qmu[r * MAXSB + (tt[u] >> 8) - sb0];"
 
 def _turbo_parts(side: str, bits: int, d: int) -> dict[str, str]:
     """Setup / load code of a TurboQuant side (`k` or `v`): per lane, NS sub-chunks of 8 codes;
@@ -619,45 +252,19 @@ def _turbo_parts(side: str, bits: int, d: int) -> dict[str, str]:
     pw = packed_words(d, bits)
     shared = f"TGMEM float s_{x}cb[16];"
     setup_shared = f"if (tid < 16) {{ s_{x}cb[tid] = {x}_cb[IMIN(tid, {(1 << bits) - 1})]; }}"
-    setup = f"""
-int {x}wi[NS];
-int {x}wj[NS];
-uint32_t {x}sh[NS];
-#pragma unroll
-for (int k = 0; k < NS; ++k) {{
-  const int sc = gl + k * G;
-  const int bit = (sc < NSUB ? sc : 0) * {8 * bits};
-  {x}wi[k] = bit >> 5;
-  {x}wj[k] = IMIN((bit >> 5) + 1, {pw - 1});
-  {x}sh[k] = (uint32_t)(bit & 31);
-}}
-const int64_t {x}base = (int64_t)b * {x}_p_strides[0] + (int64_t)h * {x}_p_strides[1];
-const int64_t {x}ts = {x}_p_strides[2];
-const int64_t {x}nbase = (int64_t)b * {x}_n_strides[0] + (int64_t)h * {x}_n_strides[1];
-const int64_t {x}nts = {x}_n_strides[2];
-"""
+    setup = fill(section(SIDES_FILE, "turbo_setup"), X=x, CODE_BITS=8 * bits, LAST_WORD=pw - 1)
     # Buffers hold the raw words; shifts happen where the codes are used, so a prefetch is never
     # waited for before the next chunk.
     if bits == 3:
         arrays = [("uint32_t", f"{x}c", "[U][NS][2]"), ("float", f"{x}nr", "[U]")]
-        load = f"{{p}}{x}c[u][k][0] = p[{x}wi[k]]; {{p}}{x}c[u][k][1] = p[{x}wj[k]];"
+        load = f"@@P@@{x}c[u][k][0] = p[{x}wi[k]]; @@P@@{x}c[u][k][1] = p[{x}wj[k]];"
         word = f"tq_funnel({x}c[u][k][0], {x}c[u][k][1], {x}sh[k])"
     else:
         arrays = [("uint32_t", f"{x}c", "[U][NS]"), ("float", f"{x}nr", "[U]")]
-        load = f"{{p}}{x}c[u][k] = p[{x}wi[k]];"
+        load = f"@@P@@{x}c[u][k] = p[{x}wi[k]];"
         word = f"{x}c[u][k]" if bits == 4 else f"({x}c[u][k] >> {x}sh[k])"
-    fill = f"""
-#pragma unroll
-  for (int u = 0; u < U; ++u) {{{{
-    const DEV uint32_t* p = {x}_p + {x}base + (int64_t){{tt}}[u] * {x}ts;
-#pragma unroll
-    for (int k = 0; k < NS; ++k) {{{{
-      {load}
-    }}}}
-    {{p}}{x}nr[u] = {x}_n[{x}nbase + (int64_t){{tt}}[u] * {x}nts];
-  }}}}
-"""
-    return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "arrays": arrays, "fill": fill,
+    fill_ = fill(section(SIDES_FILE, "turbo_fill"), X=x, LOAD=load)
+    return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "arrays": arrays, "fill": fill_,
             "word": word}
 
 
@@ -675,44 +282,16 @@ def _code_offset(word: str, i: int, bits: int) -> str:
 def _affine_parts(side: str, bits: int, group: int, d: int, dtype: str) -> dict[str, str]:
     x = side
     words_per_sub = bits // 4  # 8 codes: 2 words at 8 bits, 1 word at 4 bits
-    setup = f"""
-int {x}wi[NS];
-int {x}gi[NS];
-#pragma unroll
-for (int k = 0; k < NS; ++k) {{
-  const int sc = (gl + k * G) < NSUB ? (gl + k * G) : 0;
-  {x}wi[k] = sc * {words_per_sub};
-  {x}gi[k] = (sc * 8) / {group};
-}}
-const int64_t {x}base = (int64_t)b * {x}_w_strides[0] + (int64_t)h * {x}_w_strides[1];
-const int64_t {x}ts = {x}_w_strides[2];
-const int64_t {x}sbase = (int64_t)b * {x}_s_strides[0] + (int64_t)h * {x}_s_strides[1];
-const int64_t {x}sts = {x}_s_strides[2];
-const int64_t {x}bbase = (int64_t)b * {x}_b_strides[0] + (int64_t)h * {x}_b_strides[1];
-const int64_t {x}bts = {x}_b_strides[2];
-"""
+    setup = fill(section(SIDES_FILE, "affine_setup"), X=x, WORDS=words_per_sub, GROUP=group)
     if bits == 8:
-        wload = f"""      const U2 v2 = *(const DEV U2*)(p + {x}wi[k]);
-      {{p}}{x}c[u][k][0] = v2.x;
-      {{p}}{x}c[u][k][1] = v2.y;"""
+        wload = fill(section(SIDES_FILE, "affine_load8"), X=x)
     else:
-        wload = f"      {{p}}{x}c[u][k][0] = p[{x}wi[k]];"
+        wload = f"      @@P@@{x}c[u][k][0] = p[{x}wi[k]];"
     arrays = [("uint32_t", f"{x}c", f"[U][NS][{words_per_sub}]"), ("uint32_t", f"{x}sc", "[U][NS]"),
               ("uint32_t", f"{x}bi", "[U][NS]")]
     raw_t = "uint32_t" if dtype == "float32" else "uint16_t"
-    fill = f"""
-#pragma unroll
-  for (int u = 0; u < U; ++u) {{{{
-    const DEV uint32_t* p = {x}_w + {x}base + (int64_t){{tt}}[u] * {x}ts;
-#pragma unroll
-    for (int k = 0; k < NS; ++k) {{{{
-{wload}
-      {{p}}{x}sc[u][k] = (uint32_t)((const DEV {raw_t}*){x}_s)[{x}sbase + (int64_t){{tt}}[u] * {x}sts + {x}gi[k]];
-      {{p}}{x}bi[u][k] = (uint32_t)((const DEV {raw_t}*){x}_b)[{x}bbase + (int64_t){{tt}}[u] * {x}bts + {x}gi[k]];
-    }}}}
-  }}}}
-"""
-    return {"setup": setup, "arrays": arrays, "fill": fill}
+    fill_ = fill(section(SIDES_FILE, "affine_fill"), X=x, WLOAD=wload, RAW_T=raw_t)
+    return {"setup": setup, "arrays": arrays, "fill": fill_}
 
 
 def _scale(raw: str, dtype: str) -> str:
@@ -755,21 +334,7 @@ def _key_parts(v: Pass1) -> dict[str, str]:
         return {**p, "score": "\n".join(lines), "finish": "      x *= knr[u];"}
     if v.key == "affine":
         p = _affine_parts("k", v.key_bits, v.key_group, v.d, v.key_dtype)
-        setup = p["setup"] + """
-float qsum[RMAX][NS];
-#pragma unroll
-for (int r = 0; r < RMAX; ++r) {
-#pragma unroll
-  for (int k = 0; k < NS; ++k) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      acc += q[r][k * 8 + i];
-    }
-    qsum[r][k] = acc;
-  }
-}
-"""
+        setup = p["setup"] + section(SIDES_FILE, "affine_key_qsum")
         lines = ["    float acc[RMAX];",
                  "#pragma unroll",
                  "    for (int r = 0; r < RMAX; ++r) { acc[r] = 0.0f; }",
@@ -793,45 +358,13 @@ for (int r = 0; r < RMAX; ++r) {
                 "score": "\n".join(lines), "finish": ""}
     # native keys: 8 contiguous elements per sub-chunk
     dt = v.key_dtype
-    setup = """
-int kei[NS];
-#pragma unroll
-for (int k = 0; k < NS; ++k) {
-  const int sc = gl + k * G;
-  kei[k] = (sc < NSUB ? sc : 0) * 8;
-}
-const int64_t kbase = (int64_t)b * k_raw_strides[0] + (int64_t)h * k_raw_strides[1];
-const int64_t kts = k_raw_strides[2];
-"""
+    setup = section(SIDES_FILE, "native_setup")
     if dt == "float32":
-        fill = """
-#pragma unroll
-  for (int u = 0; u < U; ++u) {{
-    const DEV float* p = k_raw + kbase + (int64_t){tt}[u] * kts;
-#pragma unroll
-    for (int k = 0; k < NS; ++k) {{
-      const U4 a = *(const DEV U4*)(p + kei[k]);
-      const U4 c = *(const DEV U4*)(p + kei[k] + 4);
-      {p}kx[u][k][0] = AS_FLOAT(a.x); {p}kx[u][k][1] = AS_FLOAT(a.y); {p}kx[u][k][2] = AS_FLOAT(a.z);
-      {p}kx[u][k][3] = AS_FLOAT(a.w); {p}kx[u][k][4] = AS_FLOAT(c.x); {p}kx[u][k][5] = AS_FLOAT(c.y);
-      {p}kx[u][k][6] = AS_FLOAT(c.z); {p}kx[u][k][7] = AS_FLOAT(c.w);
-    }}
-  }}
-"""
+        fill_ = section(SIDES_FILE, "native_fill_float32")
         arrays = [("float", "kx", "[U][NS][8]")]
     else:
         # keep the raw words (half the registers); convert when scoring
-        fill = """
-#pragma unroll
-  for (int u = 0; u < U; ++u) {{
-    const DEV uint32_t* p = (const DEV uint32_t*)(k_raw + kbase + (int64_t){tt}[u] * kts);
-#pragma unroll
-    for (int k = 0; k < NS; ++k) {{
-      const U4 a = *(const DEV U4*)(p + kei[k] / 2);
-      {p}kh[u][k][0] = a.x; {p}kh[u][k][1] = a.y; {p}kh[u][k][2] = a.z; {p}kh[u][k][3] = a.w;
-    }}
-  }}
-"""
+        fill_ = section(SIDES_FILE, "native_fill_half")
         arrays = [("uint32_t", "kh", "[U][NS][4]")]
     if dt == "float32":
         conv = ""
@@ -842,21 +375,8 @@ const int64_t kts = k_raw_strides[2];
                          f"kx[{2 * j + 1}] = AS_FLOAT(kh[u][k][{j}] & 0xffff0000u);" for j in range(4))
     elem = "kx[u][k][i]" if dt == "float32" else "kx[i]"
     decl = "" if dt == "float32" else "      float kx[8];\n"
-    score = f"""    float acc[RMAX];
-#pragma unroll
-    for (int r = 0; r < RMAX; ++r) {{ acc[r] = 0.0f; }}
-#pragma unroll
-    for (int k = 0; k < NS; ++k) {{
-{decl}{conv}
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {{
-#pragma unroll
-        for (int r = 0; r < RMAX; ++r) {{ acc[r] += q[r][k * 8 + i] * {elem}; }}
-      }}
-    }}
-#pragma unroll
-    for (int r = 0; r < RMAX; ++r) {{ s[u][r] = acc[r]; }}"""
-    return {"shared": "", "setup_shared": "", "setup": setup, "arrays": arrays, "fill": fill, "score": score,
+    score = fill(section(SIDES_FILE, "native_score"), DECL=decl, CONV=conv, ELEM=elem)
+    return {"shared": "", "setup_shared": "", "setup": setup, "arrays": arrays, "fill": fill_, "score": score,
             "finish": ""}
 
 
@@ -876,14 +396,8 @@ def _value_parts(v: Pass1) -> dict[str, str]:
         return {**p, "state": "", "rescale": "", "accum": "\n".join(lines), "out": "o[r][k * 8 + i]"}
     p = _affine_parts("v", v.value_bits, v.value_group, v.d, v.value_dtype)
     # element = scale * code + bias: sum_t p*scale*code per dim, and sum_t p*bias once per sub-chunk
-    state = """float ob[RMAX][NS];
-#pragma unroll
-for (int r = 0; r < RMAX; ++r) {
-#pragma unroll
-  for (int k = 0; k < NS; ++k) { ob[r][k] = 0.0f; }
-}"""
-    rescale = """#pragma unroll
-      for (int k = 0; k < NS; ++k) { ob[r][k] *= a; }"""
+    state = section(SIDES_FILE, "affine_value_state")
+    rescale = section(SIDES_FILE, "affine_value_rescale")
     lines = ["#pragma unroll",
              "    for (int k = 0; k < NS; ++k) {",
              "      float ws[RMAX];",
@@ -909,13 +423,14 @@ def pass1_body(v: Pass1, prologue: str) -> str:
     q_shared, q_setup = query_setup(v)
     shared.append(q_shared)
     setup_shared = [q_setup, kp["setup_shared"], vp["setup_shared"]]
-    finish = kp["finish"] + ("\n" + _SHIFT_FINISH if v.shifts else "")
+    src = sections(PASS1_FILE)
+    finish = kp["finish"] + ("\n" + src["shift_finish"] if v.shifts else "")
 
     def decl(parts, prefix):
         return "\n".join(f"  {t} {prefix}{n}{dims};" for t, n, dims in parts["arrays"])
 
     def filled(parts, prefix, tt):
-        return parts["fill"].format(p=prefix, tt=tt)
+        return fill(parts["fill"], P=prefix, TT=tt)
 
     def copy(parts):
         lines = []
@@ -928,8 +443,9 @@ def pass1_body(v: Pass1, prologue: str) -> str:
         return "\n".join(lines)
 
     body = fill(
-        _PASS1,
-        PROLOGUE=prologue, BLOCK=BLOCK, D=v.d, RMAX=v.rmax, NS=ns, G=g, NT=THREADS, U=v.u, MAXSB=MAX_SHIFT_BLOCKS,
+        src["pass1"],
+        PROLOGUE=prologue, BLOCK=src["block"], D=v.d, RMAX=v.rmax, NS=ns, G=g, NT=THREADS, U=v.u,
+        MAXSB=MAX_SHIFT_BLOCKS,
         SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
         KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], VALUE_STATE=vp["state"],
         KEY_DECL=decl(kp, ""), VALUE_DECL=decl(vp, ""), KEY_FILL=filled(kp, "", "tt"),

@@ -1,0 +1,149 @@
+"""Publishing an entry in the LMDB tier: its objects first, the manifest last. The one path that
+put (a freshly encoded snapshot), pull (the bucket) and import (a bundle file) take; each passes
+the objects the entry needs and an `ObjectSource` that yields the payloads of those LMDB lacks.
+
+1. Budget: a store over its LMDB budget (lowered after a DiskFull, say) makes room first; on a
+   full disk the eviction that follows the write would otherwise never be reached.
+2. Under the home lock held shared (tierset.py: no gc deletes what is written but not yet
+   referenced), plan every object: an LMDB copy is kept unread when it is the very copy the
+   source expects (same sha256; the tier checks its segments on every read), else it is read
+   and verified in full (verify.py). A damaged copy is quarantined and written again; a good
+   copy of another save (block 0 calibrated differently) is a ConflictError, since the entry's
+   later blocks cannot be combined with it. An object already stored is never rewritten.
+3. Write the missing objects the source yields, batch by batch, and check each landed as
+   written: another process may have stored its own copy of a key first, and then the plan is
+   made again (it finds that copy stored).
+4. Write the manifest the caller builds from the digests of the stored copies.
+5. Pins, and the budget again (never evicting the entry just published).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tqstore.errors import ConflictError, CorruptBlock, FormatError
+from tqstore.format.manifest import Manifest
+from tqstore.store.maintenance import enforce_budget
+from tqstore.store.tiers.base import ObjectInfo
+from tqstore.store.tiers.memory import HotObject
+from tqstore.store.tierset import TierSet
+from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb
+
+Digests = Mapping[bytes, tuple[str, int]]  # key -> (sha256, size) of the stored copy
+Batch = dict[bytes, tuple[bytes, str]]  # key -> (verified payload, its sha256)
+_ATTEMPTS = 3
+
+
+class ObjectSource(Protocol):
+    """Where a publish gets the objects LMDB lacks. `action` ("save", "pull", "import") and
+    `advice` (what to do about a first block stored from another save) go into messages."""
+
+    action: str
+    advice: str
+
+    def expected(self, want: Want) -> str | None:
+        """The sha256 of the copy this source holds of `want`, when known before writing."""
+
+    def payloads(self, missing: list[Want], kept: Mapping[bytes, HotObject | None]) -> Iterator[Batch]:
+        """Batches of verified payloads for `missing`. `kept` holds the LMDB copies the plan
+        kept, decoded where they were read (None: kept unread, being the expected copy)."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """What a publish stored: the manifest, the objects it wrote (key -> payload bytes), the
+    entries the budget evicted before and after, and the budget's warnings."""
+
+    manifest: Manifest
+    written: dict[bytes, int]
+    evicted: tuple[str, ...]
+    warnings: tuple[str, ...]
+
+
+def publish(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSource,
+            build: Callable[[Digests, Manifest | None], Manifest],
+            progress: Callable[[bytes, int | None], None] | None = None) -> Published:
+    """Publish entry `name` made of `wants` (see the module docstring). `build(digests, old)`
+    makes the manifest from the stored copies' digests and the entry it replaces (None if none,
+    or unreadable: a damaged manifest is simply replaced). `progress(key, nbytes)` follows each
+    object: kept (None) or written."""
+    before, _ = enforce_budget(tiers, keep=name)
+    written: dict[bytes, int] = {}
+    with tiers.lock.shared():
+        for _ in range(_ATTEMPTS):
+            digests, complete = _store(tiers, name, wants, source, written, progress)
+            if complete:
+                break
+        else:
+            raise ConflictError(f"other processes kept storing different copies of the objects of {name}: retry")
+        try:
+            old = tiers.local_manifest(name)
+        except FormatError:
+            old = None
+        manifest = build(digests, old)
+        tiers.lmdb.put_manifest(name, manifest.to_bytes())
+    if manifest.pinned:
+        tiers.refresh_pins()
+    else:
+        tiers.ensure_pins()
+    after, warnings = enforce_budget(tiers, keep=name)
+    return Published(manifest, written, tuple(before + after), tuple(warnings))
+
+
+def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSource, written: dict[bytes, int],
+           progress: Callable[[bytes, int | None], None] | None) -> tuple[dict[bytes, tuple[str, int]], bool]:
+    """One plan and its writes: (digests of the stored copies, complete). Not complete when
+    another process stored a different copy of an object meanwhile."""
+    digests: dict[bytes, tuple[str, int]] = {}
+    kept: dict[bytes, HotObject | None] = {}
+    missing = []
+    for want in wants:
+        try:
+            found = _local_copy(tiers, want, source.expected(want))
+        except ConflictError as exc:
+            users = [m.name for m, _ in tiers.local_manifests()[0] if want.key in {r.key for r in m.objects}]
+            raise ConflictError(f"cannot {source.action} {name}: this store holds its first tokens from another save "
+                                f"({exc}), used by {', '.join(users) or 'no entry'}; {source.advice}") from None
+        if found is None:
+            missing.append(want)
+            continue
+        info, kept[want.key] = found
+        digests[want.key] = (info.sha256, info.size)
+        if progress is not None:
+            progress(want.key, None)
+    complete = True
+    for batch in source.payloads(missing, kept):
+        tiers.lmdb.put_objects({k: p for k, (p, _) in batch.items()}, sha256s={k: d for k, (_, d) in batch.items()})
+        for key, (_, digest) in batch.items():
+            info = tiers.lmdb.object_info(key)
+            if info is None or info.sha256 != digest:
+                complete = False  # another writer stored its copy first (existing keys are skipped)
+                continue
+            digests[key] = (info.sha256, info.size)
+            written[key] = info.size
+            if progress is not None:
+                progress(key, info.size)
+    return digests, complete
+
+
+def _local_copy(tiers: TierSet, want: Want, expected: str | None) -> tuple[ObjectInfo, HotObject | None] | None:
+    """The LMDB copy of `want` to keep (with the object decoded when it was read), or None to
+    write one. ConflictError for a good copy of another save."""
+    info = tiers.lmdb.object_info(want.key)
+    if info is None:
+        return None
+    if info.sha256 == expected:
+        return info, None
+    try:
+        found = tiers.lmdb.get_verified(want.key)
+    except CorruptBlock:  # quarantined by the tier
+        return None
+    if found is None:
+        return None
+    try:
+        return info, decode(found[0], want, found[1])
+    except BAD_CONTENT as exc:
+        quarantine_lmdb(tiers.lmdb, want.key, f"{type(exc).__name__}: {exc}")
+        return None

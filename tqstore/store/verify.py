@@ -1,0 +1,114 @@
+"""Verifying stored objects: what an object must be (`Want`), the complete check of a payload
+against it (`decode`), and what to do with a copy that fails (`quarantine_lmdb`).
+
+Both the write paths (put, pull, import: publish.py; push; verify) and the read path (restore)
+check objects with these functions, so a copy is judged by one set of rules wherever it is
+met. A copy that is not what its key promises (BAD_CONTENT) is damage; a good object of
+another save (block 0 calibrated differently) is a ConflictError, never damage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from tqstore.errors import ChecksumMismatch, ConflictError, FormatError, IdentityMismatch, TokenMismatch
+from tqstore.format.blocks import BlockKey
+from tqstore.format.header import Expect, Provenance
+from tqstore.format.manifest import Manifest, ObjectRef
+from tqstore.format.objects import load as load_object
+from tqstore.models.identity import codecs_digest
+from tqstore.store.tiers.lmdb import LmdbTier
+from tqstore.store.tiers.memory import HotObject, decoded_nbytes
+
+BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
+
+
+@dataclass(frozen=True)
+class Want:
+    """One object a restore needs and what it must be (identity, tokens, keys, calibration)."""
+
+    key: bytes
+    kind: str
+    model: bytes
+    codec: bytes
+    tokens: tuple[int, ...] | None = None
+    bound: BlockKey | None = None  # a block's own key; a window's entry's last block key
+    calibration: bytes | None = None  # checked on block 0 and windows: later block keys hash it
+    sha256: str | None = None  # the bucket copy's digest, from a remote manifest
+
+    @property
+    def expect(self) -> Expect:
+        if self.kind == "shared":  # content-addressed and shared across identities: checked by digest
+            return Expect(kind="shared")
+        return Expect(self.kind, self.model, self.codec, self.tokens, self.bound)
+
+    def problem(self, kind: str, prov: Provenance) -> str | None:
+        """Why an object of `kind` with provenance `prov` is not this one, or None."""
+        if kind != self.kind:
+            return f"it is a {kind}, not a {self.kind}"
+        if kind == "shared":
+            return None
+        if (prov.model, prov.codec) != (self.model, self.codec):
+            return "it belongs to another model or codec identity"
+        if self.tokens is not None and tuple(prov.tokens or ()) != self.tokens:
+            return "it holds other tokens"
+        if self.bound is not None and prov.key != self.bound:
+            return "it belongs to another prefix chain"
+        return None
+
+    def other_save(self, kind: str, prov: Provenance) -> str | None:
+        """Why a good object under this key belongs to another save than the one wanted, or None.
+
+        Block 0's key does not hash calibration (it is fitted from block 0 itself), so two saves
+        of the same first tokens calibrated differently share that key; their later blocks do
+        not. Such an object is valid for the entries of its own save: a miss, not damage.
+        """
+        first = kind == "block" and prov.parent is None
+        if (first or kind == "window") and prov.calibration != self.calibration:
+            return ("it was calibrated differently from the entry's later blocks (another save of the same "
+                    "first tokens)")
+        return None
+
+
+def wants_for(manifest: Manifest, n_blocks: int, remote: bool) -> list[Want]:
+    """The objects of the first `n_blocks` blocks of `manifest`, its window and its shared codecs."""
+    keys, bs, ids = manifest.keys, manifest.block_size, (manifest.model_digest, manifest.codec_digest)
+    sha = (lambda ref: ref.sha256) if remote else (lambda ref: None)
+    wants = [Want(keys[i].raw, "block", *ids, manifest.tokens[i * bs:(i + 1) * bs], keys[i], manifest.calibration,
+                  sha(manifest.blocks[i])) for i in range(n_blocks)]
+    last = keys[-1] if keys else None
+    wants.append(Want(manifest.window.key, "window", *ids, None, last, manifest.calibration, sha(manifest.window)))
+    wants.append(Want(manifest.shared.key, "shared", *ids, sha256=sha(manifest.shared)))
+    return wants
+
+
+def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
+    """Verify `payload` completely against `want` and decode it. FormatError, IdentityMismatch or
+    TokenMismatch if it is not that object (damage); ConflictError if it is a good object of
+    another save (`Want.other_save`). `sha256` is the payload's hex digest where the tier that
+    returned it has just verified it against that digest (it is not hashed again)."""
+    header, obj = load_object(payload, expect=want.expect, verified=sha256 is not None)
+    problem = want.problem(header.kind, header.provenance)
+    if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
+        problem = "its codecs do not hash to its key"
+    if problem is not None:
+        raise IdentityMismatch(f"{want.kind} {want.key.hex()[:12]} does not fit here: {problem}")
+    other = want.other_save(header.kind, header.provenance)
+    if other is not None:
+        raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
+    digest = sha256 or hashlib.sha256(payload).hexdigest()
+    return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
+
+
+def check_digest(payload: bytes, ref: ObjectRef, what: str) -> None:
+    """ChecksumMismatch unless `payload` hashes to the digest `ref` records; `what` names it."""
+    if hashlib.sha256(payload).hexdigest() != ref.sha256:
+        raise ChecksumMismatch(f"{what} is not the copy its manifest records (sha256 mismatch): run tqstore verify, "
+                               "then save, pull or export the entry again")
+
+
+def quarantine_lmdb(lmdb: LmdbTier, key: bytes, reason: str) -> None:
+    """Quarantine an LMDB object whose bytes are intact but whose content is not what its key
+    promises (LmdbTier quarantines checksum failures itself)."""
+    lmdb.quarantine(key, reason)
