@@ -44,7 +44,6 @@ from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
 from tqstore.serve.worker import Failed, Finished, Job, ModelWorker, QueueFull, Text
 
 log = logging.getLogger("tqstore.serve")
-BODY_STALL_SECONDS = 30.0  # a request body that sends nothing for this long gets 408
 
 
 @dataclass
@@ -62,6 +61,7 @@ class App:
     # Names the Host header (and a browser's Origin) may use; None accepts any (a wildcard bind
     # without --allowed-host: the API key, which such a bind requires, is the guard).
     allowed_hosts: frozenset[str] | None = frozenset(LOOPBACK_NAMES)
+    stall_seconds: float = 30.0  # --keep-alive: a body that sends nothing for this long gets 408
 
     @property
     def store(self):
@@ -159,9 +159,9 @@ class Guard:
         body = bytearray()
         while len(body) < length:
             try:
-                message = await asyncio.wait_for(receive(), BODY_STALL_SECONDS)
+                message = await asyncio.wait_for(receive(), self.app.stall_seconds)
             except TimeoutError:
-                raise ApiError(408, f"the request body stalled for {BODY_STALL_SECONDS:.0f} s",
+                raise ApiError(408, f"the request body stalled for {self.app.stall_seconds:g} s (--keep-alive)",
                                code="timeout") from None
             if message["type"] == "http.disconnect":
                 raise ClientGone()

@@ -28,9 +28,6 @@ from tqstore.serve.worker import ModelWorker, SavePolicy
 
 log = logging.getLogger("tqstore.serve")
 BACKLOG = 64  # the listen backlog: bursts of clients connect at once
-# Seconds an idle keep-alive connection is kept, and a new connection has to send its request
-# head (slow clients: see _Protocol).
-KEEP_ALIVE_SECONDS = 30
 MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this get 400 (h11's limit)
 
 
@@ -68,21 +65,43 @@ def run(args: argparse.Namespace, config: Config) -> int:
                              policy=SavePolicy(not args.no_save, args.save_min_tokens, args.save_ttl or None))
         app = App(worker, worker.metrics, model_id, tuple(dict.fromkeys((model_id, args.model))),
                   Sampling(args.max_tokens, args.temp, args.top_p, None, ()), api_key, args.max_body_bytes,
-                  int(time.time()), allowed_hosts(args.host, args.allowed_host))
+                  int(time.time()), allowed_hosts(args.host, args.allowed_host), args.keep_alive)
         return _serve(app, _listen(args.host, args.port), args, scheme)
     finally:
         store.close()
 
 
 class _Protocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline on a new connection's first request head:
-    uvicorn arms its keep-alive timer only after a response, so a client that connects and
-    sends nothing, or its headers a byte at a time, would hold the connection forever. The
-    timer is the keep-alive one; uvicorn stops it when a whole request head has arrived."""
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request head. uvicorn's keep-alive
+    timer starts only after a response and stops at any byte received, so a client that
+    connects and sends nothing, sends its headers a byte at a time, or trickles a refused body
+    would hold its connection forever. Here a connection has --keep-alive seconds, from its
+    start and from each response, to deliver a whole request head; while a request is being
+    answered the deadline does not apply (Guard times out a stalled body)."""
+
+    _deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.timeout_keep_alive, self._expire)
+
+    def _expire(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # waiting for the client, not answering it
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -131,7 +150,7 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str)
                     "and the store (set %s)", host, API_KEY_ENV)
     config = uvicorn.Config(Guard(app), http=_Protocol, loop="asyncio", lifespan="off", log_config=None,
                             log_level=args.log_level, server_header=False, limit_concurrency=args.max_connections,
-                            backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                            backlog=BACKLOG, timeout_keep_alive=args.keep_alive,
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     server = _Server(config, worker)
     worker.start()

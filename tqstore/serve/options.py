@@ -78,6 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-connections", type=positive_int, default=1024,
                         help="open connections (and requests in progress) beyond which new requests get 503 at "
                              "once (default 1024)")
+    parser.add_argument("--keep-alive", type=flag_type(parse_duration, "--keep-alive"), default=30.0,
+                        help="how long an idle connection is kept open, and the longest a client may stay silent "
+                             "while sending a request (headers or body) before it is dropped: seconds or 1m, ... "
+                             "(default 30s)")
     parser.add_argument("--max-body-bytes", type=flag_type(parse_size, "--max-body-bytes"), default=16 << 20,
                         help="largest request body, e.g. 16MiB (default); larger ones get 413")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
