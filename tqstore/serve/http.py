@@ -101,7 +101,9 @@ class Guard:
         except ClientGone:
             pass
         except Exception as e:
-            if status:  # the response started (a stream): the client went away, or the error went in the stream
+            if status:  # the response started (a stream): nothing more can be sent
+                if not isinstance(e, OSError):  # OSError: the client went away mid-write
+                    log.error("%s %s failed after its response started", method, scope["path"], exc_info=True)
                 return
             error = _routing_error(e, scope, endpoint) or api_error(e)
             if error.status >= 500:
@@ -217,10 +219,11 @@ def _json(body: bytes, required: bool = True) -> Any:
         raise ApiError(400, "the request body nests JSON too deeply") from None
 
 
-async def _submit(request: Request, submit) -> JobEvents:
-    """Queue a job (`submit(sink)`) whose events the handler then awaits."""
+async def _submit(request: Request, submit, texts: bool = False) -> JobEvents:
+    """Queue a job (`submit(sink)`) whose events the handler then awaits (Text events only if
+    `texts`: a stream)."""
     app: App = request.app
-    events = JobEvents(request.receive)
+    events = JobEvents(request.receive, texts)
     try:
         events.job = submit(events.sink)
     except QueueFull as e:
@@ -249,7 +252,7 @@ async def _generate(request: Request, chat: bool) -> Response:
     app: App = request.app
     body = parse_generation(_json(await request.body()), chat=chat, defaults=app.defaults)
     check_model(body.model, app.model_names)
-    events = await _submit(request, lambda sink: app.worker.generate(body, sink))
+    events = await _submit(request, lambda sink: app.worker.generate(body, sink), texts=body.stream)
     ids = ResponseIds(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), app.model_id, chat)
     if not body.stream:
         gen = await events.result()

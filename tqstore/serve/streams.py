@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import Receive
 
-from tqstore.serve.worker import Failed, Finished, Job
+from tqstore.serve.worker import Failed, Finished, Job, Text
 
 
 class ClientGone(Exception):
@@ -22,18 +22,23 @@ class ClientGone(Exception):
 
 class JobEvents:
     """One job's events on the event loop, read on behalf of the client whose `receive` (the
-    ASGI channel, its body already read) says when it disconnects."""
+    ASGI channel, its body already read) says when it disconnects. Without `texts` (a whole
+    response, not a stream) Text events are dropped on the worker's side: the Finished event
+    carries the whole text, and the loop is not woken for every token."""
 
-    def __init__(self, receive: Receive):
+    def __init__(self, receive: Receive, texts: bool = False):
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._receive = receive
         self._gone: asyncio.Future | None = None
         self._ended = False
+        self._texts = texts
         self.job: Job | None = None
 
     def sink(self, event: Any) -> None:
         """The worker's side (its own thread): queue `event` for the loop."""
+        if isinstance(event, Text) and not self._texts:
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the loop is closed: nobody waits for this job any more
