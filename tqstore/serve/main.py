@@ -27,7 +27,10 @@ from tqstore.serve.openai_schema import Sampling
 from tqstore.serve.worker import ModelWorker, SavePolicy
 
 log = logging.getLogger("tqstore.serve")
-BACKLOG = 64  # the listen backlog: bursts of clients connect at once
+BACKLOG = 1024  # the listen backlog: a burst of clients connecting at once waits here, not in SYN retries
+# On SIGTERM, once the model worker has stopped (every job ended), responses still being written
+# get this long; then their tasks are cancelled (a client stalling mid-body would hold shutdown).
+SHUTDOWN_GRACE_SECONDS = 5
 MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this get 400 (h11's limit)
 
 
@@ -154,7 +157,8 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str)
     config = uvicorn.Config(Guard(app), http=_Protocol, loop="asyncio", lifespan="off", log_config=None,
                             log_level=args.log_level, server_header=False, limit_concurrency=args.max_connections,
                             backlog=BACKLOG, timeout_keep_alive=args.keep_alive,
-                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     server = _Server(config, worker)
     worker.start()
     url = f"http://{host}:{port}/v1"
