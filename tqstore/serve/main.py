@@ -160,6 +160,14 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str)
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
     server = _Server(config, worker)
+    # Stopping works from the moment the port is announced: uvicorn installs its own handlers
+    # only once it runs, and a SIGTERM in between would kill the process (exit -15).
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, server.handle_exit)
+        except ValueError:  # not the main thread (run embedded): the caller stops the process
+            pass
     worker.start()
     url = f"http://{host}:{port}/v1"
     if getattr(args, "json", False):  # the CLI's --json: one JSON document on stdout
@@ -172,6 +180,8 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str)
     finally:
         sock.close()
         worker.stop()  # again, in case the server never started: it returns at once otherwise
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     error = worker.load_error
     if error is not None:
         if isinstance(error, TqstoreError):
