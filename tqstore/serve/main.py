@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
     # server whose counters all start with it (a process-wide switch; this process is the server).
     prometheus_client.disable_created_metrics()
     if not logging.getLogger().handlers:
-        level = "WARNING" if getattr(args, "quiet", False) else args.log_level.upper()  # the CLI's -q
+        level = _log_level(args).upper()
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         scheme = parse_scheme(config.default_scheme if args.scheme is None else args.scheme).name
@@ -72,6 +72,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
         return _serve(app, _listen(args.host, args.port), args, scheme)
     finally:
         store.close()
+
+
+def _log_level(args: argparse.Namespace) -> str:
+    """--log-level, or warning under the CLI's -q (uvicorn's access log included)."""
+    return "warning" if getattr(args, "quiet", False) else args.log_level
 
 
 class _Protocol(H11Protocol):
@@ -155,7 +160,7 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str)
         log.warning("listening on %s without an API key (--insecure): anyone who can reach it can use the model "
                     "and the store (set %s)", host, API_KEY_ENV)
     config = uvicorn.Config(Guard(app), http=_Protocol, loop="asyncio", lifespan="off", log_config=None,
-                            log_level=args.log_level, server_header=False, limit_concurrency=args.max_connections,
+                            log_level=_log_level(args), server_header=False, limit_concurrency=args.max_connections,
                             backlog=BACKLOG, timeout_keep_alive=args.keep_alive,
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
