@@ -106,9 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stopped(exc, "--json" in argv)
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
-        _choose_blas(args, argv, out)
-        _keep_compiled_kernels(args)
         with Context(args, out) as ctx, warnings.catch_warnings():
+            _choose_blas(ctx, argv)
+            _keep_compiled_kernels(ctx)
             warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
     except UsageError as exc:  # a command that checks its arguments further (ask)
@@ -159,29 +159,26 @@ def _stopped(exc: UsageError | SystemExit, json_mode: bool) -> int:
     return EXIT_USAGE
 
 
-def _choose_blas(args: argparse.Namespace, argv: list[str], out: Output) -> None:
+def _choose_blas(ctx: Context, argv: list[str]) -> None:
     """Restart this process on OpenBLAS when --blas, $TQSTORE_BLAS or the config's store.blas
     (default `auto`: wherever it is installed) says so, before MLX runs; commands that run the
     model say once how to install it when it is missing."""
-    from tqstore.config import load_config
     from tqstore.models import blas
 
-    library, hint = blas.resolve(args.blas or load_config(args.home).blas)
-    if hint is not None and getattr(args.func, "__name__", "") in MODEL_COMMANDS:
-        out.note(f"note: {hint}")
+    library, hint = blas.resolve(ctx.args.blas or ctx.config.blas)
+    if hint is not None and getattr(ctx.args.func, "__name__", "") in MODEL_COMMANDS:
+        ctx.out.note(f"note: {hint}")
     if library == "bundled":
         return
     # The same command again through `python -m tqstore_cli`, whatever started this process.
     blas.reexec_with(library, ["-m", "tqstore_cli", *argv])
 
 
-def _keep_compiled_kernels(args: argparse.Namespace) -> None:
+def _keep_compiled_kernels(ctx: Context) -> None:
     """Point MLX's CUDA kernel cache (compiled cubin/PTX, read before NVRTC runs) into the home
     unless the user chose a folder: MLX's default, /tmp/mlx, is emptied on reboot and absent in a
     fresh container, and every fused decode kernel variant then compiles again in the first ask."""
-    from tqstore.config import resolve_home
-
-    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(resolve_home(args.home) / "cache" / "mlx-ptx"))
+    os.environ.setdefault("MLX_PTX_CACHE_DIR", str(ctx.home / "cache" / "mlx-ptx"))
 
 
 def describe_os_error(exc: OSError) -> str:

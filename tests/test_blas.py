@@ -62,7 +62,7 @@ def test_the_tests_run_on_one_pinned_blas():
 
 @pytest.mark.skipif(blas.openblas_library() is None, reason="needs Debian's OpenBLAS")
 def test_reexec_preloads_openblas_into_the_process():
-    code = ("import sys; from tqstore import blas; blas.reexec_with('openblas'); "
+    code = ("import sys; from tqstore.models import blas; blas.reexec_with('openblas'); "
             "print(blas.active_blas(), open('/proc/self/maps').read().count('libopenblas'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "openblas" and int(out[1]) > 0

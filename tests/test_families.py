@@ -13,8 +13,7 @@ from turboquant import parse_scheme
 from turboquant.at_rest import AtRestKVCache
 from turboquant.cache import TurboQuantKVCache
 from turboquant.calibration import CalibrationConfig, fit_key_calibration
-from turboquant.integration import (_checked_fallback, _planned_caches, check_plan, compress_caches,
-                                    layer_residences, make_prompt_cache, probe_kv_shapes, restore, snapshot)
+from turboquant.integration import (_checked_fallback, _planned_caches, check_plan, layer_residences, make_prompt_cache, probe_kv_shapes, restore, snapshot)
 from turboquant.plan import plan_layer
 from turboquant.residence import Residence, layers_read_by_model
 from turboquant.rotation import Rotation

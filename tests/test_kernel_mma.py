@@ -18,12 +18,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.kernels import DEFAULT_TUNING, KernelTuning, emulate, host
+from turboquant.kernels import DEFAULT_TUNING, KernelTuning, host
 from turboquant.kernels import dialects
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.mma import MMA_ROWS, MmaPass1, table_copies
-from turboquant.kernels.reference import build_cache, reference, stored
+from turboquant.kernels.reference import build_cache, stored
+
+from kernel_support import emulate
+from kernel_support.reference import reference
 
 RTOL = 2e-3
 

@@ -14,14 +14,16 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import KernelTuning, dialects, emulate, host, metal
+from turboquant.kernels import KernelTuning, dialects, host, metal
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.merge import Pass2
 from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import build_cache, reference, stored, tail
+from turboquant.kernels.reference import build_cache, stored, tail
 
 from kernel_backend import force_backend
+from kernel_support import emulate
+from kernel_support.reference import reference
 
 needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 

@@ -14,17 +14,19 @@ import numpy as np
 import pytest
 
 from turboquant import kernels
-from turboquant.kernels import KernelTuning, emulate, host, metal
+from turboquant.kernels import KernelTuning, host, metal
 from turboquant.kernels import dialects, merge
 from turboquant.kernels import template as tpl
 from turboquant.kernels.merge import Pass2
 from turboquant.kernels.query import Pass0
 from turboquant.kernels.cuda import translation_unit
 from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import build_cache, reference, stored, tail
+from turboquant.kernels.reference import build_cache, stored, tail
 from turboquant.sides import NativeSide
 
 from kernel_backend import force_backend
+from kernel_support import emulate
+from kernel_support.reference import reference
 
 D_VALUES = (64, 80, 96, 128, 256)
 

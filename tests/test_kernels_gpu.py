@@ -24,7 +24,9 @@ import pytest
 from turboquant import kernels
 from turboquant.kernels import KernelTuning, host
 from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import attention64, build_cache, dequantized, reference, stored, tail
+from turboquant.kernels.reference import attention64, build_cache, dequantized, stored, tail
+
+from kernel_support.reference import reference
 
 pytestmark = pytest.mark.gpu
 

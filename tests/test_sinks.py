@@ -8,11 +8,11 @@ import mlx.core as mx
 import pytest
 
 from kernel_backend import force_backend
+from kernel_support import emulate
 from kv_data import kv_rows
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.cache import TurboQuantKVCache
-from turboquant.kernels import emulate
 from turboquant.plan import plan_layer
 from mlx_lm.models.cache import KVCache
 

@@ -236,9 +236,10 @@ def test_manifests(tier):
         tier.get_manifest("")
 
 
-def test_publish_writes_objects_then_the_manifest(tier):
+def test_objects_then_the_manifest(tier):
     objects = {key(i): payload(i, 9000) for i in range(3)}
-    assert tier.publish("entry", b"{}", objects) == (3, 0)
+    assert tier.put_objects(objects) == (3, 0)
+    tier.put_manifest("entry", b"{}")
     assert tier.get_manifest("entry") == b"{}"
     assert all(tier.get_object(k) == v for k, v in objects.items())
 
@@ -248,7 +249,8 @@ PUBLISH_THEN_DIE = """
     from tqstore.store.tiers.lmdb import LmdbTier
     tier = LmdbTier.open(sys.argv[1], segment_size=4096, map_size=1 << 20, min_free_disk_bytes=0)
     tier.put_manifest = lambda name, data: os.kill(os.getpid(), signal.SIGKILL)  # die between the commits
-    tier.publish("entry", b"{}", {hashlib.sha256(b"%d" % i).digest(): b"x" * 10000 for i in range(3)})
+    tier.put_objects({hashlib.sha256(b"%d" % i).digest(): b"x" * 10000 for i in range(3)})  # committed on return
+    tier.put_manifest("entry", b"{}")
 """
 
 
@@ -269,7 +271,8 @@ PUBLISH_FOREVER = """
     print("ready", flush=True)
     for n in range(10**6):
         objects = {hashlib.sha256(b"%d/%d" % (n, i)).digest(): os.urandom(5000 * (i + 1)) for i in range(4)}
-        tier.publish(f"e{n}", json.dumps([k.hex() for k in objects]).encode(), objects)
+        tier.put_objects(objects)  # committed before the manifest's own transaction
+        tier.put_manifest(f"e{n}", json.dumps([k.hex() for k in objects]).encode())
 """
 
 
@@ -337,7 +340,8 @@ def test_two_processes_write_and_read_concurrently(tmp_path):
 def test_free_disk_guard_refuses_writes_and_keeps_earlier_data(tmp_path):
     path = tmp_path / "lmdb"
     tier = open_tier(path)
-    tier.publish("kept", b"{}", {key(1): b"earlier"})
+    tier.put_objects({key(1): b"earlier"})
+    tier.put_manifest("kept", b"{}")
     tier.close()
     tier = open_tier(path, min_free_disk_bytes=1 << 62)
     with pytest.raises(DiskFull) as info:

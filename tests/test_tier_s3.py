@@ -85,18 +85,16 @@ def test_objects_are_create_only(s3):
     assert tier.get_object(key(1)) == b"first"
 
 
-def test_put_objects_skips_what_the_bucket_has(s3):
+def test_get_objects_answers_for_each_key(s3):
     tier = s3.tier()
     first = {key(i): payload(i, 1000 * (i + 1)) for i in range(4)}
-    assert tier.put_objects(first) == (4, 0)
-    requests = Requests(tier)
-    progress = []
-    more = first | {key(10): b"new one", key(11): b"another"}
-    counts = tier.put_objects(more, progress=lambda *p: progress.append(p))
-    assert counts == (2, 4) and counts.stored == 2 and counts.skipped == 4
-    assert requests.count("HeadObject") == 6 and requests.count("PutObject") == 2  # only new bodies sent
-    assert len(progress) == 6 and progress[-1] == (6, 6, len(b"new one") + len(b"another"))
-    assert tier.get_objects([key(0), key(11), key(99)]) == {key(0): first[key(0)], key(11): b"another", key(99): None}
+    for k, v in first.items():
+        assert tier.put_object(k, v) is True
+    s3.client.put_object(Bucket=s3.bucket, Key=tier.object_name(key(3)), Body=b"damaged",
+                         Metadata={"tq-sha256": hashlib.sha256(first[key(3)]).hexdigest()})
+    got = tier.get_objects([key(0), key(1), key(3), key(99)])
+    assert got[key(0)] == first[key(0)] and got[key(1)] == first[key(1)] and got[key(99)] is None
+    assert isinstance(got[key(3)], CorruptBlock)  # one damaged object hides none of the others
 
 
 def test_multipart_upload_round_trip(s3):
@@ -142,7 +140,8 @@ def test_corrupt_object_is_detected(s3):
 
 def test_list_and_delete_objects(s3):
     tier = s3.tier()
-    tier.put_objects({key(i): b"x" for i in range(5)})
+    for i in range(5):
+        tier.put_object(key(i), b"x")
     s3.client.put_object(Bucket=s3.bucket, Key="kv/objects/zz/not-a-key", Body=b"")
     s3.client.put_object(Bucket=s3.bucket, Key="other/objects/aa/" + "aa" * 32, Body=b"")
     assert sorted(tier.list_object_keys()) == sorted(key(i) for i in range(5))
@@ -205,7 +204,7 @@ def test_unreachable_server_fails_fast_and_names_the_endpoint(s3):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     tier = S3Tier("bucket", endpoint_url=endpoint, region="us-east-1", max_attempts=1, connect_timeout=1)
     start = time.monotonic()
-    for call in (lambda: tier.put_objects({key(1): b"x"}), lambda: tier.get_manifest("m"),
+    for call in (lambda: tier.put_object(key(1), b"x"), lambda: tier.get_manifest("m"),
                  lambda: list(tier.list_object_keys()), lambda: tier.get_object(key(1))):
         with pytest.raises(RemoteUnreachable) as info:
             call()

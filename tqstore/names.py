@@ -8,10 +8,11 @@ from tqstore.errors import InvalidName
 
 # ASCII only and no separators, so a name is safe as an LMDB key, an S3 key part and a file name
 # on every platform; it cannot start with '.' or '-' (no hidden files, no ".." and no flag lookalikes).
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+MAX_NAME_LENGTH = 128
+_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_LENGTH - 1}}}", re.ASCII)
 
 NAME_RULE = (
-    "1 to 128 ASCII characters from A-Z a-z 0-9 . _ -, starting with a letter or a digit"
+    f"1 to {MAX_NAME_LENGTH} ASCII characters from A-Z a-z 0-9 . _ -, starting with a letter or a digit"
 )
 
 

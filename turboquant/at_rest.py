@@ -14,7 +14,6 @@ it was restored from, and rows added later are encoded once, when the next snaps
 
 from __future__ import annotations
 
-import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .cache import TurboQuantKVCache

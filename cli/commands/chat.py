@@ -11,13 +11,12 @@ import argparse
 import re
 import sys
 
-from tqstore.names import validate_name
+from tqstore.names import MAX_NAME_LENGTH, validate_name
 
 from .. import render
 from ..context import Context
 from .generate import add_generation_options, generation_options
 
-MAX_NAME = 128  # tqstore.names: 1 to 128 characters
 TURN = re.compile(r"(.+)\.turn-(\d+)", re.ASCII)
 
 
@@ -34,7 +33,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 def turn_name(base: str, n: int) -> str:
     """The name of turn `n` of a conversation on `base`, shortened to fit the name rule."""
     suffix = f".turn-{n}"
-    return base[:MAX_NAME - len(suffix)] + suffix
+    return base[:MAX_NAME_LENGTH - len(suffix)] + suffix
 
 
 def newest_turn(names: list[str], base: str) -> int:

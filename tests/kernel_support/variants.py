@@ -4,8 +4,8 @@ translation unit). `source_digests.json` beside this file holds the digests of t
 was when the kernel bodies still lived in Python strings; a refactoring of the generators must
 reproduce it byte for byte.
 
-Regenerate (only for an intended change of the kernel text):
-    python tests/kernel_support/variants.py --write
+Regenerate (only for an intended change of the kernel text), from the repository root:
+    PYTHONPATH=.:tests python -m kernel_support.variants --write
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from kernel_support import emulate
 from turboquant.kernels import cuda
-from turboquant.kernels import emulate
 from turboquant.kernels.merge import Pass2
 from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.query import Pass0

@@ -54,15 +54,15 @@ def test_a_rm_on_a_full_disk_makes_room_for_the_next_put(tmp_path, monkeypatch):
     store.close()
 
 
-def over_a_lowered_budget_on_a_full_disk(monkeypatch, home):
+def over_a_lowered_budget_on_a_full_disk(monkeypatch, home, **settings):
     """A store of four entries, opened again with a lower budget than they fill, on a disk with
     100 kB left (less than one more entry)."""
-    store = open_store(home)
+    store = open_store(home, **settings)
     for i in range(4):
         put(store, f"e{i}", 600, i)
     store.close()
     small_disk(monkeypatch, home, sum(f.stat().st_size for f in home.rglob("*") if f.is_file()) + 100_000)
-    return open_store(home, lmdb_budget_bytes=1_500_000)
+    return open_store(home, lmdb_budget_bytes=1_500_000, **settings)
 
 
 def test_a_store_over_a_lowered_budget_evicts_before_it_writes(tmp_path, monkeypatch):
@@ -74,16 +74,22 @@ def test_a_store_over_a_lowered_budget_evicts_before_it_writes(tmp_path, monkeyp
     store.close()
 
 
-def test_an_import_into_a_store_over_a_lowered_budget_evicts_before_it_writes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["import", "pull"])
+def test_an_import_or_pull_into_a_store_over_a_lowered_budget_evicts_before_it_writes(how, tmp_path, monkeypatch,
+                                                                                       request):
     """Before: import_bundle published its objects by its own copy of the put path, without the
     eviction that put and pull run before they write, so on a full disk lowering the budget
-    never let an import in (the three now share store/publish.py)."""
-    source = open_store(tmp_path / "source")
+    never let an import in (put, pull and import now share store/publish.py)."""
+    settings = s3_settings(request.getfixturevalue("s3")) if how == "pull" else {}
+    source = open_store(tmp_path / "source", **settings)
     put(source, "doc", 600, 10)
-    export_bundle(source, "doc", tmp_path / "doc.tqb")
+    if how == "pull":
+        source.push("doc")
+    else:
+        export_bundle(source, "doc", tmp_path / "doc.tqb")
     source.close()
-    store = over_a_lowered_budget_on_a_full_disk(monkeypatch, tmp_path / "home")
-    result = import_bundle(store, tmp_path / "doc.tqb")
+    store = over_a_lowered_budget_on_a_full_disk(monkeypatch, tmp_path / "home", **settings)
+    result = store.pull("doc") if how == "pull" else import_bundle(store, tmp_path / "doc.tqb")
     assert result.evicted and "doc" in [e.name for e in store.ls()] and store.verify() == []
     assert store.load("doc")[1].tokens == 1112
     store.close()

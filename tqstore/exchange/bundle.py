@@ -20,8 +20,8 @@ import os
 import struct
 
 from tqstore.durable import write_file_atomic
-from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, MalformedHeader, TruncatedData,
-                     UnsupportedFormatVersion)
+from tqstore.errors import BadMagic, ChecksumMismatch, MalformedHeader, TruncatedData
+from tqstore.format.versions import check_version
 
 BUNDLE_MAGIC = b"\x89TQB\r\n\x1a\n"
 BUNDLE_VERSION = 1
@@ -71,13 +71,7 @@ def parse_bundle(data: bytes, name: str = "bundle") -> tuple[bytes, dict[bytes, 
     magic, version, reserved, toc_len, body_len, digest = _FRAME.unpack_from(data)
     if magic != BUNDLE_MAGIC:
         raise BadMagic(f"{name} is not a tqstore bundle (wrong magic bytes)")
-    if version not in READABLE_BUNDLE_VERSIONS:
-        readable = ", ".join(map(str, sorted(READABLE_BUNDLE_VERSIONS)))
-        if version > max(READABLE_BUNDLE_VERSIONS):
-            raise FormatVersionTooNew(f"{name} was written by a newer tqstore (bundle version {version}; this one "
-                                      f"reads {readable}): upgrade tqstore")
-        raise UnsupportedFormatVersion(f"{name} has bundle version {version}, which this tqstore cannot read "
-                                       f"(it reads {readable}); export it again with this version")
+    check_version(version, READABLE_BUNDLE_VERSIONS, f"bundle {name}", "export it again with this tqstore")
     if len(data) - FRAME_SIZE != body_len:
         raise TruncatedData(f"{name} has {len(data) - FRAME_SIZE} bytes after its frame, the frame says {body_len}; "
                             "the file is truncated or has trailing data: copy or export it again")

@@ -37,8 +37,8 @@ from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
 from tqstore.format.blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
 from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
-from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
-                     TokenMismatch, TruncatedData, UnsupportedFormatVersion)
+from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
+                     TokenMismatch, TruncatedData)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
                      codec_tensor, layer_tensor, parse_header)
 from tqstore.format.versions import check_version

@@ -26,7 +26,7 @@ from tqstore.format.manifest import Manifest, ObjectRef, window_key
 from tqstore.format.objects import dumps as dump_object
 from tqstore.models.identity import CodecIdentity, ModelIdentity, codecs_digest
 from tqstore.names import validate_name
-from tqstore.store.publish import Batch, publish
+from tqstore.store.publish import Batch, Digests, publish
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet
 from tqstore.store.verify import Want
@@ -73,11 +73,11 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
     ours += [_hot(split.window, "window", Provenance(md, cd, cal, key=last)), _hot(split.shared, "shared")]
     source = _Encoder(tiers, wants, ours, bs)
 
-    def build(digests, old: Manifest | None) -> Manifest:
-        ref = lambda w: ObjectRef(w.key, *digests[w.key])  # noqa: E731
+    def build(digests: Digests, old: Manifest | None) -> Manifest:
+        refs = [ObjectRef(w.key, *digests[w.key]) for w in wants]
         return Manifest(
             name=name, model_identity=model, model_digest=md, codec_digest=cd, scheme=codec.scheme, tokens=tokens,
-            block_size=bs, blocks=tuple(ref(w) for w in wants[:-2]), shared=ref(wants[-1]), window=ref(wants[-2]),
+            block_size=bs, blocks=tuple(refs[:-2]), shared=refs[-1], window=refs[-2],
             calibration=cal, sliding=not split.reusable_as_prefix, created=time.time(),
             prefill_seconds=float(prefill_seconds), model_ref=model_ref, adapter_path=adapter_path,
             pinned=pin or (old is not None and old.pinned),

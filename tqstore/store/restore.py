@@ -122,18 +122,10 @@ def _from_lmdb(tiers: TierSet, want: Want, found: tuple[bytes, str] | None | Cor
 
 
 def _from_s3(tiers: TierSet, wants: list[Want], out: Fetched) -> None:
-    s3 = tiers.s3
-
-    def get(want: Want) -> bytes | None | TqstoreError:
-        try:
-            return s3.get_object(want.key, want.sha256)
-        except TqstoreError as exc:  # reported per object below, on this thread
-            return exc
-
-    with ThreadPoolExecutor(max_workers=min(s3.concurrency, len(wants))) as pool:
-        results = list(pool.map(get, wants))
+    results = tiers.s3.get_objects([w.key for w in wants], {w.key: w.sha256 for w in wants})
     promoted = {}
-    for want, result in zip(wants, results):
+    for want in wants:
+        result = results[want.key]  # errors are reported per object, on this thread
         what = f"{want.kind} {want.key.hex()[:12]}"
         if result is None or isinstance(result, TqstoreError):
             out.misses.append(f"S3 copy of {what}: {result or 'not in the bucket'}")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
@@ -91,7 +90,7 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         digests = _upload(tiers, s3, manifest, tally)
         remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
         manifest = _intend(tiers, manifest, remote)
-        etag, written = _publish(s3, manifest, remote)
+        etag, written = _publish_manifest(s3, manifest, remote)
         if not written:
             up_to_date.append(manifest.name)
         if tiers.lmdb.get_manifest(manifest.name) == manifest.to_bytes():  # unless replaced meanwhile
@@ -114,7 +113,7 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally) -> di
     rest = [r for r in manifest.objects if r.key not in unbound]
     digests: dict[bytes, tuple[str, int]] = {}
 
-    def one(ref: ObjectRef) -> tuple[bytes, str, int, int | None]:
+    def one(ref: ObjectRef) -> tuple[str, int, int | None]:
         info = s3.object_info(ref.key)
         if info is None:
             try:
@@ -125,41 +124,24 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally) -> di
                 raise NotFound(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
                                f"{ref.key.hex()[:12]} is missing from the local store (tqstore verify); save it again")
             if s3.put_object(ref.key, payload):
-                return ref.key, hashlib.sha256(payload).hexdigest(), len(payload), len(payload)
+                return hashlib.sha256(payload).hexdigest(), len(payload), len(payload)
             info = s3.object_info(ref.key)  # another machine uploaded it in between
             if info is None:
                 raise ConflictError(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
                                     f"{ref.key.hex()[:12]} was deleted from the bucket while it was pushed (a remote "
                                     "gc?): push again")
-        return ref.key, info.sha256, info.size, None
+        return info.sha256, info.size, None
+
+    def done(ref: ObjectRef, result: tuple[str, int, int | None]) -> None:
+        digests[ref.key] = result[:2]
+        tally.count(result[2])
 
     for ref in first:
-        _run(s3.concurrency, one, [ref], digests, tally)
+        s3.each(one, [ref], done)
         if digests[ref.key][0] != ref.sha256:
             _check_bucket_copy(s3, manifest, wants[ref.key], digests[ref.key][0])
-    _run(s3.concurrency, one, rest, digests, tally)
+    s3.each(one, rest, done)  # the first error stops it; uploads already finished stay (a retried push skips them)
     return digests
-
-
-def _run(concurrency: int, fn: Callable[[ObjectRef], tuple[bytes, str, int, int | None]], refs: list[ObjectRef],
-         digests: dict[bytes, tuple[str, int]], tally: _Tally) -> None:
-    """`fn` over `refs` in parallel; results counted on this thread; the first error stops it
-    (uploads already finished stay: a retried push skips them)."""
-    if not refs:
-        return
-    with ThreadPoolExecutor(max_workers=min(concurrency, len(refs))) as pool:
-        futures = [pool.submit(fn, ref) for ref in refs]
-        pending = set(futures)
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                if future.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise future.exception()
-                key, sha, size, moved = future.result()
-                digests[key] = (sha, size)
-                tally.count(moved)
 
 
 def _check_bucket_copy(s3: S3Tier, manifest: Manifest, want: Want, sha256: str) -> None:
@@ -216,7 +198,7 @@ def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
         raise
 
 
-def _publish(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
+def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
     """Write the bucket's manifest; returns (its etag, whether it was written)."""
     got = s3.get_manifest(local.name)
     if got is None:
@@ -275,16 +257,10 @@ class _Bucket:
             yield self._download(missing[i:i + step])
 
     def _download(self, wants: list[Want]) -> Batch:
-        def get(want: Want) -> bytes | None | TqstoreError:
-            try:
-                return self.s3.get_object(want.key, want.sha256)
-            except TqstoreError as exc:
-                return exc
-
-        with ThreadPoolExecutor(max_workers=max(1, min(self.s3.concurrency, len(wants)))) as pool:
-            payloads = list(pool.map(get, wants))
+        payloads = self.s3.get_objects([w.key for w in wants], {w.key: w.sha256 for w in wants})
         verified = {}
-        for want, payload in zip(wants, payloads):
+        for want in wants:
+            payload = payloads[want.key]
             what = f"{want.kind} {want.key.hex()[:12]}"
             if isinstance(payload, TqstoreError):
                 raise payload

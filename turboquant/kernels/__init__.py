@@ -46,9 +46,9 @@ TurboQuant V), turbo and calibrated (TurboQuant K and V, per-block key means), a
 and V, 4 or 8 bits); TurboQuant bits 1-4; any GQA ratio (8 query rows share one read of their KV
 head; larger ratios read it once per 8 rows).
 
-`emulate.py` runs the very same kernel text on the CPU (one OS thread per GPU thread), which is
-how the CPU tests check the kernels' logic; `reference.py` builds caches and the float64
-reference for tests and the benchmark.
+The tests' emulator (tests/kernel_support/emulate.py) runs the very same kernel text on the CPU
+(one OS thread per GPU thread), which is how the CPU tests check the kernels' logic;
+`reference.py` builds caches and the float64 attention for the benchmark and the tests.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import functools
 
 import mlx.core as mx
 
+from .dialects import section
 from .merge import Pass2
 from .query import Pass0
-from .dialects import section
 from .template import Pass1, output_names, source
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "uint32": "uint32_t",

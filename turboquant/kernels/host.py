@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..rotation import Rotation, RotationKind
 from ..sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
-from .merge import MAX_BLOCKS, OUTPUTS2, Pass2
+from .merge import MAX_BLOCKS, Pass2
 from .mma import MMA_ROWS, MmaPass1
 from .query import Pass0
 from .template import MAX_SPAN, OUTPUTS1, THREADS, Pass1, rows_bucket

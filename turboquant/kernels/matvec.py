@@ -12,7 +12,6 @@ from __future__ import annotations
 from .dialects import fill, section
 
 
-
 def matvec(x: str, m: str, y: str, post: str = "") -> str:
     """Kernel text that sets `y` (an lvalue naming the column `e`) to (x @ m)[e] followed by the
     expression tail `post`, for every e < D. `x` is a [D] float array in threadgroup memory,

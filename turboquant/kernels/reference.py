@@ -1,8 +1,10 @@
-"""Test and benchmark support: synthetic compressed caches and the float64 reference they must match.
+"""Benchmark and test support: synthetic compressed caches and the float64 attention they must match.
 
-The reference dequantizes the stored rows exactly (affine scale * code + bias in float32, no
-rounding to the scale dtype; TurboQuant rows through the codec on the CPU) and runs attention in
-float64 with numpy.
+In the package because `bench/decode.py` builds its caches and checks its outputs with it; the
+tests' shorthand over it (`reference`) and the CPU emulator of the kernels live in
+tests/kernel_support. The reference dequantizes the stored rows exactly (affine scale * code +
+bias in float32, no rounding to the scale dtype; TurboQuant rows through the codec on the CPU)
+and runs attention in float64 with numpy.
 """
 
 from __future__ import annotations
@@ -98,12 +100,3 @@ def attention64(q: mx.array, k: np.ndarray, v: np.ndarray, scale: float,
     p = np.exp(s - m)
     den = p.sum(-1, keepdims=True) + (0.0 if sk is None else np.exp(sk - m))
     return (p / den) @ v, (m + np.log(den))[..., 0]
-
-
-def reference(cache: TurboQuantKVCache, q: mx.array, scale: float, with_tail: bool = True,
-              sinks: mx.array | None = None):
-    """float64 (out, lse) over the stored rows (and the tail when `with_tail`), with `sinks`."""
-    k, v = dequantized(cache)
-    if not with_tail:
-        k, v = k[:, :, : cache.stored], v[:, :, : cache.stored]
-    return attention64(q, k, v, scale, sinks)

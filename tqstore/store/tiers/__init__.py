@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tqstore.store.tiers.base import ByteTier, ManifestInfo, ObjectInfo, PutCounts
+from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts
 
 if TYPE_CHECKING:
     from tqstore.store.tiers.lmdb import LmdbTier
     from tqstore.store.tiers.s3 import S3Tier
 
-__all__ = ["ByteTier", "LmdbTier", "ManifestInfo", "ObjectInfo", "PutCounts", "S3Tier"]
+__all__ = ["LmdbTier", "ManifestInfo", "ObjectInfo", "PutCounts", "S3Tier"]
 
 
 def __getattr__(name: str) -> object:

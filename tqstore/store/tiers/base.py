@@ -1,10 +1,9 @@
-"""What the byte tiers (LMDB, S3) share: object keys, result records and the common protocol."""
+"""What the byte tiers (LMDB, S3) share: object keys and result records."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 KEY_BYTES = 32  # object keys are sha256 digests computed by the caller
 
@@ -43,15 +42,3 @@ class PutCounts(NamedTuple):
 
     stored: int
     skipped: int
-
-
-class ByteTier(Protocol):
-    """The object half of the interface both byte tiers implement (manifests differ: S3 has etags)."""
-
-    def has_object(self, key: bytes) -> bool: ...
-    def object_info(self, key: bytes) -> ObjectInfo | None: ...
-    def get_object(self, key: bytes) -> bytes | None: ...
-    def put_object(self, key: bytes, payload: bytes) -> bool: ...
-    def put_objects(self, objects: Mapping[bytes, bytes]) -> PutCounts: ...
-    def delete_objects(self, keys: Iterable[bytes]) -> int: ...
-    def iter_object_keys(self) -> Iterator[bytes]: ...

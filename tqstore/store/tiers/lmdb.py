@@ -3,9 +3,10 @@
 Payloads are cut into fixed-size segments (the last one shorter) so that the overflow pages LMDB
 frees when an object is deleted fit the next object's segments, instead of fragmenting the file;
 a segment holds segment_size - 16 bytes so that, with LMDB's page header, it fills whole pages.
-An object's header and all its segments are written in one transaction; a manifest is written
-after its objects are committed (`publish`), so a killed process leaves at worst orphan objects,
-never a visible manifest with missing objects. The records are described in lmdb_layout.py.
+An object's header and all its segments are written in one transaction; `put_objects` returns
+once its objects are committed, and a manifest is written after them in its own transaction
+(store/publish.py), so a killed process leaves at worst orphan objects, never a visible manifest
+with missing objects. The records are described in lmdb_layout.py.
 
 Concurrency: one environment per process and real path (`LmdbTier.open` keeps the registry;
 py-lmdb 3.0 refuses a second open anyway), every write on one writer thread, reads in short
@@ -242,17 +243,6 @@ class LmdbTier:
         with self._touch_lock:
             pending, self._touches = self._touches, []
         wait(pending)
-
-    def publish(self, name: str, manifest: bytes, objects: Mapping[bytes, bytes]) -> PutCounts:
-        """Store `objects`, commit them, then store the manifest in its own transaction.
-
-        A process killed in between leaves orphan objects (reclaimed by gc), never a visible
-        manifest whose objects are missing.
-        """
-        validate_name(name)
-        counts = self.put_objects(objects)
-        self.put_manifest(name, manifest)
-        return counts
 
     # --- maintenance ---------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from tqstore.config import MiB, Config, format_size
 from tqstore.store.crypto import OVERHEAD, SCHEME, ObjectCipher, cipher_from_config, open_payload
 from tqstore.errors import ConflictError, CorruptBlock, RemoteError, RemoteNotConfigured, TqstoreError
 from tqstore.names import is_valid_name, validate_name
-from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts, check_key
+from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, check_key
 from tqstore.store.tiers.s3_errors import (
     TRANSPORT, BadDigest, ConditionalConflict, Missing, PreconditionFailed, boto_errors, unreachable,
 )
@@ -157,7 +157,8 @@ class S3Tier:
         name, payload = self.object_name(key), bytes(payload)
         meta = {_META_SHA: hashlib.sha256(payload).hexdigest(), _META_SIZE: str(len(payload))}
         body = self._seal(payload, "object", check_key(key).hex(), meta)
-        for attempt in range(self.max_attempts):
+
+        def upload() -> bool:
             try:
                 if len(body) > self.multipart_threshold:
                     self._put_multipart(name, body, meta)
@@ -172,35 +173,15 @@ class S3Tier:
                 # from something in between: then the object is not there and the put goes again.
                 if self.object_info(key) is not None:  # raises CorruptBlock if what is there is damaged
                     return False
-                self._sleep(attempt)
-        raise ConflictError(
-            f"s3://{self.bucket}/{name} answered 412 (exists) {self.max_attempts} times but is not there: "
-            "check for a proxy rewriting conditional requests, then retry"
-        )
+                raise
 
-    def put_objects(
-        self, objects: Mapping[bytes, bytes], progress: Callable[[int, int, int], None] | None = None
-    ) -> PutCounts:
-        """Upload many objects in parallel, skipping those already in the bucket (HEAD first,
-        so an existing object's bytes are not sent again).
-
-        `progress(done, total, bytes_uploaded)` is called on this thread after each object.
-        Objects uploaded before a failure stay (a retried push skips them).
-        """
-        done, sent = 0, 0
-
-        def upload(key: bytes) -> bool:
-            return self.object_info(key) is None and self.put_object(key, objects[key])
-
-        def on_done(key: bytes, uploaded: bool) -> None:
-            nonlocal done, sent
-            done, sent = done + 1, sent + (len(objects[key]) if uploaded else 0)
-            if progress is not None:
-                progress(done, len(objects), sent)
-
-        results = self._parallel(upload, [check_key(k) for k in objects], on_done)
-        uploaded = sum(results.values())
-        return PutCounts(uploaded, len(results) - uploaded)
+        try:
+            return self._again(upload, PreconditionFailed)
+        except PreconditionFailed:
+            raise ConflictError(
+                f"s3://{self.bucket}/{name} answered 412 (exists) {self.max_attempts} times but is not there: "
+                "check for a proxy rewriting conditional requests, then retry"
+            ) from None
 
     def get_object(self, key: bytes, sha256: str | None = None) -> bytes | None:
         """The payload of `key` verified against `sha256` (hex; default: the object's tq-sha256
@@ -209,11 +190,19 @@ class S3Tier:
         return None if found is None else found[0]
 
     def get_objects(
-        self, keys: Iterable[bytes], sha256s: Mapping[bytes, str] | None = None
-    ) -> dict[bytes, bytes | None]:
-        """`get_object` for many keys in parallel: {key: payload or None if absent}."""
+        self, keys: Iterable[bytes], sha256s: Mapping[bytes, str | None] | None = None
+    ) -> dict[bytes, bytes | None | TqstoreError]:
+        """`get_object` for many keys in parallel: {key: payload, None if absent, or the error
+        its GET ended in}, so one failed object hides none of the others."""
         digests = sha256s or {}
-        return self._parallel(lambda k: self.get_object(k, digests.get(k)), [check_key(k) for k in keys])
+
+        def get(key: bytes) -> bytes | None | TqstoreError:
+            try:
+                return self.get_object(key, digests.get(key))
+            except TqstoreError as exc:
+                return exc
+
+        return self.each(get, [check_key(k) for k in keys])
 
     def delete_objects(self, keys: Iterable[bytes]) -> int:
         """Delete objects in parallel; returns the number of keys (S3 does not say which existed).
@@ -222,7 +211,7 @@ class S3Tier:
         header that S3-compatible servers handle inconsistently.
         """
         names = [self.object_name(k) for k in keys]
-        return len(self._parallel(lambda n: self._call("delete_object", Key=n), names))
+        return len(self.each(lambda n: self._call("delete_object", Key=n), names))
 
     def list_object_keys(self) -> Iterator[bytes]:
         """Every object key in the bucket (LIST: for remote gc, never for correctness)."""
@@ -283,23 +272,20 @@ class S3Tier:
 
     def _get(self, name: str, sha256: str | None, what: tuple[str, str]) -> tuple[bytes, str] | None:
         """(plaintext, etag) of bucket key `name`, verified; `what` is (kind, name) as sealed."""
-        last: Exception | None = None
-        for attempt in range(self.max_attempts):
-            try:
-                response = self._call("get_object", Key=name)
-            except Missing:
-                return None
-            try:
-                body = response["Body"].read()
-            except TRANSPORT as exc:  # a body cut off mid-read: botocore does not retry those
-                last = exc
-                self._sleep(attempt)
-                continue
-            expected = sha256 or response.get("Metadata", {}).get(_META_SHA)
-            body = open_payload(self.cipher, body, *what, f"s3://{self.bucket}/{name}")
-            _verify(name, body, expected)
-            return body, response["ETag"]
-        raise unreachable(last, self._where(), self.max_attempts)
+        def read() -> tuple[dict, bytes]:
+            response = self._call("get_object", Key=name)
+            return response, response["Body"].read()  # a body cut off mid-read: botocore does not retry those
+
+        try:
+            response, body = self._again(read, TRANSPORT)
+        except Missing:
+            return None
+        except TRANSPORT as exc:
+            raise unreachable(exc, self._where(), self.max_attempts) from exc
+        expected = sha256 or response.get("Metadata", {}).get(_META_SHA)
+        body = open_payload(self.cipher, body, *what, f"s3://{self.bucket}/{name}")
+        _verify(name, body, expected)
+        return body, response["ETag"]
 
     def _put_multipart(self, name: str, payload: bytes, meta: dict[str, str]) -> None:
         part = self._part_size(len(payload))
@@ -332,24 +318,32 @@ class S3Tier:
 
     def _retrying(self, operation: str, **params: object) -> dict:
         """A write that may meet 409 ConditionalRequestConflict (a concurrent conditional write)
-        or BadDigest (body damaged in transit): retried with backoff, which botocore does not."""
-        for attempt in range(self.max_attempts):
-            try:
-                return self._call(operation, **params)
-            except (ConditionalConflict, BadDigest) as exc:
-                last = exc
-                if attempt + 1 < self.max_attempts:
-                    self._sleep(attempt)
+        or BadDigest (body damaged in transit), which botocore does not retry."""
         where = f"s3://{self.bucket}/{params['Key']}"
-        if isinstance(last, BadDigest):
+        try:
+            return self._again(lambda: self._call(operation, **params), (ConditionalConflict, BadDigest))
+        except BadDigest:
             raise RemoteError(
                 f"the upload of {where} arrived damaged {self.max_attempts} times (BadDigest): "
                 "check proxies and the network, then retry"
-            )
-        raise ConflictError(
-            f"{where} kept conflicting with a concurrent write (409) after {self.max_attempts} "
-            "attempts: retry in a moment"
-        )
+            ) from None
+        except ConditionalConflict:
+            raise ConflictError(
+                f"{where} kept conflicting with a concurrent write (409) after {self.max_attempts} "
+                "attempts: retry in a moment"
+            ) from None
+
+    def _again(self, attempt: Callable[[], T], retry_on: type[Exception] | tuple[type[Exception], ...]) -> T:
+        """`attempt()`, again after a backoff when it raises `retry_on`, max_attempts times in all
+        (then that error is raised). Only for what botocore's own retries leave alone (409,
+        BadDigest, a 412 for an object that is not there, a body cut off mid-read): a loop around
+        what botocore retries would multiply its attempts."""
+        for n in range(self.max_attempts - 1):
+            try:
+                return attempt()
+            except retry_on:
+                self._sleep(n)
+        return attempt()
 
     def _seal(self, data: bytes, kind: str, name: str, meta: dict[str, str]) -> bytes:
         """The body to upload: `data`, or its envelope when encryption is on (marked in `meta`)."""
@@ -373,9 +367,13 @@ class S3Tier:
             for page in pages:
                 yield from page.get("Contents", [])
 
-    def _parallel(
+    def each(
         self, fn: Callable[[K], T], items: list[K], on_done: Callable[[K, T], None] | None = None
     ) -> dict[K, T]:
+        """{item: fn(item)}, run on up to `concurrency` threads (the tier's one fan-out: bulk
+        GETs and deletes, and push's uploads). `on_done(item, result)` runs on the calling
+        thread as each finishes; the first error cancels what has not started and is raised
+        (what finished stays done)."""
         results: dict[K, T] = {}
         if not items:
             return results
