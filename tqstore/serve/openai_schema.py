@@ -177,14 +177,8 @@ class _Message(BaseModel):
 Messages = Annotated[list[_Message], Field(min_length=1)]
 
 
-class _DocText(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    text: str
-
-
-class _DocName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    name: str
+# A document: its text, {"text": ...} or {"name": stored chunk}.
+Document = str | Annotated[dict[Literal["text", "name"], str], Field(min_length=1, max_length=1)]
 
 
 class _StreamOptions(BaseModel):
@@ -213,7 +207,7 @@ class _GenerationBody(BaseModel):
     top_logprobs: Literal[0] | None = None
     echo: Literal[False] | None = None
     # tqstore's extension: compose the context from stored chunks.
-    documents: Annotated[list[str | _DocText | _DocName], Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = None
+    documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = None
     recompute: Annotated[float, Field(ge=0, le=1)] | None = None
 
 
@@ -278,7 +272,7 @@ def parse_generation(body: Any, *, chat: bool, defaults: Sampling) -> Generation
                         (stop,) if isinstance(stop, str) else tuple(stop))
     stream = bool(b.stream)
     documents = None if b.documents is None else tuple(
-        ("text", d) if isinstance(d, str) else next(iter(d.model_dump().items())) for d in b.documents)
+        ("text", d) if isinstance(d, str) else next(iter(d.items())) for d in b.documents)
     return GenerationRequest(chat=chat, model=b.model, sampling=sampling, stream=stream,
                              include_usage=stream and bool(b.stream_options and b.stream_options.include_usage),
                              prompt=None if chat else _prompt(b.prompt),
