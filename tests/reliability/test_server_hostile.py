@@ -153,3 +153,19 @@ def test_a_flood_is_answered_and_connections_beyond_the_limit_get_503(server, le
     while request(server, "GET", "/healthz")[0] != 200:
         assert time.monotonic() < deadline, "the server did not recover from the flood"
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("piece", [1 << 20, 4096], ids=["at once", "in pieces"])
+def test_a_huge_request_head_is_refused_and_the_server_keeps_serving(piece, server, ledger):
+    head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + b"X-Big: " + b"a" * (100 << 10) + b"\r\n\r\n"
+    with _connect(server) as sock:
+        try:
+            for i in range(0, len(head), piece):
+                sock.sendall(head[i:i + piece])
+        except OSError:  # refused and closed before the rest was sent
+            pass
+        reply = _reply(sock)
+    # 431 from the server when the head came in whole, 400 from h11 when it came in pieces.
+    assert reply.startswith((b"HTTP/1.1 431 ", b"HTTP/1.1 400 ")), reply[:200]
+    assert request(server, "GET", "/healthz")[0] == 200
+    ledger.count("server/huge head", "100 KiB header: 431 or 400, server kept serving")

@@ -44,6 +44,9 @@ from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
 from tqstore.serve.worker import Failed, Finished, Job, ModelWorker, QueueFull, Text
 
 log = logging.getLogger("tqstore.serve")
+# The largest request head. h11 refuses an unfinished head past this (400), but a whole head that
+# came in one read (up to 256 KiB) would pass it: Guard checks the size of what arrived.
+MAX_HEAD_BYTES = 64 << 10
 
 
 @dataclass
@@ -92,6 +95,9 @@ class Guard:
         # read the shared state as request.app.
         scope["app"] = self.app
         try:
+            if sum(len(name) + len(value) for name, value in scope["headers"]) > MAX_HEAD_BYTES:
+                raise ApiError(431, f"the request headers are larger than {MAX_HEAD_BYTES >> 10} KiB",
+                               code="headers_too_large")
             headers = Headers(scope=scope)
             self._check_host(headers)  # before anything: a DNS-rebound or cross-site page gets nothing
             if scope["path"] != "/healthz":

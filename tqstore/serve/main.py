@@ -20,7 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tqstore.config import Config, load_config
 from tqstore.errors import ConfigError, TqstoreError
-from tqstore.serve.http import App, Guard
+from tqstore.serve.http import MAX_HEAD_BYTES, App, Guard
 from tqstore.serve.options import API_KEY_ENV, allowed_hosts, is_loopback, parse_args
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import Sampling
@@ -31,7 +31,6 @@ BACKLOG = 1024  # the listen backlog: a burst of clients connecting at once wait
 # On SIGTERM, once the model worker has stopped (every job ended), responses still being written
 # get this long; then their tasks are cancelled (a client stalling mid-body would hold shutdown).
 SHUTDOWN_GRACE_SECONDS = 5
-MAX_HEAD_BYTES = 64 << 10  # a request line and headers larger than this get 400 (h11's limit)
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
