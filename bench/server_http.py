@@ -11,6 +11,7 @@ commit on http.server) and the "new" one from this tree. Every measurement alter
 the two, so both see the same machine load. Measured, per server:
 
 - a short completion (4 tokens, greedy; a new connection each): median and range of `--runs`;
+- a streamed completion (32 tokens): time to its first event and to its end;
 - /healthz and /metrics round trips (a new connection each), and /healthz on one kept-alive
   connection;
 - the same completion while `--slow` slow clients hold connections (half sent part of a request
@@ -49,6 +50,9 @@ from server_process import ServerProcess  # noqa: E402
 DOC = ROOT / "docs" / "server.md"
 OLD = "ad056ea"  # the last commit whose server ran on http.server
 COMPLETION = {"prompt": "Who pays for delays?", "max_tokens": 4, "temperature": 0}
+# Greedy decoding of this prompt on the tiny model repeats one printable token (tests/
+# test_server_lifecycle.py): every token is an event of its own.
+STREAM = {"prompt": "Slow one: abscond abscond abscond", "max_tokens": 32, "temperature": 0, "stream": True}
 
 
 def source_tree(spec: str, scratch: Path) -> Path:
@@ -83,6 +87,22 @@ def timed(server: ServerProcess, method: str, path: str, body: dict | None = Non
     status, seconds = call(server, method, path, body)
     assert status == 200, (path, status)
     return seconds
+
+
+def streamed(server: ServerProcess) -> tuple[float, float]:
+    """(seconds to the first event, seconds to the end) of a streamed 32-token completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(STREAM), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        response.readline()
+        first = time.perf_counter() - t0
+        response.read()
+        return first, time.perf_counter() - t0
+    finally:
+        conn.close()
 
 
 def ms(values: list[float]) -> str:
@@ -150,6 +170,9 @@ def measure(servers: dict[str, ServerProcess], runs: int, slow: int, flood_n: in
         for _ in range(3):
             timed(server, "POST", "/v1/completions", COMPLETION)
     alternate("completion", runs, lambda s: timed(s, "POST", "/v1/completions", COMPLETION))
+    alternate("stream", runs, streamed)
+    for name in names:
+        samples[name]["first"], samples[name]["whole"] = map(list, zip(*samples[name].pop("stream")))
     alternate("healthz", runs * 5, lambda s: timed(s, "GET", "/healthz"))
     alternate("metrics", runs, lambda s: timed(s, "GET", "/metrics"))
 
@@ -177,6 +200,8 @@ def measure(servers: dict[str, ServerProcess], runs: int, slow: int, flood_n: in
 
     rows = [[f"short completion (4 tokens), ms: median (min-max) of {runs}",
              *(ms(samples[n]["completion"]) for n in names)],
+            [f"streamed completion (32 tokens), first event, ms ({runs})", *(ms(samples[n]["first"]) for n in names)],
+            [f"streamed completion (32 tokens), whole, ms ({runs})", *(ms(samples[n]["whole"]) for n in names)],
             [f"/healthz, new connection, ms ({runs * 5})", *(ms(samples[n]["healthz"]) for n in names)],
             [f"/metrics, new connection, ms ({runs})", *(ms(samples[n]["metrics"]) for n in names)],
             [f"/healthz on one kept-alive connection, ms (median of 50, x{runs})",

@@ -20,6 +20,9 @@ class ClientGone(Exception):
     """The client closed its connection before the response was complete."""
 
 
+_GONE = object()  # queued when the client has disconnected
+
+
 class JobEvents:
     """One job's events on the event loop, read on behalf of the client whose `receive` (the
     ASGI channel, its body already read) says when it disconnects. Without `texts` (a whole
@@ -48,18 +51,12 @@ class JobEvents:
         """The job's next event; cancels the job and raises ClientGone if the client leaves."""
         if self._gone is None:
             self._gone = asyncio.ensure_future(self._disconnected())
-        get = asyncio.ensure_future(self._queue.get())
-        try:
-            await asyncio.wait((get, self._gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not get.done():
-                get.cancel()
-        if not get.cancelled():
-            event = get.result()
-            self._ended = isinstance(event, (Finished, Failed))
-            return event
-        self.close()
-        raise ClientGone()
+        event = await self._queue.get()
+        if event is _GONE:
+            self.close()
+            raise ClientGone()
+        self._ended = isinstance(event, (Finished, Failed))
+        return event
 
     async def result(self) -> Any:
         """The job's result; its error (an ApiError) is raised."""
@@ -82,8 +79,10 @@ class JobEvents:
             self._gone.cancel()
 
     async def _disconnected(self) -> None:
+        """Queues _GONE when the client disconnects: one queue to wait on, token after token."""
         while (await self._receive())["type"] != "http.disconnect":
             pass
+        self._queue.put_nowait(_GONE)
 
 
 def sse(obj: Any) -> bytes:
