@@ -101,12 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        if extra and not getattr(args, "takes_extra", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = parser.parse_args(argv)
     except (UsageError, SystemExit) as exc:  # SystemExit: --help, --version
         return _stopped(exc, "--json" in argv)
-    args.extra = extra
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
         with Context(args, out) as ctx, warnings.catch_warnings():
@@ -114,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _keep_compiled_kernels(ctx)
             warnings.showwarning = _as_note(out)
             return args.func(ctx, args)
-    except (UsageError, SystemExit) as exc:  # a command's own parser (serve) and its --help
+    except UsageError as exc:  # a command that checks its arguments further (ask)
         return _stopped(exc, args.json)
     except KeyboardInterrupt:
         out.error("Interrupted", "interrupted")

@@ -21,11 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """`python -m tqstore.serve --home HOME --model MODEL --port 0 *flags`, ready to talk to."""
+    """`python -m tqstore.serve --home HOME --model MODEL --port 0 *flags`, ready to talk to;
+    `source` is the source tree it runs from (another checkout, for bench/server_http.py)."""
 
-    def __init__(self, home: Path, model: Path, *flags: str, api_key: str | None = None):
+    def __init__(self, home: Path, model: Path, *flags: str, api_key: str | None = None, source: Path = REPO):
         self.api_key = api_key
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join([str(source), *filter(None, [os.environ.get("PYTHONPATH")])])}
         env.pop("TQSTORE_API_KEY", None)
         if api_key is not None:
             env["TQSTORE_API_KEY"] = api_key
@@ -33,7 +35,7 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tqstore.serve", "--home", str(home), "--model", str(model), "--port", "0",
-             *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
+             *flags], cwd=source, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True)
         self.port = self._read_port(timeout=60)
         self.base = f"http://127.0.0.1:{self.port}"
         self._wait_healthy(timeout=60)

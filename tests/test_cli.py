@@ -388,6 +388,26 @@ def test_serve_passes_its_options_to_the_server_module(cli, tmp_path):
     fails(cli("serve", "--model", str(tmp_path / "missing")), "not found")
 
 
+def test_serve_flags_are_defined_once_and_no_command_imports_main():
+    import argparse
+    import ast
+
+    from tqstore.serve.options import add_arguments
+
+    def flags(parser: argparse.ArgumentParser) -> set[str]:
+        return {flag for action in parser._actions for flag in action.option_strings}
+
+    served = argparse.ArgumentParser()
+    add_arguments(served)
+    subcommands = next(a for a in cli_main.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert flags(served) <= flags(subcommands.choices["serve"])
+    # cli/main.py imports the commands: a command importing it back is a cycle.
+    for path in (Path(cli_main.__file__).parent / "commands").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.level == 2 and node.module == "main") and node.module != "tqstore_cli.main", path
+
+
 # --- bad input -------------------------------------------------------------------------------------------------
 
 

@@ -80,12 +80,15 @@ def test_one_duration_grammar_for_flags():
     import argparse
 
     from cli.arguments import duration
-    from tqstore.serve.main import _duration
+    from tqstore.serve.options import parse_args
 
-    assert duration("1w") == _duration("1w") == 604800.0
+    def save_ttl(raw: str) -> float:
+        return parse_args(["--model", "m", "--save-ttl", raw]).save_ttl
+
+    assert duration("1w") == save_ttl("1w") == 604800.0
     with pytest.raises(argparse.ArgumentTypeError):
         duration("0")
-    assert _duration("0") == 0.0
+    assert save_ttl("0") == 0.0
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
+import statistics
+import time
 
 import openai
 import pytest
@@ -241,3 +243,19 @@ def test_metrics_are_prometheus_text_and_count_what_happened(server, client):
     for name in ("tqstore_evicted_entries_total", "tqstore_evicted_bytes_total", "tqstore_memory_evictions_total",
                  "tqstore_rejected_requests_total", "tqstore_cancelled_requests_total"):
         assert name in after
+
+
+def test_kept_alive_requests_do_not_wait_for_delayed_acks(server):
+    # A response written as head then body, with Nagle on, waits for the client's delayed ACK:
+    # 40 ms per request once the connection left TCP's quick-ACK start.
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    seconds = []
+    try:
+        for _ in range(12):
+            t0 = time.perf_counter()
+            conn.request("GET", "/healthz")
+            assert conn.getresponse().read()
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        conn.close()
+    assert statistics.median(seconds[4:]) < 0.025, seconds

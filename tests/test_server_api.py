@@ -127,3 +127,13 @@ def test_metrics_render_valid_prometheus_text():
     assert samples["tqstore_queue_depth"] == 2 and samples["tqstore_evicted_bytes_total"] == 30
     assert 'tqstore_store_entries{tier="memory"}' not in samples
     assert samples['tqstore_store_entries{tier="lmdb"}'] == 1
+
+
+def test_two_servers_in_one_process_count_apart():
+    first, second = Metrics(), Metrics()  # one registry each: the second does not collide with the first
+    first.request("/healthz", "GET", 200)
+    stats = SimpleNamespace(tiers={}, misses=0, evicted_entries=0, evicted_objects=0, evicted_bytes=0,
+                            memory_evictions=0)
+    key = 'tqstore_http_requests_total{endpoint="/healthz",method="GET",status="200"}'
+    assert parse_prometheus(first.render(stats, QueueState(0, 1, 0)))[key] == 1
+    assert key not in parse_prometheus(second.render(stats, QueueState(0, 1, 0)))

@@ -126,7 +126,7 @@ def test_no_body_is_read_before_the_key_is_checked(tiny_model, tmp_path, ledger)
 
 def test_which_binds_are_loopback_and_which_hosts_are_allowed():
     from tqstore.serve.http import _hostname
-    from tqstore.serve.main import allowed_hosts, is_loopback
+    from tqstore.serve.options import allowed_hosts, is_loopback
 
     assert [is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost", "LOCALHOST")] == [True] * 6
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "my-host", "localhost.evil.example"))

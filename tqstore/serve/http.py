@@ -1,62 +1,57 @@
-"""The HTTP layer of the OpenAI-compatible server (routing, bodies, auth, responses, streams);
-`server.py` runs it. docs/server.md describes the API.
+"""The HTTP layer of the OpenAI-compatible server, an ASGI application that uvicorn runs
+(main.py); docs/server.md describes the API.
 
-The work lives elsewhere: openai_api.py validates requests and shapes responses, serving.py
-runs every model job on one owner thread behind a bounded queue, metrics.py renders the
-counters, and the engine and the store do the rest. HTTP threads never touch MLX: they read
-and write the store's catalog (list, info, remove, pin) and wait for their job's events.
+Starlette routes requests and writes responses and streams. `Guard`, the application's entry
+point, does what comes before routing for every request: the Host and Origin checks, the API
+key, the body (its size limit and a stall timeout), the error shape, and the request metrics.
+The work lives elsewhere: openai_schema.py validates requests and shapes responses, worker.py
+runs every model job on one owner thread behind a bounded queue, streams.py brings a job's
+events to the event loop, metrics.py counts. Handlers never touch MLX: store catalog calls
+(list, info, remove, pin) run on worker threads of the loop (anyio), never on the loop itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
 import logging
-import re
-import socket
 import time
 import uuid
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
+
+from anyio import to_thread
+from starlette.datastructures import Headers
+from starlette.endpoints import HTTPEndpoint
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Match, Route, Router
+from starlette.types import Receive, Scope, Send
 
 from tqstore.errors import TqstoreError
-from tqstore.serve.streams import ClientGone, EventStream, JobWatch
+from tqstore.names import validate_name
 from tqstore.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from tqstore.serve.metrics import Metrics
-from tqstore.names import validate_name
-from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, api_error, check_model, chunk, completion_response,
-                         parse_cache_source, parse_generation, parse_pin, store_details, usage_chunk)
+from tqstore.serve.options import LOOPBACK_NAMES
+from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, api_error, check_model, chunk,
+                                         completion_response, parse_cache_source, parse_generation, parse_pin,
+                                         store_details, usage_chunk)
+from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
 from tqstore.serve.worker import Failed, Finished, Job, ModelWorker, QueueFull, Text
 
 log = logging.getLogger("tqstore.serve")
-DISCARD_LIMIT = 64 << 20  # refused bodies up to this size are read and dropped before the 413
-# Bodies of requests refused before reading (no key, foreign Origin) are dropped up to this size,
-# so small clients read the error instead of a reset; larger ones are not read at all.
-UNREAD_DISCARD_LIMIT = 64 << 10
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-# (path pattern, route template for metrics, method -> handler name); the first match wins.
-ROUTES: tuple[tuple[re.Pattern[str], str, dict[str, str]], ...] = tuple(
-    (re.compile(pattern), template, methods) for pattern, template, methods in (
-        (r"/healthz", "/healthz", {"GET": "healthz"}),
-        (r"/metrics", "/metrics", {"GET": "metrics"}),
-        (r"/v1/models", "/v1/models", {"GET": "models"}),
-        (r"/v1/models/(?P<model>.+)", "/v1/models/{model}", {"GET": "model"}),
-        (r"/v1/completions", "/v1/completions", {"POST": "completions"}),
-        (r"/v1/chat/completions", "/v1/chat/completions", {"POST": "chat_completions"}),
-        (r"/v1/caches", "/v1/caches", {"GET": "list_caches"}),
-        (r"/v1/caches/(?P<name>.+)/pin", "/v1/caches/{name}/pin", {"POST": "pin", "DELETE": "unpin"}),
-        (r"/v1/caches/(?P<name>.+)", "/v1/caches/{name}",
-         {"GET": "get_cache", "PUT": "put_cache", "DELETE": "delete_cache"}),
-    ))
+# The largest request head. h11 refuses an unfinished head past this (400), but a whole head that
+# came in one read (up to 256 KiB) would pass it: Guard checks the size of what arrived.
+MAX_HEAD_BYTES = 64 << 10
 
 
 @dataclass
 class App:
-    """What every request handler shares."""
+    """What every request handler shares (`request.app`)."""
 
     worker: ModelWorker
     metrics: Metrics
@@ -69,326 +64,311 @@ class App:
     # Names the Host header (and a browser's Origin) may use; None accepts any (a wildcard bind
     # without --allowed-host: the API key, which such a bind requires, is the guard).
     allowed_hosts: frozenset[str] | None = frozenset(LOOPBACK_NAMES)
+    stall_seconds: float = 30.0  # --keep-alive: a body that sends nothing for this long gets 408
 
     @property
     def store(self):
         return self.worker.engine.store
 
 
-class Handler(BaseHTTPRequestHandler):
-    """One connection; each request is routed to a `_<handler>` method."""
+class Guard:
+    """The ASGI application: checks, reads and counts every request, then hands it to the
+    router; any exception becomes an OpenAI-shaped error response."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, and chunked streams
-    server_version = "tqstore"
-    timeout = 300  # seconds an idle keep-alive connection (or a stalled read or write) is kept
-    server: "HttpServer"
+    def __init__(self, app: App):
+        self.app = app
+        self.router = Router(ROUTES, redirect_slashes=False)
 
-    def do_GET(self) -> None:
-        self._dispatch("GET")
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":  # uvicorn runs with lifespan off; websockets are not served
+            return
+        status = 0
 
-    def do_POST(self) -> None:
-        self._dispatch("POST")
+        async def counted(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
 
-    def do_PUT(self) -> None:
-        self._dispatch("PUT")
-
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    # Answered with 405 (JSON, with Allow) rather than http.server's HTML 501.
-    do_HEAD = do_PATCH = do_OPTIONS = lambda self: self._dispatch(self.command)  # noqa: E731
-
-    @property
-    def app(self) -> App:
-        return self.server.app
-
-    def _dispatch(self, method: str) -> None:
-        self._status = 0
-        self._body_left = True  # until _read_body: a refusal must not leave it in the stream
-        endpoint = "unmatched"
+        method, endpoint = scope["method"], self._template(scope)
+        # Starlette raises HTTPException for 404 and 405 when the scope names an app; handlers
+        # read the shared state as request.app.
+        scope["app"] = self.app
         try:
-            self._check_host()  # before anything: a DNS-rebound or cross-site page gets nothing
-            path = urlsplit(self.path).path
-            endpoint, methods, params = _match(path)
-            if endpoint != "/healthz":
-                self._authorize()  # before the body, 404 and 405: nothing is read or probed without a key
-            body = self._read_body()
-            if endpoint == "unmatched":
-                raise ApiError(404, f"no endpoint {path}: see docs/server.md (OpenAI base URL: http://HOST:PORT/v1)",
-                               code="not_found")
-            if method not in methods:
-                raise ApiError(405, f"{method} is not allowed on {endpoint}: use {', '.join(methods)}",
-                               code="method_not_allowed", headers={"Allow": ", ".join(methods)})
-            getattr(self, "_" + methods[method])(body, **params)
-        except (ClientGone, BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+            if sum(len(name) + len(value) for name, value in scope["headers"]) > MAX_HEAD_BYTES:
+                raise ApiError(431, f"the request headers are larger than {MAX_HEAD_BYTES >> 10} KiB",
+                               code="headers_too_large")
+            headers = Headers(scope=scope)
+            self._check_host(headers)  # before anything: a DNS-rebound or cross-site page gets nothing
+            if scope["path"] != "/healthz":
+                self._authorize(headers)  # before the body, 404 and 405: nothing is read or probed without a key
+            body = await self._read_body(headers, receive)
+            await self.router(scope, _replay(body, receive), counted)
+        except ClientGone:
+            pass
         except Exception as e:
-            error = api_error(e)
+            if status:  # the response started (a stream): nothing more can be sent
+                if not isinstance(e, OSError):  # OSError: the client went away mid-write
+                    log.error("%s %s failed after its response started", method, scope["path"], exc_info=True)
+                return
+            error = _routing_error(e, scope, endpoint) or api_error(e)
             if error.status >= 500:
-                log.error("%s %s failed", method, self.path, exc_info=not isinstance(e, (ApiError, TqstoreError)))
-            try:
-                if self._body_left:
-                    self._drop_unread_body()
-                self._send_error(error)
-            except OSError:
-                self.close_connection = True
+                log.error("%s %s failed", method, scope["path"],
+                          exc_info=not isinstance(e, (ApiError, TqstoreError)))
+            await error_response(error)(scope, receive, counted)
         finally:
             # 499: the client went away before a status was sent (nginx's convention).
-            self.app.metrics.request(endpoint, method, self._status or 499)
+            self.app.metrics.request(endpoint, method, status or 499)
 
-    def _check_host(self) -> None:
+    def _template(self, scope: Scope) -> str:
+        """The route template a path matches (for the metrics), known before authorization."""
+        for route in self.router.routes:
+            if route.matches(scope)[0] is not Match.NONE:
+                return route.path
+        return "unmatched"
+
+    def _check_host(self, headers: Headers) -> None:
         """403 unless Host names this server and a browser's Origin (if any) is this server:
         a web page (cross-origin, or DNS-rebound to 127.0.0.1) cannot drive it."""
         allowed = self.app.allowed_hosts
-        host = self.headers.get("Host")
+        host = headers.get("host")
         if allowed is not None and host is not None and _hostname(host) not in allowed:
             raise ApiError(403, f"the Host header {host[:80]!r} does not name this server: use one of "
                                 f"{', '.join(sorted(allowed))} (or start it with --allowed-host NAME)",
                            code="forbidden_host")
         # A browser sends Origin on cross-origin requests (and same-origin POSTs): it must be
         # the origin the page reached this server by, the one in Host.
-        origin = self.headers.get("Origin")
+        origin = headers.get("origin")
         if origin is not None and urlsplit(origin).netloc.lower() != (host or "").strip().lower():
             raise ApiError(403, f"cross-origin request from {origin[:80]!r} refused: browsers may only call this "
                                 "server from its own origin", code="forbidden_origin")
 
-    def _drop_unread_body(self) -> None:
-        """Before an error sent without reading the body: drop a small one, close on a large one."""
-        self._body_left = False
-        self.close_connection = True
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            return
-        if 0 < length <= UNREAD_DISCARD_LIMIT and not self.headers.get("Transfer-Encoding"):
-            self.rfile.read(length)
-
-    # -- request parts ---------------------------------------------------------------------------
-
-    def _read_body(self) -> bytes:
-        self._body_left = False  # from here on, _read_body's own errors deal with the body
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise ApiError(411, "chunked request bodies are not supported: send a Content-Length")
-        raw = self.headers.get("Content-Length")
-        if raw is None:
-            return b""
-        try:
-            length = int(raw)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self.close_connection = True
-            raise ApiError(400, f"bad Content-Length {raw!r}") from None
-        if length > self.app.max_body_bytes:
-            self._discard(length)
-            raise ApiError(413, f"the request body has {length} bytes, more than the server's limit of "
-                                f"{self.app.max_body_bytes} (--max-body-bytes)", code="body_too_large")
-        try:
-            body = self.rfile.read(length)
-        except OSError:  # a reset or a stalled upload (the handler's timeout)
-            raise ClientGone() from None
-        if len(body) < length:
-            raise ClientGone()
-        return body
-
-    def _discard(self, length: int) -> None:
-        """Read and drop a refused body, so the client reads the error instead of a reset (closing
-        a socket with unread data resets it); past DISCARD_LIMIT, just close."""
-        self.close_connection = True
-        left = length if length <= DISCARD_LIMIT else 0
-        while left > 0:
-            got = self.rfile.read(min(left, 1 << 16))
-            if not got:
-                break
-            left -= len(got)
-
-    def _authorize(self) -> None:
+    def _authorize(self, headers: Headers) -> None:
         key = self.app.api_key
         if key is None:
             return
-        kind, _, token = self.headers.get("Authorization", "").partition(" ")
+        kind, _, token = headers.get("authorization", "").partition(" ")
         if kind.lower() != "bearer" or not token.strip():
             raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    @staticmethod
-    def _json(body: bytes, required: bool = True) -> Any:
-        if not body.strip():
-            if required:
-                raise ApiError(400, "the request body is empty: send a JSON object")
-            return None
-        try:
-            return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ApiError(400, "the request body nests JSON too deeply") from None
+    async def _read_body(self, headers: Headers, receive: Receive) -> bytes:
+        """The whole body, refused (413) from its Content-Length before any of it is read. A
+        refused body is never read here: uvicorn drops what the client still sends after the
+        response, until its keep-alive timeout closes the connection."""
+        if "transfer-encoding" in headers:
+            raise ApiError(411, "chunked request bodies are not supported: send a Content-Length")
+        length = int(headers.get("content-length") or 0)  # h11 has checked that it is a number
+        if length > self.app.max_body_bytes:
+            raise ApiError(413, f"the request body has {length} bytes, more than the server's limit of "
+                                f"{self.app.max_body_bytes} (--max-body-bytes)", code="body_too_large")
+        body = bytearray()
+        while len(body) < length:
+            try:
+                message = await asyncio.wait_for(receive(), self.app.stall_seconds)
+            except TimeoutError:
+                raise ApiError(408, f"the request body stalled for {self.app.stall_seconds:g} s (--keep-alive)",
+                               code="timeout") from None
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        return bytes(body)
 
-    # -- responses --------------------------------------------------------------------------------
 
-    def _send(self, status: int, data: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        self._status = status
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the body already read handed out first (then: the disconnect)."""
+    first = {"type": "http.request", "body": body, "more_body": False}
 
-    def _send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
-        self._send(status, json.dumps(obj).encode(), "application/json", headers)
+    async def replay() -> dict:
+        nonlocal first
+        if first is not None:
+            message, first = first, None
+            return message
+        return await receive()
 
-    def _send_error(self, error: ApiError) -> None:
-        if error.status == 503 and "Retry-After" not in error.headers:
-            error.headers["Retry-After"] = "1"
-        self._send_json(error.status, error.body(), error.headers)
+    return replay
 
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """http.server's own errors (a malformed request line, an unknown method), as JSON."""
-        self.close_connection = True
-        self._send_error(ApiError(code, message or self.responses.get(code, ("error",))[0]))
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.info("%s %s", self.address_string(), format % args)
+def _routing_error(exc: Exception, scope: Scope, endpoint: str) -> ApiError | None:
+    """The router's 404 and 405, in the API's words."""
+    if not isinstance(exc, HTTPException):
+        return None
+    if exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        return ApiError(405, f"{scope['method']} is not allowed on {endpoint}: use {allow}",
+                        code="method_not_allowed", headers={"Allow": allow})
+    return ApiError(404, f"no endpoint {scope['path']}: see docs/server.md (OpenAI base URL: http://HOST:PORT/v1)",
+                    code="not_found")
 
-    def _submit(self, submit) -> JobWatch:
-        try:
-            job: Job = submit()
-        except QueueFull as e:
-            self.app.metrics.count_rejected()
-            raise ApiError(503, f"{e} (--max-queue {self.app.worker.capacity} requests are waiting already)",
-                           type="server_error", code="queue_full",
-                           headers={"Retry-After": str(e.retry_after)}) from None
-        return JobWatch(job, self.connection)
 
-    # -- OpenAI endpoints ---------------------------------------------------------------------------
+def error_response(error: ApiError) -> JSONResponse:
+    """The JSON error response; 503s say when to retry."""
+    if error.status == 503:
+        error.headers.setdefault("Retry-After", "1")
+    return JSONResponse(error.body(), error.status, error.headers)
 
-    def _completions(self, body: bytes) -> None:
-        self._generate(body, chat=False)
 
-    def _chat_completions(self, body: bytes) -> None:
-        self._generate(body, chat=True)
+def _json(body: bytes, required: bool = True) -> Any:
+    if not body.strip():
+        if required:
+            raise ApiError(400, "the request body is empty: send a JSON object")
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply") from None
 
-    def _generate(self, body: bytes, chat: bool) -> None:
-        request = parse_generation(self._json(body), chat=chat, defaults=self.app.defaults)
-        check_model(request.model, self.app.model_names)
-        watch = self._submit(lambda: self.app.worker.generate(request))
-        ids = ResponseIds(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()),
-                          self.app.model_id, chat)
-        if not request.stream:
-            gen = watch.result()
-            self._send_json(200, completion_response(ids, gen),
-                            {"X-TQStore-Tier": gen.tier, "X-TQStore-Cached-Tokens": str(gen.cached_tokens)})
-            return
-        first = watch.next_event()  # Accepted, or Failed while the status can still say so
+
+async def _submit(request: Request, submit, texts: bool = False) -> JobEvents:
+    """Queue a job (`submit(sink)`) whose events the handler then awaits (Text events only if
+    `texts`: a stream)."""
+    app: App = request.app
+    events = JobEvents(request.receive, texts)
+    try:
+        events.job = submit(events.sink)
+    except QueueFull as e:
+        app.metrics.count_rejected()
+        raise ApiError(503, f"{e} (--max-queue {app.worker.capacity} requests are waiting already)",
+                       type="server_error", code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+    return events
+
+
+async def _store_call(function, *args) -> Any:
+    """A store catalog call, off the event loop (it may wait for LMDB or a lock)."""
+    return await to_thread.run_sync(function, *args)
+
+
+# -- OpenAI endpoints -------------------------------------------------------------------------------
+
+async def completions(request: Request) -> Response:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, chat=True)
+
+
+async def _generate(request: Request, chat: bool) -> Response:
+    app: App = request.app
+    body = parse_generation(_json(await request.body()), chat=chat, defaults=app.defaults)
+    check_model(body.model, app.model_names)
+    events = await _submit(request, lambda sink: app.worker.generate(body, sink), texts=body.stream)
+    ids = ResponseIds(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), app.model_id, chat)
+    if not body.stream:
+        gen = await events.result()
+        return JSONResponse(completion_response(ids, gen),
+                            headers={"X-TQStore-Tier": gen.tier, "X-TQStore-Cached-Tokens": str(gen.cached_tokens)})
+    try:
+        first = await events.next_event()  # Accepted, or Failed while the status can still say so
         if isinstance(first, Failed):
             raise first.error
-        chunked = self.request_version == "HTTP/1.1"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("X-TQStore-Tier", first.tier)
-        self.send_header("X-TQStore-Cached-Tokens", str(first.cached_tokens))
-        if chunked:
-            self.send_header("Transfer-Encoding", "chunked")
-        else:
-            self.close_connection = True
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self._status = 200
-        try:
-            self._stream(watch, EventStream(self.wfile, chunked), ids, request.include_usage)
-        except OSError:
-            watch.gone()
+    except BaseException:
+        events.close()
+        raise
+    # The content type verbatim: Starlette would add a charset to a text/ media type.
+    return StreamingResponse(_stream(events, ids, body.include_usage),
+                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                      "X-TQStore-Tier": first.tier,
+                                      "X-TQStore-Cached-Tokens": str(first.cached_tokens)})
 
-    @staticmethod
-    def _stream(watch: JobWatch, stream: EventStream, ids: ResponseIds, include_usage: bool) -> None:
+
+async def _stream(events: JobEvents, ids: ResponseIds, include_usage: bool):
+    try:
         if ids.chat:
-            stream.send(chunk(ids, role=True))
+            yield sse(chunk(ids, role=True))
         while True:
-            event = watch.next_event()
+            event = await events.next_event()
             if isinstance(event, Text):
-                stream.send(chunk(ids, event.text))
+                yield sse(chunk(ids, event.text))
             elif isinstance(event, Finished):
                 gen = event.value
-                stream.send({**chunk(ids, finish_reason=gen.finish_reason), "tqstore": store_details(gen)})
+                yield sse({**chunk(ids, finish_reason=gen.finish_reason), "tqstore": store_details(gen)})
                 if include_usage:
-                    stream.send(usage_chunk(ids, gen))
+                    yield sse(usage_chunk(ids, gen))
                 break
             elif isinstance(event, Failed):  # after the 200: the error goes in the stream
-                stream.send(event.error.body())
+                yield sse(event.error.body())
                 break
-        stream.close()
-
-    def _models(self, body: bytes) -> None:
-        self._send_json(200, {"object": "list", "data": [self._model_object()]})
-
-    def _model(self, body: bytes, model: str) -> None:
-        check_model(unquote(model), self.app.model_names)
-        self._send_json(200, self._model_object())
-
-    def _model_object(self) -> dict[str, Any]:
-        return {"id": self.app.model_id, "object": "model", "created": self.app.started, "owned_by": "tqstore"}
-
-    # -- cache admin ----------------------------------------------------------------------------------
-
-    def _list_caches(self, body: bytes) -> None:
-        self._send_json(200, {"object": "list", "data": [_entry(i) for i in self.app.store.ls()]})
-
-    def _get_cache(self, body: bytes, name: str) -> None:
-        self._send_json(200, _entry(self.app.store.info(_name(name))))
-
-    def _put_cache(self, body: bytes, name: str) -> None:
-        name = _name(name)
-        source = parse_cache_source(self._json(body))
-        watch = self._submit(lambda: self.app.worker.save(name, source))
-        self._send_json(200, _entry(watch.result()))
-
-    def _delete_cache(self, body: bytes, name: str) -> None:
-        name = _name(name)
-        self.app.store.rm(name)
-        self._send_json(200, {"id": name, "object": "cache", "deleted": True})
-
-    def _pin(self, body: bytes, name: str) -> None:
-        self._set_pinned(_name(name), parse_pin(self._json(body, required=False)))
-
-    def _unpin(self, body: bytes, name: str) -> None:
-        self._set_pinned(_name(name), False)
-
-    def _set_pinned(self, name: str, pinned: bool) -> None:
-        store = self.app.store
-        store.pin(name) if pinned else store.unpin(name)
-        self._send_json(200, _entry(store.info(name)))
-
-    # -- operations -----------------------------------------------------------------------------------
-
-    def _healthz(self, body: bytes) -> None:
-        worker = self.app.worker
-        if worker.ready.is_set():
-            self._send_json(200, {"status": "ok", "model": self.app.model_id})
-        else:
-            status = "failed" if worker.load_error is not None else "loading"
-            self._send_json(503, {"status": status, "model": self.app.model_id}, {"Retry-After": "1"})
-
-    def _metrics(self, body: bytes) -> None:
-        text = self.app.metrics.render(self.app.store.stats(), self.app.worker.queue_state())
-        self._send(200, text.encode(), METRICS_TYPE)
+        yield DONE
+    finally:  # also when the client left and Starlette cancelled the stream
+        events.close()
 
 
-def _match(path: str) -> tuple[str, dict[str, str], dict[str, str]]:
-    """(route template, method -> handler name, path parameters); ("unmatched", {}, {}) if none."""
-    for pattern, template, methods in ROUTES:
-        match = pattern.fullmatch(path)
-        if match is not None:
-            return template, methods, match.groupdict()
-    return "unmatched", {}, {}
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_object(request.app)]})
+
+
+async def model(request: Request) -> Response:
+    check_model(request.path_params["model"], request.app.model_names)
+    return JSONResponse(_model_object(request.app))
+
+
+def _model_object(app: App) -> dict[str, Any]:
+    return {"id": app.model_id, "object": "model", "created": app.started, "owned_by": "tqstore"}
+
+
+# -- cache admin --------------------------------------------------------------------------------------
+
+async def list_caches(request: Request) -> Response:
+    infos = await _store_call(request.app.store.ls)
+    return JSONResponse({"object": "list", "data": [_entry(i) for i in infos]})
+
+
+class Cache(HTTPEndpoint):
+    """/v1/caches/{name}: one entry."""
+
+    async def get(self, request: Request) -> Response:
+        return JSONResponse(_entry(await _store_call(request.app.store.info, _name(request))))
+
+    async def put(self, request: Request) -> Response:
+        app: App = request.app
+        name = _name(request)
+        source = parse_cache_source(_json(await request.body()))
+        events = await _submit(request, lambda sink: app.worker.save(name, source, sink))
+        return JSONResponse(_entry(await events.result()))
+
+    async def delete(self, request: Request) -> Response:
+        name = _name(request)
+        await _store_call(request.app.store.rm, name)
+        return JSONResponse({"id": name, "object": "cache", "deleted": True})
+
+
+class Pin(HTTPEndpoint):
+    """/v1/caches/{name}/pin: POST pins (or unpins with {"pinned": false}), DELETE unpins."""
+
+    async def post(self, request: Request) -> Response:
+        name = _name(request)
+        return await _set_pinned(request.app, name, parse_pin(_json(await request.body(), required=False)))
+
+    async def delete(self, request: Request) -> Response:
+        return await _set_pinned(request.app, _name(request), False)
+
+
+async def _set_pinned(app: App, name: str, pinned: bool) -> Response:
+    await _store_call(app.store.pin if pinned else app.store.unpin, name)
+    return JSONResponse(_entry(await _store_call(app.store.info, name)))
+
+
+# -- operations -----------------------------------------------------------------------------------------
+
+async def healthz(request: Request) -> Response:
+    app: App = request.app
+    if app.worker.ready.is_set():
+        return JSONResponse({"status": "ok", "model": app.model_id})
+    status = "failed" if app.worker.load_error is not None else "loading"
+    return JSONResponse({"status": status, "model": app.model_id}, 503, {"Retry-After": "1"})
+
+
+async def metrics(request: Request) -> Response:
+    app: App = request.app
+    stats = await _store_call(app.store.stats)
+    return Response(app.metrics.render(stats, app.worker.queue_state()), media_type=METRICS_TYPE)
 
 
 def _hostname(host: str) -> str:
@@ -399,21 +379,24 @@ def _hostname(host: str) -> str:
     return host.rpartition(":")[0] if host.count(":") == 1 else host
 
 
-def _name(raw: str) -> str:
-    # Decoded before validation, so %2F or %2E%2E are refused like '/' and '..'.
-    return validate_name(unquote(raw))
+def _name(request: Request) -> str:
+    # uvicorn decodes the path before routing, so %2F or %2E%2E are refused like '/' and '..'.
+    return validate_name(request.path_params["name"])
 
 
 def _entry(info) -> dict[str, Any]:
     return {"object": "cache", **dataclasses.asdict(info)}
 
 
-class HttpServer(ThreadingHTTPServer):
-    daemon_threads = True  # idle keep-alive connections must not hold up shutdown
-    request_queue_size = 64  # the listen backlog: bursts of clients connect at once
-
-    def __init__(self, address: tuple[str, int], app: App):
-        self.app = app
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, Handler)
+# The first match wins: the pin route before the entry route that would also match it.
+ROUTES = [
+    Route("/healthz", healthz, methods=["GET"]),
+    Route("/metrics", metrics, methods=["GET"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model:path}", model, methods=["GET"]),
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/caches", list_caches, methods=["GET"]),
+    Route("/v1/caches/{name:path}/pin", Pin),
+    Route("/v1/caches/{name:path}", Cache),
+]

@@ -1,118 +1,36 @@
-"""`tqstore serve` (and `python -m tqstore.serve`): its options, startup, signals and shutdown.
-The HTTP layer is `http_api.py`; docs/server.md describes the API."""
+"""`tqstore serve` (and `python -m tqstore.serve`): startup, signals and shutdown (options.py holds its flags).
+The HTTP layer is `http.py`; uvicorn runs it; docs/server.md describes the API."""
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
+import asyncio
 import json
 import logging
 import os
 import signal
+import socket
 import sys
-import threading
 import time
 from pathlib import Path
 
-from tqstore.config import Config, load_config, parse_duration, parse_size
+import prometheus_client
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tqstore.config import Config, load_config
 from tqstore.errors import ConfigError, TqstoreError
-from tqstore.serve.http import LOOPBACK_NAMES, App, HttpServer
-from tqstore.serve.streams import POLL_SECONDS
+from tqstore.serve.http import MAX_HEAD_BYTES, App, Guard
+from tqstore.serve.options import API_KEY_ENV, allowed_hosts, is_loopback, parse_args
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import Sampling
 from tqstore.serve.worker import ModelWorker, SavePolicy
 
 log = logging.getLogger("tqstore.serve")
-API_KEY_ENV = "TQSTORE_API_KEY"
-
-
-def _duration(raw: str) -> float:
-    try:
-        return parse_duration(raw, "--save-ttl", allow_zero=True)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _size(raw: str) -> int:
-    try:
-        return parse_size(raw, "--max-body-bytes")
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{raw} must be at least 1")
-    return value
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (a --host value) is reachable from this machine only."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to any address
-        return False
-
-
-def allowed_hosts(host: str, extra: list[str]) -> frozenset[str] | None:
-    """The names the Host header may use: loopback names, the bound host and --allowed-host;
-    None (any) for a wildcard bind without --allowed-host, as its clients' names are unknown."""
-    bound = host.strip("[]").lower()
-    wildcard = bound in ("", "0.0.0.0", "::")
-    if wildcard and not extra:
-        return None
-    names = set(LOOPBACK_NAMES) | {name.strip("[]").lower() for name in extra}
-    if not wildcard:
-        names.add(bound)
-    return frozenset(names)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `tqstore serve` (the CLI adds --home)."""
-    parser.add_argument("--model", required=True, help="model folder or Hugging Face repo id to serve")
-    parser.add_argument("--scheme", help="cache scheme (default: the config's default_scheme, turbo4)")
-    parser.add_argument("--adapter-path", help="LoRA adapter folder for the model")
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to bind (default 127.0.0.1: this machine only); any other address needs an "
-                             "API key, or --insecure")
-    parser.add_argument("--insecure", action="store_true",
-                        help="allow a non-loopback --host without an API key: anyone who can reach it can use the "
-                             "model and read, write and delete the store")
-    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
-                        help="another name clients may send in the Host header (a DNS name or a proxy's), besides "
-                             "localhost, 127.0.0.1, ::1 and --host; repeatable")
-    parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one, printed)")
-    parser.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the variable, "
-                             "the command line is visible to other users)")
-    parser.add_argument("--max-queue", type=_positive, default=32,
-                        help="requests that may wait for the model; more get 503 + Retry-After (default 32)")
-    parser.add_argument("--max-running", type=_positive, default=4,
-                        help="requests generated at once, taking turns on the model so that a long answer cannot "
-                             "hold up short ones (default 4)")
-    parser.add_argument("--max-tokens-limit", type=_positive, default=None,
-                        help="the server's cap on max_tokens: longer requests stop there with finish_reason "
-                             "'length' (default: the model's context length)")
-    parser.add_argument("--max-body-bytes", type=_size, default=16 << 20,
-                        help="largest request body, e.g. 16MiB (default); larger ones get 413")
-    parser.add_argument("--max-tokens", type=_positive, default=512,
-                        help="max_tokens when a request leaves it out (default 512)")
-    parser.add_argument("--temp", type=float, default=0.0,
-                        help="temperature when a request leaves it out (default 0: greedy, as mlx-lm)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="top_p when a request leaves it out (default 1)")
-    parser.add_argument("--save-min-tokens", type=_positive, default=256,
-                        help="store prompts of at least this many tokens after their response (default 256)")
-    parser.add_argument("--save-ttl", type=_duration, default=24 * 3600.0,
-                        help="lifetime of stored prompts: seconds or 30m, 24h, 7d; 0 = no expiry (default 24h)")
-    parser.add_argument("--no-save", action="store_true", help="never store prompts (stored ones are still reused)")
-    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
-                        help="log level for the access log and errors on stderr (default info)")
+BACKLOG = 1024  # the listen backlog: a burst of clients connecting at once waits here, not in SYN retries
+# On SIGTERM, once the model worker has stopped (every job ended), responses still being written
+# get this long; then their tasks are cancelled (a client stalling mid-body would hold shutdown).
+SHUTDOWN_GRACE_SECONDS = 5
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -123,8 +41,11 @@ def run(args: argparse.Namespace, config: Config) -> int:
     from tqstore import Store
     from tqstore.engine.engine import Engine
 
+    # The _created series prometheus_client adds beside each counter and histogram: noise for a
+    # server whose counters all start with it (a process-wide switch; this process is the server).
+    prometheus_client.disable_created_metrics()
     if not logging.getLogger().handlers:
-        level = "WARNING" if getattr(args, "quiet", False) else args.log_level.upper()  # the CLI's -q
+        level = _log_level(args).upper()
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         scheme = parse_scheme(config.default_scheme if args.scheme is None else args.scheme).name
@@ -146,47 +67,123 @@ def run(args: argparse.Namespace, config: Config) -> int:
                              policy=SavePolicy(not args.no_save, args.save_min_tokens, args.save_ttl or None))
         app = App(worker, worker.metrics, model_id, tuple(dict.fromkeys((model_id, args.model))),
                   Sampling(args.max_tokens, args.temp, args.top_p, None, ()), api_key, args.max_body_bytes,
-                  int(time.time()), allowed_hosts(args.host, args.allowed_host))
-        try:
-            httpd = HttpServer((args.host, args.port), app)
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}: choose another --port "
-                              "(0 picks a free one)") from None
-        return _serve(httpd, worker, args, scheme)
+                  int(time.time()), allowed_hosts(args.host, args.allowed_host), args.keep_alive)
+        return _serve(app, _listen(args.host, args.port), args, scheme)
     finally:
         store.close()
 
 
-def _serve(httpd: HttpServer, worker: ModelWorker, args: argparse.Namespace, scheme: str) -> int:
-    host, port = httpd.server_address[:2]
-    if httpd.app.api_key is None and not is_loopback(host):  # --insecure
+def _log_level(args: argparse.Namespace) -> str:
+    """--log-level, or warning under the CLI's -q (uvicorn's access log included)."""
+    return "warning" if getattr(args, "quiet", False) else args.log_level
+
+
+class _Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request head. uvicorn's keep-alive
+    timer starts only after a response and stops at any byte received, so a client that
+    connects and sends nothing, sends its headers a byte at a time, or trickles a refused body
+    would hold its connection forever. Here a connection has --keep-alive seconds, from its
+    start and from each response, to deliver a whole request head; while a request is being
+    answered the deadline does not apply (Guard times out a stalled body)."""
+
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self.loop.call_later(self.timeout_keep_alive, self._expire)
+
+    def _expire(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # waiting for the client, not answering it
+            self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending with the model worker: it stops when the model cannot load,
+    and its shutdown stops the worker first, so that every job waited for ends (503
+    shutting_down) and the handlers waiting for them finish."""
+
+    def __init__(self, config: uvicorn.Config, worker: ModelWorker):
+        super().__init__(config)
+        self.worker = worker
+
+    def handle_exit(self, sig: int, frame) -> None:
+        # SIGINT and SIGTERM are how this server is meant to stop: exit 0, where uvicorn would
+        # raise the signal again after its shutdown. A second Ctrl-C stops at once.
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        return self.worker.load_error is not None or await super().on_tick(counter)
+
+    async def shutdown(self, sockets=None) -> None:
+        await asyncio.to_thread(self.worker.stop)
+        await super().shutdown(sockets)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so that port 0 is known before serving starts."""
+    # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that say
+    # so, and with Nagle a response written as head then body waits for the client's delayed
+    # ACK (40 ms per request on a kept-alive connection).
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}: choose another --port "
+                          "(0 picks a free one)") from None
+    return sock
+
+
+def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str) -> int:
+    host, port = sock.getsockname()[:2]
+    worker = app.worker
+    if app.api_key is None and not is_loopback(host):  # --insecure
         log.warning("listening on %s without an API key (--insecure): anyone who can reach it can use the model "
                     "and the store (set %s)", host, API_KEY_ENV)
-    stopping = threading.Event()
+    config = uvicorn.Config(Guard(app), http=_Protocol, loop="asyncio", lifespan="off", log_config=None,
+                            log_level=_log_level(args), server_header=False, limit_concurrency=args.max_connections,
+                            backlog=BACKLOG, timeout_keep_alive=args.keep_alive,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+    server = _Server(config, worker)
+    # Stopping works from the moment the port is announced: uvicorn installs its own handlers
+    # only once it runs, and a SIGTERM in between would kill the process (exit -15).
     previous = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         try:
-            previous[sig] = signal.signal(sig, lambda *_: stopping.set())
+            previous[sig] = signal.signal(sig, server.handle_exit)
         except ValueError:  # not the main thread (run embedded): the caller stops the process
             pass
     worker.start()
-    serving = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": POLL_SECONDS},
-                               name="tqstore-http", daemon=True)
-    serving.start()
     url = f"http://{host}:{port}/v1"
     if getattr(args, "json", False):  # the CLI's --json: one JSON document on stdout
-        print(json.dumps({"listening": url, "host": host, "port": port, "model": httpd.app.model_id,
+        print(json.dumps({"listening": url, "host": host, "port": port, "model": app.model_id,
                           "scheme": scheme}), flush=True)
     else:
-        print(f"tqstore serve: listening on {url} (model {httpd.app.model_id}, scheme {scheme})", flush=True)
+        print(f"tqstore serve: listening on {url} (model {app.model_id}, scheme {scheme})", flush=True)
     try:
-        while not stopping.wait(POLL_SECONDS):
-            if worker.load_error is not None:
-                break
+        server.run(sockets=[sock])
     finally:
-        httpd.shutdown()
-        worker.stop()
-        httpd.server_close()
+        sock.close()
+        worker.stop()  # again, in case the server never started: it returns at once otherwise
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     error = worker.load_error
@@ -200,13 +197,9 @@ def _serve(httpd: HttpServer, worker: ModelWorker, args: argparse.Namespace, sch
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tqstore.serve --home DIR --model M ...` (what `tqstore serve` runs)."""
-    parser = argparse.ArgumentParser(prog="python -m tqstore.serve", description="tqstore's OpenAI-compatible server")
-    parser.add_argument("--home", help="tqstore home folder (default $TQSTORE_HOME or ~/.cache/tqstore)")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     try:
         return run(args, load_config(args.home))
     except TqstoreError as e:
         print(f"tqstore serve: error: {e}", file=sys.stderr)
         return 1
-

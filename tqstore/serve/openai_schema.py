@@ -1,17 +1,21 @@
 """The OpenAI-compatible boundary of `tqstore serve`: typed requests parsed and validated from
 JSON bodies, OpenAI-shaped responses, stream chunks and errors, and stop sequences.
 
-Nothing here touches MLX, the store or the network: the HTTP layer (server.py) parses bodies
-into these dataclasses, the model worker (serving.py) turns them into a `Generation`, and the
-builders below turn that into what OpenAI clients expect.
+Request bodies are pydantic models; a body that does not fit is an ApiError(400) whose
+`param` names the first bad field. Nothing here touches MLX, the store or the network: the
+HTTP layer (http.py) parses bodies into the request dataclasses, the model worker (worker.py)
+turns them into a `Generation`, and the builders below turn that into what OpenAI clients
+expect.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tqstore.errors import (BadInput, ConflictError, DiskFull, IdentityMismatch, InvalidName, NotFound,
                      RemoteNotConfigured, RemoteError, TqstoreError)
@@ -105,167 +109,198 @@ class CacheSource:
     ttl: float | None = None
 
 
-_MISSING = object()
 MAX_DOCUMENTS = 64
-_JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-               dict: "an object"}
-
-
-def _get(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    # bool is an int in Python; JSON true is never a number here.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _tuple(kinds)):
-        names = " or ".join(_JSON_TYPES[k] for k in _tuple(kinds))
-        raise ApiError(400, f"'{name}' must be {names}, not {type(value).__name__}: {str(value)[:40]!r}", param=name)
-    return value
-
-
-def _tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kinds if isinstance(kinds, tuple) else (kinds,)
-
-
-def _sampling(body: Mapping[str, Any], defaults: Sampling, chat: bool) -> Sampling:
-    limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _get(body, limit_name, int, defaults.max_tokens)
-    if max_tokens < 1:
-        raise ApiError(400, f"'{limit_name}' must be at least 1, not {max_tokens}", param=limit_name)
-    temperature = float(_get(body, "temperature", (int, float), defaults.temperature))
-    if not 0.0 <= temperature <= 2.0 or math.isnan(temperature):
-        raise ApiError(400, f"'temperature' must be from 0 to 2, not {temperature}", param="temperature")
-    top_p = float(_get(body, "top_p", (int, float), defaults.top_p))
-    if not 0.0 < top_p <= 1.0:
-        raise ApiError(400, f"'top_p' must be in (0, 1], not {top_p}", param="top_p")
-    seed = _get(body, "seed", int)
-    stop = _get(body, "stop", (str, list), ())
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, f"'stop' must be a non-empty string or a list of at most {MAX_STOPS} of them",
-                       param="stop")
-    return Sampling(max_tokens, temperature, top_p, seed, stops)
-
-
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
-    n = body.get("n")
-    if n not in (None, 1):
-        raise ApiError(400, f"'n' must be 1 (one choice per request), not {n!r}", param="n")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise ApiError(400, "logprobs are not supported by this server: leave 'logprobs' out", param="logprobs")
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported by this server: leave it out", param="echo")
-
-
-def _prompt(body: Mapping[str, Any], name: str = "prompt") -> str | tuple[int, ...]:
-    prompt = body.get(name)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                   for t in prompt):
-        return tuple(prompt)
-    raise ApiError(400, f"'{name}' must be a string or an array of token ids (one prompt per request)", param=name)
-
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
-
-def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array of {role, content} objects", param="messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise ApiError(400, f"messages[{i}] must be an object whose 'role' is one of {', '.join(ROLES)}",
-                           param="messages")
-        if "content" not in message and message["role"] != "assistant":  # assistants may carry tool calls only
-            raise ApiError(400, f"messages[{i}] has no 'content'", param="messages")
-        content = message.get("content")
-        if isinstance(content, list):  # content parts: text only, joined as mlx-lm does
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
-            content = "".join(p["text"] for p in content)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string or an array of text parts",
-                           param="messages")
-        out.append({**message, "content": content})
-    return tuple(out)
+# The request bodies as pydantic models. Strict: JSON types are never coerced (true is not 1,
+# "5" is not 5); null is the same as leaving a field out; fields OpenAI has and this server
+# ignores are ignored.
+_Strict = ConfigDict(strict=True, extra="ignore")
+PositiveInt = Annotated[int, Field(ge=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# A prompt: a string, token ids, or a one-string array (what some clients send).
+Prompt = str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)]
+# Hints for fields whose pydantic message would not help (one line per union member), and for
+# what this server refuses.
+_HINTS = {"prompt": "a string or an array of token ids (one prompt per request)",
+          "stop": f"a non-empty string or a list of at most {MAX_STOPS} of them",
+          "documents": f"a non-empty array of at most {MAX_DOCUMENTS} texts, {{\"text\": ...}} or {{\"name\": "
+                       "stored chunk} objects",
+          "n": "1 (one choice per request)",
+          "logprobs": "left out: logprobs are not supported by this server",
+          "top_logprobs": "left out: logprobs are not supported by this server",
+          "echo": "left out: it is not supported by this server"}
+_MESSAGES_HINT = "a non-empty array of {role, content} objects"
+_UNION_TAGS = {"str", "int", "float", "bool"}  # what pydantic puts in an error's path for a union member
 
 
-def _documents(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
-    """The `documents` extension: texts, or {"name": stored chunk} / {"text": ...} objects."""
-    docs = body.get("documents")
-    if not isinstance(docs, list) or not docs or len(docs) > MAX_DOCUMENTS:
-        raise ApiError(400, f"'documents' must be a non-empty array of at most {MAX_DOCUMENTS} texts or "
-                            "{\"name\": stored chunk} objects", param="documents")
-    out = []
-    for i, doc in enumerate(docs):
-        if isinstance(doc, str):
-            doc = {"text": doc}
-        if not isinstance(doc, dict) or len(doc) != 1 or not isinstance(next(iter(doc.values())), str) \
-                or next(iter(doc)) not in ("text", "name"):
-            raise ApiError(400, f"documents[{i}] must be a string, {{\"text\": ...}} or {{\"name\": ...}}",
-                           param="documents")
-        out.append(next(iter(doc.items())))
-    return tuple(out)
+def _prompt(prompt: str | list) -> str | tuple[int, ...]:
+    return prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt[0], str) else tuple(prompt)
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    """A chat message; its other fields (name, tool_calls, ...) go to the chat template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal[ROLES]
+    content: str | list[_TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if not isinstance(content, (str, list, type(None))):
+            raise PydanticCustomError("content_type", "must be a string or an array of text parts")
+        if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise PydanticCustomError("text_only", "only text parts are supported")
+        return content
+
+    @model_validator(mode="after")
+    def _has_content(self) -> _Message:
+        if "content" not in self.model_fields_set and self.role != "assistant":  # assistants may carry tool calls only
+            raise PydanticCustomError("no_content", "the message has no 'content'")
+        return self
+
+    def flat(self) -> dict[str, Any]:
+        """The message with its content as one string (text parts joined, as mlx-lm does)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        return {**self.model_dump(), "content": content or ""}
+
+
+Messages = Annotated[list[_Message], Field(min_length=1)]
+
+
+# A document: its text, {"text": ...} or {"name": stored chunk}.
+Document = str | Annotated[dict[Literal["text", "name"], str], Field(min_length=1, max_length=1)]
+
+
+class _StreamOptions(BaseModel):
+    model_config = _Strict
+    include_usage: bool | None = None
+
+
+class _GenerationBody(BaseModel):
+    model_config = _Strict
+    model: str | None = None
+    prompt: Prompt | None = None
+    messages: Messages | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: int | None = None
+    stop: (Annotated[str, Field(min_length=1)]
+           | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOPS)] | None) = None
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+    tools: list[Any] | None = None
+    # Asking for what this server does not do is refused, not ignored.
+    n: Literal[1] | None = None
+    logprobs: Literal[False, 0] | None = None
+    top_logprobs: Literal[0] | None = None
+    echo: Literal[False] | None = None
+    # tqstore's extension: compose the context from stored chunks.
+    documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_DOCUMENTS)] | None = None
+    recompute: Annotated[float, Field(ge=0, le=1)] | None = None
+
+
+class _CacheBody(BaseModel):
+    model_config = _Strict
+    prompt: Prompt | None = None
+    messages: Messages | None = None
+    document: str | None = None
+    system: str | None = None
+    pinned: bool | None = None
+    ttl: Annotated[float, Field(gt=0)] | None = None
+
+
+class _PinBody(BaseModel):
+    model_config = _Strict
+    pinned: bool | None = None
+
+
+def _validate(model: type[BaseModel], body: Any, what: str) -> Any:
+    """`body` as `model`; ApiError(400) naming the first bad field (`param`) otherwise."""
+    if not isinstance(body, dict):
+        raise ApiError(400, f"the request body must be a JSON object{what}, not {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        error = e.errors(include_url=False)[0]
+        param = str(error["loc"][0]) if error["loc"] else None
+        raise ApiError(400, _message(error, param), param=param) from None
+
+
+def _message(error: Mapping[str, Any], param: str | None) -> str:
+    loc = error["loc"]
+    if param is None:
+        return error["msg"]
+    if param in _HINTS:
+        return f"'{param}' must be {_HINTS[param]}"
+    if param == "messages" and len(loc) == 1:
+        return f"'messages' must be {_MESSAGES_HINT}"
+    where = param + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:]
+                            if isinstance(p, int) or (p.isidentifier() and p not in _UNION_TAGS))
+    if error["type"] == "greater_than_equal":
+        return f"'{where}' must be at least {error['ctx']['ge']}, not {error['input']!r}"
+    text = error["msg"].replace("Input should be", "must be")
+    if isinstance(error["input"], (dict, list)):
+        return f"'{where}' {text}" if text.startswith("must") else f"'{where}': {text}"
+    return f"'{where}' {text}, not {error['input']!r:.40}" if text.startswith("must") else f"'{where}': {text}"
 
 
 def parse_generation(body: Any, *, chat: bool, defaults: Sampling) -> GenerationRequest:
     """Validate a completions (chat=False) or chat completions body; ApiError(400) names the field.
     `defaults` gives max_tokens, temperature and top_p where the body leaves them out."""
-    if not isinstance(body, dict):
-        raise ApiError(400, f"the request body must be a JSON object, not {type(body).__name__}")
-    _refuse_unsupported(body)
-    stream = bool(_get(body, "stream", bool, False))
-    options = _get(body, "stream_options", dict, {})
-    tools = _get(body, "tools", list) if chat else None
-    common = dict(chat=chat, model=_get(body, "model", str), sampling=_sampling(body, defaults, chat),
-                  stream=stream, include_usage=stream and bool(options.get("include_usage")))
-    if "documents" in body:
-        common.update(documents=_documents(body), recompute=_get(body, "recompute", (int, float)))
-        if common["recompute"] is not None and not 0 <= common["recompute"] <= 1:
-            raise ApiError(400, "'recompute' is a fraction of the document tokens from 0 to 1", param="recompute")
-    if chat:
-        return GenerationRequest(**common, messages=_messages(body), tools=tuple(tools) if tools else None)
-    if "prompt" not in body:
+    b: _GenerationBody = _validate(_GenerationBody, body, "")
+    if chat and b.messages is None:
+        raise ApiError(400, f"'messages' must be {_MESSAGES_HINT}", param="messages")
+    if not chat and b.prompt is None:
         raise ApiError(400, "'prompt' is required", param="prompt")
-    return GenerationRequest(**common, prompt=_prompt(body))
+    max_tokens = b.max_completion_tokens if chat and b.max_completion_tokens is not None else b.max_tokens
+    stop = b.stop or ()
+    sampling = Sampling(max_tokens or defaults.max_tokens,
+                        defaults.temperature if b.temperature is None else b.temperature,
+                        defaults.top_p if b.top_p is None else b.top_p, b.seed,
+                        (stop,) if isinstance(stop, str) else tuple(stop))
+    stream = bool(b.stream)
+    documents = None if b.documents is None else tuple(
+        ("text", d) if isinstance(d, str) else next(iter(d.items())) for d in b.documents)
+    return GenerationRequest(chat=chat, model=b.model, sampling=sampling, stream=stream,
+                             include_usage=stream and bool(b.stream_options and b.stream_options.include_usage),
+                             prompt=None if chat else _prompt(b.prompt),
+                             messages=tuple(m.flat() for m in b.messages) if chat else None,
+                             tools=tuple(b.tools) if chat and b.tools else None,
+                             documents=documents, recompute=None if documents is None else b.recompute)
 
 
 def parse_cache_source(body: Any) -> CacheSource:
     """Validate a PUT /v1/caches/{name} body."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object with one of 'prompt', 'messages' or 'document'")
-    given = [k for k in ("prompt", "messages", "document") if body.get(k) is not None]
+    b: _CacheBody = _validate(_CacheBody, body, " with one of 'prompt', 'messages' or 'document'")
+    given = [k for k in ("prompt", "messages", "document") if getattr(b, k) is not None]
     if len(given) != 1:
         raise ApiError(400, "give exactly one of 'prompt', 'messages' or 'document' (with an optional 'system'), "
                             f"not {given or 'none'}")
-    ttl = _get(body, "ttl", (int, float))
-    if ttl is not None and not ttl > 0:
-        raise ApiError(400, f"'ttl' must be a positive number of seconds, not {ttl}", param="ttl")
-    pinned = _get(body, "pinned", bool, False)
-    kind = given[0]
-    if kind != "document" and body.get("system") is not None:
+    if given != ["document"] and b.system is not None:
         raise ApiError(400, "'system' goes with 'document' only (put a system message in 'messages')", param="system")
-    if kind == "prompt":
-        return CacheSource(prompt=_prompt(body), pinned=pinned, ttl=ttl)
-    if kind == "messages":
-        return CacheSource(messages=_messages(body), pinned=pinned, ttl=ttl)
-    return CacheSource(document=_get(body, "document", str), system=_get(body, "system", str), pinned=pinned, ttl=ttl)
+    return CacheSource(prompt=None if b.prompt is None else _prompt(b.prompt),
+                       messages=None if b.messages is None else tuple(m.flat() for m in b.messages),
+                       document=b.document, system=b.system, pinned=bool(b.pinned), ttl=b.ttl)
 
 
 def parse_pin(body: Any) -> bool:
     """The body of POST /v1/caches/{name}/pin: empty (pin) or {"pinned": bool}."""
     if body is None:
         return True
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be empty or a JSON object like {\"pinned\": false}")
-    return _get(body, "pinned", bool, True)
+    pinned = _validate(_PinBody, body, " like {\"pinned\": false}, or empty").pinned
+    return True if pinned is None else pinned
 
 
 def check_model(requested: str | None, names: tuple[str, ...]) -> None:

@@ -1,98 +1,94 @@
-"""Answering from a model job over HTTP: waiting for the job's events while watching the
-client's socket, and writing events as server-sent events.
-
-A client that goes away cancels its job, whether it is waiting for a whole response or
-reading a stream: a write that fails says so, and so does a socket that turns readable with
-nothing to read (a FIN or a reset), which is checked every POLL_SECONDS while nothing is
-written.
+"""Answering from a model job on the event loop: the worker's thread hands each event of a job
+to the loop (`JobEvents.sink`, through call_soon_threadsafe), and the handler awaits them while
+it watches the client's connection, so a client that goes away cancels its job at once,
+whether it waits for a whole response or reads a stream. `sse` writes events as server-sent
+events.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import queue
-import select
-import socket
-import time
-from typing import Any, BinaryIO
+from typing import Any
 
-from tqstore.serve.worker import Failed, Finished, Job
+from starlette.types import Receive
 
-POLL_SECONDS = 0.2
+from tqstore.serve.worker import Failed, Finished, Job, Text
 
 
 class ClientGone(Exception):
     """The client closed its connection before the response was complete."""
 
 
-def peer_closed(sock: socket.socket) -> bool:
-    """Whether the client has closed (or reset) its end of the connection."""
-    try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
-    except (OSError, ValueError):
-        return True
+_GONE = object()  # queued when the client has disconnected
 
 
-class JobWatch:
-    """One job's events, read on behalf of the client connected on `sock`."""
+class JobEvents:
+    """One job's events on the event loop, read on behalf of the client whose `receive` (the
+    ASGI channel, its body already read) says when it disconnects. Without `texts` (a whole
+    response, not a stream) Text events are dropped on the worker's side: the Finished event
+    carries the whole text, and the loop is not woken for every token."""
 
-    def __init__(self, job: Job, sock: socket.socket):
-        self.job = job
-        self.sock = sock
-        self._checked = time.monotonic()
+    def __init__(self, receive: Receive, texts: bool = False):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._receive = receive
+        self._gone: asyncio.Future | None = None
+        self._ended = False
+        self._texts = texts
+        self.job: Job | None = None
 
-    def next_event(self):
+    def sink(self, event: Any) -> None:
+        """The worker's side (its own thread): queue `event` for the loop."""
+        if isinstance(event, Text) and not self._texts:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody waits for this job any more
+            pass
+
+    async def next_event(self) -> Any:
         """The job's next event; cancels the job and raises ClientGone if the client leaves."""
-        while True:
-            try:
-                event = self.job.events.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                self._check()
-                continue
-            # Events can come faster than the poll interval while nothing reaches the client
-            # (text held back for a possible stop sequence): look at the socket now and then.
-            if time.monotonic() - self._checked > POLL_SECONDS:
-                self._check()
-            return event
+        if self._gone is None:
+            self._gone = asyncio.ensure_future(self._disconnected())
+        event = await self._queue.get()
+        if event is _GONE:
+            self.close()
+            raise ClientGone()
+        self._ended = isinstance(event, (Finished, Failed))
+        return event
 
-    def result(self) -> Any:
+    async def result(self) -> Any:
         """The job's result; its error (an ApiError) is raised."""
-        while True:
-            event = self.next_event()
-            if isinstance(event, Failed):
-                raise event.error
-            if isinstance(event, Finished):
-                return event.value
-
-    def gone(self) -> None:
-        """The client went away (a write failed): cancel the job."""
-        self.job.cancel()
-        raise ClientGone()
-
-    def _check(self) -> None:
-        self._checked = time.monotonic()
-        if peer_closed(self.sock):
-            self.gone()
-
-
-class EventStream:
-    """Server-sent events on a response body: chunked (HTTP/1.1, the connection stays usable)
-    or delimited by closing the connection (HTTP/1.0)."""
-
-    def __init__(self, wfile: BinaryIO, chunked: bool):
-        self.wfile = wfile
-        self.chunked = chunked
-
-    def send(self, obj: Any) -> None:
-        """One `data: {json}` event."""
-        self._write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        try:
+            while True:
+                event = await self.next_event()
+                if isinstance(event, Failed):
+                    raise event.error
+                if isinstance(event, Finished):
+                    return event.value
+        finally:
+            self.close()
 
     def close(self) -> None:
-        """`data: [DONE]`, as OpenAI ends a stream, and the end of the body."""
-        self._write(b"data: [DONE]\n\n")
-        if self.chunked:
-            self.wfile.write(b"0\r\n\r\n")
+        """Stop watching; a job that has not ended is cancelled (its client is not reading)."""
+        if not self._ended and self.job is not None:
+            self.job.cancel()
+        self._ended = True
+        if self._gone is not None:
+            self._gone.cancel()
 
-    def _write(self, data: bytes) -> None:
-        self.wfile.write(b"%X\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+    async def _disconnected(self) -> None:
+        """Queues _GONE when the client disconnects: one queue to wait on, token after token."""
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        self._queue.put_nowait(_GONE)
+
+
+def sse(obj: Any) -> bytes:
+    """One `data: {json}` server-sent event."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"  # how OpenAI ends a stream
+

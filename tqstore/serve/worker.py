@@ -2,8 +2,8 @@
 running jobs, cancellation and the save policy.
 
 MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on the worker's
-thread; HTTP threads submit jobs and read each job's events (Accepted, Text, Finished, Failed)
-from its own queue. Up to `max_running` jobs run at once, taking turns of SLICE_SECONDS each
+thread; the HTTP layer submits jobs and gets each job's events (Accepted, Text, Finished,
+Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at once, taking turns of SLICE_SECONDS each
 (a job is a generator that yields between prefill chunks and tokens), so a long generation
 cannot hold the model while a short one waits. A client that goes away cancels its job: a
 queued job is skipped, a running one stops at its next token (the engine's `stop` callback).
@@ -45,7 +45,7 @@ UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 
 
-# --- events a job sends to the HTTP thread that waits for it ----------------------------------
+# --- events a job sends to the HTTP handler that waits for it ----------------------------------
 
 @dataclass(frozen=True)
 class Accepted:
@@ -78,17 +78,21 @@ class Failed:
     error: ApiError
 
 
+Event = Accepted | Text | Finished | Failed
+Sink = Callable[[Event], None]
+
+
 @dataclass
 class Job:
-    """One unit of model work and the channel back to the HTTP thread waiting for it."""
+    """One unit of model work and the channel back to the HTTP handler waiting for it."""
 
     kind: str  # "generate" or "save"
     work: Callable[[Job], Iterator[None]]  # a generator: it yields where the worker may switch jobs
-    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    sink: Sink  # takes the job's events, on the worker's thread: it must not block
     cancelled: threading.Event = field(default_factory=threading.Event)
 
-    def send(self, event: Accepted | Text | Finished | Failed) -> None:
-        self.events.put(event)
+    def send(self, event: Event) -> None:
+        self.sink(event)
 
     def cancel(self) -> None:
         """The client went away: skip the job, or stop it at its next token."""
@@ -209,19 +213,19 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._loop, name="tqstore-model", daemon=True)
         self.writer = BackgroundWriter()
 
-    # -- the HTTP threads' side --------------------------------------------------------------
+    # -- the HTTP layer's side ----------------------------------------------------------------
 
     def start(self) -> None:
         """Start the thread; it loads the model first (`ready` or `load_error` tells)."""
         self._thread.start()
 
-    def generate(self, request: GenerationRequest) -> Job:
-        """Queue a generation; QueueFull when the queue is full."""
-        return self._submit(Job("generate", lambda job: self._generate(job, request)))
+    def generate(self, request: GenerationRequest, sink: Sink) -> Job:
+        """Queue a generation whose events go to `sink`; QueueFull when the queue is full."""
+        return self._submit(Job("generate", lambda job: self._generate(job, request), sink))
 
-    def save(self, name: str, source: CacheSource) -> Job:
-        """Queue a PUT /v1/caches/{name}; QueueFull when the queue is full."""
-        return self._submit(Job("save", lambda job: self._save(job, name, source)))
+    def save(self, name: str, source: CacheSource, sink: Sink) -> Job:
+        """Queue a PUT /v1/caches/{name} whose events go to `sink`; QueueFull when the queue is full."""
+        return self._submit(Job("save", lambda job: self._save(job, name, source), sink))
 
     def queue_state(self) -> QueueState:
         return QueueState(self._queue.qsize(), self.capacity, len(self._running))
