@@ -31,8 +31,7 @@ import tomli_w
 from tqstore.durable import write_file_atomic
 from tqstore.errors import ConfigError
 from tqstore.keys import parse_key
-# parse_duration is not used here: tqstore/serve/main.py imports it from here until it imports tqstore.units.
-from tqstore.units import GiB, KiB, MiB, format_size, parse_duration, parse_size  # noqa: F401
+from tqstore.units import GiB, KiB, MiB, format_size, parse_size
 
 CONFIG_FILE = "config.toml"
 DEFAULT_HOME = "~/.cache/tqstore"
