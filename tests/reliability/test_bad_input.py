@@ -223,7 +223,7 @@ def test_bad_http_bodies_get_a_4xx_and_the_server_keeps_serving(method, path, bo
 
 
 def test_http_parsers_refuse_any_json_with_a_4xx(ledger):
-    """openai_api's parsers, fed every JSON value hypothesis makes: a request or a 4xx ApiError."""
+    """openai_schema's parsers, fed every JSON value hypothesis makes: a request or a 4xx ApiError."""
     if importlib.util.find_spec("tqstore.serve.openai_schema") is None:
         pytest.skip("tqstore.serve.openai_schema is not importable yet")
     from hypothesis import HealthCheck, given, settings
