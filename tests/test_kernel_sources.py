@@ -485,6 +485,9 @@ def test_metal_self_check_keeps_a_good_kernel_and_drops_a_bad_one(monkeypatch):
 nvcc = shutil.which("nvcc")
 
 
+# nvcc on 2 cores (30 s and 6 s): on demand and on the GPU machine; the default run pins the
+# generated text byte for byte instead (tests/test_kernel_digests.py).
+@pytest.mark.slow
 @pytest.mark.skipif(nvcc is None, reason="needs nvcc")
 def test_cuda_sources_compile(tmp_path):
     """A representative set compiles for sm_90 as MLX assembles it (a stand-in device header)."""
