@@ -22,7 +22,7 @@ from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import build_cache, stored, tail
 
 from kernel_backend import force_backend
-from kernel_support import emulate
+from kernel_support import emulate, on_demand
 from kernel_support.reference import reference
 
 needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
@@ -85,7 +85,7 @@ OFFSETS = (-3.0, 0.0, 2.0, 1000.0, -1000.0)  # light, equal, heavy, all of it, n
 
 
 @needs_cxx
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-R{c[2]}d{c[3]}T{c[4]}+{c[5]}-mma{int(c[7])}")
+@pytest.mark.parametrize("case", on_demand(CASES, {1, 3, 4}), ids=lambda c: f"{c[0]}-R{c[2]}d{c[3]}T{c[4]}+{c[5]}-mma{int(c[7])}")
 def test_emulated_decode_with_sinks_matches_f64_softmax_with_the_sink(case):
     scheme, H, R, D, T, n, dtype, mma = case
     cache = build_cache(scheme, H, D, dtype, T, seed=T + n, tail=n)
