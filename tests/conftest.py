@@ -3,6 +3,8 @@ import os
 import mlx.core as mx
 import pytest
 
+from ledger import WORKER_KEY, Ledger, WorkerCounts
+
 # Keep every test on one backend; the GPU kernels have their own marked tests.
 mx.set_default_device(mx.cpu)
 # One BLAS for every process a test starts (the CLI would otherwise restart itself on OpenBLAS,
@@ -20,6 +22,22 @@ def pytest_addoption(parser) -> None:
                          "concurrency seconds max(60, N); churn cycles max(500, N)")
     group.addoption("--reliability-report", metavar="FILE", default=None,
                     help="write every scenario's trial and outcome counts to FILE (JSON)")
+
+
+def pytest_configure(config) -> None:
+    config._reliability_ledger = Ledger()  # filled through tests/reliability's `ledger` fixture
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(WorkerCounts(config._reliability_ledger))
+
+
+def pytest_sessionfinish(session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: the controller prints the sum
+        workeroutput[WORKER_KEY] = session.config._reliability_ledger.plain()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    config._reliability_ledger.report(terminalreporter, config.getoption("--reliability-report"))
 
 
 def pytest_collection_modifyitems(config, items):

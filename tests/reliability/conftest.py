@@ -10,18 +10,17 @@ Markers: `reliability` marks the short versions, which run in the default CI run
 (`--trials` is defined here, so pass the folder, or set TQSTORE_TRIALS, when running from the
 repository root.) Every scenario counts its trials and outcomes in the `ledger` fixture; the
 counts are printed after the run and written as JSON with `--reliability-report FILE`, the
-figures docs/reliability.md quotes.
+figures docs/reliability.md quotes (tests/ledger.py, through the root conftest).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from harness import Ledger
+from ledger import Ledger
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,7 +28,6 @@ HERE = Path(__file__).resolve().parent
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "reliability: the fault-injection suite, short version (runs by default)")
     config.addinivalue_line("markers", "reliability_long: the long fault storms (on demand: -m reliability_long)")
-    config._reliability_ledger = Ledger()  # the session's counts, filled through the `ledger` fixture
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -52,21 +50,3 @@ def trials(request: pytest.FixtureRequest) -> int | None:
     if given is None and os.environ.get("TQSTORE_TRIALS"):
         given = int(os.environ["TQSTORE_TRIALS"])
     return given
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-    ledger: Ledger = getattr(config, "_reliability_ledger", None)
-    if ledger is None or not ledger.counts:
-        return
-    terminalreporter.section("reliability: trials and outcomes")
-    for line in ledger.lines():
-        terminalreporter.write_line(line)
-    path = config.getoption("--reliability-report")
-    if path:
-        merged: dict[str, dict[str, int]] = {}
-        if os.path.exists(path):  # the short and the long run may write one report
-            with open(path) as f:
-                merged = json.load(f)
-        merged.update({scenario: dict(counts) for scenario, counts in ledger.counts.items()})
-        with open(path, "w") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)

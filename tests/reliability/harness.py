@@ -1,5 +1,5 @@
 """What the reliability scenarios share: stores with test settings, child processes, the checks
-every fault scenario ends with, and the ledger of trials and outcomes.
+every fault scenario ends with (the ledger of trials and outcomes is tests/ledger.py).
 
 Children are fresh interpreters running workers.py (never forked: an LMDB environment must not
 cross fork()). The checks after a fault are the issue's: `Store.verify()` finds nothing, the
@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,23 +28,6 @@ WORKERS = HERE / "workers.py"
 # Fast, deterministic test settings: no free-disk guard (the disk-full scenario sets its own),
 # small segments so that objects span several of them.
 TEST_SETTINGS = {"min_free_disk_bytes": 0, "segment_size": "64KiB"}
-
-
-class Ledger:
-    """Counts per scenario: trials and each outcome (`count("crash/push", "entries loaded", 3)`)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, Counter] = {}
-
-    def count(self, scenario: str, outcome: str, n: int = 1) -> None:
-        self.counts.setdefault(scenario, Counter())[outcome] += n
-
-    def lines(self) -> list[str]:
-        out = []
-        for scenario in sorted(self.counts):
-            items = ", ".join(f"{k} {v}" for k, v in sorted(self.counts[scenario].items()))
-            out.append(f"{scenario}: {items}")
-        return out
 
 
 def open_store(home: Path | str, **settings: object) -> Store:
