@@ -11,6 +11,7 @@ field, the prompt's prefix is not reused, and once saved again the answer equals
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,20 @@ def edit_config(folder: Path, **changes: object) -> None:
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
 
 
-def cold_answer(root: Path, folder: Path) -> list[int]:
-    """The answer of a home that never saw the folder before its edit."""
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """One tiny model folder per kind, written once; each test edits a copy."""
+    root = tmp_path_factory.mktemp("config-identity")
+    return {kind: write_model_folder(root / kind, kind=kind) for kind in ("qwen2", "gemma3_text")}
+
+
+def cold_answer(root: Path, loaded) -> list[int]:
+    """The answer of a home that never saw the folder before its edit (the same loaded model)."""
     store = open_store(root)
     try:
         engine = Engine(store, prefill_chunk=64)
-        engine.save("doc", DOCUMENT, model=str(folder), scheme="turbo4")
+        engine.use_model(loaded)
+        engine.save("doc", DOCUMENT, model=loaded.ref, scheme="turbo4")
         return engine.ask("doc", QUESTION, max_tokens=6).tokens
     finally:
         store.close()
@@ -43,8 +52,8 @@ def cold_answer(root: Path, folder: Path) -> list[int]:
 @pytest.mark.filterwarnings("ignore:layer kind RotatingKVCache")
 @pytest.mark.parametrize("kind,field,value", [("qwen2", "rms_norm_eps", 0.5),
                                               ("gemma3_text", "query_pre_attn_scalar", 64)])
-def test_a_config_edit_after_a_save_is_never_restored(tmp_path, kind, field, value, ledger):
-    folder = write_model_folder(tmp_path / "model", kind=kind)
+def test_a_config_edit_after_a_save_is_never_restored(folders, tmp_path, kind, field, value, ledger):
+    folder = Path(shutil.copytree(folders[kind], tmp_path / "model"))
     store = open_store(tmp_path / "home")
     try:
         Engine(store, prefill_chunk=64).save("doc", DOCUMENT, model=str(folder), scheme="turbo4")
@@ -59,22 +68,23 @@ def test_a_config_edit_after_a_save_is_never_restored(tmp_path, kind, field, val
         assert later.save("doc", DOCUMENT, model=str(folder), scheme="turbo4").reused_tokens == 0
         answer = later.ask("doc", QUESTION, max_tokens=6)
         assert answer.cached_tokens == len(store.get("doc").tokens)
-        assert answer.tokens == cold_answer(tmp_path / "cold", folder)
+        assert answer.tokens == cold_answer(tmp_path / "cold", loaded)
     finally:
         store.close()
     ledger.count("config edit", f"{kind} {field}: refused naming it, prefix not reused, re-save answers as cold")
 
 
-def test_a_cosmetic_config_edit_still_reuses_the_cache(tmp_path, ledger):
-    folder = write_model_folder(tmp_path / "model", kind="qwen2")
+def test_a_cosmetic_config_edit_still_reuses_the_cache(folders, tmp_path, ledger):
+    folder = Path(shutil.copytree(folders["qwen2"], tmp_path / "model"))
     store = open_store(tmp_path / "home")
     try:
         saved = Engine(store, prefill_chunk=64).save("doc", DOCUMENT, model=str(folder), scheme="turbo4")
         # eos_token_id says where an answer stops, read when generating; the cache is the same.
         edit_config(folder, transformers_version="9.9.9", _name_or_path="/elsewhere", eos_token_id=0)
-        answer = Engine(store, prefill_chunk=64).ask("doc", QUESTION, model=str(folder), max_tokens=6)
+        later = Engine(store, prefill_chunk=64)
+        answer = later.ask("doc", QUESTION, model=str(folder), max_tokens=6)
         assert answer.cached_tokens == saved.tokens
-        assert answer.tokens == cold_answer(tmp_path / "cold", folder)
+        assert answer.tokens == cold_answer(tmp_path / "cold", later.model(str(folder)))
     finally:
         store.close()
     ledger.count("config edit", "cosmetic fields: the cache reused, the answer a cold save's")
