@@ -225,8 +225,8 @@ def model_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def legacy_identity(identity: ModelIdentity) -> ModelIdentity:
     """`identity` as tqstore hashed it before issue 27 (only the KV-shaping config fields, with
-    mlx-lm's usual defaults filled in), to recognise an entry stored then: its blocks are keyed
-    by that digest, so they are never found (a miss) and the entry's tokens are prefilled again."""
+    mlx-lm's usual defaults filled in), to recognise an entry stored then and say to save it
+    again (loading.check_identity). Its blocks are keyed by that digest: lookups never find them."""
     text = identity.config.get("text_config")
     merged = {**identity.config, **text} if isinstance(text, Mapping) else dict(identity.config)
     config = {k: merged[k] for k in LEGACY_KV_CONFIG_FIELDS if merged.get(k) is not None}
