@@ -12,7 +12,7 @@ from test_blocks import make_snapshot
 from tiny_models import build_model
 from tqstore.models import files as model_files
 from tqstore.errors import ConfigError, NotFound
-from tqstore.models.identity import CodecIdentity, ModelIdentity, describe_difference
+from tqstore.models.identity import CodecIdentity, ModelIdentity, describe_difference, legacy_identity
 from turboquant import make_prompt_cache, snapshot
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
@@ -93,19 +93,48 @@ def test_a_damaged_digest_cache_is_rebuilt(model_dir, tmp_path):
     ({"rope_scaling": {"factor": 4.0}}, "config.rope_scaling.factor: none vs 4.0"),
     ({"num_key_value_heads": 4}, "config.num_key_value_heads: 2 vs 4"),
     ({"sliding_window": 64}, "config.sliding_window: none vs 64"),
-    ({"head_dim": 32}, "config.head_dim: 16 vs 32"),
+    ({"head_dim": 32}, "config.head_dim: none vs 32"),
+    # Issue 27: fields that change the computation without shaping the KV cache count too.
+    ({"rms_norm_eps": 0.5}, "config.rms_norm_eps: none vs 0.5"),
+    ({"quantization": {"group_size": 64, "bits": 4}}, "config.quantization.bits: none vs 4"),
+    ({"architectures": ["Other"]}, "config.architectures: [\"Qwen3ForCausalLM\"] vs [\"Other\"]"),
+    ({"tie_word_embeddings": False}, "config.tie_word_embeddings: none vs false"),
+    ({"vocab_size": 11}, "config.vocab_size: 10 vs 11"),
 ])
-def test_kv_config_changes_are_named(tmp_path, change, field):
+def test_config_changes_are_named(tmp_path, change, field):
     a = ModelIdentity.from_path(write_model(tmp_path / "a"), tmp_path / "cache")
     b = ModelIdentity.from_path(write_model(tmp_path / "b", {**CONFIG, **change}), tmp_path / "cache")
     assert a.digest != b.digest
-    assert describe_difference(a, b) == [field]
+    assert describe_difference(a, b)[0] == field
 
 
-def test_irrelevant_config_and_spelled_out_defaults_keep_the_identity(tmp_path):
+def test_cosmetic_config_fields_keep_the_identity(tmp_path):
     a = ModelIdentity.from_path(write_model(tmp_path / "a"), tmp_path / "cache")
-    same = {**CONFIG, "architectures": ["Other"], "vocab_size": 11, "head_dim": 16}
-    assert ModelIdentity.from_path(write_model(tmp_path / "b", same), tmp_path / "cache").digest == a.digest
+    cosmetic = {"_name_or_path": "/elsewhere", "transformers_version": "9.9.9", "torch_dtype": "float16",
+                "dtype": "float16", "use_cache": False, "eos_token_id": 3}
+    b = ModelIdentity.from_path(write_model(tmp_path / "b", {**CONFIG, **cosmetic}), tmp_path / "cache", kv_dtype="bfloat16")
+    assert b.digest == a.digest
+    wrapped = {"model_type": "qwen3", "text_config": CONFIG}
+    c = ModelIdentity.from_path(write_model(tmp_path / "c", wrapped), tmp_path / "cache")
+    d = ModelIdentity.from_path(write_model(tmp_path / "d", {**wrapped, "text_config": {**CONFIG, **cosmetic}}),
+                                tmp_path / "cache", kv_dtype="bfloat16")
+    assert c.digest == d.digest
+
+
+def test_a_spelled_out_default_is_another_identity(tmp_path):
+    """Defaults are family-specific (gemma3's head_dim is 256 whatever hidden / heads is): filling
+    them in could make two configs that compute differently one identity; a miss is the safe side."""
+    a = ModelIdentity.from_path(write_model(tmp_path / "a"), tmp_path / "cache")
+    b = ModelIdentity.from_path(write_model(tmp_path / "b", {**CONFIG, "head_dim": 16}), tmp_path / "cache")
+    assert describe_difference(a, b) == ["config.head_dim: none vs 16"]
+
+
+def test_the_identity_of_an_entry_stored_before_issue_27_is_recognised(tmp_path):
+    """The digest the previous tqstore computed for this folder (pinned): `legacy_identity`
+    gives it back, so `check_identity` can say "saved by an older tqstore: save it again"."""
+    new = ModelIdentity.from_path(write_model(tmp_path / "m"), tmp_path / "cache")
+    old = "e21ec84c683e6d7649cfb7040ac5775ffd5f41a48a70c68765bb5ff6221b11ac"
+    assert new.hexdigest != old and legacy_identity(new).hexdigest == old
 
 
 def test_tokenizer_template_adapter_and_dtype_count(model_dir, tmp_path):

@@ -48,6 +48,9 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                        description="Check every block of entry NAME (default: every entry) and the LMDB file; "
                                    "damaged blocks are quarantined. Exit 1 when a problem is found.")
     p.add_argument("name", metavar="NAME", nargs="?")
+    p.add_argument("--remote", action="store_true",
+                   help="check the bucket's manifests instead (readable; in an encrypted bucket sealed for their own "
+                        "bucket, prefix and name, and not rolled back)")
     p.set_defaults(func=verify)
 
     p = sub.add_parser("repair", parents=[common], help="fix a damaged store, keeping what is sound",
@@ -110,15 +113,20 @@ def stats(ctx: Context, args: argparse.Namespace) -> int:
 def verify(ctx: Context, args: argparse.Namespace) -> int:
     name = None if args.name is None else validate_name(args.name)
     store = ctx.store()
-    problems = store.verify(name)
-    checked = [name] if name else [e.name for e in store.ls()]
+    problems = store.verify(name, remote=args.remote)
+    checked = [name] if name else sorted([e.name for e in store.ls(remote=args.remote)] +
+                                         [p.entry for p in problems if p.kind == "remote_manifest"])
 
     def human() -> None:
         if problems:
             rows = [(p.entry or "-", p.kind, p.key.hex()[:12] if p.key else "-", p.detail) for p in problems]
             ctx.out.table(("ENTRY", "PROBLEM", "OBJECT", "DETAIL"), rows)
-            ctx.out.note(f"{len(problems)} problems: damaged blocks are quarantined; save or pull the entries "
-                         "named again (tqstore rm removes one); `tqstore repair` fixes damaged records")
+            if args.remote:
+                ctx.out.note(f"{len(problems)} problems in the bucket: those entries are refused by pull and left "
+                             "out of lookups; push them again from a machine that has them (DETAIL says how)")
+            else:
+                ctx.out.note(f"{len(problems)} problems: damaged blocks are quarantined; save or pull the entries "
+                             "named again (tqstore rm removes one); `tqstore repair` fixes damaged records")
         else:
             ctx.out.note(f"ok: {len(checked)} {'entry' if len(checked) == 1 else 'entries'} verified, no problems")
 

@@ -161,7 +161,7 @@ def test_tampered_moved_and_plaintext_objects_are_misses(s3, tmp_path, pushed, m
 
 def test_the_envelope_binds_kind_and_name_and_works_multipart(s3, tmp_path):
     cipher = crypto.ObjectCipher(base64.b64decode(KEY), "a test key")
-    sealed = cipher.seal(b"payload", "object", "ab" * 32)
+    sealed = cipher.seal(b"payload", "object", "ab" * 32, "s3://b/objects/ab/" + "ab" * 32)
     assert cipher.open(sealed, "object", "ab" * 32, "x") == b"payload"
     assert len(sealed) == len(b"payload") + crypto.OVERHEAD
     for kind, name in (("manifest", "ab" * 32), ("object", "cd" * 32)):

@@ -77,14 +77,17 @@ def test_a_replayed_older_manifest_is_refused(s3, tmp_path, monkeypatch, ledger)
         store.close()
 
 
-def test_manifests_sealed_before_versions_still_open(s3, tmp_path, monkeypatch):
-    """A bucket pushed by an older tqstore (envelope version 1 manifests) stays readable."""
-    cipher = crypto.ObjectCipher(base64.b64decode(KEY), "a test key")  # no versions: the old sealing
-    sealed = cipher.seal(b'{"legacy": true}', "manifest", "doc")
+def test_versions_without_a_versions_file_and_after_one(tmp_path):
+    """A cipher that keeps no versions seals version 1; one that does refuses what is older
+    than the highest it has seen. (Manifests sealed by a tqstore before issue 27, without their
+    address, are refused: test_manifest_binding.py.)"""
+    where = "s3://b/manifests/doc.json"
+    plain = crypto.ObjectCipher(base64.b64decode(KEY), "a test key")
+    sealed = plain.seal(b'{"first": true}', "manifest", "doc", where)
     versioned = crypto.ObjectCipher(base64.b64decode(KEY), "a test key",
                                     crypto.ManifestVersions(tmp_path / crypto.VERSIONS_FILE, "s3://b/"))
-    assert versioned.open(sealed, "manifest", "doc", "x") == b'{"legacy": true}'
-    newer = versioned.seal(b"{}", "manifest", "doc")
-    versioned.written(newer, "manifest", "doc", "x")
+    assert versioned.open(sealed, "manifest", "doc", where) == b'{"first": true}'
+    newer = versioned.seal(b"{}", "manifest", "doc", where)
+    versioned.written(newer, "manifest", "doc", where)
     with pytest.raises(crypto.ManifestRollback):
-        versioned.open(sealed, "manifest", "doc", "x")
+        versioned.open(sealed, "manifest", "doc", where)

@@ -32,20 +32,33 @@ from tqstore.models.files import (DigestCache, adapter_digest, chat_template_dig
 # hashes it, so objects written under another format are never found by key.
 FORMAT_VERSION = 1
 
-# Config fields that change what the KV cache holds or how positions are encoded.
-KV_CONFIG_FIELDS = (
+# Config fields shown not to change what a model computes (docs/format.md, "Model identity"):
+# no loader or model module of mlx-lm 0.32 reads them, or, for the dtype, the identity's own
+# `kv_dtype` holds the dtype the model runs in. Every other field is hashed: an edited
+# `rms_norm_eps` or quantization config changes the K/V of every layer past the first.
+COSMETIC_CONFIG_FIELDS = frozenset({
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "eos_token_id",
+})
+
+# Sub-configs of multimodal wrappers, which transformers writes with the same bookkeeping fields.
+SUB_CONFIGS = ("text_config", "vision_config", "audio_config")
+
+# The config fields the model identity hashed before issue 27 (only those shaping the KV
+# cache): kept to recognise entries stored then (`legacy_identity`), never to build a new key.
+LEGACY_KV_CONFIG_FIELDS = (
     "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "hidden_size", "layer_types", "sliding_window", "sliding_window_pattern", "use_sliding_window",
     "max_window_layers", "attention_chunk_size", "no_rope_layers", "rope_theta", "rope_scaling",
     "rope_parameters", "rope_local_base_freq", "rope_traditional", "partial_rotary_factor",
     "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
-    # Which layers are recurrent or convolutional, and the shape of their states (issue 18).
     "full_attention_interval", "full_attn_idxs", "layers_block_type", "hybrid_override_pattern",
     "attn_layer_period", "attn_layer_offset", "linear_attn_config", "linear_num_key_heads",
     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
     "conv_L_cache", "conv_kernel", "ssm_state_size", "state_size", "n_groups", "mamba_num_heads",
     "mamba_head_dim", "mamba_d_conv", "mamba_d_state", "mamba_expand", "time_step_limit",
 )
+
+
 def codecs_digest(codecs: Mapping[str, CodecRecord]) -> bytes:
     """Content digest of a snapshot's codecs (the key of the entry's shared object)."""
     return hashlib.sha256(canonical_json(_codec_fields(codecs))).digest()
@@ -114,7 +127,7 @@ class ModelIdentity(_Digestible):
         cache.save()
         return cls(
             weights=hashlib.sha256(canonical_json(listing)).hexdigest(),
-            config=kv_config(config),
+            config=model_config(config),
             tokenizer=tokenizer_files_digest(model_dir),
             chat_template=chat_template_digest(model_dir),
             adapter=adapter,
@@ -141,7 +154,7 @@ class ModelIdentity(_Digestible):
         tok, template = _tokenizer_digests(tokenizer)
         return cls(
             weights=h.hexdigest(),
-            config=kv_config(args if isinstance(args, dict) else {}),
+            config=model_config(args if isinstance(args, dict) else {}),
             tokenizer=tok,
             chat_template=template,
             adapter=None,
@@ -192,21 +205,37 @@ def describe_difference(a: _Digestible, b: _Digestible) -> list[str]:
             for k in sorted(set(fa) | set(fb), key=_natural) if fa.get(k, _MISSING) != fb.get(k, _MISSING)]
 
 
-def kv_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The KV-relevant fields of a model config (text_config of multimodal models first).
+def model_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config a model identity hashes: all of config.json as written, less the cosmetic
+    fields (`COSMETIC_CONFIG_FIELDS`, also inside the `SUB_CONFIGS`).
 
-    Defaults mlx-lm applies are made explicit (kv heads = heads, head dim = hidden / heads), so
-    a config that spells them out and one that does not give the same identity.
+    Defaults are not filled in: what a missing field means depends on the family (gemma3's
+    head_dim is 256 whatever hidden_size / heads is), so a config that spells a default out is
+    another identity (a miss, never a wrong cache).
     """
-    text = config.get("text_config")
-    merged = {**config, **text} if isinstance(text, Mapping) else dict(config)
-    out = {k: _jsonable(merged[k]) for k in KV_CONFIG_FIELDS if merged.get(k) is not None}
-    heads = out.get("num_attention_heads")
-    if heads:
-        out.setdefault("num_key_value_heads", heads)
-        if out.get("hidden_size"):
-            out.setdefault("head_dim", out["hidden_size"] // heads)
+    out = {}
+    for key, value in config.items():
+        if key in COSMETIC_CONFIG_FIELDS:
+            continue
+        if key in SUB_CONFIGS and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k not in COSMETIC_CONFIG_FIELDS}
+        out[str(key)] = _jsonable(value)
     return out
+
+
+def legacy_identity(identity: ModelIdentity) -> ModelIdentity:
+    """`identity` as tqstore hashed it before issue 27 (only the KV-shaping config fields, with
+    mlx-lm's usual defaults filled in), to recognise an entry stored then and say to save it
+    again (loading.check_identity). Its blocks are keyed by that digest: lookups never find them."""
+    text = identity.config.get("text_config")
+    merged = {**identity.config, **text} if isinstance(text, Mapping) else dict(identity.config)
+    config = {k: merged[k] for k in LEGACY_KV_CONFIG_FIELDS if merged.get(k) is not None}
+    heads = config.get("num_attention_heads")
+    if heads:
+        config.setdefault("num_key_value_heads", heads)
+        if config.get("hidden_size"):
+            config.setdefault("head_dim", config["hidden_size"] // heads)
+    return dataclasses.replace(identity, config=config)
 
 
 # -- models in memory ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import mlx.core as mx
 from tqstore.durable import write_file_atomic
 from tqstore.models.files import NO_SPACE
 from tqstore.errors import ConfigError, IdentityMismatch, NotFound, TqstoreError
-from tqstore.models.identity import ModelIdentity, describe_difference
+from tqstore.models.identity import ModelIdentity, describe_difference, legacy_identity
 from tqstore.models.prompting import PromptFormat, prompt_format
 
 REGISTRY_FILE = "models.json"
@@ -136,6 +136,12 @@ def check_identity(loaded: LoadedModel, expected: ModelIdentity, entry: str) -> 
     """Refuse a model that is not the one an entry was made with, naming what differs."""
     if loaded.identity.digest == expected.digest:
         return
+    if legacy_identity(loaded.identity).digest == expected.digest:
+        # Stored before the identity covered the whole config: the same weights and KV shape,
+        # but nothing says the rest of the config (norms, activations, quantization) is the same.
+        raise IdentityMismatch(f"entry {entry!r} was saved by an older tqstore, whose model identity covered only "
+                               f"the config fields that shape the KV cache, so its cache may not be {loaded.ref}'s: "
+                               f"save it again (`tqstore save {entry} --model {loaded.ref} ...`)")
     differences = "; ".join(describe_difference(expected, loaded.identity)[:6])
     raise IdentityMismatch(f"entry {entry!r} was saved with another model ({expected.source or 'unknown'}); "
                            f"{loaded.ref} differs: {differences}. Pass the model it was saved with (--model)")

@@ -9,18 +9,27 @@ Envelope (what the bucket stores instead of the plaintext):
 
     magic b"\\x89TQE\\r\\n\\x1a\\n" (8) | version u8 | key id (8) | nonce (12) | ciphertext | tag (16)
 
-- version 1: objects (and manifests sealed before manifest versions existed).
-- version 2: manifests. The plaintext starts with the manifest's version, a u64 counter that
-  each push raises past the highest this machine has seen for the entry. Pulls refuse a manifest
-  older than that (ManifestRollback): AES-GCM alone proves who wrote a manifest and for which
-  name, not that it is the latest, so a bucket writer could otherwise replay an older one. The
-  highest version seen per bucket and entry is kept in home/s3-manifest-versions.json.
+- version 1: objects.
+- version 3: manifests. The plaintext starts with the manifest's version, a u64 counter that
+  each push raises past the highest this machine has seen for the entry, then the manifest's
+  address (u16 length, then the UTF-8 of `s3://BUCKET/PREFIXmanifests/NAME.json`). Pulls refuse
+  a manifest older than the one seen (ManifestRollback): AES-GCM alone proves who wrote a
+  manifest, not that it is the latest, so a bucket writer could otherwise replay an older one;
+  and one whose address is not where it was read (ManifestMoved): a manifest copied from another
+  prefix, bucket or entry name (issue 27). The highest version seen per bucket and entry is kept
+  in home/s3-manifest-versions.json.
+- versions 1 and 2 of manifests (sealed by an older tqstore, without their address) are refused
+  (UnboundManifest): a copy of one from another prefix could not be told from the real one. A
+  push from the machine that pushed or pulled it replaces it; see docs/tiers.md.
 - key id: the first 8 bytes of HMAC-SHA256(key, "tqstore-s3-key-id"). It tells a wrong key
   (EncryptionKeyError, naming where the key came from) from a damaged or altered object
   (CorruptBlock: a miss with a reason), and reveals nothing usable about the key.
-- associated data: "tqstore-s3", the object's kind ("object" or "manifest"), its name (the
-  object key in hex, or the entry name) and the envelope header. An envelope copied to another
-  key, or served as a manifest, fails authentication like a flipped bit does.
+- associated data: "tqstore-s3", the kind ("object" or "manifest"), for an object its key in
+  hex, and the envelope header. An object envelope copied to another key, or served as a
+  manifest, fails authentication like a flipped bit does. Objects are not bound to a prefix:
+  their keys are content addresses (chained sha256 over the model, codec and tokens) and every
+  pull checks a payload's key, identity and tokens, so an object copied under another prefix is
+  the very block that prefix would hold under that key.
 - nonce: 96 random bits per envelope. NIST SP 800-38D bounds random nonces to 2^32 envelopes
   per key; rotate keys long before that (a new key means pushing into a new prefix).
 
@@ -55,9 +64,11 @@ log = logging.getLogger("tqstore.store.crypto")
 KEY_ENV = "TQSTORE_S3_KEY"
 MAGIC = b"\x89TQE\r\n\x1a\n"
 VERSION = 1
-MANIFEST_VERSION = 2  # the envelope version of manifests: the plaintext starts with a counter
+MANIFEST_VERSION = 3  # the envelope version of manifests: a counter and the address, then the manifest
+UNBOUND_MANIFEST_VERSIONS = (1, 2)  # manifests sealed by older tqstores: no address, refused
 VERSIONS_FILE = "s3-manifest-versions.json"
 _COUNTER = struct.Struct("<Q")
+_ADDRESS_LENGTH = struct.Struct("<H")
 SCHEME = "aes-256-gcm-v1"  # the `tq-enc` metadata of encrypted objects
 _HEADER = struct.Struct("<8sB8s")
 _NONCE = 12
@@ -72,6 +83,18 @@ class EncryptionKeyError(RemoteAuthError):
 class ManifestRollback(CorruptBlock):
     """The bucket holds an older version of a manifest than this machine has already seen (a
     failed check like a bad tag: listings leave it out, remote gc then deletes nothing)."""
+
+
+class ManifestMoved(CorruptBlock):
+    """A bucket manifest sealed for another address (bucket, prefix or entry name) than the one
+    it was read from: copied or moved there. Refused like a failed tag."""
+
+
+class UnboundManifest(CorruptBlock):
+    """A bucket manifest sealed by an older tqstore, which did not seal its address. `etag` (set
+    by the S3 tier) lets a push recognise its own and replace it."""
+
+    etag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -139,16 +162,19 @@ class ObjectCipher:
     def key_id(self) -> bytes:
         return hmac.new(self.key, b"tqstore-s3-key-id", hashlib.sha256).digest()[:8]
 
-    def seal(self, data: bytes, kind: str, name: str) -> bytes:
-        """The envelope of `data`, bound to `kind` and `name`; a manifest also carries the next
-        version after the highest seen here (see `written`)."""
-        version = VERSION
-        if kind == "manifest" and self.versions is not None:
-            version = MANIFEST_VERSION
-            data = _COUNTER.pack(self.versions.highest(name) + 1) + bytes(data)
+    def seal(self, data: bytes, kind: str, name: str, where: str) -> bytes:
+        """The envelope of `data`: an object bound to its key `name`; a manifest (entry `name`)
+        to its address `where` (s3://BUCKET/KEY) and the next version after the highest seen
+        here (see `written`)."""
+        version, bound = VERSION, name
+        if kind == "manifest":
+            seen = self.versions.highest(name) if self.versions is not None else 0
+            address = where.encode()
+            version, bound = MANIFEST_VERSION, ""  # the address is inside, so a move is named, not a bad tag
+            data = _COUNTER.pack(seen + 1) + _ADDRESS_LENGTH.pack(len(address)) + address + bytes(data)
         header = _HEADER.pack(MAGIC, version, self.key_id)
         nonce = os.urandom(_NONCE)
-        return header + nonce + AESGCM(self.key).encrypt(nonce, bytes(data), _aad(header, kind, name))
+        return header + nonce + AESGCM(self.key).encrypt(nonce, bytes(data), _aad(header, kind, bound))
 
     def written(self, blob: bytes, kind: str, name: str, where: str) -> None:
         """An envelope from `seal` is in the bucket now: remember its manifest version as seen."""
@@ -156,10 +182,12 @@ class ObjectCipher:
             self.open(blob, kind, name, where)
 
     def open(self, blob: bytes, kind: str, name: str, where: str) -> bytes:
-        """The plaintext of an envelope written by `seal` for `kind` and `name`.
+        """The plaintext of an envelope written by `seal` for `kind` and `name` at `where`.
 
         CorruptBlock if it is not an envelope or fails authentication; EncryptionKeyError if it
-        was sealed with another key. `where` names the object in messages.
+        was sealed with another key. A manifest must also have been sealed for `where` (else
+        ManifestMoved), by this tqstore (else UnboundManifest), and be no older than the highest
+        version seen here (else ManifestRollback).
         """
         if not is_sealed(blob):
             raise CorruptBlock(f"S3 object {where} is not encrypted although encryption at rest is on (key from "
@@ -170,7 +198,7 @@ class ObjectCipher:
                                "it again")
         header = bytes(blob[:_HEADER.size])
         _, version, key_id = _HEADER.unpack(header)
-        readable = (VERSION, MANIFEST_VERSION) if kind == "manifest" else (VERSION,)
+        readable = (*UNBOUND_MANIFEST_VERSIONS, MANIFEST_VERSION) if kind == "manifest" else (VERSION,)
         if version not in readable:
             raise CorruptBlock(f"S3 object {where} has envelope version {version}, this tqstore reads "
                                f"{' and '.join(map(str, readable))} for a {kind}: upgrade tqstore, or delete the "
@@ -179,19 +207,28 @@ class ObjectCipher:
             raise EncryptionKeyError(f"S3 object {where} was encrypted with another key than the one from "
                                      f"{self.source}: set the key it was pushed with")
         nonce = bytes(blob[_HEADER.size:_HEADER.size + _NONCE])
+        legacy = kind == "manifest" and version in UNBOUND_MANIFEST_VERSIONS
+        bound = "" if kind == "manifest" and not legacy else name
         try:
-            plain = AESGCM(self.key).decrypt(nonce, bytes(blob[_HEADER.size + _NONCE:]), _aad(header, kind, name))
+            plain = AESGCM(self.key).decrypt(nonce, bytes(blob[_HEADER.size + _NONCE:]), _aad(header, kind, bound))
         except InvalidTag:
             raise CorruptBlock(f"S3 object {where} failed authentication (AES-GCM): it was altered, damaged or "
                                "moved in the bucket; delete it and push it again") from None
         if kind != "manifest":
             return plain
-        counter = 0  # sealed before manifest versions: older than any versioned one
-        if version == MANIFEST_VERSION:
-            if len(plain) < _COUNTER.size:
-                raise CorruptBlock(f"S3 object {where} is a manifest envelope without its version: delete it and "
-                                   "push it again")
-            (counter,), plain = _COUNTER.unpack_from(plain), plain[_COUNTER.size:]
+        if legacy:
+            raise UnboundManifest(
+                f"S3 object {where} is entry {name}'s manifest as an older tqstore sealed it, without the bucket, "
+                f"prefix and name it belongs to, so a copy from another prefix cannot be told from it: push the "
+                f"entry again (tqstore push {name}) from the machine that pushed it, or from any machine that has "
+                f"it after tqstore rm --remote {name}")
+        counter, address, plain = _manifest_fields(plain, where)
+        if address != where:
+            raise ManifestMoved(
+                f"S3 object {where} is the manifest sealed for {address}: it was copied or moved there (from "
+                f"another prefix, bucket or entry name), so it is not entry {name}'s. Nothing was changed here. "
+                f"Push the entry again from a machine that has it (tqstore rm --remote {name} first if the push "
+                "reports a conflict)")
         if self.versions is not None:
             self.versions.check(name, counter, where)
         return plain
@@ -227,6 +264,23 @@ def cipher_from_config(config: Config) -> ObjectCipher | None:
     except (OSError, UnicodeError) as exc:
         raise ConfigError(f"cannot read the S3 encryption key file {path} (s3.key_file): {exc}") from None
     return ObjectCipher(parse_key(text, str(path)), str(path), versions)
+
+
+def _manifest_fields(plain: bytes, where: str) -> tuple[int, str, bytes]:
+    """(version, address, manifest bytes) of an authenticated version-3 manifest plaintext."""
+    start = _COUNTER.size + _ADDRESS_LENGTH.size
+    if len(plain) < start:
+        raise CorruptBlock(f"S3 object {where} is a manifest envelope without its version and address: delete it "
+                           "and push it again")
+    (counter,), (length,) = _COUNTER.unpack_from(plain), _ADDRESS_LENGTH.unpack_from(plain, _COUNTER.size)
+    try:
+        address = bytes(plain[start:start + length]).decode()
+    except UnicodeDecodeError:
+        address = ""
+    if len(plain) < start + length or not address:
+        raise CorruptBlock(f"S3 object {where} is a manifest envelope with a damaged address: delete it and push it "
+                           "again")
+    return counter, address, plain[start + length:]
 
 
 def _aad(header: bytes, kind: str, name: str) -> bytes:

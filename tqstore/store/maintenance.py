@@ -212,6 +212,27 @@ def verify(tiers: TierSet, name: str | None) -> list[Problem]:
     return problems
 
 
+def verify_remote(tiers: TierSet, name: str | None) -> list[Problem]:
+    """Check the bucket's manifest `name` (every one by default): it parses and, in an encrypted
+    bucket, opens: sealed for the address it was read from (not copied from another prefix,
+    bucket or name), by a tqstore that seals addresses, and no older than the version this
+    machine has seen. Objects are checked when an entry is pulled."""
+    s3 = tiers.require_s3()
+    _, unreadable = tiers.remote_manifests(None if name is None else [name])
+    problems = []
+    for entry in unreadable:
+        try:
+            got = s3.get_manifest(entry)
+            if got is None:
+                continue  # removed meanwhile
+            Manifest.from_bytes(got[0])
+            detail = "the manifest could not be read (it was replaced meanwhile)"
+        except (FormatError, CorruptBlock) as exc:
+            detail = str(exc)
+        problems.append(Problem(entry, "remote_manifest", None, detail))
+    return problems
+
+
 def _unreadable_reason(tiers: TierSet, name: str) -> str:
     try:
         tiers.local_manifest(name)

@@ -31,7 +31,8 @@ from tqstore.errors import DiskFull, InvalidName, NotFound
 from tqstore.store.restore import RestoreStats, restore_entry
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from tqstore.store.lookup import Match, lookup
-from tqstore.store.maintenance import REMOTE_GRACE, GcStats, Problem, gc, rm_damaged_key, rm_local, rm_remote, verify
+from tqstore.store.maintenance import (REMOTE_GRACE, GcStats, Problem, gc, rm_damaged_key, rm_local, rm_remote, verify,
+                                      verify_remote)
 from tqstore.format.manifest import Manifest
 from tqstore.names import validate_name
 from tqstore.store.put import PutResult, put_entry
@@ -288,9 +289,11 @@ class Store:
         seconds are left to pushes in flight); `compact` then rewrites the LMDB file."""
         return gc(self._tiers, remote=remote, compact=compact, remote_grace=remote_grace)
 
-    def verify(self, name: str | None = None) -> list[Problem]:
-        """Problems with entry `name` (every entry when None) and the LMDB store; [] when sound."""
-        return verify(self._tiers, None if name is None else validate_name(name))
+    def verify(self, name: str | None = None, *, remote: bool = False) -> list[Problem]:
+        """Problems with entry `name` (every entry when None) and the LMDB store; [] when sound.
+        With `remote`, of the bucket's manifests instead (maintenance.verify_remote)."""
+        name = None if name is None else validate_name(name)
+        return verify_remote(self._tiers, name) if remote else verify(self._tiers, name)
 
     def stats(self) -> StoreStats:
         """Sizes per tier, hits per tier, misses and evictions since open."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
 from tqstore.format.manifest import Manifest, ObjectRef
+from tqstore.store.crypto import UnboundManifest
 from tqstore.store.publish import Batch, publish
 from tqstore.store.tiers.s3 import S3Tier
 from tqstore.store.tierset import TierSet, check_name
@@ -200,7 +201,13 @@ def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
 
 def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
     """Write the bucket's manifest; returns (its etag, whether it was written)."""
-    got = s3.get_manifest(local.name)
+    try:
+        got = s3.get_manifest(local.name)
+    except UnboundManifest as exc:
+        if exc.etag is None or not _ours(local.remote_etag, exc.etag, b""):
+            raise
+        # Our own push or pull, sealed by an older tqstore without its address: replace it.
+        return _write(s3, local.name, remote.to_bytes(), exc.etag), True
     if got is None:
         return _write(s3, local.name, remote.to_bytes(), None), True
     data, etag = got

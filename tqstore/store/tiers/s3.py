@@ -34,7 +34,8 @@ import botocore.exceptions as bx
 
 from tqstore.config import Config
 from tqstore.units import MiB, format_size
-from tqstore.store.crypto import OVERHEAD, SCHEME, ObjectCipher, cipher_from_config, open_payload
+from tqstore.store.crypto import (OVERHEAD, SCHEME, ObjectCipher, UnboundManifest, cipher_from_config,
+                                  open_payload)
 from tqstore.errors import ConflictError, CorruptBlock, RemoteError, RemoteNotConfigured, TqstoreError
 from tqstore.names import is_valid_name, validate_name
 from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, check_key
@@ -157,7 +158,7 @@ class S3Tier:
         """Upload `payload` unless `key` exists (If-None-Match: *); False if it already did."""
         name, payload = self.object_name(key), bytes(payload)
         meta = {_META_SHA: hashlib.sha256(payload).hexdigest(), _META_SIZE: str(len(payload))}
-        body = self._seal(payload, "object", check_key(key).hex(), meta)
+        body = self._seal(payload, "object", check_key(key).hex(), name, meta)
 
         def upload() -> bool:
             try:
@@ -233,7 +234,7 @@ class S3Tier:
         (If-Match). ConflictError if another machine wrote it first. Returns the new etag."""
         data = bytes(data)
         meta = {_META_SHA: hashlib.sha256(data).hexdigest(), _META_SIZE: str(len(data))}
-        body = self._seal(data, "manifest", name, meta)
+        body = self._seal(data, "manifest", name, self.manifest_name(name), meta)
         condition = {"IfNoneMatch": "*"} if etag is None else {"IfMatch": etag}
         try:
             response = self._retrying(
@@ -284,7 +285,11 @@ class S3Tier:
         except TRANSPORT as exc:
             raise unreachable(exc, self._where(), self.max_attempts) from exc
         expected = sha256 or response.get("Metadata", {}).get(_META_SHA)
-        body = open_payload(self.cipher, body, *what, f"s3://{self.bucket}/{name}")
+        try:
+            body = open_payload(self.cipher, body, *what, f"s3://{self.bucket}/{name}")
+        except UnboundManifest as exc:
+            exc.etag = response["ETag"]  # a push replaces its own (transfer.py)
+            raise
         _verify(name, body, expected)
         return body, response["ETag"]
 
@@ -346,12 +351,13 @@ class S3Tier:
                 self._sleep(n)
         return attempt()
 
-    def _seal(self, data: bytes, kind: str, name: str, meta: dict[str, str]) -> bytes:
-        """The body to upload: `data`, or its envelope when encryption is on (marked in `meta`)."""
+    def _seal(self, data: bytes, kind: str, name: str, key: str, meta: dict[str, str]) -> bytes:
+        """The body to upload to bucket key `key`: `data`, or its envelope when encryption is on
+        (marked in `meta`)."""
         if self.cipher is None:
             return data
         meta[_META_ENC] = SCHEME
-        return self.cipher.seal(data, kind, name)
+        return self.cipher.seal(data, kind, name, f"s3://{self.bucket}/{key}")
 
     def _sleep(self, attempt: int) -> None:
         time.sleep(min(5.0, self.retry_delay * 2**attempt) * random.uniform(0.5, 1.5))
