@@ -47,6 +47,13 @@ log = logging.getLogger("tqstore.serve")
 # The largest request head. h11 refuses an unfinished head past this (400), but a whole head that
 # came in one read (up to 256 KiB) would pass it: Guard checks the size of what arrived.
 MAX_HEAD_BYTES = 64 << 10
+# The slowest a body may arrive on average, past its first --keep-alive seconds: a client that
+# trickles a byte now and then never stalls, and would otherwise hold its connection for as long
+# as its Content-Length lasts.
+MIN_BODY_BYTES_PER_SECOND = 64 << 10
+# Set in the ASGI scope once a request passed the API key check (always, without a key): the
+# connection eviction in main.py closes idle connections without one first.
+AUTHORIZED = "tqstore.authorized"
 
 
 @dataclass
@@ -102,6 +109,7 @@ class Guard:
             self._check_host(headers)  # before anything: a DNS-rebound or cross-site page gets nothing
             if scope["path"] != "/healthz":
                 self._authorize(headers)  # before the body, 404 and 405: nothing is read or probed without a key
+                scope[AUTHORIZED] = True
             body = await self._read_body(headers, receive)
             await self.router(scope, _replay(body, receive), counted)
         except ClientGone:
@@ -157,7 +165,9 @@ class Guard:
     async def _read_body(self, headers: Headers, receive: Receive) -> bytes:
         """The whole body, refused (413) from its Content-Length before any of it is read. A
         refused body is never read here: uvicorn drops what the client still sends after the
-        response, until its keep-alive timeout closes the connection."""
+        response, until its keep-alive timeout closes the connection. A body that stalls for
+        --keep-alive, or is not all there by its deadline (--keep-alive plus its length at
+        MIN_BODY_BYTES_PER_SECOND), gets 408 and the connection is closed."""
         if "transfer-encoding" in headers:
             raise ApiError(411, "chunked request bodies are not supported: send a Content-Length")
         length = int(headers.get("content-length") or 0)  # h11 has checked that it is a number
@@ -165,12 +175,20 @@ class Guard:
             raise ApiError(413, f"the request body has {length} bytes, more than the server's limit of "
                                 f"{self.app.max_body_bytes} (--max-body-bytes)", code="body_too_large")
         body = bytearray()
+        stall = self.app.stall_seconds
+        allowed = stall + length / MIN_BODY_BYTES_PER_SECOND
+        deadline = time.monotonic() + allowed
         while len(body) < length:
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.app.stall_seconds)
+                message = await asyncio.wait_for(receive(), min(stall, left))
             except TimeoutError:
-                raise ApiError(408, f"the request body stalled for {self.app.stall_seconds:g} s (--keep-alive)",
-                               code="timeout") from None
+                why = (f"stalled for {stall:g} s (--keep-alive)" if left > stall else
+                       f"was not complete after {allowed:.0f} s (--keep-alive, plus "
+                       f"{MIN_BODY_BYTES_PER_SECOND >> 10} KiB/s)")
+                # Closed after the answer: the rest of the body would keep the connection busy.
+                raise ApiError(408, f"the request body {why}: send it at once", code="timeout",
+                               headers={"Connection": "close"}) from None
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             body += message.get("body", b"")
