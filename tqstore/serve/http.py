@@ -17,6 +17,8 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -231,16 +233,60 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 def _json(body: bytes, required: bool = True) -> Any:
+    """The body as strict JSON: no NaN or Infinity, no number too large for a float, and no
+    string with a lone UTF-16 surrogate ("\\ud800": valid JSON, but no text; the tokenizer
+    cannot encode it)."""
     if not body.strip():
         if required:
             raise ApiError(400, "the request body is empty: send a JSON object")
         return None
     try:
-        return json.loads(body)
+        value = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON too deeply") from None
+    _check_text(value)
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(value: Any) -> None:
+    """ApiError(400) naming the first string (key or value) with a lone surrogate. Walked with a
+    stack, not recursion: json.loads accepts nesting deeper than a recursive walk could take."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                path = f"{where}.{key}" if where else str(key)
+                if _SURROGATE.search(key):
+                    raise _surrogate_error(where, "a key of ")
+                stack.append((inner, path))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{where}[{i}]") for i, inner in enumerate(item))
+        elif isinstance(item, str) and _SURROGATE.search(item):
+            raise _surrogate_error(where)
+
+
+def _surrogate_error(where: str, what: str = "") -> ApiError:
+    """`where`: the path of a field (its keys have no surrogate), '' for the body itself."""
+    shown = f"{what}'{where[:80]}'" if where else f"{what}the body"
+    return ApiError(400, f"{shown} has a lone UTF-16 surrogate (an escape like \\ud800 without its pair): send valid "
+                         "Unicode text", param=where.partition(".")[0].partition("[")[0] or None)
 
 
 async def _submit(request: Request, submit, texts: bool = False) -> JobEvents:

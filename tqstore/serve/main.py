@@ -55,9 +55,6 @@ def run(args: argparse.Namespace, config: Config) -> int:
         scheme = parse_scheme(config.default_scheme if args.scheme is None else args.scheme).name
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not (0 <= args.temp <= 2 and 0 < args.top_p <= 1):
-        raise ConfigError(f"--temp {args.temp} / --top-p {args.top_p}: use a temperature from 0 to 2 and a top_p "
-                          "in (0, 1]")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None and not is_loopback(args.host) and not args.insecure:
         raise ConfigError(f"--host {args.host} is reachable from other machines and no API key is set: set "
