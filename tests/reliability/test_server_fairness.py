@@ -101,7 +101,8 @@ def test_short_requests_beside_max_running_endless_streams_are_answered(tiny_mod
             for status, out, seconds in pool.map(short, range(3)):
                 assert status == 200 and out["usage"]["completion_tokens"] == 2, out
                 assert seconds < SHORT_BOUND_S
-                ledger.count("server/--max-running endless streams beside short requests", "short request answered")
+                ledger.count("server/--max-running endless streams beside short requests",
+                             "short request answered")
         for _, stream in streams:  # both long ones still stream: parked and resumed, not stopped
             events = [line for line in (stream.readline() for _ in range(20)) if line.strip()]
             assert len(events) == 10 and all(e.startswith(b"data: {") for e in events)

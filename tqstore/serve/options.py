@@ -74,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                         help="another name clients may send in the Host header (a DNS name or a proxy's), besides "
                              "localhost, 127.0.0.1, ::1 and --host; repeatable")
-    parser.add_argument("--port", type=port_number, default=8080, help="port (default 8080; 0 picks a free one, printed)")
+    parser.add_argument("--port", type=port_number, default=8080,
+                        help="port, 0 to 65535 (default 8080; 0 picks a free one, printed)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the variable, "
                              "the command line is visible to other users)")

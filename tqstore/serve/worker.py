@@ -3,11 +3,12 @@ running jobs, cancellation and the save policy.
 
 MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on the worker's
 thread; the HTTP layer submits jobs and gets each job's events (Accepted, Text, Finished,
-Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at once, taking turns of SLICE_SECONDS each
-(a job is a generator that yields between prefill chunks and tokens), so a long generation
-cannot hold the model while a short one waits. A running job that has had HOLD_SECONDS of model
-time while others wait is parked: it keeps its state and goes to the back of the line, and the
-job that waited longest takes its place, so no request waits for the running ones to end. A client that goes away cancels its job: a
+Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at
+once, taking turns of SLICE_SECONDS each (a job is a generator that yields between prefill
+chunks and tokens), so a long generation cannot hold the model while a short one waits. A
+running job that has had HOLD_SECONDS of model time while others wait is parked: it keeps its
+state and goes to the back of the line, and the job that waited longest takes its place, so no
+request waits for the running ones to end. A client that goes away cancels its job: a
 queued job is skipped, a running one stops at its next token (the engine's `stop` callback).
 After a response is complete the worker compresses the new prefix (the save policy) at the end
 of the job's turn and hands it to a background writer (background.py), which serializes and
