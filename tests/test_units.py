@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from tqstore.errors import ConfigError
-from tqstore.units import flag_type, format_size, parse_duration, parse_size
+from tqstore.units import flag_type, format_size, parse_duration, parse_number, parse_size
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,20 @@ def test_flag_type_makes_a_bad_value_a_usage_error():
     assert (args.ttl, args.max) == (0.0, 1024)
     with pytest.raises(argparse.ArgumentError, match=r"--ttl='-1' is not a duration: use seconds"):
         parser.parse_args(["--ttl=-1"])
+
+
+@pytest.mark.parametrize("raw,expected", [("0", 0.0), ("2", 2.0), ("0.7", 0.7), (1, 1.0), (" 1e-3 ", 0.001)])
+def test_numbers_in_range(raw, expected):
+    assert parse_number(raw, "--temp", high=2.0) == expected
+
+
+@pytest.mark.parametrize("raw", ["nan", "NaN", "inf", "-inf", "Infinity", "-0.1", "2.5", "hot", "", None, True, [1]])
+def test_numbers_out_of_range_or_not_finite_are_refused(raw):
+    with pytest.raises(ConfigError, match=r"--temp=.* is out of range: use a number from 0 up to 2"):
+        parse_number(raw, "--temp", high=2.0)
+
+
+def test_a_number_above_its_low_end():
+    assert parse_number("1", "--top-p", high=1.0, above=True) == 1.0
+    with pytest.raises(ConfigError, match="above 0 up to 1"):
+        parse_number("0", "--top-p", high=1.0, above=True)

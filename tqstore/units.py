@@ -11,14 +11,18 @@ Durations (`parse_duration`): seconds, given as a non-negative int or float, or 
 "N UNIT" where N may have a fraction and UNIT is s, m, h, d or w (any case). Zero is refused
 unless the caller gives it a meaning (`allow_zero`, e.g. "never expire").
 
+Numbers (`parse_number`): a finite decimal within the caller's range (a temperature, a top-p);
+nan, inf and values outside the range are refused.
+
 Anything else (negative numbers, booleans, None, other units, empty text) raises ConfigError
 naming `where` (the file key, variable or flag the value came from), the value and the grammar.
-`format_size` writes sizes back for people; `flag_type` makes either parser an argparse `type`.
+`format_size` writes sizes back for people; `flag_type` makes any of the parsers an argparse `type`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Callable
 from typing import TypeVar
@@ -68,6 +72,21 @@ def parse_duration(raw: object, where: str = "duration", allow_zero: bool = Fals
     value = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
     if value == 0 and not allow_zero:
         raise ConfigError(f"{where}={raw!r} must be positive: use {DURATION_HELP}")
+    return value
+
+
+def parse_number(raw: object, where: str = "number", low: float = 0.0, high: float | None = None,
+                 above: bool = False) -> float:
+    """A finite number from `low` (excluded when `above`) up to `high` (if any); ConfigError
+    otherwise, nan and inf included."""
+    try:
+        value = float(raw) if isinstance(raw, (int, float, str)) and not isinstance(raw, bool) else math.nan
+    except ValueError:
+        value = math.nan
+    lowest = f"above {low:g}" if above else f"from {low:g}"
+    grammar = f"a number {lowest}" + (f" up to {high:g}" if high is not None else "")
+    if not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high):
+        raise ConfigError(f"{where}={raw!r} is out of range: use {grammar}")
     return value
 
 

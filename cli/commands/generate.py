@@ -6,6 +6,7 @@ import argparse
 
 from tqstore.errors import BadInput
 from tqstore.names import validate_name
+from tqstore.units import flag_type, parse_number
 
 from .. import arguments, render
 from ..context import Context
@@ -43,8 +44,10 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     """--max-tokens, --temp, --top-p, --seed and --model (ask and chat)."""
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="answer length limit (default 256)")
-    p.add_argument("--temp", type=float, default=0.0, metavar="T", help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1)")
+    p.add_argument("--temp", type=flag_type(parse_number, "--temp"), default=0.0, metavar="T",
+                   help="sampling temperature, 0 or more (default 0: greedy)")
+    p.add_argument("--top-p", type=flag_type(parse_number, "--top-p", high=1.0, above=True), default=1.0, metavar="P",
+                   help="nucleus sampling, above 0 up to 1 (default 1)")
     p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
     p.add_argument("--model", "-m", metavar="M", help="the model (default: the one the entry was saved with)")
 
@@ -53,8 +56,6 @@ def generation_options(args: argparse.Namespace) -> dict:
     """The Engine.ask options of --max-tokens, --temp, --top-p and --seed."""
     if args.max_tokens < 1:
         raise BadInput(f"--max-tokens {args.max_tokens}: use 1 or more")
-    if args.temp < 0 or not 0 < args.top_p <= 1:
-        raise BadInput(f"--temp {args.temp} --top-p {args.top_p}: use a temperature >= 0 and a top-p in (0, 1]")
     return {"max_tokens": args.max_tokens, "temp": args.temp, "top_p": args.top_p, "seed": args.seed}
 
 

@@ -168,6 +168,49 @@ def test_bad_cli_arguments_exit_non_zero_with_one_line(argv, cli_main, tmp_path,
     ledger.count("bad input", "CLI arguments: non-zero exit, one line, no traceback (plain and --json)")
 
 
+# Issue 27, finding 6: `ask --temp nan` (and inf) exited 0, `serve --port 70000` was an internal
+# error. Each is a usage error (exit 2) whose one line names the flag.
+USAGE_CASES = [
+    (["ask", "e", "q", "--temp", value], "--temp") for value in ("nan", "inf", "-inf", "-0.5", "hot")
+] + [
+    (["ask", "e", "q", "--top-p", value], "--top-p") for value in ("nan", "0", "1.5", "-1", "inf")
+] + [
+    (["serve", "--model", "/no/such/model", "--port", value], "--port") for value in ("70000", "-1", "65536", "x")
+] + [
+    (["serve", "--model", "/no/such/model", "--temp", "nan"], "--temp"),
+    (["serve", "--model", "/no/such/model", "--temp", "3"], "--temp"),
+    (["serve", "--model", "/no/such/model", "--top-p", "inf"], "--top-p"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", USAGE_CASES, ids=lambda a: " ".join(a)[-24:] if isinstance(a, list) else a)
+def test_out_of_range_flags_are_a_usage_error_naming_the_flag(argv, flag, cli_main, tmp_path, monkeypatch, capsys,
+                                                               ledger):
+    monkeypatch.setenv("TQSTORE_HOME", str(tmp_path / "home"))
+    code = run_cli(cli_main, argv)
+    out, err = capsys.readouterr()
+    lines = error_lines(err, code)
+    assert code == 2 and len(lines) == 1 and flag in lines[0], (argv, code, out, err)
+    assert "Traceback" not in out + err and "internal error" not in out + err
+    ledger.count("bad input", "out-of-range flags: usage error naming the flag")
+
+
+def test_serve_on_a_port_in_use_is_a_clear_error(cli_main, tmp_path, monkeypatch, capsys, ledger):
+    import socket
+
+    monkeypatch.setenv("TQSTORE_HOME", str(tmp_path / "home"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = run_cli(cli_main, ["serve", "--model", "/no/such/model", "--port", str(port)])
+    out, err = capsys.readouterr()
+    lines = error_lines(err, code)
+    assert code == 1 and len(lines) == 1 and "--port" in lines[0] and str(port) in lines[0], (code, out, err)
+    assert "internal error" not in out + err
+    ledger.count("bad input", "serve on a busy port: one line naming --port")
+
+
 # -- HTTP bodies ------------------------------------------------------------------------------
 
 BAD_BODIES = [
@@ -190,6 +233,24 @@ BAD_BODIES = [
     ("PUT", "/v1/caches/ok", b'{"document": "x", "prompt": "y"}'), ("PUT", "/v1/caches/%C3%BC", b'{"document": "x"}'),
     ("POST", "/v1/caches/ok/pin", b'{"pinned": "yes"}'), ("DELETE", "/v1/caches/..", b""),
     ("GET", "/v1/caches/no-such-entry", b""), ("PATCH", "/v1/completions", b"{}"), ("GET", "/nowhere", b""),
+    # Issue 27, finding 6: a lone UTF-16 surrogate is valid JSON but no text (the tokenizer raised
+    # TypeError: a 500); NaN, Infinity and numbers past a float are not JSON numbers.
+    ("POST", "/v1/completions", b'{"prompt": "\\ud800", "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"prompt": ["a\\udfff"], "max_tokens": 2}'),
+    ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+    ("POST", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}], "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"prompt": "x", "documents": ["\\ud800"], "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"prompt": "\\ud800", "documents": ["a text"], "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"prompt": "x", "documents": [{"name": "\\ud800"}], "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"prompt": "x", "tools": [{"\\ud800": 1}], "max_tokens": 2}'),
+    ("PUT", "/v1/caches/ok", b'{"document": "\\ud800"}'), ("PUT", "/v1/caches/ok", b'{"prompt": "\\ud800"}'),
+    ("PUT", "/v1/caches/ok", b'{"document": "x", "system": "\\ud800"}'),
+    ("PUT", "/v1/caches/ok", b'{"document": "x", "ttl": Infinity}'),
+    ("PUT", "/v1/caches/ok", b'{"document": "x", "ttl": 1e999}'),
+    ("POST", "/v1/completions", b'{"prompt": "x", "temperature": NaN}'),
+    ("POST", "/v1/completions", b'{"prompt": "x", "top_p": -Infinity}'),
 ]
 
 

@@ -6,6 +6,7 @@ running jobs take turns on the one model thread instead of waiting for the long 
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import time
@@ -80,4 +81,32 @@ def test_max_tokens_is_capped_by_the_server(tiny_model, tmp_path, ledger):
             assert usage["completion_tokens"] == 16 and finish == "length", (usage, finish)
             ledger.count("server/1e9-token request with a cap", f"capped at the limit ({'stream' if stream else 'whole'})")
     finally:
+        assert server.stop() == 0, server.log()
+
+
+def test_short_requests_beside_max_running_endless_streams_are_answered(tiny_model, tmp_path, ledger):
+    """Issue 27, finding 6: with --max-running endless streams holding every slot, a new request
+    used to wait for one of them to end (0 of 4 answered in 40-90 s). A stream that has had its
+    share of the model while others wait now steps aside (keeping its caches) and resumes later."""
+    server = ServerProcess(tmp_path / "home", tiny_model, "--no-save", "--max-running", "2")
+    body = {"prompt": ENDLESS, "max_tokens": 10**9, "temperature": 0, "stream": True}
+    streams = [_open_stream(server, body) for _ in range(2)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            def short(_):
+                t0 = time.monotonic()
+                status, _, out = request(server, "POST", "/v1/completions", SHORT, timeout=SHORT_BOUND_S)
+                return status, out, time.monotonic() - t0
+
+            for status, out, seconds in pool.map(short, range(3)):
+                assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+                assert seconds < SHORT_BOUND_S
+                ledger.count("server/--max-running endless streams beside short requests",
+                             "short request answered")
+        for _, stream in streams:  # both long ones still stream: parked and resumed, not stopped
+            events = [line for line in (stream.readline() for _ in range(20)) if line.strip()]
+            assert len(events) == 10 and all(e.startswith(b"data: {") for e in events)
+    finally:
+        for conn, _ in streams:
+            conn.close()
         assert server.stop() == 0, server.log()

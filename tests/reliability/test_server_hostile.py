@@ -103,6 +103,35 @@ def test_silent_and_trickling_clients_are_dropped_and_delay_nobody(server, ledge
             sock.close()
 
 
+def test_a_trickling_body_gets_408_within_its_deadline(server, ledger):
+    """Issue 27, finding 6: a body sent a byte a second never stalls for --keep-alive, and was
+    read for as long as it trickled (90 s at a byte every 4 s with --keep-alive 5). The whole
+    body now has a deadline: --keep-alive, plus its length at a minimum rate."""
+    with _connect(server) as sock:
+        sock.sendall(b"PUT /v1/caches/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n")
+        stop = threading.Event()
+
+        def trickle():
+            try:
+                while not stop.wait(1.0):
+                    sock.sendall(b"a")
+            except OSError:  # closed by the server: the point
+                pass
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        t0 = time.monotonic()
+        try:
+            sock.settimeout(KEEP_ALIVE + 5)
+            reply = _reply(sock)
+            assert _closed_within(sock, 2), "the connection stayed open after the 408"
+        finally:
+            stop.set()
+    assert reply.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < KEEP_ALIVE + 3, reply[:200]
+    assert b'"code":"timeout"' in reply
+    ledger.count("server/slow clients", "trickling body: 408 at its deadline")
+
+
 def test_a_stalled_body_gets_408(server, ledger):
     with _connect(server) as sock:
         sock.sendall(b"PUT /v1/caches/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"doc")
@@ -139,13 +168,17 @@ def test_a_flood_is_answered_and_connections_beyond_the_limit_get_503(server, le
     assert set(statuses) <= {200, 503} and statuses.count(200) > 0, statuses
     ledger.count("server/flood", "300 requests on 64 connections at a time: 200, or 503 past the limit", 300)
 
-    held = [_connect(server) for _ in range(MAX_CONNECTIONS)]
+    # Requests in progress, reading a body (not idle: they cannot make room). uvicorn serves a
+    # request while fewer than --max-connections connections are open, its own included.
+    held = []
     try:
-        for sock in held:
-            sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # an unfinished head: the connection stays open
+        for _ in range(MAX_CONNECTIONS - 1):
+            held.append(_connect(server))
+            held[-1].sendall(b"PUT /v1/caches/x HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{")
+            time.sleep(0.02)  # its head read before the next connection is counted
         status, _, _ = request(server, "GET", "/healthz", timeout=10)
         assert status == 503
-        ledger.count("server/flood", "beyond --max-connections: 503 at once")
+        ledger.count("server/flood", "beyond --max-connections busy ones: 503 at once")
     finally:
         for sock in held:
             sock.close()
@@ -169,3 +202,39 @@ def test_a_huge_request_head_is_refused_and_the_server_keeps_serving(piece, serv
     assert reply.startswith((b"HTTP/1.1 431 ", b"HTTP/1.1 400 ")), reply[:200]
     assert request(server, "GET", "/healthz")[0] == 200
     ledger.count("server/huge head", "100 KiB header: 431 or 400, server kept serving")
+
+
+def test_idle_unauthenticated_connections_do_not_lock_out_anyone(tmp_path, ledger):
+    """Issue 27, finding 6: 1,100 idle sockets (no request, or an unfinished head, or a refused
+    one) made every request 503 past --max-connections until --keep-alive dropped them. Now a
+    new connection past the limit makes room by closing the idle one that waited longest, those
+    that never sent an authorized request first: /healthz answers, and an authorized client's
+    idle kept-alive connection survives the flood."""
+    model = write_model_folder(tmp_path / "tiny-qwen2", kind="qwen2")
+    server = ServerProcess(tmp_path / "home", model, "--no-save", "--keep-alive", "30", "--max-connections", "16",
+                           api_key="sesame")
+    kept = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    flood: list[socket.socket] = []
+    try:
+        kept.request("GET", "/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert kept.getresponse().read() and True
+        for i in range(12):  # refused (401), then idle: the limit is not reached yet
+            flood.append(_connect(server))
+            flood[-1].sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert _reply(flood[-1]).startswith(b"HTTP/1.1 401 ")
+        for i in range(36):  # silent, or an unfinished head
+            flood.append(_connect(server))
+            if i % 2:
+                flood[-1].sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        time.sleep(1.2)  # idle long enough to be closed for room (main.IDLE_GRACE_SECONDS)
+        for _ in range(3):
+            assert request(server, "GET", "/healthz", timeout=10)[0] == 200
+            assert request(server, "GET", "/v1/models", key="sesame", timeout=10)[0] == 200
+        kept.request("GET", "/v1/models", headers={"Authorization": "Bearer sesame"})
+        assert kept.getresponse().status == 200
+        ledger.count("server/idle connections", "48 idle unauthorized sockets past --max-connections 16: served")
+    finally:
+        kept.close()
+        for sock in flood:
+            sock.close()
+        assert server.stop() == 0, server.log()

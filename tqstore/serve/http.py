@@ -17,6 +17,8 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +49,13 @@ log = logging.getLogger("tqstore.serve")
 # The largest request head. h11 refuses an unfinished head past this (400), but a whole head that
 # came in one read (up to 256 KiB) would pass it: Guard checks the size of what arrived.
 MAX_HEAD_BYTES = 64 << 10
+# The slowest a body may arrive on average, past its first --keep-alive seconds: a client that
+# trickles a byte now and then never stalls, and would otherwise hold its connection for as long
+# as its Content-Length lasts.
+MIN_BODY_BYTES_PER_SECOND = 64 << 10
+# Set in the ASGI scope once a request passed the API key check (always, without a key): the
+# connection eviction in main.py closes idle connections without one first.
+AUTHORIZED = "tqstore.authorized"
 
 
 @dataclass
@@ -102,6 +111,7 @@ class Guard:
             self._check_host(headers)  # before anything: a DNS-rebound or cross-site page gets nothing
             if scope["path"] != "/healthz":
                 self._authorize(headers)  # before the body, 404 and 405: nothing is read or probed without a key
+                scope[AUTHORIZED] = True
             body = await self._read_body(headers, receive)
             await self.router(scope, _replay(body, receive), counted)
         except ClientGone:
@@ -157,7 +167,9 @@ class Guard:
     async def _read_body(self, headers: Headers, receive: Receive) -> bytes:
         """The whole body, refused (413) from its Content-Length before any of it is read. A
         refused body is never read here: uvicorn drops what the client still sends after the
-        response, until its keep-alive timeout closes the connection."""
+        response, until its keep-alive timeout closes the connection. A body that stalls for
+        --keep-alive, or is not all there by its deadline (--keep-alive plus its length at
+        MIN_BODY_BYTES_PER_SECOND), gets 408 and the connection is closed."""
         if "transfer-encoding" in headers:
             raise ApiError(411, "chunked request bodies are not supported: send a Content-Length")
         length = int(headers.get("content-length") or 0)  # h11 has checked that it is a number
@@ -165,12 +177,20 @@ class Guard:
             raise ApiError(413, f"the request body has {length} bytes, more than the server's limit of "
                                 f"{self.app.max_body_bytes} (--max-body-bytes)", code="body_too_large")
         body = bytearray()
+        stall = self.app.stall_seconds
+        allowed = stall + length / MIN_BODY_BYTES_PER_SECOND
+        deadline = time.monotonic() + allowed
         while len(body) < length:
+            left = deadline - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), self.app.stall_seconds)
+                message = await asyncio.wait_for(receive(), min(stall, left))
             except TimeoutError:
-                raise ApiError(408, f"the request body stalled for {self.app.stall_seconds:g} s (--keep-alive)",
-                               code="timeout") from None
+                why = (f"stalled for {stall:g} s (--keep-alive)" if left > stall else
+                       f"was not complete after {allowed:.0f} s (--keep-alive, plus "
+                       f"{MIN_BODY_BYTES_PER_SECOND >> 10} KiB/s)")
+                # Closed after the answer: the rest of the body would keep the connection busy.
+                raise ApiError(408, f"the request body {why}: send it at once", code="timeout",
+                               headers={"Connection": "close"}) from None
             if message["type"] == "http.disconnect":
                 raise ClientGone()
             body += message.get("body", b"")
@@ -213,16 +233,60 @@ def error_response(error: ApiError) -> JSONResponse:
 
 
 def _json(body: bytes, required: bool = True) -> Any:
+    """The body as strict JSON: no NaN or Infinity, no number too large for a float, and no
+    string with a lone UTF-16 surrogate ("\\ud800": valid JSON, but no text; the tokenizer
+    cannot encode it)."""
     if not body.strip():
         if required:
             raise ApiError(400, "the request body is empty: send a JSON object")
         return None
     try:
-        return json.loads(body)
+        value = json.loads(body, parse_constant=_refuse_constant, parse_float=_finite_float)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON too deeply") from None
+    _check_text(value)
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large")
+    return value
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(value: Any) -> None:
+    """ApiError(400) naming the first string (key or value) with a lone surrogate. Walked with a
+    stack, not recursion: json.loads accepts nesting deeper than a recursive walk could take."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                path = f"{where}.{key}" if where else str(key)
+                if _SURROGATE.search(key):
+                    raise _surrogate_error(where, "a key of ")
+                stack.append((inner, path))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{where}[{i}]") for i, inner in enumerate(item))
+        elif isinstance(item, str) and _SURROGATE.search(item):
+            raise _surrogate_error(where)
+
+
+def _surrogate_error(where: str, what: str = "") -> ApiError:
+    """`where`: the path of a field (its keys have no surrogate), '' for the body itself."""
+    shown = f"{what}'{where[:80]}'" if where else f"{what}the body"
+    return ApiError(400, f"{shown} has a lone UTF-16 surrogate (an escape like \\ud800 without its pair): send valid "
+                         "Unicode text", param=where.partition(".")[0].partition("[")[0] or None)
 
 
 async def _submit(request: Request, submit, texts: bool = False) -> JobEvents:

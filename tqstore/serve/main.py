@@ -20,7 +20,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tqstore.config import Config, load_config
 from tqstore.errors import ConfigError, TqstoreError
-from tqstore.serve.http import MAX_HEAD_BYTES, App, Guard
+from tqstore.serve.http import AUTHORIZED, MAX_HEAD_BYTES, App, Guard
 from tqstore.serve.options import API_KEY_ENV, allowed_hosts, is_loopback, parse_args
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import Sampling
@@ -31,6 +31,10 @@ BACKLOG = 1024  # the listen backlog: a burst of clients connecting at once wait
 # On SIGTERM, once the model worker has stopped (every job ended), responses still being written
 # get this long; then their tasks are cancelled (a client stalling mid-body would hold shutdown).
 SHUTDOWN_GRACE_SECONDS = 5
+# How long a connection must have been idle before a new one may close it to make room: a
+# client sends its request head as soon as it connects, and under a burst of real clients the
+# server may not have read it yet (those get 503, not a reset).
+IDLE_GRACE_SECONDS = 1.0
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
@@ -51,9 +55,6 @@ def run(args: argparse.Namespace, config: Config) -> int:
         scheme = parse_scheme(config.default_scheme if args.scheme is None else args.scheme).name
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if not (0 <= args.temp <= 2 and 0 < args.top_p <= 1):
-        raise ConfigError(f"--temp {args.temp} / --top-p {args.top_p}: use a temperature from 0 to 2 and a top_p "
-                          "in (0, 1]")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None and not is_loopback(args.host) and not args.insecure:
         raise ConfigError(f"--host {args.host} is reachable from other machines and no API key is set: set "
@@ -84,15 +85,25 @@ class _Protocol(H11Protocol):
     connects and sends nothing, sends its headers a byte at a time, or trickles a refused body
     would hold its connection forever. Here a connection has --keep-alive seconds, from its
     start and from each response, to deliver a whole request head; while a request is being
-    answered the deadline does not apply (Guard times out a stalled body)."""
+    answered the deadline does not apply (Guard times out a stalled body).
+
+    Idle connections also give way: uvicorn answers 503 to any request once --max-connections
+    connections are open, idle ones included, so a thousand silent sockets would lock everyone
+    out. A new connection past the limit closes idle ones (waiting for a request head for more
+    than IDLE_GRACE_SECONDS), those that never sent an authorized request first, then the
+    longest idle; connections with requests in progress are never closed for room."""
 
     _deadline: asyncio.TimerHandle | None = None
+    _idle_since = 0.0
+    _authorized = False  # whether a request on this connection passed the API key check
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
+        self._make_room()
 
     def on_response_complete(self) -> None:
+        self._authorized = self._authorized or bool(self.cycle.scope.get(AUTHORIZED))
         super().on_response_complete()
         self._arm()
 
@@ -104,11 +115,30 @@ class _Protocol(H11Protocol):
     def _arm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+        self._idle_since = self.loop.time()
         self._deadline = self.loop.call_later(self.timeout_keep_alive, self._expire)
 
+    def _idle(self) -> bool:
+        """Waiting for the client (a request head), not answering it."""
+        return self.cycle is None or self.cycle.response_complete
+
     def _expire(self) -> None:
-        if self.cycle is None or self.cycle.response_complete:  # waiting for the client, not answering it
+        if self._idle():
             self.transport.close()
+
+    def _make_room(self) -> None:
+        limit = self.limit_concurrency
+        if limit is None or len(self.connections) < limit:
+            return
+        since = self.loop.time() - IDLE_GRACE_SECONDS
+        idle = sorted((c for c in self.connections if c is not self and isinstance(c, _Protocol) and c._idle()
+                       and c._idle_since <= since and not c.transport.is_closing()),
+                      key=lambda c: (c._authorized, c._idle_since))
+        for victim in idle[:len(self.connections) - limit + 1]:
+            victim.transport.close()
+            # Not counted from now on: uvicorn forgets it only when the loop reports it lost,
+            # after this connection's first request may already have been counted.
+            self.connections.discard(victim)
 
 
 class _Server(uvicorn.Server):

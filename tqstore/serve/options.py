@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 
-from tqstore.units import flag_type, parse_duration, parse_size
+from tqstore.units import flag_type, parse_duration, parse_number, parse_size
 
 API_KEY_ENV = "TQSTORE_API_KEY"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -22,6 +22,17 @@ def positive_int(raw: str) -> int:
         raise argparse.ArgumentTypeError(f"{raw!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{raw} must be at least 1")
+    return value
+
+
+def port_number(raw: str) -> int:
+    """argparse type: a TCP port, 0 to 65535 (0: any free one)."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a port number: use 0 to 65535 (0 picks a free one)") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{raw} is not a port number: use 0 to 65535 (0 picks a free one)")
     return value
 
 
@@ -63,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                         help="another name clients may send in the Host header (a DNS name or a proxy's), besides "
                              "localhost, 127.0.0.1, ::1 and --host; repeatable")
-    parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one, printed)")
+    parser.add_argument("--port", type=port_number, default=8080,
+                        help="port, 0 to 65535 (default 8080; 0 picks a free one, printed)")
     parser.add_argument("--api-key", default=None,
                         help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the variable, "
                              "the command line is visible to other users)")
@@ -86,9 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body, e.g. 16MiB (default); larger ones get 413")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
                         help="max_tokens when a request leaves it out (default 512)")
-    parser.add_argument("--temp", type=float, default=0.0,
+    parser.add_argument("--temp", type=flag_type(parse_number, "--temp", high=2.0), default=0.0,
                         help="temperature when a request leaves it out (default 0: greedy, as mlx-lm)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="top_p when a request leaves it out (default 1)")
+    parser.add_argument("--top-p", type=flag_type(parse_number, "--top-p", high=1.0, above=True), default=1.0,
+                        help="top_p when a request leaves it out (default 1)")
     parser.add_argument("--save-min-tokens", type=positive_int, default=256,
                         help="store prompts of at least this many tokens after their response (default 256)")
     parser.add_argument("--save-ttl", type=flag_type(parse_duration, "--save-ttl", allow_zero=True), default=24 * 3600.0,

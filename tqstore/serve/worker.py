@@ -3,9 +3,12 @@ running jobs, cancellation and the save policy.
 
 MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on the worker's
 thread; the HTTP layer submits jobs and gets each job's events (Accepted, Text, Finished,
-Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at once, taking turns of SLICE_SECONDS each
-(a job is a generator that yields between prefill chunks and tokens), so a long generation
-cannot hold the model while a short one waits. A client that goes away cancels its job: a
+Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at
+once, taking turns of SLICE_SECONDS each (a job is a generator that yields between prefill
+chunks and tokens), so a long generation cannot hold the model while a short one waits. A
+running job that has had HOLD_SECONDS of model time while others wait is parked: it keeps its
+state and goes to the back of the line, and the job that waited longest takes its place, so no
+request waits for the running ones to end. A client that goes away cancels its job: a
 queued job is skipped, a running one stops at its next token (the engine's `stop` callback).
 After a response is complete the worker compresses the new prefix (the save policy) at the end
 of the job's turn and hands it to a background writer (background.py), which serializes and
@@ -18,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import queue
 import struct
 import threading
 import time
@@ -41,6 +43,7 @@ from tqstore.models.prompting import encode_prompt
 log = logging.getLogger("tqstore.serve")
 AUTO_PREFIX = "auto-"
 SLICE_SECONDS = 0.05  # a running job's turn while others wait: short enough for streams to flow
+HOLD_SECONDS = 1.0  # model time a job runs for, once admitted, before it yields its place to a waiting one
 UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no context length
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 
@@ -106,6 +109,7 @@ class Running:
     job: Job
     steps: Iterator[None]
     seconds: float = 0.0
+    held: float = 0.0  # model time since it was last admitted
 
 
 class QueueFull(Exception):
@@ -206,7 +210,10 @@ class ModelWorker:
         self.loaded: LoadedModel | None = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        # What waits for a place among the running: new jobs, and parked ones (started, their
+        # state kept), in the order they began to wait; at most `max_queue` of them.
+        self._waiting: deque[Job | Running] = deque()
+        self._arrived = threading.Condition()  # guards _waiting; notified when a job is queued
         self._stopping = threading.Event()
         self._running: deque[Running] = deque()  # only the worker's thread changes it
         self._job_seconds = 1.0  # moving average, for Retry-After
@@ -228,7 +235,7 @@ class ModelWorker:
         return self._submit(Job("save", lambda job: self._save(job, name, source), sink))
 
     def queue_state(self) -> QueueState:
-        return QueueState(self._queue.qsize(), self.capacity, len(self._running))
+        return QueueState(len(self._waiting), self.capacity, len(self._running))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running jobs, fail the queued ones, wait for the thread to end, then give
@@ -247,19 +254,19 @@ class ModelWorker:
     def _submit(self, job: Job) -> Job:
         if self._stopping.is_set():
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            wait = self._job_seconds * (self._queue.qsize() + 1)
-            raise QueueFull(max(1, min(60, math.ceil(wait)))) from None
+        with self._arrived:
+            if len(self._waiting) >= self.capacity:
+                wait = self._job_seconds * (len(self._waiting) + 1)
+                raise QueueFull(max(1, min(60, math.ceil(wait))))
+            self._waiting.append(job)
+            self._arrived.notify()
         return job
 
     def _drain(self) -> None:
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        with self._arrived:
+            waiting, self._waiting = list(self._waiting), deque()
+        for item in waiting:
+            job = item.job if isinstance(item, Running) else item
             job.send(Failed(ApiError(503, "the server is shutting down", type="server_error", code="shutting_down")))
 
     # -- the owner thread ---------------------------------------------------------------------
@@ -296,30 +303,41 @@ class ModelWorker:
         self._drain()
 
     def _admit(self, wait: bool) -> None:
-        """Start queued jobs while fewer than `max_running` run; waits a moment for one when
-        `wait` (nothing runs)."""
+        """Start or resume waiting jobs, longest waiting first, while fewer than `max_running`
+        run; waits a moment for one when `wait` (nothing runs)."""
         while len(self._running) < self.max_running:
-            try:
-                job = self._queue.get(timeout=0.2) if wait else self._queue.get_nowait()
-            except queue.Empty:
-                return
+            with self._arrived:
+                if not self._waiting and wait:
+                    self._arrived.wait(0.2)
+                if not self._waiting:
+                    return
+                item = self._waiting.popleft()
             wait = False
-            if job.cancelled.is_set():
+            if isinstance(item, Running):  # parked: resumed where it stopped (a cancelled one ends at its next token)
+                self._running.append(item)
+            elif item.cancelled.is_set():
                 self.metrics.count_cancelled()
-                continue
-            self._running.append(Running(job, job.work(job)))
+            else:
+                self._running.append(Running(item, item.work(item)))
 
     def _turn(self) -> None:
         """Run the first running job for a turn: to its end, or for SLICE_SECONDS when other
-        jobs wait (it then goes to the back of the line)."""
+        jobs wait (it then goes to the back of the line). A job that has held its place for
+        HOLD_SECONDS of model time while jobs wait for one is parked behind them."""
         running = self._running[0]
         t0 = time.perf_counter()
         try:
             for _ in running.steps:
                 if self._stopping.is_set() or (time.perf_counter() - t0 >= SLICE_SECONDS
-                                               and (len(self._running) > 1 or not self._queue.empty())):
-                    running.seconds += time.perf_counter() - t0
-                    self._running.rotate(-1)
+                                               and (len(self._running) > 1 or self._waiting)):
+                    spent = time.perf_counter() - t0
+                    running.seconds += spent
+                    running.held += spent
+                    self._running.popleft()
+                    if running.held >= HOLD_SECONDS and self._waiting and not self._stopping.is_set():
+                        self._park(running)
+                    else:
+                        self._running.append(running)
                     return
         except BaseException as e:  # the worker must outlive any one job
             if not isinstance(e, (ApiError, TqstoreError)):
@@ -328,6 +346,13 @@ class ModelWorker:
         self._running.popleft()
         running.seconds += time.perf_counter() - t0
         self._job_seconds = 0.8 * self._job_seconds + 0.2 * running.seconds
+
+    def _park(self, running: Running) -> None:
+        """Put a running job at the back of the waiting line, its state kept. It takes the
+        place of the one admitted next, so the line never grows past `max_queue`."""
+        running.held = 0.0
+        with self._arrived:
+            self._waiting.append(running)
 
     def _tokens(self, prompt: str | Sequence[int] | None, messages: Sequence[dict] | None,
                 tools: Sequence[Any] | None = None) -> list[int]:
