@@ -211,6 +211,25 @@ def test_serve_on_a_port_in_use_is_a_clear_error(cli_main, tmp_path, monkeypatch
     ledger.count("bad input", "serve on a busy port: one line naming --port")
 
 
+# Issue 27 (left from finding 6): a byte that is not UTF-8 on the command line reached the
+# tokenizer as a lone surrogate and ended as `internal error: TypeError`.
+def test_text_that_is_not_utf8_on_the_command_line_is_refused_naming_the_byte(cli_main, tmp_path, monkeypatch,
+                                                                             capsys, ledger):
+    monkeypatch.setenv("TQSTORE_HOME", str(tmp_path / "home"))
+    model = str(write_model_folder(tmp_path / "model", kind="qwen2"))
+    assert run_cli(cli_main, ["save", "doc", "--model", model, "--prompt", "a valid document", "-q"]) == 0
+    capsys.readouterr()
+    for argv in (["save", "bad", "--model", model, "--prompt", "caf\udce9 au lait"],
+                 ["ask", "doc", "why\udcff?", "--max-tokens", "1"]):
+        code = run_cli(cli_main, argv)
+        out, err = capsys.readouterr()
+        lines = error_lines(err, code)
+        assert code == 1 and len(lines) == 1 and "not valid UTF-8" in lines[0] and "0x" in lines[0], (argv, err)
+        assert "internal error" not in out + err and "Traceback" not in out + err
+        ledger.count("bad input", "text that is not UTF-8 on the command line: one line naming the byte")
+    assert run_cli(cli_main, ["info", "bad"]) != 0  # nothing was stored
+
+
 # -- HTTP bodies ------------------------------------------------------------------------------
 
 BAD_BODIES = [

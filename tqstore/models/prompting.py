@@ -109,6 +109,20 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
 
 
 def _encode(tokenizer, text: str, first: bool) -> list[int]:
+    _check_unicode(text)
     bos = getattr(tokenizer, "bos_token", None)
     special = first and (bos is None or not text.startswith(bos))
     return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+def _check_unicode(text: str) -> None:
+    """Refuse text holding a lone UTF-16 surrogate, which no tokenizer encodes. Python makes one
+    of every byte that is not UTF-8 on the command line (`--prompt $'\\xff'`) or in a file read
+    with surrogateescape, so the message names the byte where it can."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise BadInput(f"the text is not valid UTF-8 ({what}): convert it to UTF-8 first "
+                       "(for example `iconv -f latin1 -t utf-8`)") from None
