@@ -15,14 +15,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from tqstore.engine.compose import ATTENTION_CHUNK, SCORE_BYTES, model_layers
+from tqstore.engine.compose import model_layers, query_step
 from tqstore.errors import OverMemoryBudget
 from tqstore.units import format_size
 
 F32 = 4
-# The question is prefilled over the composed caches in steps of this many tokens (engine.py's
-# PREFILL_CHUNK); mlx-lm's attention holds one step's scores at a time.
-QUESTION_STEP = 512
+# Prompts are prefilled in steps of this many tokens (engine.py's PREFILL_CHUNK): the question
+# over the composed caches, or the whole prompt at recompute 1; mlx-lm's attention holds one
+# step's scores at a time.
+PREFILL_STEP = 512
 # Fixed costs of any composition that do not grow with the tokens (the pilot pass's small
 # arrays, MLX's kernels and per-op scratch).
 OVERHEAD = 32 * 2**20
@@ -71,19 +72,22 @@ def composition_bytes(shape: ModelShape, prefix: int, chunks: Sequence[int], dis
     context = prefix + sum(chunks)
     largest = prefix + max(distinct)
     # One chunk restored (or prefilled and stored) at a time: its compressed objects, caches and
-    # a float32 decode before the cast to the model's dtype.
-    restoring = largest * per_token * (2 + 2 * F32 // shape.dtype_bytes)
-    # Attention steps: scores, their masked and softmaxed copies, and the mask (bool).
-    step_scores = 4 * min(SCORE_BYTES, ATTENTION_CHUNK * shape.heads * max(context, 1) * F32)
-    question_scores = 4 * shape.heads * min(question, QUESTION_STEP) * (context + question) * F32
+    # a float32 decode before the cast to the model's dtype, or one prefill step's scores.
+    restoring = largest * per_token * (2 + 2 * F32 // shape.dtype_bytes) + 4 * shape.heads * min(
+        largest, PREFILL_STEP) * largest * F32
+    # One attention step of the recompute (compose.query_step's rows over the whole context):
+    # its scores, their masked and softmaxed copies, and the mask.
+    step_scores = 4 * query_step(shape.heads, context + question) * shape.heads * (context + question) * F32
+    question_scores = 4 * shape.heads * min(question, PREFILL_STEP) * (context + question) * F32
     caches = (context + question + 256) * per_token  # the caches grow in steps of 256 tokens
     # The question's prefill: hidden states, MLP activations and logits of one step, and the
     # compression of the caches at the first decode step (never larger than the raw caches).
-    answering = caches * 2 + question_scores + min(question, QUESTION_STEP) * (
+    answering = caches * 2 + question_scores + min(question, PREFILL_STEP) * (
         4 * shape.hidden + 3 * shape.intermediate + shape.vocab) * F32
     if recompute >= 1.0:  # a plain prefill of the whole prompt
-        prefill = caches + step_scores + ATTENTION_CHUNK * (4 * shape.hidden + 3 * shape.intermediate
-                                                           + shape.vocab) * F32
+        step = min(context, PREFILL_STEP)
+        prefill = caches + 4 * shape.heads * step * context * F32 + step * (
+            4 * shape.hidden + 3 * shape.intermediate + shape.vocab) * F32
         return OVERHEAD + restoring + max(prefill, answering)
     held = sum(prefix + n for n in distinct) * per_token
     composed = context * per_token
