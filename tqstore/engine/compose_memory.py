@@ -93,11 +93,13 @@ def composition_bytes(shape: ModelShape, prefix: int, chunks: Sequence[int], dis
     composed = context * per_token
     selected = int(round(recompute * sum(chunks)))
     layer = composed // shape.layers
-    # Recompute: every token's hidden state, the selected tokens' activations, one layer's K/V
-    # rewritten and one layer's K/V with the question's appended (the pilot pass).
-    recomputing = (context * shape.hidden * F32 + selected * (4 * shape.hidden + 3 * shape.intermediate
-                                                              + 2 * shape.heads * shape.head_dim) * F32
-                   + 2 * layer + step_scores + question_scores)
+    # Recompute (none at a share of 0): every token's hidden state, the selected tokens'
+    # activations, one layer's K/V rewritten and one layer's K/V with the question's appended
+    # (the pilot pass).
+    recomputing = 0 if selected == 0 else (
+        context * shape.hidden * F32 + selected * (4 * shape.hidden + 3 * shape.intermediate
+                                                   + 2 * shape.heads * shape.head_dim) * F32
+        + 2 * layer + step_scores + question_scores)
     # Composing: the moved keys and the concatenation beside the chunks, then the recompute;
     # filling the caches: the composed context and its copy (the chunks are released first).
     composing = held + 2 * composed + max(restoring, recomputing)
