@@ -8,12 +8,14 @@ Expected failures (TqstoreError, predictable OSErrors) never print a traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import os
 import sys
 import traceback
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tqstore.errors import RemoteNotConfigured, TqstoreError
 
@@ -207,5 +209,23 @@ def _silence_stdout() -> None:
 
 
 def run() -> None:
-    """The console script: exit with main()'s code."""
-    sys.exit(main())
+    """The console script and `python -m tqstore_cli`: main(), then `leave` with its code."""
+    leave(main())
+
+
+def leave(code: int) -> NoReturn:
+    """End the process with `code` without the interpreter's native teardown.
+
+    When main() returns the command is done: its Store is closed (LMDB committed, the writer
+    thread joined) and its files are written. What remains is the teardown, where native thread
+    pools are shut down: an `ask` over 64 documents on OpenBLAS printed its answer and then hung
+    there for over 15 minutes (issue 27). Python's exit handlers still run and the streams are
+    flushed; then os._exit skips the C-level destructors.
+    """
+    atexit._run_exitfuncs()  # what sys.exit would run: logging's flush, LMDB's close-all
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: what was left to print is lost
+            code = code or EXIT_ERROR
+    os._exit(code)

@@ -184,7 +184,8 @@ def test_saved_strings_are_escaped(tmp_path):
 
 def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
     values = {
-        "store.lmdb_budget": "1GiB", "store.memory_budget": "1GiB", "store.segment_size": "64KiB",
+        "store.lmdb_budget": "1GiB", "store.memory_budget": "1GiB", "store.compose_budget": "3GiB",
+        "store.segment_size": "64KiB",
         "store.min_free_disk": "0", "store.lmdb_map_size": "8MiB", "store.default_scheme": "turbo4",
         "s3.url": "s3://abc", "s3.endpoint": "https://x.r2.cloudflarestorage.com", "s3.region": "auto",
         "s3.multipart_threshold": "32MiB", "s3.part_size": "6MiB", "s3.concurrency": "2",
@@ -199,6 +200,7 @@ def test_every_key_has_an_environment_variable(tmp_path, monkeypatch):
     assert config.segment_size == 64 << 10 and config.s3_part_size == 6 << 20
     assert config.s3_connect_timeout == 1.5 and config.s3_max_attempts == 2 and config.blas == "openblas"
     assert config.default_scheme == "turbo4" and config.lmdb_map_size == 8 << 20
+    assert config.compose_budget_bytes == 3 << 30
 
 
 def test_key_file_is_checked_with_the_key_rule(tmp_path):
@@ -230,5 +232,5 @@ def test_sources_say_where_each_value_comes_from(tmp_path, monkeypatch):
     assert sorted(found) == sorted(config_keys())
     assert (found["store.segment_size"], found["store.lmdb_budget"], found["s3.region"]) == ("env", "file", "default")
     assert [k for k in config_keys() if setting(k).is_size] == [
-        "store.lmdb_budget", "store.memory_budget", "store.segment_size", "store.min_free_disk", "store.lmdb_map_size",
-        "s3.multipart_threshold", "s3.part_size"]
+        "store.lmdb_budget", "store.memory_budget", "store.compose_budget", "store.segment_size",
+        "store.min_free_disk", "store.lmdb_map_size", "s3.multipart_threshold", "s3.part_size"]

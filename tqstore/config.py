@@ -23,7 +23,7 @@ import re
 import tomllib
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tomli_w
@@ -35,6 +35,25 @@ from tqstore.units import GiB, KiB, MiB, format_size, parse_size
 
 CONFIG_FILE = "config.toml"
 DEFAULT_HOME = "~/.cache/tqstore"
+# The default `store.compose_budget`: half the memory this process may use, leaving the rest to
+# the model's weights, the memory tier and everything else on the machine.
+COMPOSE_SHARE = 0.5
+
+
+def usable_memory() -> int:
+    """Bytes of memory this process may use: the machine's RAM, or the cgroup's limit (a
+    container) when that is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total
+
+
+def default_compose_budget() -> int:
+    """The default memory budget of one composition of documents (see COMPOSE_SHARE)."""
+    return int(usable_memory() * COMPOSE_SHARE)
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,9 @@ class Config:
     home: Path
     lmdb_budget_bytes: int = 10 * GiB
     memory_budget_bytes: int = 2 * GiB
+    # Peak memory one composition of documents (`ask --doc`, the server's `documents`) may be
+    # estimated to need before it starts (tqstore/engine/compose_memory.py).
+    compose_budget_bytes: int = field(default_factory=default_compose_budget)
     segment_size: int = 1 * MiB
     min_free_disk_bytes: int = 1 * GiB
     # Initial LMDB map size: address space, not disk (the file grows as pages are written);
@@ -217,6 +239,7 @@ _SETTINGS = (
     # A budget of 0 would evict every object as soon as it is written.
     Setting("lmdb_budget_bytes", "store", "lmdb_budget", _Size(1)),
     Setting("memory_budget_bytes", "store", "memory_budget", _Size(0)),
+    Setting("compose_budget_bytes", "store", "compose_budget", _Size(1 * MiB)),
     Setting("segment_size", "store", "segment_size", _Size(4 * KiB, 256 * MiB)),
     Setting("min_free_disk_bytes", "store", "min_free_disk", _Size(0)),
     Setting("lmdb_map_size", "store", "lmdb_map_size", _Size(1 * MiB)),

@@ -97,3 +97,8 @@ class RemoteUnreachable(RemoteError):
 
 class RemoteAuthError(RemoteError):
     """The S3 endpoint refused the credentials or the bucket."""
+
+
+class OverMemoryBudget(BadInput):
+    """A request whose estimated peak memory is above the budget set for it; the message gives
+    the estimate, the budget and what to do (refused before any of the work is done)."""

@@ -91,7 +91,8 @@ def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
             "text": a.text, "prompt_tokens": a.prompt_tokens, "documents": [c.name for c in result.chunks],
             "stored_now": [c.name for c in result.chunks if c.stored], "reused_tokens": result.reused_tokens,
             "recomputed_tokens": result.recomputed_tokens, "prefilled_tokens": result.prefilled_tokens,
-            "compose_seconds": result.compose_seconds, "prefill_seconds": a.prefill_seconds,
+            "compose_seconds": result.compose_seconds, "estimated_bytes": result.estimated_bytes,
+            "prefill_seconds": a.prefill_seconds,
             "generation_tokens": len(a.tokens), "generation_seconds": a.generation_seconds,
             "finish_reason": a.finish_reason})
     else:

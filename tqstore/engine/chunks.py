@@ -21,9 +21,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+import mlx.core as mx
+
 from turboquant import make_prompt_cache, parse_scheme, restore
 
-from tqstore.engine.compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
+from tqstore.engine.compose import ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description
+from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
 from tqstore.errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
 from tqstore.models.loading import LoadedModel
 from tqstore.format.manifest import Manifest
@@ -72,6 +75,7 @@ class DocumentsAnswer:
     recomputed_tokens: int  # chunk tokens recomputed in the composed context
     prefilled_tokens: int  # tokens prefilled fresh (prefix and question, or all at budget 1)
     compose_seconds: float  # restore, move and recompute (time to the composed cache)
+    estimated_bytes: int  # the composition's peak memory as estimated before it started
 
 
 def chunk_address(model_digest: bytes, codec_digest: bytes, prefix: Sequence[int], tokens: Sequence[int]) -> str:
@@ -170,6 +174,7 @@ class ComposedContext:
     reused: int
     recomputed: int
     seconds: float
+    estimated_bytes: int  # the peak memory the composition was estimated to need
 
 
 def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], scheme: str, *,
@@ -177,7 +182,10 @@ def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[D
                     question: Sequence[int] | None = None) -> ComposedContext:
     """Caches of `[prefix][doc_1]...[doc_k]` under `scheme` from stored chunks (texts not stored
     yet are prefilled and stored first); recompute 1 is a plain prefill of the whole. The
-    `question` tokens that follow steer which tokens are recomputed (compose.py)."""
+    `question` tokens that follow steer which tokens are recomputed (compose.py).
+
+    Before any chunk is restored or prefilled, the composition's peak memory is estimated
+    (compose_memory.py) and OverMemoryBudget raised when it is over `store.compose_budget`."""
     if not documents:
         raise BadInput("no documents given")
     if not 0.0 <= recompute <= 1.0:
@@ -186,38 +194,57 @@ def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[D
     caches = make_prompt_cache(loaded.model, scheme)
     check_composable(loaded.model, caches)
     prefix = prefix_tokens(loaded, system)
-    infos, parts = [], []
-    for doc in documents:
-        if doc.name is not None:
-            manifest, tokens = _named(engine, loaded, scheme, doc.name)
-            same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
-            info, kv = ensure_chunk(engine, loaded, scheme, prefix, tokens, doc.name if same_prefix else None)
-        else:
-            tokens = loaded.prompt.document_tokens(loaded.tokenizer, doc.text)
-            info, kv = ensure_chunk(engine, loaded, scheme, prefix, tokens, None)
-        infos.append(info)
-        parts.append(kv)
+    # A document given many times is restored once: its decoded K/V serve every place it sits
+    # (100 copies of one chunk were 100 restores held at once, issue 27).
+    order = [("name", d.name) if d.name is not None else ("text", d.text) for d in documents]
+    distinct = {key: _chunk_source(engine, loaded, scheme, prefix, *key) for key in dict.fromkeys(order)}
+    chunk_tokens = [len(distinct[key][0]) for key in order]
+    estimate = composition_bytes(ModelShape.of(loaded.model), len(prefix), chunk_tokens,
+                                 [len(tokens) for tokens, _ in distinct.values()],
+                                 question=len(question or ()), recompute=recompute)
+    check_budget(estimate, engine.store.config.compose_budget_bytes, documents=len(documents),
+                 tokens=len(prefix) + sum(chunk_tokens))
+    found = {key: ensure_chunk(engine, loaded, scheme, prefix, tokens, name)
+             for key, (tokens, name) in distinct.items()}
+    infos = [found[key][0] for key in order]
+    tokens = prefix + [t for key in order for t in distinct[key][0]]
     if recompute >= 1.0:
-        tokens = prefix + [t for info, doc in zip(infos, parts) for t in _chunk_tokens(engine, info, doc)]
         engine.prefill(loaded, caches, tokens)
-        return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0)
-    for i, (info, kv) in enumerate(zip(infos, parts)):
+        return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0,
+                               estimate)
+    composed = _compose_chunks(engine, loaded, prefix, found, order, recompute, question)
+    del found  # the chunks' K/V are in `composed` now
+    for layer, cache in enumerate(caches):
+        # Layer by layer, each composed layer dropped once its cache holds the copy, so the
+        # composed context is never held twice.
+        mx.eval(cache.update_and_fetch(composed.keys[layer], composed.values[layer]))
+        composed.keys[layer] = composed.values[layer] = None
+    return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
+                           time.perf_counter() - t0, estimate)
+
+
+def _chunk_source(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
+                  value: str) -> tuple[list[int], str | None]:
+    """A document's chunk tokens and the entry name to keep it under (None: its address)."""
+    if kind == "text":
+        return loaded.prompt.document_tokens(loaded.tokenizer, value), None
+    manifest, tokens = _named(engine, loaded, scheme, value)
+    same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
+    return tokens, value if same_prefix else None
+
+
+def _compose_chunks(engine: "Engine", loaded: LoadedModel, prefix: list[int],
+                    found: dict[tuple[str, str], tuple[ChunkInfo, ChunkKV | None]], order: list[tuple[str, str]],
+                    recompute: float, question: Sequence[int] | None) -> Composed:
+    """compose() over the chunks in `order`, reading back those stored just now (each once)."""
+    for key, (info, kv) in found.items():
         if kv is None:  # stored just now
-            kv = parts[i] = load_chunk(engine, loaded, engine.store.get(info.name), prefix,
-                                       _chunk_tokens(engine, info, None))
+            manifest = engine.store.get(info.name)
+            kv = load_chunk(engine, loaded, manifest, prefix, list(manifest.tokens[info.prefix_tokens:]))
             if kv is None:
                 raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
-    composed = compose(loaded.model, parts, recompute, question=question)
-    for cache, keys, values in zip(caches, composed.keys, composed.values):
-        cache.update_and_fetch(keys, values)
-    return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
-                           time.perf_counter() - t0)
-
-
-def _chunk_tokens(engine: "Engine", info: ChunkInfo, kv: ChunkKV | None) -> list[int]:
-    if kv is not None:
-        return kv.tokens
-    return list(engine.store.get(info.name).tokens[info.prefix_tokens:])
+            found[key] = (info, kv)
+    return compose(loaded.model, [found[key][1] for key in order], recompute, question=question)
 
 
 def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], question: str, *,
@@ -236,4 +263,5 @@ def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Doc
     answer = engine.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
                                       context.seconds, **options)
     prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)
-    return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled, context.seconds)
+    return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled, context.seconds,
+                           context.estimated_bytes)

@@ -44,7 +44,11 @@ FULL_LAYERS = 2
 SELECTIONS = ("attention", "deviation", "product")
 SELECT = "attention"  # how recompute picks tokens beyond the first ones (see `compose`; measured in docs/rag.md)
 SINK_TOKENS = 4  # first tokens of each moved chunk that are always recomputed (when the budget allows)
-ATTENTION_CHUNK = 512  # queries per step in the full layers (bounds the score matrix)
+ATTENTION_CHUNK = 512  # most queries per attention step in the recompute
+# Bytes of float32 attention scores one step may hold (queries x heads x context). The recompute's
+# queries are a fifth of the context by default, so scores for all of them at once grow with the
+# square of the context: 41k tokens took 12 GB and a SIGSEGV (issue 27, finding 4).
+SCORE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ def check_composable(model, caches: Sequence[Any]) -> None:
 
 
 def _rope_of(model):
-    layers = _layers(model)
+    layers = model_layers(model)
     attention = getattr(layers[0], "self_attn", None) if layers else None
     rope = getattr(attention, "rope", None)
     if rope is None:
@@ -115,7 +119,7 @@ def _rope_of(model):
     return rope
 
 
-def _layers(model):
+def model_layers(model):
     inner = getattr(model, "model", model)
     return getattr(inner, "layers", None) or getattr(model, "layers", None) or []
 
@@ -199,7 +203,7 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
                moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int],
                question: Sequence[int] | None, select: str) -> int:
     """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; how many."""
-    layers = _layers(model)
+    layers = model_layers(model)
     for layer in layers:
         _check_block(layer)
     full_layers = min(full_layers, len(layers))
@@ -257,12 +261,19 @@ class _Capture:
         return self.keys, self.values
 
 
+def query_step(heads: int, context: int) -> int:
+    """Queries per attention step over `context` keys: at most ATTENTION_CHUNK, and few enough
+    that the step's scores stay within SCORE_BYTES."""
+    return max(1, min(ATTENTION_CHUNK, SCORE_BYTES // (4 * heads * max(context, 1))))
+
+
 def _full_layer(layer, hidden: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """One layer over every token (the model's own code): hidden out, K, V."""
     capture = _Capture()
     out = []
-    for at in range(0, hidden.shape[1], ATTENTION_CHUNK):
-        part = layer(hidden[:, at:at + ATTENTION_CHUNK], mask="causal", cache=capture)
+    step = query_step(layer.self_attn.n_heads, hidden.shape[1])
+    for at in range(0, hidden.shape[1], step):
+        part = layer(hidden[:, at:at + step], mask="causal", cache=capture)
         mx.eval(part, capture.keys, capture.values)
         out.append(part)
     return mx.concatenate(out, axis=1), capture.keys, capture.values
@@ -324,13 +335,19 @@ def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array
         all_v = mx.concatenate([values[i], v.astype(values[i].dtype)], axis=2)
         B, hq, L, D = q.shape
         groups = hq // attention.n_kv_heads
-        scores = (q * attention.scale).reshape(B, attention.n_kv_heads, groups, L, D) @ \
-            all_k[:, :, None].swapaxes(-1, -2)
-        causal = mx.arange(n + L)[None, :] <= positions[:, None]
-        probs = mx.softmax(mx.where(causal, scores.astype(mx.float32), -mx.inf), axis=-1)
-        if i >= from_layer:
-            mass = mass + mx.sum(probs[..., :n], axis=(0, 1, 2, 3))
-        out = (probs.astype(all_v.dtype) @ all_v[:, :, None]).reshape(B, hq, L, -1)
+        outs = []
+        step = query_step(hq, n + L)
+        for at in range(0, L, step):
+            rows = q[:, :, at:at + step]
+            scores = (rows * attention.scale).reshape(B, attention.n_kv_heads, groups, rows.shape[2], D) @ \
+                all_k[:, :, None].swapaxes(-1, -2)
+            causal = mx.arange(n + L)[None, :] <= positions[at:at + step, None]
+            probs = mx.softmax(mx.where(causal, scores.astype(mx.float32), -mx.inf), axis=-1)
+            if i >= from_layer:
+                mass = mass + mx.sum(probs[..., :n], axis=(0, 1, 2, 3))
+            outs.append((probs.astype(all_v.dtype) @ all_v[:, :, None]).reshape(B, hq, rows.shape[2], -1))
+            mx.eval(outs[-1], mass)
+        out = mx.concatenate(outs, axis=2)
         h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         mx.eval(h, mass)
@@ -348,7 +365,14 @@ def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, valu
     v = _heads(attention, x, attention.n_kv_heads, attention.v_proj, "v_norm")
     keys[:, :, selected] = k.astype(keys.dtype)
     values[:, :, selected] = v.astype(values.dtype)
-    mask = mx.arange(keys.shape[2])[None, :] <= selected[:, None]
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=attention.scale, mask=mask)
+    mx.eval(keys, values)
+    outs = []
+    step = query_step(attention.n_heads, keys.shape[2])
+    for at in range(0, selected.shape[0], step):
+        mask = mx.arange(keys.shape[2])[None, :] <= selected[at:at + step, None]
+        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, at:at + step], keys, values,
+                                                         scale=attention.scale, mask=mask))
+        mx.eval(outs[-1])
+    out = mx.concatenate(outs, axis=2)
     h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(1, selected.shape[0], -1))
     return h + layer.mlp(layer.post_attention_layernorm(h)), keys, values

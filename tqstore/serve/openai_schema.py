@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from tqstore.errors import (BadInput, ConflictError, DiskFull, IdentityMismatch, InvalidName, NotFound,
-                     RemoteNotConfigured, RemoteError, TqstoreError)
+                     OverMemoryBudget, RemoteNotConfigured, RemoteError, TqstoreError)
 
 MAX_STOPS = 4  # as OpenAI
 
@@ -44,6 +44,7 @@ class ApiError(Exception):
 # TqstoreError types in order (subclasses before their bases): status, OpenAI type, code.
 _STATUSES: tuple[tuple[type[TqstoreError], int, str, str], ...] = (
     (InvalidName, 400, "invalid_request_error", "invalid_name"),
+    (OverMemoryBudget, 400, "invalid_request_error", "over_memory_budget"),
     (BadInput, 400, "invalid_request_error", "invalid_value"),
     (RemoteNotConfigured, 400, "invalid_request_error", "s3_not_configured"),
     (NotFound, 404, "invalid_request_error", "not_found"),
@@ -109,7 +110,9 @@ class CacheSource:
     ttl: float | None = None
 
 
-MAX_DOCUMENTS = 64
+# What bounds a request's documents is the memory their composition needs (store.compose_budget,
+# checked before any work); this count only bounds the per-document lookups of one request.
+MAX_DOCUMENTS = 1024
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # The request bodies as pydantic models. Strict: JSON types are never coerced (true is not 1,

@@ -1,0 +1,119 @@
+"""The peak memory of composing documents, estimated before any of the work is done.
+
+A composition holds, at its peak, the decoded K/V of every distinct chunk, the composed context
+(about twice while keys are moved and concatenated, once more while the caches copy it), the
+hidden states of the whole prompt for the recompute, bounded attention steps, and then the
+question's prefill over the composed caches. Every term below is one of those allocations from
+the model's shapes and the token counts, with the element sizes MLX uses; the sum is an upper
+bound of the measured peak (tests/test_compose_memory.py measures it in a subprocess), so a
+composition that would exhaust the machine is refused with `OverMemoryBudget` instead of being
+killed half way (issue 27: 100 documents, 41k tokens, died at 12 GB).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tqstore.engine.compose import model_layers, query_step
+from tqstore.errors import OverMemoryBudget
+from tqstore.units import format_size
+
+F32 = 4
+# Prompts are prefilled in steps of this many tokens (engine.py's PREFILL_CHUNK): the question
+# over the composed caches, or the whole prompt at recompute 1; mlx-lm's attention holds one
+# step's scores at a time.
+PREFILL_STEP = 512
+# Fixed costs of any composition that do not grow with the tokens (the pilot pass's small
+# arrays, MLX's kernels and per-op scratch).
+OVERHEAD = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a model's memory per token depends on."""
+
+    layers: int
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int  # the K/V and activations' element size
+
+    @classmethod
+    def of(cls, model) -> "ModelShape":
+        """The shape of a llama-style mlx-lm model (the only kind chunks compose for)."""
+        layers = model_layers(model)
+        attention = layers[0].self_attn
+        args = getattr(model, "args", None)
+        hidden = getattr(args, "hidden_size", None) or layers[0].input_layernorm.weight.shape[0]
+        head_dim = getattr(args, "head_dim", None) or hidden // attention.n_heads
+        return cls(layers=len(layers), heads=attention.n_heads, kv_heads=attention.n_kv_heads,
+                   head_dim=head_dim, hidden=hidden,
+                   intermediate=getattr(args, "intermediate_size", None) or 4 * hidden,
+                   vocab=getattr(args, "vocab_size", None) or 0,
+                   dtype_bytes=layers[0].input_layernorm.weight.dtype.size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer, decoded."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def composition_bytes(shape: ModelShape, prefix: int, chunks: Sequence[int], distinct: Sequence[int], *,
+                      question: int, recompute: float) -> int:
+    """Estimated peak bytes of composing `[prefix][chunks...]` and prefilling `question` tokens
+    after it: `chunks` are the documents' token counts in prompt order, `distinct` those of each
+    different document (restored once however often it is given), `recompute` the share of chunk
+    tokens recomputed (1: a plain prefill of the whole)."""
+    per_token = shape.kv_bytes_per_token
+    context = prefix + sum(chunks)
+    largest = prefix + max(distinct)
+    # One chunk restored (or prefilled and stored) at a time: its compressed objects, caches and
+    # a float32 decode before the cast to the model's dtype, or one prefill step's scores.
+    restoring = largest * per_token * (2 + 2 * F32 // shape.dtype_bytes) + 4 * shape.heads * min(
+        largest, PREFILL_STEP) * largest * F32
+    # One attention step of the recompute (compose.query_step's rows over the whole context):
+    # its scores, their masked and softmaxed copies, and the mask.
+    step_scores = 4 * query_step(shape.heads, context + question) * shape.heads * (context + question) * F32
+    question_scores = 4 * shape.heads * min(question, PREFILL_STEP) * (context + question) * F32
+    caches = (context + question + 256) * per_token  # the caches grow in steps of 256 tokens
+    # The question's prefill: hidden states, MLP activations and logits of one step, and the
+    # compression of the caches at the first decode step (never larger than the raw caches).
+    answering = caches * 2 + question_scores + min(question, PREFILL_STEP) * (
+        4 * shape.hidden + 3 * shape.intermediate + shape.vocab) * F32
+    if recompute >= 1.0:  # a plain prefill of the whole prompt
+        step = min(context, PREFILL_STEP)
+        prefill = caches + 4 * shape.heads * step * context * F32 + step * (
+            4 * shape.hidden + 3 * shape.intermediate + shape.vocab) * F32
+        return OVERHEAD + restoring + max(prefill, answering)
+    held = sum(prefix + n for n in distinct) * per_token
+    composed = context * per_token
+    selected = int(round(recompute * sum(chunks)))
+    layer = composed // shape.layers
+    # Recompute (none at a share of 0): every token's hidden state, the selected tokens'
+    # activations, one layer's K/V rewritten and one layer's K/V with the question's appended
+    # (the pilot pass).
+    recomputing = 0 if selected == 0 else (
+        context * shape.hidden * F32 + selected * (4 * shape.hidden + 3 * shape.intermediate
+                                                   + 2 * shape.heads * shape.head_dim) * F32
+        + 2 * layer + step_scores + question_scores)
+    # Composing: the moved keys and the concatenation beside the chunks, then the recompute;
+    # filling the caches: the composed context and its copy (the chunks are released first).
+    composing = held + 2 * composed + max(restoring, recomputing)
+    filling = composed + caches
+    return OVERHEAD + max(composing, filling, answering)
+
+
+def check_budget(estimate: int, budget: int, *, documents: int, tokens: int) -> None:
+    """OverMemoryBudget when a composition of `documents` (`tokens` in all) is estimated to need
+    more than `budget` bytes at its peak."""
+    if estimate <= budget:
+        return
+    raise OverMemoryBudget(
+        f"composing {documents} documents ({tokens} tokens) would need about {format_size(estimate)} of memory "
+        f"at its peak, over the budget of {format_size(budget)} (store.compose_budget): pass fewer or shorter "
+        "documents, or raise the budget (`tqstore config set store.compose_budget SIZE`, or "
+        "TQSTORE_COMPOSE_BUDGET) if this machine has the memory")
