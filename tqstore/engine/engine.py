@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
@@ -70,6 +70,9 @@ class AskResult:
     # (0 when none was generated).
     first_token_seconds: float = 0.0
     model_seconds: float = 0.0  # loading the model for this call (0 when it was loaded already)
+    # The first generated token's log-probabilities over the vocabulary: two answers from the
+    # same context agree here bit for bit (random-weight models repeat tokens; logits do not).
+    first_logprobs: mx.array | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -333,7 +336,7 @@ class Engine:
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
         prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
                                                 at=started.matched, checkpoints=started.checkpoints)
-        pieces, tokens, finish, generating, first_token = [], [], None, 0.0, 0.0
+        pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
         if halted():
             finish = "stop"
         else:
@@ -350,6 +353,7 @@ class Engine:
                     break
                 if not tokens:
                     first_token = started.restore_seconds + prefill + generating
+                    first_logprobs = response.logprobs
                 tokens.append(response.token)
                 pieces.append(response.text)
                 finish = response.finish_reason
@@ -361,7 +365,8 @@ class Engine:
                 yield
             responses.close()
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, generating, finish, first_token)
+                           started.restore_seconds, prefill, recorded, generating, finish, first_token,
+                           first_logprobs=first_logprobs)
         return result, started.caches
 
     def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,
