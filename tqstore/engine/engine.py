@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
@@ -22,7 +23,7 @@ from turboquant.integration import held_tokens
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.format.blocks import BLOCK_SIZE
-from tqstore.errors import BadInput, IdentityMismatch, NotFound, TqstoreError
+from tqstore.errors import BadInput, CorruptBlock, IdentityMismatch, NotFound, TqstoreError
 from tqstore.models.identity import CodecIdentity, stored_bytes_at_least
 from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model
 from tqstore.format.manifest import Manifest
@@ -77,7 +78,13 @@ class AskResult:
 
 @dataclass
 class Started:
-    """Caches holding the longest stored prefix of a prompt (or fresh ones)."""
+    """Caches holding the first `matched` tokens of a prompt: the longest stored prefix that was
+    actually restored (or composed), or none in fresh caches.
+
+    `matched` is what the caches hold, never what a lookup promised: a restore may fall back to
+    a shorter prefix when a later block is damaged in every tier, and the prompt's rest is then
+    prefilled from there. Built with a count the caches contradict, it raises.
+    """
 
     caches: list[Any]
     matched: int
@@ -85,6 +92,20 @@ class Started:
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
     checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+
+    def __post_init__(self) -> None:
+        # Purely recurrent caches count no tokens: their count is the restore's alone.
+        held = held_tokens(self.caches)
+        if held != self.matched and _counts_tokens(self.caches):
+            raise CorruptBlock(f"the restored caches hold {held} tokens, not the {self.matched} the restore "
+                               "returned: run `tqstore verify`, and save the entry again if it names a problem")
+
+
+def _counts_tokens(caches: list[Any]) -> bool:
+    """Whether any layer counts the tokens it holds, as `held_tokens` reads them (attention
+    layers do, recurrent states do not)."""
+    return any(_counts_tokens(c.caches) if isinstance(c, CacheList) else isinstance(getattr(c, "offset", None), int)
+               for c in caches)
 
 
 def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
@@ -200,14 +221,16 @@ class Engine:
         """Caches holding the longest stored prefix of `tokens` for this model and scheme."""
         codec = self.codec_identity(loaded, scheme)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
-        if match is None or match.tokens == 0:
+        if match is None:
             caches = make_prompt_cache(loaded.model, scheme)
             return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
+        # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
+        # (shorter when a block turned out damaged in every tier). Only the latter counts.
         snap, stats = self.store.restore(match)
-        share = match.tokens / max(len(match.manifest.tokens), 1)
         caches = restore(snap)
+        share = stats.tokens / max(len(match.manifest.tokens), 1)
         checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
-        return Started(caches, match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+        return Started(caches, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
                        checkpoints)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
