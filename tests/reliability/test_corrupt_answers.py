@@ -52,6 +52,7 @@ SCHEME = "turbo8v3"
 DOCUMENT = "The contract says the seller pays for delays. Clause seven covers delivery and penalties. " * 33  # 565 tokens: 2 blocks and a part
 QUESTION = "Who pays for delays?"
 MAX_TOKENS = 12
+SAMPLING = {"temp": 1.0, "seed": 27}  # the server trials' answers (see serve_trial)
 NAME = "doc"
 
 
@@ -63,6 +64,7 @@ class Answer:
     text: str
     logprobs: mx.array | None  # None through the server
     cached: int
+    sampled: bool = False  # drawn at SAMPLING (the server's answers), else greedy
 
     @classmethod
     def of(cls, result: AskResult) -> "Answer":
@@ -70,7 +72,7 @@ class Answer:
 
     def same_as(self, control: "Answer") -> bool:
         """Whether this is the control's answer: its tokens and first-step log-probabilities
-        (through the server, its text)."""
+        (through the server, the text it sampled)."""
         if self.logprobs is None:
             return self.text == control.text
         return self.tokens == control.tokens and bool(mx.array_equal(self.logprobs, control.logprobs))
@@ -92,7 +94,7 @@ class Saved:
         self.keys = {f"block {i}": ref.key for i, ref in enumerate(self.manifest.blocks)}
         self.keys |= {"window": self.manifest.window.key, "shared": self.manifest.shared.key}
         engine.store.close()
-        self._controls: dict[int, Answer] = {}
+        self._controls: dict[tuple[int, bool], Answer] = {}
         self._control_home = root / f"{family}-control"
         shutil.copytree(self.home, self._control_home)
 
@@ -101,15 +103,17 @@ class Saved:
         """Every length a restore of this entry can return: nothing, each block end, the whole."""
         return sorted({0, *range(BLOCK_SIZE, self.full, BLOCK_SIZE), self.full})
 
-    def control(self, k: int) -> Answer:
-        """The answer after restoring exactly the first k tokens of the undamaged entry."""
-        if k not in self._controls:
+    def control(self, k: int, sampled: bool = False) -> Answer:
+        """The answer after restoring exactly the first k tokens of the undamaged entry (greedy,
+        or drawn at SAMPLING as the server trials ask)."""
+        if (k, sampled) not in self._controls:
             engine = self.engine(self._control_home)
             started = engine.start(self.loaded, SCHEME, self.prompt[:k])
             assert started.matched == k
-            result = engine.generate(self.loaded, SCHEME, self.prompt, max_tokens=MAX_TOKENS, started=started)
-            self._controls[k] = Answer.of(result)
-        return self._controls[k]
+            result = engine.generate(self.loaded, SCHEME, self.prompt, max_tokens=MAX_TOKENS, started=started,
+                                     **(SAMPLING if sampled else {}))
+            self._controls[k, sampled] = Answer.of(result)
+        return self._controls[k, sampled]
 
     def engine(self, home: Path, **settings) -> Engine:
         engine = Engine(open_store(home, **settings))
@@ -125,9 +129,9 @@ class Saved:
         """'identical answer', 'clean miss', or the wrong answer described. The answer must be the
         control's of the length reported cached, and that length the one the damage leaves (the
         server's text alone may not tell a hole: random-weight models repeat themselves)."""
-        if got.cached == self.left(damaged) and got.same_as(self.control(got.cached)):
+        if got.cached == self.left(damaged) and got.same_as(self.control(got.cached, got.sampled)):
             return "identical answer" if got.cached == self.full else "clean miss"
-        same = [k for k in self.lengths if got.same_as(self.control(k))]
+        same = [k for k in self.lengths if got.same_as(self.control(k, got.sampled))]
         return (f"WRONG: {got.cached} tokens reported cached where the damage leaves {self.left(damaged)}, the "
                 f"answer is that of {same or 'no'} restored tokens")
 
@@ -206,18 +210,22 @@ def ask_trial(saved: Saved, home: Path, damaged: str) -> str:
 
 
 def serve_trial(saved: Saved, home: Path, damaged: str) -> str:
-    """A real `tqstore serve` over `home`, the prompt as token ids, judged on its text."""
+    """A real `tqstore serve` over `home`, the prompt as token ids, judged on the text it samples:
+    it returns no logits, and greedy text from a random-weight model is often the same whatever
+    the context (it was, for every restored length, here), while 12 tokens drawn at temperature 1
+    with a fixed seed follow the whole distribution of every step."""
     server = ServerProcess(home, saved.folder, "--scheme", SCHEME)
     try:
         status, _, body = request(server, "POST", "/v1/completions",
-                                  {"prompt": saved.prompt, "max_tokens": MAX_TOKENS, "temperature": 0})
+                                  {"prompt": saved.prompt, "max_tokens": MAX_TOKENS, "temperature": SAMPLING["temp"],
+                                   "seed": SAMPLING["seed"]})
     finally:
         server.stop()
     if status != 200:  # a tqstore error's type and message, never "internal error"
         assert body["error"]["message"] and body["error"]["code"] != "internal_error", body
         return f"clean error (HTTP {status} {body['error']['code']})"
     cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
-    return saved.judge(Answer((), body["choices"][0]["text"], None, cached), damaged)
+    return saved.judge(Answer((), body["choices"][0]["text"], None, cached, sampled=True), damaged)
 
 
 def lmdb_trials(saved: Saved, tmp_path: Path, damages: list[tuple[str, int]], ledger, scenario: str,
