@@ -398,3 +398,24 @@ def test_damage_ends_in_right_answers_long(saved, s3, tmp_path, ledger, trials, 
     outcomes += s3_trials(saved, s3, tmp_path, random_damages(saved, rng, max(1, n // 20)), ledger,
                           f"answers after damage, S3, {saved.family}, serve", via="serve")
     assert_no_wrong(outcomes)
+
+
+def test_saving_again_after_a_shorter_restore_prefills_from_where_it_stopped(saved, tmp_path, ledger):
+    """`tqstore save` again, the remedy the damage messages give: it restores block 0, prefills
+    the rest (a hybrid from the recurrent state at token 256) and stores the whole entry again.
+    It used to take the lookup's 566 tokens as restored, prefill nothing, and fail: TokenMismatch
+    ("566 tokens were given for a snapshot holding 256") for llama, a bare ValueError from
+    split_snapshot for the hybrid (its recurrent layers took 566, the attention layers held 256)."""
+    home = tmp_path / "home"
+    shutil.copytree(saved.home, home)
+    flip_lmdb_byte(home, saved.keys["block 1"], object_size(home, saved.keys["block 1"]) // 2)
+    engine = saved.engine(home)
+    try:
+        result = engine.save(NAME, DOCUMENT, model=str(saved.folder), scheme=SCHEME)
+        assert (result.tokens, result.reused_tokens, result.new_blocks) == (saved.full, BLOCK_SIZE, 1)
+        assert engine.store.verify() == []
+        snap, stats = engine.store.load(NAME)
+        assert snap.offset == stats.tokens == saved.full
+    finally:
+        engine.store.close()
+    ledger.count(f"answers after damage, LMDB, {saved.family}, save again", "saved whole")
