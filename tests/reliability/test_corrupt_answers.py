@@ -419,3 +419,22 @@ def test_saving_again_after_a_shorter_restore_prefills_from_where_it_stopped(sav
     finally:
         engine.store.close()
     ledger.count(f"answers after damage, LMDB, {saved.family}, save again", "saved whole")
+
+
+def test_a_chat_turn_after_a_shorter_restore_answers_from_it_and_stores_the_turn(saved, tmp_path, ledger):
+    """A chat turn (`tqstore chat`) on the damaged entry: the answer of block 0's control, 256
+    reported cached, and the finished turn stored as the child entry, whole."""
+    home = tmp_path / "home"
+    shutil.copytree(saved.home, home)
+    flip_lmdb_byte(home, saved.keys["block 1"], object_size(home, saved.keys["block 1"]) // 2)
+    engine = saved.engine(home)
+    try:
+        result = engine.chat_turn(NAME, QUESTION, "doc.turn-1", max_tokens=MAX_TOKENS)
+        outcome = saved.judge(Answer.of(result), "block 1")
+        child = engine.store.get("doc.turn-1")
+        assert list(child.tokens) == saved.prompt + result.tokens
+        assert engine.store.load("doc.turn-1")[0].offset == len(child.tokens)
+    finally:
+        engine.store.close()
+    ledger.count(f"answers after damage, LMDB, {saved.family}, chat", outcome)
+    assert outcome == "clean miss"
