@@ -106,9 +106,10 @@ def answer_first_token(engine, loaded, scheme: str, ctx: Context) -> tuple[float
         raise RuntimeError(f"{scheme}: the stored context was not found")
     snap, stats = engine.store.restore(match)
     caches = restore(snap)
-    engine.prefill(loaded, caches, prompt[match.tokens:-1])
+    # The restore's count, not the lookup's: a block lost in every tier restores fewer tokens.
+    engine.prefill(loaded, caches, prompt[stats.tokens:-1])
     mx.eval(loaded.model(mx.array(prompt[-1:])[None], cache=caches))
-    return time.perf_counter() - t0, stats.seconds, stats.tier, match.tokens
+    return time.perf_counter() - t0, stats.seconds, stats.tier, stats.tokens
 
 
 def run_scheme(ctx: Context, scheme: str, loaded, home: Path, s3: LocalS3 | None) -> tuple[SaveRow, list[TierRow]]:

@@ -153,3 +153,19 @@ def test_resaving_a_stored_context_keeps_its_recorded_prefill_time(engine, model
     again = engine.save("doc-copy", DOCUMENT, model=str(model_dir))
     assert again.reused_tokens == again.tokens and again.prefill_seconds < first.prefill_seconds
     assert engine.store.get("doc-copy").prefill_seconds == pytest.approx(first.recorded_prefill_seconds)
+
+
+def test_started_takes_no_token_count_its_caches_contradict():
+    """Issue 27: a count that is not what the caches hold (a lookup's, after a shorter restore)
+    would prefill the prompt's rest after a hole; Started refuses it."""
+    from tqstore.engine.engine import Started
+    from tqstore.errors import CorruptBlock
+
+    caches = [KVCache(), KVCache()]
+    for c in caches:
+        c.update_and_fetch(mx.zeros((1, 2, 256, 8)), mx.zeros((1, 2, 256, 8)))
+    assert Started(caches, 256, "lmdb", 0.0).matched == 256
+    with pytest.raises(CorruptBlock, match="hold 256 tokens, not the 565"):
+        Started(caches, 565, "lmdb", 0.0)
+    with pytest.raises(CorruptBlock, match="hold 0 tokens, not the 3"):
+        Started([KVCache()], 3, "none", 0.0)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import random
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import CacheList
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
@@ -22,7 +23,7 @@ from turboquant.integration import held_tokens
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.format.blocks import BLOCK_SIZE
-from tqstore.errors import BadInput, IdentityMismatch, NotFound, TqstoreError
+from tqstore.errors import BadInput, CorruptBlock, IdentityMismatch, NotFound, TqstoreError
 from tqstore.models.identity import CodecIdentity, stored_bytes_at_least
 from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model
 from tqstore.format.manifest import Manifest
@@ -70,11 +71,20 @@ class AskResult:
     # (0 when none was generated).
     first_token_seconds: float = 0.0
     model_seconds: float = 0.0  # loading the model for this call (0 when it was loaded already)
+    # The first generated token's log-probabilities over the vocabulary: two answers from the
+    # same context agree here bit for bit (random-weight models repeat tokens; logits do not).
+    first_logprobs: mx.array | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
 class Started:
-    """Caches holding the longest stored prefix of a prompt (or fresh ones)."""
+    """Caches holding the first `matched` tokens of a prompt: the longest stored prefix that was
+    actually restored (or composed), or none in fresh caches.
+
+    `matched` is what the caches hold, never what a lookup promised: a restore may fall back to
+    a shorter prefix when a later block is damaged in every tier, and the prompt's rest is then
+    prefilled from there. Built with a count the caches contradict, it raises.
+    """
 
     caches: list[Any]
     matched: int
@@ -82,6 +92,20 @@ class Started:
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
     checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+
+    def __post_init__(self) -> None:
+        # Purely recurrent caches count no tokens: their count is the restore's alone.
+        held = held_tokens(self.caches)
+        if held != self.matched and _counts_tokens(self.caches):
+            raise CorruptBlock(f"the restored caches hold {held} tokens, not the {self.matched} the restore "
+                               "returned: run `tqstore verify`, and save the entry again if it names a problem")
+
+
+def _counts_tokens(caches: list[Any]) -> bool:
+    """Whether any layer counts the tokens it holds, as `held_tokens` reads them (attention
+    layers do, recurrent states do not)."""
+    return any(_counts_tokens(c.caches) if isinstance(c, CacheList) else isinstance(getattr(c, "offset", None), int)
+               for c in caches)
 
 
 def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
@@ -197,14 +221,16 @@ class Engine:
         """Caches holding the longest stored prefix of `tokens` for this model and scheme."""
         codec = self.codec_identity(loaded, scheme)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
-        if match is None or match.tokens == 0:
+        if match is None:
             caches = make_prompt_cache(loaded.model, scheme)
             return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
+        # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
+        # (shorter when a block turned out damaged in every tier). Only the latter counts.
         snap, stats = self.store.restore(match)
-        share = match.tokens / max(len(match.manifest.tokens), 1)
         caches = restore(snap)
+        share = stats.tokens / max(len(match.manifest.tokens), 1)
         checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
-        return Started(caches, match.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+        return Started(caches, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
                        checkpoints)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
@@ -333,7 +359,7 @@ class Engine:
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
         prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
                                                 at=started.matched, checkpoints=started.checkpoints)
-        pieces, tokens, finish, generating, first_token = [], [], None, 0.0, 0.0
+        pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
         if halted():
             finish = "stop"
         else:
@@ -350,6 +376,7 @@ class Engine:
                     break
                 if not tokens:
                     first_token = started.restore_seconds + prefill + generating
+                    first_logprobs = response.logprobs
                 tokens.append(response.token)
                 pieces.append(response.text)
                 finish = response.finish_reason
@@ -361,7 +388,8 @@ class Engine:
                 yield
             responses.close()
         result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier,
-                           started.restore_seconds, prefill, recorded, generating, finish, first_token)
+                           started.restore_seconds, prefill, recorded, generating, finish, first_token,
+                           first_logprobs=first_logprobs)
         return result, started.caches
 
     def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,

@@ -32,7 +32,8 @@ class Match:
     `tokens` prompt tokens are covered by `keys` (the blocks to restore); `entry` names the entry
     when it matched whole (None for a block prefix); `tier` is the slowest tier holding what the
     restore needs; `manifest` is the entry whose window and codecs the restore uses, `remote`
-    whether that manifest is the bucket's (not in the local store).
+    whether that manifest is the bucket's (not in the local store). `tokens` is what the tiers
+    seem to hold; the restore verifies every object and may return fewer (its `stats.tokens`).
     """
 
     tokens: int

@@ -36,7 +36,9 @@ READ_AHEAD = 4  # LMDB objects read and verified ahead of the one being decoded
 @dataclass(frozen=True)
 class RestoreStats:
     """How a restore went: the slowest tier it read from, tokens and bytes restored, seconds
-    (fetch, verification, join and mx.eval), and the misses it recovered from."""
+    (fetch, verification, join and mx.eval), and the misses it recovered from. `tokens` is the
+    restored snapshot's length (its `offset`), which is shorter than the lookup's match when a
+    block was lost in every tier: callers continue from `tokens`, never from the match."""
 
     tier: str
     tokens: int
@@ -181,6 +183,9 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
                            "the entry and save it again if this repeats") from None
     mx.eval(*snapshot.arrays())
     tokens = len(manifest.tokens) if whole else n_blocks * manifest.block_size
+    if snapshot.offset != tokens:  # the caller prefills from here: the joined length must be it
+        raise CorruptBlock(f"the stored objects of entry {manifest.name} hold {snapshot.offset} tokens where "
+                           f"{tokens} were restored: remove the entry and save it again")
     per_tier: dict[str, int] = {}
     for _, tier, _ in used:
         per_tier[tier] = per_tier.get(tier, 0) + 1

@@ -5,6 +5,7 @@
                        model_ref="./Qwen3-1.7B", prefill_seconds=12.5)
     match = store.lookup(prompt[:-1], model=model_id.digest, codec=codec_id.digest)
     snap, stats = store.restore(match)                      # or store.load("project-x")
+    # stats.tokens were restored: fewer than match.tokens when a block was lost in every tier
 
 The work lives in small modules: put.py (writing), lookup.py (longest prefix), restore.py
 (restore across tiers), transfer.py (push, pull), maintenance.py (eviction, rm, gc, verify),
@@ -202,7 +203,8 @@ class Store:
         """The snapshot of `match`, every object verified, promoted and evaluated.
 
         If objects turn out missing or damaged in every tier, a shorter prefix of whole blocks
-        is returned where that is valid (check `stats.tokens`), else CorruptBlock is raised.
+        is returned where that is valid, else CorruptBlock is raised. The restored length is
+        `stats.tokens` (= `snapshot.offset`), never `match.tokens`: prefill the prompt from there.
         """
         n_blocks = len(match.keys)
         snapshot, stats = restore_entry(self._tiers, match.manifest, n_blocks, remote=match.remote,
