@@ -14,8 +14,9 @@ whole entry), the answer after restoring exactly k tokens and prefilling the res
   damaged one), and the answer is that length's control: 12 greedy tokens and the first step's
   log-probabilities bit for bit (`array_equal`); through the server, which returns no logits,
   12 tokens sampled at temperature 1 with a fixed seed, against a control sampled alike.
-- a clean error: a tqstore error with its message (block 0, the window or the codecs lost in
-  every tier).
+  With block 0, the window or the codecs lost in every tier nothing is restorable: the answer
+  is the cold run's, 0 tokens reported cached.
+- a clean error: a tqstore error with its message (counted; none is expected).
 - anything else is a wrong answer, and there must be none. (A flipped byte is always found, by
   the LMDB tier's digest or the bucket's sha256: no trial here can load the whole entry.)
 
@@ -316,6 +317,18 @@ def middle_of(saved: Saved, what: str) -> tuple[str, int]:
 def assert_no_wrong(outcomes: list[str]) -> None:
     wrong = [o for o in outcomes if "WRONG" in o]
     assert not wrong, "wrong answers after damage:\n" + "\n".join(wrong)
+
+
+def test_an_entry_with_nothing_restorable_answers_from_a_cold_prefill(saved_by_family, tmp_path, ledger):
+    """Block 0, the window or the codecs damaged in every tier: `ask` and `serve` answer as a
+    cold run does, 0 tokens reported cached (they failed with CorruptBlock, through the server a
+    500, though the prompt's tokens were all there to compute)."""
+    saved = saved_by_family("llama")
+    outcomes = lmdb_trials(saved, tmp_path, [middle_of(saved, w) for w in ("block 0", "shared")], ledger,
+                           "answers after damage, LMDB, llama, nothing restorable")
+    outcomes += lmdb_trials(saved, tmp_path, [middle_of(saved, "window")], ledger,
+                            "answers after damage, LMDB, llama, nothing restorable", via="serve")
+    assert all(o.endswith("clean miss") for o in outcomes), outcomes
 
 
 # -- the headline (issue 27, finding 1) ------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -226,7 +227,15 @@ class Engine:
             return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
         # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
         # (shorter when a block turned out damaged in every tier). Only the latter counts.
-        snap, stats = self.store.restore(match)
+        try:
+            snap, stats = self.store.restore(match)
+        except CorruptBlock as exc:
+            # Nothing before the damage is restorable (its first block, window or codecs are lost
+            # in every tier, and the damaged copies are set aside): the prompt is prefilled from
+            # its first token, as after any miss, so the answer is the one a cold run gives.
+            warnings.warn(f"{exc}; computing the context again instead", RuntimeWarning, stacklevel=2)
+            caches = make_prompt_cache(loaded.model, scheme)
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
         caches = restore(snap)
         share = stats.tokens / max(len(match.manifest.tokens), 1)
         checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
