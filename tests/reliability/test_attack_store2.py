@@ -18,16 +18,23 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shlex
+import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import HERE, ROOT, child_env
+from harness import ROOT, TEST_SETTINGS, child_env, cli, open_store
 from model_folder import write_model_folder
+from test_attack_store import synthetic_home, write_record
 from test_disk_full import unshare_works
+from tqstore.config import load_config
+from tqstore.errors import FormatVersionTooNew, StoreDamaged
+from tqstore.store.repair import repair_home
 
 needs_tmpfs = pytest.mark.skipif(not unshare_works(), reason="no private mount namespace here (unshare -rm)")
 CLI = "import sys; from tqstore_cli.main import main; sys.exit(main(sys.argv[1:]))"
@@ -137,3 +144,104 @@ def test_rm_and_gc_make_room_on_a_small_full_disk_with_the_default_margin(model,
     ledger.count(scenario, "put on the full disk refused naming the setting to lower")
     ledger.count(scenario, "put after rm + gc stored and loaded; tqstore save after it worked")
     ledger.count(scenario, "wrong (store stuck after rm + gc)", 0)
+
+
+# -- damaged records: a layout version of 99, last-used times no date has, short orphan keys ----
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("synthetic") / "home"
+    synthetic_home(home)
+    return home
+
+
+def copy_home(source: Path, tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    shutil.copytree(source, home)
+    return home
+
+
+def assert_clean(home: Path, names: list[str]) -> None:
+    store = open_store(home)
+    try:
+        assert store.verify() == [] and [e.name for e in store.ls()] == names
+        for name in names:
+            assert store.load(name)[1].tokens == len(store.get(name).tokens)
+    finally:
+        store.close()
+
+
+def test_a_layout_version_of_99_over_layout_1_records_is_set_back_by_repair(synthetic, tmp_path, ledger):
+    """Before: every command, repair included, refused the store as written by a newer tqstore."""
+    home = copy_home(synthetic, tmp_path)
+    write_record(home, b"meta", b"schema", b"99")
+    done = cli("ls", "--home", str(home))
+    assert done.returncode == 1 and "layout version 99" in done.stderr and "tqstore repair" in done.stderr, done.stderr
+    done = cli("repair", "--home", str(home))
+    assert done.returncode == 0 and "set back to 1" in done.stderr, done.stderr
+    assert_clean(home, ["e0", "e1", "e2"])
+    ledger.count("layout version 99", "ls refused naming repair; repair set it back, every entry kept")
+
+
+def test_a_layout_version_of_99_with_records_of_another_layout_is_left_alone(synthetic, tmp_path):
+    home = copy_home(synthetic, tmp_path)
+    write_record(home, b"meta", b"schema", b"99")
+    write_record(home, b"chunks_v2", b"k", b"v")  # a database this tqstore does not know
+    with pytest.raises(FormatVersionTooNew, match="chunks_v2"):
+        repair_home(load_config(home, TEST_SETTINGS))
+    with pytest.raises(FormatVersionTooNew):
+        open_store(home)
+
+
+@pytest.mark.parametrize("when", [float("-inf"), float("nan"), 1e300, -5.0])
+def test_a_last_used_time_no_date_has_is_a_record_problem(synthetic, tmp_path, when, ledger):
+    """Before: -inf made `ls` an internal error (and nan, 1e300 likewise), while verify said ok."""
+    home = copy_home(synthetic, tmp_path)
+    write_record(home, b"manifest_used", b"e1", struct.pack(">d", when))
+    if when == float("-inf"):
+        done = cli("ls", "--home", str(home))
+        assert done.returncode == 0 and "e1" in done.stdout and "internal" not in done.stderr, done.stderr
+    store = open_store(home)
+    try:
+        assert [e.name for e in store.ls()] == ["e0", "e1", "e2"]
+        problems = store.verify()
+        assert [(p.kind, p.key) for p in problems] == [("record", b"e1")], problems
+    finally:
+        store.close()
+    result = repair_home(load_config(home, TEST_SETTINGS))
+    assert result.remaining == (), result
+    assert_clean(home, ["e0", "e1", "e2"])
+    ledger.count("damaged last-used time", f"{when!r}: ls worked, verify listed it, repair fixed it")
+
+
+@pytest.mark.parametrize("key", [b"abc", bytes(31), b"\xff" * 40])
+def test_an_orphan_segment_with_a_key_of_any_length_is_removed_by_repair(synthetic, tmp_path, key, ledger):
+    """Before: verify listed the 3-byte key's segment, and repair left it there for ever."""
+    home = copy_home(synthetic, tmp_path)
+    write_record(home, b"segments", key, b"junk")
+    store = open_store(home)
+    try:
+        assert [p.kind for p in store.verify()] == ["orphan_segment"]
+    finally:
+        store.close()
+    result = repair_home(load_config(home, TEST_SETTINGS))
+    assert result.remaining == () and len(result.records) == 1, result
+    assert_clean(home, ["e0", "e1", "e2"])
+    ledger.count("orphan segment", f"key of {len(key)} bytes: removed by repair")
+
+
+# -- a 0-byte data.mdb ----------------------------------------------------------------------------
+
+
+def test_an_empty_data_mdb_is_a_lost_store_not_an_empty_one(synthetic, tmp_path, ledger):
+    """Before: LMDB took the 0-byte file for a new store, and verify said ok, 0 entries."""
+    home = copy_home(synthetic, tmp_path)
+    os.truncate(home / "lmdb" / "data.mdb", 0)
+    done = cli("verify", "--home", str(home))
+    assert done.returncode == 1 and "empty (0 bytes)" in done.stderr and "tqstore repair" in done.stderr, done.stderr
+    with pytest.raises(StoreDamaged, match="every entry it held is lost"):
+        open_store(home)
+    assert repair_home(load_config(home, TEST_SETTINGS)).moved_aside
+    assert_clean(home, [])
+    ledger.count("empty data.mdb", "verify: StoreDamaged naming repair; repair moved it aside")

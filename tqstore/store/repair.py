@@ -8,13 +8,15 @@ Two kinds of damage, handled in order:
   own digest). Each is fixed or dropped on its own: a manifest under a key that is not a valid
   name is stored again under its own name when it parses and that name is free; damaged
   objects are quarantined (verify); then gc removes what no entry references any more.
-Manifests written by a newer tqstore are kept: they are not damaged.
+Manifests written by a newer tqstore are kept: they are not damaged. A layout version newer than
+this tqstore's is set back only when every record is of this layout (a damaged version record).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from tqstore.errors import ConflictError, FormatError, FormatVersionTooNew, Stor
 from tqstore.store.maintenance import GcStats, gc, verify
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
+from tqstore.store.tiers.lmdb import reset_newer_schema
 from tqstore.store.tiers.lmdb_env import check_data_file, lock_holder
 from tqstore.store.tierset import TierSet
 
@@ -66,10 +69,11 @@ def move_aside_if_unreadable(config: Config) -> str | None:
     return str(target)
 
 
-def repair_records(tiers: TierSet, moved_aside: str | None = None) -> RepairResult:
-    """Fix or drop every damaged record, quarantine damaged objects, then gc (see the module)."""
+def repair_records(tiers: TierSet, moved_aside: str | None = None, notes: Iterable[str] = ()) -> RepairResult:
+    """Fix or drop every damaged record, quarantine damaged objects, then gc (see the module);
+    `notes` are what was fixed before the store was opened."""
     lmdb = tiers.lmdb
-    notes, rekeyed = [], []
+    notes, rekeyed = list(notes), []
     with tiers.lock.exclusive():
         damaged = lmdb.damaged_records()
         for record in damaged:
@@ -89,12 +93,16 @@ def repair_records(tiers: TierSet, moved_aside: str | None = None) -> RepairResu
             except FormatError as exc:
                 lmdb.delete_manifest(name)
                 notes.append(f"manifests {name}: dropped ({exc})")
-    quarantined = 0
+    quarantined, orphans = 0, []
     for problem in verify(tiers, None):  # quarantines objects whose content is damaged
         if problem.kind == "content":
             quarantined += 1
         elif problem.entry is None and problem.kind in _LMDB_DAMAGE and problem.key is not None:
             quarantined += lmdb.quarantine(problem.key, f"{problem.kind}: {problem.detail}")
+        elif problem.kind == "orphan_segment" and problem.key is not None:
+            orphans.append(problem.key)
+    if lmdb.delete_orphan_segments(orphans):  # whatever their key's length: they are not objects
+        notes += [f"segments {key.hex()}: segments without an index entry, removed" for key in orphans]
     stats = gc(tiers, remote=False, compact=False, remote_grace=0.0)
     remaining = tuple(f"{p.entry or '-'} {p.kind}: {p.detail}" for p in verify(tiers, None))
     return RepairResult(moved_aside, tuple(notes), tuple(rekeyed), quarantined, stats, remaining)
@@ -105,9 +113,10 @@ def repair_home(config: Config) -> RepairResult:
     from tqstore.store.store import Store
 
     moved = move_aside_if_unreadable(config)
+    schema = reset_newer_schema(config.lmdb_path)
     store = Store.open(config=config)
     try:
-        return repair_records(store.tiers, moved)
+        return repair_records(store.tiers, moved, [schema] if schema else [])
     finally:
         store.close()
 

@@ -216,7 +216,9 @@ class LmdbEnv:
             env.close()
             raise FormatVersionTooNew(
                 f"the LMDB store at {self.path} has layout version {version}, newer than this "
-                f"tqstore's {self._schema_version}: upgrade tqstore, or use another --home"
+                f"tqstore's {self._schema_version}: upgrade tqstore, or use another --home. If no newer "
+                "tqstore ever wrote to it, the version record is damaged: `tqstore repair` checks that every "
+                "record is of this layout and sets it back"
             )
         return env, dbs
 
@@ -313,7 +315,9 @@ def check_data_file(path: Path) -> None:
     LMDB maps the file and trusts its meta pages: a page past the end of a truncated file kills
     the process with SIGBUS at the first read, before any error can be raised. So the file's
     size is checked against (last page number + 1) x page size of the newer valid meta page
-    before every mapping. An empty or missing file is a new store.
+    before every mapping. A missing file is a new store; an empty one is a store that lost
+    everything (LMDB writes its two meta pages as it creates the file), unless another process
+    is creating it right now.
     """
     data = path / "data.mdb"
     try:
@@ -323,7 +327,10 @@ def check_data_file(path: Path) -> None:
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            return
+            if _being_created(path):
+                return
+            raise _damaged(data, "it is empty (0 bytes), so every entry it held is lost (LMDB writes two meta pages "
+                                 "as it creates the file)")
         first = os.pread(fd, _META_BYTES, 0)
         psize = _meta_page_size(first)
         if psize is None:
@@ -363,6 +370,19 @@ def reserve_lock_file(path: Path) -> None:
             f"cannot create the LMDB store's lock file in {path}: the disk is full ({format_size(_LOCK_FILE_BYTES)} "
             "needed). Free space on that disk, or use another --home"
         ) from None
+    finally:
+        os.close(fd)
+
+
+def _being_created(path: Path) -> bool:
+    """Whether another process holds the environment in `path` open: LMDB takes lock.mdb before
+    it creates data.mdb and keeps others out until the meta pages are written."""
+    try:
+        fd = os.open(path / "lock.mdb", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return lock_holder(fd) is not None
     finally:
         os.close(fd)
 

@@ -90,13 +90,15 @@ def header_info(key: bytes, raw: bytes) -> ObjectInfo:
     return ObjectInfo(key, size, digest.hex(), created, used, count, per_segment)
 
 
-def delete_segments(txn: lmdb.Transaction, segments: object, key: bytes) -> None:
-    """Delete every segment of `key` (whatever the header says)."""
-    cursor = txn.cursor(db=segments)
+def delete_segments(txn: lmdb.Transaction, segments: object, key: bytes) -> bool:
+    """Delete every segment of `key` (whatever the header says); whether there was one."""
+    cursor, deleted = txn.cursor(db=segments), False
     if cursor.set_range(key):
         while bytes(cursor.key()[:32]) == key:
+            deleted = True
             if not cursor.delete():  # delete() moves to the next record; False at the end
                 break
+    return deleted
 
 
 def orphan_batch(txn: lmdb.Transaction, dbs: dict, after: bytes) -> tuple[list[bytes], bytes | None]:
