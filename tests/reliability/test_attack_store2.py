@@ -30,11 +30,13 @@ import pytest
 
 from harness import ROOT, TEST_SETTINGS, child_env, cli, open_store
 from model_folder import write_model_folder
-from test_attack_store import synthetic_home, write_record
+from test_attack_store import DOCUMENT, synthetic_home, write_record
 from test_disk_full import unshare_works
 from tqstore.config import load_config
-from tqstore.errors import FormatVersionTooNew, StoreDamaged
+from tqstore.engine.engine import Engine
+from tqstore.errors import CorruptBlock, FormatVersionTooNew, StoreDamaged
 from tqstore.store.repair import repair_home
+from turboquant.schemes import SCHEMES
 
 needs_tmpfs = pytest.mark.skipif(not unshare_works(), reason="no private mount namespace here (unshare -rm)")
 CLI = "import sys; from tqstore_cli.main import main; sys.exit(main(sys.argv[1:]))"
@@ -245,3 +247,60 @@ def test_an_empty_data_mdb_is_a_lost_store_not_an_empty_one(synthetic, tmp_path,
     assert repair_home(load_config(home, TEST_SETTINGS)).moved_aside
     assert_clean(home, [])
     ledger.count("empty data.mdb", "verify: StoreDamaged naming repair; repair moved it aside")
+
+
+# -- manifests edited with their digest recomputed -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_schemes(model, tmp_path_factory) -> Path:
+    """A home with entry a (turbo4) and entry b (turbo8v3) of the same document and model."""
+    home = tmp_path_factory.mktemp("two-schemes") / "home"
+    store = open_store(home)
+    try:
+        engine = Engine(store, prefill_chunk=64)
+        engine.save("a", DOCUMENT, model=str(model), scheme="turbo4")
+        engine.save("b", DOCUMENT, model=str(model), scheme="turbo8v3")
+    finally:
+        store.close()
+    return home
+
+
+def test_every_scheme_edit_with_a_recomputed_digest_is_listed_by_verify(two_schemes, tmp_path, ledger):
+    """Before: "scheme" turbo4 -> any other scheme, resealed, passed verify (only ask refused it)."""
+    home = copy_home(two_schemes, tmp_path)
+    store = open_store(home)
+    try:
+        original = store.get("a")
+        for scheme in (s for s in SCHEMES if s != "turbo4"):
+            store.tiers.lmdb.put_manifest("a", original.replace(scheme=scheme).to_bytes())
+            problems = store.verify()
+            assert [(p.entry, p.kind) for p in problems] == [("a", "manifest")], (scheme, problems)
+            assert "not what its objects were encoded with" in problems[0].detail
+            ledger.count("manifest edited, digest recomputed", f"scheme turbo4 -> {scheme}: listed by verify")
+        store.tiers.lmdb.put_manifest("a", original.to_bytes())
+        assert store.verify() == []
+    finally:
+        store.close()
+    ledger.count("manifest edited, digest recomputed", "wrong (verify passed)", 0)
+
+
+def test_a_shared_pointer_to_another_entrys_codecs_is_listed_and_refused(two_schemes, model, tmp_path, ledger):
+    """Before: a's `shared` pointing at b's codec object (sha256 and size too, resealed) passed
+    verify, and `ask a` failed as an internal error."""
+    home = copy_home(two_schemes, tmp_path)
+    store = open_store(home)
+    try:
+        a, b = store.get("a"), store.get("b")
+        store.tiers.lmdb.put_manifest("a", a.replace(shared=b.shared).to_bytes())
+        problems = store.verify()
+        assert [(p.entry, p.kind) for p in problems] == [("a", "manifest")], problems
+        with pytest.raises(CorruptBlock, match="shared codecs are another entry's"):
+            Engine(store, prefill_chunk=64).ask("a", "Who pays?", max_tokens=2)
+        assert Engine(store, prefill_chunk=64).ask("b", "Who pays?", max_tokens=2).cached_tokens > 0
+    finally:
+        store.close()
+    done = cli("ask", "a", "Who pays?", "--max-tokens", "2", "--home", str(home))
+    assert done.returncode == 1 and "another entry's" in done.stderr and "internal" not in done.stderr, done.stderr
+    ledger.count("manifest edited, digest recomputed", "shared -> another entry's codecs: verify listed it, ask "
+                                                       "refused (CorruptBlock), b unaffected")

@@ -17,11 +17,15 @@ from tqstore.format.blocks import BlockKey
 from tqstore.format.header import Expect, Provenance
 from tqstore.format.manifest import Manifest, ObjectRef
 from tqstore.format.objects import load as load_object
-from tqstore.models.identity import codecs_digest
+from tqstore.models.identity import CodecIdentity, codecs_digest
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
+from turboquant.records import Snapshot
+from turboquant.schemes import parse_scheme
 
 BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
+# (codec digest, scheme, window sha256, shared sha256) found to fit: a restore checks each once
+_CODECS_FIT: set[tuple[bytes, str, str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,32 @@ def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
         raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
     digest = sha256 or hashlib.sha256(payload).hexdigest()
     return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
+
+
+def codec_problem(manifest: Manifest, window: HotObject, shared: HotObject) -> str | None:
+    """Why `manifest` does not describe its window and shared codecs, or None.
+
+    A manifest's scheme and codec digest are what its objects were encoded with: the codec
+    identity of the window's layer configs and the shared codecs, under that scheme, must be
+    the manifest's codec digest. A manifest edited with its own digest recomputed (another
+    scheme, a `shared` pointing at another entry's codecs) passes every other check.
+    """
+    known = (manifest.codec_digest, manifest.scheme, window.sha256, shared.sha256)
+    if known in _CODECS_FIT:
+        return None
+    try:
+        scheme = parse_scheme(manifest.scheme).name
+    except ValueError:
+        return f"its scheme {manifest.scheme!r} is not one this tqstore knows"
+    codec = CodecIdentity.from_snapshot(Snapshot(layers=window.obj.layers, codecs=shared.obj.codecs), scheme)
+    if codec.digest != manifest.codec_digest:
+        return (f"its scheme {manifest.scheme!r} and codec digest {manifest.codec_digest.hex()[:12]} are not what its "
+                f"objects were encoded with (codec digest {codec.digest.hex()[:12]}): the manifest was edited or "
+                "damaged, or its shared codecs are another entry's")
+    if len(_CODECS_FIT) >= 4096:
+        _CODECS_FIT.clear()
+    _CODECS_FIT.add(known)
+    return None
 
 
 def check_digest(payload: bytes, ref: ObjectRef, what: str) -> None:
