@@ -276,7 +276,7 @@ def test_every_scheme_edit_with_a_recomputed_digest_is_listed_by_verify(two_sche
             store.tiers.lmdb.put_manifest("a", original.replace(scheme=scheme).to_bytes())
             problems = store.verify()
             assert [(p.entry, p.kind) for p in problems] == [("a", "manifest")], (scheme, problems)
-            assert "not what its objects were encoded with" in problems[0].detail
+            assert "encoded with turbo4" in problems[0].detail, problems
             ledger.count("manifest edited, digest recomputed", f"scheme turbo4 -> {scheme}: listed by verify")
         store.tiers.lmdb.put_manifest("a", original.to_bytes())
         assert store.verify() == []
@@ -295,7 +295,7 @@ def test_a_shared_pointer_to_another_entrys_codecs_is_listed_and_refused(two_sch
         store.tiers.lmdb.put_manifest("a", a.replace(shared=b.shared).to_bytes())
         problems = store.verify()
         assert [(p.entry, p.kind) for p in problems] == [("a", "manifest")], problems
-        with pytest.raises(CorruptBlock, match="shared codecs are another entry's"):
+        with pytest.raises(CorruptBlock, match="another entry's"):
             Engine(store, prefill_chunk=64).ask("a", "Who pays?", max_tokens=2)
         assert Engine(store, prefill_chunk=64).ask("b", "Who pays?", max_tokens=2).cached_tokens > 0
     finally:

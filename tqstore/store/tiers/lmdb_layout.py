@@ -112,8 +112,18 @@ def orphan_batch(txn: lmdb.Transaction, dbs: dict, after: bytes) -> tuple[list[b
         key = bytes(cursor.key()[:32])
         if txn.get(key, db=dbs[b"objects"]) is None:
             orphans.append(key)
-        found = cursor.set_range(key + b"\xff" * 5)  # past every key || u32 of this object
+        if len(key) < 32:  # a damaged short key is a record of its own
+            found = cursor.next()
+        else:  # past every key || u32 of this object (and any damaged longer key it starts)
+            beyond = _successor(key)
+            found = beyond is not None and cursor.set_range(beyond)
     return orphans, (bytes(cursor.key()) if found else None)
+
+
+def _successor(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key that starts with `prefix` (None: there is none)."""
+    kept = prefix.rstrip(b"\xff")
+    return kept[:-1] + bytes([kept[-1] + 1]) if kept else None
 
 
 def key_batch(txn: lmdb.Transaction, db: object, after: bytes | None) -> list[bytes]:
