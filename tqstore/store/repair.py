@@ -1,9 +1,12 @@
 """`tqstore repair`: bring a damaged store back to working, keeping everything that is sound.
 
 Two kinds of damage, handled in order:
-- data.mdb as a whole cannot be mapped safely (truncated: lmdb_env.check_data_file). The
-  LMDB folder is moved aside (never deleted: a backup tool may still get something out of it)
-  and an empty one is started; entries come back by `tqstore pull` or by saving them again.
+- data.mdb as a whole cannot be read safely by LMDB (truncated or empty:
+  lmdb_env.check_data_file; pages of its B-trees damaged: lmdb_pages.damaged_pages). The LMDB
+  folder is moved aside (never deleted: a backup tool may still get something out of it), a
+  new one is started, and every entry that can still be read whole out of the old file, page
+  by page, is copied into it (`salvage`); the others come back by `tqstore pull` or by saving
+  them again.
 - single records are damaged (lmdb_records.py, and manifests that do not parse or fail their
   own digest). Each is fixed or dropped on its own: a manifest under a key that is not a valid
   name is stored again under its own name when it parses and that name is free; damaged
@@ -14,6 +17,8 @@ this tqstore's is set back only when every record is of this layout (a damaged v
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import time
 from collections.abc import Iterable
@@ -25,9 +30,12 @@ from tqstore.errors import ConflictError, FormatError, FormatVersionTooNew, Stor
 from tqstore.store.maintenance import GcStats, gc, verify
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
-from tqstore.store.tiers.lmdb import reset_newer_schema
+from tqstore.store.tiers.lmdb import LmdbTier, reset_newer_schema
 from tqstore.store.tiers.lmdb_env import check_data_file, lock_holder
-from tqstore.store.tierset import TierSet
+from tqstore.store.tiers.lmdb_layout import HEADER
+from tqstore.store.tiers.lmdb_pages import PageReader, damaged_pages
+from tqstore.store.tiers.lmdb_records import key_label, used_time
+from tqstore.store.tierset import TierSet, check_name
 
 _LMDB_DAMAGE = ("bad_header", "missing_segment", "segment_length", "checksum")
 
@@ -44,6 +52,8 @@ class RepairResult:
     quarantined: int
     gc: GcStats
     remaining: tuple[str, ...]  # what verify still finds (objects lost: pull or save those entries again)
+    salvaged: tuple[str, ...] = ()  # entries read whole out of the folder moved aside
+    lost: tuple[str, ...] = ()  # entries it held that could not be read whole ("name: why")
 
 
 def move_aside_if_unreadable(config: Config) -> str | None:
@@ -52,7 +62,8 @@ def move_aside_if_unreadable(config: Config) -> str | None:
     path = Path(config.lmdb_path)
     try:
         check_data_file(path)
-        return None
+        if damaged_pages(path) == 0:
+            return None
     except StoreDamaged:
         pass
     fd = os.open(path / "lock.mdb", os.O_RDWR) if (path / "lock.mdb").exists() else None
@@ -116,9 +127,75 @@ def repair_home(config: Config) -> RepairResult:
     schema = reset_newer_schema(config.lmdb_path)
     store = Store.open(config=config)
     try:
-        return repair_records(store.tiers, moved, [schema] if schema else [])
+        notes = [schema] if schema else []
+        salvaged, lost = salvage(Path(moved), store.tiers, notes) if moved else ([], [])
+        result = repair_records(store.tiers, moved, notes)
+        return dataclasses.replace(result, salvaged=tuple(salvaged), lost=tuple(lost))
     finally:
         store.close()
+
+
+def salvage(folder: Path, tiers: TierSet, notes: list[str]) -> tuple[list[str], list[str]]:
+    """Copy every entry of the damaged LMDB folder `folder` that can still be read whole into the
+    (new) store of `tiers`: its manifest parses and every object it names is there, each segment
+    present and of its length, and the payload hashes to the digest its header and the manifest
+    record. Returns the names kept and "name: why" for those lost, and notes in `notes` how many
+    pages could not be read (entries whose manifests were there cannot even be named). The
+    objects are checked in full (decoded against the manifest) by the verify that follows in
+    `repair_records`."""
+    reader = PageReader(folder / "data.mdb")
+    kept, lost = [], []
+    try:
+        objects, segments = reader.records(b"objects"), reader.records(b"segments")
+        used = reader.records(b"manifest_used")
+        with tiers.lock.exclusive():
+            for key, value in sorted(reader.records(b"manifests").items()):
+                name = key_label(key)
+                try:
+                    data = reader.value(value)
+                    manifest = check_name(Manifest.from_bytes(data or b""), name)
+                except FormatError as exc:
+                    lost.append(f"{name}: its manifest cannot be read ({exc})")
+                    continue
+                why = _copy_objects(reader, objects, segments, manifest, tiers.lmdb)
+                if why is not None:
+                    lost.append(f"{name}: {why}")
+                    continue
+                tiers.lmdb.put_manifest(name, data)
+                when = used_time(used.get(key) if isinstance(used.get(key), bytes) else None)
+                if when is not None:
+                    tiers.lmdb.touch(name, when)
+                kept.append(name)
+        if reader.lost_pages:
+            notes.append(f"data.mdb: {reader.lost_pages} damaged pages of {folder / 'data.mdb'} could not be read")
+    finally:
+        reader.close()
+    return kept, lost
+
+
+def _copy_objects(reader: PageReader, objects: dict, segments: dict, manifest: Manifest, lmdb: LmdbTier) -> str | None:
+    """Copy the objects of `manifest` that the new store lacks; why one cannot be read, or None."""
+    for ref in {r.key: r for r in manifest.objects}.values():
+        if lmdb.has_object(ref.key):
+            continue
+        header = reader.value(objects[ref.key]) if ref.key in objects else None
+        if header is None or len(header) != HEADER.size or header[0] != 1:
+            return f"object {ref.key.hex()[:12]}'s index entry is lost"
+        _, digest, size, count, per_segment, _, _ = HEADER.unpack(header)
+        parts = []
+        for i in range(count):
+            seg = ref.key + i.to_bytes(4, "big")
+            part = reader.value(segments[seg]) if seg in segments else None
+            expected = per_segment if i < count - 1 else size - per_segment * (count - 1)
+            if part is None or len(part) != expected:
+                return f"object {ref.key.hex()[:12]}'s segment {i} of {count} is lost"
+            parts.append(part)
+        payload = b"".join(parts)
+        sha = hashlib.sha256(payload).hexdigest()
+        if sha != digest.hex() or sha != ref.sha256:
+            return f"object {ref.key.hex()[:12]} is damaged (sha256 {sha[:12]})"
+        lmdb.put_objects({ref.key: payload}, {ref.key: sha})
+    return None
 
 
 def _own_name(data: bytes | None) -> str | None:

@@ -231,9 +231,9 @@ class LmdbTier:
         self._settle_touches()
         return self._env.read(self._list_manifests)
 
-    def touch(self, name: str) -> bool:
-        """Mark the manifest `name` used now (for LRU eviction); False if there is none."""
-        return self._env.write(self._touch, validate_name(name).encode(), time.time())
+    def touch(self, name: str, when: float | None = None) -> bool:
+        """Mark the manifest `name` used now, or at `when` (for LRU eviction); False if there is none."""
+        return self._env.write(self._touch, validate_name(name).encode(), time.time() if when is None else when)
 
     def touch_soon(self, name: str) -> None:
         """`touch` on the writer thread without waiting for its commit (a read's bookkeeping);

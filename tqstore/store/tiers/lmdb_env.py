@@ -404,8 +404,9 @@ def _meta(page: bytes) -> tuple[int, int] | None:
 def _damaged(data: Path, why: str) -> StoreDamaged:
     return StoreDamaged(
         f"the LMDB store file {data} is damaged: {why}. Reading it would crash, so tqstore refuses it. "
-        f"Recover with `tqstore repair`, which moves the folder {data.parent} aside and starts an empty one "
-        "(then `tqstore pull` the entries from the bucket or save them again), or restore data.mdb from a backup"
+        f"Recover with `tqstore repair`, which moves the folder {data.parent} aside, starts a new one and copies "
+        "into it every entry that can still be read whole (`tqstore pull` or save the others again), or restore "
+        "data.mdb from a backup"
     )
 
 
@@ -455,8 +456,9 @@ def lmdb_failure(path: Path, exc: lmdb.Error, needed: int = 0) -> TqstoreError:
             "free space on that disk, lower store.lmdb_budget, or run `tqstore gc`"
         )
     if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)):
-        return TqstoreError(
-            f"the LMDB store at {path} is damaged ({exc}); move the folder aside and pull or save again"
+        return StoreDamaged(
+            f"the LMDB store at {path} is damaged ({exc}): run `tqstore repair`, which moves it aside and keeps every "
+            "entry that can still be read whole"
         )
     if "already open" in str(exc):
         return TqstoreError(f"the LMDB store at {path} is already open in this process under another path")
