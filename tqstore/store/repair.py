@@ -57,18 +57,21 @@ class RepairResult:
 
 
 def move_aside_if_unreadable(config: Config) -> str | None:
-    """Move the LMDB folder aside when data.mdb cannot be mapped safely; where it went, or None.
-    Call it before the store is opened. ConflictError while another process has it open."""
+    """Move the LMDB folder aside when data.mdb cannot be read safely (truncated, empty, damaged
+    pages); where it went, or None. Call it before the store is opened. ConflictError while
+    another process has it open and it is damaged."""
     path = Path(config.lmdb_path)
-    try:
-        check_data_file(path)
-        if damaged_pages(path) == 0:
-            return None
-    except StoreDamaged:
-        pass
     fd = os.open(path / "lock.mdb", os.O_RDWR) if (path / "lock.mdb").exists() else None
     try:
         pid = None if fd is None else lock_holder(fd)
+        try:
+            check_data_file(path)
+            # The pages are walked only when no other process writes them: a live writer's
+            # half-written pages are not damage (and LMDB is reading that file fine meanwhile).
+            if pid is not None or damaged_pages(path) == 0:
+                return None
+        except StoreDamaged:
+            pass
         if pid is not None:
             raise ConflictError(f"process {pid} has the LMDB store at {path} open: stop it (e.g. `tqstore serve`) "
                                 "and run `tqstore repair` again")
