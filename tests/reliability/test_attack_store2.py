@@ -316,10 +316,12 @@ def tree_pages(data: Path) -> dict[str, int]:
     root (a branch page in these homes)."""
     reader = PageReader(data)
     try:
-        roots = reader.named_dbs()
-        page = os.pread(reader._fd, reader.page_size, roots[b"segments"] * reader.page_size)
+        roots, size = reader.named_dbs(), reader.page_size
     finally:
         reader.close()
+    with open(data, "rb") as f:
+        f.seek(roots[b"segments"] * size)
+        page = f.read(size)
     lo, hi, flags, _ = struct.unpack_from("=HHHH", page, struct.unpack_from("=H", page, 16)[0])
     assert struct.unpack_from("=H", page, 10)[0] & 1, "the segments' root is a branch page"
     pages = {f"{db.decode()} root": pgno for db, pgno in roots.items() if db != b"quarantine"}

@@ -215,7 +215,8 @@ def verify(tiers: TierSet, name: str | None) -> list[Problem]:
         if decoded["window"] is not None and decoded["shared"] is not None:
             unfit = codec_problem(manifest, decoded["window"], decoded["shared"])
             if unfit is not None:
-                problems.append(Problem(manifest.name, "manifest", None, f"the manifest does not fit its objects: {unfit}"))
+                problems.append(Problem(manifest.name, "manifest", None,
+                                        f"the manifest does not fit its objects: {unfit}"))
     problems += [Problem(None, p.kind, p.key, p.detail) for p in tiers.lmdb.verify()]
     return problems
 
