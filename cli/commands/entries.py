@@ -142,8 +142,11 @@ def repair(ctx: Context, args: argparse.Namespace) -> int:
 
     def human() -> None:
         if result.moved_aside:
-            ctx.out.note(f"data.mdb could not be read safely: moved the LMDB folder to {result.moved_aside} and "
-                         "started an empty store (pull or save the entries again)")
+            ctx.out.note(f"data.mdb could not be read safely: moved the LMDB folder to {result.moved_aside}, started "
+                         f"a new store and copied into it the {len(result.salvaged)} entries that could still be read "
+                         "whole")
+        for line in result.lost:
+            ctx.out.note(f"lost {line} (pull or save it again)")
         for line in result.records:
             ctx.out.note(f"fixed {line}")
         for name in result.rekeyed:

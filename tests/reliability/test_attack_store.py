@@ -189,8 +189,8 @@ def test_a_truncated_data_mdb_is_refused_by_every_command_never_sigbus(truncated
         assert repair_home(load_config(home, TEST_SETTINGS)).moved_aside
     assert len(list(home.glob("lmdb.damaged-*"))) == 1
     store = open_store(home)
-    try:
-        assert store.ls() == [] and store.verify() == []
+    try:  # (repair keeps the entries it can still read whole: issue 27, test_attack_store2.py)
+        assert {e.name for e in store.ls()} <= {"e0", "e1", "e2"} and store.verify() == []
         put(store, "again", 44, 1)
         assert store.load("again")[1].tokens == 556
     finally:

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 from tqstore.units import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
-from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
 from tqstore.store.tiers.lmdb import CompactResult
+from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet, not_found
 
 REMOTE_GRACE = 3600.0  # seconds an unreferenced bucket object is left for a push in flight elsewhere
@@ -206,8 +207,16 @@ def verify(tiers: TierSet, name: str | None) -> list[Problem]:
         problems += [Problem(r.label if r.db == "manifests" else None, "record", r.key, f"{r.db}: {r.detail}")
                      for r in tiers.lmdb.damaged_records()]
     for manifest in manifests:
+        decoded = {}
         for want, ref in zip(wants_for(manifest, len(manifest.blocks), remote=False), manifest.objects):
-            problems += _check_object(tiers, manifest.name, want, ref.sha256)
+            found, hot = _check_object(tiers, manifest.name, want, ref.sha256)
+            problems += found
+            decoded[want.kind] = hot
+        if decoded["window"] is not None and decoded["shared"] is not None:
+            unfit = codec_problem(manifest, decoded["window"], decoded["shared"])
+            if unfit is not None:
+                problems.append(Problem(manifest.name, "manifest", None,
+                                        f"the manifest does not fit its objects: {unfit}"))
     problems += [Problem(None, p.kind, p.key, p.detail) for p in tiers.lmdb.verify()]
     return problems
 
@@ -241,26 +250,27 @@ def _unreadable_reason(tiers: TierSet, name: str) -> str:
     return "the manifest cannot be read"  # replaced meanwhile
 
 
-def _check_object(tiers: TierSet, entry: str, want: Want, sha256: str) -> list[Problem]:
+def _check_object(tiers: TierSet, entry: str, want: Want, sha256: str) -> tuple[list[Problem], HotObject | None]:
+    """The problems of one object of `entry`, and the object decoded when it is sound."""
     try:
         payload = tiers.lmdb.get_object(want.key)
     except CorruptBlock as exc:
-        return [Problem(entry, "corrupt", want.key, str(exc))]
+        return [Problem(entry, "corrupt", want.key, str(exc))], None
     if payload is None:
-        return [Problem(entry, "missing", want.key, f"the {want.kind} is not in the store")]
+        return [Problem(entry, "missing", want.key, f"the {want.kind} is not in the store")], None
     problems = []
     info = tiers.lmdb.object_info(want.key)
     if info is not None and info.sha256 != sha256:
         problems.append(Problem(entry, "digest", want.key, f"the stored {want.kind} is not the copy the entry "
                                                            f"recorded (sha256 {info.sha256[:12]}, not {sha256[:12]})"))
     try:
-        decode(payload, want)
+        return problems, decode(payload, want)
     except ConflictError as exc:
         problems.append(Problem(entry, "other_save", want.key, str(exc)))
     except BAD_CONTENT as exc:
         quarantine_lmdb(tiers.lmdb, want.key, f"{type(exc).__name__}: {exc}")
         problems.append(Problem(entry, "content", want.key, f"{exc} (quarantined)"))
-    return problems
+    return problems, None
 
 
 def _keys(manifest: Manifest) -> list[bytes]:

@@ -28,7 +28,7 @@ from tqstore.format.manifest import Manifest
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet, slowest
-from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
 
 READ_AHEAD = 4  # LMDB objects read and verified ahead of the one being decoded
 
@@ -171,6 +171,10 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
                                f"damaged in every tier ({reasons}); save it again (or pull it again)")
         n_blocks, whole = first, False
     used = [got.objects[w.key] for w in wants if w.kind != "block"] + [got.objects[w.key] for w in wants[:n_blocks]]
+    unfit = codec_problem(manifest, got.objects[wants[-2].key][0], got.objects[wants[-1].key][0])
+    if unfit is not None:
+        raise CorruptBlock(f"entry {manifest.name} cannot be restored: {unfit}. Run `tqstore verify`, then remove the "
+                           "entry and save (or pull) it again")
     split = SplitSnapshot([got.objects[w.key][0].obj for w in wants[:n_blocks]], got.objects[wants[-2].key][0].obj,
                           got.objects[wants[-1].key][0].obj, manifest.block_size)
     try:

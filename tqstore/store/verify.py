@@ -9,6 +9,7 @@ another save (block 0 calibrated differently) is a ConflictError, never damage.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -17,11 +18,15 @@ from tqstore.format.blocks import BlockKey
 from tqstore.format.header import Expect, Provenance
 from tqstore.format.manifest import Manifest, ObjectRef
 from tqstore.format.objects import load as load_object
-from tqstore.models.identity import codecs_digest
+from tqstore.models.identity import CodecIdentity, codecs_digest
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
+from turboquant.records import Snapshot
+from turboquant.schemes import SCHEMES, parse_scheme
 
 BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
+# (codec digest, scheme, window sha256, shared sha256) found to fit: a restore checks each once
+_CODECS_FIT: set[tuple[bytes, str, str, str]] = set()
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,43 @@ def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
         raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
     digest = sha256 or hashlib.sha256(payload).hexdigest()
     return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
+
+
+def codec_problem(manifest: Manifest, window: HotObject, shared: HotObject) -> str | None:
+    """Why `manifest` does not describe its window and shared codecs, or None.
+
+    A manifest edited with its digest recomputed passes every other check: another scheme, or a
+    `shared` pointing at another entry's codecs. The objects say what they were encoded with:
+    each compressed layer's config names its scheme and the codecs it uses, and the codec
+    identity of the window's layers and the shared codecs under the manifest's scheme is its
+    codec digest (when that digest is one of another scheme's, the scheme was edited; entries
+    whose digest no scheme gives, such as synthetic ones, are judged by the first two checks).
+    """
+    known = (manifest.codec_digest, manifest.scheme, window.sha256, shared.sha256)
+    if known in _CODECS_FIT:
+        return None
+    try:
+        scheme = parse_scheme(manifest.scheme).name
+        used = {parse_scheme(str(r.config["scheme"])).name for r in window.obj.layers if "scheme" in r.config}
+    except ValueError as exc:
+        return f"it names a scheme this tqstore does not know ({exc})"
+    if used and used != {scheme}:
+        return f"it says scheme {manifest.scheme!r}, but its objects were encoded with {', '.join(sorted(used))}"
+    names = {str(r.config[f"{side}_codec"]) for r in window.obj.layers for side in ("key", "value")
+             if r.config.get(f"{side}_format") == "turbo" and r.config.get(f"{side}_codec") is not None}
+    lacking = sorted(names - set(shared.obj.codecs))
+    if lacking:
+        return (f"its shared codecs lack {', '.join(lacking)}, which its layers use: they are another entry's, or "
+                "the manifest was edited")
+    codec = CodecIdentity.from_snapshot(Snapshot(layers=window.obj.layers, codecs=shared.obj.codecs), scheme)
+    if codec.digest != manifest.codec_digest:
+        other = next((s for s in SCHEMES if dataclasses.replace(codec, scheme=s).digest == manifest.codec_digest), None)
+        if other is not None:
+            return f"it says scheme {manifest.scheme!r}, but its codec digest is that of {other}"
+    if len(_CODECS_FIT) >= 4096:
+        _CODECS_FIT.clear()
+    _CODECS_FIT.add(known)
+    return None
 
 
 def check_digest(payload: bytes, ref: ObjectRef, what: str) -> None:

@@ -31,11 +31,13 @@ import lmdb
 
 from tqstore.config import Config
 from tqstore.units import MiB
-from tqstore.errors import CorruptBlock, TqstoreError
+from tqstore.errors import CorruptBlock, FormatVersionTooNew, TqstoreError
 from tqstore.names import validate_name
 from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts, check_key
-from tqstore.store.tiers.lmdb_env import LmdbEnv
-from tqstore.store.tiers.lmdb_records import DamagedRecord, find_damaged, fix, key_label, quarantine_record
+from tqstore.store.tiers.lmdb_env import LmdbEnv, check_data_file, lmdb_failure
+from tqstore.store.tiers.lmdb_records import (
+    DamagedRecord, find_damaged, fix, key_label, quarantine_record, schema_number, used_time,
+)
 from tqstore.store.tiers.lmdb_layout import (
     BATCH_KEYS, DB_NAMES, HEADER, SCHEMA_VERSION, TIME, Problem, copy, delete_segments, key_batch,
     header_info, load_object, orphan_batch, write_object,
@@ -229,9 +231,9 @@ class LmdbTier:
         self._settle_touches()
         return self._env.read(self._list_manifests)
 
-    def touch(self, name: str) -> bool:
-        """Mark the manifest `name` used now (for LRU eviction); False if there is none."""
-        return self._env.write(self._touch, validate_name(name).encode(), time.time())
+    def touch(self, name: str, when: float | None = None) -> bool:
+        """Mark the manifest `name` used now, or at `when` (for LRU eviction); False if there is none."""
+        return self._env.write(self._touch, validate_name(name).encode(), time.time() if when is None else when)
 
     def touch_soon(self, name: str) -> None:
         """`touch` on the writer thread without waiting for its commit (a read's bookkeeping);
@@ -316,6 +318,19 @@ class LmdbTier:
             orphans, after = self._env.read(lambda txn, after=after: orphan_batch(txn, self._env.dbs, after))
             problems += [Problem("orphan_segment", k, "segments without an index entry") for k in orphans]
         return problems
+
+    def delete_orphan_segments(self, keys: Iterable[bytes]) -> int:
+        """Delete the segments of `keys` that have no index entry (verify's orphan_segment,
+        whatever the key's length); returns how many keys had some."""
+        def job(txn: lmdb.Transaction, keys: list[bytes]) -> int:
+            dbs, removed = self._env.dbs, 0
+            for key in keys:
+                if txn.get(key, db=dbs[b"objects"]) is None:
+                    removed += delete_segments(txn, dbs[b"segments"], key)
+            return removed
+
+        keys = [bytes(k) for k in keys]
+        return self._env.write(job, keys) if keys else 0
 
     def check_room(self, nbytes: int) -> None:
         """DiskFull if writing `nbytes` now would be refused by the free-disk guard."""
@@ -424,8 +439,7 @@ class LmdbTier:
         for name, data in txn.cursor(db=self._env.dbs[b"manifests"]):
             # A damaged key or time is listed as is (the name then fails validation downstream,
             # the time counts as never used): one bad record must not hide the others.
-            when = txn.get(name, db=used)
-            last = TIME.unpack(when)[0] if when is not None and len(when) == TIME.size else 0.0
+            last = used_time(txn.get(name, db=used)) or 0.0
             infos.append(ManifestInfo(key_label(bytes(name)), len(data), last))
         return infos
 
@@ -437,6 +451,46 @@ class LmdbTier:
             if len(batch) < BATCH_KEYS:
                 return
             after = batch[-1]
+
+
+def reset_newer_schema(path: str | os.PathLike[str]) -> str | None:
+    """Set the layout version of the LMDB store in `path` back to this tqstore's when it claims a
+    newer one but holds nothing of a newer layout (damage, not a newer tqstore); a note saying
+    so, or None when there was nothing to do. FormatVersionTooNew when records of another layout
+    are there (a real newer store: it is left alone). Call it before the store is opened."""
+    folder = Path(path)
+    if not (folder / "data.mdb").exists():
+        return None
+    check_data_file(folder)
+    try:
+        env = lmdb.open(str(folder), max_dbs=len(DB_NAMES) + 2, max_readers=8)
+    except lmdb.Error as exc:
+        raise lmdb_failure(folder, exc) from exc
+    try:
+        with env.begin(write=True) as txn:
+            names = {bytes(k) for k in txn.cursor().iternext(values=False)}
+            if b"meta" not in names:
+                return None
+            meta = env.open_db(b"meta", txn=txn)
+            claimed = schema_number(txn.get(b"schema", db=meta))
+            if claimed is None or claimed <= SCHEMA_VERSION:
+                return None
+            newer = sorted(n.decode(errors="replace") for n in names - set(DB_NAMES))
+            objects = env.open_db(b"objects", txn=txn) if b"objects" in names else None
+            other_headers = objects is not None and any(
+                len(h) == HEADER.size and h[0] != 1 for h in txn.cursor(db=objects).iternext(keys=False))
+            if newer or other_headers:
+                found = f"databases {', '.join(newer)}" if newer else "object headers of another version"
+                raise FormatVersionTooNew(
+                    f"the LMDB store at {folder} has layout version {claimed} and holds {found}: it was written by a "
+                    f"newer tqstore (this one reads layout {SCHEMA_VERSION}); upgrade tqstore, or use another --home")
+            txn.put(b"schema", str(SCHEMA_VERSION).encode(), db=meta)
+    except lmdb.Error as exc:
+        raise lmdb_failure(folder, exc) from exc
+    finally:
+        env.close()
+    return (f"meta schema: the store claimed layout version {claimed}, but every record is layout "
+            f"{SCHEMA_VERSION}: set back to {SCHEMA_VERSION}")
 
 
 @atexit.register

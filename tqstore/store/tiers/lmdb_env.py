@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import lmdb
 
+from tqstore.config import Config
 from tqstore.units import MiB, format_size
 from tqstore.durable import fsync_dir
 from tqstore.errors import ConflictError, DiskFull, FormatVersionTooNew, StoreDamaged, TqstoreError
@@ -35,8 +36,11 @@ from tqstore.store.tiers.writer import ResizeGate, WriterThread
 
 T = TypeVar("T")
 
+DEFAULT_MIN_FREE_DISK = Config.min_free_disk_bytes
+
 _MAX_TXN_ATTEMPTS = 16
 _META_PAGES = 2  # LMDB's two meta pages, at the start of every file
+_SMALL_DISK_SHARE = 20  # the default free-disk margin is at most 1/20 of the disk
 _MAX_READERS = 510  # the default 126 slots run out with many threads in several processes
 # LMDB 0.9's meta page (native byte order; 64-bit size_t): after the 16-byte page header, magic
 # u32, version u32, address, map size, two 48-byte MDB_db records (the free one's first u32 is
@@ -46,6 +50,9 @@ _META_HEAD = struct.Struct("=II")
 _META_PSIZE_AT, _META_TAIL_AT = 40, 136
 _META_TAIL = struct.Struct("=QQ")
 _META_BYTES = _META_TAIL_AT + _META_TAIL.size
+# LMDB 0.9 sizes lock.mdb as (max readers - 1) reader slots plus its header, each 64 bytes
+# (a cache line): 2 header lines and the first slot.
+_LOCK_FILE_BYTES = (_MAX_READERS - 1) * 64 + 3 * 64
 
 
 class LmdbEnv:
@@ -133,8 +140,16 @@ class LmdbEnv:
         """
         free = shutil.disk_usage(self.path).free
         room = free + (self._free_pages_bytes(txn) if txn is not None else 0)
-        if needed and room - needed < self.min_free_disk_bytes:
+        if needed and room - needed < self.free_margin():
             raise self._disk_full(needed, f"only {format_size(free)} is free")
+
+    def free_margin(self) -> int:
+        """The free space writes must leave: store.min_free_disk, except that the default
+        (1 GiB) is at most 5% of the disk, so on a small disk an `rm` and `gc` make room again
+        instead of every save being refused by a margin larger than anything they can free."""
+        if self.min_free_disk_bytes != DEFAULT_MIN_FREE_DISK:
+            return self.min_free_disk_bytes
+        return min(self.min_free_disk_bytes, shutil.disk_usage(self.path).total // _SMALL_DISK_SHARE)
 
     def _free_pages_bytes(self, txn: lmdb.Transaction) -> int:
         """Bytes of the file's pages that no database uses (LMDB's free list)."""
@@ -178,6 +193,7 @@ class LmdbEnv:
 
     def _open(self, map_size: int) -> tuple[lmdb.Environment, dict[bytes, object]]:
         check_data_file(self.path)
+        reserve_lock_file(self.path)
         try:
             env = lmdb.open(
                 str(self.path), map_size=map_size, max_dbs=len(self._db_names) + 2,
@@ -200,7 +216,9 @@ class LmdbEnv:
             env.close()
             raise FormatVersionTooNew(
                 f"the LMDB store at {self.path} has layout version {version}, newer than this "
-                f"tqstore's {self._schema_version}: upgrade tqstore, or use another --home"
+                f"tqstore's {self._schema_version}: upgrade tqstore, or use another --home. If no newer "
+                "tqstore ever wrote to it, the version record is damaged: `tqstore repair` checks that every "
+                "record is of this layout and sets it back"
             )
         return env, dbs
 
@@ -209,7 +227,7 @@ class LmdbEnv:
             current = self._env.info()["map_size"]
             new = next_map_size(
                 current, needed, (self.path / "data.mdb").stat().st_size,
-                shutil.disk_usage(self.path).free, self.min_free_disk_bytes,
+                shutil.disk_usage(self.path).free, self.free_margin(),
             )
             if new is None:
                 raise self._disk_full(needed, "the LMDB map cannot grow past the free disk")
@@ -223,8 +241,9 @@ class LmdbEnv:
     def _disk_full(self, needed: int, why: str) -> DiskFull:
         return DiskFull(
             f"cannot write {format_size(needed)} to the LMDB store at {self.path}: {why}, and "
-            f"tqstore keeps {format_size(self.min_free_disk_bytes)} free (store.min_free_disk). "
-            "Free space on that disk, lower store.lmdb_budget, or run `tqstore gc`"
+            f"tqstore keeps {format_size(self.free_margin())} free (store.min_free_disk). "
+            "Free space on that disk, lower store.lmdb_budget, or run `tqstore gc`; to keep less free, "
+            "lower the margin: `tqstore config set store.min_free_disk 100MiB` (or TQSTORE_MIN_FREE_DISK, 0 for none)"
         )
 
     def _compact(self) -> tuple[int, int]:
@@ -296,7 +315,9 @@ def check_data_file(path: Path) -> None:
     LMDB maps the file and trusts its meta pages: a page past the end of a truncated file kills
     the process with SIGBUS at the first read, before any error can be raised. So the file's
     size is checked against (last page number + 1) x page size of the newer valid meta page
-    before every mapping. An empty or missing file is a new store.
+    before every mapping. A missing file is a new store; an empty one is a store that lost
+    everything (LMDB writes its two meta pages as it creates the file), unless another process
+    is creating it right now.
     """
     data = path / "data.mdb"
     try:
@@ -306,7 +327,10 @@ def check_data_file(path: Path) -> None:
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            return
+            if _being_created(path):
+                return
+            raise _damaged(data, "it is empty (0 bytes), so every entry it held is lost (LMDB writes two meta pages "
+                                 "as it creates the file)")
         first = os.pread(fd, _META_BYTES, 0)
         psize = _meta_page_size(first)
         if psize is None:
@@ -319,6 +343,46 @@ def check_data_file(path: Path) -> None:
         if size < needed:
             raise _damaged(data, f"it is truncated: {format_size(size)} ({size} bytes) of the {needed} bytes its "
                                  "last commit wrote")
+    finally:
+        os.close(fd)
+
+
+def reserve_lock_file(path: Path) -> None:
+    """Give lock.mdb in `path` its disk blocks before LMDB maps it; DiskFull if the disk has none.
+
+    LMDB extends a new lock.mdb with ftruncate, which makes a sparse file, and then writes
+    through its mapping: on a full disk the first write kills the process with SIGBUS. Blocks
+    that are already allocated are left as they are, so this is safe while other processes use
+    the file.
+    """
+    if not hasattr(os, "posix_fallocate"):
+        return  # (macOS has no such call) LMDB opens as before
+    try:
+        fd = os.open(path / "lock.mdb", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return  # unreadable or read-only folder: LMDB's own open reports it
+    try:
+        os.posix_fallocate(fd, 0, _LOCK_FILE_BYTES)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return  # a filesystem without fallocate: LMDB opens as before
+        raise DiskFull(
+            f"cannot create the LMDB store's lock file in {path}: the disk is full ({format_size(_LOCK_FILE_BYTES)} "
+            "needed). Free space on that disk, or use another --home"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def _being_created(path: Path) -> bool:
+    """Whether another process holds the environment in `path` open: LMDB takes lock.mdb before
+    it creates data.mdb and keeps others out until the meta pages are written."""
+    try:
+        fd = os.open(path / "lock.mdb", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return lock_holder(fd) is not None
     finally:
         os.close(fd)
 
@@ -340,8 +404,9 @@ def _meta(page: bytes) -> tuple[int, int] | None:
 def _damaged(data: Path, why: str) -> StoreDamaged:
     return StoreDamaged(
         f"the LMDB store file {data} is damaged: {why}. Reading it would crash, so tqstore refuses it. "
-        f"Recover with `tqstore repair`, which moves the folder {data.parent} aside and starts an empty one "
-        "(then `tqstore pull` the entries from the bucket or save them again), or restore data.mdb from a backup"
+        f"Recover with `tqstore repair`, which moves the folder {data.parent} aside, starts a new one and copies "
+        "into it every entry that can still be read whole (`tqstore pull` or save the others again), or restore "
+        "data.mdb from a backup"
     )
 
 
@@ -391,8 +456,9 @@ def lmdb_failure(path: Path, exc: lmdb.Error, needed: int = 0) -> TqstoreError:
             "free space on that disk, lower store.lmdb_budget, or run `tqstore gc`"
         )
     if isinstance(exc, (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.PanicError)):
-        return TqstoreError(
-            f"the LMDB store at {path} is damaged ({exc}); move the folder aside and pull or save again"
+        return StoreDamaged(
+            f"the LMDB store at {path} is damaged ({exc}): run `tqstore repair`, which moves it aside and keeps every "
+            "entry that can still be read whole"
         )
     if "already open" in str(exc):
         return TqstoreError(f"the LMDB store at {path} is already open in this process under another path")

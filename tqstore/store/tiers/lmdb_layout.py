@@ -90,13 +90,15 @@ def header_info(key: bytes, raw: bytes) -> ObjectInfo:
     return ObjectInfo(key, size, digest.hex(), created, used, count, per_segment)
 
 
-def delete_segments(txn: lmdb.Transaction, segments: object, key: bytes) -> None:
-    """Delete every segment of `key` (whatever the header says)."""
-    cursor = txn.cursor(db=segments)
+def delete_segments(txn: lmdb.Transaction, segments: object, key: bytes) -> bool:
+    """Delete every segment of `key` (whatever the header says); whether there was one."""
+    cursor, deleted = txn.cursor(db=segments), False
     if cursor.set_range(key):
         while bytes(cursor.key()[:32]) == key:
+            deleted = True
             if not cursor.delete():  # delete() moves to the next record; False at the end
                 break
+    return deleted
 
 
 def orphan_batch(txn: lmdb.Transaction, dbs: dict, after: bytes) -> tuple[list[bytes], bytes | None]:
@@ -110,8 +112,18 @@ def orphan_batch(txn: lmdb.Transaction, dbs: dict, after: bytes) -> tuple[list[b
         key = bytes(cursor.key()[:32])
         if txn.get(key, db=dbs[b"objects"]) is None:
             orphans.append(key)
-        found = cursor.set_range(key + b"\xff" * 5)  # past every key || u32 of this object
+        if len(key) < 32:  # a damaged short key is a record of its own
+            found = cursor.next()
+        else:  # past every key || u32 of this object (and any damaged longer key it starts)
+            beyond = _successor(key)
+            found = beyond is not None and cursor.set_range(beyond)
     return orphans, (bytes(cursor.key()) if found else None)
+
+
+def _successor(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key that starts with `prefix` (None: there is none)."""
+    kept = prefix.rstrip(b"\xff")
+    return kept[:-1] + bytes([kept[-1] + 1]) if kept else None
 
 
 def key_batch(txn: lmdb.Transaction, db: object, after: bytes | None) -> list[bytes]:

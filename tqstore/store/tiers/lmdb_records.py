@@ -19,6 +19,8 @@ import lmdb
 from tqstore.names import is_valid_name
 from tqstore.store.tiers.lmdb_layout import TIME
 
+_LAST_TIME = 253402300799.0  # 9999-12-31 23:59:59 UTC, the last second datetime can show
+
 
 @dataclass(frozen=True)
 class DamagedRecord:
@@ -45,6 +47,15 @@ def schema_number(value: bytes | None) -> int | None:
     return int(text) if text and text.isdigit() and len(text) <= 9 else None
 
 
+def used_time(value: bytes | None) -> float | None:
+    """The Unix time a `manifest_used` value holds; None if it is missing or damaged (not 8
+    bytes, or not a time from 1970 to 9999: -inf, nan and 1e300 break every date format)."""
+    if value is None or len(value) != TIME.size:
+        return None
+    (when,) = TIME.unpack(value)
+    return when if 0.0 <= when <= _LAST_TIME else None
+
+
 def find_damaged(txn: lmdb.Transaction, dbs: dict) -> list[DamagedRecord]:
     """Every damaged index record, in database order."""
     found = []
@@ -58,6 +69,9 @@ def find_damaged(txn: lmdb.Transaction, dbs: dict) -> list[DamagedRecord]:
         if len(value) != TIME.size:
             found.append(DamagedRecord("manifest_used", bytes(key), f"last-used time of {len(value)} bytes, not "
                                                                     f"{TIME.size}"))
+        elif used_time(value) is None:
+            found.append(DamagedRecord("manifest_used", bytes(key), f"last-used time {TIME.unpack(value)[0]!r} is "
+                                                                    "not a date from 1970 to 9999"))
     for key, value in txn.cursor(db=dbs[b"quarantine"]):
         if quarantine_record(value) is None:
             found.append(DamagedRecord("quarantine", bytes(key), "quarantine record is not its JSON"))
