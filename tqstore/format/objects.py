@@ -36,7 +36,7 @@ import zstandard
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
 from tqstore.format.blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
-from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
+from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
@@ -71,30 +71,27 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     """
     kind, layers, codecs = _parts(obj)
     _check_names(layers, codecs)
-    # One evaluation for the whole object: the arrays of a block are lazy slices of its entry,
-    # and evaluating them one by one (in tensor_bytes) costs an MLX dispatch each.
-    mx.eval([a for _, r in layers for a in (*r.arrays.values(), *r.calibration.values())]
-            + [a for c in codecs.values() for a in c.arrays.values()])
-    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]] = {}
+    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]] = {}
 
-    def put(section: str, name: str, a: mx.array, digest: bool = False) -> dict[str, Any]:
-        raw = tensor_bytes(a)
-        entry = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "group": 0, "offset": 0}
-        if digest:
-            entry["sha256"] = hashlib.sha256(raw).hexdigest()
-        groups.setdefault((section, name, entry["dtype"]), []).append((entry, raw))
+    def put(section: str, name: str, a: mx.array) -> dict[str, Any]:
+        dtype = dtype_name(a.dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype} cannot be stored (supported: {', '.join(DTYPES)})")
+        entry = {"dtype": dtype, "shape": list(a.shape), "group": 0, "offset": 0}
+        groups.setdefault((section, name, dtype), []).append((entry, a))
         return entry
 
     header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
                       "state": dict(r.state),
                       "arrays": {n: put("layer", n, a) for n, a in sorted(r.arrays.items())},
-                      "calibration": {n: put("calibration", n, a, digest=True) for n, a in sorted(r.calibration.items())}}
+                      "calibration": {n: put("calibration", n, a) for n, a in sorted(r.calibration.items())}}
                      for i, r in layers]
     header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
                             "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
                      for name, c in sorted(codecs.items())}
+    raws = _group_bytes(groups)
     prov = _complete(kind, obj, header_layers, provenance)
-    header_groups, stored = _pack(groups)
+    header_groups, stored = _pack(groups, raws)
     header = {
         "kind": kind,
         "identity": {"model": _hex(prov.model), "codec": _hex(prov.codec), "calibration": _hex(prov.calibration)},
@@ -125,25 +122,41 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     return b"".join([frame, *parts])
 
 
-def _pack(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]
-          ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Number the groups, place each array in its group, encode each group once: (the header's
-    group records, each group's stored bytes)."""
-    for j, members in enumerate(groups.values()):
+def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]) -> list[np.ndarray]:
+    """Each group's decoded bytes (its arrays flattened and concatenated by MLX in one
+    evaluation, then viewed by numpy without a copy); places every array in its group and
+    records the digests of calibration arrays. One conversion per group, not per array: the
+    arrays of a block are lazy slices of its entry, and converting them one by one costs an
+    MLX evaluation and a copy each."""
+    flat = []
+    for j, ((section, _, dtype), members) in enumerate(groups.items()):
+        unsigned = DTYPES[dtype][2]
+        parts = [a.reshape(-1) for _, a in members]
+        joined = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts)  # a slice may be strided
+        flat.append(joined if joined.dtype == unsigned else joined.view(unsigned))
         offset = 0
-        for entry, raw in members:
+        for entry, a in members:
             entry["group"], entry["offset"] = j, offset
-            offset += raw.size
+            offset += a.nbytes
+    mx.eval(flat)
+    raws = [np.asarray(f).reshape(-1).view(np.uint8) for f in flat]
+    for ((section, _, _), members), raw in zip(groups.items(), raws):
+        if section == "calibration":  # the calibration digest (and every later block key) hashes these
+            for entry, a in members:
+                entry["sha256"] = hashlib.sha256(raw[entry["offset"]:entry["offset"] + a.nbytes]).hexdigest()
+    return raws
 
-    def pack(item: tuple[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]) -> tuple[dict, Any]:
-        (_, _, dtype), members = item
-        raw = members[0][1] if len(members) == 1 else np.concatenate([r for _, r in members])
+
+def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Encode each group once: (the header's group records, each group's stored bytes)."""
+    def pack(j: int) -> tuple[dict, Any]:
+        dtype, raw = list(groups)[j][2], raws[j]
         encoding, packed = _encode(raw, DTYPES[dtype][0].size)
         record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
                   "sha256": hashlib.sha256(raw).hexdigest()}
         return record, raw.data if packed is None else packed
 
-    done = list(_threads().map(pack, groups.items()))  # zstd and hashlib release the GIL
+    done = list(_threads().map(pack, range(len(raws))))  # zstd and hashlib release the GIL
     return [r for r, _ in done], [p for _, p in done]
 
 
