@@ -440,13 +440,27 @@ def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
         return raw
 
     groups = list(_threads().map(unpack, range(len(header.groups))))  # zstd and hashlib release the GIL
+    # One MLX array per group (one copy of its bytes); every array is a view of its group.
+    held = [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, groups)]
     arrays = {}
     for name, info in header.tensors().items():
-        raw = groups[info.group][info.offset:info.offset + info.nbytes]
-        if info.sha256 is not None and hashlib.sha256(raw).hexdigest() != info.sha256:
-            raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
-        arrays[name] = tensor_from_bytes(raw, info.dtype, info.shape)
+        if info.sha256 is not None:
+            raw = groups[info.group][info.offset:info.offset + info.nbytes]
+            if hashlib.sha256(raw).hexdigest() != info.sha256:
+                raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+        mx_dtype, _, unsigned = DTYPES[info.dtype]
+        start = info.offset // unsigned.size
+        a = held[info.group][start:start + info.nbytes // unsigned.size].reshape(info.shape)
+        arrays[name] = a if mx_dtype == unsigned else a.view(mx_dtype)
     return arrays
+
+
+def _aligned(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """A group's decoded bytes as unsigned items of `itemsize` (copied only when a stored
+    group does not start on an item boundary: safetensors offsets need not be aligned)."""
+    if raw.ctypes.data % itemsize:
+        raw = raw.copy()
+    return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
 
 
 @functools.lru_cache(maxsize=1)
