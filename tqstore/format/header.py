@@ -265,8 +265,9 @@ def _layer(v: Any, where: str, version: int) -> LayerInfo:
 
 
 def _typed(scalars: Mapping[str, Any]) -> tuple:
-    """A hashable form of a scalar mapping that tells 1, 1.0 and True apart."""
-    return tuple(sorted((k, type(v).__name__, v) for k, v in scalars.items()))
+    """A hashable form of a scalar mapping that tells 1, 1.0 and True apart (in the mapping's
+    own order: headers list keys sorted, and another order only misses the cache)."""
+    return tuple((k, type(v), v) for k, v in scalars.items())
 
 
 @functools.lru_cache(maxsize=1024)

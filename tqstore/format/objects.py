@@ -35,7 +35,8 @@ import zstandard
 
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
-from tqstore.format.blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
+from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, SharedCodecs, Window, block_key,
+                                   digest_calibration)
 from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
@@ -54,6 +55,7 @@ ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller tha
 MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
+THREADED_BYTES = 1 << 18  # groups this large are encoded and hashed on the format's threads
 
 __all__ = ["dumps", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
@@ -156,7 +158,7 @@ def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> t
                   "sha256": hashlib.sha256(raw).hexdigest()}
         return record, raw.data if packed is None else packed
 
-    done = list(_threads().map(pack, range(len(raws))))  # zstd and hashlib release the GIL
+    done = _map(pack, range(len(raws)), [r.size for r in raws])
     return [r for r, _ in done], [p for _, p in done]
 
 
@@ -187,10 +189,12 @@ def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header
     _check_expect(header, expect)
     if header.version == 1:
         arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
-    else:
-        arrays = _unpack(header, [blob[s:e] for _, s, e in table.values()])
-    mx.eval(*arrays.values())
-    return header, _build(header, arrays)
+        mx.eval(*arrays.values())
+        return header, _build(header, arrays)
+    held = _unpack(header, [blob[s:e] for _, s, e in table.values()])
+    mx.eval(held)
+    grouped = _grouped_block(header, held) if header.kind == "block" else None
+    return header, grouped or _build(header, _views(header, held))
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -428,7 +432,7 @@ def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
     return tensor_from_bytes(raw, info.dtype, info.shape)
 
 
-def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
+def _unpack(header: Header, stored: list[memoryview]) -> list[mx.array]:
     """Format 2: each group decoded and checked against its digest once, each array a slice of
     its group. Calibration arrays are checked against their own digests too: the calibration
     digest in the header (and so every later block key) was computed from those."""
@@ -439,20 +443,54 @@ def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
             raise ChecksumMismatch(f"group {j} ({g.dtype}) is corrupt: its sha256 does not match the header")
         return raw
 
-    groups = list(_threads().map(unpack, range(len(header.groups))))  # zstd and hashlib release the GIL
-    # One MLX array per group (one copy of its bytes); every array is a view of its group.
-    held = [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, groups)]
-    arrays = {}
+    groups = _map(unpack, range(len(header.groups)), [len(b) for b in stored])
     for name, info in header.tensors().items():
         if info.sha256 is not None:
             raw = groups[info.group][info.offset:info.offset + info.nbytes]
             if hashlib.sha256(raw).hexdigest() != info.sha256:
                 raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+    # One MLX array per group (one copy of its bytes); every array is a view of its group.
+    return [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, groups)]
+
+
+def _views(header: Header, held: list[mx.array]) -> dict[str, mx.array]:
+    """Format 2: every array by its tensor name, a view of its group."""
+    arrays = {}
+    for name, info in header.tensors().items():
         mx_dtype, _, unsigned = DTYPES[info.dtype]
         start = info.offset // unsigned.size
         a = held[info.group][start:start + info.nbytes // unsigned.size].reshape(info.shape)
         arrays[name] = a if mx_dtype == unsigned else a.view(mx_dtype)
     return arrays
+
+
+def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
+    """A block whose layers hold their arrays as `ArrayGroup`s (one per group), when every group
+    holds arrays of one name and shape, one per layer in layer order (as dumps writes them);
+    else None. Calibration arrays (block 0 only) stay arrays of their own."""
+    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
+    for li in header.layers:
+        for n, t in li.arrays.items():
+            members.setdefault(t.group, []).append((li.index, n, t))
+    calibration_groups = {t.group for li in header.layers for t in li.calibration.values()}
+    if calibration_groups & set(members):
+        return None
+    groups = []
+    for j, found in sorted(members.items()):
+        (_, name, first), size = found[0], found[0][2].nbytes
+        if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found)):
+            return None
+        mx_dtype, _, unsigned = DTYPES[first.dtype]
+        data = held[j].reshape(len(found), *first.shape)
+        groups.append(ArrayGroup(name, tuple(i for i, _, _ in found), data if mx_dtype == unsigned
+                                 else data.view(mx_dtype)))
+    calibration = _views(header, held) if calibration_groups else {}
+    shells = {li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
+                                    {n: calibration[layer_tensor(li.index, n, calibration=True)]
+                                     for n in li.calibration})
+              for li in header.layers}
+    b = header.block
+    return Block(b.index, b.start, b.n_tokens, GroupedLayers(shells, tuple(groups)), b.block_size)
 
 
 def _aligned(raw: np.ndarray, itemsize: int) -> np.ndarray:
@@ -461,6 +499,16 @@ def _aligned(raw: np.ndarray, itemsize: int) -> np.ndarray:
     if raw.ctypes.data % itemsize:
         raw = raw.copy()
     return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+
+
+def _map(fn, items, sizes: list[int]) -> list:
+    """`fn` over `items`, the large ones on threads (zstd and hashlib release the GIL) and the
+    small ones here: handing a 10 KiB group to a thread costs more than hashing it."""
+    items = list(items)
+    futures = {k: _threads().submit(fn, item) for k, (item, size) in enumerate(zip(items, sizes))
+               if size >= THREADED_BYTES}
+    done = {k: fn(item) for k, item in enumerate(items) if k not in futures}
+    return [futures[k].result() if k in futures else done[k] for k in range(len(items))]
 
 
 @functools.lru_cache(maxsize=1)
