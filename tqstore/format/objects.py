@@ -55,9 +55,9 @@ ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller tha
 MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
-THREADED_BYTES = 1 << 18  # groups this large are encoded and hashed on the format's threads
+THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
 
-__all__ = ["dumps", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+__all__ = ["dumps", "dumps_decoded", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
 
 Obj = Snapshot | Block | Window | SharedCodecs
@@ -71,6 +71,19 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     ValueError for an object that breaks the data model (arrays of another layout, shapes,
     dtypes, non-scalar config values).
     """
+    return _dump(obj, provenance)[0]
+
+
+def dumps_decoded(obj: Obj, provenance: Provenance = Provenance()) -> tuple[bytes, Obj]:
+    """`dumps`, and the object as `loads` gives it back: a block with its arrays in groups
+    (views of the bytes just written, so joins concatenate groups), any other kind as it is."""
+    data, header, held = _dump(obj, provenance)
+    grouped = _grouped_block(header, held) if header.kind == "block" else None
+    return data, grouped or obj
+
+
+def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.array]]:
+    """The bytes of `obj`, its header as read back, and each group's decoded bytes as an array."""
     kind, layers, codecs = _parts(obj)
     _check_names(layers, codecs)
     groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]] = {}
@@ -91,7 +104,7 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
                             "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
                      for name, c in sorted(codecs.items())}
-    raws = _group_bytes(groups)
+    held, raws = _group_bytes(groups)
     prov = _complete(kind, obj, header_layers, provenance)
     header_groups, stored = _pack(groups, raws)
     header = {
@@ -107,7 +120,7 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
         "groups": header_groups,
     }
     try:
-        parse_header(json.loads(canonical_json(header)), OBJECT_VERSION, 0)  # what is written must read back
+        parsed = parse_header(json.loads(canonical_json(header)), OBJECT_VERSION, 0)  # what is written must read back
     except (MalformedHeader, TypeError, ValueError) as e:
         raise ValueError(f"cannot serialize this {kind}: {e}") from None
     table, at = {"__metadata__": {META_KEY: canonical_json(header).decode()}}, 0
@@ -121,11 +134,12 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     for part in parts:
         digest.update(part)
     frame = _FRAME.pack(MAGIC, OBJECT_VERSION, 0, len(st), 8 + len(st) + at, digest.digest())
-    return b"".join([frame, *parts])
+    return b"".join([frame, *parts]), parsed, held
 
 
-def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]) -> list[np.ndarray]:
-    """Each group's decoded bytes (its arrays flattened and concatenated by MLX in one
+def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]
+                 ) -> tuple[list[mx.array], list[np.ndarray]]:
+    """Each group's decoded bytes, as an MLX array and as a numpy view of it (its arrays flattened and concatenated by MLX in one
     evaluation, then viewed by numpy without a copy); places every array in its group and
     records the digests of calibration arrays. One conversion per group, not per array: the
     arrays of a block are lazy slices of its entry, and converting them one by one costs an
@@ -146,7 +160,7 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
         if section == "calibration":  # the calibration digest (and every later block key) hashes these
             for entry, a in members:
                 entry["sha256"] = hashlib.sha256(raw[entry["offset"]:entry["offset"] + a.nbytes]).hexdigest()
-    return raws
+    return flat, raws
 
 
 def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -503,7 +517,7 @@ def _aligned(raw: np.ndarray, itemsize: int) -> np.ndarray:
 
 def _map(fn, items, sizes: list[int]) -> list:
     """`fn` over `items`, the large ones on threads (zstd and hashlib release the GIL) and the
-    small ones here: handing a 10 KiB group to a thread costs more than hashing it."""
+    small ones here: on two busy cores, handing a 300 KiB group to a thread cost more than hashing it."""
     items = list(items)
     futures = {k: _threads().submit(fn, item) for k, (item, size) in enumerate(zip(items, sizes))
                if size >= THREADED_BYTES}
