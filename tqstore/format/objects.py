@@ -120,10 +120,11 @@ def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.arra
         "groups": header_groups,
     }
     try:
-        parsed = parse_header(json.loads(canonical_json(header)), OBJECT_VERSION, 0)  # what is written must read back
+        text = canonical_json(header)
+        parsed = parse_header(json.loads(text), OBJECT_VERSION, 0)  # what is written must read back
     except (MalformedHeader, TypeError, ValueError) as e:
         raise ValueError(f"cannot serialize this {kind}: {e}") from None
-    table, at = {"__metadata__": {META_KEY: canonical_json(header).decode()}}, 0
+    table, at = {"__metadata__": {META_KEY: text.decode()}}, 0
     for j, part in enumerate(stored):
         table[f"group/{j}"] = {"dtype": "U8", "shape": [len(part)], "data_offsets": [at, at + len(part)]}
         at += len(part)
