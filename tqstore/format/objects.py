@@ -448,9 +448,10 @@ def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
 
 
 def _unpack(header: Header, stored: list[memoryview]) -> list[mx.array]:
-    """Format 2: each group decoded and checked against its digest once, each array a slice of
-    its group. Calibration arrays are checked against their own digests too: the calibration
-    digest in the header (and so every later block key) was computed from those."""
+    """Format 2: each group decoded and checked against its digest once, as one unsigned MLX
+    array (arrays are views of it: `_views`, `_grouped_block`). Calibration arrays are checked
+    against their own digests too: the calibration digest in the header (and so every later
+    block key) was computed from those."""
     def unpack(j: int) -> np.ndarray:
         g = header.groups[j]
         raw = _decoded(f"group {j}", g.encoding, stored[j], g.nbytes, DTYPES[g.dtype][0].size)
