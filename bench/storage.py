@@ -15,6 +15,13 @@ pages unless the step itself is cold:
                and concurrency) on one object of the same size
 
 Ratios are step speed / floor speed (1.0 = at the floor). Ranges over --runs runs.
+
+    python bench/storage.py --tokens 16384 --schemes raw turbo4 --runs 3 --scaling --write
+
+`--scaling` adds the restore cost per stored GB (memory tier, and LMDB with its pages dropped)
+from 1k to 32k tokens at 24 layers and from 8 to 64 layers at 4k tokens (turbo4): flat rows
+mean the cost grows with bytes, not with layer records. `--write` puts both tables into
+docs/benchmarks.md (sections bench-storage and bench-storage-scaling).
 """
 
 from __future__ import annotations
@@ -54,22 +61,22 @@ class Run:
     floors: dict = field(default_factory=dict)  # step -> floor seconds
 
 
-def kv_model():
+def kv_model(layers: int = GEOMETRY["num_hidden_layers"]):
     """A random-weight model with the real model's KV geometry (only its cache shapes matter)."""
     from mlx_lm.models import qwen2
 
-    model = qwen2.Model(qwen2.ModelArgs.from_dict(GEOMETRY))
+    model = qwen2.Model(qwen2.ModelArgs.from_dict({**GEOMETRY, "num_hidden_layers": layers}))
     mx.eval(model.parameters())
     return model
 
 
-def raw_snapshot(tokens: int, seed: int = 0):
+def raw_snapshot(tokens: int, seed: int = 0, n_layers: int = GEOMETRY["num_hidden_layers"]):
     """An uncompressed snapshot of `tokens` synthetic rows per layer."""
     from turboquant.records import LayerRecord, Layout, Snapshot
 
     rng = np.random.default_rng(seed)
     layers = []
-    for _ in range(GEOMETRY["num_hidden_layers"]):
+    for _ in range(n_layers):
         k = rng.standard_normal((1, 2, tokens, 64), dtype=np.float32)
         channels = rng.choice(64, 3, replace=False)
         k[..., channels] = k[..., channels] * 4 + 40 * np.array([1.0, -0.6, 0.4], dtype=np.float32)
@@ -246,13 +253,94 @@ def measure(tokens: int, schemes: list[str], runs: int) -> list[Run]:
     return out
 
 
+SCALING_TOKENS = (1024, 4096, 16384, 32768)  # at the model's 24 layers
+SCALING_LAYERS = (8, 16, 32, 64)  # at SCALING_AT tokens
+SCALING_AT = 4096
+
+
+def restore_costs(layers: int, tokens: int, scheme: str, root: Path, run_index: int) -> tuple[int, float, float]:
+    """(stored bytes, seconds of a memory-tier restore, seconds of an LMDB restore with the
+    pages dropped) of one entry of `layers` layers and `tokens` tokens."""
+    from tqstore.config import load_config
+    from tqstore.models.identity import CodecIdentity, ModelIdentity
+    from tqstore.store.store import Store
+    from turboquant import make_prompt_cache, snapshot
+
+    model = kv_model(layers)
+    raw = raw_snapshot(tokens, n_layers=layers)
+    mx.eval(raw.arrays())
+    snap, _ = compressed(model, raw, scheme)
+    home = root / f"scaling-{layers}-{tokens}-{run_index}"
+    config = load_config(home, {})
+    store = Store.open(home, config=config)
+    result = store.put("e", snap, list(range(tokens)), model=ModelIdentity.from_model(model, kv_dtype="float32"),
+                       codec=CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme),
+                       model_ref="bench", prefill_seconds=1.0)
+    del snap, raw
+    t0 = time.perf_counter()
+    store.load("e")
+    memory = time.perf_counter() - t0
+    store.close()
+    data = home / "lmdb" / "data.mdb"
+    store = Store.open(home, config=config)
+    store.get("e")
+    drop_page_cache(data)
+    t0 = time.perf_counter()
+    store.load("e")
+    lmdb = time.perf_counter() - t0
+    store.close()
+    shutil.rmtree(home, ignore_errors=True)
+    return result.manifest.nbytes, memory, lmdb
+
+
+def scaling_table(runs: int, scheme: str = "turbo4") -> str:
+    """Restore seconds per stored GB over token counts and layer counts (ranges over `runs`)."""
+    points = [(GEOMETRY["num_hidden_layers"], t) for t in SCALING_TOKENS]
+    points += [(n, SCALING_AT) for n in SCALING_LAYERS if (n, SCALING_AT) not in points]
+    root = Path(tempfile.mkdtemp(prefix="tqstore-scaling-", dir=os.environ.get("TQSTORE_BENCH_DIR")))
+    found: dict[tuple[int, int], list[tuple[int, float, float]]] = {p: [] for p in points}
+    try:
+        for i in range(runs):
+            for layers, tokens in points:
+                found[(layers, tokens)].append(restore_costs(layers, tokens, scheme, root, i))
+                nbytes, memory, lmdb = found[(layers, tokens)][-1]
+                print(f"scaling run {i + 1}: {layers} layers, {tokens} tokens, {nbytes / 1e6:.1f} MB: memory "
+                      f"{memory:.3f}s, lmdb {lmdb:.3f}s", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    rows = []
+    for (layers, tokens), got in found.items():
+        rows.append([layers, tokens, scheme, f"{got[0][0] / 1e6:.1f}",
+                     span([m / (n / 1e9) for n, m, _ in got], "{:.3f}"), span([n / m / 1e9 for n, m, _ in got]),
+                     span([c / (n / 1e9) for n, _, c in got], "{:.3f}"), span([n / c / 1e9 for n, _, c in got])])
+    return markdown_table(["layers", "tokens", "scheme", "stored MB", "memory restore s/GB", "memory GB/s",
+                           "LMDB restore (pages dropped) s/GB", "LMDB GB/s"], rows)
+
+
+def write_docs(sections: dict[str, str], argv: list[str]) -> None:
+    """Replace the named sections of docs/benchmarks.md, each under its provenance line."""
+    from common import replace_section, stamp
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+    for name, body in sections.items():
+        replace_section(doc, name, f"{stamp(argv)}\n\n{body}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4", "turbo8v3"])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--scaling", action="store_true", help="also the restore cost per GB over tokens and layers")
+    parser.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
     args = parser.parse_args(argv)
-    print(table(measure(args.tokens, args.schemes, args.runs), args.tokens))
+    sections = {"bench-storage": table(measure(args.tokens, args.schemes, args.runs), args.tokens)}
+    print(sections["bench-storage"], flush=True)
+    if args.scaling:
+        sections["bench-storage-scaling"] = scaling_table(args.runs)
+        print(sections["bench-storage-scaling"])
+    if args.write:
+        write_docs(sections, [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     return 0
 
 

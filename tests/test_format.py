@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapshot, make_layer, make_snapshot
 from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
-from tqstore.format.blocks import BlockKey, SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
+from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
+                                   split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.exchange.bundle import read_bundle
@@ -62,6 +63,49 @@ def tokens_for(n: int) -> list[int]:
 
 
 # -- round trips -----------------------------------------------------------------------------
+
+
+# Layers that hold the same arrays in every block (make_layer: seeds 4 and 5 keep no raw tail).
+UNIFORM = ([Layout.TURBO] * 2, [Layout.CALIBRATED] * 2, [Layout.AFFINEK_TURBO] * 2, [Layout.RAW] * 2)
+CUTTABLE = [layout for layout in HETEROGENEOUS if layout is not Layout.ROTATING]  # every prefix restorable
+
+
+def _loaded(snap: Snapshot, tokens: list[int]):
+    keys, blocks, window, shared = store(snap, tokens)
+    loaded = [F.loads(data, expect=F.Expect("block", M, C, tokens[256 * i:256 * (i + 1)], keys[i]))
+              for i, data in enumerate(blocks)]
+    return loaded, F.loads(window, expect=F.Expect("window")), F.loads(shared, expect=F.Expect("shared"))
+
+
+@pytest.mark.parametrize("layouts", UNIFORM + (CUTTABLE,), ids=lambda ls: "-".join(x.value for x in ls))
+@pytest.mark.parametrize("T", (256, 257, 1000))
+@pytest.mark.parametrize("dtype", (mx.bfloat16, mx.float32), ids=("bfloat16", "float32"))
+def test_loaded_blocks_join_by_groups(layouts, T, dtype):
+    """Decoded blocks hold their arrays as one array per stored group, and the join concatenates
+    groups without building a record per layer and block; every prefix is bit-exact the join
+    of the same blocks as plain records."""
+    snap = make_snapshot(T, dtype, layouts, seed=4)
+    loaded, window, shared = _loaded(snap, tokens_for(T))
+    uniform = layouts is not CUTTABLE
+    if uniform:
+        assert all(isinstance(b.layers, GroupedLayers) for b in loaded)
+    joined = [join_blocks(SplitSnapshot(loaded, window, shared), n) for n in range(1, len(loaded) + 1)]
+    if uniform:
+        assert all(b.layers._records is None for b in loaded), "the join built per-layer records"
+    plain = [Block(b.index, b.start, b.n_tokens, dict(b.layers.items()), b.block_size) for b in loaded]
+    for n, got in enumerate(joined, 1):
+        expected = join_blocks(SplitSnapshot(plain, window, shared), n)
+        assert_same_snapshot(got, expected)
+        assert [list(r.arrays) for r in got.layers] == [list(r.arrays) for r in expected.layers]
+    assert_same_snapshot(joined[-1], snap)
+
+
+def test_loaded_blocks_of_different_saves_do_not_join():
+    tokens = tokens_for(300)
+    a, window, shared = _loaded(make_snapshot(300, layouts=[Layout.TURBO] * 2), tokens)
+    b, _, _ = _loaded(make_snapshot(300, layouts=[Layout.RAW] * 2), tokens)
+    with pytest.raises(ValueError, match="another config"):
+        join_blocks(SplitSnapshot([a[0], b[1]], window, shared))
 
 
 @pytest.mark.parametrize("T", TOKEN_COUNTS)

@@ -19,7 +19,7 @@ from test_blocks import assert_same_array, assert_same_snapshot, make_snapshot
 from tiny_models import build_model, prompt_tokens
 from tqstore import Store
 from tqstore.format import objects as F
-from tqstore.format.blocks import join_blocks, split_snapshot
+from tqstore.format.blocks import GroupedLayers, join_blocks, split_snapshot
 from tqstore.config import load_config
 from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, TokenMismatch
 from tqstore.models.identity import CodecIdentity, ModelIdentity
@@ -94,6 +94,20 @@ def test_put_load_round_trip(store):
     assert store.stats().tiers["lmdb"].hits == 5 and store.stats().tiers["memory"].hits == 5
     assert store.verify() == []
     store.close()
+
+
+def test_memory_tier_holds_blocks_in_groups_after_a_put(store):
+    """What a put leaves in the memory tier is what a restore from LMDB decodes: each block's
+    arrays in their stored groups (not slices of the caller's arrays), joined by group into the
+    same bytes, without a record per layer and block."""
+    snap, tokens = make_snapshot(600, layouts=[Layout.TURBO, Layout.TURBO], seed=4), token_ids(600)
+    result = put(store, "e", snap, tokens)
+    hot = [store._tiers.memory.get(ref.key) for ref in result.manifest.blocks]
+    assert all(isinstance(h.obj.layers, GroupedLayers) for h in hot)
+    loaded, stats = store.load("e")
+    assert stats.tier == "memory"
+    assert all(h.obj.layers._records is None for h in hot), "the restore built per-layer records"
+    assert_same_snapshot(loaded, snap)
 
 
 def test_put_returns_the_stored_canonical_snapshot(store):

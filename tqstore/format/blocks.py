@@ -22,8 +22,10 @@ the first k blocks back together.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -147,6 +149,56 @@ class Block:
 
 
 @dataclass(frozen=True, eq=False)
+class ArrayGroup:
+    """The arrays of one name in a block, one per layer of `layers` (in that order), held as
+    one array `data` of shape [len(layers), *each array's shape]: what a stored group decodes
+    to. Joins concatenate groups, not arrays."""
+
+    name: str
+    layers: tuple[int, ...]
+    data: mx.array
+
+
+class GroupedLayers(Mapping[int, LayerRecord]):
+    """A decoded block's layers whose arrays all lie in `ArrayGroup`s. The records (their
+    arrays views of the groups) are built on first access, so a restore that joins by groups
+    builds none of them.
+
+    `shells` are the layers without their arrays: each shell's `arrays` maps the layer's array
+    names, in the stored order, to None.
+    """
+
+    def __init__(self, shells: dict[int, LayerRecord], groups: tuple[ArrayGroup, ...]) -> None:
+        self.shells, self.groups = shells, groups
+        self._records: dict[int, LayerRecord] | None = None
+
+    def __getitem__(self, index: int) -> LayerRecord:
+        return self.records()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.shells)
+
+    def __len__(self) -> int:
+        return len(self.shells)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays (without building the records)."""
+        return sum(g.data.nbytes for g in self.groups) + sum(a.nbytes for s in self.shells.values()
+                                                            for a in s.calibration.values())
+
+    def records(self) -> dict[int, LayerRecord]:
+        """Every layer as a plain record (built once)."""
+        if self._records is None:
+            arrays = {i: dict(s.arrays) for i, s in self.shells.items()}
+            for g in self.groups:
+                for k, i in enumerate(g.layers):
+                    arrays[i][g.name] = g.data[k]
+            self._records = {i: dataclasses.replace(s, arrays=arrays[i]) for i, s in self.shells.items()}
+        return self._records
+
+
+@dataclass(frozen=True, eq=False)
 class Window:
     """The per-entry layers: ROTATING layers whole, every other layer as a 0-token template."""
 
@@ -246,8 +298,9 @@ def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
     extra = sorted({i for blk in blocks for i in blk.layers} - in_blocks)
     if extra:
         raise ValueError(f"blocks hold layers {extra}, which the window lists as whole or absent")
-    layers = [r if i not in in_blocks else _join_state(i, r, blocks) if r.layout is Layout.STATE
-              else _join_layer(i, r, blocks) for i, r in enumerate(split.window.layers)]
+    grouped = _join_groups(split.window.layers, in_blocks, blocks)
+    layers = [r if i not in in_blocks else grouped[i] if grouped is not None else _join_state(i, r, blocks)
+              if r.layout is Layout.STATE else _join_layer(i, r, blocks) for i, r in enumerate(split.window.layers)]
     return Snapshot(layers=layers, codecs=split.shared.codecs)
 
 
@@ -270,6 +323,63 @@ def _cut(r: LayerRecord, start: int, stop: int, with_calibration: bool) -> Layer
         if hi > lo or r.layout is Layout.RAW:
             arrays[name] = a[:, :, lo - span[0]:max(lo, hi) - span[0]]
     return LayerRecord(r.layout, stop - start, arrays, r.config, state, r.calibration if with_calibration else {})
+
+
+def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
+                 blocks: Sequence[Block]) -> dict[int, LayerRecord] | None:
+    """The joined layers of blocks whose arrays are all in groups, one concatenation per array
+    name: the same records `_join_layer` makes (as views of the joined groups). None where the
+    blocks are not all grouped alike (other layers, layer sets or shapes per name); the
+    per-layer join then applies, with its messages for blocks that do not fit."""
+    if not blocks or not all(isinstance(b.layers, GroupedLayers) for b in blocks):
+        return None
+    layers = sorted(in_blocks)
+    if any(templates[i].layout is Layout.STATE for i in layers):
+        return None
+    partial = {i: False for i in layers}
+    for blk in blocks:
+        shells = blk.layers.shells
+        if sorted(shells) != layers:
+            return None
+        for i in layers:
+            part, template = shells[i], templates[i]
+            stored = int(part.state.get("stored", 0))
+            if part.layout is not template.layout or part.config != template.config \
+                    or _without_stored(part.state) != _without_stored(template.state) \
+                    or part.offset != blk.n_tokens or (blk.index > 0 and part.calibration) \
+                    or (partial[i] and stored):
+                return None
+            partial[i] = partial[i] or stored < part.offset
+    by_name: dict[str, list[ArrayGroup]] = {}
+    for blk in blocks:
+        for g in blk.layers.groups:
+            by_name.setdefault(g.name, []).append(g)
+    joined: dict[int, dict[str, mx.array]] = {i: {} for i in layers}
+    for name, groups in by_name.items():
+        first = groups[0]
+        if any(g.layers != first.layers or g.data.dtype != first.data.dtype
+               or _without_tokens(g.data.shape[1:]) != _without_tokens(first.data.shape[1:]) for g in groups):
+            return None
+        for i in first.layers:
+            t = templates[i].arrays.get(name)
+            if t is not None and (t.dtype != first.data.dtype
+                                  or _without_tokens(t.shape) != _without_tokens(first.data.shape[1:])):
+                return None
+        data = first.data if len(groups) == 1 else mx.concatenate([g.data for g in groups], axis=TOKEN_AXIS + 1)
+        for k, i in enumerate(first.layers):
+            joined[i][name] = data[k]
+    out = {}
+    for i in layers:
+        template = templates[i]
+        names = dict.fromkeys(n for blk in blocks for n in blk.layers.shells[i].arrays)
+        state = dict(template.state)
+        if "stored" in state:
+            state["stored"] = sum(int(blk.layers.shells[i].state["stored"]) for blk in blocks)
+        out[i] = LayerRecord(template.layout, sum(blk.layers.shells[i].offset for blk in blocks),
+                             {n: joined[i][n] for n in names}, template.config, state,
+                             blocks[0].layers.shells[i].calibration)
+        check_record_arrays(out[i])
+    return out
 
 
 def _join_layer(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:

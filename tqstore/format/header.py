@@ -6,7 +6,10 @@ and types it, or raises MalformedHeader; `format.py` frames, hashes and encodes 
 from __future__ import annotations
 
 import functools
+import json
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -159,7 +162,7 @@ def parse_header(h: Any, version: int, payload_nbytes: int) -> Header:
                       None if tokens is None else tuple(tokens), key and BlockKey(key), parent and BlockKey(parent))
     if not isinstance(h["layers"], list) or not isinstance(h["codecs"], dict):
         raise MalformedHeader("layers must be a list and codecs an object")
-    layers = tuple(_layer(v, f"layers[{j}]", version) for j, v in enumerate(h["layers"]))
+    layers = _layers(h["layers"], version)
     codecs = {}
     for name, c in h["codecs"].items():
         c = _exact(c, ("rotation_kind", "norm_mode", "arrays"), f"codec {name!r:.40}")
@@ -246,6 +249,29 @@ def _check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tu
         raise MalformedHeader(f"block {block.index}'s key does not match its parent, identity and tokens")
 
 
+_LAYERS_CACHE: OrderedDict[tuple[str, int], tuple[LayerInfo, ...]] = OrderedDict()
+_LAYERS_CACHE_SIZE = 256
+_LAYERS_LOCK = threading.Lock()
+
+
+def _layers(v: list, version: int) -> tuple[LayerInfo, ...]:
+    """Every layer record, validated. Memoized by the records' exact JSON: the blocks of an
+    entry repeat the same records (only the last block differs), so a restore validates each
+    distinct list once; anything new or malformed goes through `_layer` in full."""
+    key = (json.dumps(v, separators=(",", ":")), version)
+    with _LAYERS_LOCK:
+        found = _LAYERS_CACHE.get(key)
+        if found is not None:
+            _LAYERS_CACHE.move_to_end(key)
+            return found
+    layers = tuple(_layer(x, f"layers[{j}]", version) for j, x in enumerate(v))
+    with _LAYERS_LOCK:
+        _LAYERS_CACHE[key] = layers
+        if len(_LAYERS_CACHE) > _LAYERS_CACHE_SIZE:
+            _LAYERS_CACHE.popitem(last=False)
+    return layers
+
+
 def _layer(v: Any, where: str, version: int) -> LayerInfo:
     v = _exact(v, ("index", "layout", "offset", "config", "state", "arrays", "calibration"), where)
     try:
@@ -265,8 +291,9 @@ def _layer(v: Any, where: str, version: int) -> LayerInfo:
 
 
 def _typed(scalars: Mapping[str, Any]) -> tuple:
-    """A hashable form of a scalar mapping that tells 1, 1.0 and True apart."""
-    return tuple(sorted((k, type(v).__name__, v) for k, v in scalars.items()))
+    """A hashable form of a scalar mapping that tells 1, 1.0 and True apart (in the mapping's
+    own order: headers list keys sorted, and another order only misses the cache)."""
+    return tuple((k, type(v), v) for k, v in scalars.items())
 
 
 @functools.lru_cache(maxsize=1024)

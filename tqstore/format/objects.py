@@ -35,8 +35,9 @@ import zstandard
 
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
-from tqstore.format.blocks import Block, BlockKey, SharedCodecs, Window, block_key, digest_calibration
-from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_bytes, tensor_from_bytes
+from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, SharedCodecs, Window, block_key,
+                                   digest_calibration)
+from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
@@ -54,8 +55,9 @@ ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller tha
 MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
+THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
 
-__all__ = ["dumps", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+__all__ = ["dumps", "dumps_decoded", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
 
 Obj = Snapshot | Block | Window | SharedCodecs
@@ -69,32 +71,42 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     ValueError for an object that breaks the data model (arrays of another layout, shapes,
     dtypes, non-scalar config values).
     """
+    return _dump(obj, provenance)[0]
+
+
+def dumps_decoded(obj: Obj, provenance: Provenance = Provenance()) -> tuple[bytes, Obj]:
+    """`dumps`, and the object as `loads` gives it back: a block with its arrays in groups
+    (views of the bytes just written, so joins concatenate groups), any other kind as it is."""
+    data, header, held = _dump(obj, provenance)
+    grouped = _grouped_block(header, held) if header.kind == "block" else None
+    return data, grouped or obj
+
+
+def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.array]]:
+    """The bytes of `obj`, its header as read back, and each group's decoded bytes as an array."""
     kind, layers, codecs = _parts(obj)
     _check_names(layers, codecs)
-    # One evaluation for the whole object: the arrays of a block are lazy slices of its entry,
-    # and evaluating them one by one (in tensor_bytes) costs an MLX dispatch each.
-    mx.eval([a for _, r in layers for a in (*r.arrays.values(), *r.calibration.values())]
-            + [a for c in codecs.values() for a in c.arrays.values()])
-    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]] = {}
+    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]] = {}
 
-    def put(section: str, name: str, a: mx.array, digest: bool = False) -> dict[str, Any]:
-        raw = tensor_bytes(a)
-        entry = {"dtype": dtype_name(a.dtype), "shape": list(a.shape), "group": 0, "offset": 0}
-        if digest:
-            entry["sha256"] = hashlib.sha256(raw).hexdigest()
-        groups.setdefault((section, name, entry["dtype"]), []).append((entry, raw))
+    def put(section: str, name: str, a: mx.array) -> dict[str, Any]:
+        dtype = dtype_name(a.dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype} cannot be stored (supported: {', '.join(DTYPES)})")
+        entry = {"dtype": dtype, "shape": list(a.shape), "group": 0, "offset": 0}
+        groups.setdefault((section, name, dtype), []).append((entry, a))
         return entry
 
     header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
                       "state": dict(r.state),
                       "arrays": {n: put("layer", n, a) for n, a in sorted(r.arrays.items())},
-                      "calibration": {n: put("calibration", n, a, digest=True) for n, a in sorted(r.calibration.items())}}
+                      "calibration": {n: put("calibration", n, a) for n, a in sorted(r.calibration.items())}}
                      for i, r in layers]
     header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
                             "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
                      for name, c in sorted(codecs.items())}
+    held, raws = _group_bytes(groups)
     prov = _complete(kind, obj, header_layers, provenance)
-    header_groups, stored = _pack(groups)
+    header_groups, stored = _pack(groups, raws)
     header = {
         "kind": kind,
         "identity": {"model": _hex(prov.model), "codec": _hex(prov.codec), "calibration": _hex(prov.calibration)},
@@ -108,10 +120,11 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
         "groups": header_groups,
     }
     try:
-        parse_header(json.loads(canonical_json(header)), OBJECT_VERSION, 0)  # what is written must read back
+        text = canonical_json(header)
+        parsed = parse_header(json.loads(text), OBJECT_VERSION, 0)  # what is written must read back
     except (MalformedHeader, TypeError, ValueError) as e:
         raise ValueError(f"cannot serialize this {kind}: {e}") from None
-    table, at = {"__metadata__": {META_KEY: canonical_json(header).decode()}}, 0
+    table, at = {"__metadata__": {META_KEY: text.decode()}}, 0
     for j, part in enumerate(stored):
         table[f"group/{j}"] = {"dtype": "U8", "shape": [len(part)], "data_offsets": [at, at + len(part)]}
         at += len(part)
@@ -122,28 +135,45 @@ def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
     for part in parts:
         digest.update(part)
     frame = _FRAME.pack(MAGIC, OBJECT_VERSION, 0, len(st), 8 + len(st) + at, digest.digest())
-    return b"".join([frame, *parts])
+    return b"".join([frame, *parts]), parsed, held
 
 
-def _pack(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]
-          ) -> tuple[list[dict[str, Any]], list[Any]]:
-    """Number the groups, place each array in its group, encode each group once: (the header's
-    group records, each group's stored bytes)."""
-    for j, members in enumerate(groups.values()):
+def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]
+                 ) -> tuple[list[mx.array], list[np.ndarray]]:
+    """Each group's decoded bytes, as an MLX array and as a numpy view of it (its arrays flattened and concatenated by MLX in one
+    evaluation, then viewed by numpy without a copy); places every array in its group and
+    records the digests of calibration arrays. One conversion per group, not per array: the
+    arrays of a block are lazy slices of its entry, and converting them one by one costs an
+    MLX evaluation and a copy each."""
+    flat = []
+    for j, ((section, _, dtype), members) in enumerate(groups.items()):
+        unsigned = DTYPES[dtype][2]
+        parts = [a.reshape(-1) for _, a in members]
+        joined = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts)  # a slice may be strided
+        flat.append(joined if joined.dtype == unsigned else joined.view(unsigned))
         offset = 0
-        for entry, raw in members:
+        for entry, a in members:
             entry["group"], entry["offset"] = j, offset
-            offset += raw.size
+            offset += a.nbytes
+    mx.eval(flat)
+    raws = [np.asarray(f).reshape(-1).view(np.uint8) for f in flat]
+    for ((section, _, _), members), raw in zip(groups.items(), raws):
+        if section == "calibration":  # the calibration digest (and every later block key) hashes these
+            for entry, a in members:
+                entry["sha256"] = hashlib.sha256(raw[entry["offset"]:entry["offset"] + a.nbytes]).hexdigest()
+    return flat, raws
 
-    def pack(item: tuple[tuple[str, str, str], list[tuple[dict[str, Any], np.ndarray]]]) -> tuple[dict, Any]:
-        (_, _, dtype), members = item
-        raw = members[0][1] if len(members) == 1 else np.concatenate([r for _, r in members])
+
+def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Encode each group once: (the header's group records, each group's stored bytes)."""
+    def pack(j: int) -> tuple[dict, Any]:
+        dtype, raw = list(groups)[j][2], raws[j]
         encoding, packed = _encode(raw, DTYPES[dtype][0].size)
         record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
                   "sha256": hashlib.sha256(raw).hexdigest()}
         return record, raw.data if packed is None else packed
 
-    done = list(_threads().map(pack, groups.items()))  # zstd and hashlib release the GIL
+    done = _map(pack, range(len(raws)), [r.size for r in raws])
     return [r for r, _ in done], [p for _, p in done]
 
 
@@ -174,10 +204,12 @@ def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header
     _check_expect(header, expect)
     if header.version == 1:
         arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
-    else:
-        arrays = _unpack(header, [blob[s:e] for _, s, e in table.values()])
-    mx.eval(*arrays.values())
-    return header, _build(header, arrays)
+        mx.eval(*arrays.values())
+        return header, _build(header, arrays)
+    held = _unpack(header, [blob[s:e] for _, s, e in table.values()])
+    mx.eval(held)
+    grouped = _grouped_block(header, held) if header.kind == "block" else None
+    return header, grouped or _build(header, _views(header, held))
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -415,10 +447,11 @@ def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
     return tensor_from_bytes(raw, info.dtype, info.shape)
 
 
-def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
-    """Format 2: each group decoded and checked against its digest once, each array a slice of
-    its group. Calibration arrays are checked against their own digests too: the calibration
-    digest in the header (and so every later block key) was computed from those."""
+def _unpack(header: Header, stored: list[memoryview]) -> list[mx.array]:
+    """Format 2: each group decoded and checked against its digest once, as one unsigned MLX
+    array (arrays are views of it: `_views`, `_grouped_block`). Calibration arrays are checked
+    against their own digests too: the calibration digest in the header (and so every later
+    block key) was computed from those."""
     def unpack(j: int) -> np.ndarray:
         g = header.groups[j]
         raw = _decoded(f"group {j}", g.encoding, stored[j], g.nbytes, DTYPES[g.dtype][0].size)
@@ -426,14 +459,72 @@ def _unpack(header: Header, stored: list[memoryview]) -> dict[str, mx.array]:
             raise ChecksumMismatch(f"group {j} ({g.dtype}) is corrupt: its sha256 does not match the header")
         return raw
 
-    groups = list(_threads().map(unpack, range(len(header.groups))))  # zstd and hashlib release the GIL
+    groups = _map(unpack, range(len(header.groups)), [len(b) for b in stored])
+    for name, info in header.tensors().items():
+        if info.sha256 is not None:
+            raw = groups[info.group][info.offset:info.offset + info.nbytes]
+            if hashlib.sha256(raw).hexdigest() != info.sha256:
+                raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
+    # One MLX array per group (one copy of its bytes); every array is a view of its group.
+    return [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, groups)]
+
+
+def _views(header: Header, held: list[mx.array]) -> dict[str, mx.array]:
+    """Format 2: every array by its tensor name, a view of its group."""
     arrays = {}
     for name, info in header.tensors().items():
-        raw = groups[info.group][info.offset:info.offset + info.nbytes]
-        if info.sha256 is not None and hashlib.sha256(raw).hexdigest() != info.sha256:
-            raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
-        arrays[name] = tensor_from_bytes(raw, info.dtype, info.shape)
+        mx_dtype, _, unsigned = DTYPES[info.dtype]
+        start = info.offset // unsigned.size
+        a = held[info.group][start:start + info.nbytes // unsigned.size].reshape(info.shape)
+        arrays[name] = a if mx_dtype == unsigned else a.view(mx_dtype)
     return arrays
+
+
+def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
+    """A block whose layers hold their arrays as `ArrayGroup`s (one per group), when every group
+    holds arrays of one name and shape, one per layer in layer order (as dumps writes them);
+    else None. Calibration arrays (block 0 only) stay arrays of their own."""
+    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
+    for li in header.layers:
+        for n, t in li.arrays.items():
+            members.setdefault(t.group, []).append((li.index, n, t))
+    calibration_groups = {t.group for li in header.layers for t in li.calibration.values()}
+    if calibration_groups & set(members):
+        return None
+    groups = []
+    for j, found in sorted(members.items()):
+        (_, name, first), size = found[0], found[0][2].nbytes
+        if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found)):
+            return None
+        mx_dtype, _, unsigned = DTYPES[first.dtype]
+        data = held[j].reshape(len(found), *first.shape)
+        groups.append(ArrayGroup(name, tuple(i for i, _, _ in found), data if mx_dtype == unsigned
+                                 else data.view(mx_dtype)))
+    calibration = _views(header, held) if calibration_groups else {}
+    shells = {li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
+                                    {n: calibration[layer_tensor(li.index, n, calibration=True)]
+                                     for n in li.calibration})
+              for li in header.layers}
+    b = header.block
+    return Block(b.index, b.start, b.n_tokens, GroupedLayers(shells, tuple(groups)), b.block_size)
+
+
+def _aligned(raw: np.ndarray, itemsize: int) -> np.ndarray:
+    """A group's decoded bytes as unsigned items of `itemsize` (copied only when a stored
+    group does not start on an item boundary: safetensors offsets need not be aligned)."""
+    if raw.ctypes.data % itemsize:
+        raw = raw.copy()
+    return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
+
+
+def _map(fn, items, sizes: list[int]) -> list:
+    """`fn` over `items`, the large ones on threads (zstd and hashlib release the GIL) and the
+    small ones here: on two busy cores, handing a 300 KiB group to a thread cost more than hashing it."""
+    items = list(items)
+    futures = {k: _threads().submit(fn, item) for k, (item, size) in enumerate(zip(items, sizes))
+               if size >= THREADED_BYTES}
+    done = {k: fn(item) for k, item in enumerate(items) if k not in futures}
+    return [futures[k].result() if k in futures else done[k] for k in range(len(items))]
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,7 +23,7 @@ from tqstore.errors import ConflictError, TokenMismatch
 from tqstore.format.blocks import SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
 from tqstore.format.header import Provenance
 from tqstore.format.manifest import Manifest, ObjectRef, window_key
-from tqstore.format.objects import dumps as dump_object
+from tqstore.format.objects import dumps_decoded as dump_object
 from tqstore.models.identity import CodecIdentity, ModelIdentity, codecs_digest
 from tqstore.names import validate_name
 from tqstore.store.publish import Batch, Digests, publish
@@ -133,9 +133,10 @@ class _Encoder:
         batch: Batch = {}
         for want in missing:
             hot = canonical[want.key]
-            payload = dump_object(hot.obj, hot.provenance)
+            # The memory tier keeps the object as a restore decodes it: groups, joined by group.
+            payload, obj = dump_object(hot.obj, hot.provenance)
             digest = hashlib.sha256(payload).hexdigest()
-            canonical[want.key] = HotObject(hot.obj, hot.kind, hot.provenance, digest, hot.nbytes)
+            canonical[want.key] = HotObject(obj, hot.kind, hot.provenance, digest, hot.nbytes)
             batch[want.key] = (payload, digest)
             if sum(len(p) for p, _ in batch.values()) >= _BATCH_BYTES:
                 yield batch

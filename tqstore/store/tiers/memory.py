@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tqstore.format.blocks import Block, SharedCodecs, Window
+from tqstore.format.blocks import Block, GroupedLayers, SharedCodecs, Window
 from tqstore.format.objects import Provenance
 
 Decoded = Block | Window | SharedCodecs
@@ -49,6 +49,8 @@ def decoded_nbytes(obj: Decoded) -> int:
     """Bytes of the arrays of a decoded object."""
     if isinstance(obj, SharedCodecs):
         return sum(a.nbytes for c in obj.codecs.values() for a in c.arrays.values())
+    if isinstance(obj.layers, GroupedLayers):
+        return obj.layers.nbytes  # without building a record per layer
     layers = obj.layers.values() if isinstance(obj, Block) else obj.layers
     return sum(r.nbytes for r in layers)
 
