@@ -505,6 +505,10 @@ def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
                                     {n: calibration[layer_tensor(li.index, n, calibration=True)]
                                      for n in li.calibration})
               for li in header.layers}
+    # Evaluated here, in the thread that decoded them (a put's writer thread, for one): an MLX
+    # array still holding a lazy reshape is bound to its thread's stream, and another thread that
+    # joins it fails ("There is no Stream(cpu, N) in current thread"). Views cost no copy.
+    mx.eval([g.data for g in groups], list(calibration.values()))
     b = header.block
     return Block(b.index, b.start, b.n_tokens, GroupedLayers(shells, tuple(groups)), b.block_size)
 
