@@ -71,8 +71,6 @@ def test_round_trip_is_bit_exact(tier, size):
     assert info.size == size and info.sha256 == hashlib.sha256(data).hexdigest()
     assert info.segment_count == -(-size // PER_SEG) and info.segment_size == PER_SEG
     assert tier.has_object(key(size))
-    got, digest = tier.get_verified(key(size), buffer=True)  # the restore's read: a buffer, not bytes
-    assert isinstance(got, memoryview) and got == data and digest == info.sha256
 
 
 def test_missing_object(tier):
@@ -190,20 +188,6 @@ def test_corrupt_segment_is_quarantined(tmp_path, how, kind):
     assert tier.get_object(key(2)) == b"neighbour"
     assert tier.put_object(key(1), good)  # healed by storing it again
     assert tier.get_object(key(1)) == good and tier.quarantined() == []
-    tier.close()
-
-
-@pytest.mark.parametrize("how", ["flip", "truncate", "drop"])
-def test_a_corrupt_segment_read_into_a_buffer_is_quarantined_too(tmp_path, how):
-    path = tmp_path / "lmdb"
-    tier = open_tier(path)
-    tier.put_objects({key(1): payload(1, 3 * PER_SEG)})
-    tier.close()
-    damage(path, key(1), how)
-    tier = open_tier(path)
-    with pytest.raises(CorruptBlock, match="quarantined"):
-        tier.get_verified(key(1), buffer=True)
-    assert not tier.has_object(key(1)) and [r.key for r in tier.quarantined()] == [key(1)]
     tier.close()
 
 

@@ -84,13 +84,13 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
     return out
 
 
-def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[memoryview, str] | None | CorruptBlock]:
+def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[bytes, str] | None | CorruptBlock]:
     """Each wanted LMDB payload with its verified digest (None: absent; CorruptBlock: the tier
     quarantined it), in order, read and hashed by a thread READ_AHEAD objects ahead of the
     caller, who decodes meanwhile (LMDB reads and hashlib release the GIL; no MLX off-thread)."""
-    def read(want: Want) -> tuple[memoryview, str] | None | CorruptBlock:
+    def read(want: Want) -> tuple[bytes, str] | None | CorruptBlock:
         try:
-            return lmdb.get_verified(want.key, buffer=True)
+            return lmdb.get_verified(want.key)
         except CorruptBlock as exc:
             return exc
 
@@ -106,7 +106,7 @@ def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[memoryview,
             yield queued.popleft().result()
 
 
-def _from_lmdb(tiers: TierSet, want: Want, found: tuple[memoryview, str] | None | CorruptBlock, out: Fetched) -> None:
+def _from_lmdb(tiers: TierSet, want: Want, found: tuple[bytes, str] | None | CorruptBlock, out: Fetched) -> None:
     what = f"{want.kind} {want.key.hex()[:12]}"
     if isinstance(found, CorruptBlock):  # the tier quarantined it
         out.misses.append(f"LMDB copy of {what}: {found}")

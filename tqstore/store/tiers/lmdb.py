@@ -165,12 +165,10 @@ class LmdbTier:
         found = self.get_verified(key)
         return None if found is None else found[0]
 
-    def get_verified(self, key: bytes, buffer: bool = False) -> tuple[bytes | memoryview, str] | None:
-        """`get_object` with the hex sha256 the payload was just verified against; `buffer`:
-        the payload as a memoryview (copied out of LMDB with the GIL released), not bytes."""
+    def get_verified(self, key: bytes) -> tuple[bytes, str] | None:
+        """`get_object` with the hex sha256 the payload was just verified against."""
         key = check_key(key)
-        payload, problem, header = self._env.read(
-            lambda txn: load_object(txn, self._env.dbs, key, keep=True, buffer=buffer))
+        payload, problem, header = self._env.read(lambda txn: load_object(txn, self._env.dbs, key, keep=True))
         if problem is not None:
             self._env.write(self._quarantine, key, header, f"{problem.kind}: {problem.detail}")
             raise CorruptBlock(

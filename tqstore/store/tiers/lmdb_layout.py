@@ -16,7 +16,6 @@ import struct
 from dataclasses import dataclass
 
 import lmdb
-import numpy as np
 
 from tqstore.store.tiers.base import ObjectInfo
 
@@ -58,13 +57,10 @@ def write_object(
 
 
 def load_object(
-    txn: lmdb.Transaction, dbs: dict, key: bytes, keep: bool, buffer: bool = False
-) -> tuple[bytes | memoryview | None, Problem | None, bytes | None]:
+    txn: lmdb.Transaction, dbs: dict, key: bytes, keep: bool
+) -> tuple[bytes | None, Problem | None, bytes | None]:
     """(payload if `keep`, the problem if it fails its checks, raw header) of `key`; all None
-    if absent. Checks the header, every segment's presence and length, and the sha256.
-    `buffer`: the payload as a memoryview of fresh memory filled by numpy, which copies with
-    the GIL released (bytes.join holds it while it faults in every page of the new object,
-    and the restore decodes on the other thread meanwhile)."""
+    if absent. Checks the header, every segment's presence and length, and the sha256."""
     raw = copy(txn.get(key, db=dbs[b"objects"]))
     if raw is None:
         return None, None, None
@@ -85,18 +81,7 @@ def load_object(
     if hasher.digest() != digest:
         detail = f"sha256 {hasher.hexdigest()} does not match the stored {digest.hex()}"
         return None, Problem("checksum", key, detail), raw
-    if not keep:
-        return None, None, raw
-    return (_gathered(parts, size) if buffer else b"".join(parts)), None, raw
-
-
-def _gathered(parts: list[memoryview], size: int) -> memoryview:
-    """The segments copied into one new buffer of `size` bytes."""
-    out, at = np.empty(size, dtype=np.uint8), 0
-    for part in parts:
-        out[at:at + len(part)] = np.frombuffer(part, dtype=np.uint8)
-        at += len(part)
-    return memoryview(out)
+    return (b"".join(parts) if keep else None), None, raw
 
 
 def header_info(key: bytes, raw: bytes) -> ObjectInfo:
