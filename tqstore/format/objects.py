@@ -338,10 +338,12 @@ def _json(raw, what: str) -> Any:
         raise ValueError(f"{name} is not JSON")
 
     def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        if len(set(keys)) != len(keys):
+        # Called once per JSON object of every header (thousands per restore): a dict shorter
+        # than its pairs had a key twice, found without building the key list and set.
+        table = dict(pairs)
+        if len(table) != len(pairs):
             raise ValueError("a key appears twice")
-        return dict(pairs)
+        return table
 
     try:
         return json.loads(bytes(raw).decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)

@@ -1,0 +1,155 @@
+"""Where an LMDB restore's time goes, stage by stage, beside its floor (a cold read).
+
+    python bench/restore_costs.py --tokens 16384 --schemes turbo4 raw --runs 3 --write
+
+An entry of synthetic rows with the real model's KV geometry (bench/storage.py's) is put into a
+fresh home. Each run restores it with data.mdb's pages dropped (wall and CPU seconds of the
+process: the restore reads ahead and decodes large groups on threads, so CPU can exceed wall)
+beside a sequential read of as many bytes of data.mdb with its pages dropped (the floor). Then
+the same work once more on one thread, stage by stage, pages dropped again: each object's LMDB
+read with the tier's SHA-256 of the payload (and that hash alone, again, to split it out), the
+frame and header parse and validation, the zstd decoding (with byte unshuffling), the SHA-256
+of every decoded group, the rest of `decode` (MLX copies, views, records), and the join with
+its evaluation. Stage columns are seconds per stored GB; ranges over --runs runs. `--write`
+puts the table into docs/benchmarks.md (section bench-restore-costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+import mlx.core as mx  # noqa: E402
+
+from common import compressed, drop_page_cache, markdown_table, replace_section, stamp  # noqa: E402
+from storage import GEOMETRY, cold_read_floor, kv_model, raw_snapshot, span  # noqa: E402
+
+STAGES = ("lmdb read + sha256", "of which sha256", "header parse + checks", "zstd + unshuffle", "group sha256",
+          "MLX copies + records", "join + eval", "sum of stages")
+
+
+def stage_costs(store, manifest) -> dict[str, float]:
+    """Seconds of each stage of one LMDB restore of `manifest`, run serially on this thread."""
+    from tqstore.canonical import DTYPES
+    from tqstore.format import objects
+    from tqstore.format.blocks import SplitSnapshot, join_blocks
+    from tqstore.store.verify import decode, wants_for
+
+    lmdb, cost = store._tiers.lmdb, dict.fromkeys(STAGES, 0.0)
+    wants, decoded = wants_for(manifest, len(manifest.blocks), False), {}
+    for want in wants:
+        t0 = time.perf_counter()
+        payload, digest = lmdb.get_verified(want.key)
+        t1 = time.perf_counter()
+        hashlib.sha256(payload).digest()
+        t2 = time.perf_counter()
+        header, table, blob = objects._read(payload, True, False)
+        t3 = time.perf_counter()
+        raws = [objects._decoded("", g.encoding, blob[s:e], g.nbytes, DTYPES[g.dtype][0].size)
+                for g, (_, s, e) in zip(header.groups, table.values())]
+        t4 = time.perf_counter()
+        for raw in raws:
+            hashlib.sha256(raw).hexdigest()
+        t5 = time.perf_counter()
+        decoded[want.key] = decode(payload, want, digest)
+        t6 = time.perf_counter()
+        cost["lmdb read + sha256"] += t1 - t0
+        cost["of which sha256"] += t2 - t1
+        cost["header parse + checks"] += t3 - t2
+        cost["zstd + unshuffle"] += t4 - t3
+        cost["group sha256"] += t5 - t4
+        cost["MLX copies + records"] += max(0.0, (t6 - t5) - (t5 - t2))  # decode less the stages it repeats
+    n = len(manifest.blocks)
+    t0 = time.perf_counter()
+    split = SplitSnapshot([decoded[w.key].obj for w in wants[:n]], decoded[wants[-2].key].obj,
+                          decoded[wants[-1].key].obj, manifest.block_size)
+    mx.eval(*join_blocks(split, n).arrays())
+    cost["join + eval"] = time.perf_counter() - t0
+    cost["sum of stages"] = sum(v for k, v in cost.items() if k not in ("of which sha256", "sum of stages"))
+    return cost
+
+
+def measure(tokens: int, scheme: str, runs: int) -> list:
+    from tqstore.config import load_config
+    from tqstore.models.identity import CodecIdentity, ModelIdentity
+    from tqstore.store.store import Store
+    from turboquant import make_prompt_cache, snapshot
+
+    model = kv_model()
+    raw = raw_snapshot(tokens)
+    mx.eval(raw.arrays())
+    snap, _ = compressed(model, raw, scheme)
+    home = Path(tempfile.mkdtemp(prefix="tqstore-restore-costs-", dir=os.environ.get("TQSTORE_BENCH_DIR")))
+    config = load_config(home, {})
+    try:
+        store = Store.open(home, config=config)
+        manifest = store.put("e", snap, list(range(tokens)), model=ModelIdentity.from_model(model, kv_dtype="float32"),
+                             codec=CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme),
+                             model_ref="bench", prefill_seconds=1.0).manifest
+        decoded = sum(a.nbytes for a in snap.arrays())
+        store.close()
+        del snap, raw
+        data, out = home / "lmdb" / "data.mdb", []
+        for i in range(runs):
+            store = Store.open(home, config=config)
+            store.get("e")
+            drop_page_cache(data)
+            c0, t0 = time.process_time(), time.perf_counter()
+            store.load("e")
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            floor = cold_read_floor(data, manifest.nbytes)
+            store.close()
+            store = Store.open(home, config=config)
+            store.get("e")
+            drop_page_cache(data)
+            stages = stage_costs(store, manifest)
+            store.close()
+            out.append((manifest.nbytes, decoded, wall, cpu, floor, stages))
+            print(f"run {i + 1} {scheme}: restore {wall:.3f}s (CPU {cpu:.3f}s), floor {floor:.3f}s; " +
+                  ", ".join(f"{k} {v:.3f}s" for k, v in stages.items()), flush=True)
+        return out
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def table(found: dict[str, list], tokens: int) -> str:
+    header = ["tokens", "scheme", "stored MB", "decoded MB", "restore s", "restore CPU s", "cold read s",
+              "restore / floor"] + [f"{s} (s/GB)" for s in STAGES]
+    rows = []
+    for scheme, got in found.items():
+        gb = got[0][0] / 1e9
+        rows.append([tokens, scheme, f"{got[0][0] / 1e6:.1f}", f"{got[0][1] / 1e6:.1f}",
+                     span([w for _, _, w, _, _, _ in got], "{:.3f}"), span([c for _, _, _, c, _, _ in got], "{:.3f}"),
+                     span([f for _, _, _, _, f, _ in got], "{:.3f}"),
+                     span([f / w for _, _, w, _, f, _ in got]) + "x"]
+                    + [span([st[s] / gb for *_, st in got]) for s in STAGES])
+    return markdown_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--schemes", nargs="+", default=["turbo4", "raw"])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    body = table({s: measure(args.tokens, s, args.runs) for s in args.schemes}, args.tokens)
+    print(body)
+    if args.write:
+        doc = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+        argv_ = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+        replace_section(doc, "bench-restore-costs", f"{stamp(argv_)}\n\n{body}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
