@@ -118,14 +118,15 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally) -> di
         info = s3.object_info(ref.key)
         if info is None:
             try:
-                payload = tiers.lmdb.get_object(ref.key)
+                found = tiers.lmdb.get_verified(ref.key)  # hashed once here, the digest reused for the upload
             except CorruptBlock as exc:
                 raise CorruptBlock(f"entry {manifest.name} cannot be pushed: {exc}; save it again") from None
-            if payload is None:
+            if found is None:
                 raise NotFound(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
                                f"{ref.key.hex()[:12]} is missing from the local store (tqstore verify); save it again")
-            if s3.put_object(ref.key, payload):
-                return hashlib.sha256(payload).hexdigest(), len(payload), len(payload)
+            payload, sha256 = found
+            if s3.put_object(ref.key, payload, sha256):
+                return sha256, len(payload), len(payload)
             info = s3.object_info(ref.key)  # another machine uploaded it in between
             if info is None:
                 raise ConflictError(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
