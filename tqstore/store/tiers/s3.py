@@ -382,7 +382,7 @@ class S3Tier:
     def each(
         self, fn: Callable[[K], T], items: list[K], on_done: Callable[[K, T], None] | None = None
     ) -> dict[K, T]:
-        """{item: fn(item)}, run on up to `concurrency` threads (the tier's one fan-out: bulk
+        """{item: fn(item)}, run on up to `concurrency` threads (the tier's one fan-out for bulk
         GETs and deletes, and push's uploads). `on_done(item, result)` runs on the calling
         thread as each finishes; the first error cancels what has not started and is raised
         (what finished stays done)."""
