@@ -263,3 +263,40 @@ def test_without_a_bucket(tmp_path):
         with pytest.raises(RemoteNotConfigured, match="TQSTORE_S3_URL"):
             call()
     store.close()
+
+
+def test_pull_streams_its_objects_and_stops_at_the_first_damaged_one(s3, tmp_path):
+    """Pull keeps at most two batches (2 x 2 x concurrency objects) of GETs ahead of the LMDB
+    writes; a damaged object stops it before the GETs go further and publishes nothing."""
+    snap, tokens = make_snapshot(2600, layouts=PLAIN), token_ids(2600)
+    a = s3_store(tmp_path / "a", s3)
+    put(a, "a", snap, tokens)
+    a.push("a")
+    m = a.get("a")
+    assert len(m.objects) >= 10
+    b = s3_store(tmp_path / "b", s3, s3_concurrency=1)  # batches of 2, GETs up to 4 objects ahead
+    writes = []
+    put_objects = b._tiers.lmdb.put_objects
+    b._tiers.lmdb.put_objects = lambda objects, **kw: writes.append(len(objects)) or put_objects(objects, **kw)
+    assert b.pull("a").transferred == len(m.objects)
+    assert writes == [2] * (len(m.objects) // 2) + [1] * (len(m.objects) % 2)
+    restored, _ = b.load("a")
+    assert_same_snapshot(restored, snap)
+    b.close()
+
+    damaged = 5  # in the order pull fetches: blocks, window, codecs
+    name = a._tiers.s3.object_name(m.blocks[damaged].key)
+    head = s3.client.head_object(Bucket=s3.bucket, Key=name)
+    body = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=name)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    s3.client.put_object(Bucket=s3.bucket, Key=name, Body=bytes(body), Metadata=head["Metadata"])
+    c = s3_store(tmp_path / "c", s3, s3_concurrency=1)
+    gets = Counter()
+    c._tiers.s3.client.meta.events.register(
+        "provide-client-params.s3.GetObject", lambda params, **_: gets.update(["/objects/" in params["Key"]]))
+    with pytest.raises(CorruptBlock, match=m.blocks[damaged].key.hex()):
+        c.pull("a")
+    assert c.ls() == [] and c.verify() == []  # nothing published
+    assert gets[True] <= damaged + 1 + 4 < len(m.objects)
+    a.close()
+    c.close()

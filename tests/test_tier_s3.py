@@ -341,3 +341,29 @@ def test_stubbed_truncated_body_is_retried(stubbed):
     whole = StreamingBody(io.BytesIO(body), len(body))
     stubber.add_response("get_object", {"Body": whole, "ETag": '"e"', "Metadata": meta})
     assert tier.get_manifest("m") == (body, '"e"')
+
+
+def test_put_object_reuses_a_verified_digest_and_checksums_the_body_sent(s3):
+    """A digest the caller passes becomes tq-sha256 without hashing again; ChecksumSHA256 always
+    describes the body on the wire: the payload, or its envelope when sealed (moto would accept
+    a wrong one silently)."""
+    import base64 as b64
+
+    from tqstore.store import crypto
+
+    for cipher in (None, crypto.ObjectCipher(bytes(range(32)), "a test key")):
+        tier = s3.tier(cipher=cipher)
+        sent = []
+        tier.client.meta.events.register("before-send.s3.PutObject", lambda request, **_: sent.append(request))
+        data = payload("digest", 70_000)
+        digest = hashlib.sha256(data).hexdigest()
+        assert tier.put_object(key(f"digest-{cipher is None}"), data, digest)
+        body = sent[0].body
+        if not isinstance(body, bytes):  # a stream botocore has read: read it again
+            body.seek(0)
+            body = body.read()
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in sent[0].headers.items()}
+        assert headers["x-amz-checksum-sha256"] == b64.b64encode(hashlib.sha256(body).digest()).decode()
+        assert headers["x-amz-meta-tq-sha256"] == digest
+        assert (body == data) == (cipher is None)
+        assert tier.get_object(key(f"digest-{cipher is None}")) == data

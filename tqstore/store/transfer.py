@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
+from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound
 from tqstore.format.manifest import Manifest, ObjectRef
 from tqstore.store.crypto import UnboundManifest
 from tqstore.store.publish import Batch, publish
@@ -118,14 +120,15 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally) -> di
         info = s3.object_info(ref.key)
         if info is None:
             try:
-                payload = tiers.lmdb.get_object(ref.key)
+                found = tiers.lmdb.get_verified(ref.key)  # hashed once here, the digest reused for the upload
             except CorruptBlock as exc:
                 raise CorruptBlock(f"entry {manifest.name} cannot be pushed: {exc}; save it again") from None
-            if payload is None:
+            if found is None:
                 raise NotFound(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
                                f"{ref.key.hex()[:12]} is missing from the local store (tqstore verify); save it again")
-            if s3.put_object(ref.key, payload):
-                return hashlib.sha256(payload).hexdigest(), len(payload), len(payload)
+            payload, sha256 = found
+            if s3.put_object(ref.key, payload, sha256):
+                return sha256, len(payload), len(payload)
             info = s3.object_info(ref.key)  # another machine uploaded it in between
             if info is None:
                 raise ConflictError(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
@@ -258,29 +261,47 @@ class _Bucket:
         return want.sha256
 
     def payloads(self, missing: list[Want], kept: object) -> Iterator[Batch]:
-        """Download, verify and yield `missing`, 2 x concurrency objects at a time."""
+        """Download, verify and yield `missing` in batches of 2 x concurrency objects, as a
+        stream: up to `concurrency` GETs run at once, each object is verified as it arrives,
+        and the downloads go on while the caller writes a batch (at most two batches are held
+        beyond the one being written). Verification runs on one thread, in order: it decodes,
+        and the first problem in `missing`'s order is raised."""
         step = 2 * self.s3.concurrency
-        for i in range(0, len(missing), step):
-            yield self._download(missing[i:i + step])
-
-    def _download(self, wants: list[Want]) -> Batch:
-        payloads = self.s3.get_objects([w.key for w in wants], {w.key: w.sha256 for w in wants})
-        verified = {}
-        for want in wants:
-            payload = payloads[want.key]
-            what = f"{want.kind} {want.key.hex()[:12]}"
-            if isinstance(payload, TqstoreError):
-                raise payload
-            if payload is None:
-                raise NotFound(f"the bucket lacks {what}, which its manifest lists: push the entry again from a "
-                               "machine that has it")
+        with ThreadPoolExecutor(max_workers=self.s3.concurrency, thread_name_prefix="tqstore-pull") as fetch, \
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-pull-verify") as check:
+            pending: deque[Future[tuple[bytes, str]]] = deque()
             try:
-                decode(payload, want, want.sha256)  # the S3 tier just verified the bytes against it
-            except ConflictError as exc:
-                raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again"
-                                    ) from None
-            except BAD_CONTENT as exc:
-                raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine "
-                                   "that has it") from None
-            verified[want.key] = (payload, want.sha256)
-        return verified
+                queued, batch = 0, {}
+                for done in range(len(missing)):
+                    for want in missing[queued:done + 2 * step]:
+                        pending.append(check.submit(self._verify, want, fetch.submit(self._get, want)))
+                    queued = max(queued, min(len(missing), done + 2 * step))
+                    batch[missing[done].key] = pending.popleft().result()
+                    if len(batch) == step or done == len(missing) - 1:
+                        yield batch
+                        batch = {}
+            finally:  # an error, or the caller stopped: nothing more starts
+                for future in pending:
+                    future.cancel()
+                fetch.shutdown(cancel_futures=True)
+
+    def _get(self, want: Want) -> bytes | None:
+        """The bucket's payload of `want`, checked against its manifest digest, or None."""
+        return self.s3.get_object(want.key, want.sha256)
+
+    def _verify(self, want: Want, fetching: Future[bytes | None]) -> tuple[bytes, str]:
+        """`want`'s payload once downloaded, verified in full, with its digest."""
+        payload = fetching.result()
+        what = f"{want.kind} {want.key.hex()[:12]}"
+        if payload is None:
+            raise NotFound(f"the bucket lacks {what}, which its manifest lists: push the entry again from a "
+                           "machine that has it")
+        try:
+            decode(payload, want, want.sha256)  # the S3 tier just verified the bytes against it
+        except ConflictError as exc:
+            raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again"
+                                ) from None
+        except BAD_CONTENT as exc:
+            raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine "
+                               "that has it") from None
+        return payload, want.sha256

@@ -154,11 +154,16 @@ class S3Tier:
         """Whether `key` exists in the bucket (one HEAD request)."""
         return self.object_info(key) is not None
 
-    def put_object(self, key: bytes, payload: bytes) -> bool:
-        """Upload `payload` unless `key` exists (If-None-Match: *); False if it already did."""
+    def put_object(self, key: bytes, payload: bytes, sha256: str | None = None) -> bool:
+        """Upload `payload` unless `key` exists (If-None-Match: *); False if it already did.
+        `sha256` is the payload's hex digest where the caller has just verified the payload
+        against it (it is not hashed again)."""
         name, payload = self.object_name(key), bytes(payload)
-        meta = {_META_SHA: hashlib.sha256(payload).hexdigest(), _META_SIZE: str(len(payload))}
+        digest = bytes.fromhex(sha256) if sha256 is not None else hashlib.sha256(payload).digest()
+        meta = {_META_SHA: digest.hex(), _META_SIZE: str(len(payload))}
         body = self._seal(payload, "object", check_key(key).hex(), name, meta)
+        # Unsealed, the body is the payload: its checksum is the digest just taken.
+        checksum = _b64(digest if body is payload else hashlib.sha256(body).digest())
 
         def upload() -> bool:
             try:
@@ -166,8 +171,8 @@ class S3Tier:
                     self._put_multipart(name, body, meta)
                 else:
                     self._retrying(
-                        "put_object", Key=name, Body=body, IfNoneMatch="*",
-                        ChecksumSHA256=_b64(hashlib.sha256(body).digest()), Metadata=meta,
+                        "put_object", Key=name, Body=body, IfNoneMatch="*", ChecksumSHA256=checksum,
+                        Metadata=meta,
                     )
                 return True
             except PreconditionFailed:
@@ -377,7 +382,7 @@ class S3Tier:
     def each(
         self, fn: Callable[[K], T], items: list[K], on_done: Callable[[K, T], None] | None = None
     ) -> dict[K, T]:
-        """{item: fn(item)}, run on up to `concurrency` threads (the tier's one fan-out: bulk
+        """{item: fn(item)}, run on up to `concurrency` threads (the tier's one fan-out for bulk
         GETs and deletes, and push's uploads). `on_done(item, result)` runs on the calling
         thread as each finishes; the first error cancels what has not started and is raised
         (what finished stays done)."""
