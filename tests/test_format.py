@@ -100,6 +100,32 @@ def test_loaded_blocks_join_by_groups(layouts, T, dtype):
     assert_same_snapshot(joined[-1], snap)
 
 
+@pytest.mark.parametrize("layouts", (UNIFORM[0], CUTTABLE), ids=("grouped", "heterogeneous"))
+def test_objects_decoded_in_another_thread_join_in_this_one(layouts):
+    """A put's writer thread and a pull's verifier decode objects that the restoring thread joins.
+    MLX binds an unevaluated array to its thread's stream, so a lazy view left by the decode
+    failed there ("There is no Stream(cpu, N) in current thread")."""
+    import threading
+
+    T = 600
+    snap = make_snapshot(T, mx.float32, layouts, seed=4)
+    mx.eval(*snap.arrays())  # the other direction: lazy arrays of this thread cannot be evaluated there
+    decoded = []
+
+    def decode():
+        try:
+            decoded.append(_loaded(snap, tokens_for(T)))
+        except Exception as exc:  # shown by the assertion below
+            decoded.append(exc)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    worker.join()
+    assert not isinstance(decoded[0], Exception), decoded[0]
+    loaded, window, shared = decoded[0]
+    assert_same_snapshot(join_blocks(SplitSnapshot(loaded, window, shared)), snap)
+
+
 def test_loaded_blocks_of_different_saves_do_not_join():
     tokens = tokens_for(300)
     a, window, shared = _loaded(make_snapshot(300, layouts=[Layout.TURBO] * 2), tokens)

@@ -209,7 +209,11 @@ def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header
     held = _unpack(header, [blob[s:e] for _, s, e in table.values()])
     mx.eval(held)
     grouped = _grouped_block(header, held) if header.kind == "block" else None
-    return header, grouped or _build(header, _views(header, held))
+    if grouped is not None:
+        return header, grouped
+    views = _views(header, held)
+    mx.eval(*views.values())  # bound to no thread's stream (see _grouped_block); views, no copies
+    return header, _build(header, views)
 
 
 # -- writing ---------------------------------------------------------------------------------
