@@ -3,8 +3,9 @@
 Each tree (`--tree LABEL=PATH`, a checkout with its own `.venv` holding tqstore installed
 editable from it) runs fresh processes of `tqstore --version`, `ls`, `info`, `ask` and `ask --json`
 on a tiny random-weight model folder (written as tests/model_folder.py does), N times each,
-interleaved so that the shared machine's noise falls on every tree alike. The floor is a fresh
-`python -c "import mlx.core"` from the same interpreter. `ask --json` reports its timed phases
+interleaved so that the shared machine's noise falls on every tree alike. The floors are fresh
+`python -c "import mlx.core"` and `python -c "import mlx_lm"` (what any `ask` must import) from the
+same interpreter. `ask --json` reports its timed phases
 (model load, restore, question prefill, generation); wall / phases is the ratio issue 28 bounds
 at 1.5x. Every figure is a range over the runs (min-max), never the best one.
 
@@ -29,6 +30,8 @@ from common import markdown_table, replace_section, stamp  # noqa: E402
 
 QUESTION = "Who pays for delays?"
 DOCUMENT = "The contract says the seller pays. Clause seven covers delivery, payment and penalties. " * 20
+# Floors: MLX alone, and the model stack any `ask` must import (mlx-lm pulls transformers).
+FLOORS = {"import mlx.core": "import mlx.core", "import mlx_lm": "import mlx_lm"}
 PHASES = ("model_seconds", "restore_seconds", "prefill_seconds", "generation_seconds")
 
 
@@ -89,11 +92,12 @@ def main() -> None:
         timed([tools[label], "save", "doc", "--model", str(model), "--file", str(document)], envs[label])
 
     cmds = commands()
-    walls = {(label, name): [] for label in trees for name in ["import mlx.core", *cmds]}
+    walls = {(label, name): [] for label in trees for name in [*FLOORS, *cmds]}
     phases = {label: [] for label in trees}
     for _ in range(args.runs):
         for label in trees:
-            walls[(label, "import mlx.core")].append(timed([pythons[label], "-c", "import mlx.core"], envs[label])[0])
+            for floor, code in FLOORS.items():
+                walls[(label, floor)].append(timed([pythons[label], "-c", code], envs[label])[0])
             for name, argv in cmds.items():
                 wall, out = timed([tools[label], *argv], envs[label])
                 walls[(label, name)].append(wall)
@@ -102,12 +106,14 @@ def main() -> None:
                     phases[label].append((wall, sum(doc[p] for p in PHASES)))
 
     rows = []
-    for name in ["import mlx.core", *cmds]:
-        row = [f"`{name}`" if name.startswith("import") else f"`tqstore {name}`"]
+    for name in [*FLOORS, *cmds]:
+        row = [f"`python -c \"{FLOORS[name]}\"` (floor)" if name in FLOORS else f"`tqstore {name}`"]
         row += [span(walls[(label, name)]) for label in trees]
         rows.append(row)
     rows.append(["`ask --json` timed phases (model + restore + prefill + generation)"]
                 + [span([p for _, p in phases[label]]) for label in trees])
+    rows.append(["`ask --json` wall - timed phases"]
+                + [span([w - p for w, p in phases[label]]) for label in trees])
     rows.append(["`ask --json` wall / timed phases"]
                 + [span([w / p for w, p in phases[label]]) + "x" for label in trees])
     header = ["fresh process (seconds, min-max over runs)", *[f"{label} (git {revision(trees[label])})" for label in trees]]
