@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--tree", action="append", metavar="LABEL=PATH",
                     help="a checkout with its .venv (repeatable; default: this one as `this`)")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--only", metavar="NAMES", help="a comma-separated subset of the commands (e.g. `ls,ask --json`)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in (args.tree or [f"this={Path(__file__).resolve().parents[1]}"]))
@@ -92,6 +93,8 @@ def main() -> None:
         timed([tools[label], "save", "doc", "--model", str(model), "--file", str(document)], envs[label])
 
     cmds = commands()
+    if args.only:
+        cmds = {name: cmds[name] for name in args.only.split(",")}
     walls = {(label, name): [] for label in trees for name in [*FLOORS, *cmds]}
     phases = {label: [] for label in trees}
     for _ in range(args.runs):
@@ -110,12 +113,13 @@ def main() -> None:
         row = [f"`python -c \"{FLOORS[name]}\"` (floor)" if name in FLOORS else f"`tqstore {name}`"]
         row += [span(walls[(label, name)]) for label in trees]
         rows.append(row)
-    rows.append(["`ask --json` timed phases (model + restore + prefill + generation)"]
-                + [span([p for _, p in phases[label]]) for label in trees])
-    rows.append(["`ask --json` wall - timed phases"]
-                + [span([w - p for w, p in phases[label]]) for label in trees])
-    rows.append(["`ask --json` wall / timed phases"]
-                + [span([w / p for w, p in phases[label]]) + "x" for label in trees])
+    if "ask --json" in cmds:
+        rows.append(["`ask --json` timed phases (model + restore + prefill + generation)"]
+                    + [span([p for _, p in phases[label]]) for label in trees])
+        rows.append(["`ask --json` wall - timed phases"]
+                    + [span([w - p for w, p in phases[label]]) for label in trees])
+        rows.append(["`ask --json` wall / timed phases"]
+                    + [span([w / p for w, p in phases[label]]) + "x" for label in trees])
     header = ["fresh process (seconds, min-max over runs)", *[f"{label} (git {revision(trees[label])})" for label in trees]]
     table = markdown_table(header, rows)
     body = (f"{table}\n\n{args.runs} runs per cell, trees interleaved. {stamp(sys.argv)}")
