@@ -55,3 +55,24 @@ def test_auto_keeps_the_bundled_blas_when_mlx_runs_on_a_gpu(monkeypatch, tmp_pat
     assert blas.resolve("auto") == ("bundled", None)
     assert blas.resolve("openblas") == ("openblas", None)  # a pinned choice stays the user's
 
+
+
+def test_the_console_script_never_imports_torch(tmp_path):
+    """Before: transformers imported PyTorch wherever it was installed (6.8 s of a fresh `ask`'s
+    11 s of imports on the H200, with sympy, triton, pandas). A stand-in `torch` on the path
+    leaves a mark when anything imports it."""
+    from model_folder import write_model_folder
+
+    fake = tmp_path / "site" / "torch"
+    fake.mkdir(parents=True)
+    marker = tmp_path / "torch-imported"
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n__version__ = '2.9.0'\n")
+    model = write_model_folder(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TQSTORE_") and k != "LD_PRELOAD"}
+    env.update(PYTHONPATH=str(tmp_path / "site"), TQSTORE_BLAS="bundled")
+    script = Path(sys.executable).with_name("tqstore")
+    run = subprocess.run([str(script), "--home", str(tmp_path / "home"), "save", "doc", "--model", str(model),
+                          "--prompt", "The seller pays for delays.", "-q"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert not marker.exists(), "torch was imported"
+    assert run.returncode == 0, run.stderr
