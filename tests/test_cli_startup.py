@@ -14,8 +14,8 @@ import pytest
 
 from tqstore.models import blas
 
-# What `ask` needs and `ls` does not: the model stack, the server, the progress bars.
-HEAVY = ("transformers", "mlx_lm", "torch", "starlette", "uvicorn", "pydantic", "prometheus_client", "rich")
+# What `ask` needs and `ls` does not: the model stack, the codec's scipy, the server, the progress bars.
+HEAVY = ("transformers", "mlx_lm", "torch", "scipy", "starlette", "uvicorn", "pydantic", "prometheus_client", "rich")
 PROBE = """
 import json, os, sys
 from tqstore_cli.main import main
