@@ -173,7 +173,7 @@ def _choose_blas(ctx: Context, argv: list[str]) -> None:
     command = getattr(ctx.args.func, "__name__", "")
     choice = ctx.args.blas or ctx.config.blas
     if choice == "auto" and command not in BLAS_COMMANDS:
-        return  # no matmul runs: a restart would only pay every import twice (ls took 3.9 s for 0.7 s)
+        return  # no matmul runs: a restart would only pay every import twice
     library, hint = blas.resolve(choice)
     if hint is not None and command in MODEL_COMMANDS:
         ctx.out.note(f"note: {hint}")
@@ -224,7 +224,7 @@ def run() -> None:
 def _hide_torch() -> None:
     """Mark PyTorch absent in this process: tqstore runs on MLX and uses only transformers'
     tokenizers, but transformers imports PyTorch wherever it is installed, and with it sympy,
-    triton, pandas and scikit-learn: 6.8 s of a fresh `ask`'s 11 s of imports on the H200.
+    triton, pandas and scikit-learn: 6.9 s of a fresh `ask`'s 11.2 s of imports on the H200.
     A None entry in sys.modules makes `importlib.util.find_spec` (transformers' probe) say
     absent and any `import torch` fail; something that imported it already keeps it."""
     sys.modules.setdefault("torch", None)
