@@ -112,6 +112,25 @@ def test_save_then_ask_json(cli, model):
     assert cli("-q", "ask", "doc", "Who pays for delays?", "--max-tokens", "4").err == ""
 
 
+def test_ask_json_counts_the_model_load_done_before_the_engine_asks(cli, model, monkeypatch):
+    """Before: `ask` loaded the model before Engine.ask, whose own load then found it loaded, so
+    model_seconds said ~0 and a fresh process's timed phases left the load out."""
+    from tqstore.engine.engine import Engine
+
+    assert cli("save", "doc", "--model", model, "--prompt", DOC).code == 0
+    load, calls = Engine.model, []
+
+    def slow_first_load(self, *args, **kwargs):
+        if not calls:
+            time.sleep(0.3)  # a load that takes at least this long: a lower bound, not a timing
+        calls.append(args)
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "model", slow_first_load)
+    answer = cli("ask", "doc", "Who pays?", "--max-tokens", "1", "--json").json
+    assert len(calls) >= 1 and answer["model_seconds"] >= 0.3
+
+
 def test_save_reads_a_file_or_stdin_and_keeps_options(cli, model, tmp_path):
     path = tmp_path / "doc.txt"
     path.write_text(DOC)

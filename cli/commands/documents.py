@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tqstore.engine.chunks import DEFAULT_RECOMPUTE, Document
+from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.errors import BadInput, InvalidName
 from tqstore.names import validate_name
 
@@ -78,6 +78,8 @@ def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
         raise BadInput("with --doc or --doc-file, pass only the QUESTION (the documents name the context)")
     if not 0.0 <= args.recompute <= 1.0:
         raise BadInput(f"--recompute {args.recompute}: use a fraction from 0 to 1")
+    from tqstore.engine.chunks import Document  # here: the engine's imports cost a second to `tqstore --version`
+
     documents = [Document(name=validate_name(n)) for n in args.doc]
     documents += [Document(text=arguments.read_text(path)) for path in args.doc_file]
     scheme = arguments.scheme_name(args.scheme)

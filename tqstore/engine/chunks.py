@@ -27,6 +27,7 @@ from turboquant import make_prompt_cache, parse_scheme, restore
 
 from tqstore.engine.compose import ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description
 from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
+from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
 from tqstore.models.loading import LoadedModel
 from tqstore.format.manifest import Manifest
@@ -38,7 +39,6 @@ CHUNK_KEY = "chunk.address"  # metadata: the chunk's content address (hex)
 PREFIX_KEY = "chunk.prefix"  # metadata: how many of the entry's tokens are the prefix
 ROPE_KEY = "chunk.rope"  # metadata: the RoPE the keys were rotated with
 NAME_PREFIX = "chunk-"
-DEFAULT_RECOMPUTE = 0.2  # the smallest measured budget that met KL <= 0.05 (docs/rag.md)
 
 
 @dataclass(frozen=True)

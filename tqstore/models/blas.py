@@ -79,8 +79,8 @@ def openblas_environment() -> dict[str, str]:
 def resolve(choice: str) -> tuple[str, str | None]:
     """The library a choice means on this machine, and the one line to tell the user (or None).
 
-    `auto` means OpenBLAS on a Linux machine that has it installed, else the bundled BLAS, with
-    the install hint on Linux.
+    `auto` means OpenBLAS on a Linux machine that has it installed and runs MLX on the CPU, else
+    the bundled BLAS, with the install hint on a Linux machine without a GPU.
     """
     if choice not in CHOICES:
         raise ConfigError(f"blas must be one of {', '.join(CHOICES)}, got {choice!r}")
@@ -88,9 +88,18 @@ def resolve(choice: str) -> tuple[str, str | None]:
         return choice, None
     if sys.platform != "linux":
         return "bundled", None
+    if gpu_default():
+        return "bundled", None  # the matmuls run on the GPU: a restart would only pay every import twice
     if openblas_library() is None:
         return "bundled", INSTALL_HINT
     return "openblas", None
+
+
+def gpu_default() -> bool:
+    """Whether MLX runs on a GPU here by default (CUDA on Linux), so the CPU's BLAS does not matter."""
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def reexec_with(choice: str, argv: list[str] | None = None) -> None:
