@@ -34,6 +34,15 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
 
+def _timed(store, action, requests: Counter) -> float:
+    """Seconds of `action("e")` on `store`, its S3 requests counted by operation in `requests`."""
+    store._tiers.require_s3().client.meta.events.register(
+        "before-call.s3", lambda event_name, **_: requests.update([event_name.split(".")[-1]]))
+    t0 = time.perf_counter()
+    action("e")
+    return time.perf_counter() - t0
+
+
 def one_run(tokens: list[int], scheme: str) -> list[dict]:
     """Push, pull and their boto3 floors for each context size; one dict per size."""
     import mlx.core as mx
@@ -66,19 +75,11 @@ def one_run(tokens: list[int], scheme: str) -> list[dict]:
             manifest = store.put("e", snap, list(range(n)), model=model_id, codec=codec_id, model_ref="bench",
                                  prefill_seconds=1.0).manifest
             requests = {"push": Counter(), "pull": Counter()}
-            store._tiers.require_s3().client.meta.events.register(
-                "before-call.s3", lambda event_name, **_: requests["push"].update([event_name.split(".")[-1]]))
-            t0 = time.perf_counter()
-            store.push("e")
-            push = time.perf_counter() - t0
+            push = _timed(store, store.push, requests["push"])
             store.close()
             remote = Store.open(other, config=load_config(other, overrides))
             remote.ls(remote=True)  # the remote index, outside the timing
-            remote._tiers.require_s3().client.meta.events.register(
-                "before-call.s3", lambda event_name, **_: requests["pull"].update([event_name.split(".")[-1]]))
-            t0 = time.perf_counter()
-            remote.pull("e")
-            pull = time.perf_counter() - t0
+            pull = _timed(remote, remote.pull, requests["pull"])
             remote.close()
             up, down = boto3_floors(s3, manifest.nbytes, config.s3_part_size, config.s3_concurrency)
             out.append({"tokens": n, "scheme": scheme, "stored": manifest.nbytes, "objects": len(manifest.objects),
