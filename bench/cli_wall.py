@@ -66,12 +66,18 @@ def span(values: list[float]) -> str:
     return f"{lo:.2f}" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}-{hi:.2f}"
 
 
+def progress(line: str) -> None:
+    """One measurement as it is taken, on stderr: a run cut off by a time limit (a lent GPU's
+    per-command limit) still shows what it measured."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", action="append", metavar="LABEL=PATH",
                     help="a checkout with its .venv (repeatable; default: this one as `this`)")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--only", metavar="NAMES", help="a comma-separated subset of the commands (e.g. `ls,ask --json`)")
+    ap.add_argument("--only", metavar="NAMES", help="a comma-separated subset of the commands (e.g. `--only=--version,ls,ask --json`: the `=` because the value starts with a dash)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in (args.tree or [f"this={Path(__file__).resolve().parents[1]}"]))
@@ -90,7 +96,8 @@ def main() -> None:
         envs[label] = dict(base, TQSTORE_HOME=str(work / f"home-{label}"))
         tools[label] = str(tree / ".venv" / "bin" / "tqstore")
         pythons[label] = str(tree / ".venv" / "bin" / "python")
-        timed([tools[label], "save", "doc", "--model", str(model), "--file", str(document)], envs[label])
+        wall, _ = timed([tools[label], "save", "doc", "--model", str(model), "--file", str(document)], envs[label])
+        progress(f"{label}: save {wall:.2f} s")
 
     cmds = commands()
     if args.only:
@@ -101,9 +108,11 @@ def main() -> None:
         for label in trees:
             for floor, code in FLOORS.items():
                 walls[(label, floor)].append(timed([pythons[label], "-c", code], envs[label])[0])
+                progress(f"{label}: {floor} {walls[(label, floor)][-1]:.2f} s")
             for name, argv in cmds.items():
                 wall, out = timed([tools[label], *argv], envs[label])
                 walls[(label, name)].append(wall)
+                progress(f"{label}: tqstore {name} {wall:.2f} s")
                 if name == "ask --json":
                     doc = json.loads(out)
                     phases[label].append((wall, sum(doc[p] for p in PHASES)))
