@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--tree", action="append", metavar="LABEL=PATH",
                     help="a checkout with its .venv (repeatable; default: this one as `this`)")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--only", metavar="NAMES", help="a comma-separated subset of the commands (e.g. `--only=--version,ls,ask --json`: the `=` because the value starts with a dash)")
+    ap.add_argument("--only", metavar="NAMES", help="a comma-separated subset of the commands, e.g. "
+                    "`--only=--version,ls,ask --json` (the `=` because the value starts with a dash)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in (args.tree or [f"this={Path(__file__).resolve().parents[1]}"]))
