@@ -5,6 +5,7 @@ rows, compressed against raw, and what each new context length builds (issue 28)
     python bench/question_prefill.py --tokens 4096 --runs 3 --processes 1
     python bench/question_prefill.py --mma-ab               # also the decode kernels' pass 1 A/B at 1k, 4k, 16k
     python bench/question_prefill.py --ab-prefill           # also each compressed cell with its rows decoded
+    python bench/question_prefill.py --render a.json b.json --labels "A" "B" --write   # kept runs into the docs
 
 A model with Llama-3.1-8B's shapes (hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336,
 vocabulary 32,000), N of its layers (default 8), random bf16 weights, built in memory. Per cell
@@ -43,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 QUESTION = 16
+MARKER = "bench-question-prefill"
 
 
 def llama_config(layers: int) -> dict:
@@ -212,6 +214,14 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 3) -> str:
     return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def short(module: str) -> str:
+    """A module name for a table: our variants without the prefix and source hash, MLX's fused
+    graphs cut."""
+    if module.startswith("custom_kernel_"):
+        return module[len("custom_kernel_"):].rsplit("_", 1)[0]
+    return module if len(module) <= 40 else module[:24] + "..."
+
+
 def table(processes: list[list[dict]]) -> str:
     from common import markdown_table
 
@@ -232,12 +242,32 @@ def table(processes: list[list[dict]]) -> str:
         built = by[min(by)]["first_builds"]
         lines.append([f"{T:,}", scheme, first, spread([w[0] for r in by.values() for w in r["warm"]]),
                       spread([w[1] for r in by.values() for w in r["warm"]]), spread(warm), ratio,
-                      f"{len(built['modules'])}: {', '.join(built['modules'])}" if built["modules"] else "0",
+                      f"{len(built['modules'])}: {', '.join(map(short, built['modules']))}" if built["modules"] else "0",
                       " / ".join(f"{r['logits_vs_decoded']:.1e}" for r in by.values() if "logits_vs_decoded" in r)])
     return markdown_table(["tokens", "scheme", "first question + token s, process 1 / 2 ...",
                            "warm 15-token forward s", "warm last-token forward s", "warm total s",
                            "total vs raw", "modules compiled at the first question (process 1)",
                            "last-token logits vs rows decoded (max diff / max)"], lines)
+
+
+def mma_table(processes: list[list[dict]]) -> str:
+    from common import markdown_table
+
+    rows = [r["mma_ab"] for p in processes for r in p if "mma_ab" in r]
+    return markdown_table(["stored rows", "pass 1", "us per call, chained (3 runs)"],
+                          [[f"{r['tokens']:,}", r["pass1"], ", ".join(f"{v:.1f}" for v in r["us_per_call"])]
+                           for r in rows]) if rows else ""
+
+
+def render(files: list[Path], labels: list[str]) -> str:
+    """The tables of kept runs (`--json` files), each under its label."""
+    parts = []
+    for path, label in zip(files, labels + [""] * len(files)):
+        processes = json.loads(path.read_text())
+        parts.append(f"{label}\n\n{table(processes)}".strip())
+        if mma_table(processes):
+            parts.append(mma_table(processes))
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,10 +281,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ab-prefill", action="store_true")
     parser.add_argument("--cache-dir", type=Path, help="MLX_PTX_CACHE_DIR shared by the processes (default: a new one)")
     parser.add_argument("--json", type=Path, help="write every process's rows here")
+    parser.add_argument("--render", type=Path, nargs="+", help="only print the tables of these --json files")
+    parser.add_argument("--labels", nargs="+", default=[], help="a caption per --render file")
+    parser.add_argument("--write", action="store_true", help="put the rendered tables into docs/benchmarks.md")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.child:
         child(args)
+        return 0
+    if args.render:
+        body = render(args.render, args.labels)
+        if args.write:
+            from common import replace_section
+
+            replace_section(ROOT / "docs" / "benchmarks.md", MARKER, body)
+        print(body)
         return 0
     folder = args.cache_dir or Path(tempfile.mkdtemp(prefix="mlx-ptx-"))
     env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder), USE_TORCH="0")

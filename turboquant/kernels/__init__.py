@@ -1,4 +1,5 @@
-"""Fused single-token decode attention over compressed K/V on MLX's GPU backends.
+"""Fused attention over compressed K/V on MLX's GPU backends: decode steps, and questions and
+prefill chunks through the same kernels (`fused_prefill`).
 
 `fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, sinks=...)` is what
 `turboquant.attention.compressed_attention` calls for one query token (L == 1) without an array
