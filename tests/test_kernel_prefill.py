@@ -74,3 +74,20 @@ def test_queries_reaching_into_the_stored_rows_take_the_plain_path(monkeypatch):
     cache.attention(q, 0.125, mx.ones((5, cache.offset), dtype=mx.bool_))
     cache.attention(q[:, :, :3], 0.125, "causal", sinks=mx.zeros((H * R,)))
     assert calls == []
+
+
+def test_long_chunks_decode_the_rows(monkeypatch):
+    """Past MAX_PREFILL_ROWS query rows per KV head (the kernels would read the stored rows once
+    per 8 of them) a chunk takes the decoded rows, even with every query in the tail."""
+    from turboquant import kernels
+
+    calls = []
+    force_backend(monkeypatch, "cuda", lambda v: calls.append(v) or emulate.kernel(v))
+    L = kernels.MAX_PREFILL_ROWS // R + 1
+    cache = build_cache("turbo4", H, D, mx.float16, 256, seed=7, tail=L)
+    assert cache.offset - cache.stored == L
+    q = mx.random.normal((1, H * R, L, D), key=mx.random.key(5)).astype(mx.float16)
+    out = cache.attention(q, 0.125, "causal")
+    assert calls == [] and out.shape == q.shape
+    cache.attention(q[:, :, -(L - 1):], 0.125, "causal")
+    assert calls

@@ -126,6 +126,13 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     return out.astype(queries.dtype), lse
 
 
+# Query rows per KV head that `fused_prefill` takes: the kernels read the stored K/V once per 8
+# rows, so a chunk's cost grows with R * L where decoding the rows once does not. Measured at 60
+# rows (R = 4, a 15-token question: 8 reads, 3.8x faster than decoding at 64k on the H200); the
+# cap keeps it within 2x of that. Longer chunks decode the rows (turboquant/prefill.py).
+MAX_PREFILL_ROWS = 128
+
+
 def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
                   mask, shifts: mx.array | None, tail: tuple[mx.array, mx.array] | None,
                   rows: int | None = None, tail_rows: int | None = None,
@@ -139,10 +146,14 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     head ([B, Hq * L, 1, D], a GQA ratio of R * L; the kernels read K/V once per 8 rows), and the
     raw tail joins with plain ops under the causal mask (`merge_tail`). None when `mask` is an
     array or another string, when the tail holds fewer than L rows (some queries are stored:
-    they would need a mask inside the stored rows), when no kernel applies (the CPU), or with
+    they would need a mask inside the stored rows), beyond `MAX_PREFILL_ROWS` query rows per KV
+    head (a long chunk: decoding the rows once costs less), when no kernel applies (the CPU), or with
     `TQSTORE_KERNEL_PREFILL=0` (benchmarks: the decoded rows against the kernels)."""
     B, Hq, L, D = queries.shape
     if not (mask is None or mask == "causal") or os.environ.get("TQSTORE_KERNEL_PREFILL", "1") == "0":
+        return None
+    H = next(iter(arrays.values())).shape[1]
+    if H == 0 or Hq % H or Hq // H * L > MAX_PREFILL_ROWS:
         return None
     if tail is not None:
         n = tail[0].shape[2] if tail_rows is None else tail_rows
