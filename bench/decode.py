@@ -9,7 +9,8 @@ as stored, scales, norms and key means included) and the achieved bandwidth (no 
 copy ceiling: a fused call does far more work per byte than a copy, so that share says nothing).
 Each method cycles over several layers' worth of caches so that the working set is far larger
 than the L2 cache (as a model's layers are). Where the tensor-core pass 1 serves a scheme
-(CUDA, from `host.MMA_MIN_TOKENS` rows), the CUDA-core pass 1 is timed on the same caches too.
+(CUDA: fp16/bf16 activations, TurboQuant or affine keys), the CUDA-core pass 1 is timed on the same
+caches too.
 
   python bench/decode.py                    # table to stdout
   python bench/decode.py --write-docs       # also into docs/benchmarks.md (decode-kernels section)

@@ -171,15 +171,17 @@ def test_describe_uses_tensor_cores_for_half_activations(scheme, dtype, expected
     assert type(host.describe(*args, tuning=ANY_LENGTH).pass1) is tpl.Pass1
 
 
-def test_short_caches_keep_the_cuda_core_kernel():
+def test_the_tensor_core_kernel_serves_every_length():
+    """No length threshold: a second pass-1 module past one cost a build at the first long
+    question (test_kernel_builds.py counts the builds)."""
     q = mx.zeros((1, 4, 1, 64), dtype=mx.float16)
     cache = build_cache("turbo4", 2, 64, mx.float16, 300, calibrated=False)
     full = stored(cache)
-    for T, expected in ((host.MMA_MIN_TOKENS - 1, tpl.Pass1), (host.MMA_MIN_TOKENS, MmaPass1)):
+    for T in (1, 300, 16384):
         arrays = {n: mx.concatenate([a] * -(-T // 300), axis=2)[:, :, :T] for n, a in full.items()}
         call = host.describe(q, cache._key_side, cache._value_side, arrays, None, tensor_cores=True,
                              tuning=DEFAULT_TUNING)
-        assert type(call.pass1) is expected, T
+        assert type(call.pass1) is MmaPass1, T
 
 
 def test_tensor_cores_can_be_turned_off(monkeypatch):

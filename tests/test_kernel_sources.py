@@ -209,9 +209,7 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
     with pytest.raises(ValueError):
         cache.attention(q, 0.125, "sliding")
     cache.attention(q, 0.125, mx.ones((1, cache.offset), dtype=mx.bool_))  # array mask: plain ops
-    q2 = mx.random.normal((1, 6, 2, 64), key=mx.random.key(2)).astype(mx.float16)
-    cache.attention(q2, 0.125, "causal")  # L = 2: plain ops
-    assert calls == []
+    assert calls == []  # (L > 1: test_kernel_prefill.py)
 
 
 @needs_cxx

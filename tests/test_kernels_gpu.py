@@ -16,6 +16,10 @@ the raw tail. About 5 minutes on an H200, most of it NVRTC compiles.
 
 import dataclasses
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -26,7 +30,7 @@ from turboquant.kernels import KernelTuning, host
 from turboquant.kernels.mma import MmaPass1
 from turboquant.kernels.reference import attention64, build_cache, dequantized, stored, tail
 
-from kernel_support.reference import reference
+from kernel_support.reference import causal64, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -199,7 +203,7 @@ MMA_CASES = [
 ]
 
 
-# The tensor-core pass 1 from the first stored row (by default only long caches use it).
+# The tensor-core pass 1 from the first stored row (the default; spelled out for the cases).
 ANY_LENGTH = KernelTuning(mma_min_tokens=0)
 
 
@@ -260,7 +264,7 @@ SINK_OFFSETS = (-3.0, 0.0, 2.0, 1000.0, -1000.0)
                                                           f"-T{c[4]}+{c[5]}-mma{int(c[6])}")
 def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case):
     scheme, d, R, dtype, T, n, mma = case
-    tuning = None
+    tuning = KernelTuning(mma=False)
     if mma:
         _cuda_only()
         tuning = ANY_LENGTH
@@ -291,3 +295,73 @@ def test_decode_with_sinks_matches_f64_softmax_with_the_sink(case):
     plain = kernels.fused_decode(*args, tuning=tuning)
     none = kernels.fused_decode(*args, sinks=mx.full((H * R,), -math.inf), tuning=tuning)
     assert mx.array_equal(plain[0], none[0]).item() and mx.array_equal(plain[1], none[1]).item()
+
+
+# One decode step in a fresh process (bf16 turbo4 with a raw tail: pass 1 and pass 2), its output
+# saved to argv[1].
+DECODE_STEP = """
+import sys
+import mlx.core as mx
+import numpy as np
+from turboquant.kernels.reference import build_cache
+mx.set_default_device(mx.gpu)
+cache = build_cache("turbo4", 8, 128, mx.bfloat16, 4096, seed=3, tail=40)
+q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+out = cache.attention(q, 0.088)
+np.save(sys.argv[1], np.array(out.astype(mx.float32)))
+"""
+
+
+def _decode_process(out: Path, folder: Path, **env) -> subprocess.CompletedProcess:
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder), PYTHONPATH=str(root), **env)
+    return subprocess.run([sys.executable, "-c", DECODE_STEP, str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_compiled_modules_serve_the_next_process(tmp_path):
+    """The first launch writes each module to MLX's cache folder; MLX loads that very file (a
+    damaged copy makes the launch fail), and the modules compute the bits MLX's own compile does."""
+    _cuda_only()
+    folder = tmp_path / "ptx"
+    first = _decode_process(tmp_path / "first.npy", folder)
+    assert first.returncode == 0, first.stderr[-3000:]
+    modules = sorted(folder.glob("custom_kernel_*.ptx"))
+    assert len(modules) >= 2 and all(m.with_suffix(".txt").exists() for m in modules), modules
+    second = _decode_process(tmp_path / "second.npy", folder)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert sorted(folder.glob("custom_kernel_*.ptx")) == modules
+    own = _decode_process(tmp_path / "own.npy", tmp_path / "empty", TQSTORE_KERNEL_CACHE="0")
+    assert own.returncode == 0, own.stderr[-3000:]
+    assert not list((tmp_path / "empty").glob("custom_kernel_*"))
+    results = [np.load(tmp_path / f"{n}.npy") for n in ("first", "second", "own")]
+    assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2])
+    for m in modules:
+        m.write_bytes(b"not a module")
+    damaged = _decode_process(tmp_path / "damaged.npy", folder)
+    assert damaged.returncode != 0 and "Failed to load compiled" in damaged.stderr, damaged.stderr[-3000:]
+
+
+@pytest.mark.parametrize("scheme,dtype", [("turbo4", mx.bfloat16), ("turbo8v3", mx.float16), ("affine8", mx.bfloat16),
+                                          ("turbo4", mx.float32)], ids=str)
+def test_question_prefill_matches_f64(scheme, dtype):
+    """A 16-token question after 4096 stored rows (the decode kernels with the tokens as query
+    rows, the tail causal in plain ops) against float64, and the same through the rows decoded
+    into SDPA (TQSTORE_KERNEL_PREFILL=0)."""
+    cache = build_cache(scheme, 8, 128, dtype, 4096, seed=21, tail=40)
+    q = mx.random.normal((1, 32, 16, 128), key=mx.random.key(9)).astype(dtype)
+    k64, v64 = dequantized(cache)
+    ref = causal64(q, k64, v64, 1 / math.sqrt(128))
+    ulp = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 0.0}[dtype]
+    # (float32 activations: the kernels are all float32, but the raw tail joins through float32
+    # matmuls, which run as TF32 on CUDA, as do the decoded rows' SDPA products: measured 2.4e-4)
+    rtol = RTOL_MMA
+    for fused in ("1", "0"):
+        os.environ["TQSTORE_KERNEL_PREFILL"] = fused
+        try:
+            out = cache.attention(q, 1 / math.sqrt(128), "causal")
+        finally:
+            os.environ.pop("TQSTORE_KERNEL_PREFILL")
+        got = np.array(out.astype(mx.float32)).astype(np.float64)
+        assert np.all(np.abs(got - ref) <= 2 * ulp * np.abs(ref) + rtol * np.abs(ref).max()), (fused, scheme)
+

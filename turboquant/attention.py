@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .kernels import fused_decode
+from .kernels import fused_decode, fused_prefill
 from .prefill import prefill_attention
 from .sides import Side
 
@@ -84,12 +84,18 @@ def compressed_attention(
         fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks)
         if fused is not None:
             return fused[0]
+    if L > 1 and arrays and sinks is None:
+        # A question or a prefill chunk: the decode kernels with its tokens as more query rows
+        # (None on the CPU, or when a mask must reach into the stored rows).
+        fused = fused_prefill(queries, key_side, value_side, arrays, scale, mask, shifts, tail, rows, tail_rows)
+        if fused is not None:
+            return fused
     if rows is not None:
         arrays = {n: a[:, :, :rows] for n, a in arrays.items()}
     if tail is not None and tail_rows is not None:
         tail = (tail[0][:, :, :tail_rows], tail[1][:, :, :tail_rows])
     if L > 1 and arrays:
-        # A prefill chunk: decode the stored rows once and run the fused SDPA (turboquant/prefill.py).
+        # Otherwise decode the stored rows once and run the fused SDPA (turboquant/prefill.py).
         return prefill_attention(queries, key_side, value_side, arrays, scale, mask, shifts, tail, sinks)
     q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
     parts = []

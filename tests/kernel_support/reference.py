@@ -4,6 +4,7 @@ float64 attention it uses stay in `turboquant.kernels.reference`, which bench/de
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from turboquant.cache import TurboQuantKVCache
 from turboquant.kernels.reference import attention64, dequantized
@@ -16,3 +17,19 @@ def reference(cache: TurboQuantKVCache, q: mx.array, scale: float, with_tail: bo
     if not with_tail:
         k, v = k[:, :, : cache.stored], v[:, :, : cache.stored]
     return attention64(q, k, v, scale, sinks)
+
+
+def causal64(q: mx.array, k: np.ndarray, v: np.ndarray, scale: float, causal: bool = True) -> np.ndarray:
+    """float64 softmax(q K^T * scale) V for q [B, Hq, L, D] over k, v [B, H, T, D], query i at
+    position T - L + i seeing the keys at or before it when `causal`."""
+    qn = np.array(q.astype(mx.float32)).astype(np.float64)
+    L, T = qn.shape[2], k.shape[2]
+    R = qn.shape[1] // k.shape[1]
+    k = np.repeat(k, R, axis=1)
+    v = np.repeat(v, R, axis=1)
+    s = qn @ k.swapaxes(-1, -2) * scale
+    if causal:
+        s = np.where(np.arange(T)[None, :] <= (T - L + np.arange(L))[:, None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ v
+

@@ -1,4 +1,5 @@
-"""Fused single-token decode attention over compressed K/V on MLX's GPU backends.
+"""Fused attention over compressed K/V on MLX's GPU backends: decode steps, and questions and
+prefill chunks through the same kernels (`fused_prefill`).
 
 `fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, sinks=...)` is what
 `turboquant.attention.compressed_attention` calls for one query token (L == 1) without an array
@@ -32,11 +33,16 @@ blocks, un-rotating the values and, on CUDA, attending over the raw tail (Metal 
 with plain ops, `merge_tail`); `query.py`, `template.py` and `merge.py` explain them. The kernels read the cache's
 buffers, the query and the tail through their strides, so on CUDA a decode step's attention is
 two graph nodes. On CUDA, fp16/bf16
-activations over at least `host.MMA_MIN_TOKENS` stored rows run pass 1 on the tensor cores
-(`mma.py`: fp16 products, float32 sums); otherwise scores, softmax and sums are float32 FMAs (no
+activations run pass 1 on the tensor cores at every length where it applies (`mma.py`: fp16
+products, float32 sums; TurboQuant or affine keys, TurboQuant values), so the kernels a layer
+needs do not depend on the context length; otherwise scores, softmax and sums are float32 FMAs (no
 TF32) and affine rows are dequantized unrounded (scale * code + bias in float32, as
 mx.quantized_matmul does), which is more exact than the plain path's mx.dequantize into the
 scale dtype.
+
+Builds: one module per variant and process (MLX keeps it in memory); on CUDA its first launch
+also writes the compiled module to MLX's cache folder (`cubin_cache.py`), so a later process
+loads it instead of compiling.
 
 Backends: CUDA (`cuda.py`, proven on an H200) when the default device is the GPU and
 `mx.cuda.is_available()`; Metal (`metal.py`) when `mx.metal.is_available()`; both from one
@@ -60,7 +66,7 @@ import mlx.core as mx
 from . import host
 from .host import DEFAULT_TUNING, KernelTuning, merge_tail
 
-__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "merge_tail", "select_backend"]
+__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "select_backend"]
 
 
 def select_backend() -> str | None:
@@ -118,3 +124,48 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     # (the stored rows' lse includes the sink, so merging the tail keeps it in the normaliser)
     out, lse = host.merge_tail(queries, *stored, tail, scale)
     return out.astype(queries.dtype), lse
+
+
+# Query rows per KV head that `fused_prefill` takes: the kernels read the stored K/V once per 8
+# rows, so a chunk's cost grows with R * L where decoding the rows once does not. Measured at 60
+# rows (R = 4, a 15-token question: 8 reads, 3.8x faster than decoding at 64k on the H200); the
+# cap keeps it within 2x of that. Longer chunks decode the rows (turboquant/prefill.py).
+MAX_PREFILL_ROWS = 128
+
+
+def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
+                  mask, shifts: mx.array | None, tail: tuple[mx.array, mx.array] | None,
+                  rows: int | None = None, tail_rows: int | None = None,
+                  tuning: KernelTuning | None = None) -> mx.array | None:
+    """Attention of L > 1 queries [B, Hq, L, D] (a question or a prefill chunk) over the stored
+    rows and the raw tail through the decode kernels, or None (the caller decodes the rows,
+    turboquant/prefill.py): the out in the queries' dtype.
+
+    Every stored row precedes every query (they are the tail's last L rows), so no mask applies
+    to them: the L tokens of each query head go to the kernels as L more query rows of its KV
+    head ([B, Hq * L, 1, D], a GQA ratio of R * L; the kernels read K/V once per 8 rows), and the
+    raw tail joins with plain ops under the causal mask (`merge_tail`). None when `mask` is an
+    array or another string, when the tail holds fewer than L rows (some queries are stored:
+    they would need a mask inside the stored rows), beyond `MAX_PREFILL_ROWS` query rows per KV
+    head (a long chunk: decoding the rows once costs less), when no kernel applies (the CPU), or with
+    `TQSTORE_KERNEL_PREFILL=0` (benchmarks: the decoded rows against the kernels)."""
+    B, Hq, L, D = queries.shape
+    if not (mask is None or mask == "causal") or os.environ.get("TQSTORE_KERNEL_PREFILL", "1") == "0":
+        return None
+    H = next(iter(arrays.values())).shape[1]
+    if H == 0 or Hq % H or Hq // H * L > MAX_PREFILL_ROWS:
+        return None
+    if tail is not None:
+        n = tail[0].shape[2] if tail_rows is None else tail_rows
+        tail = (tail[0][:, :, :n], tail[1][:, :, :n]) if n else None
+    if mask == "causal" and (tail is None or tail[0].shape[2] < L):
+        return None
+    rows_q = queries.reshape(B, Hq * L, 1, D)
+    stored = fused_decode(rows_q, key_side, value_side, arrays, scale, shifts, rows=rows, tuning=tuning)
+    if stored is None:
+        return None
+    out, lse = stored
+    out, _ = host.merge_tail(queries, out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L), tail, scale,
+                             causal=mask == "causal")
+    return out.astype(queries.dtype)
+

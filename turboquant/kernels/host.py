@@ -50,9 +50,11 @@ class Call:
     D: int
 
 
-# Below this many stored rows the CUDA-core pass 1 was faster on the H200 (docs/benchmarks.md:
-# at 4k every scheme, at 16k turbo8v3; from 64k on the tensor-core pass 1 wins for all).
-MMA_MIN_TOKENS = 16384
+# The tensor-core pass 1 serves every length where it applies: a threshold made the first decode
+# past it build a second pass-1 module (1.6-3.3 s on the H200 at the first 16k question), and at
+# 4k the two pass 1s are level (turbo4, chained, 8 layers: 42.0-44.9 us CUDA cores, 43.3-44.7
+# tensor cores; at 16k 58.3-62.1 against 46.9-48.3; bench/question_prefill.py --mma-ab).
+MMA_MIN_TOKENS = 1
 
 
 # The environment variables `KernelTuning.from_env` reads, in its fields' order.
@@ -575,24 +577,28 @@ def plain_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
 
 
 def merge_tail(queries: mx.array, out: mx.array, lse: mx.array, tail: tuple[mx.array, mx.array] | None,
-               scale: float) -> tuple[mx.array, mx.array]:
-    """(out, lse) over [stored rows | raw tail] from the stored rows' (out, lse) and the tail's
-    own scores (exact; plain ops, float32)."""
+               scale: float, causal: bool = False) -> tuple[mx.array, mx.array]:
+    """(out, lse) over [stored rows | raw tail] from the stored rows' (out [B, Hq, L, D], lse
+    [B, Hq, L]) and the tail's own scores (exact; plain ops, float32). `causal`: the L queries
+    are the tail's last L rows, and query i sees tail rows j <= n - L + i (every stored row)."""
     if tail is None:
         return out, lse
-    B, Hq, _, D = queries.shape
+    B, Hq, L, D = queries.shape
     kt, vt = tail
-    H = kt.shape[1]
+    H, n = kt.shape[1], kt.shape[2]
     R = Hq // H
-    q = (queries.astype(mx.float32) * scale).reshape(B, H, R, D)
-    s = q @ kt.astype(mx.float32).swapaxes(-1, -2)  # [B, H, R, n]
-    lse_s = lse.reshape(B, H, R, 1)
+    q = (queries.astype(mx.float32) * scale).reshape(B, H, R * L, D)
+    s = q @ kt.astype(mx.float32).swapaxes(-1, -2)  # [B, H, R * L, n]
+    if causal and L > 1:
+        seen = mx.arange(n)[None, :] <= (n - L + mx.arange(L))[:, None]  # [L, n]
+        s = mx.where(mx.tile(seen, (R, 1)), s, -mx.inf)
+    lse_s = lse.astype(mx.float32).reshape(B, H, R * L, 1)
     m = mx.maximum(mx.max(s, axis=-1, keepdims=True), lse_s)
     e = mx.exp(s - m)
     w = mx.exp(lse_s - m)
-    num = out.reshape(B, H, R, -1) * w + e @ vt.astype(mx.float32)
+    num = out.astype(mx.float32).reshape(B, H, R * L, -1) * w + e @ vt.astype(mx.float32)
     den = w + mx.sum(e, axis=-1, keepdims=True)
-    return (num / den).reshape(B, Hq, 1, -1), (m + mx.log(den)).reshape(B, Hq, 1)
+    return (num / den).reshape(B, Hq, L, -1), (m + mx.log(den)).reshape(B, Hq, L)
 
 
 def close(a: mx.array, b: mx.array, rtol: float) -> tuple[bool, float]:

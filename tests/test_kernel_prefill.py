@@ -1,0 +1,93 @@
+"""A question's prefill over compressed storage through the decode kernels (`fused_prefill`),
+run on the CPU through the emulator against a float64 causal attention.
+
+The L tokens of each query head become L more query rows of its KV head; the stored rows precede
+every query, and the raw tail (whose last L rows are the question) joins under the causal mask.
+Tolerances: the CUDA-core kernel (float32 activations) at 1e-4 of the largest output, the
+tensor-core one (fp16 products) and fp16/bf16 outputs at 2 ulp + 2e-3 of it, as for a decode step."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.kernels import KernelTuning
+from turboquant.kernels.mma import MmaPass1
+from turboquant.kernels.reference import build_cache, dequantized
+
+from kernel_backend import force_backend
+from kernel_support import emulate
+from kernel_support.reference import causal64
+
+pytestmark = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+
+H, R, D = 2, 4, 64
+ULP = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 0.0}
+
+
+CASES = [("turbo4", mx.float16, MmaPass1), ("turbo8v3", mx.bfloat16, MmaPass1),
+         ("turbo4", mx.float32, None), ("affine8", mx.float16, None), ("turbo0v4", mx.bfloat16, None)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{str(c[1]).split('.')[-1]}")
+def test_question_through_the_kernels_matches_f64(monkeypatch, case):
+    scheme, dtype, pass1 = case
+    calls = []
+
+    def factory(v):
+        calls.append(v)
+        return emulate.kernel(v)
+
+    force_backend(monkeypatch, "cuda", factory)
+    cache = build_cache(scheme, H, D, dtype, 256, seed=5, tail=37)
+    assert (cache.stored, cache.offset) == (256, 293)
+    k64, v64 = dequantized(cache)
+    q = mx.random.normal((1, H * R, 5, D), key=mx.random.key(3)).astype(dtype)
+    for mask in ("causal", None):
+        calls.clear()
+        out = cache.attention(q, 0.125, mask)
+        assert out.dtype == dtype and out.shape == q.shape
+        assert len(calls) == 2  # pass 1 over the stored rows, pass 2; the tail joins in plain ops
+        if pass1 is not None:
+            assert isinstance(calls[0], pass1)
+        ref = causal64(q, k64, v64, 0.125, mask == "causal")
+        rtol = 1e-4 if dtype == mx.float32 else 2e-3
+        err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)
+        assert np.all(err <= 2 * ULP[dtype] * np.abs(ref) + rtol * np.abs(ref).max()), (mask, err.max())
+
+
+def test_queries_reaching_into_the_stored_rows_take_the_plain_path(monkeypatch):
+    """More queries than tail rows (some of their keys are stored: the mask would reach into the
+    stored rows), an array mask or attention sinks: no kernel runs, and the result still matches."""
+    calls = []
+
+    def factory(v):
+        calls.append(v)
+        return emulate.kernel(v)
+
+    force_backend(monkeypatch, "cuda", factory, tuning=KernelTuning())
+    cache = build_cache("turbo4", H, D, mx.float16, 256, seed=6, tail=3)
+    k64, v64 = dequantized(cache)
+    q = mx.random.normal((1, H * R, 5, D), key=mx.random.key(4)).astype(mx.float16)
+    out = cache.attention(q, 0.125, "causal")
+    ref = causal64(q, k64, v64, 0.125, True)
+    assert np.abs(np.array(out.astype(mx.float32)) - ref).max() <= 4e-3 * np.abs(ref).max()
+    cache.attention(q, 0.125, mx.ones((5, cache.offset), dtype=mx.bool_))
+    cache.attention(q[:, :, :3], 0.125, "causal", sinks=mx.zeros((H * R,)))
+    assert calls == []
+
+
+def test_long_chunks_decode_the_rows(monkeypatch):
+    """Past MAX_PREFILL_ROWS query rows per KV head (the kernels would read the stored rows once
+    per 8 of them) a chunk takes the decoded rows, even with every query in the tail."""
+    from turboquant import kernels
+
+    calls = []
+    force_backend(monkeypatch, "cuda", lambda v: calls.append(v) or emulate.kernel(v))
+    L = kernels.MAX_PREFILL_ROWS // R + 1
+    cache = build_cache("turbo4", H, D, mx.float16, 256, seed=7, tail=L)
+    assert cache.offset - cache.stored == L
+    q = mx.random.normal((1, H * R, L, D), key=mx.random.key(5)).astype(mx.float16)
+    out = cache.attention(q, 0.125, "causal")
+    assert calls == [] and out.shape == q.shape
+    cache.attention(q[:, :, -(L - 1):], 0.125, "causal")
+    assert calls
