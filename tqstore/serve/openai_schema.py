@@ -96,6 +96,7 @@ class GenerationRequest:
     tools: tuple[Any, ...] | None = None  # passed to the chat template, as mlx-lm does
     documents: tuple[tuple[str, str], ...] | None = None  # extension: ("text" | "name", value) in prompt order
     recompute: float | None = None  # extension: share of document tokens recomputed (None: the default)
+    api: str = "openai"  # which API asked (metrics): openai or anthropic
 
 
 @dataclass(frozen=True)
