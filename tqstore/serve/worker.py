@@ -243,6 +243,10 @@ class ModelWorker:
         """Queue a PUT /v1/caches/{name} whose events go to `sink`; QueueFull when the queue is full."""
         return self._submit(Job("save", lambda job: self._save(job, name, source), sink))
 
+    def count(self, request: GenerationRequest, sink: Sink) -> Job:
+        """Queue a token count of a request's prompt (its Finished event carries the count)."""
+        return self._submit(Job("count", lambda job: self._count(job, request), sink))
+
     def queue_state(self) -> QueueState:
         return QueueState(len(self._waiting), self.capacity, len(self._running), self.batching)
 
@@ -437,7 +441,7 @@ class ModelWorker:
             gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
                              (result.finish_reason or "length"), result.prompt_tokens, len(result.tokens),
                              result.cached_tokens, result.tier, result.restore_seconds, result.prefill_seconds,
-                             result.generation_seconds)
+                             result.generation_seconds, stop_sequence=scanner.matched)
             self.metrics.generated(gen, request.api)
             job.send(Finished(gen))
         self._autosave(prompt, result, caches)
@@ -473,7 +477,7 @@ class ModelWorker:
         gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
                          (result.finish_reason or "length"), len(prompt), len(result.tokens), context.reused,
                          "composed", context.seconds, result.prefill_seconds, result.generation_seconds,
-                         context.reused, context.recomputed)
+                         context.reused, context.recomputed, scanner.matched)
         self.metrics.generated(gen, request.api)
         job.send(Finished(gen))
 
@@ -516,6 +520,10 @@ class ModelWorker:
                 self.metrics.saved("failed")
 
         future.add_done_callback(done)
+
+    def _count(self, job: Job, request: GenerationRequest) -> Iterator[None]:
+        job.send(Finished(len(self._tokens(request.prompt, request.messages, request.tools))))
+        yield from ()
 
     def _save(self, job: Job, name: str, source: CacheSource) -> Iterator[None]:
         if source.document is not None:
