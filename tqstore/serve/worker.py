@@ -7,14 +7,15 @@ Failed) through the job's `sink`, called on the worker's thread. Up to `max_runn
 once. A job is a generator: it yields None after a step of its own (a prefill chunk, a token of
 a family that cannot batch) and a `Row` when it waits for its next token from a shared decode
 step (tqstore/engine/batch.py). Each cycle of the worker runs one batched decode step over every
-job waiting on a Row (joining and leaving between steps), then one step of one other job in
-turn, so a long prompt's prefill chunks interleave with the running decode. A running job
-that has had HOLD_SECONDS of model time while others wait is parked: it keeps its state and
-goes to the back of the line, and the job that waited longest takes its place, so no request
-waits for the running ones to end. A client that goes away cancels its job: a queued job is
-skipped, a running one stops at its next token (the engine's `stop` callback).
-After a response is complete the worker compresses the new prefix (the save policy) at the end
-of the job's turn and hands it to a background writer (background.py), which serializes and
+job waiting on a Row (joining and leaving between steps), then one step of the other job that
+has had the least model time, so a long prompt's prefill chunks interleave with the running
+decode and a new request's prefill goes before a long one's next chunk. A running job that has
+had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
+back of the line, and the job that waited longest takes its place, so no request waits for the
+running ones to end. A client that goes away cancels its job: a queued job is skipped, a
+running one stops at its next token (the engine's `stop` callback). After a response is
+complete the worker compresses the new prefix (the save policy) at the end of the job's last
+step and hands it to a background writer (background.py), which serializes and
 stores it while the worker takes the next request; a request whose prompt extends a prefix
 still being written waits for that write only, so it finds the prefix stored.
 """
@@ -338,8 +339,8 @@ class ModelWorker:
 
     def _cycle(self) -> None:
         """One batched decode step over every running job that waits on a Row, then one step of
-        the first other running job (which then goes to the back of the line); then park jobs
-        that have held their place for HOLD_SECONDS while others wait for one."""
+        the other running job that has had the least model time; then park jobs that have held
+        their place for HOLD_SECONDS while others wait for one."""
         decoding = [r for r in self._running if r.pending is not None]
         if decoding:
             try:
@@ -356,11 +357,12 @@ class ModelWorker:
                 running.seconds += spent
                 running.held += spent
                 self._advance(running)
-        other = next((r for r in self._running if r.pending is None and r not in decoding), None)
+        # The other job that has had the least model time: a new request's prefill goes before
+        # the next chunk of a long one, so its first token waits for at most one chunk.
+        other = min((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds,
+                    default=None)
         if other is not None:
             t0 = time.perf_counter()
-            self._running.remove(other)
-            self._running.append(other)
             self._advance(other)
             spent = time.perf_counter() - t0
             other.seconds += spent
