@@ -4,7 +4,7 @@ prefills.
 
     python bench/server_batch.py                         # CPU: the tiny random-weight llama (8 layers, 2 KV heads)
     python bench/server_batch.py --model 8b              # GPU: 8 layers of Llama-3.1-8B shapes, random bf16 weights
-    python bench/server_batch.py --runs 5 --write        # the table into docs/server.md
+    python bench/server_batch.py --openblas --blas-threads 1 --runs 5 --write   # CPU, into docs/server.md
 
 One real `tqstore serve` per scheme (`--no-save`, `--max-running` the largest concurrency), all
 up at once on the same model folder; every measurement alternates between them, so all see the
@@ -25,6 +25,7 @@ import argparse
 import concurrent.futures
 import http.client
 import json
+import os
 import random
 import shutil
 import statistics
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(1, str(ROOT))
 sys.path.insert(2, str(ROOT / "tests"))
 
-from common import markdown_table, replace_section, stamp  # noqa: E402
+from common import markdown_table, replace_section, stamp, use_openblas  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 DOC = ROOT / "docs" / "server.md"
@@ -99,8 +100,16 @@ def stream(server: ServerProcess, prompt, max_tokens: int, t_start: float) -> tu
     return tokens, first, time.perf_counter() - t_start
 
 
-def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> float:
-    """Aggregate tokens/s of one streamed completion per prompt, all sent at once."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> tuple[float, float]:
+    """(aggregate tokens per second, tokens per CPU-second of the server) of one streamed
+    completion per prompt, all sent at once. The second does not count the time the server
+    waited for a core, so it moves less with other load on a shared machine."""
     barrier = threading.Barrier(len(prompts) + 1)
     t0 = [0.0]
 
@@ -110,25 +119,66 @@ def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> fl
 
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(client, p) for p in prompts]
+        cpu0 = cpu_seconds(server.proc.pid)
         t0[0] = time.perf_counter()
         barrier.wait()
         results = [f.result() for f in futures]
-    return sum(r[0] for r in results) / max(r[2] for r in results)
+    tokens = sum(r[0] for r in results)
+    return tokens / max(r[2] for r in results), tokens / max(cpu_seconds(server.proc.pid) - cpu0, 1e-9)
 
 
-def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[float, float]:
-    """(a short request's first event alone, the same while `long_prompt` prefills), seconds."""
+def decode_rates(folder: Path, root: Path, scheme: str, prompts: list, max_tokens: int) -> tuple[float, float]:
+    """(tokens per second, tokens per CPU-second) of the decode steps alone, in this process:
+    one row per prompt through tqstore/engine/batch.py (prefilled first, not timed), stepped
+    together until every row has its `max_tokens` (or its end-of-sequence token)."""
+    from tqstore.engine.batch import batched_generation, decode_step
+    from tqstore.engine.engine import Engine
+
+    engine = Engine.open(root / "decode-home")
+    loaded = engine.model(str(folder))
+    rows = [batched_generation(engine, loaded, scheme, p, max_tokens=max_tokens) for p in prompts]
+    pending = []
+    for row in rows:
+        step = next(row)
+        while step is None:
+            step = next(row)
+        pending.append(step)
+    tokens, wall, cpu = 0, time.perf_counter(), time.process_time()
+    while any(p is not None for p in pending):
+        live = [i for i, p in enumerate(pending) if p is not None]
+        decode_step(loaded.model, [pending[i] for i in live])
+        tokens += len(live)
+        for i in live:
+            try:
+                pending[i] = rows[i].send(None)
+            except StopIteration:
+                pending[i] = None
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    engine.store.close()
+    return tokens / wall, tokens / cpu
+
+
+def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[float, float, float]:
+    """(a short request's first event alone, the same while `long_prompt` prefills, the long
+    request's own time to its one token), seconds."""
     idle = stream(server, short, 4, time.perf_counter())[1]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         long = pool.submit(stream, server, long_prompt, 1, time.perf_counter())
         time.sleep(0.2)
         busy = stream(server, short, 4, time.perf_counter())[1]
-        long.result()
-    return idle, busy
+        whole = long.result()[2]
+    return idle, busy, whole
 
 
 def summary(values: list[float], digits: int = 1) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def cell(values: list[float], alone: list[float]) -> str:
+    """Median (min-max) of `values`, and of their ratios to `alone` run by run (unless they are it)."""
+    if values is alone:
+        return summary(values)
+    return f"{summary(values)}, {summary([v / a for v, a in zip(values, alone)], 2)}x"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -142,6 +192,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--long", type=int, default=None,
                         help="the long prompt's tokens (default 1024 tiny, 16384 8b; 0: skip)")
+    parser.add_argument("--openblas", action="store_true",
+                        help="run on Debian's OpenBLAS, as the `tqstore serve` command does (the servers inherit it)")
+    parser.add_argument("--blas-threads", type=int, default=None,
+                        help="OPENBLAS_NUM_THREADS for this process and the servers (1 on a shared CPU: OpenBLAS's "
+                             "threads spin while waiting for each other, and on busy cores a batched step then costs "
+                             "several times its work)")
     parser.add_argument("--write", action="store_true", help="put the table into docs/server.md")
     return parser.parse_args(argv[1:])
 
@@ -149,6 +205,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     args = parse(argv)
+    if args.blas_threads is not None and os.environ.get("OPENBLAS_NUM_THREADS") != str(args.blas_threads):
+        os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read when OpenBLAS loads: start again
+        os.execv(sys.executable, [sys.executable, *argv])
+    if args.openblas:
+        use_openblas(argv)
     args.concurrency = sorted({1, *args.concurrency})  # the ratios are against one alone
     long_tokens = args.long if args.long is not None else (1024 if args.model == "tiny" else 16384)
     root = Path(tempfile.mkdtemp(prefix="tqstore-server-batch-"))
@@ -165,46 +226,59 @@ def main(argv: list[str] | None = None) -> int:
         prompts = [[rng.randrange(8, vocab - 1) for _ in range(16)] for _ in range(max(args.concurrency))]
         for server in servers.values():  # warm-up: the first request builds the codec and compiles
             concurrent_rate(server, prompts[:2], 4)
-        rates: dict[tuple[str, int], list[float]] = {}
-        ratios: dict[tuple[str, int], list[float]] = {}
+        rates: dict[tuple[str, int, str], list[float]] = {}  # (scheme, concurrency, "wall" | "cpu")
         for run in range(args.runs):
-            alone: dict[str, float] = {}
             for c in args.concurrency:
                 for scheme, server in servers.items():
-                    rate = concurrent_rate(server, prompts[:c], args.tokens)
-                    rates.setdefault((scheme, c), []).append(rate)
-                    alone.setdefault(scheme, rate if c == 1 else None)
-                    if alone[scheme]:
-                        ratios.setdefault((scheme, c), []).append(rate / alone[scheme])
-                    say(f"run {run + 1}/{args.runs}, {c} concurrent, {scheme}: {rate:.1f} tokens/s")
-        firsts: dict[str, tuple[list[float], list[float]]] = {}
+                    measured = dict(zip(("wall", "cpu"), concurrent_rate(server, prompts[:c], args.tokens)))
+                    for kind, rate in measured.items():
+                        rates.setdefault((scheme, c, kind), []).append(rate)
+                    say(f"run {run + 1}/{args.runs}, {c} concurrent, {scheme}: {measured['wall']:.1f} tokens/s, "
+                        f"{measured['cpu']:.1f} tokens per server CPU-second")
+        decodes: dict[tuple[str, int, str], list[float]] = {}
+        for run in range(args.runs):
+            for c in args.concurrency:
+                for scheme in args.schemes:
+                    measured = dict(zip(("wall", "cpu"), decode_rates(folder, root, scheme, prompts[:c], args.tokens)))
+                    for kind, rate in measured.items():
+                        decodes.setdefault((scheme, c, kind), []).append(rate)
+                    say(f"run {run + 1}/{args.runs}, decode steps of {c} rows, {scheme}: {measured['wall']:.1f} "
+                        f"tokens/s, {measured['cpu']:.1f} tokens per CPU-second")
+        firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
         if long_tokens:
             long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
             for run in range(args.runs):
                 for scheme, server in servers.items():
-                    idle, busy = first_token_beside_long(server, prompts[0], long_prompt)
-                    firsts.setdefault(scheme, ([], []))[0].append(idle * 1000)
-                    firsts[scheme][1].append(busy * 1000)
-                    say(f"run {run + 1}/{args.runs}, {scheme}: first token {idle * 1000:.0f} ms idle, "
-                        f"{busy * 1000:.0f} ms beside a {long_tokens}-token prefill")
+                    measured = first_token_beside_long(server, prompts[0], long_prompt)
+                    for kept, value in zip(firsts.setdefault(scheme, ([], [], [])), measured):
+                        kept.append(value * 1000)
+                    say(f"run {run + 1}/{args.runs}, {scheme}: first token {measured[0] * 1000:.0f} ms idle, "
+                        f"{measured[1] * 1000:.0f} ms beside a {long_tokens}-token prefill that took "
+                        f"{measured[2]:.2f} s")
     finally:
         for server in servers.values():
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    rows = []
-    for c in args.concurrency:
-        row = [str(c)]
-        for scheme in args.schemes:
-            row += [summary(rates[(scheme, c)]), summary(ratios[(scheme, c)], 2) + "x" if c != 1 else "1x"]
-        rows.append(row)
-    header = ["concurrent streams"] + [h for s in args.schemes for h in (f"{s}: tokens/s", f"{s}: vs 1 alone")]
+    rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
+            for scheme in args.schemes for c in args.concurrency]
+    header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)"]
     body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of 16-token "
-            f"prompts; median (min-max) of {args.runs} runs.\n\n" + markdown_table(header, rows))
+            f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
+            "run.\n\n" + markdown_table(header, rows))
+    decode_rows = [[scheme, str(c)] + [cell(decodes[(scheme, c, kind)], decodes[(scheme, 1, kind)])
+                                       for kind in ("wall", "cpu")]
+                   for scheme in args.schemes for c in args.concurrency]
+    body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `decode_step` over rows "
+             "prefilled first; no HTTP, no detokenizing for clients):\n\n"
+             + markdown_table(["scheme", "rows", "tokens/s (x one row)", "tokens per CPU-second (x one row)"],
+                              decode_rows))
     if firsts:
         first_rows = [[s, summary(firsts[s][0], 0), summary(firsts[s][1], 0),
-                       summary([b / i for i, b in zip(*firsts[s])], 2) + "x"] for s in args.schemes]
-        body += ("\n\n" + markdown_table(["scheme", "first token, idle, ms", f"beside a {long_tokens}-token prefill, ms",
-                                          "ratio"], first_rows))
+                       summary([b / i for i, b in zip(firsts[s][0], firsts[s][1])], 2) + "x",
+                       summary(firsts[s][2], 0)] for s in args.schemes]
+        body += ("\n\n" + markdown_table(["scheme", "short request's first token, idle, ms",
+                                          f"beside a {long_tokens}-token prompt, ms", "ratio",
+                                          "the long prompt's first token, ms"], first_rows))
     print(body)
     if args.write:
         replace_section(DOC, MARKER, body)
