@@ -127,15 +127,12 @@ def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> tu
     return tokens / max(r[2] for r in results), tokens / max(cpu_seconds(server.proc.pid) - cpu0, 1e-9)
 
 
-def decode_rates(folder: Path, root: Path, scheme: str, prompts: list, max_tokens: int) -> tuple[float, float]:
+def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int) -> tuple[float, float]:
     """(tokens per second, tokens per CPU-second) of the decode steps alone, in this process:
     one row per prompt through tqstore/engine/batch.py (prefilled first, not timed), stepped
     together until every row has its `max_tokens` (or its end-of-sequence token)."""
     from tqstore.engine.batch import batched_generation, decode_step
-    from tqstore.engine.engine import Engine
 
-    engine = Engine.open(root / "decode-home")
-    loaded = engine.model(str(folder))
     rows = [batched_generation(engine, loaded, scheme, p, max_tokens=max_tokens) for p in prompts]
     pending = []
     for row in rows:
@@ -154,7 +151,6 @@ def decode_rates(folder: Path, root: Path, scheme: str, prompts: list, max_token
             except StopIteration:
                 pending[i] = None
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    engine.store.close()
     return tokens / wall, tokens / cpu
 
 
@@ -235,11 +231,16 @@ def main(argv: list[str] | None = None) -> int:
                         rates.setdefault((scheme, c, kind), []).append(rate)
                     say(f"run {run + 1}/{args.runs}, {c} concurrent, {scheme}: {measured['wall']:.1f} tokens/s, "
                         f"{measured['cpu']:.1f} tokens per server CPU-second")
+        from tqstore.engine.engine import Engine
+
+        engine = Engine.open(root / "decode-home")  # an empty store: every row is prefilled
+        loaded = engine.model(str(folder))
         decodes: dict[tuple[str, int, str], list[float]] = {}
         for run in range(args.runs):
             for c in args.concurrency:
                 for scheme in args.schemes:
-                    measured = dict(zip(("wall", "cpu"), decode_rates(folder, root, scheme, prompts[:c], args.tokens)))
+                    rates_now = decode_rates(engine, loaded, scheme, prompts[:c], args.tokens)
+                    measured = dict(zip(("wall", "cpu"), rates_now))
                     for kind, rate in measured.items():
                         decodes.setdefault((scheme, c, kind), []).append(rate)
                     say(f"run {run + 1}/{args.runs}, decode steps of {c} rows, {scheme}: {measured['wall']:.1f} "

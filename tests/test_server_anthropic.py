@@ -134,7 +134,8 @@ def test_tool_calls_are_parsed_out_of_the_answer(tmp_path, model_dir):
     text, calls = fmt.split('Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
                             '</tool_call><tool_call>not json</tool_call>', ({"type": "function", "function": WEATHER},))
     assert text == "Checking." and len(calls) == 1
-    assert calls[0]["type"] == "tool_use" and calls[0]["name"] == "get_weather" and calls[0]["input"] == {"city": "Oslo"}
+    assert calls[0]["type"] == "tool_use" and calls[0]["name"] == "get_weather"
+    assert calls[0]["input"] == {"city": "Oslo"}
     assert calls[0]["id"].startswith("toolu_")
 
 

@@ -123,7 +123,8 @@ def test_stop_strings_and_the_token_cap_end_rows_that_leave_the_batch(tmp_path, 
     free = engine.generate(loaded, "raw", loaded.tokenizer.encode(PROMPTS[1]), max_tokens=12).text
     stop = free[len(free) // 2:len(free) // 2 + 3]
     assert len(stop) == 3
-    requests = [_request(PROMPTS[1], replace(GREEDY, stop=(stop,))), _request(PROMPTS[2], replace(GREEDY, max_tokens=2)),
+    requests = [_request(PROMPTS[1], replace(GREEDY, stop=(stop,))),
+                _request(PROMPTS[2], replace(GREEDY, max_tokens=2)),
                 _request(PROMPTS[3], replace(GREEDY, max_tokens=30))]
     [(cut, cut_text), (capped, _), (long, _)], _ = _serve(engine, llama, "raw", requests)
     assert cut.finish_reason == "stop" and cut.text == cut_text == free[:free.index(stop)]

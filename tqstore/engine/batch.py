@@ -88,7 +88,8 @@ def install_rows_dispatch() -> None:
     TurboQuant's dispatch, which `rows_sdpa` calls)."""
     install_attention_dispatch()
     for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(module, "scaled_dot_product_attention", None) is compressed_sdpa:
+        if (name.startswith("mlx_lm.models.")
+                and getattr(module, "scaled_dot_product_attention", None) is compressed_sdpa):
             module.scaled_dot_product_attention = rows_sdpa
 
 

@@ -85,7 +85,8 @@ class _CountBody(BaseModel):
 
 class _MessagesBody(_CountBody):
     max_tokens: Annotated[int, Field(ge=1)]
-    stop_sequences: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_sequences: (Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_SEQUENCES)]
+                     | None) = None
     temperature: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stream: bool | None = None

@@ -163,8 +163,9 @@ class Guard:
         if "x-api-key" in headers:  # Anthropic's clients send the key so
             kind, token = "bearer", headers["x-api-key"]
         if kind.lower() != "bearer" or not token.strip():
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
