@@ -82,11 +82,15 @@ def test_greedy_raw_answers_are_the_same_alone_and_in_a_batch_of_eight(tmp_path,
     assert single[0][0].text == batched[3][0].text
 
 
-def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama, family):
     """decode_step itself, on rows whose caches hold 3 to 60 tokens: the same tokens and the
-    same first log-probabilities as Engine.generate (bit for bit), raw scheme."""
+    same first log-probabilities as Engine.generate (bit for bit), raw scheme, for each family
+    in BATCHED_FAMILIES (mistral is llama's code)."""
+    folder = llama if family == "llama" else write_model_folder(tmp_path / family, kind=family)
     engine = Engine.open(tmp_path / "home")
-    loaded = engine.model(str(llama))
+    loaded = engine.model(str(folder))
+    assert batchable(loaded, make_prompt_cache(loaded.model, "raw"))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     gens = [batched_generation(engine, loaded, "raw", p, max_tokens=6) for p in prompts]
     pending, results = [], [None] * len(gens)

@@ -32,8 +32,9 @@ from tqstore.models.loading import LoadedModel
 
 # Model families whose attention layers use their cache only through `offset`,
 # `update_and_fetch` and mlx-lm's `scaled_dot_product_attention` (and build their mask through
-# `create_attention_mask`), so that per-row attention is theirs exactly. Others decode alone.
-BATCHED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2"})
+# `create_attention_mask`), so that per-row attention is theirs exactly; each is tested
+# (tests/test_server_batch.py; mistral runs mlx-lm's llama module). Others decode alone.
+BATCHED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 _ROW_CACHES = (KVCache, TurboQuantKVCache)
 
 
@@ -107,9 +108,9 @@ class Row:
 
 def decode_step(model: Any, rows: Sequence[Row]) -> float:
     """Run every row's next token through the model in one forward pass and draw each row's
-    next token with its own sampler; returns the seconds taken."""
+    next token with its own sampler; returns the seconds taken. The rows come from
+    `batched_generation`, which installed the per-row attention dispatch."""
     t0 = time.perf_counter()
-    install_rows_dispatch()
     layers = len(rows[0].caches)
     caches = [RowsCache([row.caches[layer] for row in rows]) for layer in range(layers)]
     logits = model(mx.array([[row.token] for row in rows]), cache=caches)[:, -1, :]
@@ -148,6 +149,7 @@ def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt:
     waiting rows, then resumes it). Stops, token cap, EOS and text are mlx-lm's
     `stream_generate`'s. `step_seconds()` says how long the last step took (the generation's
     decode time counts the steps it took part in)."""
+    install_rows_dispatch()  # model modules imported since the last request get it too
     started, remainder, prefill, halted = yield from engine.prompt_steps(loaded, scheme, prompt, seed=seed, stop=stop,
                                                                          on_start=on_start, started=started)
     pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
