@@ -1,10 +1,11 @@
-"""The HTTP layer of the OpenAI-compatible server, an ASGI application that uvicorn runs
-(main.py); docs/server.md describes the API.
+"""The HTTP layer of the OpenAI- and Anthropic-compatible server, an ASGI application that
+uvicorn runs (main.py); docs/server.md describes the APIs.
 
 Starlette routes requests and writes responses and streams. `Guard`, the application's entry
 point, does what comes before routing for every request: the Host and Origin checks, the API
-key, the body (its size limit and a stall timeout), the error shape, and the request metrics.
-The work lives elsewhere: openai_schema.py validates requests and shapes responses, worker.py
+key, the body (its size limit and a stall timeout), the error shape (Anthropic's on
+/v1/messages paths), and the request metrics. The work lives elsewhere: openai_schema.py and
+anthropic_schema.py validate requests and shape responses, worker.py
 runs every model job on one owner thread behind a bounded queue, streams.py brings a job's
 events to the event loop, metrics.py counts. Handlers never touch MLX: store catalog calls
 (list, info, remove, pin) run on worker threads of the loop (anyio), never on the loop itself.
