@@ -9,7 +9,7 @@ import pytest
 
 from server_process import parse_prometheus
 from tqstore.errors import BadInput, DiskFull, InvalidName, NotFound, TqstoreError
-from tqstore.serve.metrics import Metrics, QueueState
+from tqstore.serve.metrics import RATE_WINDOW_SECONDS, Metrics, QueueState
 from tqstore.serve.openai_schema import (ApiError, Generation, Sampling, StopScanner, api_error, check_model,
                                 parse_cache_source, parse_generation, parse_pin)
 from tqstore.serve.worker import SavePolicy, completion_tokens
@@ -127,6 +127,25 @@ def test_metrics_render_valid_prometheus_text():
     assert samples["tqstore_queue_depth"] == 2 and samples["tqstore_evicted_bytes_total"] == 30
     assert 'tqstore_store_entries{tier="memory"}' not in samples
     assert samples['tqstore_store_entries{tier="lmdb"}'] == 1
+
+
+def test_metrics_count_decode_batches_and_hits_per_api():
+    metrics = Metrics()
+    metrics.generated(Generation("x", "stop", 40, 4, 39, "memory", 0.01, 0.02, 0.3), "anthropic")
+    metrics.generated(Generation("x", "stop", 40, 4, 0, "none", 0.0, 0.02, 0.3))
+    for rows in (1, 3, 8):
+        metrics.decoded(rows, 0.02)
+    stats = SimpleNamespace(tiers={}, misses=0, evicted_entries=0, evicted_objects=0, evicted_bytes=0,
+                            memory_evictions=0)
+    samples = parse_prometheus(metrics.render(stats, QueueState(3, 32, 8, batching=True)))
+    assert samples['tqstore_api_prefix_hits_total{api="anthropic",tier="memory"}'] == 1
+    assert samples['tqstore_api_prefix_hits_total{api="openai",tier="none"}'] == 1
+    assert samples['tqstore_api_prefix_hits_total{api="openai",tier="memory"}'] == 0
+    assert samples['tqstore_api_cached_tokens_total{api="anthropic"}'] == 39
+    assert samples["tqstore_batch_size_count"] == 3 and samples["tqstore_batch_size_sum"] == 12
+    assert samples['tqstore_batch_size_bucket{le="2.0"}'] == 1 and samples['tqstore_batch_size_bucket{le="4.0"}'] == 2
+    assert samples["tqstore_decode_tokens_per_second"] == 12 / RATE_WINDOW_SECONDS  # 12 tokens in the window
+    assert samples["tqstore_batching"] == 1 and samples["tqstore_queue_depth"] == 3
 
 
 def test_two_servers_in_one_process_count_apart():

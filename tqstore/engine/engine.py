@@ -359,15 +359,9 @@ class Engine:
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
-        if seed is not None and not 0 <= seed <= MAX_SEED:
-            raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
-        started = started if started is not None else self.start(loaded, scheme, prompt[:-1])
-        if on_start is not None:
-            on_start(started)
-        remainder = list(prompt[started.matched:])
-        halted = (lambda: stop("")) if stop is not None else (lambda: False)
-        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
-                                                at=started.matched, checkpoints=started.checkpoints)
+        started, remainder, prefill, halted = yield from self.prompt_steps(loaded, scheme, prompt, seed=seed,
+                                                                           stop=stop, on_start=on_start,
+                                                                           started=started)
         pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
         if halted():
             finish = "stop"
@@ -400,6 +394,25 @@ class Engine:
                            started.restore_seconds, prefill, recorded, generating, finish, first_token,
                            first_logprobs=first_logprobs)
         return result, started.caches
+
+    def prompt_steps(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, seed: int | None = None,
+                     stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
+                     started: Started | None = None
+                     ) -> Generator[None, None, tuple[Started, list[int], float, Callable[[], bool]]]:
+        """What a generation does before its first token (options as `generation`): the seed
+        checked, the stored prefix restored, all but the prompt's last token prefilled (yielding
+        after each chunk). Returns (started, the prompt's tokens after the restored prefix,
+        prefill seconds, whether `stop` says to end)."""
+        if seed is not None and not 0 <= seed <= MAX_SEED:
+            raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
+        started = started if started is not None else self.start(loaded, scheme, prompt[:-1])
+        if on_start is not None:
+            on_start(started)
+        remainder = list(prompt[started.matched:])
+        halted = (lambda: stop("")) if stop is not None else (lambda: False)
+        prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
+                                                at=started.matched, checkpoints=started.checkpoints)
+        return started, remainder, prefill, halted
 
     def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,
                   system: str | None = None, adapter_path: str | None = None, pin: bool = False) -> "ChunkInfo":

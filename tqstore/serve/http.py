@@ -1,10 +1,11 @@
-"""The HTTP layer of the OpenAI-compatible server, an ASGI application that uvicorn runs
-(main.py); docs/server.md describes the API.
+"""The HTTP layer of the OpenAI- and Anthropic-compatible server, an ASGI application that
+uvicorn runs (main.py); docs/server.md describes the APIs.
 
 Starlette routes requests and writes responses and streams. `Guard`, the application's entry
 point, does what comes before routing for every request: the Host and Origin checks, the API
-key, the body (its size limit and a stall timeout), the error shape, and the request metrics.
-The work lives elsewhere: openai_schema.py validates requests and shapes responses, worker.py
+key, the body (its size limit and a stall timeout), the error shape (Anthropic's on
+/v1/messages paths), and the request metrics. The work lives elsewhere: openai_schema.py and
+anthropic_schema.py validate requests and shape responses, worker.py
 runs every model job on one owner thread behind a bounded queue, streams.py brings a job's
 events to the event loop, metrics.py counts. Handlers never touch MLX: store catalog calls
 (list, info, remove, pin) run on worker threads of the loop (anyio), never on the loop itself.
@@ -36,14 +37,15 @@ from starlette.types import Receive, Scope, Send
 
 from tqstore.errors import TqstoreError
 from tqstore.names import validate_name
+from tqstore.serve import anthropic_schema as anthropic
 from tqstore.serve.metrics import CONTENT_TYPE as METRICS_TYPE
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.options import LOOPBACK_NAMES
-from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, api_error, check_model, chunk,
-                                         completion_response, parse_cache_source, parse_generation, parse_pin,
+from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, StopScanner, api_error, check_model,
+                                         chunk, completion_response, parse_cache_source, parse_generation, parse_pin,
                                          store_details, usage_chunk)
 from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
-from tqstore.serve.worker import Failed, Finished, ModelWorker, QueueFull, Text
+from tqstore.serve.worker import Accepted, Failed, Finished, ModelWorker, QueueFull, Text
 
 log = logging.getLogger("tqstore.serve")
 # The largest request head. h11 refuses an unfinished head past this (400), but a whole head that
@@ -56,6 +58,7 @@ MIN_BODY_BYTES_PER_SECOND = 64 << 10
 # Set in the ASGI scope once a request passed the API key check (always, without a key): the
 # connection eviction in main.py closes idle connections without one first.
 AUTHORIZED = "tqstore.authorized"
+ANTHROPIC_PATHS = "/v1/messages"  # paths under it answer errors in Anthropic's shape
 
 
 @dataclass
@@ -125,7 +128,7 @@ class Guard:
             if error.status >= 500:
                 log.error("%s %s failed", method, scope["path"],
                           exc_info=not isinstance(e, (ApiError, TqstoreError)))
-            await error_response(error)(scope, receive, counted)
+            await error_response(error, scope["path"].startswith(ANTHROPIC_PATHS))(scope, receive, counted)
         finally:
             # 499: the client went away before a status was sent (nginx's convention).
             self.app.metrics.request(endpoint, method, status or 499)
@@ -158,9 +161,12 @@ class Guard:
         if key is None:
             return
         kind, _, token = headers.get("authorization", "").partition(" ")
+        if "x-api-key" in headers:  # Anthropic's clients send the key so
+            kind, token = "bearer", headers["x-api-key"]
         if kind.lower() != "bearer" or not token.strip():
-            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>')", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -225,11 +231,12 @@ def _routing_error(exc: Exception, scope: Scope, endpoint: str) -> ApiError | No
                     code="not_found")
 
 
-def error_response(error: ApiError) -> JSONResponse:
-    """The JSON error response; 503s say when to retry."""
+def error_response(error: ApiError, anthropic_shape: bool = False) -> JSONResponse:
+    """The JSON error response (OpenAI's shape, or Anthropic's); 503s say when to retry."""
     if error.status == 503:
         error.headers.setdefault("Retry-After", "1")
-    return JSONResponse(error.body(), error.status, error.headers)
+    body = anthropic.error_body(error) if anthropic_shape else error.body()
+    return JSONResponse(body, error.status, error.headers)
 
 
 def _json(body: bytes, required: bool = True) -> Any:
@@ -364,6 +371,94 @@ async def _stream(events: JobEvents, ids: ResponseIds, include_usage: bool):
         events.close()
 
 
+# -- the Anthropic Messages API ---------------------------------------------------------------------
+
+async def messages(request: Request) -> Response:
+    app: App = request.app
+    body = anthropic.parse_messages(_json(await request.body()), defaults=app.defaults)
+    events = await _submit(request, lambda sink: app.worker.generate(body, sink), texts=body.stream)
+    msg_id = anthropic.message_id()
+    fmt = anthropic.ToolFormat.of(app.worker.loaded.tokenizer) if body.tools else None
+    if not body.stream:
+        gen = await events.result()
+        return JSONResponse(anthropic.message_response(msg_id, app.model_id, gen, fmt, body.tools),
+                            headers={"X-TQStore-Tier": gen.tier, "X-TQStore-Cached-Tokens": str(gen.cached_tokens)})
+    try:
+        first = await events.next_event()
+        if isinstance(first, Failed):
+            raise first.error
+    except BaseException:
+        events.close()
+        raise
+    return StreamingResponse(_message_stream(events, msg_id, app.model_id, first, fmt, body.tools),
+                             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                      "X-TQStore-Tier": first.tier,
+                                      "X-TQStore-Cached-Tokens": str(first.cached_tokens)})
+
+
+async def _message_stream(events: JobEvents, msg_id: str, model_id: str, first: Accepted,
+                          fmt: anthropic.ToolFormat | None, tools):
+    """Anthropic's events: message_start, a text block streamed as it comes (text that may
+    start a tool call held back), tool_use blocks once the answer is complete, message_delta
+    with the stop reason and usage, message_stop; an error after the start as an error event."""
+    held = StopScanner((fmt.start,)) if fmt is not None and tools else None
+    use = {"input_tokens": first.prompt_tokens - first.cached_tokens, "output_tokens": 0,
+           "cache_read_input_tokens": first.cached_tokens, "cache_creation_input_tokens": 0}
+    blocks = 0  # content blocks opened so far; the text block, when there is one, is the first
+    text, sent = "", 0
+
+    def text_delta(new: str):
+        nonlocal blocks
+        if not blocks:
+            blocks = 1
+            yield anthropic.event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+            yield anthropic.event("ping")
+        yield anthropic.event("content_block_delta", index=0, delta={"type": "text_delta", "text": new})
+
+    try:
+        yield anthropic.event("message_start", message=anthropic.message(msg_id, model_id, [], None, None, use))
+        while True:
+            event = await events.next_event()
+            if isinstance(event, Text):
+                text += event.text
+                new = held.feed(text) if held is not None else event.text
+                if new:
+                    sent += len(new)
+                    for part in text_delta(new):
+                        yield part
+            elif isinstance(event, Finished):
+                gen = event.value
+                visible, calls = fmt.split(gen.text, tools) if held is not None else (gen.text, [])
+                if visible[sent:] or not (blocks or calls):
+                    for part in text_delta(visible[sent:]):
+                        yield part
+                if blocks:
+                    yield anthropic.event("content_block_stop", index=0)
+                for index, call in enumerate(calls, start=blocks):
+                    yield anthropic.event("content_block_start", index=index, content_block={**call, "input": {}})
+                    yield anthropic.event("content_block_delta", index=index,
+                                          delta={"type": "input_json_delta", "partial_json": json.dumps(call["input"])})
+                    yield anthropic.event("content_block_stop", index=index)
+                yield anthropic.event("message_delta",
+                                      delta={"stop_reason": anthropic.stop_reason(gen, bool(calls)),
+                                             "stop_sequence": gen.stop_sequence},
+                                      usage={"output_tokens": gen.completion_tokens}, tqstore=store_details(gen))
+                yield anthropic.event("message_stop")
+                break
+            elif isinstance(event, Failed):
+                yield anthropic.event("error", error=anthropic.error_body(event.error)["error"])
+                break
+    finally:
+        events.close()
+
+
+async def count_tokens(request: Request) -> Response:
+    app: App = request.app
+    body = anthropic.parse_count(_json(await request.body()), defaults=app.defaults)
+    events = await _submit(request, lambda sink: app.worker.count(body, sink))
+    return JSONResponse({"input_tokens": await events.result()})
+
+
 async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [_model_object(request.app)]})
 
@@ -460,6 +555,8 @@ ROUTES = [
     Route("/v1/models/{model:path}", model, methods=["GET"]),
     Route("/v1/completions", completions, methods=["POST"]),
     Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
     Route("/v1/caches", list_caches, methods=["GET"]),
     Route("/v1/caches/{name:path}/pin", Pin),
     Route("/v1/caches/{name:path}", Cache),

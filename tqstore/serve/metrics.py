@@ -8,6 +8,9 @@ hits per tier, evictions) are read at scrape time. docs/server.md lists every me
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,6 +22,9 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TIERS = ("memory", "lmdb", "s3", "none")
 SAVE_OUTCOMES = ("saved", "covered", "short", "unsupported", "failed")
+APIS = ("openai", "anthropic")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+RATE_WINDOW_SECONDS = 10.0  # tokens/s is the decode rate over this window
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,7 @@ class QueueState:
     waiting: int
     capacity: int
     running: int
+    batching: bool = False  # whether generations share decode steps (False: one at a time, in turns)
 
 
 class Metrics:
@@ -58,8 +65,21 @@ class Metrics:
         self.saves = counter("tqstore_autosaves", "Save-policy decisions after generations, by outcome.",
                              ("outcome",))
         self.save_seconds = seconds("tqstore_autosave_seconds", "Seconds spent storing new prefixes after responses.")
+        self.api_hits = counter("tqstore_api_prefix_hits", "Generations per API by the slowest tier their stored "
+                                "prefix came from (none: no stored prefix).", ("api", "tier"))
+        self.api_cached = counter("tqstore_api_cached_tokens", "Prompt tokens restored from the store, per API.",
+                                  ("api",))
+        self.batch_size = Histogram("tqstore_batch_size", "Generations in each batched decode step.",
+                                    buckets=BATCH_BUCKETS, registry=self.registry)
+        self.step_seconds = seconds("tqstore_decode_step_seconds", "Seconds per batched decode step.")
+        self._decoded: deque[tuple[float, int]] = deque()  # (when, tokens) of recent decode steps
+        self._decoded_lock = threading.Lock()
         for tier in TIERS:  # listed at 0 before the first of each
             self.prefix_hits.labels(tier)
+            for api in APIS:
+                self.api_hits.labels(api, tier)
+        for api in APIS:
+            self.api_cached.labels(api)
         for outcome in SAVE_OUTCOMES:
             self.saves.labels(outcome)
 
@@ -67,16 +87,34 @@ class Metrics:
         """One HTTP request answered (`endpoint` is the route template, never the raw path)."""
         self.requests.labels(endpoint, method, str(status)).inc()
 
-    def generated(self, gen: Generation) -> None:
-        """One finished generation."""
+    def generated(self, gen: Generation, api: str = "openai") -> None:
+        """One finished generation, asked for through `api` (openai or anthropic)."""
         self.prompt_tokens.inc(gen.prompt_tokens)
         self.cached_tokens.inc(gen.cached_tokens)
         self.completion_tokens.inc(gen.completion_tokens)
         self.prefix_hits.labels(gen.tier).inc()
+        self.api_hits.labels(api, gen.tier).inc()
+        self.api_cached.labels(api).inc(gen.cached_tokens)
         if gen.cached_tokens:
             self.restore.observe(gen.restore_seconds)
         self.prefill.observe(gen.prefill_seconds)
         self.generation.observe(gen.generation_seconds)
+
+    def decoded(self, rows: int, seconds: float) -> None:
+        """One batched decode step of `rows` generations (one token each)."""
+        self.batch_size.observe(rows)
+        self.step_seconds.observe(seconds)
+        now = time.monotonic()
+        with self._decoded_lock:
+            self._decoded.append((now, rows))
+            while self._decoded and self._decoded[0][0] < now - RATE_WINDOW_SECONDS:
+                self._decoded.popleft()
+
+    def tokens_per_second(self) -> float:
+        """Tokens decoded in batched steps over the last RATE_WINDOW_SECONDS, per second."""
+        since = time.monotonic() - RATE_WINDOW_SECONDS
+        with self._decoded_lock:
+            return sum(n for t, n in self._decoded if t >= since) / RATE_WINDOW_SECONDS
 
     def count_rejected(self) -> None:
         """A request refused because the queue was full."""
@@ -95,24 +133,28 @@ class Metrics:
     def render(self, stats, queue: QueueState) -> str:
         """Prometheus text of these counters, `stats` (a StoreStats) and the queue."""
         scrape = CollectorRegistry()
-        scrape.register(_Snapshot(stats, queue))
+        scrape.register(_Snapshot(stats, queue, self.tokens_per_second()))
         return (generate_latest(self.registry) + generate_latest(scrape)).decode()
 
 
 class _Snapshot:
     """A collector of figures read at scrape time: the queue and the store's stats."""
 
-    def __init__(self, stats, queue: QueueState):
+    def __init__(self, stats, queue: QueueState, tokens_per_second: float):
         self.stats = stats
         self.queue = queue
+        self.tokens_per_second = tokens_per_second
 
     def collect(self):
         queue = self.queue
         for name, help_, value in (
                 ("tqstore_queue_depth", "Requests waiting for the model worker.", queue.waiting),
                 ("tqstore_queue_capacity", "Requests that may wait (--max-queue).", queue.capacity),
-                ("tqstore_running_jobs", "Jobs the model worker is running (taking turns, up to --max-running).",
-                 queue.running)):
+                ("tqstore_running_jobs", "Jobs the model worker is running (up to --max-running).", queue.running),
+                ("tqstore_batching", "1 when generations share batched decode steps, 0 when they take turns.",
+                 int(queue.batching)),
+                ("tqstore_decode_tokens_per_second", "Tokens decoded in batched steps per second, over the last "
+                 f"{RATE_WINDOW_SECONDS:.0f} s.", self.tokens_per_second)):
             yield GaugeMetricFamily(name, help_, value=value)
         stats, tiers = self.stats, self.stats.tiers
         for name, field, help_ in (("tqstore_store_bytes", "bytes", "Bytes held per tier."),

@@ -96,6 +96,7 @@ class GenerationRequest:
     tools: tuple[Any, ...] | None = None  # passed to the chat template, as mlx-lm does
     documents: tuple[tuple[str, str], ...] | None = None  # extension: ("text" | "name", value) in prompt order
     recompute: float | None = None  # extension: share of document tokens recomputed (None: the default)
+    api: str = "openai"  # which API asked (metrics): openai or anthropic
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ class _PinBody(BaseModel):
     pinned: bool | None = None
 
 
-def _validate(model: type[BaseModel], body: Any, what: str) -> Any:
+def validate_body(model: type[BaseModel], body: Any, what: str) -> Any:
     """`body` as `model`; ApiError(400) naming the first bad field (`param`) otherwise."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object{what}, not {type(body).__name__}")
@@ -262,7 +263,7 @@ def _message(error: Mapping[str, Any], param: str | None) -> str:
 def parse_generation(body: Any, *, chat: bool, defaults: Sampling) -> GenerationRequest:
     """Validate a completions (chat=False) or chat completions body; ApiError(400) names the field.
     `defaults` gives max_tokens, temperature and top_p where the body leaves them out."""
-    b: _GenerationBody = _validate(_GenerationBody, body, "")
+    b: _GenerationBody = validate_body(_GenerationBody, body, "")
     if chat and b.messages is None:
         raise ApiError(400, f"'messages' must be {_MESSAGES_HINT}", param="messages")
     if not chat and b.prompt is None:
@@ -286,7 +287,7 @@ def parse_generation(body: Any, *, chat: bool, defaults: Sampling) -> Generation
 
 def parse_cache_source(body: Any) -> CacheSource:
     """Validate a PUT /v1/caches/{name} body."""
-    b: _CacheBody = _validate(_CacheBody, body, " with one of 'prompt', 'messages' or 'document'")
+    b: _CacheBody = validate_body(_CacheBody, body, " with one of 'prompt', 'messages' or 'document'")
     given = [k for k in ("prompt", "messages", "document") if getattr(b, k) is not None]
     if len(given) != 1:
         raise ApiError(400, "give exactly one of 'prompt', 'messages' or 'document' (with an optional 'system'), "
@@ -302,7 +303,7 @@ def parse_pin(body: Any) -> bool:
     """The body of POST /v1/caches/{name}/pin: empty (pin) or {"pinned": bool}."""
     if body is None:
         return True
-    pinned = _validate(_PinBody, body, " like {\"pinned\": false}, or empty").pinned
+    pinned = validate_body(_PinBody, body, " like {\"pinned\": false}, or empty").pinned
     return True if pinned is None else pinned
 
 
@@ -324,12 +325,13 @@ class StopScanner:
         self.stops = stops
         self.sent = 0
         self.end: int | None = None  # where the first stop sequence starts, once found
+        self.matched: str | None = None  # the stop sequence found there
 
     def feed(self, text: str) -> str:
         """New text safe to send, given all the text so far; sets `end` on a stop sequence."""
-        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s, max(0, self.sent - len(s))), s) for s in self.stops) if i >= 0]
         if hits:
-            self.end = min(hits)
+            self.end, self.matched = min(hits)
             return self._take(text, self.end)
         hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return self._take(text, len(text) - hold)
@@ -366,6 +368,7 @@ class Generation:
     generation_seconds: float
     reused_tokens: int | None = None  # composed documents: tokens whose stored K/V were reused
     recomputed_tokens: int | None = None  # composed documents: tokens recomputed in context
+    stop_sequence: str | None = None  # the stop sequence that ended it, if one did
 
 
 @dataclass(frozen=True)

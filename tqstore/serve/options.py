@@ -81,9 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the command line is visible to other users)")
     parser.add_argument("--max-queue", type=positive_int, default=32,
                         help="requests that may wait for the model; more get 503 + Retry-After (default 32)")
-    parser.add_argument("--max-running", type=positive_int, default=4,
-                        help="requests generated at once, taking turns on the model so that a long answer cannot "
-                             "hold up short ones (default 4)")
+    parser.add_argument("--max-running", type=positive_int, default=8,
+                        help="requests generated at once: they decode together in batched steps (one at a time, in "
+                             "turns, for families that cannot batch) (default 8)")
     parser.add_argument("--max-tokens-limit", type=positive_int, default=None,
                         help="the server's cap on max_tokens: longer requests stop there with finish_reason "
                              "'length' (default: the model's context length)")

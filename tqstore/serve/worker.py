@@ -1,17 +1,21 @@
-"""The model side of `tqstore serve`: one owner thread, a bounded job queue, turns between
-running jobs, cancellation and the save policy.
+"""The model side of `tqstore serve`: one owner thread, a bounded job queue, continuous
+batching of the running jobs, cancellation and the save policy.
 
 MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on the worker's
 thread; the HTTP layer submits jobs and gets each job's events (Accepted, Text, Finished,
 Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at
-once, taking turns of SLICE_SECONDS each (a job is a generator that yields between prefill
-chunks and tokens), so a long generation cannot hold the model while a short one waits. A
-running job that has had HOLD_SECONDS of model time while others wait is parked: it keeps its
-state and goes to the back of the line, and the job that waited longest takes its place, so no
-request waits for the running ones to end. A client that goes away cancels its job: a
-queued job is skipped, a running one stops at its next token (the engine's `stop` callback).
-After a response is complete the worker compresses the new prefix (the save policy) at the end
-of the job's turn and hands it to a background writer (background.py), which serializes and
+once. A job is a generator: it yields None after a step of its own (a prefill chunk, a token of
+a family that cannot batch) and a `Row` when it waits for its next token from a shared decode
+step (tqstore/engine/batch.py). Each cycle of the worker runs one batched decode step over every
+job waiting on a Row (joining and leaving between steps), then one step of the other job that
+has had the least model time, so a long prompt's prefill chunks interleave with the running
+decode and a new request's prefill goes before a long one's next chunk. A running job that has
+had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
+back of the line, and the job that waited longest takes its place, so no request waits for the
+running ones to end. A client that goes away cancels its job: a queued job is skipped, a
+running one stops at its next token (the engine's `stop` callback). After a response is
+complete the worker compresses the new prefix (the save policy) at the end of the job's last
+step and hands it to a background writer (background.py), which serializes and
 stores it while the worker takes the next request; a request whose prompt extends a prefix
 still being written waits for that write only, so it finds the prefix stored.
 """
@@ -32,7 +36,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from turboquant import make_prompt_cache
+
 from tqstore.engine.background import BackgroundWriter
+from tqstore.engine.batch import Row, batchable, batched_generation, decode_step
 from tqstore.engine.engine import Engine, Started
 from tqstore.errors import BadInput, TqstoreError
 from tqstore.models.loading import LoadedModel
@@ -42,7 +49,6 @@ from tqstore.models.prompting import encode_prompt
 
 log = logging.getLogger("tqstore.serve")
 AUTO_PREFIX = "auto-"
-SLICE_SECONDS = 0.05  # a running job's turn while others wait: short enough for streams to flow
 HOLD_SECONDS = 1.0  # model time a job runs for, once admitted, before it yields its place to a waiting one
 UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no context length
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
@@ -90,7 +96,7 @@ class Job:
     """One unit of model work and the channel back to the HTTP handler waiting for it."""
 
     kind: str  # "generate" or "save"
-    work: Callable[[Job], Iterator[None]]  # a generator: it yields where the worker may switch jobs
+    work: Callable[[Job], Iterator[Row | None]]  # a generator: it yields where the worker may switch jobs
     sink: Sink  # takes the job's events, on the worker's thread: it must not block
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -102,12 +108,14 @@ class Job:
         self.cancelled.set()
 
 
-@dataclass
+@dataclass(eq=False)
 class Running:
-    """A job the worker has started: its remaining steps and the model time it has used."""
+    """A job the worker has started: its remaining steps, the decode row it waits on (None: it
+    waits for a step of its own) and the model time it has used."""
 
     job: Job
-    steps: Iterator[None]
+    steps: Iterator[Row | None]
+    pending: Row | None = None
     seconds: float = 0.0
     held: float = 0.0  # model time since it was last admitted
 
@@ -195,7 +203,7 @@ class ModelWorker:
     """The one thread that owns the model, and the bounded queue in front of it."""
 
     def __init__(self, engine: Engine, model: str, *, scheme: str, adapter_path: str | None = None,
-                 max_queue: int = 32, max_running: int = 4, max_tokens_limit: int | None = None,
+                 max_queue: int = 32, max_running: int = 8, max_tokens_limit: int | None = None,
                  policy: SavePolicy = SavePolicy(), metrics: Metrics | None = None):
         self.engine = engine
         self.model_ref = model
@@ -208,6 +216,8 @@ class ModelWorker:
         # None: the model's context length, known once it is loaded.
         self.max_tokens_limit = max_tokens_limit
         self.loaded: LoadedModel | None = None
+        self.batching = False  # whether this model's generations share decode steps (known once loaded)
+        self._step_seconds = 0.0  # the last decode step's
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         # What waits for a place among the running: new jobs, and parked ones (started, their
@@ -234,8 +244,12 @@ class ModelWorker:
         """Queue a PUT /v1/caches/{name} whose events go to `sink`; QueueFull when the queue is full."""
         return self._submit(Job("save", lambda job: self._save(job, name, source), sink))
 
+    def count(self, request: GenerationRequest, sink: Sink) -> Job:
+        """Queue a token count of a request's prompt (its Finished event carries the count)."""
+        return self._submit(Job("count", lambda job: self._count(job, request), sink))
+
     def queue_state(self) -> QueueState:
-        return QueueState(len(self._waiting), self.capacity, len(self._running))
+        return QueueState(len(self._waiting), self.capacity, len(self._running), self.batching)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel the running jobs, fail the queued ones, wait for the thread to end, then give
@@ -291,11 +305,14 @@ class ModelWorker:
             return
         if self.max_tokens_limit is None:
             self.max_tokens_limit = context_length(self.loaded.model) or UNKNOWN_CONTEXT_TOKENS
+        self.batching = batchable(self.loaded, make_prompt_cache(self.loaded.model, self.scheme))
+        if not self.batching:
+            log.info("this model's caches cannot share decode steps: requests decode one at a time, in turns")
         self.ready.set()
         while not self._stopping.is_set():
             self._admit(wait=not self._running)
             if self._running:
-                self._turn()
+                self._cycle()
         for running in self._running:  # stopped mid-generation: the server is going away
             running.job.send(Failed(ApiError(503, "the server is shutting down", type="server_error",
                                              code="shutting_down")))
@@ -320,31 +337,58 @@ class ModelWorker:
             else:
                 self._running.append(Running(item, item.work(item)))
 
-    def _turn(self) -> None:
-        """Run the first running job for a turn: to its end, or for SLICE_SECONDS when other
-        jobs wait (it then goes to the back of the line). A job that has held its place for
-        HOLD_SECONDS of model time while jobs wait for one is parked behind them."""
-        running = self._running[0]
-        t0 = time.perf_counter()
+    def _cycle(self) -> None:
+        """One batched decode step over every running job that waits on a Row, then one step of
+        the other running job that has had the least model time; then park jobs that have held
+        their place for HOLD_SECONDS while others wait for one."""
+        decoding = [r for r in self._running if r.pending is not None]
+        if decoding:
+            try:
+                spent = decode_step(self.loaded.model, [r.pending for r in decoding])
+            except BaseException as e:  # the worker must outlive any one step
+                log.exception("a decode step failed")
+                for running in decoding:
+                    running.job.send(Failed(api_error(e)))
+                    self._end(running)
+                return
+            self._step_seconds = spent
+            self.metrics.decoded(len(decoding), spent)
+            for running in decoding:
+                running.seconds += spent
+                running.held += spent
+                self._advance(running)
+        # The other job that has had the least model time: a new request's prefill goes before
+        # the next chunk of a long one, so its first token waits for at most one chunk.
+        other = min((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds,
+                    default=None)
+        if other is not None:
+            t0 = time.perf_counter()
+            self._advance(other)
+            spent = time.perf_counter() - t0
+            other.seconds += spent
+            other.held += spent
+        if self._waiting and not self._stopping.is_set():
+            overdue = [r for r in self._running if r.held >= HOLD_SECONDS][:len(self._waiting)]
+            for running in overdue:
+                self._running.remove(running)
+                self._park(running)
+
+    def _advance(self, running: Running) -> None:
+        """Run a job to its next yield; a job that ends or fails leaves the running ones."""
         try:
-            for _ in running.steps:
-                if self._stopping.is_set() or (time.perf_counter() - t0 >= SLICE_SECONDS
-                                               and (len(self._running) > 1 or self._waiting)):
-                    spent = time.perf_counter() - t0
-                    running.seconds += spent
-                    running.held += spent
-                    self._running.popleft()
-                    if running.held >= HOLD_SECONDS and self._waiting and not self._stopping.is_set():
-                        self._park(running)
-                    else:
-                        self._running.append(running)
-                    return
+            running.pending = next(running.steps)
+            return
+        except StopIteration:
+            pass
         except BaseException as e:  # the worker must outlive any one job
             if not isinstance(e, (ApiError, TqstoreError)):
                 log.exception("%s job failed", running.job.kind)
             running.job.send(Failed(api_error(e)))
-        self._running.popleft()
-        running.seconds += time.perf_counter() - t0
+        self._end(running)
+
+    def _end(self, running: Running) -> None:
+        if running in self._running:
+            self._running.remove(running)
         self._job_seconds = 0.8 * self._job_seconds + 0.2 * running.seconds
 
     def _park(self, running: Running) -> None:
@@ -368,7 +412,14 @@ class ModelWorker:
             raise BadInput("the prompt is empty: send at least one token")
         return tokens
 
-    def _generate(self, job: Job, request: GenerationRequest) -> Iterator[None]:
+    def _generation(self, prompt: list[int], **options) -> Iterator[Row | None]:
+        """The engine's generation of `prompt`: decoding in shared steps when the model batches."""
+        if self.batching:
+            return batched_generation(self.engine, self.loaded, self.scheme, prompt,
+                                      step_seconds=lambda: self._step_seconds, **options)
+        return self.engine.generation(self.loaded, self.scheme, prompt, **options)
+
+    def _generate(self, job: Job, request: GenerationRequest) -> Iterator[Row | None]:
         if request.documents:
             yield from self._generate_documents(job, request)
             return
@@ -380,9 +431,8 @@ class ModelWorker:
 
         stop = _stop_callback(job, scanner)
         self.writer.wait_for(prompt)  # a prefix of this prompt still being stored: let it land first
-        result, caches = yield from self.engine.generation(
-            self.loaded, self.scheme, prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p,
-            seed=s.seed, stop=stop,
+        result, caches = yield from self._generation(
+            prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop,
             on_start=lambda started: job.send(Accepted(len(prompt), started.matched, started.tier)))
         if job.cancelled.is_set():
             self.metrics.count_cancelled()
@@ -393,12 +443,12 @@ class ModelWorker:
             gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
                              (result.finish_reason or "length"), result.prompt_tokens, len(result.tokens),
                              result.cached_tokens, result.tier, result.restore_seconds, result.prefill_seconds,
-                             result.generation_seconds)
-            self.metrics.generated(gen)
+                             result.generation_seconds, stop_sequence=scanner.matched)
+            self.metrics.generated(gen, request.api)
             job.send(Finished(gen))
         self._autosave(prompt, result, caches)
 
-    def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[None]:
+    def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[Row | None]:
         """A request with the `documents` extension: its documents composed from stored chunks
         (texts not stored yet are stored), then the question (the prompt, or the last user
         message after an optional system message)."""
@@ -417,9 +467,9 @@ class ModelWorker:
         stop = _stop_callback(job, scanner)
         started = Started(context.caches, len(context.tokens), "composed", context.seconds)
         job.send(Accepted(len(prompt), context.reused, "composed"))
-        result, _ = yield from self.engine.generation(
-            self.loaded, self.scheme, prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit),
-            temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop, started=started)
+        result, _ = yield from self._generation(
+            prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit), temp=s.temperature, top_p=s.top_p,
+            seed=s.seed, stop=stop, started=started)
         if job.cancelled.is_set():
             self.metrics.count_cancelled()
             return
@@ -429,8 +479,8 @@ class ModelWorker:
         gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
                          (result.finish_reason or "length"), len(prompt), len(result.tokens), context.reused,
                          "composed", context.seconds, result.prefill_seconds, result.generation_seconds,
-                         context.reused, context.recomputed)
-        self.metrics.generated(gen)
+                         context.reused, context.recomputed, scanner.matched)
+        self.metrics.generated(gen, request.api)
         job.send(Finished(gen))
 
     def _autosave(self, prompt: list[int], result, caches: list[Any]) -> None:
@@ -472,6 +522,10 @@ class ModelWorker:
                 self.metrics.saved("failed")
 
         future.add_done_callback(done)
+
+    def _count(self, job: Job, request: GenerationRequest) -> Iterator[None]:
+        job.send(Finished(len(self._tokens(request.prompt, request.messages, request.tools))))
+        yield from ()
 
     def _save(self, job: Job, name: str, source: CacheSource) -> Iterator[None]:
         if source.document is not None:

@@ -1,0 +1,291 @@
+"""Continuous batching in `tqstore serve` (issue 30): aggregate tokens/s of concurrent streams
+against one stream alone, per scheme, and a short request's first token while a long prompt
+prefills.
+
+    python bench/server_batch.py                         # CPU: the tiny random-weight llama (8 layers, 2 KV heads)
+    python bench/server_batch.py --model 8b              # GPU: 8 layers of Llama-3.1-8B shapes, random bf16 weights
+    python bench/server_batch.py --openblas --blas-threads 1 --runs 5 --write   # CPU, into docs/server.md
+
+One real `tqstore serve` per scheme (`--no-save`, `--max-running` the largest concurrency), all
+up at once on the same model folder; every measurement alternates between them, so all see the
+same machine load. Per run, concurrency and scheme: that many clients at once, each one
+streamed completion of `--tokens` tokens (greedy) on its own short prompt; aggregate tokens/s is
+the tokens they received over the wall time from the first request sent to the last stream's
+end. The ratio is against one client alone in the same run. Then, per scheme: a short
+streamed request's first token on the idle server, and again while a `--long`-token prompt
+prefills (sent first; the short one 0.2 s later).
+
+The 8b model is bench/restore_vs_recompute.py's (its builder: hidden 4096, 32 query / 8 KV
+heads, head dim 128, MLP 14336, vocabulary 32,000, random weights), 8 layers by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(1, str(ROOT))
+sys.path.insert(2, str(ROOT / "tests"))
+
+from common import markdown_table, replace_section, stamp, use_openblas  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+DOC = ROOT / "docs" / "server.md"
+MARKER = "server_batch"
+
+
+def say(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def write_model(args, root: Path) -> tuple[Path, int, str]:
+    """The model folder, its vocabulary size and a line describing it."""
+    import mlx.core as mx
+
+    if args.model == "tiny":
+        from model_folder import write_model_folder
+        from tiny_models import CONFIGS
+
+        config = CONFIGS["llama"]
+        folder = write_model_folder(root / "tiny-llama", kind="llama")
+        return folder, config["vocab_size"], (
+            f"the tiny random-weight llama of the tests ({config['num_hidden_layers']} layers, hidden "
+            f"{config['hidden_size']}, {config['num_attention_heads']} query / {config['num_key_value_heads']} KV "
+            "heads, float32)")
+    import restore_vs_recompute as rvr
+
+    shapes = argparse.Namespace(layers=args.layers, hidden=4096, mlp=14336, heads=32, kv_heads=8, head_dim=128,
+                                vocab=32000)
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    dtype = mx.bfloat16 if gpu else mx.float32
+    folder = root / "llama-8b-shapes"
+    rvr.write_model(folder, shapes, dtype)
+    return folder, shapes.vocab, (f"{args.layers} layers of Llama-3.1-8B shapes (bench/restore_vs_recompute.py's "
+                                  f"builder) with random {str(dtype).rsplit('.', 1)[-1]} weights")
+
+
+def stream(server: ServerProcess, prompt, max_tokens: int, t_start: float) -> tuple[int, float, float]:
+    """One streamed greedy completion: (tokens received, first-event time, end time), both
+    counted from `t_start`."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"{response.status}: {response.read()[:300]!r}")
+    first, tokens = None, 0
+    for line in response:
+        if not line.startswith(b"data: {"):
+            continue
+        if first is None:
+            first = time.perf_counter() - t_start
+        part = json.loads(line[6:])
+        if part.get("usage"):
+            tokens = part["usage"]["completion_tokens"]
+    conn.close()
+    return tokens, first, time.perf_counter() - t_start
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> tuple[float, float]:
+    """(aggregate tokens per second, tokens per CPU-second of the server) of one streamed
+    completion per prompt, all sent at once. The second does not count the time the server
+    waited for a core, so it moves less with other load on a shared machine."""
+    barrier = threading.Barrier(len(prompts) + 1)
+    t0 = [0.0]
+
+    def client(prompt):
+        barrier.wait()
+        return stream(server, prompt, max_tokens, t0[0])
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(client, p) for p in prompts]
+        cpu0 = cpu_seconds(server.proc.pid)
+        t0[0] = time.perf_counter()
+        barrier.wait()
+        results = [f.result() for f in futures]
+    tokens = sum(r[0] for r in results)
+    return tokens / max(r[2] for r in results), tokens / max(cpu_seconds(server.proc.pid) - cpu0, 1e-9)
+
+
+def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int) -> tuple[float, float]:
+    """(tokens per second, tokens per CPU-second) of the decode steps alone, in this process:
+    one row per prompt through tqstore/engine/batch.py (prefilled first, not timed), stepped
+    together until every row has its `max_tokens` (or its end-of-sequence token)."""
+    from tqstore.engine.batch import batched_generation, decode_step
+
+    rows = [batched_generation(engine, loaded, scheme, p, max_tokens=max_tokens) for p in prompts]
+    pending = []
+    for row in rows:
+        step = next(row)
+        while step is None:
+            step = next(row)
+        pending.append(step)
+    tokens, wall, cpu = 0, time.perf_counter(), time.process_time()
+    while any(p is not None for p in pending):
+        live = [i for i, p in enumerate(pending) if p is not None]
+        decode_step(loaded.model, [pending[i] for i in live])
+        tokens += len(live)
+        for i in live:
+            try:
+                pending[i] = rows[i].send(None)
+            except StopIteration:
+                pending[i] = None
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    return tokens / wall, tokens / cpu
+
+
+def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[float, float, float]:
+    """(a short request's first event alone, the same while `long_prompt` prefills, the long
+    request's own time to its one token), seconds."""
+    idle = stream(server, short, 4, time.perf_counter())[1]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long = pool.submit(stream, server, long_prompt, 1, time.perf_counter())
+        time.sleep(0.2)
+        busy = stream(server, short, 4, time.perf_counter())[1]
+        whole = long.result()[2]
+    return idle, busy, whole
+
+
+def summary(values: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def cell(values: list[float], alone: list[float]) -> str:
+    """Median (min-max) of `values`, and of their ratios to `alone` run by run (unless they are it)."""
+    if values is alone:
+        return summary(values)
+    return f"{summary(values)}, {summary([v / a for v, a in zip(values, alone)], 2)}x"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("tiny", "8b"), default="tiny",
+                        help="tiny: the tests' tiny llama (CPU); 8b: Llama-3.1-8B shapes, random weights (GPU)")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the 8b model (default 8)")
+    parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per completion (default 64)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--long", type=int, default=None,
+                        help="the long prompt's tokens (default 1024 tiny, 16384 8b; 0: skip)")
+    parser.add_argument("--openblas", action="store_true",
+                        help="run on Debian's OpenBLAS, as the `tqstore serve` command does (the servers inherit it)")
+    parser.add_argument("--blas-threads", type=int, default=None,
+                        help="OPENBLAS_NUM_THREADS for this process and the servers (1 on a shared CPU: OpenBLAS's "
+                             "threads spin while waiting for each other, and on busy cores a batched step then costs "
+                             "several times its work)")
+    parser.add_argument("--write", action="store_true", help="put the table into docs/server.md")
+    return parser.parse_args(argv[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv if argv is None else argv
+    args = parse(argv)
+    if args.blas_threads is not None and os.environ.get("OPENBLAS_NUM_THREADS") != str(args.blas_threads):
+        os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read when OpenBLAS loads: start again
+        os.execv(sys.executable, [sys.executable, *argv])
+    if args.openblas:
+        use_openblas(argv)
+    args.concurrency = sorted({1, *args.concurrency})  # the ratios are against one alone
+    long_tokens = args.long if args.long is not None else (1024 if args.model == "tiny" else 16384)
+    root = Path(tempfile.mkdtemp(prefix="tqstore-server-batch-"))
+    servers: dict[str, ServerProcess] = {}
+    try:
+        folder, vocab, described = write_model(args, root)
+        say(f"model folder: {described}")
+        for scheme in args.schemes:
+            servers[scheme] = ServerProcess(root / f"home-{scheme}", folder, "--scheme", scheme, "--no-save",
+                                            "--max-running", str(max(args.concurrency)), "--max-queue", "64")
+            say(f"{scheme} server on port {servers[scheme].port}")
+        rng = random.Random(0)
+        # Short prompts of random ids (none of the first few: special tokens in the tiny tokenizer).
+        prompts = [[rng.randrange(8, vocab - 1) for _ in range(16)] for _ in range(max(args.concurrency))]
+        for server in servers.values():  # warm-up: the first request builds the codec and compiles
+            concurrent_rate(server, prompts[:2], 4)
+        rates: dict[tuple[str, int, str], list[float]] = {}  # (scheme, concurrency, "wall" | "cpu")
+        for run in range(args.runs):
+            for c in args.concurrency:
+                for scheme, server in servers.items():
+                    measured = dict(zip(("wall", "cpu"), concurrent_rate(server, prompts[:c], args.tokens)))
+                    for kind, rate in measured.items():
+                        rates.setdefault((scheme, c, kind), []).append(rate)
+                    say(f"run {run + 1}/{args.runs}, {c} concurrent, {scheme}: {measured['wall']:.1f} tokens/s, "
+                        f"{measured['cpu']:.1f} tokens per server CPU-second")
+        from tqstore.engine.engine import Engine
+
+        engine = Engine.open(root / "decode-home")  # an empty store: every row is prefilled
+        loaded = engine.model(str(folder))
+        decodes: dict[tuple[str, int, str], list[float]] = {}
+        for run in range(args.runs):
+            for c in args.concurrency:
+                for scheme in args.schemes:
+                    rates_now = decode_rates(engine, loaded, scheme, prompts[:c], args.tokens)
+                    measured = dict(zip(("wall", "cpu"), rates_now))
+                    for kind, rate in measured.items():
+                        decodes.setdefault((scheme, c, kind), []).append(rate)
+                    say(f"run {run + 1}/{args.runs}, decode steps of {c} rows, {scheme}: {measured['wall']:.1f} "
+                        f"tokens/s, {measured['cpu']:.1f} tokens per CPU-second")
+        firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        if long_tokens:
+            long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
+            for run in range(args.runs):
+                for scheme, server in servers.items():
+                    measured = first_token_beside_long(server, prompts[0], long_prompt)
+                    for kept, value in zip(firsts.setdefault(scheme, ([], [], [])), measured):
+                        kept.append(value * 1000)
+                    say(f"run {run + 1}/{args.runs}, {scheme}: first token {measured[0] * 1000:.0f} ms idle, "
+                        f"{measured[1] * 1000:.0f} ms beside a {long_tokens}-token prefill that took "
+                        f"{measured[2]:.2f} s")
+    finally:
+        for server in servers.values():
+            server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
+            for scheme in args.schemes for c in args.concurrency]
+    header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)"]
+    body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of 16-token "
+            f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
+            "run.\n\n" + markdown_table(header, rows))
+    decode_rows = [[scheme, str(c)] + [cell(decodes[(scheme, c, kind)], decodes[(scheme, 1, kind)])
+                                       for kind in ("wall", "cpu")]
+                   for scheme in args.schemes for c in args.concurrency]
+    body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `decode_step` over rows "
+             "prefilled first; no HTTP, no detokenizing for clients):\n\n"
+             + markdown_table(["scheme", "rows", "tokens/s (x one row)", "tokens per CPU-second (x one row)"],
+                              decode_rows))
+    if firsts:
+        first_rows = [[s, summary(firsts[s][0], 0), summary(firsts[s][1], 0),
+                       summary([b / i for i, b in zip(firsts[s][0], firsts[s][1])], 2) + "x",
+                       summary(firsts[s][2], 0)] for s in args.schemes]
+        body += ("\n\n" + markdown_table(["scheme", "short request's first token, idle, ms",
+                                          f"beside a {long_tokens}-token prompt, ms", "ratio",
+                                          "the long prompt's first token, ms"], first_rows))
+    print(body)
+    if args.write:
+        replace_section(DOC, MARKER, body)
+        say(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Continuous batching in the model worker (issue 30): generations decode together in one
+forward pass per step, and a greedy answer is the same alone and among seven others. The
+worker runs in-process on a tiny random-weight llama (8 layers, 2 KV heads), without HTTP."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import mlx.core as mx
+import pytest
+
+from model_folder import write_model_folder
+from server_process import parse_prometheus
+from tqstore.engine.batch import batchable, batched_generation, decode_step
+from tqstore.engine.engine import Engine
+from tqstore.serve.metrics import Metrics
+from tqstore.serve.openai_schema import GenerationRequest, Sampling
+from tqstore.serve.worker import Failed, Finished, ModelWorker, SavePolicy, Text
+from turboquant import make_prompt_cache
+
+GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())
+PROMPTS = [f"Who pays for delays {i}? " + "The contract says the seller pays. " * i for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("batch") / "tiny-llama", kind="llama")
+
+
+class Collect:
+    """A job's sink: its events, and an Event set when it ends."""
+
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, event):
+        self.events.append(event)
+        if isinstance(event, (Finished, Failed)):
+            self.done.set()
+
+    def result(self):
+        assert self.done.wait(120), self.events
+        last = self.events[-1]
+        assert isinstance(last, Finished), last
+        return last.value, "".join(e.text for e in self.events if isinstance(e, Text))
+
+
+def _serve(engine, llama, scheme, requests, max_running=8):
+    """Run `requests` on a fresh worker, all queued before it loads the model (so they run
+    together); their (Generation, streamed text) and the worker's metrics text."""
+    metrics = Metrics()
+    worker = ModelWorker(engine, str(llama), scheme=scheme, max_running=max_running,
+                         policy=SavePolicy(enabled=False), metrics=metrics)
+    sinks = [Collect() for _ in requests]
+    for request, sink in zip(requests, sinks):
+        worker.generate(request, sink)
+    worker.start()
+    try:
+        results = [sink.result() for sink in sinks]
+    finally:
+        worker.stop()
+    return results, parse_prometheus(metrics.render(engine.store.stats(), worker.queue_state()))
+
+
+def _request(prompt: str, sampling: Sampling = GREEDY) -> GenerationRequest:
+    return GenerationRequest(chat=False, model=None, sampling=sampling, stream=True, include_usage=False,
+                             prompt=prompt)
+
+
+def test_greedy_raw_answers_are_the_same_alone_and_in_a_batch_of_eight(tmp_path, llama):
+    engine = Engine.open(tmp_path / "home")
+    batched, samples = _serve(engine, llama, "raw", [_request(p) for p in PROMPTS])
+    # Eight rows shared decode steps (the histogram's cumulative count of steps with more than 4).
+    assert samples["tqstore_batching"] == 1
+    assert samples['tqstore_batch_size_bucket{le="8.0"}'] > samples['tqstore_batch_size_bucket{le="4.0"}']
+    loaded = engine.model(str(llama))
+    for prompt, (gen, streamed) in zip(PROMPTS, batched):
+        alone = engine.generate(loaded, "raw", loaded.tokenizer.encode(prompt), max_tokens=GREEDY.max_tokens)
+        assert gen.text == streamed == alone.text and gen.completion_tokens == len(alone.tokens) == 12
+    single, _ = _serve(engine, llama, "raw", [_request(PROMPTS[3])], max_running=1)
+    assert single[0][0].text == batched[3][0].text
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama, family):
+    """decode_step itself, on rows whose caches hold 3 to 60 tokens: the same tokens and the
+    same first log-probabilities as Engine.generate (bit for bit), raw scheme, for each family
+    in BATCHED_FAMILIES (mistral is llama's code)."""
+    folder = llama if family == "llama" else write_model_folder(tmp_path / family, kind=family)
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(folder))
+    assert batchable(loaded, make_prompt_cache(loaded.model, "raw"))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    gens = [batched_generation(engine, loaded, "raw", p, max_tokens=6) for p in prompts]
+    pending, results = [], [None] * len(gens)
+    for g in gens:
+        step = next(g)
+        while step is None:
+            step = next(g)
+        pending.append(step)
+    while any(p is not None for p in pending):
+        live = [i for i, p in enumerate(pending) if p is not None]
+        decode_step(loaded.model, [pending[i] for i in live])
+        for i in live:
+            try:
+                pending[i] = gens[i].send(None)
+            except StopIteration as done:
+                results[i], pending[i] = done.value[0], None
+    for prompt, result in zip(prompts, results):
+        alone = engine.generate(loaded, "raw", prompt, max_tokens=6)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+
+
+def test_sampled_seeded_answers_do_not_depend_on_the_batch(tmp_path, llama):
+    engine = Engine.open(tmp_path / "home")
+    sampled = replace(GREEDY, temperature=1.0, seed=11)
+    together, _ = _serve(engine, llama, "raw", [_request(p, sampled) for p in PROMPTS[:4]])
+    alone, _ = _serve(engine, llama, "raw", [_request(PROMPTS[2], sampled)], max_running=1)
+    assert together[2][0].text == alone[0][0].text
+
+
+def test_stop_strings_and_the_token_cap_end_rows_that_leave_the_batch(tmp_path, llama):
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    free = engine.generate(loaded, "raw", loaded.tokenizer.encode(PROMPTS[1]), max_tokens=12).text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert len(stop) == 3
+    requests = [_request(PROMPTS[1], replace(GREEDY, stop=(stop,))),
+                _request(PROMPTS[2], replace(GREEDY, max_tokens=2)),
+                _request(PROMPTS[3], replace(GREEDY, max_tokens=30))]
+    [(cut, cut_text), (capped, _), (long, _)], _ = _serve(engine, llama, "raw", requests)
+    assert cut.finish_reason == "stop" and cut.text == cut_text == free[:free.index(stop)]
+    assert capped.finish_reason == "length" and capped.completion_tokens == 2
+    assert long.completion_tokens == 30
+
+
+def test_families_with_windows_do_not_batch(tmp_path):
+    folder = write_model_folder(tmp_path / "gemma", kind="gemma3_text")
+    loaded = Engine.open(tmp_path / "home").model(str(folder))
+    assert not batchable(loaded, make_prompt_cache(loaded.model, "raw"))
