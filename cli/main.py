@@ -114,8 +114,9 @@ def _version() -> str:
         return "unknown"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run `tqstore` with `argv` (default: sys.argv[1:]); returns the exit code."""
+def main(argv: Sequence[str] | None = None, keep: list[object] | None = None) -> int:
+    """Run `tqstore` with `argv` (default: sys.argv[1:]); returns the exit code. What the command
+    loaded (its Engine and models) is appended to `keep` instead of being freed, when given."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stopped(exc, "--json" in argv)
     out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
     try:
-        with Context(args, out) as ctx, warnings.catch_warnings():
+        with Context(args, out, keep) as ctx, warnings.catch_warnings():
             _choose_blas(ctx, argv)
             _keep_compiled_kernels(ctx)
             warnings.showwarning = _as_note(out)
@@ -232,7 +233,8 @@ def _silence_stdout() -> None:
 def run() -> None:
     """The console script and `python -m tqstore_cli`: main(), then `leave` with its code."""
     _hide_torch()
-    leave(main())
+    loaded: list[object] = []  # alive until leave's os._exit: nothing is freed for nothing
+    leave(main(keep=loaded))
 
 
 def _hide_torch() -> None:
