@@ -68,9 +68,9 @@ kept = [] if "keep" in inspect.signature(main).parameters else None
 seconds = []
 for i in range(runs + 1):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         code = main(argv) if kept is None else main(argv, keep=kept)
-        seconds.append(time.perf_counter() - t0)
+        seconds.append((time.perf_counter() - t0, time.process_time() - c0))
     if kept:
         kept.clear()
     if code:
@@ -172,8 +172,8 @@ def build_model(kind: str, layers: int, folder: Path, context_tokens: int) -> tu
                              "document of random words, a 16-token question")
 
 
-def work_seconds(tree: Tree, argv: list[str], runs: int, cwd: Path) -> list[float]:
-    """Seconds of `argv`'s work alone: run in one process after a first, untimed run."""
+def work_seconds(tree: Tree, argv: list[str], runs: int, cwd: Path) -> list[tuple[float, float]]:
+    """(wall, CPU) seconds of `argv`'s work alone: run in one process after a first, untimed run."""
     out = subprocess.run([tree.python, "-c", WORK, json.dumps(argv), str(runs)], env=tree.env, cwd=cwd,
                          capture_output=True, text=True)
     if out.returncode != 0:
@@ -274,7 +274,8 @@ def measure(args: argparse.Namespace, kind: str, layers: int, paths: dict[str, s
             if name == "ask":
                 continue  # the same work as ask --json
             works[(tree.label, name)] = work_seconds(tree_with(tree, env), cmd, min(max(runs_done, 1), 3), work)
-            progress(f"{tree.label}: {name} in-process {span(works[(tree.label, name)])} s")
+            progress(f"{tree.label}: {name} in-process {span([w for w, _ in works[(tree.label, name)]])} s "
+                     f"(CPU {span([c for _, c in works[(tree.label, name)]])} s)")
 
     body = report(trees, cmds, walls, cpus, phases, works, runs_done, described)
     print(body)
@@ -292,25 +293,33 @@ def tree_with(tree: Tree, env: dict[str, str]) -> Tree:
 
 def report(trees: list[Tree], cmds: dict, walls: dict, cpus: dict, phases: dict, works: dict, runs: int,
            described: str) -> str:
-    def cell(label: str, name: str) -> str:
+    def fresh(label: str, name: str) -> str:
         return f"{span(walls[(label, name)])} (CPU {span(cpus[(label, name)])})"
+
+    def in_process(label: str, name: str) -> str:
+        wall, cpu = zip(*works[(label, name)])
+        return f"{span(list(wall))} (CPU {span(list(cpu))})"
+
+    def fresh_over_work(label: str, name: str) -> str:
+        wall, cpu = zip(*works[(label, name)])
+        return f"{ratio(walls[(label, name)], list(wall))} (CPU {ratio(cpus[(label, name)], list(cpu))})"
 
     rows = []
     for name in FLOORS:
-        rows.append([f"`python -c \"{FLOORS[name]}\"` (floor)"] + [cell(t.label, name) for t in trees])
+        rows.append([f"`python -c \"{FLOORS[name]}\"` (floor)"] + [fresh(t.label, name) for t in trees])
     for name in cmds:
-        rows.append([f"`tqstore {name}`"] + [cell(t.label, name) for t in trees])
+        rows.append([f"`tqstore {name}`"] + [fresh(t.label, name) for t in trees])
         if (trees[0].label, name) in works:
-            rows.append([f"`{name}` in-process (its work)"] + [span(works[(t.label, name)]) for t in trees])
-            rows.append([f"`{name}` wall / work"] + [ratio(walls[(t.label, name)], works[(t.label, name)])
-                                                    for t in trees])
+            rows.append([f"`{name}` in-process (its work)"] + [in_process(t.label, name) for t in trees])
+            rows.append([f"`{name}` fresh / in-process"] + [fresh_over_work(t.label, name) for t in trees])
     if "ask --json" in cmds:
         rows.append(["`ask --json` timed phases (model + restore + prefill + generation)"]
                     + [span([p for _, p in phases[t.label]]) for t in trees])
         rows.append(["`ask --json` wall - timed phases"] + [span([w - p for w, p in phases[t.label]]) for t in trees])
         rows.append(["`ask --json` wall / timed phases"] + [span([w / p for w, p in phases[t.label]], "x")
                                                             for t in trees])
-    header = ["fresh process (wall seconds (CPU seconds), min-max over runs)", *[f"{t.label} ({t.revision()})" for t in trees]]
+    header = ["fresh process: wall (CPU) seconds, min-max over runs",
+              *[f"{t.label} ({t.revision()})" for t in trees]]
     from tqstore.models import blas
 
     library, _ = blas.resolve("auto")
@@ -320,7 +329,8 @@ def report(trees: list[Tree], cmds: dict, walls: dict, cpus: dict, phases: dict,
 
 
 def ratio(walls: list[float], works: list[float]) -> str:
-    """Wall / work, from the median work (the in-process calls vary far less than fresh processes)."""
+    """Fresh / in-process, against the median in-process figure (the in-process calls vary far
+    less than fresh processes)."""
     if not walls or not works:
         return "-"
     middle = sorted(works)[len(works) // 2]
