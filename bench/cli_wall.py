@@ -166,7 +166,7 @@ def build_model(kind: str, layers: int, folder: Path, context_tokens: int) -> tu
     question = " ".join(f"w{rng.randrange(1, shape.vocab - 1)}" for _ in range(16))
     name = {"llama8b": "Llama-3.1-8B", "qwen0.5b": "Qwen2.5-0.5B"}[kind]
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    return words, question, (f"{layers} layers of {name}'s shapes (hidden {shape.hidden}, {shape.heads} query / "
+    return words, question, (f"{layers} layer{'s' if layers != 1 else ''} of {name}'s shapes (hidden {shape.hidden}, {shape.heads} query / "
                              f"{shape.kv_heads} KV heads, MLP {shape.mlp}, vocabulary {shape.vocab:,}), random "
                              f"{str(dtype).rsplit('.', 1)[-1]} weights ({size / 1e9:.2f} GB), a {context_tokens}-token "
                              "document of random words, a 16-token question")
@@ -201,8 +201,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--context-tokens", type=int, default=1024, help="the stored document's length (built models)")
     ap.add_argument("--only", metavar="NAMES", help="a comma-separated subset of the commands, e.g. "
                     "`--only=--version,ls,ask --json` (the `=` because the value starts with a dash)")
-    ap.add_argument("--max-seconds", type=float, default=150.0,
-                    help="start no new run after this long (default 150: the table within 4 minutes)")
+    ap.add_argument("--max-seconds", type=float, default=100.0,
+                    help="start no new run after this long (default 100: the table within 4 minutes)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     return ap.parse_args(argv)
 
