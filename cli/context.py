@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 class Context:
     """The flags, output, config and lazily opened Store/Engine of one command run."""
 
-    def __init__(self, args: argparse.Namespace, out: Output) -> None:
+    def __init__(self, args: argparse.Namespace, out: Output, keep: list[object] | None = None) -> None:
         self.args = args
         self.out = out
+        self.keep = keep
         self._config: Config | None = None
         self._store: Store | None = None
         self._engine: Engine | None = None
@@ -59,9 +60,13 @@ class Context:
         return self._engine
 
     def close(self) -> None:
-        """Close what this run opened."""
+        """Close what this run opened. The Engine (and the models it loaded) goes to `keep` when
+        one was given: the console script ends with os._exit, and freeing a model's arrays first
+        only costs time (0.7 s of a fresh `ask` with a 0.5B model on a 2-core CPU)."""
         if self._store is not None:
             self._store.close()
+            if self.keep is not None and self._engine is not None:
+                self.keep.append(self._engine)
             self._store = None
             self._engine = None
 

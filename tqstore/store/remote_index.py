@@ -12,10 +12,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from tqstore.errors import CorruptBlock, FormatError, TqstoreError
 from tqstore.format.manifest import Manifest
-from tqstore.store.tiers.s3 import S3Tier
+
+if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
+    from tqstore.store.tiers.s3 import S3Tier
 
 
 class RemoteIndex:

@@ -39,7 +39,6 @@ from tqstore.names import validate_name
 from tqstore.store.put import PutResult, put_entry
 from tqstore.store.tiers.lmdb import LmdbStats, LmdbTier
 from tqstore.store.tiers.memory import MemoryTier
-from tqstore.store.tiers.s3 import S3Tier
 from tqstore.store.tierset import TierSet
 from tqstore.store.transfer import Progress, TransferStats, pull, push
 
@@ -48,6 +47,13 @@ __all__ = ["EntryInfo", "GcStats", "Match", "Problem", "PutResult", "RestoreStat
 
 _STORES: dict[str, Store] = {}  # real path of the home -> this process's open Store
 _STORES_LOCK = threading.Lock()
+
+
+def _s3_tier(config: Config):
+    """The configured bucket's tier, imported here: boto3 and urllib3 load only with a bucket."""
+    from tqstore.store.tiers.s3 import S3Tier
+
+    return S3Tier.from_config(config)
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,7 @@ class Store:
         with _STORES_LOCK:
             store = _STORES.get(real)
             if store is None:
-                s3 = S3Tier.from_config(config) if config.s3_url else None
+                s3 = _s3_tier(config) if config.s3_url else None
                 tiers = TierSet(config, LmdbTier.from_config(config), MemoryTier(config.memory_budget_bytes), s3)
                 store = _STORES[real] = cls(tiers)
             store._opens += 1

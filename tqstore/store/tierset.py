@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.config import Config
@@ -23,7 +24,9 @@ from tqstore.store.home_lock import HomeLock
 from tqstore.store.remote_index import RemoteIndex
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import MemoryTier
-from tqstore.store.tiers.s3 import S3Tier
+
+if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
+    from tqstore.store.tiers.s3 import S3Tier
 
 TIERS = ("memory", "lmdb", "s3")  # fastest first
 

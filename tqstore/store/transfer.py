@@ -23,14 +23,17 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound
 from tqstore.format.manifest import Manifest, ObjectRef
 from tqstore.store.crypto import UnboundManifest
 from tqstore.store.publish import Batch, publish
-from tqstore.store.tiers.s3 import S3Tier
 from tqstore.store.tierset import TierSet, check_name
 from tqstore.store.verify import BAD_CONTENT, Want, decode, wants_for
+
+if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
+    from tqstore.store.tiers.s3 import S3Tier
 
 Progress = Callable[[int, int, int], None]  # (objects done, objects in all, bytes transferred)
 PENDING = "pending:"  # a remote_etag recorded before a manifest write whose etag is not known yet

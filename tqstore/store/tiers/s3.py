@@ -28,8 +28,6 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import AbstractContextManager, suppress
 from typing import TypeVar
 
-import boto3
-import botocore.config
 import botocore.exceptions as bx
 
 from tqstore.config import Config
@@ -85,6 +83,11 @@ class S3Tier:
         self.max_attempts = max_attempts
         self.retry_delay = retry_delay
         self.cipher = cipher
+        # Imported here, not with the module: boto3's session stack (s3transfer, multiprocessing,
+        # botocore's client) costs 0.1-0.25 s that every `ls` and `ask` paid without a bucket.
+        import boto3
+        import botocore.config
+
         boto_config = botocore.config.Config(
             # boto3 >= 1.36 adds CRC checksums (aws-chunked trailers) by default, which R2, MinIO
             # and B2 reject; tqstore sends its own ChecksumSHA256 and verifies GETs itself.
