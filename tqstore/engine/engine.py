@@ -19,8 +19,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
-from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.checkpoints import StateCheckpoints, chunk_ends
 from turboquant.integration import held_tokens
+from turboquant.windows import settle_all
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.format.blocks import BLOCK_SIZE
@@ -92,7 +93,7 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
-    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends, window rows
 
     def __post_init__(self) -> None:
         # Purely recurrent caches count no tokens: their count is the restore's alone.
@@ -110,7 +111,14 @@ def _counts_tokens(caches: list[Any]) -> bool:
 
 
 def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
-    return StateCheckpoints(BLOCK_SIZE) if recurrent_layers(caches) else None
+    return StateCheckpoints.for_caches(caches, BLOCK_SIZE)
+
+
+def _logged(checkpoints: StateCheckpoints | None, tokens: int) -> tuple[dict | None, dict | None]:
+    """The recurrent states before `tokens` and the window rows of [0, tokens) a prefill logged."""
+    if checkpoints is None:
+        return None, None
+    return checkpoints.before(tokens), checkpoints.rows(tokens)
 
 
 def _finish(steps: Generator[None, None, Any]) -> Any:
@@ -238,7 +246,7 @@ class Engine:
             return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
         caches = restore(snap)
         share = stats.tokens / max(len(match.manifest.tokens), 1)
-        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
+        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE, caches)
         return Started(caches, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
                        checkpoints)
 
@@ -248,7 +256,9 @@ class Engine:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
         Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
         recurrent layers), chunks also end at every block boundary (`at` is the position of the
-        first token) and the recurrent states there are kept."""
+        first token) and the recurrent states there are kept; window layers' rows are logged
+        into it. Window caches end settled (`turboquant.windows`): a prefill of a prefix and a
+        restore of it hold the same arrays."""
         return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at,
                                           checkpoints=checkpoints))
 
@@ -261,7 +271,7 @@ class Engine:
         seconds, done = 0.0, 0
         if progress and tokens:
             progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
-        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.block):
+        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.boundary):
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
@@ -275,6 +285,7 @@ class Engine:
             if progress:
                 progress(done, len(tokens))
             yield
+        settle_all(caches)
         return seconds
 
     def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
@@ -308,8 +319,9 @@ class Engine:
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
-        boundaries = started.checkpoints.before(len(tokens)) if started.checkpoints else None
-        result = self.store.put(name, snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries), tokens,
+        boundaries, rows = _logged(started.checkpoints, len(tokens))
+        result = self.store.put(name, snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries, rows=rows),
+                                tokens,
                                 model=loaded.identity,
                                 codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
@@ -474,8 +486,8 @@ class Engine:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        boundaries = checkpoints.before(len(tokens)) if checkpoints else None
-        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries)
+        boundaries, rows = _logged(checkpoints, len(tokens))
+        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries, rows=rows)
         mx.eval(snap.arrays())
         codec = self.codec_identity(loaded, scheme)
 
