@@ -10,6 +10,7 @@ and on the next logits), raw.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -24,7 +25,8 @@ from tqstore.engine.engine import Engine
 from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints
-from turboquant.windows import settle_all
+from turboquant.records import Layout
+from turboquant.windows import from_rows, settle_all
 
 VOCAB = 512  # the folder's tokenizer needs the byte alphabet and more
 # Windows and attention chunks of 64 tokens (each family names the field its own way), so that a
@@ -143,3 +145,28 @@ def test_a_settled_window_continues_like_the_one_it_was_settled_from(family):
     for step in (mx.array(_tokens(40, seed=6))[None], mx.array([[7]]), mx.array([[8]])):
         assert mx.array_equal(model(step, cache=natural), model(step, cache=settled))
         _assert_same_caches(natural, settled)
+
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma"])
+def test_a_chat_answer_keeps_its_window_rows(engine, tmp_path_factory, family):
+    """A chat child entry stores the window rows of its answer too (logged as it is generated),
+    so it shares its parent's blocks and a branch inside the answer reuses it by prefix. Before:
+    storing the child conflicted with the parent's blocks (the child's windows were whole)."""
+    loaded = engine.model(str(_folder(family, tmp_path_factory)))
+    engine.save_tokens("doc", loaded, _tokens(2 * BLOCK_SIZE - 30, seed=7), scheme="raw")
+    engine.chat_turn("doc", "Who pays?", "turn", max_tokens=60)
+    tokens = list(engine.store.get("turn").tokens)
+    assert len(tokens) > 2 * BLOCK_SIZE + 5, "the answer must cross a block end"
+    snap, _ = engine.store.load("turn")
+    windows = [r for r in snap.layers if r.config.get("class") in ("RotatingKVCache", "ChunkedKVCache")]
+    assert windows and all(r.layout is Layout.RAW and r.offset == len(tokens) for r in windows)
+    started = engine.start(loaded, "raw", tokens[:2 * BLOCK_SIZE + 5])
+    assert started.matched == 2 * BLOCK_SIZE
+    whole = restore(snap)
+    for r, restored in zip(snap.layers, started.caches):
+        if r in windows:  # the window of the first 512 tokens out of the answer's logged rows
+            expected = from_rows(replace(r, offset=2 * BLOCK_SIZE,
+                                         arrays={k: a[..., :2 * BLOCK_SIZE, :] for k, a in r.arrays.items()}))
+            _assert_same_caches([expected], [restored])
+    assert len(whole) == len(started.caches)

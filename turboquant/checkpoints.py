@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from .integration import held_tokens
 from .records import Layout, Snapshot, state_at, state_boundaries, state_boundary
 from .windows import WindowRows, window_layers
 
@@ -86,8 +87,12 @@ class StateCheckpoints:
         if self.windows is not None:
             self.windows.record(caches, seen)
         if seen and seen % self.block == 0:
-            for i in recurrent_layers(caches):
-                self.layers.setdefault(i, {})[seen] = list(caches[i].cache)
+            self.record_states(caches, seen)
+
+    def record_states(self, caches: list[Any], seen: int) -> None:
+        """Keep every recurrent layer's state after `seen` tokens."""
+        for i in recurrent_layers(caches):
+            self.layers.setdefault(i, {})[seen] = list(caches[i].cache)
 
     def before(self, tokens: int) -> dict[int, dict[int, list[mx.array | None]]]:
         """The checkpoints strictly before `tokens` (the state at `tokens` is the cache's own)."""
@@ -96,3 +101,15 @@ class StateCheckpoints:
     def rows(self, tokens: int):
         """The window layers' rows of tokens [0, tokens) (`WindowRows.rows`), or None."""
         return self.windows.rows(tokens) if self.windows is not None else None
+
+    def follow(self, caches: list[Any]) -> None:
+        """Log what generation adds, one decode step at a time: the window rows of the tokens
+        since the last call (`WindowRows.follow`) and the recurrent states when the caches hold
+        a block's end. Called after every step, so that no block end is passed unseen (mlx-lm
+        feeds the prompt's last token and the first answer token before the first yield: a
+        block end right after the prompt is missed, and the states are then stored whole)."""
+        if self.windows is not None:
+            self.windows.follow(caches)
+        seen = held_tokens(caches)
+        if self.states and seen and seen % self.block == 0:
+            self.record_states(caches, seen)

@@ -110,12 +110,15 @@ def from_rows(record: LayerRecord) -> Any:
 
 
 def _last_rows(cache: Any, n: int) -> tuple[mx.array, mx.array]:
-    """The rows of the last `n` tokens a window cache took in (one update of `n` tokens)."""
+    """The rows of the last `n` tokens a window cache took in: all of one multi-token update,
+    or (decode steps) as many as its window still holds."""
     if type(cache) is ChunkedKVCache:
         keys, values = cache.keys_and_values()
-        return keys[..., -n:, :], values[..., -n:, :]
-    idx = cache._idx
-    return cache.keys[..., idx - n:idx, :], cache.values[..., idx - n:idx, :]
+    else:
+        keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    if keys.shape[TOKEN_AXIS] - (cache.keep if type(cache) is RotatingKVCache else 0) < n:
+        raise ValueError(f"a window cache no longer holds the rows of its last {n} tokens: log them after each update")
+    return keys[..., -n:, :], values[..., -n:, :]
 
 
 class WindowRows:
@@ -154,6 +157,11 @@ class WindowRows:
             for i in self.parts:
                 self.parts[i].append(_last_rows(caches[i], n))
         self.seen = seen
+
+    def follow(self, caches: list[Any]) -> None:
+        """Log the rows of the tokens the window caches took in since the last call, whatever
+        their number (generation feeds tokens one decode step at a time, ahead of what it yields)."""
+        self.record(caches, max((caches[i].offset for i in self.parts), default=self.seen))
 
     def rows(self, tokens: int) -> dict[int, tuple[mx.array, mx.array]] | None:
         """Each window layer's rows of tokens [0, tokens), or None when the log lacks some."""

@@ -393,6 +393,8 @@ class Engine:
                 t0 = time.perf_counter()
                 response = next(responses, None)
                 generating += time.perf_counter() - t0
+                if started.checkpoints is not None:
+                    started.checkpoints.follow(started.caches)  # the rows of generated tokens too
                 if response is None:
                     break
                 if not tokens:
@@ -469,9 +471,11 @@ class Engine:
                      writer: BackgroundWriter | None = None) -> Future | None:
         """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
 
-        `checkpoints` (recurrent states at block ends, from the prefill that filled the caches)
-        are stored with them; without one at every block end, recurrent states are stored whole
-        and the entry is reused whole, not by prefix (generated tokens are not checkpointed).
+        `checkpoints` (recurrent states at block ends and window rows, from the prefill and
+        generation that filled the caches) are stored with them; without a state at every block
+        end, recurrent states are stored whole and the entry is reused whole, not by prefix
+        (generated tokens are not checkpointed); window layers are stored by token when every
+        row was logged (generation logs its tokens' rows too), else whole.
         With a `writer`, the caches are compressed and their snapshot evaluated here, the put
         runs on the writer's thread, and its Future is returned."""
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
@@ -479,14 +483,16 @@ class Engine:
         extra = held - len(tokens)
         if extra < 0:
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
-        if extra and not all(c.is_trimmable() for c in caches):
+        boundaries, rows = _logged(checkpoints, len(tokens))
+        # Windows stored by token are cut from their logged rows, not from the cache.
+        cut = [c for i, c in enumerate(caches) if i not in (rows or {})]
+        if extra and not all(c.is_trimmable() for c in cut):
             raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
-        for cache in caches:
+        for cache in cut:
             if extra:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        boundaries, rows = _logged(checkpoints, len(tokens))
         snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries, rows=rows)
         mx.eval(snap.arrays())
         codec = self.codec_identity(loaded, scheme)
