@@ -17,7 +17,6 @@ stay native), and marked so.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from common import git_revision, machine_line, markdown_table, replace_section  # noqa: E402
+from common import family_arguments, git_revision, machine_line, markdown_table, replace_section  # noqa: E402
 
 SCHEMES = ("turbo4", "turbo8v3")
 MARKER = "family-bytes"
@@ -108,12 +107,7 @@ def family_row(family: str, tokens: int, wide: bool = True) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--families", nargs="*", help="default: every family that builds")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "models.md")
-    args = parser.parse_args(argv[1:])
+    args = family_arguments(__doc__, 512, argv)
 
     from arch_configs import NOT_BUILDABLE, families
 

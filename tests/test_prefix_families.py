@@ -22,6 +22,7 @@ from test_arch_all import cache_arrays
 from tqstore import Store
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
+from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints
@@ -117,7 +118,8 @@ def test_blocks_restore_any_prefix_of_a_family_without_a_folder(engine, family):
     logged = StateCheckpoints.for_caches(caches, BLOCK_SIZE)
     engine.prefill(loaded, caches, document, checkpoints=logged)
     n = len(document)
-    split = split_snapshot(snapshot(caches, tokens=n, checkpoints=logged.before(n), rows=logged.rows(n)))
+    split = split_snapshot(snapshot(caches, tokens=n, checkpoints=logged.before(n), rows=logged.rows(n),
+                                    windows="token"))
     assert split.reusable_as_prefix
     step = mx.array([[5]])
     for blocks in (1, 2, 3, 4):
@@ -170,3 +172,22 @@ def test_a_chat_answer_keeps_its_window_rows(engine, tmp_path_factory, family):
                                          arrays={k: a[..., :2 * BLOCK_SIZE, :] for k, a in r.arrays.items()}))
             _assert_same_caches([expected], [restored])
     assert len(whole) == len(started.caches)
+
+
+def test_an_entry_can_keep_its_windows_whole(engine, tmp_path_factory):
+    """windows="whole" stores the window alone (fewer bytes; what every entry did before), and
+    the entry is then reused only whole; its blocks never share a key with an entry that keeps
+    its windows by token, and an engine of either mode answers from both."""
+    loaded = engine.model(str(_folder("gemma3_text", tmp_path_factory)))
+    document = _tokens(990, seed=1)
+    whole = engine.save_tokens("whole", loaded, document, scheme="raw", windows="whole")
+    by_token = engine.save_tokens("token", loaded, document[:-1] + [7], scheme="raw")
+    assert by_token.reused_tokens == 0 and whole.bytes_written < by_token.bytes_written
+    assert engine.store.get("whole").sliding and not engine.store.get("token").sliding
+    branch = engine.save_tokens("branch", loaded, document[:600], scheme="raw", windows="whole")
+    assert branch.reused_tokens == 0  # a whole entry is not cut
+    for name in ("whole", "token"):
+        answer = engine.ask(name, "Who pays?", max_tokens=2)
+        assert answer.cached_tokens == len(engine.store.get(name).tokens)
+    with pytest.raises(BadInput, match="windows must be one of token, whole"):
+        engine.save_tokens("bad", loaded, document, scheme="raw", windows="rows")

@@ -54,18 +54,20 @@ class StateCheckpoints:
         return self.block if self.states else None
 
     @classmethod
-    def for_caches(cls, caches: list[Any], block: int) -> "StateCheckpoints | None":
-        """The checkpoints a fresh prefill into `caches` keeps (None when every layer can be cut)."""
-        windows = window_layers(caches)
+    def for_caches(cls, caches: list[Any], block: int, rows: bool = True) -> "StateCheckpoints | None":
+        """The checkpoints a fresh prefill into `caches` keeps (None when every layer can be cut);
+        window rows only with `rows` (an entry that keeps its windows whole needs none)."""
+        windows = window_layers(caches) if rows else []
         if not windows and not recurrent_layers(caches):
             return None
         return cls(block, WindowRows(windows) if windows else None, bool(recurrent_layers(caches)))
 
     @classmethod
-    def from_snapshot(cls, snap: Snapshot, block: int, caches: list[Any]) -> "StateCheckpoints | None":
+    def from_snapshot(cls, snap: Snapshot, block: int, caches: list[Any], rows: bool = True
+                      ) -> "StateCheckpoints | None":
         """The checkpoints a restored snapshot holds (its current state and window rows
         included), so that a prefill continuing from it into `caches` stores them again."""
-        out = cls.for_caches(caches, block)
+        out = cls.for_caches(caches, block, rows)
         if out is None:
             return None
         if out.windows is not None:

@@ -40,11 +40,18 @@ def window_layers(caches: list[Any]) -> list[int]:
     return [i for i, c in enumerate(caches) if is_window(c)]
 
 
-def window_config(cache: Any) -> dict:
-    """The data-independent scalars of a window cache (what the codec identity hashes)."""
+WINDOW_MODES = ("token", "whole")
+
+
+def window_config(cache: Any, by_token: bool) -> dict:
+    """The data-independent scalars of a window cache (what the codec identity hashes); `rows`
+    "token" marks an entry that keeps its windows by token, so that its blocks never share a
+    key with those of an entry that keeps them whole (which hold no window rows)."""
     if type(cache) is RotatingKVCache:
-        return {"class": "RotatingKVCache", "max_size": cache.max_size, "keep": cache.keep}
-    return {"class": "ChunkedKVCache", "chunk_size": cache.chunk_size}
+        config = {"class": "RotatingKVCache", "max_size": cache.max_size, "keep": cache.keep}
+    else:
+        config = {"class": "ChunkedKVCache", "chunk_size": cache.chunk_size}
+    return {**config, "rows": "token"} if by_token else config
 
 
 def is_window_record(record: LayerRecord) -> bool:
@@ -56,7 +63,7 @@ def window_record(cache: Any, keys: mx.array, values: mx.array) -> LayerRecord:
     """A window layer as a RAW record of every token's row (`keys`/`values` from token 0)."""
     tokens = keys.shape[TOKEN_AXIS]
     arrays = {"keys": keys, "values": values} if tokens or cache.keys is not None else {}
-    return LayerRecord(Layout.RAW, tokens, arrays, window_config(cache))
+    return LayerRecord(Layout.RAW, tokens, arrays, window_config(cache, True))
 
 
 def settle(cache: Any) -> None:
