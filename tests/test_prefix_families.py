@@ -52,7 +52,12 @@ def _folder(family: str, tmp_path_factory):
     return write_model_folder(tmp_path_factory.mktemp(family) / family, model=model, config=config)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# The default suite checks one family of each kind; `pytest -m slow` checks every family.
+DEFAULT = ("llama", "gemma3_text", "gpt_oss", "llama4", "recurrent_gemma")
+
+
+@pytest.fixture(scope="module", params=[f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow)
+                                        for f in FAMILIES])
 def folder(request, tmp_path_factory):
     return _folder(request.param, tmp_path_factory)
 
