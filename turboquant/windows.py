@@ -161,8 +161,11 @@ class WindowRows:
         layer: a prefill chunk or a decode step), `seen` tokens in all."""
         n = seen - self.seen
         if n > 0:
-            for i in self.parts:
-                self.parts[i].append(_last_rows(caches[i], n))
+            # Copied and evaluated now: a view would keep the whole ring of every step alive.
+            new = [tuple(mx.contiguous(a) for a in _last_rows(caches[i], n)) for i in self.parts]
+            mx.eval(new)
+            for i, rows in zip(self.parts, new):
+                self.parts[i].append(rows)
         self.seen = seen
 
     def follow(self, caches: list[Any]) -> None:
