@@ -137,6 +137,18 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
+def family_arguments(doc: str, tokens: int, argv: list[str] | None):
+    """--tokens, --families and --out of the per-family tables (docs/models.md by default)."""
+    import argparse
+
+    argv = sys.argv if argv is None else argv
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--families", nargs="*", help="default: every family that builds")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "models.md")
+    return parser.parse_args(argv[1:])
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

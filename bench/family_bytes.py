@@ -8,16 +8,15 @@ the same tokens (256 in the docs) under raw, turbo4 and turbo8v3. The table is t
 layer bytes per token (codes, norms, scales, calibration), with activation-dtype arrays counted
 at 2 bytes (fp16, as every ratio in the docs; the models compute in float32, which MLX's CPU
 needs for MoE layers), and raw over it. Bytes that do not grow with the tokens (recurrent
-states, sliding-window rings, a model's own cache fields) are a separate column; shared codec
-arrays (per model) are left out. The residence columns count the layers each scheme compresses
-in memory / at rest / leaves native. A family whose widened config does not build or run is
-measured at the generic one (heads of 16: turbo8v3's affine keys fit no group size there and
-stay native), and marked so.
+states, sliding-window rings and attention chunks kept whole, a model's own cache fields) are
+a separate column; shared codec arrays (per model) are left out. The residence columns count
+the layers each scheme compresses in memory / at rest / leaves native. A family whose widened
+config does not build or run is measured at the generic one (heads of 16: turbo8v3's affine
+keys fit no group size there and stay native), and marked so.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from common import git_revision, machine_line, markdown_table, replace_section  # noqa: E402
+from common import family_arguments, git_revision, machine_line, markdown_table, replace_section  # noqa: E402
 
 SCHEMES = ("turbo4", "turbo8v3")
 MARKER = "family-bytes"
@@ -49,7 +48,7 @@ def fp16_bytes(record) -> int:
 
 def split_bytes(records) -> tuple[int, int]:
     """(bytes that grow with the tokens, bytes that do not: recurrent states and their block
-    checkpoints, sliding-window rings, a model's own cache fields)."""
+    checkpoints, sliding-window rings and chunks kept whole, a model's own cache fields)."""
     from turboquant.records import Layout, split_children
 
     grows = fixed = 0
@@ -57,7 +56,7 @@ def split_bytes(records) -> tuple[int, int]:
         if r.layout is Layout.LIST:
             g, f = split_bytes(split_children(r))
             grows, fixed = grows + g, fixed + f
-        elif r.layout in (Layout.STATE, Layout.ROTATING, Layout.FIELDS):
+        elif r.layout in (Layout.STATE, Layout.ROTATING, Layout.CHUNKED, Layout.FIELDS):
             fixed += fp16_bytes(r)
         else:
             grows += fp16_bytes(r)
@@ -108,12 +107,7 @@ def family_row(family: str, tokens: int, wide: bool = True) -> list:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--families", nargs="*", help="default: every family that builds")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "models.md")
-    args = parser.parse_args(argv[1:])
+    args = family_arguments(__doc__, 512, argv)
 
     from arch_configs import NOT_BUILDABLE, families
 

@@ -30,6 +30,7 @@ from .schemes import Format, SchemeSpec, parse_scheme
 from .records import (SIDE_SUFFIXES, LayerRecord, Layout, Snapshot, join_children, split_children, state_at,
                       state_boundary)
 from .residence import NATIVE_KINDS, Residence, kind_name, layers_read_by_model, residence_of
+from .windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, window_config, window_record
 
 _ORIGINAL_SDPA = mlx_base.scaled_dot_product_attention
 _notices: set[str] = set()
@@ -247,13 +248,13 @@ def _own(a: mx.array) -> mx.array:
     return detach(a) if a.ndim >= 3 else mx.array(a)
 
 
-def _native_record(cache, tokens: int | None) -> LayerRecord:
-    """The record of one of mlx-lm's cache objects (or a model module's own cache class)."""
+def _native_record(cache, tokens: int | None, by_token: bool = False) -> LayerRecord:
+    """The record of one of mlx-lm's cache objects (or a model module's own cache class);
+    `by_token`: a window stored whole in an entry that keeps its windows by token."""
     kind = type(cache)
     if kind is RotatingKVCache:
         arrays = {} if cache.keys is None else {"keys": detach(cache.keys), "values": detach(cache.values)}
-        config = {"class": "RotatingKVCache", "max_size": cache.max_size, "keep": cache.keep}
-        return LayerRecord(Layout.ROTATING, cache.offset, arrays, config, {"idx": cache._idx})
+        return LayerRecord(Layout.ROTATING, cache.offset, arrays, window_config(cache, by_token), {"idx": cache._idx})
     if kind in _KV_CLASSES.values():
         arrays = {}
         if cache.keys is not None:
@@ -272,8 +273,7 @@ def _native_record(cache, tokens: int | None) -> LayerRecord:
         if cache.keys is not None:
             keys, values = cache.keys_and_values()
             arrays = {"keys": keys, "values": values}
-        return LayerRecord(Layout.CHUNKED, cache.offset, arrays, {"class": "ChunkedKVCache",
-                                                                   "chunk_size": cache.chunk_size},
+        return LayerRecord(Layout.CHUNKED, cache.offset, arrays, window_config(cache, by_token),
                            {"start_position": cache.start_position})
     if kind is ArraysCache:
         return _state_record(cache, tokens, {})
@@ -316,14 +316,21 @@ def held_tokens(caches) -> int:
 
 
 def snapshot(caches: list[Any], *, tokens: int | None = None,
-             checkpoints: Mapping[int, Mapping[int, list]] | None = None) -> Snapshot:
+             checkpoints: Mapping[int, Mapping[int, list]] | None = None,
+             rows: Mapping[int, tuple[mx.array, mx.array]] | None = None, windows: str = "whole") -> Snapshot:
     """Every layer as a record plus the codecs they use (arrays shared, not copied).
 
     Recurrent states (ArraysCache) count no tokens themselves: they take `tokens`, by default
     the other layers' token count. `checkpoints` adds recurrent states at earlier block
     boundaries ({layer: {tokens seen: the ArraysCache's arrays}}), so that a prefix of the
-    entry can be restored (see `StateCheckpoints`).
+    entry can be restored (see `StateCheckpoints`). `rows` gives window layers (RotatingKVCache,
+    ChunkedKVCache) every token's (keys, values) row from token 0 ({layer: rows}, from
+    `WindowRows`): with `windows` "token" they are stored by token, as RAW records, instead of
+    whole (a window without rows is then still whole, its config marked as the entry's).
     """
+    if windows not in WINDOW_MODES:
+        raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
+    by_token = windows == "token"
     if tokens is None:
         tokens = held_tokens(caches)
     layers, codecs = [], {}
@@ -333,13 +340,17 @@ def snapshot(caches: list[Any], *, tokens: int | None = None,
             codecs.update(cache.plan.codecs())
         elif type(cache) is ArraysCache:
             layers.append(_state_record(cache, tokens, (checkpoints or {}).get(i, {})))
+        elif by_token and rows and i in rows and type(cache) in WINDOW_CLASSES.values():
+            layers.append(window_record(cache, *rows[i]))
         else:
-            layers.append(_native_record(cache, tokens))
+            layers.append(_native_record(cache, tokens, by_token))
     return Snapshot(layers=layers, codecs=codecs)
 
 
 def _restore_native(record: LayerRecord):
     cls = record.config.get("class")
+    if record.layout is Layout.RAW and cls in WINDOW_CLASSES:
+        return from_rows(record)
     if record.layout is Layout.ROTATING:
         cache = RotatingKVCache(max_size=int(record.config["max_size"]), keep=int(record.config["keep"]))
         if record.arrays:
@@ -391,16 +402,17 @@ def _restore_fields(record: LayerRecord):
     return cache
 
 
-PREFIX_KINDS = frozenset({"in memory", "at rest", "native", "state"})  # kinds a stored prefix can be cut from
+PREFIX_KINDS = frozenset({"in memory", "at rest", "native", "window", "state"})  # kinds a stored prefix can be cut from
 
 
 def layer_kind(cache) -> tuple[str, str]:
     """(cache class, how the store keeps it) for one cache of `make_prompt_cache`: "in memory"
     (TurboQuant/affine in memory, on disk and in the bucket), "at rest" (compressed on disk and
     in the bucket, decoded into mlx-lm's KVCache in memory: the model reads the arrays itself),
-    "native" (token rows as mlx-lm holds them), "state" (recurrent state, stored at every block
-    end), or "whole" (stored whole per entry: ring buffers, chunked windows, lists and a model's
-    own cache class). The first three are `residence.Residence`."""
+    "native" (token rows as mlx-lm holds them), "window" (a sliding window or attention chunk:
+    every token's row, native, the window rebuilt at any block end: `turboquant.windows`),
+    "state" (recurrent state, stored at every block end), or "whole" (stored whole per entry:
+    lists and a model's own cache class). The first three are `residence.Residence`."""
     if isinstance(cache, TurboQuantKVCache):
         return "TurboQuantKVCache", Residence.IN_MEMORY.value
     if isinstance(cache, AtRestKVCache):
@@ -412,6 +424,8 @@ def layer_kind(cache) -> tuple[str, str]:
         return f"ArraysCache({len(cache.cache)})", "state"
     if type(cache) in (*_KV_CLASSES.values(), QuantizedKVCache):
         return name, "native"
+    if type(cache) in WINDOW_CLASSES.values():
+        return name, "window"
     return name, "whole"
 
 

@@ -19,8 +19,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
 from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
-from turboquant.checkpoints import StateCheckpoints, chunk_ends, recurrent_layers
+from turboquant.checkpoints import StateCheckpoints, chunk_ends
 from turboquant.integration import held_tokens
+from turboquant.windows import WINDOW_MODES, settle_all
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.format.blocks import BLOCK_SIZE
@@ -92,7 +93,7 @@ class Started:
     tier: str
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
-    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends (hybrid models)
+    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends, window rows
 
     def __post_init__(self) -> None:
         # Purely recurrent caches count no tokens: their count is the restore's alone.
@@ -109,8 +110,21 @@ def _counts_tokens(caches: list[Any]) -> bool:
                for c in caches)
 
 
-def _checkpoints(caches: list[Any]) -> StateCheckpoints | None:
-    return StateCheckpoints(BLOCK_SIZE) if recurrent_layers(caches) else None
+def _checkpoints(caches: list[Any], windows: str) -> StateCheckpoints | None:
+    return StateCheckpoints.for_caches(caches, BLOCK_SIZE, rows=windows == "token")
+
+
+def _logged(checkpoints: StateCheckpoints | None, tokens: int) -> tuple[dict | None, dict | None]:
+    """The recurrent states before `tokens` and the window rows of [0, tokens) a prefill logged."""
+    if checkpoints is None:
+        return None, None
+    return checkpoints.before(tokens), checkpoints.rows(tokens)
+
+
+def _window_mode(mode: str) -> str:
+    if mode not in WINDOW_MODES:
+        raise BadInput(f"windows must be one of {', '.join(WINDOW_MODES)}, got {mode!r}")
+    return mode
 
 
 def _finish(steps: Generator[None, None, Any]) -> Any:
@@ -144,13 +158,18 @@ def _body(model):
 class Engine:
     """Save contexts and answer questions with mlx-lm models over a Store."""
 
-    def __init__(self, store: Store, *, dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(self, store: Store, *, dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
+                 windows: str = "token"):
+        """`windows`: how new entries keep sliding-window and chunked layers, "token" (every
+        token's row in the blocks: reused by prefix) or "whole" (the window alone, once per entry:
+        fewer bytes, reused only whole; docs/models.md). Entries of either are read whatever it is."""
         self.store = store
         self.dtype = dtype
         self.prefill_chunk = prefill_chunk
+        self.windows = _window_mode(windows)
         self.registry = ModelRegistry(store.config.home)
         self._models: dict[tuple[str, str | None], LoadedModel] = {}
-        self._codecs: dict[tuple[bytes, str], CodecIdentity] = {}
+        self._codecs: dict[tuple[bytes, str, str], CodecIdentity] = {}
 
     @classmethod
     def open(cls, home: str | Path | None = None, **options) -> "Engine":
@@ -193,38 +212,44 @@ class Engine:
         check_identity(loaded, expected, name)
         return loaded
 
-    def codec_identity(self, loaded: LoadedModel, scheme: str) -> CodecIdentity:
-        """The codec identity of `scheme` on this model (data-independent: fresh caches)."""
-        key = (loaded.identity.digest, scheme)
+    def codec_identity(self, loaded: LoadedModel, scheme: str, windows: str | None = None) -> CodecIdentity:
+        """The codec identity of `scheme` on this model (data-independent: fresh caches), its
+        windows kept as `windows` says (default the engine's)."""
+        windows = _window_mode(windows or self.windows)
+        key = (loaded.identity.digest, scheme, windows)
         if key not in self._codecs:
             fresh = make_prompt_cache(loaded.model, scheme)
-            self._codecs[key] = CodecIdentity.from_snapshot(snapshot(fresh), scheme)
+            self._codecs[key] = CodecIdentity.from_snapshot(snapshot(fresh, windows=windows), scheme)
         return self._codecs[key]
 
-    def entry_scheme(self, manifest: Manifest, loaded: LoadedModel) -> str:
-        """The scheme of an entry, once its codec digest agrees with it on this model: a manifest
-        whose scheme was edited would otherwise miss every block and prefill cold under another
-        scheme, silently."""
-        try:
-            codec = self.codec_identity(loaded, manifest.scheme)
-        except (ValueError, TqstoreError):
-            codec = None
-        if codec is None or codec.digest != manifest.codec_digest:
-            raise IdentityMismatch(
-                f"entry {manifest.name!r} says scheme {manifest.scheme!r}, but its codec digest is not that scheme's "
-                "on this model: the manifest was edited or damaged (or written by a tqstore with another codec). "
-                f"Run `tqstore verify`, then save the entry again")
-        return manifest.scheme
+    def entry_scheme(self, manifest: Manifest, loaded: LoadedModel) -> tuple[str, str]:
+        """(scheme, windows) of an entry, once its codec digest agrees with them on this model: a
+        manifest whose scheme was edited would otherwise miss every block and prefill cold under
+        another scheme, silently. `windows` is how the entry keeps its window layers (entries saved
+        before they could be kept by token keep them whole)."""
+        for windows in (self.windows, *(m for m in WINDOW_MODES if m != self.windows)):
+            try:
+                codec = self.codec_identity(loaded, manifest.scheme, windows)
+            except (ValueError, TqstoreError):
+                codec = None
+            if codec is not None and codec.digest == manifest.codec_digest:
+                return manifest.scheme, windows
+        raise IdentityMismatch(
+            f"entry {manifest.name!r} says scheme {manifest.scheme!r}, but its codec digest is not that scheme's "
+            "on this model: the manifest was edited or damaged (or written by a tqstore with another codec). "
+            f"Run `tqstore verify`, then save the entry again")
 
     # -- the two main jobs ----------------------------------------------------------------
 
-    def start(self, loaded: LoadedModel, scheme: str, tokens: Sequence[int]) -> Started:
-        """Caches holding the longest stored prefix of `tokens` for this model and scheme."""
-        codec = self.codec_identity(loaded, scheme)
+    def start(self, loaded: LoadedModel, scheme: str, tokens: Sequence[int], windows: str | None = None) -> Started:
+        """Caches holding the longest stored prefix of `tokens` for this model and scheme (among
+        entries keeping their windows as `windows` says, default the engine's)."""
+        windows = _window_mode(windows or self.windows)
+        codec = self.codec_identity(loaded, scheme, windows)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
         if match is None:
             caches = make_prompt_cache(loaded.model, scheme)
-            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches, windows))
         # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
         # (shorter when a block turned out damaged in every tier). Only the latter counts.
         try:
@@ -235,10 +260,10 @@ class Engine:
             # its first token, as after any miss, so the answer is the one a cold run gives.
             warnings.warn(f"{exc}; computing the context again instead", RuntimeWarning, stacklevel=2)
             caches = make_prompt_cache(loaded.model, scheme)
-            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches))
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches, windows))
         caches = restore(snap)
         share = stats.tokens / max(len(match.manifest.tokens), 1)
-        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE) if recurrent_layers(caches) else None
+        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE, caches, rows=windows == "token")
         return Started(caches, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
                        checkpoints)
 
@@ -248,7 +273,9 @@ class Engine:
         """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
         Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
         recurrent layers), chunks also end at every block boundary (`at` is the position of the
-        first token) and the recurrent states there are kept."""
+        first token) and the recurrent states there are kept; window layers' rows are logged
+        into it. Window caches end settled (`turboquant.windows`): a prefill of a prefix and a
+        restore of it hold the same arrays."""
         return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at,
                                           checkpoints=checkpoints))
 
@@ -261,7 +288,7 @@ class Engine:
         seconds, done = 0.0, 0
         if progress and tokens:
             progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
-        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.block):
+        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.boundary):
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
@@ -275,18 +302,21 @@ class Engine:
             if progress:
                 progress(done, len(tokens))
             yield
+        settle_all(caches)
         return seconds
 
     def save(self, name: str, document: str, *, model: str, scheme: str | None = None, system: str | None = None,
              adapter_path: str | None = None, progress: Progress | None = None, pin: bool = False,
-             ttl: float | None = None, metadata: dict[str, str] | None = None) -> SaveResult:
-        """Prefill `document` (what the store lacks of it), compress and store it as `name`."""
+             ttl: float | None = None, metadata: dict[str, str] | None = None,
+             windows: str | None = None) -> SaveResult:
+        """Prefill `document` (what the store lacks of it), compress and store it as `name`
+        (`windows` as in `saving`)."""
         if not document.strip():
             raise BadInput("the document is empty: nothing to save")
         loaded = self.model(model, adapter_path)
         tokens = loaded.prompt.context_tokens(loaded.tokenizer, document, system)
         return self.save_tokens(name, loaded, tokens, scheme=scheme, progress=progress, pin=pin, ttl=ttl,
-                                metadata=metadata)
+                                metadata=metadata, windows=windows)
 
     def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], **options) -> SaveResult:
         """`save` for tokens already framed (chat turns, the server). Options as `saving`."""
@@ -294,12 +324,16 @@ class Engine:
 
     def saving(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
                progress: Progress | None = None, pin: bool = False, ttl: float | None = None,
-               metadata: dict[str, str] | None = None) -> Generator[None, None, SaveResult]:
-        """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result."""
+               metadata: dict[str, str] | None = None, windows: str | None = None
+               ) -> Generator[None, None, SaveResult]:
+        """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result.
+        `windows` ("token" or "whole", default the engine's) says how the entry keeps its
+        sliding-window and chunked layers."""
         scheme = parse_scheme(scheme or self.store.config.default_scheme).name
-        started = self.start(loaded, scheme, tokens)
+        windows = _window_mode(windows or self.windows)
+        started = self.start(loaded, scheme, tokens, windows)
         new = len(tokens) - started.matched
-        self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme), new), new)
+        self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme, windows), new), new)
         seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
                                                 at=started.matched, checkpoints=started.checkpoints)
         for cache in started.caches:
@@ -308,10 +342,10 @@ class Engine:
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
-        boundaries = started.checkpoints.before(len(tokens)) if started.checkpoints else None
-        result = self.store.put(name, snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries), tokens,
-                                model=loaded.identity,
-                                codec=self.codec_identity(loaded, scheme), model_ref=str(loaded.path),
+        boundaries, rows = _logged(started.checkpoints, len(tokens))
+        snap = snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries, rows=rows, windows=windows)
+        result = self.store.put(name, snap, tokens, model=loaded.identity,
+                                codec=self.codec_identity(loaded, scheme, windows), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
                                 metadata=metadata)
         return SaveResult(name, len(tokens), started.matched, seconds, recorded, scheme, result.new_blocks,
@@ -326,8 +360,9 @@ class Engine:
         loaded = self.model_for(name, model)
         model_seconds = time.perf_counter() - start
         prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
-        result = self.generate(loaded, self.entry_scheme(manifest, loaded), prompt, max_tokens=max_tokens, temp=temp,
-                               top_p=top_p, seed=seed, on_text=on_text, recorded=manifest.prefill_seconds)
+        scheme, windows = self.entry_scheme(manifest, loaded)
+        result = self.generate(loaded, scheme, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
+                               on_text=on_text, recorded=manifest.prefill_seconds, windows=windows)
         return replace(result, model_seconds=model_seconds)
 
     def generate(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], **options) -> AskResult:
@@ -345,7 +380,8 @@ class Engine:
                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
                    stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
-                   started: Started | None = None) -> Generator[None, None, tuple[AskResult, list[Any]]]:
+                   started: Started | None = None, windows: str | None = None
+                   ) -> Generator[None, None, tuple[AskResult, list[Any]]]:
         """`generate_with_caches` one step at a time: it yields after each prefill chunk and
         each token and returns (result, caches), so one thread can take turns between several
         generations (the server's model worker). Its times count its own steps only, and a
@@ -354,14 +390,15 @@ class Engine:
         `on_start(started)` learns where the prompt came from before any prefill; `stop(text so
         far)` ends generation early and is also asked (with "") between prefill chunks, so a
         caller that has gone away does not wait for a long prefill. `started` gives caches that
-        already hold the prompt's first `matched` tokens (composed documents) instead of a lookup.
+        already hold the prompt's first `matched` tokens (composed documents) instead of a lookup;
+        `windows` which entries the lookup may use (as in `start`).
         """
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
         started, remainder, prefill, halted = yield from self.prompt_steps(loaded, scheme, prompt, seed=seed,
                                                                            stop=stop, on_start=on_start,
-                                                                           started=started)
+                                                                           started=started, windows=windows)
         pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
         if halted():
             finish = "stop"
@@ -375,6 +412,8 @@ class Engine:
                 t0 = time.perf_counter()
                 response = next(responses, None)
                 generating += time.perf_counter() - t0
+                if started.checkpoints is not None:
+                    started.checkpoints.follow(started.caches)  # the rows of generated tokens too
                 if response is None:
                     break
                 if not tokens:
@@ -397,7 +436,7 @@ class Engine:
 
     def prompt_steps(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, seed: int | None = None,
                      stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
-                     started: Started | None = None
+                     started: Started | None = None, windows: str | None = None
                      ) -> Generator[None, None, tuple[Started, list[int], float, Callable[[], bool]]]:
         """What a generation does before its first token (options as `generation`): the seed
         checked, the stored prefix restored, all but the prompt's last token prefilled (yielding
@@ -405,7 +444,7 @@ class Engine:
         prefill seconds, whether `stop` says to end)."""
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
-        started = started if started is not None else self.start(loaded, scheme, prompt[:-1])
+        started = started if started is not None else self.start(loaded, scheme, prompt[:-1], windows)
         if on_start is not None:
             on_start(started)
         remainder = list(prompt[started.matched:])
@@ -457,40 +496,47 @@ class Engine:
             follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
         prompt = tokens + follow
         starts: list[Started] = []
-        result, caches = self.generate_with_caches(loaded, self.entry_scheme(manifest, loaded), prompt,
-                                                   recorded=manifest.prefill_seconds, on_start=starts.append, **options)
-        self.store_caches(child, loaded, manifest.scheme, caches, prompt + result.tokens,
+        scheme, windows = self.entry_scheme(manifest, loaded)
+        result, caches = self.generate_with_caches(loaded, scheme, prompt, recorded=manifest.prefill_seconds,
+                                                   on_start=starts.append, windows=windows, **options)
+        self.store_caches(child, loaded, scheme, caches, prompt + result.tokens,
                           prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name},
-                          checkpoints=starts[0].checkpoints)
+                          checkpoints=starts[0].checkpoints, windows=windows)
         return result
 
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,
                      metadata: dict[str, str] | None = None, checkpoints: StateCheckpoints | None = None,
-                     writer: BackgroundWriter | None = None) -> Future | None:
+                     writer: BackgroundWriter | None = None, windows: str | None = None) -> Future | None:
         """Store caches that hold (at least) `tokens` as entry `name`; extra tokens are trimmed.
 
-        `checkpoints` (recurrent states at block ends, from the prefill that filled the caches)
-        are stored with them; without one at every block end, recurrent states are stored whole
-        and the entry is reused whole, not by prefix (generated tokens are not checkpointed).
+        `checkpoints` (recurrent states at block ends and window rows, from the prefill and
+        generation that filled the caches) are stored with them; without a state at every block
+        end, recurrent states are stored whole and the entry is reused whole, not by prefix
+        (generated tokens are not checkpointed); window layers are stored by token when every
+        row was logged (generation logs its tokens' rows too), else whole.
         With a `writer`, the caches are compressed and their snapshot evaluated here, the put
-        runs on the writer's thread, and its Future is returned."""
+        runs on the writer's thread, and its Future is returned. `windows` as in `saving`."""
+        windows = _window_mode(windows or self.windows)
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
         held = held_tokens(caches) or len(tokens)
         extra = held - len(tokens)
         if extra < 0:
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
-        if extra and not all(c.is_trimmable() for c in caches):
+        boundaries, rows = _logged(checkpoints, len(tokens))
+        rows = rows if windows == "token" else None
+        # Windows stored by token are cut from their logged rows, not from the cache.
+        cut = [c for i, c in enumerate(caches) if i not in (rows or {})]
+        if extra and not all(c.is_trimmable() for c in cut):
             raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
-        for cache in caches:
+        for cache in cut:
             if extra:
                 cache.trim(extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
-        boundaries = checkpoints.before(len(tokens)) if checkpoints else None
-        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries)
+        snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries, rows=rows, windows=windows)
         mx.eval(snap.arrays())
-        codec = self.codec_identity(loaded, scheme)
+        codec = self.codec_identity(loaded, scheme, windows)
 
         def put() -> PutResult:
             return self.store.put(name, snap, tokens, model=loaded.identity, codec=codec, model_ref=str(loaded.path),

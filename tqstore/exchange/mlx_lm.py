@@ -32,6 +32,7 @@ from turboquant.integration import make_prompt_cache, restore_as, snapshot
 from turboquant.plan import LayerPlan, SidePlan, plan_layer
 from turboquant.schemes import Format, parse_scheme
 from turboquant.records import LayerRecord, Layout, Snapshot
+from turboquant.windows import WINDOW_CLASSES, from_rows
 
 from tqstore.canonical import dtype_name
 from tqstore.durable import write_file_atomic
@@ -123,6 +124,8 @@ def _to_mlx(i: int, r: LayerRecord, snap: Snapshot):
             cache.keys, cache.values = decoded.keys_and_values()
             cache.offset = decoded.offset
         return cache
+    if r.layout is Layout.RAW and r.config.get("class") in WINDOW_CLASSES:
+        return from_rows(r)  # a window stored by token: the ring buffer or chunk a prefill holds
     if r.layout is Layout.RAW:
         cache = KVCache()
         if r.arrays:

@@ -215,7 +215,9 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
         snap = compress_snapshot(snap, loaded.model, scheme)
     else:
         scheme = _file_scheme(snap, loaded.model, path)
-    result = engine.store.put(name, snap, tokens, model=loaded.identity, codec=engine.codec_identity(loaded, scheme),
+    # An mlx-lm cache file holds its sliding windows as rings: the entry keeps them whole.
+    codec = engine.codec_identity(loaded, scheme, "whole")
+    result = engine.store.put(name, snap, tokens, model=loaded.identity, codec=codec,
                               model_ref=str(loaded.path), adapter_path=loaded.adapter_path, prefill_seconds=0.0,
                               metadata={"imported.from": Path(path).name})
     return ImportResult(name, str(path), "mlx-lm", len(tokens), scheme, len(result.manifest.blocks),

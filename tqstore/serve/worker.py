@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
-
 from turboquant import make_prompt_cache
+from turboquant.checkpoints import StateCheckpoints
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.batch import Row, batchable, batched_generation, decode_step
@@ -431,9 +431,15 @@ class ModelWorker:
 
         stop = _stop_callback(job, scanner)
         self.writer.wait_for(prompt)  # a prefix of this prompt still being stored: let it land first
+        starts: list[Started] = []
+
+        def accepted(started: Started) -> None:
+            starts.append(started)
+            job.send(Accepted(len(prompt), started.matched, started.tier))
+
         result, caches = yield from self._generation(
             prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop,
-            on_start=lambda started: job.send(Accepted(len(prompt), started.matched, started.tier)))
+            on_start=accepted)
         if job.cancelled.is_set():
             self.metrics.count_cancelled()
         else:
@@ -446,7 +452,8 @@ class ModelWorker:
                              result.generation_seconds, stop_sequence=scanner.matched)
             self.metrics.generated(gen, request.api)
             job.send(Finished(gen))
-        self._autosave(prompt, result, caches)
+        # The prefill's checkpoints (window rows, block-end states) keep the saved prompt reusable by prefix.
+        self._autosave(prompt, result, caches, starts[0].checkpoints if starts else None)
 
     def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[Row | None]:
         """A request with the `documents` extension: its documents composed from stored chunks
@@ -483,7 +490,8 @@ class ModelWorker:
         self.metrics.generated(gen, request.api)
         job.send(Finished(gen))
 
-    def _autosave(self, prompt: list[int], result, caches: list[Any]) -> None:
+    def _autosave(self, prompt: list[int], result, caches: list[Any],
+                  checkpoints: StateCheckpoints | None = None) -> None:
         """Store prompt[:-1] (a later identical prompt restores all but its last token) when the
         policy says so; errors are logged, never sent: the response is already complete."""
         stored = prompt[:-1]
@@ -502,7 +510,8 @@ class ModelWorker:
         try:
             future = self.engine.store_caches(name, self.loaded, self.scheme, caches, stored,
                                               prefill_seconds=recorded, ttl=self.policy.ttl,
-                                              metadata={"tqstore.saved_by": "serve"}, writer=self.writer)
+                                              metadata={"tqstore.saved_by": "serve"}, checkpoints=checkpoints,
+                                              writer=self.writer)
         except BadInput as e:  # caches that cannot drop the answer (a full sliding window)
             log.info("not saving the prompt as %s: %s", name, e)
             self.metrics.saved("unsupported")

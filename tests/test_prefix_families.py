@@ -1,0 +1,198 @@
+"""Prefix reuse for the families whose layers were stored whole (issue 29): sliding windows
+(RotatingKVCache), chunked attention (ChunkedKVCache), and llama as the control.
+
+Through the engine and a real store, on tiny random-weight folders (windows and chunks of 64
+tokens, so that a 256-token block crosses several): save a long document, then a shorter one
+that shares its first blocks and branches. The second save restores the shared blocks, and the
+restored caches equal the engine's own prefill of that prefix (array_equal on every cache array
+and on the next logits), raw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+import arch_configs
+from model_folder import write_model_folder
+from test_arch_all import cache_arrays
+from tqstore import Store
+from tqstore.config import load_config
+from tqstore.engine.engine import Engine
+from tqstore.errors import BadInput
+from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
+from turboquant import make_prompt_cache, restore, snapshot
+from turboquant.checkpoints import StateCheckpoints
+from turboquant.records import Layout
+from turboquant.windows import from_rows, settle_all
+
+VOCAB = 512  # the folder's tokenizer needs the byte alphabet and more
+# Windows and attention chunks of 64 tokens (each family names the field its own way), so that a
+# 256-token block crosses several.
+# gemma4's per-layer embeddings take every token id (out of range they read undefined memory).
+WINDOWS = dict(sliding_window=64, attention_chunk_size=64, attention_window_size=64, vocab_size_per_layer_input=VOCAB)
+SLIDING = ("afmoe", "cohere2", "exaone_moe", "gemma3", "gemma3_text", "gemma3n", "gemma4", "gemma4_text",
+           "gpt_oss", "iquestloopcoder", "mellum", "mimo_v2_flash", "muse_glimmer", "olmo3", "plamo3", "spark2_5",
+           "step3p5")
+CHUNKED = ("llama4",)
+WINDOWS_AND_STATES = ("recurrent_gemma",)  # recurrent layers next to sliding ones
+FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES)
+# Families whose tiny folder does not load (transformers' config validation refuses what
+# mlx-lm's ModelArgs need): checked on the model object and the block split, without a store.
+NO_FOLDER = {"exaone4": "transformers reads sliding_window_pattern 'LG' as a number",
+             "gear": "transformers refuses layer type 'conv_mixer'"}
+
+
+def _folder(family: str, tmp_path_factory):
+    config = arch_configs.config(family, vocab_size=VOCAB, **WINDOWS)
+    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS)
+    return write_model_folder(tmp_path_factory.mktemp(family) / family, model=model, config=config)
+
+
+# The default suite checks one family of each kind; `pytest -m slow` checks every family.
+DEFAULT = ("llama", "gemma3_text", "gpt_oss", "llama4", "recurrent_gemma")
+
+
+@pytest.fixture(scope="module", params=[f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow)
+                                        for f in FAMILIES])
+def folder(request, tmp_path_factory):
+    return _folder(request.param, tmp_path_factory)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    store = Store.open(tmp_path / "home", config=load_config(tmp_path / "home"))
+    yield Engine(store, prefill_chunk=192)  # chunks that do not divide the block
+    store.close()
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return mx.random.randint(3, VOCAB, (n,), key=mx.random.key(seed)).tolist()
+
+
+def _assert_same_caches(expected, got) -> None:
+    before, after = cache_arrays(expected), cache_arrays(got)
+    assert [k for k, _ in after] == [k for k, _ in before]
+    for (name, a), (_, b) in zip(before, after):
+        assert a.shape == b.shape and mx.array_equal(a, b), f"{name} differs: {a.shape} vs {b.shape}"
+
+
+def test_a_branching_document_reuses_the_shared_blocks(engine, folder):
+    """The issue's experiment: a 990-token document, then a 588-token one that shares its first
+    560 tokens and branches: the second save prefills only what follows the shared blocks."""
+    loaded = engine.model(str(folder))
+    document = _tokens(990, seed=1)
+    engine.save_tokens("long", loaded, document, scheme="raw")
+    branch = document[:560] + _tokens(28, seed=2)
+    result = engine.save_tokens("branch", loaded, branch, scheme="raw")
+    assert result.reused_tokens == 2 * BLOCK_SIZE
+
+
+def test_a_restored_prefix_equals_a_prefill_of_it(engine, folder):
+    """Restoring the first k blocks of a longer entry gives the caches the engine's prefill of
+    those k blocks holds, and the next logits; continuing both gives the same again."""
+    loaded = engine.model(str(folder))
+    document = _tokens(3 * BLOCK_SIZE + 100, seed=3)
+    engine.save_tokens("doc", loaded, document, scheme="raw")
+    step = mx.array([[5]])
+    for blocks in (1, 2, 3):
+        shared = blocks * BLOCK_SIZE
+        prompt = document[:shared + 20] + _tokens(50, seed=4)
+        started = engine.start(loaded, "raw", prompt)
+        assert started.matched == shared
+        fresh = make_prompt_cache(loaded.model, "raw")
+        engine.prefill(loaded, fresh, prompt[:shared])
+        _assert_same_caches(fresh, started.caches)
+        assert mx.array_equal(loaded.model(step, cache=started.caches), loaded.model(step, cache=fresh))
+        engine.prefill(loaded, fresh, prompt[shared:], at=shared)
+        engine.prefill(loaded, started.caches, prompt[shared:], at=shared, checkpoints=started.checkpoints)
+        _assert_same_caches(fresh, started.caches)
+        assert mx.array_equal(loaded.model(step, cache=started.caches), loaded.model(step, cache=fresh))
+
+
+@pytest.mark.parametrize("family", sorted(NO_FOLDER))
+def test_blocks_restore_any_prefix_of_a_family_without_a_folder(engine, family):
+    """The same check without a folder: the engine's prefill, the snapshot with the logged rows
+    and states, its blocks joined at each boundary, against the engine's prefill of the prefix."""
+    loaded = SimpleNamespace(model=arch_configs.build(family, vocab_size=VOCAB, **WINDOWS))
+    document = _tokens(3 * BLOCK_SIZE + 100, seed=3)
+    caches = make_prompt_cache(loaded.model, "raw")
+    logged = StateCheckpoints.for_caches(caches, BLOCK_SIZE)
+    engine.prefill(loaded, caches, document, checkpoints=logged)
+    n = len(document)
+    split = split_snapshot(snapshot(caches, tokens=n, checkpoints=logged.before(n), rows=logged.rows(n),
+                                    windows="token"))
+    assert split.reusable_as_prefix
+    step = mx.array([[5]])
+    for blocks in (1, 2, 3, 4):
+        shared = min(blocks * BLOCK_SIZE, n)
+        restored = restore(join_blocks(split, blocks))
+        fresh = make_prompt_cache(loaded.model, "raw")
+        engine.prefill(loaded, fresh, document[:shared], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
+        _assert_same_caches(fresh, restored)
+        assert mx.array_equal(loaded.model(step, cache=restored), loaded.model(step, cache=fresh))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4"])
+def test_a_settled_window_continues_like_the_one_it_was_settled_from(family):
+    """What a restore rebuilds (the settled window) continues exactly like mlx-lm's own cache
+    after a prefill in uneven chunks: the same logits for a chunk and for single steps, and the
+    same arrays from the first update on."""
+    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS)
+    tokens = _tokens(300, seed=5)
+    natural, settled = make_prompt_cache(model, "raw"), make_prompt_cache(model, "raw")
+    for caches in (natural, settled):
+        for start, stop in ((0, 192), (192, 300)):
+            mx.eval(model(mx.array(tokens[start:stop])[None], cache=caches))
+    settle_all(settled)
+    assert any(a.shape != b.shape for (_, a), (_, b) in zip(cache_arrays(natural), cache_arrays(settled)))
+    for step in (mx.array(_tokens(40, seed=6))[None], mx.array([[7]]), mx.array([[8]])):
+        assert mx.array_equal(model(step, cache=natural), model(step, cache=settled))
+        _assert_same_caches(natural, settled)
+
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma"])
+def test_a_chat_answer_keeps_its_window_rows(engine, tmp_path_factory, family):
+    """A chat child entry stores the window rows of its answer too (logged as it is generated),
+    so it shares its parent's blocks and a branch inside the answer reuses it by prefix. Before:
+    storing the child conflicted with the parent's blocks (the child's windows were whole)."""
+    loaded = engine.model(str(_folder(family, tmp_path_factory)))
+    engine.save_tokens("doc", loaded, _tokens(2 * BLOCK_SIZE - 30, seed=7), scheme="raw")
+    engine.chat_turn("doc", "Who pays?", "turn", max_tokens=60)
+    tokens = list(engine.store.get("turn").tokens)
+    assert len(tokens) > 2 * BLOCK_SIZE + 5, "the answer must cross a block end"
+    snap, _ = engine.store.load("turn")
+    windows = [r for r in snap.layers if r.config.get("class") in ("RotatingKVCache", "ChunkedKVCache")]
+    assert windows and all(r.layout is Layout.RAW and r.offset == len(tokens) for r in windows)
+    started = engine.start(loaded, "raw", tokens[:2 * BLOCK_SIZE + 5])
+    assert started.matched == 2 * BLOCK_SIZE
+    whole = restore(snap)
+    for r, restored in zip(snap.layers, started.caches):
+        if r in windows:  # the window of the first 512 tokens out of the answer's logged rows
+            expected = from_rows(replace(r, offset=2 * BLOCK_SIZE,
+                                         arrays={k: a[..., :2 * BLOCK_SIZE, :] for k, a in r.arrays.items()}))
+            _assert_same_caches([expected], [restored])
+    assert len(whole) == len(started.caches)
+
+
+def test_an_entry_can_keep_its_windows_whole(engine, tmp_path_factory):
+    """windows="whole" stores the window alone (fewer bytes; what every entry did before), and
+    the entry is then reused only whole; its blocks never share a key with an entry that keeps
+    its windows by token, and an engine of either mode answers from both."""
+    loaded = engine.model(str(_folder("gemma3_text", tmp_path_factory)))
+    document = _tokens(990, seed=1)
+    whole = engine.save_tokens("whole", loaded, document, scheme="raw", windows="whole")
+    by_token = engine.save_tokens("token", loaded, document[:-1] + [7], scheme="raw")
+    assert by_token.reused_tokens == 0 and whole.bytes_written < by_token.bytes_written
+    assert engine.store.get("whole").sliding and not engine.store.get("token").sliding
+    branch = engine.save_tokens("branch", loaded, document[:600], scheme="raw", windows="whole")
+    assert branch.reused_tokens == 0  # a whole entry is not cut
+    for name in ("whole", "token"):
+        answer = engine.ask(name, "Who pays?", max_tokens=2)
+        assert answer.cached_tokens == len(engine.store.get(name).tokens)
+    with pytest.raises(BadInput, match="windows must be one of token, whole"):
+        engine.save_tokens("bad", loaded, document, scheme="raw", windows="rows")
