@@ -27,6 +27,7 @@ import hashlib
 import os
 import json
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -55,7 +56,11 @@ META_KEY = "tqstore"
 _FRAME = struct.Struct("<8sIIQQ32s")
 FRAME_SIZE = _FRAME.size  # 64
 ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller than 3 (docs/format.md)
-MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
+# Format 3 stores unsigned integer groups (TurboQuant codes, affine words) without trying zstd:
+# packed codes are near their entropy (zstd saves 0-5% on them, docs/format.md), so a trial costs
+# put time for nothing and decoding would cost restore time for almost nothing.
+PACKED_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64"})
+MIN_SAVING = 0.10  # keep zstd only where it saves at least 10% (packed codes save 0-5%: docs/format.md)
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
@@ -152,7 +157,7 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
     """Format 3: the frame, the binary header, then each group at an aligned offset."""
     def pack(j: int) -> tuple[str, Any, bytes]:
         dtype, raw = list(groups)[j][2], raws[j]
-        encoding, packed = _encode(raw, DTYPES[dtype][0].size)
+        encoding, packed = ("raw", None) if dtype in PACKED_DTYPES else _encode(raw, DTYPES[dtype][0].size)
         stored = raw.data if packed is None else packed
         return encoding, stored, xxhash.xxh3_128_digest(stored)
 
@@ -579,31 +584,72 @@ def _views(header: Header, held: list[mx.array]) -> dict[str, mx.array]:
     return arrays
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How the arrays of a block's layers lie in its groups: per group its array name, the
+    layers it holds one array each of (in order), their shape and dtype; and the layer shells
+    (shared by every block with these layer records when there is no calibration)."""
+
+    groups: tuple[tuple[int, str, tuple[int, ...], tuple[int, ...], str], ...]
+    calibrated: bool
+    shells: dict[int, LayerRecord] | None
+
+
+_PLANS: dict[int, tuple[tuple[LayerInfo, ...], _Plan | None]] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan(layers: tuple[LayerInfo, ...]) -> _Plan | None:
+    """The grouping of `layers`, or None when some group does not hold arrays of one name and
+    shape, one per layer in layer order (as dumps writes them). Memoized by the layer records'
+    identity: a header's records are shared by every object with the same tables (tables.py,
+    header.py), so a restore works out each distinct grouping once, not once per block."""
+    with _PLANS_LOCK:
+        found = _PLANS.get(id(layers))
+    if found is not None and found[0] is layers:
+        return found[1]
+    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
+    for li in layers:
+        for n, t in li.arrays.items():
+            members.setdefault(t.group, []).append((li.index, n, t))
+    calibrated = any(li.calibration for li in layers)
+    plan: _Plan | None = None
+    if not {t.group for li in layers for t in li.calibration.values()} & set(members):
+        groups = []
+        for j, found_ in sorted(members.items()):
+            (_, name, first), size = found_[0], found_[0][2].nbytes
+            if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found_)):
+                break
+            groups.append((j, name, tuple(i for i, _, _ in found_), first.shape, first.dtype))
+        else:
+            shells = None if calibrated else {
+                li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state))
+                for li in layers}
+            plan = _Plan(tuple(groups), calibrated, shells)
+    with _PLANS_LOCK:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        _PLANS[id(layers)] = (layers, plan)
+    return plan
+
+
 def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
     """A block whose layers hold their arrays as `ArrayGroup`s (one per group), when every group
     holds arrays of one name and shape, one per layer in layer order (as dumps writes them);
     else None. Calibration arrays (block 0 only) stay arrays of their own."""
-    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
-    for li in header.layers:
-        for n, t in li.arrays.items():
-            members.setdefault(t.group, []).append((li.index, n, t))
-    calibration_groups = {t.group for li in header.layers for t in li.calibration.values()}
-    if calibration_groups & set(members):
+    plan = _plan(header.layers)
+    if plan is None:
         return None
     groups = []
-    for j, found in sorted(members.items()):
-        (_, name, first), size = found[0], found[0][2].nbytes
-        if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found)):
-            return None
-        mx_dtype, _, unsigned = DTYPES[first.dtype]
-        data = held[j].reshape(len(found), *first.shape)
-        groups.append(ArrayGroup(name, tuple(i for i, _, _ in found), data if mx_dtype == unsigned
-                                 else data.view(mx_dtype)))
-    calibration = _views(header, held) if calibration_groups else {}
-    shells = {li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
-                                    {n: calibration[layer_tensor(li.index, n, calibration=True)]
-                                     for n in li.calibration})
-              for li in header.layers}
+    for j, name, layers, shape, dtype in plan.groups:
+        mx_dtype, _, unsigned = DTYPES[dtype]
+        data = held[j].reshape(len(layers), *shape)
+        groups.append(ArrayGroup(name, layers, data if mx_dtype == unsigned else data.view(mx_dtype)))
+    calibration = _views(header, held) if plan.calibrated else {}
+    shells = plan.shells or {
+        li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
+                              {n: calibration[layer_tensor(li.index, n, calibration=True)] for n in li.calibration})
+        for li in header.layers}
     # Evaluated here, in the thread that decoded them (a put's writer thread, for one): an MLX
     # array still holding a lazy reshape is bound to its thread's stream, and another thread that
     # joins it fails ("There is no Stream(cpu, N) in current thread"). Views cost no copy.
