@@ -30,7 +30,7 @@ from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.exchange.bundle import read_bundle
-from tqstore.canonical import tensor_bytes
+from tqstore.canonical import DTYPES as STORED_DTYPES, tensor_bytes
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import LayerRecord, Layout, Snapshot
@@ -518,6 +518,12 @@ def test_format_3_inspect_reads_the_header_only():
     data, _ = valid_object()
     stop = F.FRAME_SIZE + header_len(data)
     assert F.inspect(data[:stop], verify_digest=False) == F.inspect(data)
+
+
+def test_format_3_codes_cover_every_dtype_and_layout():
+    """A dtype or layout added elsewhere must get a code here (appended: codes are positions)."""
+    assert set(tables.DTYPE_CODES) == set(STORED_DTYPES) and len(tables.DTYPE_CODES) == len(STORED_DTYPES)
+    assert set(tables.LAYOUT_CODES) == set(Layout) and len(tables.LAYOUT_CODES) == len(Layout)
 
 
 def test_format_2_objects_still_load():

@@ -32,8 +32,12 @@ from tqstore.format.header import (ENCODINGS, KINDS, MAX_ELEMENTS, BlockInfo, Co
 ALIGN = 64  # every group starts at a multiple of 64 bytes from the object's start
 MAX_DIMS = 8
 NONE = 0xFFFFFFFF  # "no token ids" in the token count
-DTYPE_CODES = tuple(DTYPES)
-LAYOUT_CODES = tuple(Layout)
+# The codes are positions in these tuples, frozen here (not taken from the order of DTYPES or of
+# the Layout enum, which may grow): new names only ever go at the end.
+DTYPE_CODES = ("float16", "bfloat16", "float32", "uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32",
+               "int64")
+LAYOUT_CODES = tuple(Layout(v) for v in ("raw", "rawk-turbo", "affinek-turbo", "turbo", "calibrated", "affine",
+                                         "rotating", "quantized", "chunked", "state", "list", "fields"))
 SECTIONS = ("layer", "calibration", "codec")
 # kind u8, presence flags u8 (model, codec, calibration, key, parent), u16 0; token count (NONE:
 # no tokens), layer, array, codec and calibration-digest counts, dictionary bytes; block index,
