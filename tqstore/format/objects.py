@@ -1,21 +1,24 @@
-"""Snapshot parts <-> bytes: a verified frame around a safetensors payload (docs/format.md).
+"""Snapshot parts <-> bytes: a verified frame around an object's header and groups (docs/format.md).
 
     frame (64 bytes)  magic "\\x89TQS\\r\\n\\x1a\\n", u32 format version, u32 reserved (0),
-                      u64 safetensors header length, u64 payload length, sha256 of the payload
-    payload           safetensors: one U8 tensor per group (format 2: every array of one name
-                      and dtype in the object, concatenated and encoded once); its metadata
-                      holds one key, "tqstore", whose value is the JSON header (kind, identity
-                      digests, tokens, keys, per-layer records with every array's dtype, shape,
-                      group and offset; the groups with encoding, size and sha256)
+                      u64 header length, u64 payload length, sha256 (format 3: of the header;
+                      formats 1 and 2: of the payload)
+    format 3          a binary header (tables.py: fixed-size records for groups, layers, arrays
+                      and codecs, a dictionary of distinct strings and scalar maps), then one
+                      group per array name and dtype at 64-byte aligned offsets, each with the
+                      xxh3-128 of its stored bytes in the header
+    format 2          a safetensors payload: one U8 tensor per group; its metadata holds the
+                      JSON header (still read, and written for tests of stores that hold it)
 
 Three verbs, like safetensors: `dumps(obj, provenance)`, `loads(data, expect=...)` and
-`inspect(data)`. `loads` checks the frame (magic, readable version, length, digest) before it
-parses anything, then the header schema and its internal consistency (block key, calibration
-digest), then the expected identity and tokens, then every group's sha256, and only then
-builds arrays: it returns a whole object or raises one of tqstore's error types, never a part.
-Payloads are parsed here (numpy views of the bytes), not by mx.load, so damaged input never
-reaches a C++ parser and nothing is written to a temporary file. Format 1 (one tensor per
-array, each with its own digest) is still read.
+`inspect(data)`; `loads` is `parse` (every check and decode, no MLX: any thread) then `build`
+(MLX arrays, one per group, on the caller's thread). Parsing checks the frame (magic, readable
+version, lengths, the header's digest) before it parses anything, then the header and its
+internal consistency (block key, calibration digest), then the expected identity and tokens,
+then every group's digest, and only then decodes: it returns a whole object or raises one of
+tqstore's error types, never a part. Payloads are parsed here (numpy views of the bytes), not
+by mx.load, so damaged input never reaches a C++ parser and nothing is written to a temporary
+file. Format 1 (one tensor per array, each with its own digest) is still read.
 """
 
 from __future__ import annotations
