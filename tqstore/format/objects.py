@@ -48,7 +48,7 @@ from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, Malfor
                      TokenMismatch, TruncatedData)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo, json_value,
                      codec_tensor, layer_tensor, parse_header)
-from tqstore.format.tables import Groups, Layouts, align, encode_header, read_header
+from tqstore.format.tables import Groups, encode_header, read_header
 from tqstore.format.versions import check_version
 from tqstore.models.identity import FORMAT_VERSION
 
@@ -168,11 +168,8 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
     records = [{"dtype": key[2], "encoding": enc, "offset": 0, "stored": len(part), "nbytes": int(raw.size),
                 "xxh3": digest} for key, raw, (enc, part, digest) in zip(groups, raws, done)]
     try:
-        size = len(encode_header(kind, prov, block, header_layers, header_codecs, records))
-        at = align(FRAME_SIZE + size)
-        for record in records:
-            record["offset"], at = at, align(at + record["stored"])
         head = encode_header(kind, prov, block, header_layers, header_codecs, records)
+        size = len(head)
         end = records[-1]["offset"] + records[-1]["stored"] if records else FRAME_SIZE + size
         parsed = read_header(memoryview(head), end - FRAME_SIZE, None)[0]  # what is written must read back
     except (MalformedHeader, TypeError, ValueError, OverflowError) as e:

@@ -12,6 +12,7 @@ with the same rules as format 2's JSON header (header.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import threading
@@ -66,14 +67,16 @@ def align(n: int) -> int:
 
 
 def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, layers: Sequence[Mapping[str, Any]],
-                  codecs: Mapping[str, Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> bytes:
+                  codecs: Mapping[str, Mapping[str, Any]], groups: Sequence[dict[str, Any]]) -> bytes:
     """The header bytes of an object. `layers` and `codecs` are format 2's header records
     (arrays with dtype, shape, group, offset; calibration arrays with sha256 too); `groups` one
-    record per group: dtype, encoding, offset in the object, stored, nbytes, xxh3 (16 bytes)."""
-    words: dict[Any, int] = {}
+    record per group: dtype, encoding, stored, nbytes, xxh3 (16 bytes); each record's "offset"
+    in the object is set here (groups follow the header at aligned offsets)."""
+    words: dict[bytes, int] = {}
 
     def ref(value: Any) -> int:
-        key = canonical_json(value)
+        key = _canonical(value if isinstance(value, str) else tuple(
+            (k, type(v), v, repr(v) if type(v) is float else None) for k, v in value.items()))  # -0.0 is not 0.0
         return words.setdefault(key, len(words))
 
     layer_rows, array_rows, digests = [], [], []
@@ -99,10 +102,15 @@ def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, layers: 
         codec_rows.append((ref(name), ref(c["rotation_kind"]), ref(c["norm_mode"])))
         for n, t in c["arrays"].items():
             add(k, 2, n, t)
-    group_rows = [(DTYPE_CODES.index(g["dtype"]), ENCODINGS.index(g["encoding"]), 0, 0, g["offset"], g["stored"],
-                   g["nbytes"], g["xxh3"]) for g in groups]
     dictionary = b"[" + b",".join(words) + b"]"
     tokens = prov.tokens
+    size = HEAD.size + 4 * len(tokens or ()) + GROUP.itemsize * len(groups) + LAYER.itemsize * len(layer_rows) \
+        + ARRAY.itemsize * len(array_rows) + CODEC.itemsize * len(codec_rows) + 32 * len(digests) + len(dictionary)
+    at = align(64 + size)
+    for g in groups:
+        g["offset"], at = at, align(at + g["stored"])
+    group_rows = [(DTYPE_CODES.index(g["dtype"]), ENCODINGS.index(g["encoding"]), 0, 0, g["offset"], g["stored"],
+                   g["nbytes"], g["xxh3"]) for g in groups]
     flags = sum(1 << j for j, f in enumerate(_FLAGS) if getattr(prov, f) is not None)
     b = block or BlockInfo(0, 0, 0, 0)
     head = HEAD.pack(KINDS.index(kind), flags, 0, NONE if tokens is None else len(tokens), len(layer_rows),
@@ -114,6 +122,14 @@ def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, layers: 
              np.array(array_rows, dtype=ARRAY).tobytes(), np.array(codec_rows, dtype=CODEC).tobytes(),
              b"".join(digests), dictionary]
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _canonical(value: str | tuple) -> bytes:
+    """The canonical JSON of a string or of a scalar map given as (key, type, value, float repr)
+    items (types keep 1, 1.0 and True apart, reprs 0.0 and -0.0): the blocks of an entry repeat
+    a few of each."""
+    return canonical_json(value if isinstance(value, str) else {k: v for k, _, v, _ in value})
 
 
 def _raw(digest: bytes | BlockKey | None) -> bytes:
