@@ -338,7 +338,7 @@ def tree_pages(data: Path) -> dict[str, int]:
 def salvage_source(tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """A closed synthetic home and the digest of each entry's loaded snapshot."""
     home = tmp_path_factory.mktemp("salvage") / "home"
-    names = synthetic_home(home)
+    names = synthetic_home(home, 6)  # enough segment records that the segments tree has a branch root
     store = open_store(home)
     try:
         digests = {name: snapshot_digest(store.load(name)[0]) for name in names}
