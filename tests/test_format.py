@@ -17,18 +17,20 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import safetensors
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapshot, make_layer, make_snapshot
 from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
+from tqstore.format import tables
 from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
                                    split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.exchange.bundle import read_bundle
-from tqstore.canonical import tensor_bytes
+from tqstore.canonical import DTYPES as STORED_DTYPES, tensor_bytes
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import LayerRecord, Layout, Snapshot
@@ -187,10 +189,10 @@ def test_every_storable_dtype_round_trips_bit_exactly():
 def test_payload_is_standard_safetensors():
     """Format 2: one U8 tensor per group; a raw group's bytes are its arrays' bytes, in order."""
     snap = make_snapshot(40, mx.bfloat16)
-    data = F.dumps(snap)
+    data = F.dumps(snap, version=2)
     payload = data[F.FRAME_SIZE:]
     header = F.inspect(data)
-    assert header.version == F.OBJECT_VERSION == 2
+    assert header.version == 2
     parsed = {name: t for name, t in safetensors.deserialize(payload)}
     arrays, meta = mx.load(io.BytesIO(payload), format="safetensors", return_metadata=True)
     assert set(parsed) == set(arrays) == {f"group/{j}" for j in range(len(header.groups))}
@@ -252,9 +254,9 @@ def _reframe(data: bytes, payload: bytes, version: int | None = None) -> bytes:
 
 
 @functools.lru_cache(maxsize=None)
-def valid_object() -> tuple[bytes, Snapshot]:
+def valid_object(version: int = F.OBJECT_VERSION) -> tuple[bytes, Snapshot]:
     snap = make_snapshot(20, mx.float16)
-    return F.dumps(snap), snap
+    return F.dumps(snap, version=version), snap
 
 
 def test_frame_errors():
@@ -278,8 +280,8 @@ def test_frame_errors():
 
 
 def test_group_digests_are_checked_after_the_frame():
-    """A writer bug that frames damaged bytes: every group's digest of its decoded bytes."""
-    data, _ = valid_object()
+    """Format 2, a writer bug that frames damaged bytes: every group's digest of its decoded bytes."""
+    data, _ = valid_object(2)
     n = header_len(data)
     table = json.loads(data[F.FRAME_SIZE + 8:F.FRAME_SIZE + 8 + n])
     groups = F.inspect(data).groups
@@ -417,8 +419,8 @@ EDIT_VALUES = [None, True, 0, -1, 3, 20, 2**40, 2**70, 1.5, "", "x", [], [1], [1
 @PROPERTY
 @given(st.data())
 def test_structural_header_edits_behind_a_valid_frame(data):
-    """Values replaced or members deleted anywhere in the JSON header (frame recomputed)."""
-    blob, _ = valid_object()
+    """Format 2: values replaced or members deleted anywhere in the JSON header (frame recomputed)."""
+    blob, _ = valid_object(2)
     n = header_len(blob)
     table = json.loads(blob[F.FRAME_SIZE + 8:F.FRAME_SIZE + 8 + n])
     header = json.loads(table["__metadata__"]["tqstore"])
@@ -440,6 +442,94 @@ def test_structural_header_edits_behind_a_valid_frame(data):
     payload = struct.pack("<Q", len(st_header)) + st_header + blob[F.FRAME_SIZE + 8 + n:]
     obj = _loads_or_tqstore_error(_reframe(blob, payload))
     assert obj is None or isinstance(obj, Snapshot)
+
+
+def _reframe3(data: bytes) -> bytes:
+    """Format 3: the frame's lengths and header digest recomputed over (damaged) bytes."""
+    magic, v, reserved, n, _, _ = F._FRAME.unpack_from(data)
+    head = data[F.FRAME_SIZE:F.FRAME_SIZE + n]
+    return F._FRAME.pack(magic, v, reserved, n, len(data) - F.FRAME_SIZE, hashlib.sha256(head).digest()) + \
+        data[F.FRAME_SIZE:]
+
+
+def test_format_3_layout():
+    """Format 3: a binary header whose digest is in the frame, then each group at an offset that
+    is a multiple of 64, zero padding between; a raw group's bytes are its arrays' bytes."""
+    snap = make_snapshot(40, mx.bfloat16)
+    data = F.dumps(snap)
+    header = F.inspect(data)
+    assert header.version == F.OBJECT_VERSION == 3
+    magic, version, reserved, n, payload, digest = F._FRAME.unpack_from(data)
+    assert (magic, version, reserved, payload) == (F.MAGIC, 3, 0, len(data) - F.FRAME_SIZE)
+    assert digest == hashlib.sha256(data[F.FRAME_SIZE:F.FRAME_SIZE + n]).digest()
+    _, groups = tables.read_header(memoryview(data)[F.FRAME_SIZE:F.FRAME_SIZE + n], payload, len(data))
+    assert {g.encoding for g in header.groups} >= {"raw", "shuffle-zstd"}
+    assert all(o % 64 == 0 for o in groups.offsets.tolist())
+    originals = {f"layer/{i}/{n}": a for i, r in enumerate(snap.layers) for n, a in r.arrays.items()}
+    for name, info in header.tensors().items():
+        group = header.groups[info.group]
+        if group.encoding == "raw" and name in originals:
+            at = int(groups.offsets[info.group]) + info.offset
+            assert data[at:at + info.nbytes] == tensor_bytes(originals[name]).tobytes()
+    for j, (offset, stored) in enumerate(zip(groups.offsets.tolist(), groups.stored.tolist())):
+        assert groups.xxh3[j] == xxhash.xxh3_128_digest(data[offset:offset + stored])
+
+
+def test_format_3_digests_are_checked_behind_a_valid_frame():
+    """A writer bug that frames damaged bytes: each group's xxh3 of its stored bytes, and the
+    padding, which must be zero."""
+    data, _ = valid_object()
+    n = header_len(data)
+    _, groups = tables.read_header(memoryview(data)[F.FRAME_SIZE:F.FRAME_SIZE + n], len(data) - 64, len(data))
+    for j, (offset, stored) in enumerate(zip(groups.offsets.tolist(), groups.stored.tolist())):
+        bad = bytearray(data)
+        bad[offset + stored // 2] ^= 0x10
+        with pytest.raises(ChecksumMismatch, match=f"group {j}"):
+            F.loads(bytes(bad), expect=F.Expect())
+    pad = F.FRAME_SIZE + n
+    assert pad < int(groups.offsets[0])
+    bad = bytearray(data)
+    bad[pad] = 1
+    with pytest.raises(ChecksumMismatch, match="padding"):
+        F.loads(bytes(bad), expect=F.Expect())
+    bad = bytearray(data)
+    bad[F.FRAME_SIZE + 100] ^= 1
+    with pytest.raises(ChecksumMismatch, match="header"):
+        F.loads(bytes(bad), expect=F.Expect())
+
+
+@PROPERTY
+@given(st.data())
+def test_format_3_header_edits_behind_a_valid_frame(data):
+    """Bytes of the binary header changed (counts, records, digests, the dictionary) with the
+    frame's digest recomputed: only tqstore errors, or a well-formed object (an edited config
+    value can make another valid object: the codec identity, checked by the store, covers it)."""
+    blob, _ = valid_object()
+    n = header_len(blob)
+    bad = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(F.FRAME_SIZE, F.FRAME_SIZE + n - 1))
+        bad[at] = data.draw(st.sampled_from([0, 1, 2, 3, 7, 8, 64, 255, bad[at] ^ 1, bad[at] ^ 0x80]))
+    obj = _loads_or_tqstore_error(_reframe3(bytes(bad)))
+    assert obj is None or isinstance(obj, Snapshot)
+
+
+def test_format_3_inspect_reads_the_header_only():
+    data, _ = valid_object()
+    stop = F.FRAME_SIZE + header_len(data)
+    assert F.inspect(data[:stop], verify_digest=False) == F.inspect(data)
+
+
+def test_format_3_codes_cover_every_dtype_and_layout():
+    """A dtype or layout added elsewhere must get a code here (appended: codes are positions)."""
+    assert set(tables.DTYPE_CODES) == set(STORED_DTYPES) and len(tables.DTYPE_CODES) == len(STORED_DTYPES)
+    assert set(tables.LAYOUT_CODES) == set(Layout) and len(tables.LAYOUT_CODES) == len(Layout)
+
+
+def test_format_2_objects_still_load():
+    for n in (0, 20):
+        snap = make_snapshot(n, mx.float16)
+        assert_same_snapshot(F.loads(F.dumps(snap, version=2), expect=F.Expect()), snap)
 
 
 # -- end to end: restore, then decode exactly like the never-serialized cache ----------------

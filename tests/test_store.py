@@ -386,6 +386,31 @@ def test_one_store_per_home(tmp_path):
 # -- faults: a damaged copy is a miss with a reason, never wrong data ----------------------------
 
 
+def test_objects_stored_in_format_2_keep_restoring(store):
+    """A store written before format 3 holds format 2 objects: a restore from LMDB reads them
+    (checked against their frame's SHA-256, the tier's not repeated) and a damaged one is still
+    a miss."""
+    snap, tokens = make_snapshot(600, layouts=PLAIN), token_ids(600)
+    m = put(store, "old", snap, tokens).manifest
+    tier = lmdb_tier(store)
+    for ref in m.objects:
+        hot = store._tiers.memory.get(ref.key)
+        old = F.dumps(hot.obj, hot.provenance, version=2)
+        assert F.inspect(old).version == 2
+        tier.delete_objects([ref.key])
+        tier.put_objects({ref.key: old})
+    store = reopen(store)
+    restored, stats = store.load("old")
+    assert stats.tier == "lmdb" and not stats.misses
+    assert_same_snapshot(restored, snap)
+    key = m.blocks[1].key
+    _damage_segment(store, key)
+    store = open_store(store.home)
+    with pytest.raises(CorruptBlock, match="sha256 does not match its frame"):
+        store.load("old")
+    store.close()
+
+
 def _damage_segment(store: Store, key: bytes) -> None:
     """Flip a byte of the object's first segment in the LMDB file (the store is closed)."""
     path = str(lmdb_tier(store).path)
@@ -399,10 +424,10 @@ def test_a_corrupt_lmdb_object_is_a_miss_and_quarantined(store):
     key = store.get("a").blocks[1].key
     _damage_segment(store, key)
     store = open_store(store.home)
-    with pytest.raises(CorruptBlock, match="checksum|sha256"):
+    with pytest.raises(CorruptBlock, match="ChecksumMismatch|xxh3"):  # format 3 checks every byte itself
         store.load("a")
     [record] = lmdb_tier(store).quarantined()
-    assert record.key == key and "sha256" in record.reason
+    assert record.key == key and "ChecksumMismatch" in record.reason
     match = store.lookup(tokens + [1], model=MODEL.digest, codec=CODEC.digest)
     assert match.tokens == 256  # block 1 is gone: the stored prefix is block 0
     restored, stats = store.restore(match)
@@ -421,7 +446,7 @@ def test_a_prefix_restore_stops_before_a_block_lost_meanwhile(store):
     store = open_store(store.home)
     restored, stats = store.restore(match)
     assert stats.tokens == restored.offset == 512
-    assert any(key.hex()[:12] in m and "sha256" in m for m in stats.misses)
+    assert any(key.hex()[:12] in m and "xxh3" in m for m in stats.misses)
     assert_same_snapshot(restored, join_blocks(split_snapshot(snap), 2))
     store.close()
 

@@ -4,13 +4,13 @@ One entry of a tiny random-weight llama (turbo4, 300 tokens: two blocks, the win
 shared codecs) is stored. Each trial damages one of its objects at one position and loads
 the entry again:
 
-- position classes: every field of the 64-byte frame, the safetensors length, the JSON header,
-  the digests written in the header, each tensor's bytes, and random positions;
+- position classes: every field of the 64-byte frame, the binary header, the digests written
+  in the header, the padding before groups, each group's bytes, and random positions;
 - operations: flip a byte, zero a run of bytes, truncate there, insert bytes there;
 - where: LMDB bit rot (segments changed under the tier's own digest), LMDB rewritten (a bad
   payload stored with a matching digest, so the format reader must catch it), LMDB reframed
-  (the frame's length and digest recomputed too, so only the header, table and per-tensor
-  checks remain), and the bucket (bit rot, and a rewrite with matching metadata), restored
+  (the frame's length and header digest recomputed too, so only the header's consistency and
+  the group digests remain), and the bucket (bit rot, and a rewrite with matching metadata), restored
   through a remote lookup into an empty home.
 
 A miss must name its reason and leave the damaged copy quarantined (LMDB) or marked gone
@@ -36,6 +36,7 @@ from harness import open_store, s3_settings
 from test_blocks import assert_same_snapshot
 from test_store import decode_logits, stored_model_entry
 from tqstore.format import objects as F
+from tqstore.format import tables
 from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.errors import CorruptBlock
 from tqstore.store.tiers.lmdb_layout import delete_segments
@@ -82,23 +83,28 @@ def entry(tmp_path_factory) -> Entry:
 
 
 def position_classes(payload: bytes) -> dict[str, list[int]]:
-    """Every byte position of an object, by what it holds."""
+    """Every byte position of an object (format 3), by what it holds."""
     (header_len,) = struct.unpack_from("<Q", payload, 16)
-    start = F.FRAME_SIZE + 8
-    header = payload[start:start + header_len]
-    digests = set()
-    for m in re.finditer(rb"sha256[\\\"]*:[\\\"]*([0-9a-f]{64})", header):
-        digests.update(range(start + m.start(1), start + m.end(1)))
+    start = F.FRAME_SIZE
+    _, groups = tables.read_header(memoryview(payload)[start:start + header_len], len(payload) - start, len(payload))
+    n_groups = len(groups.infos)
+    counts = tables.HEAD.unpack_from(payload, start)
+    n_tokens = 0 if counts[3] == tables.NONE else counts[3]
+    group_table = start + tables.HEAD.size + 4 * n_tokens
+    digests = {p for j in range(n_groups) for p in range(group_table + tables.GROUP.itemsize * j + 32,
+                                                         group_table + tables.GROUP.itemsize * (j + 1))}
     classes = {"frame: magic": list(range(0, 8)), "frame: version": list(range(8, 12)),
                "frame: reserved": list(range(12, 16)), "frame: header length": list(range(16, 24)),
                "frame: payload length": list(range(24, 32)), "frame: digest": list(range(32, 64)),
-               "safetensors length": list(range(64, 72)), "digests in the header": sorted(digests),
-               "json header": [p for p in range(start, start + header_len) if p not in digests]}
-    table = F._json(header, "header")
-    data = start + header_len
-    for name, t in sorted(table.items()):
-        if name != "__metadata__" and t["data_offsets"][1] > t["data_offsets"][0]:
-            classes[f"tensor {name}"] = list(range(data + t["data_offsets"][0], data + t["data_offsets"][1]))
+               "digests in the header": sorted(digests),
+               "binary header": [p for p in range(start, start + header_len) if p not in digests]}
+    at = start + header_len
+    for j, (offset, stored) in enumerate(zip(groups.offsets.tolist(), groups.stored.tolist())):
+        if offset > at:
+            classes.setdefault("padding", []).extend(range(at, offset))
+        if stored:
+            classes[f"tensor group/{j}"] = list(range(offset, offset + stored))
+        at = offset + stored
     return classes
 
 
@@ -117,12 +123,15 @@ def damage(payload: bytes, op: str, pos: int, rng: random.Random) -> bytes:
 
 
 def reframe(data: bytes) -> bytes:
-    """Recompute the frame's payload length and digest over damaged bytes (what a buggy writer
-    would do), so that only the checks inside the payload can catch the damage."""
+    """Recompute the frame's payload length and its digest of the header over damaged bytes
+    (what a buggy writer would do), so that only the checks inside the object can catch the
+    damage (the group digests, the padding, the header's own consistency)."""
     if len(data) < F.FRAME_SIZE:
         return data
-    body = data[F.FRAME_SIZE:]
-    return data[:24] + struct.pack("<Q", len(body)) + hashlib.sha256(body).digest() + body
+    (header_len,) = struct.unpack_from("<Q", data, 16)
+    head = data[F.FRAME_SIZE:F.FRAME_SIZE + header_len]
+    return data[:24] + struct.pack("<Q", len(data) - F.FRAME_SIZE) + hashlib.sha256(head).digest() + \
+        data[F.FRAME_SIZE:]
 
 
 def positions(classes: dict[str, list[int]], per_class: int, rng: random.Random,

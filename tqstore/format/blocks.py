@@ -337,8 +337,11 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
     if any(templates[i].layout is Layout.STATE for i in layers):
         return None
     partial = {i: False for i in layers}
+    checked = None  # (shells, n_tokens) of the block before, when it passed with no partial layer
     for blk in blocks:
         shells = blk.layers.shells
+        if checked == (id(shells), blk.n_tokens) and blk.index > 0:
+            continue  # the very records the block before passed with (blocks decoded from one table share them)
         if sorted(shells) != layers:
             return None
         for i in layers:
@@ -350,6 +353,7 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
                     or (partial[i] and stored):
                 return None
             partial[i] = partial[i] or stored < part.offset
+        checked = None if any(partial.values()) else (id(shells), blk.n_tokens)
     by_name: dict[str, list[ArrayGroup]] = {}
     for blk in blocks:
         for g in blk.layers.groups:

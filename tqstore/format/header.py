@@ -175,7 +175,7 @@ def parse_header(h: Any, version: int, payload_nbytes: int) -> Header:
         block = BlockInfo(*(_int(b[k], f"block.{k}") for k in ("index", "start", "n_tokens", "block_size")))
     elif h["block"] is not None:
         raise MalformedHeader(f"a {kind} has no block record")
-    _check_kind(kind, prov, block, layers, codecs)
+    check_kind(kind, prov, block, layers, codecs)
     header = Header(version, kind, prov, block, layers, codecs, payload_nbytes)
     if version == 1:
         return header
@@ -212,8 +212,10 @@ def _groups(v: Any, tensors: dict[str, TensorInfo]) -> tuple[GroupInfo, ...]:
     return tuple(groups)
 
 
-def _check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tuple[LayerInfo, ...],
-                codecs: Mapping[str, CodecInfo]) -> None:
+def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tuple[LayerInfo, ...],
+               codecs: Mapping[str, CodecInfo]) -> None:
+    """The rules of an object's kind over its typed header (MalformedHeader): which layers and
+    codecs it holds, its tokens, its calibration digest, and a block's place and key."""
     indices = [li.index for li in layers]
     if kind in ("snapshot", "window") and indices != list(range(len(layers))):
         raise MalformedHeader(f"a {kind} lists layers 0..n-1 in order, got {indices[:8]}")
@@ -283,11 +285,17 @@ def _layer(v: Any, where: str, version: int) -> LayerInfo:
                    _scalars(v["config"], f"{where}.config"), _scalars(v["state"], f"{where}.state"),
                    _tensors(v["arrays"], f"{where}.arrays", version),
                    _tensors(v["calibration"], f"{where}.calibration", version, digests=True))
-    problem = _arrays_problem(layout, li.offset, _typed(li.config), _typed(li.state),
+    check_layer(li)
+    return li
+
+
+def check_layer(li: LayerInfo) -> None:
+    """MalformedHeader unless the layer's arrays (names, dtypes, shapes) fit its layout, offset,
+    config and state."""
+    problem = _arrays_problem(li.layout, li.offset, _typed(li.config), _typed(li.state),
                               tuple(sorted((n, t.dtype, t.shape) for n, t in li.arrays.items())))
     if problem is not None:
-        raise MalformedHeader(f"layer {li.index} ({layout.value}): {problem}")
-    return li
+        raise MalformedHeader(f"layer {li.index} ({li.layout.value}): {problem}")
 
 
 def _typed(scalars: Mapping[str, Any]) -> tuple:
@@ -378,11 +386,35 @@ _SCALAR_TYPES = frozenset({type(None), bool, int, str})
 
 
 def _scalars(v: Any, where: str) -> dict[str, Any]:
-    # JSON gives exactly these types (no subclasses): a type lookup per value.
-    if not isinstance(v, dict) or not all(type(x) in _SCALAR_TYPES or (type(x) is float and math.isfinite(x))
-                                          for x in v.values()):
+    if not scalars_ok(v):
         raise MalformedHeader(f"{where}: expected an object of scalars (int, float, str, bool, null)")
     return v
+
+
+def scalars_ok(v: Any) -> bool:
+    """Whether `v` (parsed JSON) is an object of scalars."""
+    # JSON gives exactly these types (no subclasses): a type lookup per value.
+    return isinstance(v, dict) and all(type(x) in _SCALAR_TYPES or (type(x) is float and math.isfinite(x))
+                                       for x in v.values())
+
+
+def json_value(raw, what: str) -> Any:
+    """Strict JSON (no NaN or Infinity, no key twice), or MalformedHeader naming `what`."""
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not JSON")
+
+    def no_duplicates(pairs):
+        # Called once per JSON object (thousands per format 2 restore): a dict shorter than its
+        # pairs had a key twice, found without building the key list and set.
+        table = dict(pairs)
+        if len(table) != len(pairs):
+            raise ValueError("a key appears twice")
+        return table
+
+    try:
+        return json.loads(bytes(raw).decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)
+    except (UnicodeError, ValueError, RecursionError) as e:
+        raise MalformedHeader(f"the {what} is not valid JSON ({e})") from None
 
 
 def _name_ok(name: Any) -> bool:

@@ -1,36 +1,42 @@
-"""Snapshot parts <-> bytes: a verified frame around a safetensors payload (docs/format.md).
+"""Snapshot parts <-> bytes: a verified frame around an object's header and groups (docs/format.md).
 
     frame (64 bytes)  magic "\\x89TQS\\r\\n\\x1a\\n", u32 format version, u32 reserved (0),
-                      u64 safetensors header length, u64 payload length, sha256 of the payload
-    payload           safetensors: one U8 tensor per group (format 2: every array of one name
-                      and dtype in the object, concatenated and encoded once); its metadata
-                      holds one key, "tqstore", whose value is the JSON header (kind, identity
-                      digests, tokens, keys, per-layer records with every array's dtype, shape,
-                      group and offset; the groups with encoding, size and sha256)
+                      u64 header length, u64 payload length, sha256 (format 3: of the header;
+                      formats 1 and 2: of the payload)
+    format 3          a binary header (tables.py: fixed-size records for groups, layers, arrays
+                      and codecs, a dictionary of distinct strings and scalar maps), then one
+                      group per array name and dtype at 64-byte aligned offsets, each with the
+                      xxh3-128 of its stored bytes in the header
+    format 2          a safetensors payload: one U8 tensor per group; its metadata holds the
+                      JSON header (still read, and written for tests of stores that hold it)
 
 Three verbs, like safetensors: `dumps(obj, provenance)`, `loads(data, expect=...)` and
-`inspect(data)`. `loads` checks the frame (magic, readable version, length, digest) before it
-parses anything, then the header schema and its internal consistency (block key, calibration
-digest), then the expected identity and tokens, then every group's sha256, and only then
-builds arrays: it returns a whole object or raises one of tqstore's error types, never a part.
-Payloads are parsed here (numpy views of the bytes), not by mx.load, so damaged input never
-reaches a C++ parser and nothing is written to a temporary file. Format 1 (one tensor per
-array, each with its own digest) is still read.
+`inspect(data)`; `loads` is `parse` (every check and decode, no MLX: any thread) then `build`
+(MLX arrays, one per group, on the caller's thread). Parsing checks the frame (magic, readable
+version, lengths, the header's digest) before it parses anything, then the header and its
+internal consistency (block key, calibration digest), then the expected identity and tokens,
+then every group's digest, and only then decodes: it returns a whole object or raises one of
+tqstore's error types, never a part. Payloads are parsed here (numpy views of the bytes), not
+by mx.load, so damaged input never reaches a C++ parser and nothing is written to a temporary
+file. Format 1 (one tensor per array, each with its own digest) is still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import functools
 import hashlib
 import os
 import json
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 import zstandard
 
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
@@ -40,19 +46,24 @@ from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, S
 from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
-from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo,
+from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo, json_value,
                      codec_tensor, layer_tensor, parse_header)
+from tqstore.format.tables import Groups, encode_header, read_header
 from tqstore.format.versions import check_version
 from tqstore.models.identity import FORMAT_VERSION
 
 MAGIC = b"\x89TQS\r\n\x1a\n"
-READABLE_VERSIONS = frozenset({1, 2})
-OBJECT_VERSION = 2  # what dumps writes; the codec identity's format_version (data model) stays 1
+READABLE_VERSIONS = frozenset({1, 2, 3})
+OBJECT_VERSION = 3  # what dumps writes; the codec identity's format_version (data model) stays 1
 META_KEY = "tqstore"
 _FRAME = struct.Struct("<8sIIQQ32s")
 FRAME_SIZE = _FRAME.size  # 64
 ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller than 3 (docs/format.md)
-MIN_SAVING = 0.05  # keep zstd only where it saves at least 5%
+# Format 3 stores unsigned integer groups (TurboQuant codes, affine words) without trying zstd:
+# packed codes are near their entropy (zstd saves 0-5% on them, docs/format.md), so a trial costs
+# put time for nothing and decoding would cost restore time for almost nothing.
+PACKED_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64"})
+MIN_SAVING = 0.10  # keep zstd only where it saves at least 10% (packed codes save 0-5%: docs/format.md)
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
@@ -63,27 +74,30 @@ __all__ = ["dumps", "dumps_decoded", "loads", "load", "inspect", "OBJECT_VERSION
 Obj = Snapshot | Block | Window | SharedCodecs
 
 
-def dumps(obj: Obj, provenance: Provenance = Provenance()) -> bytes:
+def dumps(obj: Obj, provenance: Provenance = Provenance(), version: int = OBJECT_VERSION) -> bytes:
     """Serialize a Snapshot, Block, Window or SharedCodecs with its provenance.
 
     A block's key is computed here from the provenance, so a stored block always matches its
     key; for block 0 and snapshots the calibration digest is computed from the data. Raises
     ValueError for an object that breaks the data model (arrays of another layout, shapes,
-    dtypes, non-scalar config values).
+    dtypes, non-scalar config values). `version` 2 writes the format before (for tests of
+    stores that hold it).
     """
-    return _dump(obj, provenance)[0]
+    return _dump(obj, provenance, version)[0]
 
 
 def dumps_decoded(obj: Obj, provenance: Provenance = Provenance()) -> tuple[bytes, Obj]:
     """`dumps`, and the object as `loads` gives it back: a block with its arrays in groups
     (views of the bytes just written, so joins concatenate groups), any other kind as it is."""
-    data, header, held = _dump(obj, provenance)
+    data, header, held = _dump(obj, provenance, OBJECT_VERSION)
     grouped = _grouped_block(header, held) if header.kind == "block" else None
     return data, grouped or obj
 
 
-def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.array]]:
+def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[bytes, Header, list[mx.array]]:
     """The bytes of `obj`, its header as read back, and each group's decoded bytes as an array."""
+    if version not in (2, 3):
+        raise ValueError(f"this tqstore writes object formats 2 and 3, not {version}")
     kind, layers, codecs = _parts(obj)
     _check_names(layers, codecs)
     groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]] = {}
@@ -106,6 +120,10 @@ def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.arra
                      for name, c in sorted(codecs.items())}
     held, raws = _group_bytes(groups)
     prov = _complete(kind, obj, header_layers, provenance)
+    block = BlockInfo(obj.index, obj.start, obj.n_tokens, obj.block_size) if kind == "block" else None
+    if version == 3:
+        data, parsed = _dump3(kind, prov, block, header_layers, header_codecs, groups, raws)
+        return data, parsed, held
     header_groups, stored = _pack(groups, raws)
     header = {
         "kind": kind,
@@ -113,15 +131,14 @@ def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.arra
         "tokens": None if prov.tokens is None else [int(t) for t in prov.tokens],
         "key": None if prov.key is None else prov.key.hex,
         "parent": None if prov.parent is None else prov.parent.hex,
-        "block": None if kind != "block" else {"index": obj.index, "start": obj.start, "n_tokens": obj.n_tokens,
-                                               "block_size": obj.block_size},
+        "block": None if block is None else dataclasses.asdict(block),
         "layers": header_layers,
         "codecs": header_codecs,
         "groups": header_groups,
     }
     try:
         text = canonical_json(header)
-        parsed = parse_header(json.loads(text), OBJECT_VERSION, 0)  # what is written must read back
+        parsed = parse_header(json.loads(text), 2, 0)  # what is written must read back
     except (MalformedHeader, TypeError, ValueError) as e:
         raise ValueError(f"cannot serialize this {kind}: {e}") from None
     table, at = {"__metadata__": {META_KEY: text.decode()}}, 0
@@ -134,8 +151,35 @@ def _dump(obj: Obj, provenance: Provenance) -> tuple[bytes, Header, list[mx.arra
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
-    frame = _FRAME.pack(MAGIC, OBJECT_VERSION, 0, len(st), 8 + len(st) + at, digest.digest())
+    frame = _FRAME.pack(MAGIC, 2, 0, len(st), 8 + len(st) + at, digest.digest())
     return b"".join([frame, *parts]), parsed, held
+
+
+def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: list[dict], header_codecs: dict,
+           groups: dict, raws: list[np.ndarray]) -> tuple[bytes, Header]:
+    """Format 3: the frame, the binary header, then each group at an aligned offset."""
+    def pack(j: int) -> tuple[str, Any, bytes]:
+        dtype, raw = list(groups)[j][2], raws[j]
+        encoding, packed = ("raw", None) if dtype in PACKED_DTYPES else _encode(raw, DTYPES[dtype][0].size)
+        stored = raw.data if packed is None else packed
+        return encoding, stored, xxhash.xxh3_128_digest(stored)
+
+    done = _map(pack, range(len(raws)), [r.size for r in raws])
+    records = [{"dtype": key[2], "encoding": enc, "offset": 0, "stored": len(part), "nbytes": int(raw.size),
+                "xxh3": digest} for key, raw, (enc, part, digest) in zip(groups, raws, done)]
+    try:
+        head = encode_header(kind, prov, block, header_layers, header_codecs, records)
+        size = len(head)
+        end = records[-1]["offset"] + records[-1]["stored"] if records else FRAME_SIZE + size
+        parsed = read_header(memoryview(head), end - FRAME_SIZE, None)[0]  # what is written must read back
+    except (MalformedHeader, TypeError, ValueError, OverflowError) as e:
+        raise ValueError(f"cannot serialize this {kind}: {e}") from None
+    frame = _FRAME.pack(MAGIC, 3, 0, size, end - FRAME_SIZE, hashlib.sha256(head).digest())
+    parts, at = [frame, head], FRAME_SIZE + size
+    for record, (_, part, _) in zip(records, done):
+        parts += [bytes(record["offset"] - at), part]
+        at = record["offset"] + record["stored"]
+    return b"".join(parts), parsed
 
 
 def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]
@@ -181,7 +225,7 @@ def inspect(data: bytes, *, verify_digest: bool = True) -> Header:
     """An object's header, without decoding any tensor.
 
     With verify_digest=False, `data` may be only the first bytes of an object (the frame and
-    the safetensors header, e.g. from a ranged read); nothing is then known about the rest.
+    the header, e.g. from a ranged read); nothing is then known about the rest.
     """
     return _read(data, verify_digest, verify_digest)[0]
 
@@ -199,14 +243,42 @@ def loads(data: bytes, *, expect: Expect) -> Obj:
 def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header, Obj]:
     """`loads` that also returns the object's header (parsed once for both). `verified`: the
     caller has just checked these whole bytes against the digest recorded when they were
-    written (an LMDB or S3 read), so the frame's digest, of the same bytes, is not computed again."""
+    written (an LMDB or S3 read), so a format 1 or 2 frame's digest, of the same bytes, is not
+    computed again (format 3 checks its own digests, which cover every byte, in any case)."""
+    return build(parse(data, expect=expect, verified=verified))
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An object checked in full but not yet made into MLX arrays (`parse`, then `build`)."""
+
+    header: Header
+    raws: list[np.ndarray] | None  # format 2 and 3: each group's decoded, verified bytes
+    tensors: dict[str, tuple[TensorInfo, memoryview]] | None = None  # format 1: each tensor's stored bytes
+
+
+def parse(data: bytes | memoryview | np.ndarray, *, expect: Expect, verified: bool = False) -> Parsed:
+    """Every check of `load` (frame, header, identity, tokens, every digest) and the decoding of
+    every group, without MLX: safe on any thread (hashing and zstd release the GIL). `build`
+    makes the object on the caller's thread."""
     header, table, blob = _read(data, True, not verified)
     _check_expect(header, expect)
     if header.version == 1:
-        arrays = {name: _decode(name, info, blob[s:e]) for name, (info, s, e) in table.items()}
+        return Parsed(header, None, {name: (info, blob[s:e]) for name, (info, s, e) in table.items()})
+    if header.version == 2:
+        return Parsed(header, _unpack(header, [blob[s:e] for _, s, e in table.values()]))
+    return Parsed(header, _unpack3(header, table, blob))
+
+
+def build(parsed: Parsed) -> tuple[Header, Obj]:
+    """The header and the object of a parsed object, every array evaluated (one MLX array per
+    group: arrays are views of their group)."""
+    header = parsed.header
+    if parsed.tensors is not None:
+        arrays = {name: _decode(name, info, stored) for name, (info, stored) in parsed.tensors.items()}
         mx.eval(*arrays.values())
         return header, _build(header, arrays)
-    held = _unpack(header, [blob[s:e] for _, s, e in table.values()])
+    held = [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, parsed.raws)]
     mx.eval(held)
     grouped = _grouped_block(header, held) if header.kind == "block" else None
     if grouped is not None:
@@ -299,9 +371,10 @@ def _hex(digest: bytes | None) -> str | None:
 # -- reading ---------------------------------------------------------------------------------
 
 
-def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, dict[str, tuple[Any, int, int]], memoryview]:
+def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, Any, memoryview]:
     """Frame checks first, then the safetensors table and the JSON header, cross-checked. The
-    table gives each tensor (format 1) or each group (format 2) its byte range in the data."""
+    table gives each tensor (format 1) or each group (format 2) its byte range in the data;
+    format 3 gives its group table and the whole object."""
     view = memoryview(data).cast("B")
     if len(view) < FRAME_SIZE:
         if not MAGIC.startswith(bytes(view[:len(MAGIC)])):
@@ -315,6 +388,8 @@ def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, dict[s
     if whole and len(payload) != payload_len:
         raise TruncatedData(f"object has {len(payload)} payload bytes, its frame says {payload_len}: it was "
                             "truncated or padded in storage")
+    if version == 3:
+        return _read3(view, header_len, payload_len, digest, reserved, whole, verify_digest)
     if verify_digest and hashlib.sha256(payload).digest() != digest:
         raise ChecksumMismatch("object is corrupt: its sha256 does not match its frame")
     if reserved != 0:
@@ -324,35 +399,59 @@ def _read(data: bytes, whole: bool, verify_digest: bool) -> tuple[Header, dict[s
     (st_len,) = struct.unpack_from("<Q", payload)
     if st_len != header_len:
         raise MalformedHeader(f"the frame gives a {header_len}-byte header, the safetensors payload {st_len}")
-    st = _json(payload[8:8 + header_len], "safetensors header")
+    st = json_value(payload[8:8 + header_len], "safetensors header")
     if not isinstance(st, dict):
         raise MalformedHeader("the safetensors header is not a JSON object")
     meta = st.pop("__metadata__", None)
     if not isinstance(meta, dict) or set(meta) != {META_KEY} or not isinstance(meta[META_KEY], str):
         raise MalformedHeader(f"the safetensors metadata must hold exactly one string, {META_KEY!r}")
-    header = parse_header(_json(meta[META_KEY].encode("utf-8", "surrogatepass"), "tqstore header"), version,
+    header = parse_header(json_value(meta[META_KEY].encode("utf-8", "surrogatepass"), "tqstore header"), version,
                            payload_len)
     data_len = payload_len - 8 - header_len
     table = _tensor_table(st, header, data_len) if version == 1 else _group_table(st, header, data_len)
     return header, table, payload[8 + header_len:]
 
 
-def _json(raw, what: str) -> Any:
-    def no_constants(name: str):
-        raise ValueError(f"{name} is not JSON")
+def _read3(view: memoryview, header_len: int, payload_len: int, digest: bytes, reserved: int, whole: bool,
+           verify_digest: bool) -> tuple[Header, Groups, memoryview]:
+    """Format 3: the frame's digest covers the header; the header's group table gives each
+    group's place and digest (checked by `_unpack3`)."""
+    if reserved != 0:
+        raise MalformedHeader(f"the reserved frame field is {reserved}, not 0")
+    if header_len > min(len(view) - FRAME_SIZE, payload_len):
+        raise TruncatedData(f"the {header_len}-byte header runs past the {len(view) - FRAME_SIZE}-byte payload")
+    head = view[FRAME_SIZE:FRAME_SIZE + header_len]
+    if verify_digest and hashlib.sha256(head).digest() != digest:
+        raise ChecksumMismatch("object is corrupt: the sha256 of its header does not match its frame")
+    header, groups = read_header(head, payload_len, len(view) if whole else None)
+    return header, groups, view
 
-    def no_duplicates(pairs):
-        # Called once per JSON object of every header (thousands per restore): a dict shorter
-        # than its pairs had a key twice, found without building the key list and set.
-        table = dict(pairs)
-        if len(table) != len(pairs):
-            raise ValueError("a key appears twice")
-        return table
 
-    try:
-        return json.loads(bytes(raw).decode("utf-8"), parse_constant=no_constants, object_pairs_hook=no_duplicates)
-    except (UnicodeError, ValueError, RecursionError) as e:
-        raise MalformedHeader(f"the {what} is not valid JSON ({e})") from None
+def _unpack3(header: Header, groups: Groups, view: memoryview) -> list[np.ndarray]:
+    """Format 3: the padding before each group is zero, each group's stored bytes match their
+    xxh3-128 digest (once per byte, before anything decodes them), and each group decodes to
+    its size; calibration arrays match their own sha256 (the calibration digest hashes those)."""
+    at = FRAME_SIZE + _FRAME.unpack_from(view)[3]
+    for offset, stored in zip(groups.offsets.tolist(), groups.stored.tolist()):
+        if any(view[at:offset]):  # under 64 bytes
+            raise ChecksumMismatch(f"object is corrupt: the padding before byte {offset} is not zero")
+        at = offset + stored
+
+    def unpack(j: int) -> np.ndarray:
+        g, offset = header.groups[j], int(groups.offsets[j])
+        stored = view[offset:offset + int(groups.stored[j])]
+        if xxhash.xxh3_128_digest(stored) != groups.xxh3[j]:
+            raise ChecksumMismatch(f"group {j} ({g.dtype}) is corrupt: its xxh3-128 does not match the header")
+        return _decoded(f"group {j}", g.encoding, stored, g.nbytes, DTYPES[g.dtype][0].size)
+
+    raws = _map(unpack, range(len(header.groups)), groups.stored.tolist())
+    for layer in header.layers:
+        for name, info in layer.calibration.items():
+            raw = raws[info.group][info.offset:info.offset + info.nbytes]
+            if hashlib.sha256(raw).hexdigest() != info.sha256:
+                raise ChecksumMismatch(f"calibration array {name} of layer {layer.index} is corrupt: its sha256 does "
+                                       "not match the header")
+    return raws
 
 
 def _tensor_table(st: dict, header: Header, data_len: int) -> dict[str, tuple[TensorInfo, int, int]]:
@@ -453,9 +552,9 @@ def _decode(name: str, info: TensorInfo, stored: memoryview) -> mx.array:
     return tensor_from_bytes(raw, info.dtype, info.shape)
 
 
-def _unpack(header: Header, stored: list[memoryview]) -> list[mx.array]:
-    """Format 2: each group decoded and checked against its digest once, as one unsigned MLX
-    array (arrays are views of it: `_views`, `_grouped_block`). Calibration arrays are checked
+def _unpack(header: Header, stored: list[memoryview]) -> list[np.ndarray]:
+    """Format 2: each group decoded and checked against its digest once (arrays are views of
+    it: `_views`, `_grouped_block`). Calibration arrays are checked
     against their own digests too: the calibration digest in the header (and so every later
     block key) was computed from those."""
     def unpack(j: int) -> np.ndarray:
@@ -471,8 +570,7 @@ def _unpack(header: Header, stored: list[memoryview]) -> list[mx.array]:
             raw = groups[info.group][info.offset:info.offset + info.nbytes]
             if hashlib.sha256(raw).hexdigest() != info.sha256:
                 raise ChecksumMismatch(f"tensor {name} is corrupt: its sha256 does not match the header")
-    # One MLX array per group (one copy of its bytes); every array is a view of its group.
-    return [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, groups)]
+    return groups
 
 
 def _views(header: Header, held: list[mx.array]) -> dict[str, mx.array]:
@@ -486,31 +584,72 @@ def _views(header: Header, held: list[mx.array]) -> dict[str, mx.array]:
     return arrays
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How the arrays of a block's layers lie in its groups: per group its array name, the
+    layers it holds one array each of (in order), their shape and dtype; and the layer shells
+    (shared by every block with these layer records when there is no calibration)."""
+
+    groups: tuple[tuple[int, str, tuple[int, ...], tuple[int, ...], str], ...]
+    calibrated: bool
+    shells: dict[int, LayerRecord] | None
+
+
+_PLANS: dict[int, tuple[tuple[LayerInfo, ...], _Plan | None]] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan(layers: tuple[LayerInfo, ...]) -> _Plan | None:
+    """The grouping of `layers`, or None when some group does not hold arrays of one name and
+    shape, one per layer in layer order (as dumps writes them). Memoized by the layer records'
+    identity: a header's records are shared by every object with the same tables (tables.py,
+    header.py), so a restore works out each distinct grouping once, not once per block."""
+    with _PLANS_LOCK:
+        found = _PLANS.get(id(layers))
+    if found is not None and found[0] is layers:
+        return found[1]
+    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
+    for li in layers:
+        for n, t in li.arrays.items():
+            members.setdefault(t.group, []).append((li.index, n, t))
+    calibrated = any(li.calibration for li in layers)
+    plan: _Plan | None = None
+    if not {t.group for li in layers for t in li.calibration.values()} & set(members):
+        groups = []
+        for j, found_ in sorted(members.items()):
+            (_, name, first), size = found_[0], found_[0][2].nbytes
+            if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found_)):
+                break
+            groups.append((j, name, tuple(i for i, _, _ in found_), first.shape, first.dtype))
+        else:
+            shells = None if calibrated else {
+                li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state))
+                for li in layers}
+            plan = _Plan(tuple(groups), calibrated, shells)
+    with _PLANS_LOCK:
+        if len(_PLANS) >= 256:
+            _PLANS.clear()
+        _PLANS[id(layers)] = (layers, plan)
+    return plan
+
+
 def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
     """A block whose layers hold their arrays as `ArrayGroup`s (one per group), when every group
     holds arrays of one name and shape, one per layer in layer order (as dumps writes them);
     else None. Calibration arrays (block 0 only) stay arrays of their own."""
-    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
-    for li in header.layers:
-        for n, t in li.arrays.items():
-            members.setdefault(t.group, []).append((li.index, n, t))
-    calibration_groups = {t.group for li in header.layers for t in li.calibration.values()}
-    if calibration_groups & set(members):
+    plan = _plan(header.layers)
+    if plan is None:
         return None
     groups = []
-    for j, found in sorted(members.items()):
-        (_, name, first), size = found[0], found[0][2].nbytes
-        if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found)):
-            return None
-        mx_dtype, _, unsigned = DTYPES[first.dtype]
-        data = held[j].reshape(len(found), *first.shape)
-        groups.append(ArrayGroup(name, tuple(i for i, _, _ in found), data if mx_dtype == unsigned
-                                 else data.view(mx_dtype)))
-    calibration = _views(header, held) if calibration_groups else {}
-    shells = {li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
-                                    {n: calibration[layer_tensor(li.index, n, calibration=True)]
-                                     for n in li.calibration})
-              for li in header.layers}
+    for j, name, layers, shape, dtype in plan.groups:
+        mx_dtype, _, unsigned = DTYPES[dtype]
+        data = held[j].reshape(len(layers), *shape)
+        groups.append(ArrayGroup(name, layers, data if mx_dtype == unsigned else data.view(mx_dtype)))
+    calibration = _views(header, held) if plan.calibrated else {}
+    shells = plan.shells or {
+        li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
+                              {n: calibration[layer_tensor(li.index, n, calibration=True)] for n in li.calibration})
+        for li in header.layers}
     # Evaluated here, in the thread that decoded them (a put's writer thread, for one): an MLX
     # array still holding a lazy reshape is bound to its thread's stream, and another thread that
     # joins it fails ("There is no Stream(cpu, N) in current thread"). Views cost no copy.

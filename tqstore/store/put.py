@@ -11,10 +11,12 @@ meet it).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from turboquant.records import Snapshot
@@ -130,19 +132,28 @@ class _Encoder:
             raise ConflictError(f"the stored objects this entry shares with an earlier save do not fit this snapshot "
                                 f"({exc}): restore the stored prefix first and continue from it") from None
         self.canonical = canonical
+        # Each payload's sha256 (the digest its manifest records) is computed on a thread while
+        # the next object is encoded here (hashlib releases the GIL).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-put-hash") as hasher:
+            pending: dict[bytes, tuple[bytes, Future]] = {}
+            for want in missing:
+                hot = canonical[want.key]
+                # The memory tier keeps the object as a restore decodes it: groups, joined by group.
+                payload, obj = dump_object(hot.obj, hot.provenance)
+                canonical[want.key] = HotObject(obj, hot.kind, hot.provenance, "", hot.nbytes)
+                pending[want.key] = (payload, hasher.submit(lambda p: hashlib.sha256(p).hexdigest(), payload))
+                if sum(len(p) for p, _ in pending.values()) >= _BATCH_BYTES:
+                    yield self._hashed(pending)
+                    pending = {}
+            if pending:
+                yield self._hashed(pending)
+
+    def _hashed(self, pending: dict[bytes, tuple[bytes, Future]]) -> Batch:
         batch: Batch = {}
-        for want in missing:
-            hot = canonical[want.key]
-            # The memory tier keeps the object as a restore decodes it: groups, joined by group.
-            payload, obj = dump_object(hot.obj, hot.provenance)
-            digest = hashlib.sha256(payload).hexdigest()
-            canonical[want.key] = HotObject(obj, hot.kind, hot.provenance, digest, hot.nbytes)
-            batch[want.key] = (payload, digest)
-            if sum(len(p) for p, _ in batch.values()) >= _BATCH_BYTES:
-                yield batch
-                batch = {}
-        if batch:
-            yield batch
+        for key, (payload, digest) in pending.items():
+            batch[key] = (payload, digest.result())
+            self.canonical[key] = dataclasses.replace(self.canonical[key], sha256=batch[key][1])
+        return batch
 
 
 def _hot(obj: object, kind: str, provenance: Provenance = Provenance()) -> HotObject:

@@ -12,6 +12,7 @@ whole requested prefix, a shorter prefix of whole blocks (block-prefix restores 
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -25,12 +26,14 @@ from turboquant.records import Snapshot
 from tqstore.errors import ConflictError, CorruptBlock, TqstoreError
 from tqstore.format.blocks import SplitSnapshot, join_blocks
 from tqstore.format.manifest import Manifest
+from tqstore.format.objects import Parsed, parse as parse_object
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet, slowest
-from tqstore.store.verify import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
+from tqstore.store.verify import (BAD_CONTENT, Want, codec_problem, decode, decode_parsed, quarantine_lmdb,
+                                  wants_for)
 
-READ_AHEAD = 4  # LMDB objects read and verified ahead of the one being decoded
+READ_AHEAD = 2  # LMDB objects per reader thread read and verified ahead of the one being built
 
 
 @dataclass(frozen=True)
@@ -84,38 +87,56 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
     return out
 
 
-def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[tuple[bytes, str] | None | CorruptBlock]:
-    """Each wanted LMDB payload with its verified digest (None: absent; CorruptBlock: the tier
-    quarantined it), in order, read and hashed by a thread READ_AHEAD objects ahead of the
-    caller, who decodes meanwhile (LMDB reads and hashlib release the GIL; no MLX off-thread)."""
-    def read(want: Want) -> tuple[bytes, str] | None | CorruptBlock:
+Read = tuple[Parsed | TqstoreError, str, int] | None | CorruptBlock
+
+
+def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[Read]:
+    """Each wanted LMDB object, in order: None (absent), CorruptBlock (the tier quarantined it),
+    or (the object parsed and checked in full, or why it is not the object wanted; the digest it
+    was recorded with; its stored bytes). Threads, one per core, stay READ_AHEAD objects per
+    thread ahead of the caller: each copies one object out of LMDB once and checks every byte
+    against the object's own digests (format 3: one xxh3 pass, not the tier's sha256 as
+    well), decoding as it goes; LMDB copies, hashing and zstd release the GIL. No MLX off the
+    caller's thread: the caller builds the arrays (`decode_parsed`)."""
+    def read(want: Want) -> Read:
         try:
-            return lmdb.get_verified(want.key)
+            found = lmdb.read_unhashed(want.key)
         except CorruptBlock as exc:
             return exc
+        if found is None:
+            return None
+        payload, digest = found
+        try:
+            return parse_object(payload, expect=want.expect), digest, len(payload)
+        except BAD_CONTENT as exc:
+            return exc, digest, len(payload)
 
     if len(wants) < 2:
         yield from map(read, wants)
         return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-read") as pool:
-        queued = deque(pool.submit(read, w) for w in wants[:READ_AHEAD])
-        for want in wants[READ_AHEAD:]:
+    workers = os.cpu_count() or 1
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tqstore-read") as pool:
+        ahead = READ_AHEAD * workers
+        queued = deque(pool.submit(read, w) for w in wants[:ahead])
+        for want in wants[ahead:]:
             yield queued.popleft().result()
             queued.append(pool.submit(read, want))
         while queued:
             yield queued.popleft().result()
 
 
-def _from_lmdb(tiers: TierSet, want: Want, found: tuple[bytes, str] | None | CorruptBlock, out: Fetched) -> None:
+def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Fetched) -> None:
     what = f"{want.kind} {want.key.hex()[:12]}"
     if isinstance(found, CorruptBlock):  # the tier quarantined it
         out.misses.append(f"LMDB copy of {what}: {found}")
         return
     if found is None:
         return
-    payload, digest = found
+    parsed, digest, nbytes = found
     try:
-        out.objects[want.key] = (decode(payload, want, digest), "lmdb", len(payload))
+        if isinstance(parsed, TqstoreError):
+            raise parsed
+        out.objects[want.key] = (decode_parsed(parsed, want, digest), "lmdb", nbytes)
     except ConflictError as exc:  # intact, and right for other entries: keep it
         out.misses.append(f"LMDB copy of {what}: {exc}")
     except BAD_CONTENT as exc:

@@ -17,7 +17,7 @@ from tqstore.errors import ChecksumMismatch, ConflictError, FormatError, Identit
 from tqstore.format.blocks import BlockKey
 from tqstore.format.header import Expect, Provenance
 from tqstore.format.manifest import Manifest, ObjectRef
-from tqstore.format.objects import load as load_object
+from tqstore.format.objects import Parsed, build as build_object, parse as parse_object
 from tqstore.models.identity import CodecIdentity, codecs_digest
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
@@ -93,7 +93,15 @@ def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
     TokenMismatch if it is not that object (damage); ConflictError if it is a good object of
     another save (`Want.other_save`). `sha256` is the payload's hex digest where the tier that
     returned it has just verified it against that digest (it is not hashed again)."""
-    header, obj = load_object(payload, expect=want.expect, verified=sha256 is not None)
+    parsed = parse_object(payload, expect=want.expect, verified=sha256 is not None)
+    return decode_parsed(parsed, want, sha256 or hashlib.sha256(payload).hexdigest())
+
+
+def decode_parsed(parsed: Parsed, want: Want, sha256: str) -> HotObject:
+    """`decode` after `parse_object` (which checks every byte and may run on another thread):
+    the object built on this thread and checked against `want`; `sha256` is the digest the
+    payload was recorded with."""
+    header, obj = build_object(parsed)
     problem = want.problem(header.kind, header.provenance)
     if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
         problem = "its codecs do not hash to its key"
@@ -102,8 +110,7 @@ def decode(payload: bytes, want: Want, sha256: str | None = None) -> HotObject:
     other = want.other_save(header.kind, header.provenance)
     if other is not None:
         raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
-    digest = sha256 or hashlib.sha256(payload).hexdigest()
-    return HotObject(obj, header.kind, header.provenance, digest, decoded_nbytes(obj))
+    return HotObject(obj, header.kind, header.provenance, sha256, decoded_nbytes(obj))
 
 
 def codec_problem(manifest: Manifest, window: HotObject, shared: HotObject) -> str | None:

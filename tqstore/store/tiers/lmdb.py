@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from tqstore.config import Config
 from tqstore.units import MiB
@@ -40,7 +41,7 @@ from tqstore.store.tiers.lmdb_records import (
 )
 from tqstore.store.tiers.lmdb_layout import (
     BATCH_KEYS, DB_NAMES, HEADER, SCHEMA_VERSION, TIME, Problem, copy, delete_segments, key_batch,
-    header_info, load_object, orphan_batch, write_object,
+    header_info, load_object, orphan_batch, read_object, write_object,
 )
 
 # A write transaction keeps its dirty pages in RAM until commit: batch put_objects by bytes.
@@ -167,8 +168,19 @@ class LmdbTier:
 
     def get_verified(self, key: bytes) -> tuple[bytes, str] | None:
         """`get_object` with the hex sha256 the payload was just verified against."""
+        return self._checked_read(key, lambda txn, key: load_object(txn, self._env.dbs, key, keep=True))
+
+    def read_unhashed(self, key: bytes) -> tuple[np.ndarray, str] | None:
+        """The payload of `key` copied once into a numpy buffer, with the sha256 recorded when it
+        was written, or None; the segments are checked (count, lengths) but not hashed: for
+        callers that check every byte against the object's own digests (object format 3; a
+        format 1 or 2 object is then checked against its frame's digest). A payload that fails
+        these checks is quarantined and raises CorruptBlock."""
+        return self._checked_read(key, lambda txn, key: read_object(txn, self._env.dbs, key))
+
+    def _checked_read(self, key: bytes, read) -> tuple[object, str] | None:
         key = check_key(key)
-        payload, problem, header = self._env.read(lambda txn: load_object(txn, self._env.dbs, key, keep=True))
+        payload, problem, header = self._env.read(lambda txn: read(txn, key))
         if problem is not None:
             self._env.write(self._quarantine, key, header, f"{problem.kind}: {problem.detail}")
             raise CorruptBlock(

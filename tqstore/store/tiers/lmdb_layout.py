@@ -16,6 +16,7 @@ import struct
 from dataclasses import dataclass
 
 import lmdb
+import numpy as np
 
 from tqstore.store.tiers.base import ObjectInfo
 
@@ -61,27 +62,56 @@ def load_object(
 ) -> tuple[bytes | None, Problem | None, bytes | None]:
     """(payload if `keep`, the problem if it fails its checks, raw header) of `key`; all None
     if absent. Checks the header, every segment's presence and length, and the sha256."""
-    raw = copy(txn.get(key, db=dbs[b"objects"]))
-    if raw is None:
-        return None, None, None
-    if len(raw) != HEADER.size or raw[0] != 1:
-        return None, Problem("bad_header", key, f"index entry of {len(raw)} bytes is unreadable"), raw
-    _, digest, size, count, per_segment, _, _ = HEADER.unpack(raw)
-    hasher, parts = hashlib.sha256(), []
-    for i in range(count):
-        part = txn.get(key + _INDEX.pack(i), db=dbs[b"segments"])
-        if part is None:
-            return None, Problem("missing_segment", key, f"segment {i} of {count} is missing"), raw
-        expected = per_segment if i < count - 1 else size - per_segment * (count - 1)
-        if len(part) != expected:
-            return None, Problem("segment_length", key, f"segment {i} has {len(part)} bytes, expected {expected}"), raw
+    raw, found = _segments(txn, dbs, key)
+    if not isinstance(found, list):
+        return None, found, raw
+    digest = HEADER.unpack(raw)[1]
+    hasher = hashlib.sha256()
+    for part in found:
         hasher.update(part)
-        if keep:
-            parts.append(part)
     if hasher.digest() != digest:
         detail = f"sha256 {hasher.hexdigest()} does not match the stored {digest.hex()}"
         return None, Problem("checksum", key, detail), raw
-    return (b"".join(parts) if keep else None), None, raw
+    return (b"".join(found) if keep else None), None, raw
+
+
+def read_object(txn: lmdb.Transaction, dbs: dict, key: bytes) -> tuple[np.ndarray | None, Problem | None, bytes | None]:
+    """`load_object` without the sha256: (payload, problem, raw header), the payload copied once
+    from LMDB's pages (buffers valid inside `txn`) into a new numpy buffer. For readers whose
+    object format checks every byte against digests of its own (object format 3); checks the
+    header and every segment's presence and length."""
+    raw, found = _segments(txn, dbs, key)
+    if not isinstance(found, list):
+        return None, found, raw
+    out = np.empty(HEADER.unpack(raw)[2], np.uint8)
+    at = 0
+    for part in found:  # numpy copies without the GIL
+        out[at:at + len(part)] = np.frombuffer(part, np.uint8)
+        at += len(part)
+    return out, None, raw
+
+
+def _segments(txn: lmdb.Transaction, dbs: dict, key: bytes) -> tuple[bytes | None, list[memoryview] | Problem | None]:
+    """(raw header, every segment of `key` as a buffer valid inside `txn`, or the problem with
+    the header or a segment's presence or length); (None, None) if absent."""
+    raw = copy(txn.get(key, db=dbs[b"objects"]))
+    if raw is None:
+        return None, None
+    if len(raw) != HEADER.size or raw[0] != 1:
+        return raw, Problem("bad_header", key, f"index entry of {len(raw)} bytes is unreadable")
+    _, _, size, count, per_segment, _, _ = HEADER.unpack(raw)
+    parts = []
+    for i in range(count):
+        part = txn.get(key + _INDEX.pack(i), db=dbs[b"segments"])
+        if part is None:
+            return raw, Problem("missing_segment", key, f"segment {i} of {count} is missing")
+        expected = per_segment if i < count - 1 else size - per_segment * (count - 1)
+        if len(part) != expected:
+            return raw, Problem("segment_length", key, f"segment {i} has {len(part)} bytes, expected {expected}")
+        parts.append(part)
+    if sum(map(len, parts)) != size:
+        return raw, Problem("segment_length", key, f"the segments hold {sum(map(len, parts))} bytes, expected {size}")
+    return raw, parts
 
 
 def header_info(key: bytes, raw: bytes) -> ObjectInfo:
