@@ -20,6 +20,7 @@ from pathlib import Path
 from test_store import open_store
 from test_store_s3 import bucket_keys, s3_store
 from tqstore.format.manifest import Manifest
+from tqstore.store.packs import manifest_address, parse_map
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -144,8 +145,12 @@ def test_sigkill_during_put_and_push_leaves_only_whole_entries_and_orphans(s3, t
     stats = store.gc(remote=True, remote_grace=0)
     referenced = {r.key for e in store.ls() for r in store.get(e.name).objects}
     assert set(store._tiers.lmdb.iter_object_keys()) == referenced
-    remote_refs = {store._tiers.s3.object_name(r.key) for e in remote for r in _remote_manifest(store, e.name).objects}
-    assert bucket_keys(s3) == remote_refs
+    tier = store._tiers.s3
+    manifests = [_remote_manifest(store, e.name) for e in remote]
+    maps = {manifest_address(m): parse_map(tier.get_map(manifest_address(m)), m) for m in manifests}
+    assert not bucket_keys(s3) and bucket_keys(s3, "kv/maps/") == {tier.map_name(a) for a in maps}
+    assert bucket_keys(s3, "kv/packs/") == {tier.pack_name(loc.pack) for where in maps.values() for loc in where.values()}
+    assert store.verify(remote=True) == []
     assert store.verify() == [] and all(store.load(e.name) for e in local)
     print(f"gc reclaimed {stats.orphans} local and {stats.remote_orphans} bucket orphans")
     store.close()

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
-from tqstore.errors import TqstoreError
+from tqstore.errors import CorruptBlock, TqstoreError
 from tqstore.store.packs import Location, Span, plan_spans
 from tqstore.store.tiers.s3 import S3Tier
 from tqstore.store.verify import Want
@@ -47,7 +47,10 @@ def fetch_objects(s3: S3Tier, located: Sequence[tuple[Want, Location]],
 
     def one(want: Want, loc: Location, got: Future[dict[bytes, bytes | None]]) -> T | TqstoreError | None:
         try:
-            body = got.result()[want.key]
+            try:
+                body = got.result()[want.key]
+            except CorruptBlock as exc:  # a damaged span: named for each object it held
+                return CorruptBlock(f"{want.kind} {want.key.hex()}: {exc}")
             if body is None:
                 return None
             payload = body if loc.pack is None else s3.open_member(loc.pack, loc.offset, bytes(body), want.key,

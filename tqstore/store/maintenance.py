@@ -319,7 +319,8 @@ def _pack_index(s3: S3Tier, pack: str, size: int) -> dict[bytes, tuple[str, int,
             tail = s3.get_tail(pack, need)
         if tail is None:
             return f"pack {pack[:12]} was removed meanwhile"
-        return {key: (sha, offset, length) for key, sha, offset, length in parse_trailer(tail, pack)}
+        members = parse_trailer(tail, pack, lambda blob: s3.open_index(pack, blob))
+        return {key: (sha, offset, length) for key, sha, offset, length in members}
     except (FormatError, TqstoreError, ValueError) as exc:
         return f"pack {pack[:12]} is damaged ({exc}): push the entries using it again"
 

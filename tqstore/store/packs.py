@@ -5,8 +5,10 @@ A push sends the objects the bucket lacks as a few packs instead of one object e
 its members' bodies back to back (each one exactly what a layout-1 object would hold: the
 payload, or its envelope when the bucket is encrypted), then its index, then a footer:
 
-    member bodies | index (canonical JSON) | index length u32 LE | b"TQPACK01"
+    member bodies | index | index length u32 LE | b"TQPACK01"
 
+The index is canonical JSON, sealed like the members (an envelope of kind "pack" bound to the
+pack's name) when the bucket is encrypted, so nothing readable is in an encrypted pack.
 The index names every member by its object key, the sha256 of its plaintext payload, and its
 byte range; a pack's name is the sha256 of its index, known before the bodies are read (the
 members' digests and sizes are in the entry's manifest), so a push streams a pack while it
@@ -24,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tqstore.canonical import canonical_json
@@ -91,15 +93,13 @@ class PackPlan:
         """The pack's name: the sha256 of its index."""
         return hashlib.sha256(self.index).hexdigest()
 
-    @property
-    def trailer(self) -> bytes:
-        index = self.index
+    def trailer(self, index: bytes) -> bytes:
+        """The pack's last bytes: `index` (as stored: sealed when encrypted), then the footer."""
         return index + _FOOTER.pack(len(index), PACK_MAGIC)
 
-    @property
-    def size(self) -> int:
-        """The pack's size in bytes: bodies, index and footer."""
-        return sum(m.length for m in self.members) + len(self.trailer)
+    def size(self, overhead: int) -> int:
+        """The pack's size in bytes (bodies, index, footer); `overhead`: what sealing adds."""
+        return sum(m.length for m in self.members) + len(self.index) + overhead + FOOTER_SIZE
 
     def locations(self) -> dict[bytes, Location]:
         name = self.name
@@ -130,15 +130,16 @@ def trailer_length(tail: bytes) -> int | None:
     return length + FOOTER_SIZE if magic == PACK_MAGIC else None
 
 
-def parse_trailer(tail: bytes, name: str) -> list[tuple[bytes, str, int, int]]:
+def parse_trailer(tail: bytes, name: str, open_index: Callable[[bytes], bytes]) -> list[tuple[bytes, str, int, int]]:
     """The members (key, sha256, offset, length) of pack `name` from the last bytes of it
-    (at least its index and footer). MalformedHeader if they are not its index."""
+    (at least its index and footer); `open_index` opens a sealed index. MalformedHeader (or
+    CorruptBlock from `open_index`) if they are not its index."""
     if len(tail) < FOOTER_SIZE:
         raise MalformedHeader(f"pack {name[:12]} is shorter than its footer")
     length, magic = _FOOTER.unpack(tail[-FOOTER_SIZE:])
     if magic != PACK_MAGIC or length > len(tail) - FOOTER_SIZE:
         raise MalformedHeader(f"pack {name[:12]} has no tqstore pack footer")
-    index = bytes(tail[-FOOTER_SIZE - length:-FOOTER_SIZE])
+    index = open_index(bytes(tail[-FOOTER_SIZE - length:-FOOTER_SIZE]))
     if hashlib.sha256(index).hexdigest() != name:
         raise MalformedHeader(f"pack {name[:12]}'s index does not hash to its name")
     try:

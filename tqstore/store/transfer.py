@@ -142,8 +142,8 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally,
         if plan.name in packs:  # a push cut off after this very pack: it is there
             for m in plan.members:
                 tally.count(None)
-        elif s3.put_pack(plan.name, _bodies(tiers, s3, manifest, wants, plan, tally), plan.size):
-            packs[plan.name] = (plan.size, time.time())
+        elif s3.put_pack(plan.name, _bodies(tiers, s3, manifest, wants, plan, tally), plan.size(s3.overhead)):
+            packs[plan.name] = (plan.size(s3.overhead), time.time())
         located |= {k: (m.sha256, m.size, loc) for m, (k, loc) in zip(plan.members, plan.locations().items())}
     return located
 
@@ -178,7 +178,7 @@ def _bodies(tiers: TierSet, s3: S3Tier, manifest: Manifest, wants: Mapping[bytes
             raise CorruptBlock(f"the sealed {what} is {len(body)} bytes where {m.length} were planned")
         yield body
         tally.count(m.size)
-    yield plan.trailer
+    yield plan.trailer(s3.seal_index(plan.name, plan.index))
 
 
 def _check_bucket_copy(s3: S3Tier, manifest: Manifest, want: Want, found: Located) -> None:

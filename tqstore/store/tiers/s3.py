@@ -250,19 +250,31 @@ class S3Tier:
         multipart upload go up on `concurrency` threads while `parts` is still being read."""
         name = self.pack_name(pack)
         meta = {_META_PACK: pack, _META_SIZE: str(size)}
+        if self.cipher is not None:
+            meta[_META_ENC] = SCHEME
+        single = b"".join(parts) if size <= self.multipart_threshold else None
+
+        def upload() -> bool:
+            try:
+                if single is None:
+                    self._put_multipart(name, parts, meta, size)
+                else:
+                    self._retrying("put_object", Key=name, Body=single, IfNoneMatch="*", Metadata=meta,
+                                   ChecksumSHA256=_b64(hashlib.sha256(single).digest()))
+                return True
+            except PreconditionFailed:
+                # 412: the pack exists, unless the 412 came from something in between; a single PUT
+                # goes again then (the parts of a multipart upload were read: the push is retried).
+                if self.pack_size(pack) is not None:
+                    return False
+                if single is None:
+                    raise _conflict(self, name) from None
+                raise
+
         try:
-            if size <= self.multipart_threshold:
-                body = b"".join(parts)
-                self._retrying("put_object", Key=name, Body=body, IfNoneMatch="*", Metadata=meta,
-                               ChecksumSHA256=_b64(hashlib.sha256(body).digest()))
-            else:
-                self._put_multipart(name, parts, meta, size)
-            return True
+            return self._again(upload, PreconditionFailed)
         except PreconditionFailed:
-            if self.pack_size(pack) is None:
-                raise ConflictError(f"s3://{self.bucket}/{name} answered 412 (exists) but is not there: check for a "
-                                    "proxy rewriting conditional requests, then retry") from None
-            return False
+            raise _conflict(self, name) from None
 
     def pack_size(self, pack: str) -> int | None:
         """The size of pack `pack` (one HEAD), or None if absent."""
@@ -313,6 +325,14 @@ class S3Tier:
                 "(tqstore rm --remote) and push them again from a machine that has them"
             )
         return payload
+
+    def seal_index(self, pack: str, index: bytes) -> bytes:
+        """Pack `pack`'s index as stored: as is, or its envelope (kind "pack", bound to the name)."""
+        return self._seal(index, "pack", _hex64(pack), self.pack_name(pack), {})
+
+    def open_index(self, pack: str, blob: bytes) -> bytes:
+        """The plaintext of pack `pack`'s stored index (CorruptBlock if it does not open)."""
+        return open_payload(self.cipher, blob, "pack", pack, f"s3://{self.bucket}/{self.pack_name(pack)} (its index)")
 
     def seal_object(self, key: bytes, payload: bytes) -> bytes:
         """The body of object `key` as stored (in a pack, or loose): the payload, or its envelope."""
@@ -556,6 +576,11 @@ class S3Tier:
 
     def _where(self) -> str:
         return self.endpoint_url or "the AWS S3 default endpoint"
+
+
+def _conflict(tier: S3Tier, name: str) -> ConflictError:
+    return ConflictError(f"s3://{tier.bucket}/{name} answered 412 (exists) but is not there: check for a proxy "
+                        "rewriting conditional requests, then push again")
 
 
 def _parts(pieces: Iterator[bytes], part: int) -> Iterator[bytes]:
