@@ -49,6 +49,26 @@ class S3Server:
             return name, 0, self.client.head_object(Bucket=self.bucket, Key=name)["ContentLength"]
         return tier.pack_name(loc.pack), loc.offset, loc.offset + loc.length
 
+    def referenced(self, tier: S3Tier, manifests: list[Manifest]) -> set[str]:
+        """The bucket keys (other than manifests) that `manifests` use: their maps and the packs
+        these place objects in, or their loose objects (layout 1)."""
+        keys = set()
+        for manifest in manifests:
+            data = tier.get_map(manifest_address(manifest))
+            if data is None:
+                keys |= {tier.object_name(r.key) for r in manifest.objects}
+                continue
+            keys.add(tier.map_name(manifest_address(manifest)))
+            keys |= {tier.pack_name(loc.pack) if loc.pack else tier.object_name(key)
+                     for key, loc in parse_map(data, manifest).items()}
+        return keys
+
+    def stored(self, tier: S3Tier) -> set[str]:
+        """Every bucket key under `tier`'s prefix but the manifests."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=tier.prefix)
+        return {item["Key"] for page in pages for item in page.get("Contents", [])
+                if not item["Key"].startswith(tier.prefix + "manifests/")}
+
     def damage(self, tier: S3Tier, entry: str, key: bytes) -> bytes:
         """Flip a byte in the middle of object `key` of bucket entry `entry`, wherever it lies
         (its metadata kept); returns the bucket object's former body."""
