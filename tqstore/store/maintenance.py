@@ -292,8 +292,8 @@ def _check_placement(s3: S3Tier, manifests: list[Manifest]) -> list[Problem]:
             if loc is None or loc.pack is None:
                 loose = set(s3.list_object_keys()) if loose is None else loose
                 if ref.key not in loose:
-                    problems.append(Problem(manifest.name, "remote_missing", ref.key, "the object is not in the bucket: "
-                                            "push the entry again from a machine that has it"))
+                    problems.append(Problem(manifest.name, "remote_missing", ref.key, "the object is not in the "
+                                            "bucket: push the entry again from a machine that has it"))
                 continue
             if loc.pack not in packs:
                 problems.append(Problem(manifest.name, "remote_missing", ref.key, f"its pack {loc.pack[:12]} is not in "

@@ -31,7 +31,8 @@ from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, T
 from tqstore.format.manifest import Manifest
 from tqstore.store.bucket import fetch_objects
 from tqstore.store.crypto import UnboundManifest
-from tqstore.store.packs import PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map, plan_packs
+from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map,
+                                 plan_packs)
 from tqstore.store.publish import Batch, publish
 from tqstore.store.remote_index import Located
 from tqstore.store.tiers.s3 import S3Tier
