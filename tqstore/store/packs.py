@@ -11,8 +11,8 @@ The index is canonical JSON, sealed like the members (an envelope of kind "pack"
 pack's name) when the bucket is encrypted, so nothing readable is in an encrypted pack.
 The index names every member by its object key, the sha256 of its plaintext payload, and its
 byte range; a pack's name is the sha256 of its index, known before the bodies are read (the
-members' digests and sizes are in the entry's manifest), so a push streams a pack while it
-reads it, and a push cut off and run again finds the pack it had finished by name.
+members' digests and sizes are in the entry's manifest), so a push cut off and run again
+finds the packs it had finished by name, whether or not the bucket is encrypted.
 
 A map says where each object of one bucket manifest lives: in a pack (name, offset, length) or
 loose (layout 1, `objects/`). It is named by the sha256 of the manifest's canonical bytes and
@@ -40,7 +40,7 @@ PACK_MAGIC = b"TQPACK01"
 _FOOTER = struct.Struct("<I8s")
 FOOTER_SIZE = _FOOTER.size
 PACK_TAIL = 1024 * 1024  # bytes read from a pack's end to find its index (enough for ~8,000 members)
-PACK_BYTES = 256 * 1024 * 1024  # a push starts a new pack past this many bytes (memory is bounded by parts)
+PACK_BYTES = 128 * 1024 * 1024  # a push starts a new pack past this many bytes (a pack is held whole)
 _HEX = frozenset("0123456789abcdef")
 
 

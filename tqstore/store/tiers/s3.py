@@ -28,7 +28,7 @@ import hashlib
 import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, as_completed, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import AbstractContextManager, suppress
 from typing import TypeVar
 
@@ -244,37 +244,34 @@ class S3Tier:
 
     # --- packs and maps (layout 2) -------------------------------------------------------------
 
-    def put_pack(self, pack: str, parts: Iterator[bytes], size: int) -> bool:
-        """Upload pack `pack` of `size` bytes, streamed from `parts` (pieces of any size, read
-        as the upload goes), create-only; False if the bucket already held it. Parts of the
-        multipart upload go up on `concurrency` threads while `parts` is still being read."""
+    def put_pack(self, pack: str, body: bytes) -> bool:
+        """Upload pack `pack`, create-only; False if the bucket already held it. A pack of more
+        than one part goes up as a multipart upload of parallel parts (as boto3's transfer
+        manager sends a file)."""
         name = self.pack_name(pack)
-        meta = {_META_PACK: pack, _META_SIZE: str(size)}
+        meta = {_META_PACK: pack, _META_SIZE: str(len(body))}
         if self.cipher is not None:
             meta[_META_ENC] = SCHEME
-        single = b"".join(parts) if size <= self.multipart_threshold else None
 
         def upload() -> bool:
             try:
-                if single is None:
-                    self._put_multipart(name, parts, meta, size)
+                if len(body) > min(self.multipart_threshold, self.part_size):
+                    self._put_multipart(name, body, meta)
                 else:
-                    self._retrying("put_object", Key=name, Body=single, IfNoneMatch="*", Metadata=meta,
-                                   ChecksumSHA256=_b64(hashlib.sha256(single).digest()))
+                    self._retrying("put_object", Key=name, Body=body, IfNoneMatch="*", Metadata=meta,
+                                   ChecksumSHA256=_b64(hashlib.sha256(body).digest()))
                 return True
             except PreconditionFailed:
-                # 412: the pack exists, unless the 412 came from something in between; a single PUT
-                # goes again then (the parts of a multipart upload were read: the push is retried).
+                # 412: the pack exists, unless the 412 came from something in between: then again.
                 if self.pack_size(pack) is not None:
                     return False
-                if single is None:
-                    raise _conflict(self, name) from None
                 raise
 
         try:
             return self._again(upload, PreconditionFailed)
         except PreconditionFailed:
-            raise _conflict(self, name) from None
+            raise ConflictError(f"s3://{self.bucket}/{name} answered 412 (exists) {self.max_attempts} times but is "
+                                "not there: check for a proxy rewriting conditional requests, then retry") from None
 
     def pack_size(self, pack: str) -> int | None:
         """The size of pack `pack` (one HEAD), or None if absent."""
@@ -457,34 +454,27 @@ class S3Tier:
         _verify(name, body, expected)
         return body, response["ETag"]
 
-    def _put_multipart(self, name: str, payload: bytes | Iterator[bytes], meta: dict[str, str],
-                       size: int | None = None) -> None:
-        """A create-only multipart upload of `payload` (bytes, or pieces totalling `size`), its
-        parts sent on up to `concurrency` threads as they fill."""
-        total = len(payload) if isinstance(payload, (bytes, bytearray, memoryview)) else size
-        pieces = iter([payload]) if isinstance(payload, (bytes, bytearray, memoryview)) else payload
-        part = self._part_size(total)
+    def _put_multipart(self, name: str, payload: bytes, meta: dict[str, str]) -> None:
+        """A create-only multipart upload of `payload`, its parts sent on up to `concurrency`
+        threads."""
+        part = self._part_size(len(payload))
         upload = self._call(
             "create_multipart_upload", Key=name, Metadata=meta, ChecksumAlgorithm="SHA256"
         )["UploadId"]
+        view = memoryview(payload)
 
-        def send(number: int, body: bytes) -> dict:
+        def send(number: int) -> dict:
+            body = bytes(view[(number - 1) * part:number * part])
             checksum = _b64(hashlib.sha256(body).digest())
             response = self._retrying("upload_part", Key=name, UploadId=upload, PartNumber=number, Body=body,
                                       ChecksumSHA256=checksum)
             return {"ETag": response["ETag"], "PartNumber": number, "ChecksumSHA256": checksum}
 
         try:
-            with ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="tqstore-part") as pool:
-                sent: list[Future[dict]] = []
-                for number, body in enumerate(_parts(pieces, part), start=1):
-                    while sum(not f.done() for f in sent) >= self.concurrency:  # bounded memory
-                        wait([f for f in sent if not f.done()], return_when=FIRST_COMPLETED)
-                    sent.append(pool.submit(send, number, body))
-                parts = [f.result() for f in sent]
+            parts = list(self.each(send, list(range(1, -(-len(payload) // part) + 1))).items())
             self._retrying(
                 "complete_multipart_upload", Key=name, UploadId=upload, IfNoneMatch="*",
-                MultipartUpload={"Parts": parts},
+                MultipartUpload={"Parts": [p for _, p in sorted(parts)]},
             )
         except BaseException:
             with suppress(TqstoreError):  # best effort; a lifecycle rule catches the rest
@@ -576,23 +566,6 @@ class S3Tier:
 
     def _where(self) -> str:
         return self.endpoint_url or "the AWS S3 default endpoint"
-
-
-def _conflict(tier: S3Tier, name: str) -> ConflictError:
-    return ConflictError(f"s3://{tier.bucket}/{name} answered 412 (exists) but is not there: check for a proxy "
-                        "rewriting conditional requests, then push again")
-
-
-def _parts(pieces: Iterator[bytes], part: int) -> Iterator[bytes]:
-    """`pieces` regrouped into parts of `part` bytes (the last one shorter)."""
-    buffer = bytearray()
-    for piece in pieces:
-        buffer += piece
-        while len(buffer) >= part:
-            yield bytes(buffer[:part])
-            del buffer[:part]
-    if buffer:
-        yield bytes(buffer)
 
 
 def _hex64(name: str) -> str:
