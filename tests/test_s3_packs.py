@@ -9,7 +9,7 @@ import base64
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import MODEL, CODEC, PLAIN, put, token_ids
-from test_store_s3 import bucket_keys, count_puts, s3_store
+from test_store_s3 import bucket_keys, count_puts, put_sharing, s3_store
 from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.store import crypto
 from tqstore.store.packs import manifest_address
@@ -70,9 +70,7 @@ def test_a_layout_1_bucket_pulls_restores_takes_new_entries_and_collects(s3, tmp
 
 def test_verify_remote_names_a_lost_pack_a_damaged_map_and_a_wrong_index(s3, tmp_path):
     store = s3_store(tmp_path / "a", s3)
-    base = token_ids(600)
-    put(store, "a", make_snapshot(600, layouts=PLAIN), base)
-    put(store, "b", make_snapshot(700, layouts=PLAIN, seed=6), base[:512] + token_ids(188, seed=1))
+    put_sharing(store, 600, 700, 512)
     store.push()
     assert store.verify(remote=True) == []
     tier = store._tiers.s3
@@ -107,10 +105,7 @@ def test_verify_remote_names_a_lost_pack_a_damaged_map_and_a_wrong_index(s3, tmp
 def test_an_encrypted_bucket_shares_members_and_names_nothing_readable(s3, tmp_path, monkeypatch):
     monkeypatch.setenv(crypto.KEY_ENV, base64.b64encode(bytes(range(32))).decode())
     store = s3_store(tmp_path / "a", s3)
-    base = token_ids(1000)
-    snaps = {"a": make_snapshot(1000, layouts=PLAIN), "b": make_snapshot(1100, layouts=PLAIN, seed=6)}
-    put(store, "a", snaps["a"], base)
-    put(store, "b", snaps["b"], base[:768] + token_ids(332, seed=1))
+    snaps = put_sharing(store, 1000, 1100, 768)
     store.push("a")
     stats = store.push("b")
     assert (stats.transferred, stats.skipped) == (3, 4)  # a's three blocks and the codecs are shared

@@ -51,6 +51,16 @@ def count_puts(store) -> Counter:
     return seen
 
 
+def put_sharing(store, a: int, b: int, shared: int) -> dict[str, object]:
+    """Entries "a" (`a` tokens) and "b" (`b` tokens) whose first `shared` tokens are the same;
+    returns their snapshots."""
+    base = token_ids(a)
+    snaps = {"a": make_snapshot(a, layouts=PLAIN), "b": make_snapshot(b, layouts=PLAIN, seed=6)}
+    put(store, "a", snaps["a"], base)
+    put(store, "b", snaps["b"], base[:shared] + token_ids(b - shared, seed=1))
+    return snaps
+
+
 def bucket_keys(s3, folder: str = "kv/objects/") -> set[str]:
     pages = s3.client.get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=folder)
     return {item["Key"] for page in pages for item in page.get("Contents", [])}
@@ -85,9 +95,7 @@ def test_push_pull_into_an_empty_home_and_decode(s3, tmp_path):
 
 def test_a_second_entry_sharing_a_prefix_uploads_only_its_new_blocks(s3, tmp_path):
     store = s3_store(tmp_path / "a", s3)
-    base = token_ids(1000)
-    put(store, "a", make_snapshot(1000, layouts=PLAIN), base)
-    put(store, "b", make_snapshot(1100, layouts=PLAIN, seed=6), base[:768] + token_ids(332, seed=1))
+    put_sharing(store, 1000, 1100, 768)
     puts = count_puts(store)
     a = store.push("a")
     assert a.transferred == 6 and a.bytes == store.get("a").nbytes
