@@ -1,6 +1,6 @@
 """Reading many objects from the bucket wherever they lie (packs or loose), as a pipeline.
 
-Neighbouring members of one pack are fetched by one ranged GET of up to half a part (packs.py
+Neighbouring members of one pack are fetched by one ranged GET of up to a part (packs.py
 `plan_spans`), up to `concurrency` GETs at once, a bounded number of spans ahead of the object
 being consumed; each object is opened (an envelope), checked against its manifest digest and
 handed to `check` (the full verification) on a pool of verifier threads, so verification
@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from tqstore.errors import CorruptBlock, TqstoreError
-from tqstore.units import MiB
 from tqstore.store.packs import Location, Span, plan_spans
 from tqstore.store.tiers.s3 import S3Tier
 from tqstore.store.verify import Want
@@ -32,8 +31,8 @@ def fetch_objects(s3: S3Tier, located: Sequence[tuple[Want, Location]],
     """(want, check(want, payload) | None | error) for each of `located`, in order; see the
     module docstring. Each want must carry the sha256 its payload must have."""
     where = {w.key: (w, loc) for w, loc in located}
-    # Spans of half a part: the first objects are verified while later spans still download.
-    spans = plan_spans([(w.key, loc) for w, loc in located], max(MiB, s3.part_size // 2))
+    # Spans of up to a part: a pack (a push's packs are about a part each) comes in one GET.
+    spans = plan_spans([(w.key, loc) for w, loc in located], s3.part_size)
     ahead = 2 * s3.concurrency
 
     def get(span: Span) -> dict[bytes, bytes | None]:

@@ -40,7 +40,7 @@ PACK_MAGIC = b"TQPACK01"
 _FOOTER = struct.Struct("<I8s")
 FOOTER_SIZE = _FOOTER.size
 PACK_TAIL = 1024 * 1024  # bytes read from a pack's end to find its index (enough for ~8,000 members)
-PACK_BYTES = 128 * 1024 * 1024  # a push starts a new pack past this many bytes (a pack is held whole)
+PACK_BYTES: int | None = None  # a push's packs hold about this many bytes; None: one part (s3.part_size)
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -106,7 +106,7 @@ class PackPlan:
         return {m.key: Location(name, off, m.length) for m, off in zip(self.members, self.offsets)}
 
 
-def plan_packs(members: Sequence[Member], sealed: str | None, limit: int = PACK_BYTES) -> list[PackPlan]:
+def plan_packs(members: Sequence[Member], sealed: str | None, limit: int) -> list[PackPlan]:
     """`members` in order, cut into packs of about `limit` bytes (a larger member alone)."""
     packs: list[PackPlan] = []
     current: list[Member] = []

@@ -24,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
@@ -139,18 +141,43 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally,
         if ref.key in located:
             tally.count(None)
     missing = [Member(r.key, r.sha256, r.size, r.size + s3.overhead) for r in refs if r.key not in located]
-    for plan in plan_packs(missing, s3.sealed_by, PACK_BYTES):
+    plans = plan_packs(missing, s3.sealed_by, PACK_BYTES or s3.part_size)
+    for plan in plans:
+        located |= {k: (m.sha256, m.size, loc) for m, (k, loc) in zip(plan.members, plan.locations().items())}
+    for plan in plans:
         if plan.name in packs:  # a push cut off after this very pack: it is there
             for m in plan.members:
                 tally.count(None)
-        else:
-            body = b"".join(_bodies(tiers, s3, manifest, wants, plan))
-            if s3.put_pack(plan.name, body):
-                packs[plan.name] = (len(body), time.time())
+    _send(tiers, s3, manifest, wants, [p for p in plans if p.name not in packs], packs, tally)
+    return located
+
+
+def _send(tiers: TierSet, s3: S3Tier, manifest: Manifest, wants: Mapping[bytes, Want], plans: list[PackPlan],
+          packs: dict[str, tuple[int, float]], tally: _Tally) -> None:
+    """Upload `plans`, up to `concurrency` at once: each pack read from LMDB (on this thread)
+    just before it is sent, so at most `concurrency` packs are held. The first error stops
+    what has not started and is raised (finished packs stay: a retried push skips them)."""
+    with ThreadPoolExecutor(max_workers=s3.concurrency, thread_name_prefix="tqstore-push") as pool:
+        sending: deque[tuple[PackPlan, int, Future[bool]]] = deque()
+
+        def finish() -> None:
+            plan, size, future = sending.popleft()
+            future.result()
+            packs[plan.name] = (size, time.time())
             for m in plan.members:
                 tally.count(m.size)
-        located |= {k: (m.sha256, m.size, loc) for m, (k, loc) in zip(plan.members, plan.locations().items())}
-    return located
+
+        try:
+            for plan in plans:
+                if len(sending) >= s3.concurrency:
+                    finish()
+                body = b"".join(_bodies(tiers, s3, manifest, wants, plan))
+                sending.append((plan, len(body), pool.submit(s3.put_pack, plan.name, body)))
+            while sending:
+                finish()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def _still_there(s3: S3Tier, key: bytes, found: Located, packs: Mapping[str, tuple[int, float]]) -> bool:
@@ -166,8 +193,7 @@ def _still_there(s3: S3Tier, key: bytes, found: Located, packs: Mapping[str, tup
 def _bodies(tiers: TierSet, s3: S3Tier, manifest: Manifest, wants: Mapping[bytes, Want],
             plan: PackPlan) -> Iterator[bytes]:
     """The pieces of pack `plan`: its members read from LMDB (each checked against the
-    manifest's digest), then its index and footer. Read whole before the upload: reading
-    while 8 upload threads and the server contend for the GIL took 10x its CPU time."""
+    manifest's digest), then its index and footer."""
     for m in plan.members:
         what = f"{wants[m.key].kind} {m.key.hex()[:12]}"
         try:
