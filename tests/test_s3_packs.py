@@ -1,18 +1,25 @@
 """The bucket's layout 2 (packs and maps, docs/format.md section 8) against a real S3 server
 (moto, `s3` fixture) and real LMDB homes: buckets written in layout 1 still pull, restore, take
 new entries and collect; verify --remote finds a lost pack, a damaged map and an index that
-does not match; an encrypted bucket shares members across entries."""
+does not match; an encrypted bucket shares members across entries; a fetch answers for each
+object wherever it lies."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import os
+from collections import Counter
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import MODEL, CODEC, PLAIN, put, token_ids
 from test_store_s3 import bucket_keys, count_puts, put_sharing, s3_store
 from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.store import crypto
-from tqstore.store.packs import manifest_address
+from tqstore.errors import CorruptBlock
+from tqstore.store.bucket import fetch_objects
+from tqstore.store.packs import Location, Member, manifest_address, plan_packs
+from tqstore.store.verify import Want
 
 
 def push_layout_1(store, name: str) -> None:
@@ -123,3 +130,32 @@ def test_an_encrypted_bucket_shares_members_and_names_nothing_readable(s3, tmp_p
     assert store.push().up_to_date == ("a", "b") and sum(puts.values()) == 0  # nothing sent again
     store.close()
     reader.close()
+
+
+def test_fetch_answers_for_each_object_wherever_it_lies(s3):
+    """bucket.fetch_objects: members of a pack (one ranged GET for neighbours), a loose object,
+    an absent one and a damaged member, each answered on its own, in the order asked."""
+    tier = s3.tier()
+    payloads = {hashlib.sha256(b"%d" % i).digest(): os.urandom(1000 * (i + 1)) for i in range(4)}
+    digests = {k: hashlib.sha256(p).hexdigest() for k, p in payloads.items()}
+    keys = list(payloads)
+    plan = plan_packs([Member(k, digests[k], len(payloads[k]), len(payloads[k])) for k in keys[:3]], None, 1 << 20)[0]
+    body = bytearray(b"".join(payloads[k] for k in keys[:3]) + plan.trailer(plan.index))
+    where = plan.locations()
+    body[where[keys[1]].offset + 10] ^= 1  # the middle member damaged
+    assert tier.put_pack(plan.name, bytes(body)) and not tier.put_pack(plan.name, bytes(body))
+    assert tier.put_object(keys[3], payloads[keys[3]])
+    absent = hashlib.sha256(b"absent").digest()
+    located = [(Want(k, "block", b"", b"", sha256=digests[k]), where[k]) for k in keys[:3]]
+    located += [(Want(keys[3], "block", b"", b"", sha256=digests[keys[3]]), Location(None)),
+                (Want(absent, "block", b"", b"", sha256="0" * 64), Location(None))]
+    gets = Counter()
+    tier.client.meta.events.register("provide-client-params.s3.GetObject",
+                                     lambda params, **_: gets.update([params["Key"].split("/")[1]]))
+    got = [(want.key, result) for want, result in fetch_objects(tier, located, lambda w, payload: payload)]
+    assert [k for k, _ in got] == keys + [absent]
+    results = dict(got)
+    assert results[keys[0]] == payloads[keys[0]] and results[keys[2]] == payloads[keys[2]]
+    assert isinstance(results[keys[1]], CorruptBlock) and keys[1].hex() in str(results[keys[1]])
+    assert results[keys[3]] == payloads[keys[3]] and results[absent] is None
+    assert gets == {"packs": 1, "objects": 2}  # the three members in one ranged GET

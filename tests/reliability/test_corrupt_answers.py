@@ -26,7 +26,6 @@ ends, and attention) are both run, under turbo8v3.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import shutil
 from collections.abc import Callable, Iterator

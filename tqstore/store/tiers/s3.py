@@ -27,7 +27,7 @@ import base64
 import hashlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import AbstractContextManager, suppress
 from typing import TypeVar
@@ -209,21 +209,6 @@ class S3Tier:
         metadata), or None if absent. CorruptBlock if it does not match."""
         found = self._get(self.object_name(key), sha256, ("object", check_key(key).hex()))
         return None if found is None else found[0]
-
-    def get_objects(
-        self, keys: Iterable[bytes], sha256s: Mapping[bytes, str | None] | None = None
-    ) -> dict[bytes, bytes | None | TqstoreError]:
-        """`get_object` for many keys in parallel: {key: payload, None if absent, or the error
-        its GET ended in}, so one failed object hides none of the others."""
-        digests = sha256s or {}
-
-        def get(key: bytes) -> bytes | None | TqstoreError:
-            try:
-                return self.get_object(key, digests.get(key))
-            except TqstoreError as exc:
-                return exc
-
-        return self.each(get, [check_key(k) for k in keys])
 
     def delete_objects(self, keys: Iterable[bytes]) -> int:
         """Delete objects in parallel; returns the number of keys (S3 does not say which existed).
