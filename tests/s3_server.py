@@ -16,6 +16,8 @@ import botocore.config
 import pytest
 from moto.server import ThreadedMotoServer
 
+from tqstore.format.manifest import Manifest
+from tqstore.store.packs import Location, manifest_address, parse_map
 from tqstore.store.tiers.s3 import S3Tier
 
 BUCKET = "tqstore-test"
@@ -35,6 +37,48 @@ class S3Server:
         settings = {"endpoint_url": self.endpoint, "region": "us-east-1", "max_attempts": 2,
                     "retry_delay": 0.0, "connect_timeout": 2.0, "read_timeout": 10.0} | kw
         return S3Tier(self.bucket, prefix, **settings)
+
+    def where(self, tier: S3Tier, entry: str, key: bytes) -> tuple[str, int, int]:
+        """(bucket key, start, end) of object `key`'s body as bucket entry `entry` places it:
+        a range of a pack (layout 2), or a whole loose object (layout 1)."""
+        manifest = Manifest.from_bytes(tier.get_manifest(entry)[0])
+        data = tier.get_map(manifest_address(manifest))
+        loc = parse_map(data, manifest)[key] if data is not None else Location(None)
+        if loc.pack is None:
+            name = tier.object_name(key)
+            return name, 0, self.client.head_object(Bucket=self.bucket, Key=name)["ContentLength"]
+        return tier.pack_name(loc.pack), loc.offset, loc.offset + loc.length
+
+    def referenced(self, tier: S3Tier, manifests: list[Manifest]) -> set[str]:
+        """The bucket keys (other than manifests) that `manifests` use: their maps and the packs
+        these place objects in, or their loose objects (layout 1)."""
+        keys = set()
+        for manifest in manifests:
+            data = tier.get_map(manifest_address(manifest))
+            if data is None:
+                keys |= {tier.object_name(r.key) for r in manifest.objects}
+                continue
+            keys.add(tier.map_name(manifest_address(manifest)))
+            keys |= {tier.pack_name(loc.pack) if loc.pack else tier.object_name(key)
+                     for key, loc in parse_map(data, manifest).items()}
+        return keys
+
+    def stored(self, tier: S3Tier) -> set[str]:
+        """Every bucket key under `tier`'s prefix but the manifests."""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=tier.prefix)
+        return {item["Key"] for page in pages for item in page.get("Contents", [])
+                if not item["Key"].startswith(tier.prefix + "manifests/")}
+
+    def damage(self, tier: S3Tier, entry: str, key: bytes) -> bytes:
+        """Flip a byte in the middle of object `key` of bucket entry `entry`, wherever it lies
+        (its metadata kept); returns the bucket object's former body."""
+        name, start, end = self.where(tier, entry, key)
+        head = self.client.head_object(Bucket=self.bucket, Key=name)
+        original = self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
+        body = bytearray(original)
+        body[(start + end) // 2] ^= 0xFF
+        self.client.put_object(Bucket=self.bucket, Key=name, Body=bytes(body), Metadata=head["Metadata"])
+        return original
 
 
 @pytest.fixture(scope="session")

@@ -144,8 +144,10 @@ def test_sigkill_during_put_and_push_leaves_only_whole_entries_and_orphans(s3, t
     stats = store.gc(remote=True, remote_grace=0)
     referenced = {r.key for e in store.ls() for r in store.get(e.name).objects}
     assert set(store._tiers.lmdb.iter_object_keys()) == referenced
-    remote_refs = {store._tiers.s3.object_name(r.key) for e in remote for r in _remote_manifest(store, e.name).objects}
-    assert bucket_keys(s3) == remote_refs
+    tier = store._tiers.s3
+    manifests = [_remote_manifest(store, e.name) for e in remote]
+    assert s3.stored(tier) == s3.referenced(tier, manifests) and not bucket_keys(s3)  # no loose objects
+    assert store.verify(remote=True) == []
     assert store.verify() == [] and all(store.load(e.name) for e in local)
     print(f"gc reclaimed {stats.orphans} local and {stats.remote_orphans} bucket orphans")
     store.close()

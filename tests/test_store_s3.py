@@ -15,6 +15,9 @@ from moto.server import ThreadedMotoServer
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import CODEC, MODEL, PLAIN, decode_logits, open_store, put, stored_model_entry, token_ids
 from tqstore.format.blocks import join_blocks, split_snapshot
+from tqstore.format.manifest import Manifest
+from tqstore.store import transfer
+from tqstore.store.packs import manifest_address, parse_map
 from tqstore.errors import ConflictError, CorruptBlock, NotFound, RemoteNotConfigured, RemoteUnreachable
 from turboquant import restore
 from turboquant.records import Layout
@@ -28,15 +31,34 @@ def s3_store(home, s3, endpoint=None, **settings):
 
 
 def count_puts(store) -> Counter:
-    """Counts PutObject requests of the store's S3 client: "objects" and "manifests"."""
+    """Counts uploads of the store's S3 client by folder ("objects", "packs", "maps",
+    "manifests"; a multipart upload counts once), by bucket key, and their bytes by folder
+    ("bytes packs", ...)."""
     seen: Counter = Counter()
 
     def on_put(params, **_):
-        seen["manifests" if "/manifests/" in params["Key"] else "objects"] += 1
+        seen[params["Key"].split("/")[1]] += 1
         seen[params["Key"]] += 1
 
-    store._tiers.s3.client.meta.events.register("provide-client-params.s3.PutObject", on_put)
+    def on_body(params, **_):
+        seen["bytes " + params["Key"].split("/")[1]] += len(params["Body"])
+
+    events = store._tiers.s3.client.meta.events
+    for operation in ("PutObject", "CreateMultipartUpload"):
+        events.register(f"provide-client-params.s3.{operation}", on_put)
+    for operation in ("PutObject", "UploadPart"):
+        events.register(f"provide-client-params.s3.{operation}", on_body)
     return seen
+
+
+def put_sharing(store, a: int, b: int, shared: int) -> dict[str, object]:
+    """Entries "a" (`a` tokens) and "b" (`b` tokens) whose first `shared` tokens are the same;
+    returns their snapshots."""
+    base = token_ids(a)
+    snaps = {"a": make_snapshot(a, layouts=PLAIN), "b": make_snapshot(b, layouts=PLAIN, seed=6)}
+    put(store, "a", snaps["a"], base)
+    put(store, "b", snaps["b"], base[:shared] + token_ids(b - shared, seed=1))
+    return snaps
 
 
 def bucket_keys(s3, folder: str = "kv/objects/") -> set[str]:
@@ -73,21 +95,29 @@ def test_push_pull_into_an_empty_home_and_decode(s3, tmp_path):
 
 def test_a_second_entry_sharing_a_prefix_uploads_only_its_new_blocks(s3, tmp_path):
     store = s3_store(tmp_path / "a", s3)
-    base = token_ids(1000)
-    put(store, "a", make_snapshot(1000, layouts=PLAIN), base)
-    put(store, "b", make_snapshot(1100, layouts=PLAIN, seed=6), base[:768] + token_ids(332, seed=1))
+    put_sharing(store, 1000, 1100, 768)
     puts = count_puts(store)
-    assert store.push("a").transferred == 6
-    assert (puts["objects"], puts["manifests"]) == (6, 1)
+    a = store.push("a")
+    assert a.transferred == 6 and a.bytes == store.get("a").nbytes
+    # One pack for the six objects, its map, the manifest.
+    assert (puts["objects"], puts["packs"], puts["maps"], puts["manifests"]) == (0, 1, 1, 1)
     puts.clear()
     stats = store.push("b")
     # b: 5 blocks of which 3 are a's, its window, the same codecs: two blocks and a window go up.
     assert (stats.transferred, stats.skipped) == (3, 4)
-    assert (puts["objects"], puts["manifests"]) == (3, 1)
-    assert all(n == 1 for k, n in puts.items() if k.startswith("kv/"))
+    assert (puts["objects"], puts["packs"], puts["maps"], puts["manifests"]) == (0, 1, 1, 1)
+    new = [r for r in store.get("b").objects if r.key not in {o.key for o in store.get("a").objects}]
+    pack = next(k for k in puts if k.startswith("kv/packs/"))
+    assert stats.bytes == sum(r.size for r in new) < puts["bytes packs"] < stats.bytes + 2048  # members + index
+    assert s3.client.head_object(Bucket=s3.bucket, Key=pack)["ContentLength"] == puts["bytes packs"]
     puts.clear()
-    assert store.push().up_to_date == ("a", "b") and puts["objects"] == 0
+    assert store.push().up_to_date == ("a", "b") and sum(puts.values()) == 0  # nothing sent at all
+    b = s3_store(tmp_path / "b", s3)
+    for name in ("a", "b"):
+        b.pull(name)
+        assert_same_snapshot(b.load(name)[0], store.load(name)[0])
     store.close()
+    b.close()
 
 
 def test_two_homes_pushing_one_name(s3, tmp_path):
@@ -116,7 +146,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_server_down_mid_push_then_resumed(s3, tmp_path):
+def test_server_down_mid_push_then_resumed(s3, tmp_path, monkeypatch):
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()  # shares the session server's in-process buckets
@@ -124,20 +154,21 @@ def test_server_down_mid_push_then_resumed(s3, tmp_path):
                      s3_max_attempts=1, s3_connect_timeout=0.5)
     put(store, "big", make_snapshot(2000, layouts=PLAIN), token_ids(2000))
     total = len(store.get("big").objects)
+    monkeypatch.setattr(transfer, "PACK_BYTES", 1)  # a pack per object
 
     uploads = []
 
-    def stop_before_the_fifth_upload(request, **_):  # the server goes down mid-push, for real
-        if request.method == "PUT" and "/objects/" in request.url:
+    def stop_before_the_fifth_pack(request, **_):  # the server goes down mid-push, for real
+        if request.method == "PUT" and "/packs/" in request.url:
             uploads.append(request.url)
             if len(uploads) == 5:
                 server.stop()
 
-    store._tiers.s3.client.meta.events.register("before-send.s3.PutObject", stop_before_the_fifth_upload)
+    store._tiers.s3.client.meta.events.register("before-send.s3.PutObject", stop_before_the_fifth_pack)
     with pytest.raises(RemoteUnreachable, match=f"127.0.0.1:{port}"):
         store.push("big")
-    store._tiers.s3.client.meta.events.unregister("before-send.s3.PutObject", stop_before_the_fifth_upload)
-    finished = bucket_keys(s3)
+    store._tiers.s3.client.meta.events.unregister("before-send.s3.PutObject", stop_before_the_fifth_pack)
+    finished = bucket_keys(s3, "kv/packs/")
     assert len(finished) == 4 and total == 10 and not bucket_keys(s3, "kv/manifests/")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -146,10 +177,14 @@ def test_server_down_mid_push_then_resumed(s3, tmp_path):
         stats = store.push("big")
     finally:
         server.stop()
-    assert (stats.transferred, stats.skipped) == (total - len(finished), len(finished))
-    assert not finished & {k for k in puts if k.startswith("kv/")}  # finished uploads were not sent again
-    assert len(bucket_keys(s3)) == total and bucket_keys(s3, "kv/manifests/") == {"kv/manifests/big.json"}
+    assert (stats.transferred, stats.skipped) == (total - 4, 4)
+    assert not finished & {k for k in puts if k.startswith("kv/")}  # finished packs were not sent again
+    assert len(bucket_keys(s3, "kv/packs/")) == total and bucket_keys(s3, "kv/manifests/") == {"kv/manifests/big.json"}
+    b = s3_store(tmp_path / "b", s3)
+    b.pull("big")
+    assert_same_snapshot(b.load("big")[0], store.load("big")[0])
     store.close()
+    b.close()
 
 
 def test_a_damaged_bucket_object_is_a_miss_never_data(s3, tmp_path):
@@ -158,11 +193,7 @@ def test_a_damaged_bucket_object_is_a_miss_never_data(s3, tmp_path):
     put(a, "a", snap, tokens)
     a.push("a")
     m = a.get("a")
-    name = a._tiers.s3.object_name(m.blocks[1].key)
-    head = s3.client.head_object(Bucket=s3.bucket, Key=name)
-    body = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=name)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    s3.client.put_object(Bucket=s3.bucket, Key=name, Body=bytes(body), Metadata=head["Metadata"])
+    s3.damage(a._tiers.s3, "a", m.blocks[1].key)  # one member of the entry's pack
     b = s3_store(tmp_path / "b", s3)
     with pytest.raises(CorruptBlock, match=m.blocks[1].key.hex()):
         b.pull("a")
@@ -234,10 +265,29 @@ def test_remote_rm_and_gc(s3, tmp_path):
     second = store.gc(remote=True, remote_grace=0)
     assert first.remote_expired + second.remote_expired == ("brief",)
     assert first.expired + second.expired == ("brief",)
-    # a's last block and window, brief's two blocks and window (the codecs are b's too)
-    assert second.remote_orphans == 5
-    assert bucket_keys(s3) == {store._tiers.s3.object_name(r.key) for r in store.get("b").objects}
+    # brief's pack goes; a's stays whole, since b uses its first two blocks and the codecs.
+    packs = {store._tiers.s3.pack_name(p) for p in _packs_of(store, s3, "b")}
+    assert second.remote_orphans == 1 and len(packs) == 2 and bucket_keys(s3, "kv/packs/") == packs
+    assert bucket_keys(s3, "kv/maps/") == {store._tiers.s3.map_name(manifest_address(_bucket_manifest(store, "b")))}
+    b = s3_store(tmp_path / "b", s3)
+    b.pull("b")
+    assert_same_snapshot(b.load("b")[0], store.load("b")[0])
+    store.rm("b", remote=True)  # now no member of either pack is used
+    third = store.gc(remote=True, remote_grace=0)
+    assert third.remote_orphans == 2 and not bucket_keys(s3, "kv/")
     store.close()
+    b.close()
+
+
+def _bucket_manifest(store, name):
+    return Manifest.from_bytes(store._tiers.s3.get_manifest(name)[0])
+
+
+def _packs_of(store, s3, name) -> set[str]:
+    """The packs bucket entry `name` takes its objects from."""
+    manifest = _bucket_manifest(store, name)
+    where = parse_map(store._tiers.s3.get_map(manifest_address(manifest)), manifest)
+    return {loc.pack for loc in where.values()}
 
 
 def test_first_blocks_of_another_save_never_mix(s3, tmp_path):
@@ -266,8 +316,8 @@ def test_without_a_bucket(tmp_path):
 
 
 def test_pull_streams_its_objects_and_stops_at_the_first_damaged_one(s3, tmp_path):
-    """Pull keeps at most two batches (2 x 2 x concurrency objects) of GETs ahead of the LMDB
-    writes; a damaged object stops it before the GETs go further and publishes nothing."""
+    """Pull writes batches of 2 x concurrency objects as they are verified; the members of a
+    pack come in ranged GETs of up to a part; a damaged member stops it and publishes nothing."""
     snap, tokens = make_snapshot(2600, layouts=PLAIN), token_ids(2600)
     a = s3_store(tmp_path / "a", s3)
     put(a, "a", snap, tokens)
@@ -285,18 +335,14 @@ def test_pull_streams_its_objects_and_stops_at_the_first_damaged_one(s3, tmp_pat
     b.close()
 
     damaged = 5  # in the order pull fetches: blocks, window, codecs
-    name = a._tiers.s3.object_name(m.blocks[damaged].key)
-    head = s3.client.head_object(Bucket=s3.bucket, Key=name)
-    body = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=name)["Body"].read())
-    body[len(body) // 2] ^= 0xFF
-    s3.client.put_object(Bucket=s3.bucket, Key=name, Body=bytes(body), Metadata=head["Metadata"])
+    s3.damage(a._tiers.s3, "a", m.blocks[damaged].key)
     c = s3_store(tmp_path / "c", s3, s3_concurrency=1)
     gets = Counter()
     c._tiers.s3.client.meta.events.register(
-        "provide-client-params.s3.GetObject", lambda params, **_: gets.update(["/objects/" in params["Key"]]))
+        "provide-client-params.s3.GetObject", lambda params, **_: gets.update([params["Key"].split("/")[1]]))
     with pytest.raises(CorruptBlock, match=m.blocks[damaged].key.hex()):
         c.pull("a")
     assert c.ls() == [] and c.verify() == []  # nothing published
-    assert gets[True] <= damaged + 1 + 4 < len(m.objects)
+    assert gets == {"manifests": 1, "maps": 1, "packs": 1}  # the whole entry in one ranged GET of its pack
     a.close()
     c.close()

@@ -85,18 +85,6 @@ def test_objects_are_create_only(s3):
     assert tier.get_object(key(1)) == b"first"
 
 
-def test_get_objects_answers_for_each_key(s3):
-    tier = s3.tier()
-    first = {key(i): payload(i, 1000 * (i + 1)) for i in range(4)}
-    for k, v in first.items():
-        assert tier.put_object(k, v) is True
-    s3.client.put_object(Bucket=s3.bucket, Key=tier.object_name(key(3)), Body=b"damaged",
-                         Metadata={"tq-sha256": hashlib.sha256(first[key(3)]).hexdigest()})
-    got = tier.get_objects([key(0), key(1), key(3), key(99)])
-    assert got[key(0)] == first[key(0)] and got[key(1)] == first[key(1)] and got[key(99)] is None
-    assert isinstance(got[key(3)], CorruptBlock)  # one damaged object hides none of the others
-
-
 def test_multipart_upload_round_trip(s3):
     tier = s3.tier(multipart_threshold=6 * MiB, part_size=5 * MiB)
     requests = Requests(tier)

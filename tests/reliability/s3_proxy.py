@@ -154,7 +154,7 @@ class S3Proxy:
 
 
 def kind_of(path: str) -> str:
-    if "/objects/" in path:
+    if "/objects/" in path or "/packs/" in path:  # layout 1 objects, layout 2 packs
         return "object"
     if "/manifests/" in path:
         return "manifest"

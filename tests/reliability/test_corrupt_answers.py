@@ -26,7 +26,6 @@ ends, and attention) are both run, under turbo8v3.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import shutil
 from collections.abc import Callable, Iterator
@@ -249,26 +248,27 @@ def lmdb_trials(saved: Saved, tmp_path: Path, damages: list[tuple[str, int]], le
     return outcomes
 
 
-def push(saved: Saved, s3, what: str) -> str:
-    """Push the entry (again: a no-op once it is there); the bucket key of its object `what`."""
+def push(saved: Saved, s3, what: str) -> tuple[str, int, int]:
+    """Push the entry (again: a no-op once it is there); where its object `what` lies in the
+    bucket: (bucket key, start, end) of a pack's range (or a whole layout-1 object)."""
     origin = open_store(saved.home, **s3_settings(s3))
     try:
         origin.push(NAME)
-        return origin._tiers.s3.object_name(saved.keys[what])
+        return s3.where(origin._tiers.s3, NAME, saved.keys[what])
     finally:
         origin.close()
 
 
 @contextmanager
 def damaged_in_bucket(saved: Saved, s3, what: str, position: int) -> Iterator[None]:
-    """The entry in the bucket with one byte of object `what` flipped (its metadata, and so the
-    recorded sha256, kept: bit rot); the good object put back afterwards."""
-    key = push(saved, s3, what)
+    """The entry in the bucket with one byte of object `what` flipped where it lies (the pack's
+    metadata, and the manifest's sha256, kept: bit rot); the good pack put back afterwards."""
+    key, start, end = push(saved, s3, what)
     head = s3.client.head_object(Bucket=s3.bucket, Key=key)
     original = s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
-    assert hashlib.sha256(original).hexdigest() == head["Metadata"]["tq-sha256"]
+    assert 0 <= position < end - start
     bad = bytearray(original)
-    bad[position] ^= 0xFF
+    bad[start + position] ^= 0xFF
     s3.client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(bad), Metadata=head["Metadata"])
     try:
         yield

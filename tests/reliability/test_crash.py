@@ -22,7 +22,6 @@ import pytest
 
 from harness import check_home, open_store, s3_settings, spawn
 from model_folder import write_model_folder
-from test_store_s3 import bucket_keys
 from tqstore.format.manifest import Manifest
 
 # Seconds after "ready" within which the kill lands: about two iterations of each operation, so
@@ -82,11 +81,9 @@ def check_bucket(s3, tmp_path: Path, ledger, scenario: str) -> None:
             snap, stats = store.load(entry.name)
             assert stats.tokens == snap.offset == entry.tokens
         store.gc(remote=True, remote_grace=0)
-        refs = set()
-        for entry in remote:
-            manifest = Manifest.from_bytes(store._tiers.s3.get_manifest(entry.name)[0])
-            refs |= {store._tiers.s3.object_name(r.key) for r in manifest.objects}
-        assert bucket_keys(s3) == refs
+        tier = store._tiers.s3
+        manifests = [Manifest.from_bytes(tier.get_manifest(entry.name)[0]) for entry in remote]
+        assert s3.stored(tier) == s3.referenced(tier, manifests) and store.verify(remote=True) == []
         ledger.count(scenario, "bucket entries pulled and loaded", len(remote))
     finally:
         store.close()

@@ -57,7 +57,8 @@ def test_off_by_default_the_bucket_holds_plaintext(s3, tmp_path, ledger):
     objects = bucket_objects(s3)
     manifest = next(body for key, (body, _) in objects.items() if key.endswith("a.json"))
     assert str(list(tokens[:8]))[1:-1].replace(" ", "") in manifest.decode()  # the tokens, in clear
-    assert all(body.startswith(F.MAGIC) for key, (body, _) in objects.items() if "/objects/" in key)
+    packs = [body for key, (body, _) in objects.items() if "/packs/" in key]
+    assert packs and all(body.startswith(F.MAGIC) and b"tqstore-pack" in body for body in packs)
     ledger.count("encryption at rest", "off by default: manifests carry the tokens in clear", 1)
 
 
@@ -125,15 +126,19 @@ def test_tampered_moved_and_plaintext_objects_are_misses(s3, tmp_path, pushed, m
     manifest = reader._tiers.remote_manifests(["a"])[0][0].manifest
     block1, block2 = manifest.blocks[1].key, manifest.blocks[2].key
     objects = bucket_objects(s3)
-    body1, meta1 = objects[s3tier.object_name(block1)]
-    cases = {
+    name, start, end = s3.where(s3tier, "a", block1)  # block 1's envelope: a range of a pack
+    pack, meta = objects[name]
+    body1 = pack[start:end]
+    plain = s3tier.cipher.open(body1, "object", block1.hex(), "x")
+    cases = {  # what the pack holds in block 1's place
         "a flipped bit": body1[:100] + bytes([body1[100] ^ 1]) + body1[101:],
-        "truncated": body1[:len(body1) // 2],
-        "another object's envelope": objects[s3tier.object_name(block2)][0],
-        "plaintext": F.MAGIC + b"\0" * 100,
+        "truncated": b"",  # the pack cut off half-way through it
+        "another object's envelope": s3tier.cipher.seal(plain, "object", block2.hex(), "x"),  # same length
+        "plaintext": F.MAGIC + b"\0" * (len(body1) - len(F.MAGIC)),
     }
     for label, body in cases.items():
-        s3.client.put_object(Bucket=s3.bucket, Key=s3tier.object_name(block1), Body=body, Metadata=meta1)
+        changed = pack[:start] + body + pack[end:] if body else pack[:(start + end) // 2]
+        s3.client.put_object(Bucket=s3.bucket, Key=name, Body=changed, Metadata=meta)
         with pytest.raises(CorruptBlock, match=block1.hex()[:12]):
             reader.pull("a")
         reader._tiers.remote.note_objects([block1])
@@ -142,7 +147,7 @@ def test_tampered_moved_and_plaintext_objects_are_misses(s3, tmp_path, pushed, m
         assert stats.tokens == 256 and any(block1.hex()[:12] in m for m in stats.misses), stats.misses
         assert not reader._tiers.remote.has(block1) and not reader._tiers.lmdb.has_object(block1)
         ledger.count("encryption at rest", f"{label} object: a miss with a reason (pull refused, prefix kept)")
-    s3.client.put_object(Bucket=s3.bucket, Key=s3tier.object_name(block1), Body=body1, Metadata=meta1)
+    s3.client.put_object(Bucket=s3.bucket, Key=name, Body=pack, Metadata=meta)
     reader._tiers.remote.note_objects([block1])
     reader.pull("a")
     assert_same_snapshot(reader.load("a")[0], snaps["a"])

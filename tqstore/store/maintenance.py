@@ -15,15 +15,20 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tqstore.units import format_size
-from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound
+from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound, TqstoreError
 from tqstore.store.verify import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
+from tqstore.store.packs import PACK_TAIL, manifest_address, parse_map, parse_trailer, trailer_length
 from tqstore.store.tiers.lmdb import CompactResult
 from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet, not_found
+
+if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
+    from tqstore.store.tiers.s3 import S3Tier
 
 REMOTE_GRACE = 3600.0  # seconds an unreferenced bucket object is left for a push in flight elsewhere
 
@@ -159,6 +164,9 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
 
 
 def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -> GcStats:
+    """Bucket gc: expired manifests; loose objects no live manifest lists; packs none of whose
+    members a live manifest's map uses (a pack with one member in use stays whole: see
+    docs/format.md); maps of no manifest. Everything younger than `grace` stays."""
     s3 = tiers.require_s3()
     live: list[Manifest] = []
     expired = []
@@ -174,22 +182,46 @@ def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -
     orphans, nbytes = [], 0
     if unreadable:
         notes.append(_unreadable_note(unreadable, f"s3://{s3.bucket}/{s3.prefix}"))
-    else:
-        refs = {key for m in live for key in _keys(m)}
-        for key in s3.list_object_keys():
-            if key in refs:
-                continue
-            try:
-                info = s3.object_info(key)
-            except CorruptBlock:  # unreadable metadata: not ours to keep
-                orphans.append(key)
-                continue
-            if info is not None and now - info.created >= grace:
-                orphans.append(key)
-                nbytes += info.size
-        s3.delete_objects(orphans)
-    return dataclasses.replace(stats, remote_expired=tuple(expired), remote_orphans=len(orphans),
-                               remote_orphan_bytes=nbytes)
+        return dataclasses.replace(stats, remote_expired=tuple(expired))
+    used, unmapped = _packs_in_use(s3, live)
+    if unmapped:
+        notes.append(f"the maps of entries {', '.join(unmapped)} in s3://{s3.bucket}/{s3.prefix} cannot be read, so "
+                     "no unreferenced packs were removed: push those entries again (tqstore verify --remote)")
+    refs = {key for m in live for key in _keys(m)}
+    for key in s3.list_object_keys():
+        if key in refs:
+            continue
+        try:
+            info = s3.object_info(key)
+        except CorruptBlock:  # unreadable metadata: not ours to keep
+            orphans.append(key)
+            continue
+        if info is not None and now - info.created >= grace:
+            orphans.append(key)
+            nbytes += info.size
+    s3.delete_objects(orphans)
+    packs = [] if unmapped else [(p, size) for p, (size, modified) in s3.list_packs().items()
+                                 if p not in used and now - modified >= grace]
+    s3.delete_packs(p for p, _ in packs)
+    addresses = {manifest_address(m) for m in live}
+    s3.delete_maps(a for a, modified in s3.list_maps().items() if a not in addresses and now - modified >= grace)
+    return dataclasses.replace(stats, remote_expired=tuple(expired), remote_orphans=len(orphans) + len(packs),
+                               remote_orphan_bytes=nbytes + sum(size for _, size in packs))
+
+
+def _packs_in_use(s3: S3Tier, live: list[Manifest]) -> tuple[set[str], list[str]]:
+    """(packs holding a member some live manifest's map uses, entries whose map cannot be read)."""
+    used: set[str] = set()
+    unmapped = []
+    for manifest in live:
+        try:
+            data = s3.get_map(manifest_address(manifest))
+            where = {} if data is None else parse_map(data, manifest)
+        except (CorruptBlock, FormatError):
+            unmapped.append(manifest.name)
+            continue
+        used |= {loc.pack for loc in where.values() if loc.pack is not None}
+    return used, unmapped
 
 
 def verify(tiers: TierSet, name: str | None) -> list[Problem]:
@@ -225,9 +257,12 @@ def verify_remote(tiers: TierSet, name: str | None) -> list[Problem]:
     """Check the bucket's manifest `name` (every one by default): it parses and, in an encrypted
     bucket, opens: sealed for the address it was read from (not copied from another prefix,
     bucket or name), by a tqstore that seals addresses, and no older than the version this
-    machine has seen. Objects are checked when an entry is pulled."""
+    machine has seen. Then where its objects lie: its map reads, every pack it uses is there
+    with an index (read from the pack's end) that lists each member at the mapped range with
+    the manifest's digest, and every layout-1 object is there. The objects' bytes are checked
+    when an entry is pulled."""
     s3 = tiers.require_s3()
-    _, unreadable = tiers.remote_manifests(None if name is None else [name])
+    found, unreadable = tiers.remote_manifests(None if name is None else [name])
     problems = []
     for entry in unreadable:
         try:
@@ -239,7 +274,58 @@ def verify_remote(tiers: TierSet, name: str | None) -> list[Problem]:
         except (FormatError, CorruptBlock) as exc:
             detail = str(exc)
         problems.append(Problem(entry, "remote_manifest", None, detail))
+    return problems + _check_placement(s3, [remote.manifest for remote in found])
+
+
+def _check_placement(s3: S3Tier, manifests: list[Manifest]) -> list[Problem]:
+    """The problems of where `manifests` have their objects in the bucket (see verify_remote)."""
+    problems: list[Problem] = []
+    packs = s3.list_packs() if manifests else {}
+    loose: set[bytes] | None = None
+    indexes: dict[str, dict[bytes, tuple[str, int, int]] | str] = {}
+    for manifest in manifests:
+        try:
+            data = s3.get_map(manifest_address(manifest))
+            where = {} if data is None else parse_map(data, manifest)
+        except (CorruptBlock, FormatError) as exc:
+            problems.append(Problem(manifest.name, "remote_map", None, f"{exc}: push the entry again"))
+            continue
+        for ref in manifest.objects:
+            loc = where.get(ref.key)
+            if loc is None or loc.pack is None:
+                loose = set(s3.list_object_keys()) if loose is None else loose
+                if ref.key not in loose:
+                    problems.append(Problem(manifest.name, "remote_missing", ref.key, "the object is not in the "
+                                            "bucket: push the entry again from a machine that has it"))
+                continue
+            if loc.pack not in packs:
+                problems.append(Problem(manifest.name, "remote_missing", ref.key, f"its pack {loc.pack[:12]} is not in "
+                                        "the bucket: push the entry again from a machine that has it"))
+                continue
+            index = indexes.get(loc.pack)
+            if index is None:
+                index = indexes[loc.pack] = _pack_index(s3, loc.pack, packs[loc.pack][0])
+            if isinstance(index, str):
+                problems.append(Problem(manifest.name, "remote_pack", ref.key, index))
+            elif index.get(ref.key) != (ref.sha256, loc.offset, loc.length):
+                problems.append(Problem(manifest.name, "remote_pack", ref.key, f"pack {loc.pack[:12]}'s index does not "
+                                        "list the object where the entry's map places it: push the entry again"))
     return problems
+
+
+def _pack_index(s3: S3Tier, pack: str, size: int) -> dict[bytes, tuple[str, int, int]] | str:
+    """{key: (sha256, offset, length)} from the index at the end of `pack`, or why it cannot be read."""
+    try:
+        tail = s3.get_tail(pack, min(size, PACK_TAIL))
+        need = None if tail is None else trailer_length(tail)
+        if tail is not None and need is not None and len(tail) < need <= size:  # a large index
+            tail = s3.get_tail(pack, need)
+        if tail is None:
+            return f"pack {pack[:12]} was removed meanwhile"
+        members = parse_trailer(tail, pack, lambda blob: s3.open_index(pack, blob))
+        return {key: (sha, offset, length) for key, sha, offset, length in members}
+    except (FormatError, TqstoreError, ValueError) as exc:
+        return f"pack {pack[:12]} is damaged ({exc}): push the entries using it again"
 
 
 def _unreadable_reason(tiers: TierSet, name: str) -> str:

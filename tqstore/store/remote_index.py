@@ -1,7 +1,9 @@
-"""What this process knows the bucket holds, so lookups do not send a HEAD per block.
+"""What this process knows the bucket holds, so lookups and pushes do not send a HEAD per block.
 
 Filled from the manifests read from the bucket (a manifest is written after its objects, so
-its objects are there) and from the objects this process pushed or found there. A refresh
+its objects are there) and from the objects this process pushed or found there. Where an
+object lives (a pack's byte range, or loose) comes from the map of a manifest that lists it
+(packs.py), read once per manifest when first needed and kept: maps never change. A refresh
 LISTs the manifests and GETs the ones that changed, at most once per `max_age` seconds. The
 index only decides where a restore looks first: a stale entry costs a miss (the restore
 verifies every object), never wrong data, so LIST is never trusted for correctness.
@@ -11,14 +13,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from tqstore.errors import CorruptBlock, FormatError, TqstoreError
 from tqstore.format.manifest import Manifest
+from tqstore.store.packs import Location, manifest_address, parse_map
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier
+
+Located = tuple[str, int, Location]  # (sha256 of the payload, its size, where its body lies)
 
 
 class RemoteIndex:
@@ -31,6 +36,8 @@ class RemoteIndex:
         self._lock = threading.Lock()
         self._manifests: dict[str, tuple[float, int, Manifest, str]] = {}  # name -> (modified, size, m, etag)
         self._pushed: set[bytes] = set()
+        self._placed: dict[bytes, Located] = {}  # objects this process pushed, and where
+        self._maps: dict[str, dict[bytes, Location] | None] = {}  # manifest address -> its map (None: layout 1)
         self._gone: set[bytes] = set()  # found missing or damaged in the bucket
         self._keys: set[bytes] = set()
         self._refreshed = float("-inf")
@@ -111,6 +118,70 @@ class RemoteIndex:
             self._pushed |= keys
             self._gone -= keys
             self._rebuild()
+
+    def note_located(self, located: Mapping[bytes, Located]) -> None:
+        """Record where objects this process pushed (or found) lie in the bucket."""
+        with self._lock:
+            self._placed.update(located)
+            self._pushed |= set(located)
+            self._gone -= set(located)
+            self._rebuild()
+
+    def locate(self, keys: Iterable[bytes], sha256s: Mapping[bytes, str] | None = None) -> dict[bytes, Located]:
+        """Where the bucket is believed to hold each of `keys` (those it is not believed to hold
+        are left out): from this process's pushes, else from the map of a known manifest that
+        lists the key (with the digest in `sha256s` where one is given). Reads the maps it
+        needs (one GET per manifest, once); a map that cannot be read hides only its manifest."""
+        wanted = set(keys)
+        digests = sha256s or {}
+        out: dict[bytes, Located] = {}
+        self.manifests()  # the first use reads the bucket's manifests
+        with self._lock:
+            for key in wanted:
+                found = self._placed.get(key)
+                if found is not None and key not in self._gone and digests.get(key, found[0]) == found[0]:
+                    out[key] = found
+            manifests = [m for _, _, m, _ in self._manifests.values()]
+        for manifest in manifests:
+            refs = [r for r in manifest.objects if r.key in wanted and r.key not in out
+                    and digests.get(r.key, r.sha256) == r.sha256]
+            if not refs:
+                continue
+            where = self._map(manifest)
+            if where is False:
+                continue
+            with self._lock:
+                gone = set(self._gone)
+            for ref in refs:
+                if ref.key not in gone:
+                    out[ref.key] = (ref.sha256, ref.size, Location(None) if where is None else where[ref.key])
+        return out
+
+    def map_known(self, manifest: Manifest, where: Mapping[bytes, Location]) -> bool:
+        """Whether the bucket is known to hold `manifest`'s map placing its objects at `where`."""
+        with self._lock:
+            return self._maps.get(manifest_address(manifest)) == dict(where)
+
+    def note_map(self, manifest: Manifest, where: Mapping[bytes, Location]) -> None:
+        """Record the map just written for `manifest`."""
+        with self._lock:
+            self._maps[manifest_address(manifest)] = dict(where)
+
+    def _map(self, manifest: Manifest) -> dict[bytes, Location] | None | bool:
+        """The locations of `manifest`'s objects: its map, None for a layout-1 manifest (no map),
+        False when the map cannot be read now."""
+        address = manifest_address(manifest)
+        with self._lock:
+            if address in self._maps:
+                return self._maps[address]
+        try:
+            data = self.s3.get_map(address)
+            where = None if data is None else parse_map(data, manifest)
+        except (TqstoreError, FormatError):
+            return False
+        with self._lock:
+            self._maps[address] = where
+        return where
 
     def forget(self, name: str) -> None:
         """Drop a manifest deleted from the bucket."""

@@ -12,6 +12,7 @@ whole requested prefix, a shorter prefix of whole blocks (block-prefix restores 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import deque
@@ -27,6 +28,8 @@ from tqstore.errors import ConflictError, CorruptBlock, TqstoreError
 from tqstore.format.blocks import SplitSnapshot, join_blocks
 from tqstore.format.manifest import Manifest
 from tqstore.format.objects import Parsed, parse as parse_object
+from tqstore.store.bucket import fetch_objects
+from tqstore.store.packs import Location
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet, slowest
@@ -145,24 +148,20 @@ def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Fetched) -> None:
 
 
 def _from_s3(tiers: TierSet, wants: list[Want], out: Fetched) -> None:
-    results = tiers.s3.get_objects([w.key for w in wants], {w.key: w.sha256 for w in wants})
+    located = tiers.remote.locate([w.key for w in wants], {w.key: w.sha256 for w in wants if w.sha256})
     promoted = {}
-    for want in wants:
-        result = results[want.key]  # errors are reported per object, on this thread
-        what = f"{want.kind} {want.key.hex()[:12]}"
+    # A local entry's wants carry no digest: the bucket's copy is checked against the one its manifest records.
+    items = [(dataclasses.replace(w, sha256=w.sha256 or located[w.key][0]), located[w.key][2]) if w.key in located
+             else (w, Location(None)) for w in wants]
+    for want, result in fetch_objects(tiers.s3, items, lambda w, payload: (decode(payload, w, w.sha256), payload)):
+        what = f"{want.kind} {want.key.hex()[:12]}"  # errors are reported per object, on this thread
         if result is None or isinstance(result, TqstoreError):
             out.misses.append(f"S3 copy of {what}: {result or 'not in the bucket'}")
-            if result is None or isinstance(result, CorruptBlock):  # not when S3 was merely unreachable
+            if result is None or isinstance(result, (CorruptBlock, *BAD_CONTENT)):  # not when S3 was merely unreachable
                 tiers.remote.gone(want.key)
             continue
-        try:
-            out.objects[want.key] = (decode(result, want, want.sha256), "s3", len(result))
-            promoted[want.key] = result
-        except ConflictError as exc:
-            out.misses.append(f"S3 copy of {what}: {exc}")
-        except BAD_CONTENT as exc:
-            tiers.remote.gone(want.key)
-            out.misses.append(f"S3 copy of {what} is unusable: {exc}")
+        out.objects[want.key] = (result[0], "s3", len(result[1]))
+        promoted[want.key] = result[1]
     try:
         tiers.lmdb.put_objects(promoted)
     except TqstoreError as exc:  # a full disk must not fail a restore whose objects are in hand

@@ -1,14 +1,18 @@
 """Moving entries between the LMDB store and the bucket: push and pull.
 
-Push uploads an entry's objects create-only (a HEAD first, so an object the bucket holds is
-never sent again: a push that failed half-way resumes where it stopped), then writes the
-manifest last with a conditional write: created with If-None-Match, or replaced with If-Match
-when the bucket still holds the version this entry was last pushed as or pulled from. Any
-other manifest under that name is a ConflictError, unless it describes the same entry.
+Push uploads the objects the bucket lacks as packs (layout 2, packs.py): what the bucket holds
+is known from the remote index (its manifests and their maps) and confirmed by one LIST of the
+packs (a HEAD only for a layout-1 object), so an object the bucket holds is never sent again;
+the new objects go up streamed from LMDB into a few create-only multipart uploads named by
+their index, so a push cut off and run again finds the packs it finished. Then the manifest's
+map, then the manifest last with a conditional write: created with If-None-Match, or replaced
+with If-Match when the bucket still holds the version this entry was last pushed as or pulled
+from. Any other manifest under that name is a ConflictError, unless it describes the same entry.
 
 Pull publishes the bucket's entry locally by the path put and import take (publish.py): the
-objects LMDB lacks are downloaded and verified completely (digest from the bucket's manifest,
-then format, identity, tokens and keys), written, then the manifest.
+objects LMDB lacks are downloaded (ranged GETs of their packs, or whole layout-1 objects) and
+verified completely on other threads as they arrive (digest from the bucket's manifest, then
+format, identity, tokens and keys), written, then the manifest.
 
 Block 0's key does not cover its calibration (see put.py): when the destination already holds a
 block 0 (or window) of another save under the same key, the transfer stops with ConflictError
@@ -17,18 +21,23 @@ before any manifest is written, since the entry's later blocks would not fit tha
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound
-from tqstore.format.manifest import Manifest, ObjectRef
+from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
+from tqstore.format.manifest import Manifest
+from tqstore.store.bucket import fetch_objects
 from tqstore.store.crypto import UnboundManifest
+from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map,
+                                 plan_packs)
 from tqstore.store.publish import Batch, publish
+from tqstore.store.remote_index import Located
 from tqstore.store.tierset import TierSet, check_name
 from tqstore.store.verify import BAD_CONTENT, Want, decode, wants_for
 
@@ -90,83 +99,140 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     else:
         entries, _ = tiers.local_manifests()  # unreadable ones are left out; `tqstore verify` names them
         manifests = sorted((m for m, _ in entries if not m.expired(time.time())), key=lambda m: m.name)
-    tally = _Tally(sum(len(m.objects) for m in manifests), progress)
+    tally = _Tally(sum(len({r.key for r in m.objects}) for m in manifests), progress)
     up_to_date = []
+    tiers.remote.manifests()  # what the bucket holds (the first use LISTs and reads its manifests)
+    packs = s3.list_packs()
     for manifest in manifests:
-        digests = _upload(tiers, s3, manifest, tally)
+        located = _upload(tiers, s3, manifest, tally, packs)
+        digests = {key: found[:2] for key, found in located.items()}
         remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
+        where = {key: found[2] for key, found in located.items()}
+        if not tiers.remote.map_known(remote, where):  # a push of what the bucket holds sends nothing
+            s3.put_map(manifest_address(remote), map_bytes(remote, where))
+            tiers.remote.note_map(remote, where)
         manifest = _intend(tiers, manifest, remote)
         etag, written = _publish_manifest(s3, manifest, remote)
         if not written:
             up_to_date.append(manifest.name)
         if tiers.lmdb.get_manifest(manifest.name) == manifest.to_bytes():  # unless replaced meanwhile
             tiers.lmdb.put_manifest(manifest.name, manifest.replace(remote_etag=etag).to_bytes())
-        tiers.remote.note_objects(digests)
+        tiers.remote.note_located(located)
         tiers.remote.note_manifest(remote, etag)
     return TransferStats(tuple(m.name for m in manifests), tally.total, tally.transferred, tally.skipped, tally.bytes,
                          time.perf_counter() - start, tuple(up_to_date))
 
 
-def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally) -> dict[bytes, tuple[str, int]]:
-    """Upload what the bucket lacks; returns {key: (sha256, size) of the bucket's copy}.
+def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally,
+            packs: dict[str, tuple[int, float]]) -> dict[bytes, Located]:
+    """Upload what the bucket lacks as packs; returns {key: (sha256, size, location) of the
+    bucket's copy}. What the bucket holds is known from the remote index (its manifests and
+    their maps), confirmed by `packs` (one LIST per push) or, for a layout-1 object, a HEAD.
 
-    Block 0 and the window go first and alone: if the bucket holds them from another save, the
-    push stops before uploading later blocks that no manifest could use.
+    Block 0 and the window are checked first: if the bucket holds them from another save, the
+    push stops before uploading anything.
     """
     wants = {w.key: w for w in wants_for(manifest, len(manifest.blocks), remote=False)}
+    refs = list({r.key: r for r in manifest.objects}.values())
+    located = {key: found for key, found in tiers.remote.locate(r.key for r in refs).items()
+               if _still_there(s3, key, found, packs)}
     unbound = {manifest.window.key, *(r.key for r in manifest.blocks[:1])}  # keys that do not hash calibration
-    first = [r for r in manifest.objects if r.key in unbound]
-    rest = [r for r in manifest.objects if r.key not in unbound]
-    digests: dict[bytes, tuple[str, int]] = {}
-
-    def one(ref: ObjectRef) -> tuple[str, int, int | None]:
-        info = s3.object_info(ref.key)
-        if info is None:
-            try:
-                found = tiers.lmdb.get_verified(ref.key)  # hashed once here, the digest reused for the upload
-            except CorruptBlock as exc:
-                raise CorruptBlock(f"entry {manifest.name} cannot be pushed: {exc}; save it again") from None
-            if found is None:
-                raise NotFound(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
-                               f"{ref.key.hex()[:12]} is missing from the local store (tqstore verify); save it again")
-            payload, sha256 = found
-            if s3.put_object(ref.key, payload, sha256):
-                return sha256, len(payload), len(payload)
-            info = s3.object_info(ref.key)  # another machine uploaded it in between
-            if info is None:
-                raise ConflictError(f"entry {manifest.name} cannot be pushed: its {wants[ref.key].kind} "
-                                    f"{ref.key.hex()[:12]} was deleted from the bucket while it was pushed (a remote "
-                                    "gc?): push again")
-        return info.sha256, info.size, None
-
-    def done(ref: ObjectRef, result: tuple[str, int, int | None]) -> None:
-        digests[ref.key] = result[:2]
-        tally.count(result[2])
-
-    for ref in first:
-        s3.each(one, [ref], done)
-        if digests[ref.key][0] != ref.sha256:
-            _check_bucket_copy(s3, manifest, wants[ref.key], digests[ref.key][0])
-    s3.each(one, rest, done)  # the first error stops it; uploads already finished stay (a retried push skips them)
-    return digests
+    for ref in refs:
+        if ref.key in unbound and ref.key in located and located[ref.key][0] != ref.sha256:
+            _check_bucket_copy(s3, manifest, wants[ref.key], located[ref.key])
+    for ref in refs:
+        if ref.key in located:
+            tally.count(None)
+    missing = [Member(r.key, r.sha256, r.size, r.size + s3.overhead) for r in refs if r.key not in located]
+    plans = plan_packs(missing, s3.sealed_by, PACK_BYTES or s3.part_size)
+    for plan in plans:
+        located |= {k: (m.sha256, m.size, loc) for m, (k, loc) in zip(plan.members, plan.locations().items())}
+    for plan in plans:
+        if plan.name in packs:  # a push cut off after this very pack: it is there
+            for m in plan.members:
+                tally.count(None)
+    _send(tiers, s3, manifest, wants, [p for p in plans if p.name not in packs], packs, tally)
+    return located
 
 
-def _check_bucket_copy(s3: S3Tier, manifest: Manifest, want: Want, sha256: str) -> None:
+def _send(tiers: TierSet, s3: S3Tier, manifest: Manifest, wants: Mapping[bytes, Want], plans: list[PackPlan],
+          packs: dict[str, tuple[int, float]], tally: _Tally) -> None:
+    """Upload `plans`, up to `concurrency` at once: each pack read from LMDB (on this thread)
+    just before it is sent, so at most `concurrency` packs are held. The first error stops
+    what has not started and is raised (finished packs stay: a retried push skips them)."""
+    with ThreadPoolExecutor(max_workers=s3.concurrency, thread_name_prefix="tqstore-push") as pool:
+        sending: deque[tuple[PackPlan, int, Future[bool]]] = deque()
+
+        def finish() -> None:
+            plan, size, future = sending.popleft()
+            future.result()
+            packs[plan.name] = (size, time.time())
+            for m in plan.members:
+                tally.count(m.size)
+
+        try:
+            for plan in plans:
+                if len(sending) >= s3.concurrency:
+                    finish()
+                body = b"".join(_bodies(tiers, s3, manifest, wants, plan))
+                sending.append((plan, len(body), pool.submit(s3.put_pack, plan.name, body)))
+            while sending:
+                finish()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def _still_there(s3: S3Tier, key: bytes, found: Located, packs: Mapping[str, tuple[int, float]]) -> bool:
+    """Whether the bucket still holds the copy the remote index places at `found` (a pack in
+    this push's LIST, or a layout-1 object a HEAD finds)."""
+    loc = found[2]
+    if loc.pack is not None:
+        return loc.pack in packs and loc.offset + loc.length <= packs[loc.pack][0]
+    info = s3.object_info(key)
+    return info is not None and info.sha256 == found[0]
+
+
+def _bodies(tiers: TierSet, s3: S3Tier, manifest: Manifest, wants: Mapping[bytes, Want],
+            plan: PackPlan) -> Iterator[bytes]:
+    """The pieces of pack `plan`: its members read from LMDB (each checked against the
+    manifest's digest), then its index and footer."""
+    for m in plan.members:
+        what = f"{wants[m.key].kind} {m.key.hex()[:12]}"
+        try:
+            found = tiers.lmdb.get_verified(m.key)  # hashed once here, the digest checked against the manifest
+        except CorruptBlock as exc:
+            raise CorruptBlock(f"entry {manifest.name} cannot be pushed: {exc}; save it again") from None
+        if found is None:
+            raise NotFound(f"entry {manifest.name} cannot be pushed: its {what} is missing from the local store "
+                           "(tqstore verify); save it again")
+        if found[1] != m.sha256 or len(found[0]) != m.size:
+            raise CorruptBlock(f"entry {manifest.name} cannot be pushed: the stored {what} is not the copy the entry "
+                               "recorded (tqstore verify); save it again")
+        body = s3.seal_object(m.key, found[0])
+        if len(body) != m.length:
+            raise CorruptBlock(f"the sealed {what} is {len(body)} bytes where {m.length} were planned")
+        yield body
+    yield plan.trailer(s3.seal_index(plan.name, plan.index))
+
+
+def _check_bucket_copy(s3: S3Tier, manifest: Manifest, want: Want, found: Located) -> None:
     """The bucket holds other bytes under a key that does not bind calibration: same save, or
     ConflictError."""
-    payload = s3.get_object(want.key, sha256)
-    if payload is None:
-        return  # deleted meanwhile; the manifest still records what was found
-    try:
-        decode(payload, want)
-    except ConflictError as exc:
-        raise ConflictError(f"entry {manifest.name} cannot be pushed: the bucket already holds its first tokens from "
-                            f"another save ({exc}); pull the bucket's entry with that prefix and continue from it, "
-                            "or remove it from the bucket (tqstore rm --remote, gc --remote)") from None
-    except BAD_CONTENT as exc:
-        raise CorruptBlock(f"the bucket's copy of {want.kind} {want.key.hex()[:12]} is damaged ({exc}): delete it from "
-                           "the bucket (tqstore gc --remote after rm --remote of the entries using it) and push again"
-                           ) from None
+    for _, result in fetch_objects(s3, [(dataclasses.replace(want, sha256=found[0]), found[2])],
+                                   lambda w, payload: decode(payload, w, w.sha256)):
+        if result is None:
+            return  # deleted meanwhile; the manifest still records what was found
+        if isinstance(result, ConflictError):
+            raise ConflictError(f"entry {manifest.name} cannot be pushed: the bucket already holds its first tokens "
+                                f"from another save ({result}); pull the bucket's entry with that prefix and continue "
+                                "from it, or remove it from the bucket (tqstore rm --remote, gc --remote)") from None
+        if isinstance(result, BAD_CONTENT + (CorruptBlock,)):
+            raise CorruptBlock(f"the bucket's copy of {want.kind} {want.key.hex()[:12]} is damaged ({result}): "
+                               "remove the entries using it from the bucket (tqstore rm --remote, then gc --remote) "
+                               "and push again") from None
+        if isinstance(result, TqstoreError):
+            raise result
 
 
 def _intend(tiers: TierSet, local: Manifest, remote: Manifest) -> Manifest:
@@ -238,9 +304,10 @@ def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
     if got is None:
         raise NotFound(f"no entry {name} in s3://{s3.bucket}/{s3.prefix}: `tqstore ls --remote` lists the entries")
     remote = check_name(Manifest.from_bytes(got[0]), name)
+    where = _map(s3, remote)
     wants = wants_for(remote, len(remote.blocks), remote=True)
     tally = _Tally(len(wants), progress)
-    published = publish(tiers, name, wants, _Bucket(s3),
+    published = publish(tiers, name, wants, _Bucket(s3, where),
                         lambda digests, old: remote.with_digests(digests).replace(
                             remote_etag=got[1], pinned=old is not None and old.pinned),
                         tally.count_once)
@@ -249,62 +316,59 @@ def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
                          time.perf_counter() - start, evicted=published.evicted, warnings=published.warnings)
 
 
+def _map(s3: S3Tier, remote: Manifest) -> dict[bytes, Location]:
+    """Where the bucket's entry `remote` has its objects: its map, or loose (layout 1: no map)."""
+    try:
+        data = s3.get_map(manifest_address(remote))
+        return {} if data is None else parse_map(data, remote)
+    except (CorruptBlock, FormatError) as exc:
+        raise CorruptBlock(f"the bucket's map of entry {remote.name} (where its objects lie) is damaged ({exc}): "
+                           "push the entry again from a machine that has it") from None
+
+
 class _Bucket:
-    """The bucket's objects as a publish source: fetched a few at a time (bounded memory), each
-    verified against the bucket manifest's digest, then in full."""
+    """The bucket's objects as a publish source: fetched as a pipeline (bucket.py: ranged GETs
+    of packs, verification on other threads), in bounded memory."""
 
     action = "pull"
     advice = "remove those entries (tqstore rm) and pull again"
 
-    def __init__(self, s3: S3Tier) -> None:
-        self.s3 = s3
+    def __init__(self, s3: S3Tier, where: Mapping[bytes, Location]) -> None:
+        self.s3, self.where = s3, where
 
     def expected(self, want: Want) -> str | None:
         """The digest the bucket's manifest records."""
         return want.sha256
 
     def payloads(self, missing: list[Want], kept: object) -> Iterator[Batch]:
-        """Download, verify and yield `missing` in batches of 2 x concurrency objects, as a
-        stream: up to `concurrency` GETs run at once, each object is verified as it arrives,
-        and the downloads go on while the caller writes a batch (at most two batches are held
-        beyond the one being written). Verification runs on one thread, in order: it decodes,
-        and the first problem in `missing`'s order is raised."""
+        """Download, verify and yield `missing` in batches of 2 x concurrency objects, in order;
+        the downloads and checks go on while the caller writes a batch. The first problem in
+        `missing`'s order is raised."""
         step = 2 * self.s3.concurrency
-        with ThreadPoolExecutor(max_workers=self.s3.concurrency, thread_name_prefix="tqstore-pull") as fetch, \
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-pull-verify") as check:
-            pending: deque[Future[tuple[bytes, str]]] = deque()
-            try:
-                queued, batch = 0, {}
-                for done in range(len(missing)):
-                    for want in missing[queued:done + 2 * step]:
-                        pending.append(check.submit(self._verify, want, fetch.submit(self._get, want)))
-                    queued = max(queued, min(len(missing), done + 2 * step))
-                    batch[missing[done].key] = pending.popleft().result()
-                    if len(batch) == step or done == len(missing) - 1:
-                        yield batch
-                        batch = {}
-            finally:  # an error, or the caller stopped: nothing more starts
-                for future in pending:
-                    future.cancel()
-                fetch.shutdown(cancel_futures=True)
+        batch: Batch = {}
+        located = [(w, self.where.get(w.key, Location(None))) for w in missing]
+        for want, result in fetch_objects(self.s3, located, _verified):
+            if result is None:
+                raise NotFound(f"the bucket lacks {want.kind} {want.key.hex()[:12]}, which its manifest lists: push "
+                               "the entry again from a machine that has it")
+            if isinstance(result, TqstoreError):
+                raise result
+            batch[want.key] = result
+            if len(batch) == step:
+                yield batch
+                batch = {}
+        if batch:
+            yield batch
 
-    def _get(self, want: Want) -> bytes | None:
-        """The bucket's payload of `want`, checked against its manifest digest, or None."""
-        return self.s3.get_object(want.key, want.sha256)
 
-    def _verify(self, want: Want, fetching: Future[bytes | None]) -> tuple[bytes, str]:
-        """`want`'s payload once downloaded, verified in full, with its digest."""
-        payload = fetching.result()
-        what = f"{want.kind} {want.key.hex()[:12]}"
-        if payload is None:
-            raise NotFound(f"the bucket lacks {what}, which its manifest lists: push the entry again from a "
-                           "machine that has it")
-        try:
-            decode(payload, want, want.sha256)  # the S3 tier just verified the bytes against it
-        except ConflictError as exc:
-            raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again"
-                                ) from None
-        except BAD_CONTENT as exc:
-            raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine "
-                               "that has it") from None
-        return payload, want.sha256
+def _verified(want: Want, payload: bytes) -> tuple[bytes, str]:
+    """`want`'s payload verified in full (its digest was just checked), with its digest."""
+    what = f"{want.kind} {want.key.hex()[:12]}"
+    try:
+        decode(payload, want, want.sha256)
+    except ConflictError as exc:
+        raise ConflictError(f"the bucket's {what} belongs to another save ({exc}): push the entry again") from None
+    except BAD_CONTENT as exc:
+        raise CorruptBlock(f"the bucket's {what} is damaged ({exc}): push the entry again from a machine that has it"
+                           ) from None
+    return payload, want.sha256

@@ -1,9 +1,13 @@
 """The S3-compatible tier (cold storage): immutable objects and compare-and-swap manifests.
 
-Bucket layout under the configured prefix (docs/tiers.md):
+Bucket layout under the configured prefix (docs/format.md, "The bucket"):
 
-    <prefix>objects/<hex[:2]>/<hex>     an object payload; hex = its 32-byte key in hex
+    <prefix>objects/<hex[:2]>/<hex>     layout 1: an object payload; hex = its 32-byte key in hex
+    <prefix>packs/<sha256>              layout 2: a pack of objects (tqstore/store/packs.py)
+    <prefix>maps/<sha256>               layout 2: where a manifest's objects live
     <prefix>manifests/<name>.json       a manifest
+
+Pushes write layout 2; both layouts are read and collected.
 
 Every PUT sends an explicit ChecksumSHA256 and stores tqstore's own sha256 as the metadata
 `tq-sha256` (and the size as `tq-size`); every GET is verified against that sha256 or the one the
@@ -23,7 +27,7 @@ import base64
 import hashlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import AbstractContextManager, suppress
 from typing import TypeVar
@@ -47,6 +51,8 @@ K = TypeVar("K")
 _META_SHA = "tq-sha256"
 _META_SIZE = "tq-size"
 _META_ENC = "tq-enc"
+_META_PACK = "tq-pack"
+_HEX = frozenset("0123456789abcdef")
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
 _MAX_PARTS = 10_000
 
@@ -126,6 +132,14 @@ class S3Tier:
         hex_key = check_key(key).hex()
         return f"{self.prefix}objects/{hex_key[:2]}/{hex_key}"
 
+    def pack_name(self, pack: str) -> str:
+        """The bucket key of pack `pack` (its hex name)."""
+        return f"{self.prefix}packs/{_hex64(pack)}"
+
+    def map_name(self, address: str) -> str:
+        """The bucket key of the map of the manifest with sha256 `address`."""
+        return f"{self.prefix}maps/{_hex64(address)}"
+
     def manifest_name(self, name: str) -> str:
         """The bucket key of manifest `name`."""
         return f"{self.prefix}manifests/{validate_name(name)}.json"
@@ -199,21 +213,6 @@ class S3Tier:
         found = self._get(self.object_name(key), sha256, ("object", check_key(key).hex()))
         return None if found is None else found[0]
 
-    def get_objects(
-        self, keys: Iterable[bytes], sha256s: Mapping[bytes, str | None] | None = None
-    ) -> dict[bytes, bytes | None | TqstoreError]:
-        """`get_object` for many keys in parallel: {key: payload, None if absent, or the error
-        its GET ended in}, so one failed object hides none of the others."""
-        digests = sha256s or {}
-
-        def get(key: bytes) -> bytes | None | TqstoreError:
-            try:
-                return self.get_object(key, digests.get(key))
-            except TqstoreError as exc:
-                return exc
-
-        return self.each(get, [check_key(k) for k in keys])
-
     def delete_objects(self, keys: Iterable[bytes]) -> int:
         """Delete objects in parallel; returns the number of keys (S3 does not say which existed).
 
@@ -230,6 +229,148 @@ class S3Tier:
             if len(hex_key) == 64 and fanout == hex_key[:2]:
                 with suppress(ValueError):
                     yield bytes.fromhex(hex_key)
+
+    # --- packs and maps (layout 2) -------------------------------------------------------------
+
+    def put_pack(self, pack: str, body: bytes) -> bool:
+        """Upload pack `pack`, create-only; False if the bucket already held it. A pack of more
+        than one part goes up as a multipart upload of parallel parts (as boto3's transfer
+        manager sends a file)."""
+        name = self.pack_name(pack)
+        meta = {_META_PACK: pack, _META_SIZE: str(len(body))}
+        if self.cipher is not None:
+            meta[_META_ENC] = SCHEME
+
+        def upload() -> bool:
+            try:
+                if len(body) > min(self.multipart_threshold, self.part_size):
+                    self._put_multipart(name, body, meta)
+                else:
+                    self._retrying("put_object", Key=name, Body=body, IfNoneMatch="*", Metadata=meta,
+                                   ChecksumSHA256=_b64(hashlib.sha256(body).digest()))
+                return True
+            except PreconditionFailed:
+                # 412: the pack exists, unless the 412 came from something in between: then again.
+                if self.pack_size(pack) is not None:
+                    return False
+                raise
+
+        try:
+            return self._again(upload, PreconditionFailed)
+        except PreconditionFailed:
+            raise ConflictError(f"s3://{self.bucket}/{name} answered 412 (exists) {self.max_attempts} times but is "
+                                "not there: check for a proxy rewriting conditional requests, then retry") from None
+
+    def pack_size(self, pack: str) -> int | None:
+        """The size of pack `pack` (one HEAD), or None if absent."""
+        try:
+            return self._call("head_object", Key=self.pack_name(pack))["ContentLength"]
+        except Missing:
+            return None
+
+    def get_range(self, pack: str, start: int, end: int) -> bytes | None:
+        """Bytes [start, end) of pack `pack` (one ranged GET), or None if the pack is absent.
+        CorruptBlock if the pack is shorter."""
+        name = self.pack_name(pack)
+
+        def read() -> bytes:
+            response = self._call("get_object", Key=name, Range=f"bytes={start}-{end - 1}")
+            return response["Body"].read()
+
+        try:
+            body = self._again(read, TRANSPORT)
+        except Missing:
+            return None
+        except TRANSPORT as exc:
+            raise unreachable(exc, self._where(), self.max_attempts) from exc
+        if len(body) != end - start:
+            raise CorruptBlock(f"S3 pack {name} is shorter than its map says ({len(body)} of {end - start} bytes "
+                               f"at {start}): it was truncated or replaced; push the entries using it again")
+        return body
+
+    def get_tail(self, pack: str, length: int) -> bytes | None:
+        """The last `length` bytes of pack `pack` (its index and footer), or None if absent."""
+        try:
+            response = self._call("get_object", Key=self.pack_name(pack), Range=f"bytes=-{length}")
+        except Missing:
+            return None
+        return response["Body"].read()
+
+    def open_member(self, pack: str, offset: int, body: bytes, key: bytes, sha256: str) -> bytes:
+        """The plaintext payload of object `key` from its `body` read at `offset` of `pack`,
+        verified against `sha256`. CorruptBlock if it is not that object."""
+        where = f"object {check_key(key).hex()} in s3://{self.bucket}/{self.pack_name(pack)} " \
+                f"(bytes {offset}-{offset + len(body) - 1})"
+        payload = open_payload(self.cipher, body, "object", key.hex(), where)
+        actual = hashlib.sha256(payload).hexdigest()
+        if actual != sha256:
+            raise CorruptBlock(
+                f"S3 {where} failed verification: sha256 {actual} of {format_size(len(payload))} does not match "
+                f"{sha256}; it was changed or damaged in the bucket: remove the entries using it from the bucket "
+                "(tqstore rm --remote) and push them again from a machine that has them"
+            )
+        return payload
+
+    def seal_index(self, pack: str, index: bytes) -> bytes:
+        """Pack `pack`'s index as stored: as is, or its envelope (kind "pack", bound to the name)."""
+        return self._seal(index, "pack", _hex64(pack), self.pack_name(pack), {})
+
+    def open_index(self, pack: str, blob: bytes) -> bytes:
+        """The plaintext of pack `pack`'s stored index (CorruptBlock if it does not open)."""
+        return open_payload(self.cipher, blob, "pack", pack, f"s3://{self.bucket}/{self.pack_name(pack)} (its index)")
+
+    def seal_object(self, key: bytes, payload: bytes) -> bytes:
+        """The body of object `key` as stored (in a pack, or loose): the payload, or its envelope."""
+        return self._seal(payload, "object", check_key(key).hex(), self.object_name(key), {})
+
+    @property
+    def sealed_by(self) -> str | None:
+        """The key id (hex) of this tier's envelopes, or None when encryption is off."""
+        return None if self.cipher is None else self.cipher.key_id.hex()
+
+    @property
+    def overhead(self) -> int:
+        """Bytes an envelope adds to a payload (0 unencrypted)."""
+        return 0 if self.cipher is None else OVERHEAD
+
+    def list_packs(self) -> dict[str, tuple[int, float]]:
+        """{pack name: (size, last modified)} of every pack (LIST)."""
+        return {hex_name: (item["Size"], item["LastModified"].timestamp())
+                for item, hex_name in self._list_hex("packs/")}
+
+    def delete_packs(self, packs: Iterable[str]) -> int:
+        """Delete packs in parallel; returns how many were asked for."""
+        names = [self.pack_name(p) for p in packs]
+        return len(self.each(lambda n: self._call("delete_object", Key=n), names))
+
+    def put_map(self, address: str, data: bytes) -> None:
+        """Write the map of the manifest with sha256 `address` (replacing one that placed its
+        objects elsewhere: a push that had to send lost objects again)."""
+        name = self.map_name(address)
+        meta = {_META_SHA: hashlib.sha256(data).hexdigest(), _META_SIZE: str(len(data))}
+        body = self._seal(bytes(data), "map", address, name, meta)
+        self._retrying("put_object", Key=name, Body=body, Metadata=meta,
+                       ChecksumSHA256=_b64(hashlib.sha256(body).digest()))
+
+    def get_map(self, address: str) -> bytes | None:
+        """The map of the manifest with sha256 `address`, verified, or None (a layout-1 entry)."""
+        found = self._get(self.map_name(address), None, ("map", address))
+        return None if found is None else found[0]
+
+    def list_maps(self) -> dict[str, float]:
+        """{manifest address: last modified} of every map (LIST)."""
+        return {hex_name: item["LastModified"].timestamp() for item, hex_name in self._list_hex("maps/")}
+
+    def delete_maps(self, addresses: Iterable[str]) -> int:
+        """Delete maps in parallel; returns how many were asked for."""
+        names = [self.map_name(a) for a in addresses]
+        return len(self.each(lambda n: self._call("delete_object", Key=n), names))
+
+    def _list_hex(self, folder: str) -> Iterator[tuple[dict, str]]:
+        for item in self._list(folder):
+            hex_name = item["Key"][len(self.prefix) + len(folder):]
+            if len(hex_name) == 64 and set(hex_name) <= _HEX:
+                yield item, hex_name
 
     # --- manifests -----------------------------------------------------------------------------
 
@@ -302,23 +443,26 @@ class S3Tier:
         return body, response["ETag"]
 
     def _put_multipart(self, name: str, payload: bytes, meta: dict[str, str]) -> None:
+        """A create-only multipart upload of `payload`, its parts sent on up to `concurrency`
+        threads."""
         part = self._part_size(len(payload))
         upload = self._call(
             "create_multipart_upload", Key=name, Metadata=meta, ChecksumAlgorithm="SHA256"
         )["UploadId"]
+        view = memoryview(payload)
+
+        def send(number: int) -> dict:
+            body = bytes(view[(number - 1) * part:number * part])
+            checksum = _b64(hashlib.sha256(body).digest())
+            response = self._retrying("upload_part", Key=name, UploadId=upload, PartNumber=number, Body=body,
+                                      ChecksumSHA256=checksum)
+            return {"ETag": response["ETag"], "PartNumber": number, "ChecksumSHA256": checksum}
+
         try:
-            parts = []
-            for number, start in enumerate(range(0, len(payload), part), start=1):
-                body = payload[start:start + part]
-                checksum = _b64(hashlib.sha256(body).digest())
-                response = self._retrying(
-                    "upload_part", Key=name, UploadId=upload, PartNumber=number, Body=body,
-                    ChecksumSHA256=checksum,
-                )
-                parts.append({"ETag": response["ETag"], "PartNumber": number, "ChecksumSHA256": checksum})
+            parts = list(self.each(send, list(range(1, -(-len(payload) // part) + 1))).items())
             self._retrying(
                 "complete_multipart_upload", Key=name, UploadId=upload, IfNoneMatch="*",
-                MultipartUpload={"Parts": parts},
+                MultipartUpload={"Parts": [p for _, p in sorted(parts)]},
             )
         except BaseException:
             with suppress(TqstoreError):  # best effort; a lifecycle rule catches the rest
@@ -410,6 +554,12 @@ class S3Tier:
 
     def _where(self) -> str:
         return self.endpoint_url or "the AWS S3 default endpoint"
+
+
+def _hex64(name: str) -> str:
+    if len(name) != 64 or not set(name) <= _HEX:
+        raise ValueError(f"{name!r:.80} is not a 64-digit hex name")
+    return name
 
 
 def _b64(digest: bytes) -> str:
