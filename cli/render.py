@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from tqstore.engine.receipts import receipt_doc, receipt_line
+
 from .output import Output, ago, seconds, size
 
 # --- entries -------------------------------------------------------------------------------------
@@ -20,6 +22,7 @@ def entry_doc(info) -> dict[str, Any]:
     """One entry (tqstore.store.store.EntryInfo)."""
     doc = asdict(info)
     doc["metadata"] = dict(info.metadata)
+    doc["quality"] = receipt_doc(info.metadata)  # the save's quality receipt (tqstore/engine/receipts.py)
     return doc
 
 
@@ -41,6 +44,7 @@ def entry_lines(out: Output, e) -> None:
         ("created", f"{time.ctime(e.created)} ({ago(e.created)})"), ("last used", ago(e.last_used)),
         ("prefill", seconds(e.prefill_seconds)), ("pinned", "yes" if e.pinned else "no"),
         ("expires", "never" if e.expires is None else time.ctime(e.expires) + (" (expired)" if e.expired else "")),
+        ("quality", receipt_line(e.metadata)),
     ]
     if e.sliding:
         fields.append(("sliding window", "yes: reused as a whole entry only"))
