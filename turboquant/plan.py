@@ -9,7 +9,8 @@ out flat) live in the cache and its snapshot, not here.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import mlx.core as mx
 
@@ -93,6 +94,10 @@ class LayerPlan:
     protected: bool = False  # a boundary layer under position-based protection: affine8 from the start
     guard: float | None = None  # statistics-chosen protection: see DEFAULT_GUARD
     boundary: bool = False  # what the guard falls back to when no queries were observed
+    budget: float | None = None  # autoB schemes: bits per value the allocation spends (allocation.py)
+    # The layers of one model that share the budget (an allocation.AllocationGroup); runtime
+    # only: restored layers carry their decision in their record instead.
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def calibrated(self) -> bool:
@@ -104,6 +109,13 @@ class LayerPlan:
         value = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_v, PROTECTED_BITS))
         return replace(self, key=key, value=value, calibration=replace(self.calibration, rotated_scale=False),
                        protected=True, guard=None)
+
+    def upgraded_keys_plan(self) -> "LayerPlan":
+        """This layer with 8-bit affine keys (calibrated in the original basis, as turbo8vN's)
+        and its values unchanged: what the allocation gives the layers whose keys matter most."""
+        key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
+        return replace(self, key=key, calibration=replace(self.calibration, rotated_scale=False), guard=None,
+                       group=None)
 
     @property
     def can_protect(self) -> bool:
@@ -123,6 +135,8 @@ class LayerPlan:
             "calibration_channel_scale": self.calibrated and self.calibration.channel_scale,
             "calibration_rotated_scale": self.calibrated and self.calibration.rotated_scale,
             **self.key.meta("key"), **self.value.meta("value"),
+            # Only auto schemes carry it, so every other scheme's identity is unchanged.
+            **({} if self.budget is None else {"budget": self.budget}),
         }
 
     def bytes_per_token(self, dtype_bytes: int = 2) -> int:
@@ -157,7 +171,8 @@ class LayerPlan:
                    n_kv_heads=int(meta["n_kv_heads"]), head_dim_k=int(meta["head_dim_k"]),
                    head_dim_v=int(meta["head_dim_v"]), dtype=str(meta["dtype"]), seed=int(meta["seed"]),
                    calibration=calibration, protected=bool(meta["protected"]),
-                   guard=None if meta["guard"] is None else float(meta["guard"]), boundary=bool(meta["boundary"]))
+                   guard=None if meta["guard"] is None else float(meta["guard"]), boundary=bool(meta["boundary"]),
+                   budget=None if meta.get("budget") is None else float(meta["budget"]))
 
 
 def _side_plan(fmt: Format, bits: int, d: int, seed: int) -> SidePlan:
@@ -184,6 +199,7 @@ def plan_layer(
     calibrate_affine_keys: bool = True,
     guard: float | None = None,
     boundary: bool = False,
+    group: Any = None,
 ) -> LayerPlan | None:
     """The plan of one attention layer under `spec`, or None when the layer stays native.
 
@@ -193,7 +209,9 @@ def plan_layer(
     use `calibration`; the affine keys of turbo8vN schemes and of protected layers use its
     original-basis part when `calibrate_affine_keys`; affine schemes stay plain
     (QuantizedKVCache-compatible). `guard` enables statistics-chosen protection for
-    TurboQuant-key layers (decided at compression; `boundary` is its fallback).
+    TurboQuant-key layers (decided at compression; `boundary` is its fallback). Auto schemes
+    (a budget) take no guard: their allocation, shared through `group`, decides at compression
+    which layers get 8-bit keys.
     """
     if not spec.compressed and not protected:
         return None
@@ -213,6 +231,8 @@ def plan_layer(
     plan = LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
                      head_dim_v=head_dim_v, dtype=_dtype_name(dtype), seed=seed, calibration=calibration,
                      protected=protected)
+    if spec.budget is not None and not protected and kf is Format.TURBO and plan.can_protect:
+        return replace(plan, budget=spec.budget, group=group)
     if guard is not None and kf is Format.TURBO and plan.can_protect:
         plan = replace(plan, guard=guard, boundary=boundary)
     return plan
