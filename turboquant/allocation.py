@@ -9,9 +9,9 @@ affine keys would remove:
     error(layout) = sum over KV heads and channels of  E[q_c^2] * E[(k_c - k~_c)^2]
 
 the expected squared error of a score q . k, with k~ the keys as stored (quantized with the
-layer's real codec and calibration, not a model of it). The layers are then upgraded to 8-bit
-affine keys in order of the error removed until the next upgrade would exceed the budget; the
-budget counts codes, norms, affine scales and biases at the activations' width and the
+layer's real codec and calibration, not a model of it). Key options per layer, cheapest first:
+the base, 4-bit TurboQuant keys (when the base has 3), 8-bit affine keys. The steps that remove
+the most error per bit are taken until the next would exceed the budget; the budget counts codes, norms, affine scales and biases at the activations' width and the
 per-block key means (codebooks and calibration scales are a constant under 0.02 bit at 2,048
 tokens). Both layouts are ones the fused kernels run (calibrated TurboQuant, affine-K +
 TurboQuant-V). Each layer records its decision in its snapshot, so a restored entry continues
@@ -34,23 +34,17 @@ if TYPE_CHECKING:
     from .cache import TurboQuantKVCache
     from .plan import LayerPlan
 
-BASE, UPGRADED = "base", "keys8"
 MEAN_BITS = 32  # one float32 key mean per channel and 256-token block
 
 
 @dataclass(frozen=True)
 class LayerMeasure:
-    """One layer's measurements: score error of each key layout, and its cost."""
+    """One layer's measurements: per key option (cheapest first), its score error and the
+    layer's stored bits per token; and the layer's K/V values per token."""
 
-    base_error: float
-    upgraded_error: float
-    base_bits: float  # stored bits per token of the layer, base layout
-    upgraded_bits: float
-    elements: int  # K/V values per token
-
-    @property
-    def gain(self) -> float:
-        return self.base_error - self.upgraded_error
+    errors: tuple[float, ...]
+    bits: tuple[float, ...]
+    elements: int
 
 
 class AllocationGroup:
@@ -68,23 +62,28 @@ class AllocationGroup:
         upgrade the best of them within the budget."""
         pending = [c for c in self._members if not c.compressed and c.allocated is None and c.offset > 0]
         measures = {c: measure_layer(c) for c in pending}
-        for c, choice in choose(measures, self.budget).items():
-            c.allocated = choice
+        for c, index in choose(measures, self.budget).items():
+            c.allocated = c.plan.key_options()[index]
 
 
-def choose(measures: dict, budget: float) -> dict:
-    """Upgrade in order of score error removed while the total stays within `budget` bits per
-    value; everything else keeps the base. Ties keep the given order."""
+def choose(measures: dict, budget: float, options: dict | None = None) -> dict:
+    """Per layer, the index of its key option (0: the base). Greedy on the knapsack: the step
+    (one layer, to a better option) with the most score error removed per bit is taken while
+    the total stays within `budget` bits per value; steps that remove nothing are never taken."""
     elements = sum(m.elements for m in measures.values())
-    spent = sum(m.base_bits for m in measures.values())
-    choice = {key: BASE for key in measures}
-    for key, m in sorted(measures.items(), key=lambda item: -item[1].gain):
-        extra = m.upgraded_bits - m.base_bits
-        if m.gain <= 0 or spent + extra > budget * elements:
-            continue
-        spent += extra
-        choice[key] = UPGRADED
-    return choice
+    spent = sum(m.bits[0] for m in measures.values())
+    at = {key: 0 for key in measures}
+    while True:
+        best, best_rate = None, 0.0
+        for key, m in measures.items():
+            for j in range(at[key] + 1, len(m.bits)):
+                gain, cost = m.errors[at[key]] - m.errors[j], m.bits[j] - m.bits[at[key]]
+                if gain > 0 and spent + cost <= budget * elements and gain / cost > best_rate:
+                    best, best_rate = (key, j, cost), gain / cost
+        if best is None:
+            return at
+        key, j, cost = best
+        at[key], spent = j, spent + cost
 
 
 def stored_bits_per_token(plan: "LayerPlan", dtype_bytes: int) -> float:
@@ -110,11 +109,9 @@ def score_error(plan: "LayerPlan", keys: mx.array, power: mx.array | None, fit) 
 
 def measure_layer(cache: "TurboQuantKVCache") -> LayerMeasure:
     """The measurements of one uncompressed layer from its raw prefill rows."""
-    plan = cache.plan
-    upgraded = plan.upgraded_keys_plan()
-    keys = cache.raw_keys()
-    power = cache.query_power()
+    plans = [cache.plan.with_keys(option) for option in cache.plan.key_options()]
+    keys, power = cache.raw_keys(), cache.query_power()
     dtype_bytes = cache.native_dtype.size
-    return LayerMeasure(score_error(plan, keys, power, cache.fit), score_error(upgraded, keys, power, cache.fit),
-                        stored_bits_per_token(plan, dtype_bytes), stored_bits_per_token(upgraded, dtype_bytes),
-                        plan.n_kv_heads * (plan.head_dim_k + plan.head_dim_v))
+    return LayerMeasure(tuple(score_error(p, keys, power, cache.fit) for p in plans),
+                        tuple(stored_bits_per_token(p, dtype_bytes) for p in plans),
+                        cache.plan.n_kv_heads * (cache.plan.head_dim_k + cache.plan.head_dim_v))

@@ -23,9 +23,8 @@ import mlx.core as mx
 
 from .attention import MaskLike, causal_mask, compressed_attention
 from .buffers import TokenBuffers, detach
-from .allocation import BASE, UPGRADED
 from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, noise_gain
-from .plan import LayerPlan
+from .plan import BASE_KEYS, LayerPlan
 from .schemes import Format
 from .sides import SHIFT_BLOCK, per_token_shifts
 from .records import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
@@ -66,7 +65,7 @@ class TurboQuantKVCache:
         self._query_rows = 0
         self._key_side = None
         self._value_side = None
-        self.allocated: str | None = None  # autoB layers: allocation.BASE or UPGRADED, once decided
+        self.allocated: str | None = None  # autoB layers: a plan.key_options() entry, once decided
         if plan.group is not None:
             plan.group.join(self)
 
@@ -199,9 +198,9 @@ class TurboQuantKVCache:
                 if self.plan.budget is not None:
                     if self.allocated is None and self.plan.group is not None:
                         self.plan.group.decide()  # every layer of the group at once (allocation.py)
-                    self.allocated = self.allocated or BASE
-                    if self.allocated == UPGRADED:
-                        self.active = self.plan.upgraded_keys_plan()
+                    self.allocated = self.allocated or BASE_KEYS
+                    if self.allocated != BASE_KEYS:
+                        self.active = self.plan.with_keys(self.allocated)
                         self.calibration = self.fit(self.active, raw["keys"], power)
             self._query_power, self._query_rows = None, 0
             self._key_side = self.active.key.side("keys", self.calibration)
@@ -375,8 +374,8 @@ class TurboQuantKVCache:
         if record.state.get("guarded"):
             cache.active = cache.plan.protected_plan()
         cache.allocated = record.state.get("allocated")
-        if cache.allocated == UPGRADED:
-            cache.active = cache.plan.upgraded_keys_plan()
+        if cache.allocated is not None:
+            cache.active = cache.plan.with_keys(str(cache.allocated), codecs)
         cache._key_side = cache.active.key.side("keys", cache.calibration)
         cache._value_side = cache.active.value.side("values")
         cache.compressed = True

@@ -24,6 +24,8 @@ from .sides import AffineSide, NativeSide, TurboSide
 from .records import CodecRecord, Scalar
 
 PROTECTED_BITS = 8
+# An auto scheme's key options per layer (LayerPlan.key_options), as recorded in snapshots.
+BASE_KEYS, TURBO4_KEYS, AFFINE8_KEYS = "base", "keys4", "keys8"
 # Measured on Qwen2.5-Coder-0.5B (docs/quality.md): all three parts together are best.
 DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=True)
 # Noise gain (calibration.noise_gain) above which a TurboQuant-key layer is stored as affine8
@@ -110,12 +112,29 @@ class LayerPlan:
         return replace(self, key=key, value=value, calibration=replace(self.calibration, rotated_scale=False),
                        protected=True, guard=None)
 
-    def upgraded_keys_plan(self) -> "LayerPlan":
-        """This layer with 8-bit affine keys (calibrated in the original basis, as turbo8vN's)
-        and its values unchanged: what the allocation gives the layers whose keys matter most."""
-        key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
-        return replace(self, key=key, calibration=replace(self.calibration, rotated_scale=False), guard=None,
-                       group=None)
+    def key_options(self) -> tuple[str, ...]:
+        """The key layouts an auto scheme's allocation may give this layer, cheapest first:
+        the base, 4-bit TurboQuant keys when the base has fewer bits, 8-bit affine keys."""
+        return (BASE_KEYS, *((TURBO4_KEYS,) if self.key.bits < 4 else ()), AFFINE8_KEYS)
+
+    def with_keys(self, option: str, codecs: dict[str, CodecRecord] | None = None) -> "LayerPlan":
+        """This layer with the keys of `option` (key_options) and its values unchanged; 8-bit
+        affine keys are calibrated in the original basis, as turbo8vN's. `codecs` (a restore)
+        supplies the 4-bit key codec as persisted."""
+        if option == BASE_KEYS:
+            return self
+        if option == AFFINE8_KEYS:
+            key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
+            return replace(self, key=key, calibration=replace(self.calibration, rotated_scale=False), guard=None,
+                           group=None)
+        if option == TURBO4_KEYS:
+            key = _side_plan(Format.TURBO, 4, self.head_dim_k, self.seed)
+            if codecs is not None:
+                if key.turbo_name not in codecs:
+                    raise ValueError(f"layer references codec {key.turbo_name!r}, which the snapshot lacks")
+                key = replace(key, turbo=codec_from_record(codecs[key.turbo_name]))
+            return replace(self, key=key, guard=None, group=None)
+        raise ValueError(f"unknown key option {option!r}")
 
     @property
     def can_protect(self) -> bool:
@@ -146,8 +165,12 @@ class LayerPlan:
         return self.n_kv_heads * (k + v)
 
     def codecs(self) -> dict[str, CodecRecord]:
-        """The TurboQuant codecs this layer references, by name."""
-        return {s.turbo_name: codec_record(s.turbo) for s in (self.key, self.value) if s.turbo is not None}
+        """The TurboQuant codecs this layer references, by name (with an auto scheme's, those
+        its allocation may choose too)."""
+        sides = [self.key, self.value]
+        if self.budget is not None:
+            sides += [self.with_keys(option).key for option in self.key_options()]
+        return {s.turbo_name: codec_record(s.turbo) for s in sides if s.turbo is not None}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":

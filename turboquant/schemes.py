@@ -92,11 +92,13 @@ def _spec(name: str, kf: Format, vf: Format, kb: int, vb: int) -> SchemeSpec:
 
 def auto_spec(budget: float) -> SchemeSpec:
     """The autoB scheme: its base layout is what every layer gets before the allocation spends
-    the rest of the budget on 8-bit keys (4-bit K and V from 4.75 bits up, 3-bit values below)."""
+    the rest of the budget on better keys (4-bit K and V from 4.75 bits up; 3-bit values below;
+    3-bit keys below 4.4, which the allocation raises to 4 bits where they matter most)."""
     if not AUTO_MIN <= budget <= AUTO_MAX:
         raise ValueError(f"an auto scheme's budget is {AUTO_MIN:g} to {AUTO_MAX:g} bits per value, got {budget:g}")
     value_bits = 4 if budget >= 4.75 else 3
-    return SchemeSpec(name=f"auto{budget:g}", key_format=Format.TURBO, value_format=Format.TURBO, key_bits=4,
+    key_bits = 4 if budget >= 4.4 else 3
+    return SchemeSpec(name=f"auto{budget:g}", key_format=Format.TURBO, value_format=Format.TURBO, key_bits=key_bits,
                       value_bits=value_bits, budget=float(budget))
 
 
