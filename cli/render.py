@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tqstore.engine.receipts import receipt_doc, receipt_line
+from tqstore.engine.receipts import receipt_doc, receipt_line, user_metadata
 
 from .output import Output, ago, seconds, size
 
@@ -21,7 +21,7 @@ from .output import Output, ago, seconds, size
 def entry_doc(info) -> dict[str, Any]:
     """One entry (tqstore.store.store.EntryInfo)."""
     doc = asdict(info)
-    doc["metadata"] = dict(info.metadata)
+    doc["metadata"] = user_metadata(info.metadata)
     doc["quality"] = receipt_doc(info.metadata)  # the save's quality receipt (tqstore/engine/receipts.py)
     return doc
 
@@ -48,7 +48,7 @@ def entry_lines(out: Output, e) -> None:
     ]
     if e.sliding:
         fields.append(("sliding window", "yes: reused as a whole entry only"))
-    fields += [(f"meta {k}", v) for k, v in sorted(e.metadata.items())]
+    fields += [(f"meta {k}", v) for k, v in sorted(user_metadata(e.metadata).items())]
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         out.line(f"{key + ':':<{width + 1}} {value}")

@@ -99,6 +99,7 @@ def test_the_receipt_shows_in_info_and_ls_and_survives_push_and_pull(s3, monkeyp
     _, info_a = tq("a", "info", "doc")
     quality = info_a["quality"]
     assert quality["measured"] and quality["kl"] > 0 and quality["tokens"] == PROBE_TOKENS
+    assert info_a["metadata"] == {}  # the receipt's keys are shown as `quality` only
     _, listed = tq("a", "ls")
     assert [e["quality"] for e in listed["entries"]] == [quality]
     _, text = tq("a", "info", "doc", as_json=False)

@@ -56,6 +56,11 @@ class Receipt:
         return f"KL {self.kl:.4f}, top-1 {self.top1:.3f} over the last {self.tokens} tokens"
 
 
+def user_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """An entry's metadata without the receipt's keys (shown apart, as `quality`)."""
+    return {k: v for k, v in metadata.items() if k not in KEYS}
+
+
 def receipt_doc(metadata: Mapping[str, str]) -> dict[str, Any]:
     """The JSON shape of an entry's receipt: {"measured": false} when it has none."""
     r = Receipt.from_metadata(metadata)
