@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-import mlx.core as mx
+if TYPE_CHECKING:  # the model stack (mlx, turboquant) loads only where a probe runs: `info`/`ls` never do
+    import mlx.core as mx
 
-from turboquant import Snapshot, restore
+    from turboquant import Snapshot
 
 PROBE_TOKENS = 32
 KEYS = ("quality.kl", "quality.top1", "quality.tokens", "quality.seconds")
@@ -84,6 +85,8 @@ def probe_length(new_tokens: int, caches: list[Any], recurrent: bool) -> int:
 
 def logprobs(model, caches: list[Any], tokens: Sequence[int]) -> mx.array:
     """Next-token log-probabilities [n, V] (float32) of `tokens` fed after what `caches` hold."""
+    import mlx.core as mx
+
     logits = model(mx.array(tokens)[None], cache=caches)[0].astype(mx.float32)
     out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(out)
@@ -95,6 +98,8 @@ def reference(model, prefilled: Snapshot, tokens: Sequence[int]) -> tuple[mx.arr
     they were prefilled into (`prefilled`, a snapshot taken before compression: it shares their
     arrays), and the seconds this took. The caches themselves are left as they are, so the
     entry is byte-identical to one saved without a receipt."""
+    from turboquant import restore
+
     t0 = time.perf_counter()
     caches = restore(prefilled)
     for cache in caches:
@@ -107,6 +112,8 @@ def measure(model, stored: list[Any], tokens: Sequence[int], reference: mx.array
     """Re-score `tokens` (the context's last ones) against `stored` (the restored entry, which
     holds them: they are trimmed off first) and compare with `reference`. `seconds` is the time
     the reference pass already added; the receipt records the total."""
+    import mlx.core as mx
+
     t0 = time.perf_counter()
     for cache in stored:
         cache.trim(len(tokens))
