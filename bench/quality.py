@@ -3,10 +3,17 @@
     python bench/quality.py --openblas                       # every scheme, writes docs/quality.md
     python bench/quality.py --openblas --experiment calibration --no-write
     python bench/quality.py --openblas --experiment residence --schemes turbo4 turbo8v3
+    python bench/quality.py --openblas --protocol --schemes turbo4 turbo3   # issue 31's protocol
 
 Prefills a raw prefix once (default 1024 tokens of the Devil's Dictionary), loads it into each
 scheme's caches, compresses, and evaluates the next 1024 positions through the compressed
 multi-token path (turboquant/quality.py).
+
+--protocol is issue 31's: 2,048 document tokens of each of three texts (the Python docs held out
+from all tuning), compressed as at save and round-tripped through a snapshot, then 512 real
+continuation tokens; KL per position (first 128 / all 512), top-1, and bits per value with
+everything the snapshot holds counted. The raw prefill and the raw cache's log-probabilities are
+computed once per text and kept under $TQSTORE_HOME/quality/ (about 330 MB per text).
 """
 
 from __future__ import annotations
@@ -18,12 +25,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (DEFAULT_MODEL, DEFAULT_TEXT, LICENCE_CHARS, git_revision, machine_line,  # noqa: E402
+from common import (DEFAULT_MODEL, DEFAULT_TEXT, HOME, LICENCE_CHARS, git_revision, machine_line,  # noqa: E402
                     replace_section, use_openblas)
 
 ALL_SCHEMES = ["raw", "affine8", "affine4", "turbo0v4", "turbo0v3", "turbo0v2", "turbo8v4", "turbo8v3", "turbo8v2",
                "turbo4", "turbo3", "turbo2", "turbo4v2"]
 PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}  # mlx-lm's own QuantizedKVCache (kv_bits), group size 64
+# Issue 31's texts: two used while tuning, the third (Python docs) held out from all tuning.
+PROTOCOL_TEXTS = {"devils": "devils_dictionary.txt", "jargon": "jargon_file.txt",
+                  "python-docs (held out)": "python_docs_tutorial_howto.txt"}
+PROTOCOL_SCHEMES = ["turbo8v3", "turbo4", "turbo3"]
 
 
 def mlx_lm_quantized(bits: int):
@@ -76,21 +87,98 @@ def table(results, command: str) -> str:
     return "\n".join(lines)
 
 
+def protocol_table(by_text: dict[str, list], command: str) -> str:
+    """Scheme rows, one column group per text: bits, KL first 128 / all 512, top-1."""
+    labels = list(by_text)
+    head = "| scheme | variant | " + " | ".join(f"{t}: bits, KL 128 / 512, top-1" for t in labels) + " |"
+    lines = [head, "|---|---|" + "---|" * len(labels)]
+    first = next(iter(by_text.values()))
+    for i, r in enumerate(first):
+        cells = [f"{rs[i].bits:.2f}, {rs[i].kl_mean(128):.4f} / {rs[i].kl_mean():.4f}, {rs[i].top1:.3f}"
+                 for rs in by_text.values()]
+        lines.append(f"| {r.scheme} | {r.variant} | " + " | ".join(cells) + " |")
+    n = first[0].kl.shape[0]
+    lines += ["", f"2,048 document tokens compressed as at save and restored from a snapshot, then {n} continuation "
+              f"positions. Command: `{command}` (git {git_revision()}, {datetime.date.today()}).",
+              f"Machine: {machine_line()}."]
+    return "\n".join(lines)
+
+
+def plot_positions(by_text: dict[str, list], path: Path, window: int = 32) -> None:
+    """KL against continuation position (moving mean over `window`), one panel per text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(by_text), figsize=(5 * len(by_text), 3.8), squeeze=False, sharey=True)
+    for ax, (label, results) in zip(axes[0], by_text.items()):
+        for r in results:
+            smooth = np.convolve(r.kl, np.ones(window) / window, mode="valid")
+            ax.plot(np.arange(smooth.shape[0]) + window // 2, smooth, label=f"{r.scheme} ({r.bits:.2f} b)")
+        ax.set_yscale("log")
+        ax.set_title(label)
+        ax.set_xlabel("continuation position")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(f"KL vs raw cache (mean over {window})")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_protocol(args, model, tokenizer, command: str) -> int:
+    """Issue 31's protocol over PROTOCOL_TEXTS (or --text), references cached per text."""
+    import mlx.core as mx
+
+    from tqstore.models.blas import active_blas
+    from turboquant.quality import evaluate_saved, load_reference, reference, save_reference
+
+    texts = ({args.label or args.text.stem: args.text} if args.text != DEFAULT_TEXT
+             else {label: HOME / "corpus" / name for label, name in PROTOCOL_TEXTS.items()})
+    runs = experiment_runs(args.experiment, args.schemes)
+    by_text = {}
+    for label, path in texts.items():
+        tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:])[: args.prefix + args.positions]
+        cached = HOME / "quality" / f"{path.stem}-{args.prefix}-{args.positions}-{active_blas()}.npz"
+        if cached.exists():
+            ref = load_reference(model, cached, args.chunk)
+        else:
+            print(f"{label}: raw prefill of {args.prefix} tokens and the reference continuation")
+            ref = reference(model, mx.array(tokens), args.prefix, args.chunk)
+            save_reference(ref, cached)
+        print(f"{label}:")
+        by_text[label] = evaluate_saved(model, ref, runs, args.chunk, progress=print)
+    body = protocol_table(by_text, command)
+    print(body)
+    if not args.no_write:
+        replace_section(args.out, f"quality-protocol-{args.experiment}" + (f"-{args.label}" if args.label else ""), body)
+        plot_positions(by_text, args.out.parent / "img" / f"quality_kl_{args.experiment}.png")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--prefix", type=int, default=1024)
-    parser.add_argument("--positions", type=int, default=1024)
+    parser.add_argument("--prefix", type=int, help="prefilled tokens (default 1024; 2048 with --protocol)")
+    parser.add_argument("--positions", type=int, help="evaluated tokens (default 1024; 512 with --protocol)")
     parser.add_argument("--chunk", type=int, default=128)
-    parser.add_argument("--schemes", nargs="+", default=ALL_SCHEMES)
+    parser.add_argument("--schemes", nargs="+", help="default: every scheme (turbo8v3 turbo4 turbo3 with --protocol)")
     parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection", "peers", "residence"])
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--label", default="", help="suffix of the docs section (e.g. another text)")
+    parser.add_argument("--protocol", action="store_true",
+                        help="issue 31's protocol: 2048 + 512 tokens over three texts, save round trip")
     args = parser.parse_args(argv[1:])
+    args.prefix = args.prefix or (2048 if args.protocol else 1024)
+    args.positions = args.positions or (512 if args.protocol else 1024)
+    args.schemes = args.schemes or (PROTOCOL_SCHEMES if args.protocol else ALL_SCHEMES)
     if args.openblas:
         use_openblas(argv)
 
@@ -103,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"model not found at {args.model}: run `tqstore model install qwen2.5-coder-0.5b` or pass --model")
     model, tokenizer = load(str(args.model))
     model.set_dtype(mx.float32)  # MLX's CPU fp16 matmul is very slow; f32 is also the reference
+    command = "python bench/quality.py " + " ".join(argv[1:])
+    if args.protocol:
+        return run_protocol(args, model, tokenizer, command)
     text = args.text.read_text(errors="replace")[LICENCE_CHARS:]
     tokens = mx.array(tokenizer.encode(text)[: args.prefix + args.positions])
     runs = experiment_runs(args.experiment, args.schemes)
     results = evaluate(model, tokens, args.prefix, runs, chunk=args.chunk, progress=print)
-    command = "python bench/quality.py " + " ".join(argv[1:])
     body = table(results, command)
     print(body)
     if not args.no_write:

@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from tqstore.engine.receipts import receipt_doc, receipt_line, user_metadata
+
 from .output import Output, ago, seconds, size
 
 # --- entries -------------------------------------------------------------------------------------
@@ -19,7 +21,8 @@ from .output import Output, ago, seconds, size
 def entry_doc(info) -> dict[str, Any]:
     """One entry (tqstore.store.store.EntryInfo)."""
     doc = asdict(info)
-    doc["metadata"] = dict(info.metadata)
+    doc["metadata"] = user_metadata(info.metadata)
+    doc["quality"] = receipt_doc(info.metadata)  # the save's quality receipt (tqstore/engine/receipts.py)
     return doc
 
 
@@ -41,10 +44,11 @@ def entry_lines(out: Output, e) -> None:
         ("created", f"{time.ctime(e.created)} ({ago(e.created)})"), ("last used", ago(e.last_used)),
         ("prefill", seconds(e.prefill_seconds)), ("pinned", "yes" if e.pinned else "no"),
         ("expires", "never" if e.expires is None else time.ctime(e.expires) + (" (expired)" if e.expired else "")),
+        ("quality", receipt_line(e.metadata)),
     ]
     if e.sliding:
         fields.append(("sliding window", "yes: reused as a whole entry only"))
-    fields += [(f"meta {k}", v) for k, v in sorted(e.metadata.items())]
+    fields += [(f"meta {k}", v) for k, v in sorted(user_metadata(e.metadata).items())]
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         out.line(f"{key + ':':<{width + 1}} {value}")

@@ -24,7 +24,7 @@ import mlx.core as mx
 from .attention import MaskLike, causal_mask, compressed_attention
 from .buffers import TokenBuffers, detach
 from .calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, noise_gain
-from .plan import LayerPlan
+from .plan import BASE_KEYS, LayerPlan
 from .schemes import Format
 from .sides import SHIFT_BLOCK, per_token_shifts
 from .records import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
@@ -65,6 +65,9 @@ class TurboQuantKVCache:
         self._query_rows = 0
         self._key_side = None
         self._value_side = None
+        self.allocated: str | None = None  # autoB layers: a plan.key_options() entry, once decided
+        if plan.group is not None:
+            plan.group.join(self)
 
     @property
     def native_dtype(self) -> mx.Dtype:
@@ -84,7 +87,7 @@ class TurboQuantKVCache:
     @property
     def guarded(self) -> bool:
         """Whether the statistics guard switched this layer to affine8."""
-        return self.active is not self.plan
+        return self.active.protected and self.active is not self.plan
 
     @property
     def layout(self) -> Layout:
@@ -188,10 +191,17 @@ class TurboQuantKVCache:
             raw = self._tail.view(self.offset) if self.offset else {}
             power = None if not self._query_rows else self._query_power / self._query_rows
             if self.plan.calibrated and raw:
-                self.calibration = self._fit(self.plan, raw["keys"], power)
+                self.calibration = self.fit(self.plan, raw["keys"], power)
                 if self.plan.guard is not None and self._guard_trips(raw["keys"], power):
                     self.active = self.plan.protected_plan()
-                    self.calibration = self._fit(self.active, raw["keys"], power)
+                    self.calibration = self.fit(self.active, raw["keys"], power)
+                if self.plan.budget is not None:
+                    if self.allocated is None and self.plan.group is not None:
+                        self.plan.group.decide()  # every layer of the group at once (allocation.py)
+                    self.allocated = self.allocated or BASE_KEYS
+                    if self.allocated != BASE_KEYS:
+                        self.active = self.plan.with_keys(self.allocated)
+                        self.calibration = self.fit(self.active, raw["keys"], power)
             self._query_power, self._query_rows = None, 0
             self._key_side = self.active.key.side("keys", self.calibration)
             self._value_side = self.active.value.side("values")
@@ -211,8 +221,16 @@ class TurboQuantKVCache:
             self.offset += keys.shape[2]
         self.compress()
 
+    def raw_keys(self) -> mx.array:
+        """The raw keys held before compression [B, H, offset, D]."""
+        return self._tail.view(self.offset)["keys"]
+
+    def query_power(self) -> mx.array | None:
+        """Mean squared scaled query per (KV head, channel) observed in prefill, or None."""
+        return None if not self._query_rows else self._query_power / self._query_rows
+
     @staticmethod
-    def _fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
+    def fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
         rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
         return fit_key_calibration(keys, rotation, plan.calibration, power)
 
@@ -314,6 +332,8 @@ class TurboQuantKVCache:
         """
         calibration = self.calibration.arrays() if self.calibration else {}
         state = {"stored": self.stored, "guarded": self.guarded}
+        if self.compressed and self.allocated is not None:
+            state["allocated"] = self.allocated
         if not self.compressed:
             arrays = self._tail.view(self.offset) if self.offset else {}
             if self._query_rows:
@@ -353,6 +373,9 @@ class TurboQuantKVCache:
             cache.calibration = KeyCalibration.from_arrays(record.calibration)
         if record.state.get("guarded"):
             cache.active = cache.plan.protected_plan()
+        cache.allocated = record.state.get("allocated")
+        if cache.allocated is not None:
+            cache.active = cache.plan.with_keys(str(cache.allocated), codecs)
         cache._key_side = cache.active.key.side("keys", cache.calibration)
         cache._value_side = cache.active.value.side("values")
         cache.compressed = True

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import (ArraysCache, CacheList, ChunkedKVCache, Concate
                                  RotatingKVCache)
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
+from .allocation import AllocationGroup
 from .at_rest import CLASS as AT_REST_CLASS
 from .at_rest import AtRestKVCache
 from .buffers import detach
@@ -141,13 +142,14 @@ def _planned_caches(model, spec: SchemeSpec, base: list[Any], shapes, eligible: 
     by_stats = protect == "stats" and spec.key_format is Format.TURBO
     static = boundary if protect == "position" or (protect == "stats" and not by_stats) else set()
     caches = []
+    group = None if spec.budget is None else AllocationGroup(spec.budget)  # one budget for all layers
     for i, c in enumerate(base):
         plan = None
         if i in eligible:
             heads, dk, dv, dtype = shapes[i]
             plan = plan_layer(spec, heads, dk, dv, dtype, seed=options["seed"], protected=i in static,
                               calibration=options["calibration"], guard=options["guard"] if by_stats else None,
-                              boundary=i in boundary)
+                              boundary=i in boundary, group=group)
         if plan is None:
             caches.append(c)
         else:

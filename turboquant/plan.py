@@ -9,7 +9,8 @@ out flat) live in the cache and its snapshot, not here.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import mlx.core as mx
 
@@ -23,6 +24,8 @@ from .sides import AffineSide, NativeSide, TurboSide
 from .records import CodecRecord, Scalar
 
 PROTECTED_BITS = 8
+# An auto scheme's key options per layer (LayerPlan.key_options), as recorded in snapshots.
+BASE_KEYS, TURBO4_KEYS, AFFINE8_KEYS = "base", "keys4", "keys8"
 # Measured on Qwen2.5-Coder-0.5B (docs/quality.md): all three parts together are best.
 DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=True)
 # Noise gain (calibration.noise_gain) above which a TurboQuant-key layer is stored as affine8
@@ -93,6 +96,10 @@ class LayerPlan:
     protected: bool = False  # a boundary layer under position-based protection: affine8 from the start
     guard: float | None = None  # statistics-chosen protection: see DEFAULT_GUARD
     boundary: bool = False  # what the guard falls back to when no queries were observed
+    budget: float | None = None  # autoB schemes: bits per value the allocation spends (allocation.py)
+    # The layers of one model that share the budget (an allocation.AllocationGroup); runtime
+    # only: restored layers carry their decision in their record instead.
+    group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def calibrated(self) -> bool:
@@ -104,6 +111,30 @@ class LayerPlan:
         value = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_v, PROTECTED_BITS))
         return replace(self, key=key, value=value, calibration=replace(self.calibration, rotated_scale=False),
                        protected=True, guard=None)
+
+    def key_options(self) -> tuple[str, ...]:
+        """The key layouts an auto scheme's allocation may give this layer, cheapest first:
+        the base, 4-bit TurboQuant keys when the base has fewer bits, 8-bit affine keys."""
+        return (BASE_KEYS, *((TURBO4_KEYS,) if self.key.bits < 4 else ()), AFFINE8_KEYS)
+
+    def with_keys(self, option: str, codecs: dict[str, CodecRecord] | None = None) -> "LayerPlan":
+        """This layer with the keys of `option` (key_options) and its values unchanged; 8-bit
+        affine keys are calibrated in the original basis, as turbo8vN's. `codecs` (a restore)
+        supplies the 4-bit key codec as persisted."""
+        if option == BASE_KEYS:
+            return self
+        if option == AFFINE8_KEYS:
+            key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
+            return replace(self, key=key, calibration=replace(self.calibration, rotated_scale=False), guard=None,
+                           group=None)
+        if option == TURBO4_KEYS:
+            key = _side_plan(Format.TURBO, 4, self.head_dim_k, self.seed)
+            if codecs is not None:
+                if key.turbo_name not in codecs:
+                    raise ValueError(f"layer references codec {key.turbo_name!r}, which the snapshot lacks")
+                key = replace(key, turbo=codec_from_record(codecs[key.turbo_name]))
+            return replace(self, key=key, guard=None, group=None)
+        raise ValueError(f"unknown key option {option!r}")
 
     @property
     def can_protect(self) -> bool:
@@ -123,6 +154,8 @@ class LayerPlan:
             "calibration_channel_scale": self.calibrated and self.calibration.channel_scale,
             "calibration_rotated_scale": self.calibrated and self.calibration.rotated_scale,
             **self.key.meta("key"), **self.value.meta("value"),
+            # Only auto schemes carry it, so every other scheme's identity is unchanged.
+            **({} if self.budget is None else {"budget": self.budget}),
         }
 
     def bytes_per_token(self, dtype_bytes: int = 2) -> int:
@@ -132,8 +165,12 @@ class LayerPlan:
         return self.n_kv_heads * (k + v)
 
     def codecs(self) -> dict[str, CodecRecord]:
-        """The TurboQuant codecs this layer references, by name."""
-        return {s.turbo_name: codec_record(s.turbo) for s in (self.key, self.value) if s.turbo is not None}
+        """The TurboQuant codecs this layer references, by name (with an auto scheme's, those
+        its allocation may choose too)."""
+        sides = [self.key, self.value]
+        if self.budget is not None:
+            sides += [self.with_keys(option).key for option in self.key_options()]
+        return {s.turbo_name: codec_record(s.turbo) for s in sides if s.turbo is not None}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":
@@ -157,7 +194,8 @@ class LayerPlan:
                    n_kv_heads=int(meta["n_kv_heads"]), head_dim_k=int(meta["head_dim_k"]),
                    head_dim_v=int(meta["head_dim_v"]), dtype=str(meta["dtype"]), seed=int(meta["seed"]),
                    calibration=calibration, protected=bool(meta["protected"]),
-                   guard=None if meta["guard"] is None else float(meta["guard"]), boundary=bool(meta["boundary"]))
+                   guard=None if meta["guard"] is None else float(meta["guard"]), boundary=bool(meta["boundary"]),
+                   budget=None if meta.get("budget") is None else float(meta["budget"]))
 
 
 def _side_plan(fmt: Format, bits: int, d: int, seed: int) -> SidePlan:
@@ -184,6 +222,7 @@ def plan_layer(
     calibrate_affine_keys: bool = True,
     guard: float | None = None,
     boundary: bool = False,
+    group: Any = None,
 ) -> LayerPlan | None:
     """The plan of one attention layer under `spec`, or None when the layer stays native.
 
@@ -193,7 +232,9 @@ def plan_layer(
     use `calibration`; the affine keys of turbo8vN schemes and of protected layers use its
     original-basis part when `calibrate_affine_keys`; affine schemes stay plain
     (QuantizedKVCache-compatible). `guard` enables statistics-chosen protection for
-    TurboQuant-key layers (decided at compression; `boundary` is its fallback).
+    TurboQuant-key layers (decided at compression; `boundary` is its fallback). Auto schemes
+    (a budget) take no guard: their allocation, shared through `group`, decides at compression
+    which layers get 8-bit keys.
     """
     if not spec.compressed and not protected:
         return None
@@ -213,6 +254,8 @@ def plan_layer(
     plan = LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
                      head_dim_v=head_dim_v, dtype=_dtype_name(dtype), seed=seed, calibration=calibration,
                      protected=protected)
+    if spec.budget is not None and not protected and kf is Format.TURBO and plan.can_protect:
+        return replace(plan, budget=spec.budget, group=group)
     if guard is not None and kf is Format.TURBO and plan.can_protect:
         plan = replace(plan, guard=guard, boundary=boundary)
     return plan

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
+import numpy as np
 
 from .at_rest import AtRestKVCache
 from .cache import TurboQuantKVCache
 from .integration import make_prompt_cache, restore, restore_as, snapshot
-from .records import Snapshot
+from .records import Layout, Snapshot
 
 NATIVE_BYTES = 2  # ratios are quoted against an fp16 cache
 
@@ -144,3 +146,116 @@ def _nll(logprobs: list[mx.array], targets: mx.array) -> float:
     lp = mx.concatenate(logprobs, axis=0)[:-1]
     picked = mx.take_along_axis(lp, targets[:, None], axis=-1)
     return -mx.mean(picked).item()
+
+
+# -- the issue-31 protocol: 2,048 document tokens, a save round trip, 512 continuation tokens ----
+
+@dataclass(frozen=True)
+class ProtocolResult:
+    """One scheme on one text under the save-then-continue protocol (`evaluate_saved`)."""
+
+    scheme: str
+    variant: str
+    kl: np.ndarray  # per continuation position, nats, float64 [positions]
+    top1: float
+    bits: float  # stored bits per K/V element, everything in the snapshot counted
+    seconds: float
+
+    def kl_mean(self, first: int | None = None) -> float:
+        """Mean KL over the first `first` continuation positions (all when None)."""
+        return float(np.mean(self.kl[:first]))
+
+
+@dataclass(frozen=True, eq=False)
+class Reference:
+    """A text's raw prefix (uncompressed snapshot with the observed queries) and the raw
+    cache's next-token log-probabilities over the continuation: computed once, reused by
+    every scheme."""
+
+    raw: Snapshot
+    continuation: mx.array  # token ids [positions]
+    logprobs: list[mx.array]  # per chunk, [chunk, V] float32
+
+
+def stored_bits(snap: Snapshot) -> float:
+    """Bits per K/V element of a snapshot, everything it holds counted: codes, norms, affine
+    scales and biases, block means, calibration scales, codebooks and rotations, protected
+    layers and any raw rows, each at the width it is stored in."""
+    elements = 0
+    for record in snap.layers:
+        c = record.config
+        if "head_dim_k" in c:
+            elements += record.offset * int(c["n_kv_heads"]) * (int(c["head_dim_k"]) + int(c["head_dim_v"]))
+        elif "keys" in record.arrays:
+            k, v = record.arrays["keys"], record.arrays["values"]
+            elements += record.offset * k.shape[1] * (k.shape[3] + v.shape[3])
+    return 8 * snap.nbytes / elements if elements else 0.0
+
+
+def saved_caches(model, raw: Snapshot, scheme: str, **plan_options) -> tuple[list[Any], float]:
+    """The scheme's caches as a restored entry would have them: the raw prefix compressed as at
+    save, snapshotted and restored. Returns the caches and the snapshot's stored bits."""
+    factory = plan_options.pop("factory", None)
+    caches = caches_from_raw(model, raw, scheme, factory, **plan_options)
+    if factory is not None:  # a peer's own cache: no snapshot of ours to round-trip through
+        return caches, bits_per_element(caches)
+    snap = snapshot(caches)
+    return restore(snap), stored_bits(snap)
+
+
+def reference(model, tokens: mx.array, prefix: int, chunk: int = 128) -> Reference:
+    """Prefill tokens[:prefix] raw and score tokens[prefix:] against the raw cache."""
+    raw = raw_prefix(model, tokens[:prefix])
+    continuation = tokens[prefix:]
+    return Reference(raw, continuation, list(chunked_logprobs(model, restore(raw), continuation, chunk)))
+
+
+def save_reference(ref: Reference, path: Path) -> None:
+    """Write a Reference to one .npz file (raw K/V, query power, continuation, log-probs)."""
+    arrays = {"continuation": np.array(ref.continuation),
+              "logprobs": np.concatenate([np.array(lp) for lp in ref.logprobs])}
+    for i, r in enumerate(ref.raw.layers):
+        if r.layout is not Layout.RAW:
+            raise ValueError(f"layer {i} of a reference prefix is {r.layout.value}, not raw")
+        arrays.update({f"{i}.{k}": np.array(v) for k, v in {**r.arrays, **r.calibration}.items()})
+        arrays[f"{i}.query_rows"] = np.array(int(r.state.get("query_rows", 0)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+
+
+def load_reference(model, path: Path, chunk: int = 128) -> Reference:
+    """Read what `save_reference` wrote for this model (layer count and shapes checked)."""
+    data = np.load(path)
+    template = snapshot(make_prompt_cache(model, "turbo4", protect="none"))
+    layers = []
+    for i, r in enumerate(template.layers):
+        keys, values = mx.array(data[f"{i}.keys"]), mx.array(data[f"{i}.values"])
+        rows = int(data[f"{i}.query_rows"])
+        calibration = {"query_power": mx.array(data[f"{i}.query_power"])} if rows else {}
+        state = {**r.state, "query_rows": rows} if rows else dict(r.state)
+        layers.append(replace(r, offset=keys.shape[2], arrays={"keys": keys, "values": values},
+                              state=state, calibration=calibration))
+    logprobs = mx.array(data["logprobs"])
+    chunks = [logprobs[s:s + chunk] for s in range(0, logprobs.shape[0], chunk)]
+    return Reference(Snapshot(layers=layers, codecs=template.codecs), mx.array(data["continuation"]), chunks)
+
+
+def evaluate_saved(model, ref: Reference, schemes: list[tuple[str, str, dict]], chunk: int = 128,
+                   progress: Callable[[str], None] | None = None) -> list[ProtocolResult]:
+    """KL per continuation position and top-1 of every (scheme, variant, plan options) against
+    the raw cache, each scheme's caches compressed as at save and restored from a snapshot."""
+    say = progress or (lambda _: None)
+    results = []
+    for scheme, variant, options in schemes:
+        t0 = time.perf_counter()
+        caches, bits = saved_caches(model, ref.raw, scheme, **dict(options))
+        kl, agree = [], 0
+        for r, logprobs in zip(ref.logprobs, chunked_logprobs(model, caches, ref.continuation, chunk)):
+            kl.append(np.array(mx.sum(mx.exp(r) * (r - logprobs), axis=-1)))
+            agree += mx.sum(mx.argmax(r, axis=-1) == mx.argmax(logprobs, axis=-1)).item()
+        kl = np.concatenate(kl).astype(np.float64)
+        result = ProtocolResult(scheme, variant, kl, agree / kl.shape[0], bits, time.perf_counter() - t0)
+        results.append(result)
+        say(f"{scheme:10s} {variant:14s} KL {result.kl_mean(128):.4f} / {result.kl_mean():.4f}  "
+            f"top1 {result.top1:.3f}  bits {bits:.2f}  ({result.seconds:.0f}s)")
+    return results

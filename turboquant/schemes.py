@@ -6,6 +6,10 @@
     turbo8vN            8-bit affine K, TurboQuant V at N bits
     turboN              TurboQuant K and V at N bits, keys calibrated
     turboKvN            TurboQuant K at K bits and V at N bits (turbo4v4 is turbo4)
+    autoB               a bit budget of B stored bits per K/V value (B in AUTO_BUDGETS): TurboQuant
+                        K and V, and keys at 8-bit affine in the layers where measurements at
+                        compression say they matter most, as many as the budget pays for
+                        (turboquant/allocation.py)
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from .affine import UnsupportedHeadDim, affine_group_size
 from .packing import packed_width
 
 TURBO_BITS = (2, 3, 4)
+AUTO_BUDGETS = (4, 5, 6)  # auto4, auto5, auto6; any budget in [AUTO_MIN, AUTO_MAX] parses
+AUTO_MIN, AUTO_MAX = 4.0, 9.0
 NORM_BYTES = 4  # one float32 norm per TurboQuant row
 
 
@@ -47,6 +53,7 @@ class SchemeSpec:
     value_format: Format
     key_bits: int  # 0 for native keys
     value_bits: int  # 0 for native values
+    budget: float | None = None  # autoB: stored bits per K/V value the allocation may spend
 
     @property
     def calibrated(self) -> bool:
@@ -83,6 +90,18 @@ def _spec(name: str, kf: Format, vf: Format, kb: int, vb: int) -> SchemeSpec:
     return SchemeSpec(name=name, key_format=kf, value_format=vf, key_bits=kb, value_bits=vb)
 
 
+def auto_spec(budget: float) -> SchemeSpec:
+    """The autoB scheme: its base layout is what every layer gets before the allocation spends
+    the rest of the budget on better keys (4-bit K and V from 4.75 bits up; 3-bit values below;
+    3-bit keys below 4.4, which the allocation raises to 4 bits where they matter most)."""
+    if not AUTO_MIN <= budget <= AUTO_MAX:
+        raise ValueError(f"an auto scheme's budget is {AUTO_MIN:g} to {AUTO_MAX:g} bits per value, got {budget:g}")
+    value_bits = 4 if budget >= 4.75 else 3
+    key_bits = 4 if budget >= 4.4 else 3
+    return SchemeSpec(name=f"auto{budget:g}", key_format=Format.TURBO, value_format=Format.TURBO, key_bits=key_bits,
+                      value_bits=value_bits, budget=float(budget))
+
+
 def _build_table() -> dict[str, SchemeSpec]:
     table = {"raw": _spec("raw", Format.NATIVE, Format.NATIVE, 0, 0)}
     for b in (8, 4):
@@ -96,11 +115,14 @@ def _build_table() -> dict[str, SchemeSpec]:
         for v in reversed(TURBO_BITS):
             if k != v:
                 table[f"turbo{k}v{v}"] = _spec(f"turbo{k}v{v}", Format.TURBO, Format.TURBO, k, v)
+    for b in AUTO_BUDGETS:
+        table[f"auto{b}"] = auto_spec(b)
     return table
 
 
 SCHEMES: dict[str, SchemeSpec] = _build_table()
 _ALIAS = re.compile(r"turbo([234])v\1")
+_AUTO = re.compile(r"auto(\d+(?:\.\d+)?)")
 
 
 def parse_scheme(name: str) -> SchemeSpec:
@@ -111,6 +133,9 @@ def parse_scheme(name: str) -> SchemeSpec:
     alias = _ALIAS.fullmatch(key)
     if alias:
         key = f"turbo{alias.group(1)}"
+    auto = _AUTO.fullmatch(key)
+    if auto and key not in SCHEMES:
+        return auto_spec(float(auto.group(1)))
     try:
         return SCHEMES[key]
     except KeyError:

@@ -23,6 +23,7 @@ from turboquant.checkpoints import StateCheckpoints, chunk_ends
 from turboquant.integration import held_tokens
 from turboquant.windows import WINDOW_MODES, settle_all
 
+from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.errors import BadInput, CorruptBlock, IdentityMismatch, NotFound, TqstoreError
@@ -336,6 +337,10 @@ class Engine:
         self.store.check_room(stored_bytes_at_least(self.codec_identity(loaded, scheme, windows), new), new)
         seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
                                                 at=started.matched, checkpoints=started.checkpoints)
+        # The quality receipt's reference: the context's last tokens against the caches as prefilled.
+        probe = receipts.probe_length(new, started.caches, started.checkpoints is not None)
+        if probe:
+            reference, probe_seconds = receipts.reference(loaded.model, snapshot(started.caches), tokens[-probe:])
         for cache in started.caches:
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
@@ -344,6 +349,9 @@ class Engine:
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
         boundaries, rows = _logged(started.checkpoints, len(tokens))
         snap = snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries, rows=rows, windows=windows)
+        if probe:
+            receipt = receipts.measure(loaded.model, restore(snap), tokens[-probe:], reference, probe_seconds)
+            metadata = {**(metadata or {}), **receipt.metadata()}
         result = self.store.put(name, snap, tokens, model=loaded.identity,
                                 codec=self.codec_identity(loaded, scheme, windows), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,

@@ -1,0 +1,117 @@
+"""Bits where they matter: an autoB scheme spends a budget of B stored bits per K/V value.
+
+Every layer starts at the scheme's base layout (TurboQuant K and V, calibrated keys). When the
+first layer of a model compresses, the group of layers sharing the budget measures, on each
+layer's own prefill (its first 256 keys and the queries observed over them, exactly what key
+calibration already uses), how much score error the base keys would cause and how much 8-bit
+affine keys would remove:
+
+    error(layout) = sum over KV heads and channels of  E[q_c^2] * E[(k_c - k~_c)^2]
+
+the expected squared error of a score q . k, with k~ the keys as stored (quantized with the
+layer's real codec and calibration, not a model of it). Key options per layer, cheapest first:
+the base, 4-bit TurboQuant keys (when the base has 3), 8-bit affine keys. The steps that remove
+the most error per bit are taken until the next would exceed the budget; the budget counts codes, norms, affine scales and biases at the activations' width and the
+per-block key means (codebooks and calibration scales are a constant under 0.02 bit at 2,048
+tokens). Both layouts are ones the fused kernels run (calibrated TurboQuant, affine-K +
+TurboQuant-V). Each layer records its decision in its snapshot, so a restored entry continues
+with it; layers that compress without their group (restored raw on their own) keep the base.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+from .calibration import CALIBRATION_TOKENS, block_mean
+from .schemes import side_bytes
+from .sides import SHIFT_BLOCK
+
+if TYPE_CHECKING:
+    from .cache import TurboQuantKVCache
+    from .plan import LayerPlan
+
+MEAN_BITS = 32  # one float32 key mean per channel and 256-token block
+
+
+@dataclass(frozen=True)
+class LayerMeasure:
+    """One layer's measurements: per key option (cheapest first), its score error and the
+    layer's stored bits per token; and the layer's K/V values per token."""
+
+    errors: tuple[float, ...]
+    bits: tuple[float, ...]
+    elements: int
+
+
+class AllocationGroup:
+    """The layers of one model's caches that share one budget (made by make_prompt_cache)."""
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self._members: "weakref.WeakSet[TurboQuantKVCache]" = weakref.WeakSet()
+
+    def join(self, cache: "TurboQuantKVCache") -> None:
+        self._members.add(cache)
+
+    def decide(self) -> None:
+        """Measure every member that holds raw prefill rows and has no decision yet, then
+        upgrade the best of them within the budget."""
+        pending = [c for c in self._members if not c.compressed and c.allocated is None and c.offset > 0]
+        measures = {c: measure_layer(c) for c in pending}
+        for c, index in choose(measures, self.budget).items():
+            c.allocated = c.plan.key_options()[index]
+
+
+def choose(measures: dict, budget: float, options: dict | None = None) -> dict:
+    """Per layer, the index of its key option (0: the base). Greedy on the knapsack: the step
+    (one layer, to a better option) with the most score error removed per bit is taken while
+    the total stays within `budget` bits per value; steps that remove nothing are never taken."""
+    elements = sum(m.elements for m in measures.values())
+    spent = sum(m.bits[0] for m in measures.values())
+    at = {key: 0 for key in measures}
+    while True:
+        best, best_rate = None, 0.0
+        for key, m in measures.items():
+            for j in range(at[key] + 1, len(m.bits)):
+                gain, cost = m.errors[at[key]] - m.errors[j], m.bits[j] - m.bits[at[key]]
+                if gain > 0 and spent + cost <= budget * elements and gain / cost > best_rate:
+                    best, best_rate = (key, j, cost), gain / cost
+        if best is None:
+            return at
+        key, j, cost = best
+        at[key], spent = j, spent + cost
+
+
+def stored_bits_per_token(plan: "LayerPlan", dtype_bytes: int) -> float:
+    """Bits one token costs this layer at long contexts: codes, norms, scales, block means."""
+    k = side_bytes(plan.key.format, plan.key.bits, plan.head_dim_k, dtype_bytes)
+    v = side_bytes(plan.value.format, plan.value.bits, plan.head_dim_v, dtype_bytes)
+    means = plan.head_dim_k * MEAN_BITS / SHIFT_BLOCK if plan.calibrated and plan.calibration.center else 0.0
+    return plan.n_kv_heads * (8 * (k + v) + means)
+
+
+def score_error(plan: "LayerPlan", keys: mx.array, power: mx.array | None, fit) -> float:
+    """sum_h,c E[q_c^2] E[(k_c - k~_c)^2] for the first block of `keys` stored under `plan`
+    (`fit(plan, keys, power)` gives its calibration). Without observed queries, flat query power."""
+    keys = keys[..., :CALIBRATION_TOKENS, :].astype(mx.float32)
+    calibration = fit(plan, keys, power) if plan.calibrated else None
+    side = plan.key.side("keys", calibration)
+    mean = block_mean(keys)[None, :, None, :] if plan.calibrated and plan.calibration.center else None
+    target = keys if mean is None else keys - mean
+    err = target - side.decode(side.encode(keys, mean)).astype(mx.float32)
+    q = mx.ones(keys.shape[1:2] + keys.shape[3:]) if power is None else power
+    return mx.sum(q * mx.mean(err * err, axis=(0, 2))).item()
+
+
+def measure_layer(cache: "TurboQuantKVCache") -> LayerMeasure:
+    """The measurements of one uncompressed layer from its raw prefill rows."""
+    plans = [cache.plan.with_keys(option) for option in cache.plan.key_options()]
+    keys, power = cache.raw_keys(), cache.query_power()
+    dtype_bytes = cache.native_dtype.size
+    return LayerMeasure(tuple(score_error(p, keys, power, cache.fit) for p in plans),
+                        tuple(stored_bits_per_token(p, dtype_bytes) for p in plans),
+                        cache.plan.n_kv_heads * (cache.plan.head_dim_k + cache.plan.head_dim_v))
