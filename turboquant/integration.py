@@ -28,6 +28,7 @@ from .cache import CompressedKeys, TurboQuantKVCache
 from .calibration import CalibrationConfig
 from .plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, plan_layer
 from .schemes import Format, SchemeSpec, parse_scheme
+from .verdicts import book_for
 from .records import (SIDE_SUFFIXES, LayerRecord, Layout, Snapshot, join_children, split_children, state_at,
                       state_boundary)
 from .residence import NATIVE_KINDS, Residence, kind_name, layers_read_by_model, residence_of
@@ -165,17 +166,26 @@ _checked: dict[tuple, tuple[weakref.ref, str | None]] = {}
 
 def _checked_fallback(model, spec: SchemeSpec, options: dict, eligible: list[int], read: frozenset[int]) -> str | None:
     """None when the plan passes `check_plan`; else "at rest" or "native", the first fallback
-    that passes (stated as a warning). Cached per model object, scheme, options and layers."""
+    that passes (stated as a warning). Cached per model object, scheme, options and layers, and
+    in the model's `verdicts` book where one is registered."""
     key = (id(model), spec.name, tuple(eligible), read, *sorted((k, repr(v)) for k, v in options.items()))
     hit = _checked.get(key)
     if hit is not None and hit[0]() is model:
         return hit[1]
+    book = book_for(model)
+    kept_key = f"plan:{key[1:]!r}"
+    kept = book.get(kept_key) if book is not None else None
+    if isinstance(kept, dict) and kept.get("fallback") in (None, "at rest", "native"):
+        if kept.get("notice"):
+            _notice_once(kept["notice"])
+        _checked[key] = (weakref.ref(model), kept["fallback"])
+        return kept["fallback"]
     family = family_name(model)
-    result = None
+    result, notice = None, None
     for fallback, layers_read in ((None, read), ("at rest", frozenset(eligible)), ("native", None)):
         if fallback == "native":
-            _notice_once(f"scheme {spec.name} does not work for family {family} ({error}): "
-                         "every layer of it is stored uncompressed")
+            notice = (f"scheme {spec.name} does not work for family {family} ({error}): "
+                      "every layer of it is stored uncompressed")
             result = fallback
             break
         try:
@@ -183,12 +193,16 @@ def _checked_fallback(model, spec: SchemeSpec, options: dict, eligible: list[int
                                                       probe_kv_shapes(model), eligible, layers_read, options))
             result = fallback
             if fallback is not None:
-                _notice_once(f"scheme {spec.name} cannot attend over compressed storage for family {family} "
-                             f"({error}): its layers are compressed at rest only")
+                notice = (f"scheme {spec.name} cannot attend over compressed storage for family {family} "
+                          f"({error}): its layers are compressed at rest only")
             break
         except Exception as e:  # any failure of the plan is a fallback, stated above
             error = f"{type(e).__name__}: {e}"
+    if notice is not None:
+        _notice_once(notice)
     _checked[key] = (weakref.ref(model), result)
+    if book is not None:
+        book.put(kept_key, {"fallback": result, "notice": notice})
     return result
 
 

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from .at_rest import AtRestKVCache
+from .verdicts import book_for
 from .cache import CompressedKeys, CompressedValues, TurboQuantKVCache
 
 
@@ -138,12 +139,19 @@ def layers_read_by_model(model, candidates: list[int]) -> frozenset[int]:
 
     Each failing forward names one layer, which is then probed native; the loop ends after at
     most len(candidates) + 1 short forwards (one for a model whose layers all use the dispatch).
-    Cached per model object.
+    Cached per model object, and in the model's `verdicts` book where one is registered.
     """
     key = id(model)
     hit = _probed.get(key)
     if hit is not None and hit[0]() is model:
         return hit[1]
+    book = book_for(model)
+    kept_key = f"read-by-model:{sorted(candidates)}"
+    kept = book.get(kept_key) if book is not None else None
+    if kept is not None:
+        result = frozenset(int(i) for i in kept)
+        _probed[key] = (weakref.ref(model), result)
+        return result
     read: set[int] = set()
     while True:
         caches = mlx_make_prompt_cache(model)
@@ -166,4 +174,6 @@ def layers_read_by_model(model, candidates: list[int]) -> frozenset[int]:
             read.add(last.index)
     result = frozenset(read)
     _probed[key] = (weakref.ref(model), result)
+    if book is not None:
+        book.put(kept_key, sorted(result))
     return result

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
-from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot
+from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot, verdicts
 from turboquant.checkpoints import StateCheckpoints, chunk_ends
 from turboquant.integration import held_tokens
 from turboquant.windows import WINDOW_MODES, settle_all
@@ -29,6 +29,7 @@ from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.errors import BadInput, CorruptBlock, IdentityMismatch, NotFound, TqstoreError
 from tqstore.models.identity import CodecIdentity, stored_bytes_at_least
 from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model
+from tqstore.models.verdicts import FileVerdicts
 from tqstore.format.manifest import Manifest
 from tqstore.store.store import PutResult, Store
 
@@ -183,8 +184,10 @@ class Engine:
         """Load (once per process) a model folder or repo id, and remember where it lives."""
         key = (ref, adapter_path)
         if key not in self._models:
-            loaded = load_model(ref, cache_dir=Path(self.store.config.home) / "cache", adapter_path=adapter_path,
-                                dtype=self.dtype)
+            cache = Path(self.store.config.home) / "cache"
+            loaded = load_model(ref, cache_dir=cache, adapter_path=adapter_path, dtype=self.dtype)
+            # What a plan's check learns about this model is kept for the next process.
+            verdicts.register(loaded.model, FileVerdicts(cache / "verdicts", loaded.identity.hexdigest))
             self.registry.remember(loaded)
             self._models[key] = loaded
         return self._models[key]
