@@ -7,7 +7,9 @@ Nothing here is measured on a Mac: the store's costs per stored GB come from a
 `bench/restore_vs_recompute.py --json` run (the Engine's restore seconds over stored bytes, from
 memory and from LMDB with its pages dropped, medians over runs at the longest context measured),
 the bytes per token of each scheme from the same run (scaled from its layers to the projected
-model's), and the Mac's side from flags with published or stated values:
+model's; for raw, an fp16 cache's 4 bytes per K/V pair and channel, since the run's random K/V
+compress where real ones do not; for turbo4 the measured bytes overstate a 32-layer model's,
+whose protected boundary layers are 4 of 32 rather than 4 of 8), and the Mac's side from flags with published or stated values:
 
 - `--prefill-rates`: an 8B model's prefill at short context in tokens/s (default 500, 1000, 2000:
   issue 28's "about 1k tokens/s, newer Max chips several times faster"), slowed at long context by
@@ -85,6 +87,8 @@ def measured_costs(results: dict) -> dict[str, StoreCosts]:
         per_gb = {tier: statistics.median(r[tier]["restore_seconds"] / (r["stored_bytes"] / 1e9) for r in at)
                   for tier in ("memory", "lmdb")}
         per_token = statistics.median(r["stored_bytes"] / r["tokens"] / layers for r in at)
+        if scheme == "raw":  # random K/V compress under zstd where real ones do not: an fp16 cache's bytes
+            per_token = 2 * 2 * Model.kv_heads * Model.head_dim
         costs[scheme] = StoreCosts(per_gb["memory"], per_gb["lmdb"], per_token)
     return costs
 

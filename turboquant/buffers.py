@@ -60,6 +60,3 @@ class TokenBuffers:
 def detach(a: mx.array) -> mx.array:
     """A distinct array object with the same contents (a lazy full slice, no copy until written)."""
     return a[:, :, : a.shape[TOKEN_AXIS]]
-
-    def clear(self) -> None:
-        self.arrays = {}
