@@ -7,6 +7,7 @@ arrays of the right shapes and dtypes, including values that only a bit-exact pa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
 import subprocess
@@ -410,3 +411,17 @@ def test_recurrent_states_without_checkpoints_stay_whole():
     assert_same_snapshot(join_blocks(split), snap)
     with pytest.raises(ValueError, match="cannot be cut"):
         join_blocks(split, 1)
+
+
+@pytest.mark.parametrize("layout", [Layout.TURBO, Layout.AFFINEK_TURBO])
+def test_a_layer_that_claims_fewer_tokens_than_it_holds_compressed_is_refused(layout):
+    """A record whose offset is below its compressed row count (`stored`) describes no cache: the
+    header checks (format 2 and 3 alike, through check_record_arrays) must refuse it."""
+    record = make_layer(layout, 512, seed=0)
+    assert int(record.state["stored"]) == 512 and record.offset == 512
+    check_record_arrays(record)
+    for offset in (0, 100, 511):
+        with pytest.raises(ValueError, match="compressed"):
+            check_record_arrays(dataclasses.replace(record, offset=offset))
+    with pytest.raises(ValueError, match="compressed"):
+        check_record_arrays(dataclasses.replace(record, state={**record.state, "stored": -1}))

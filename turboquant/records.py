@@ -141,6 +141,9 @@ def check_record_arrays(record: "LayerRecord") -> None:
     if record.layout in (Layout.RAW, Layout.ROTATING, Layout.QUANTIZED, Layout.CHUNKED):
         expected = set(LAYOUT_ARRAYS[record.layout]) if record.offset or record.arrays else set()
     else:
+        if not 0 <= stored <= record.offset:
+            raise ValueError(f"a {record.layout.value} layer with {record.offset} tokens cannot hold {stored} "
+                             "compressed")
         expected = set(LAYOUT_ARRAYS[record.layout]) if stored else set()
         if record.offset > stored:
             expected |= set(TAIL_ARRAYS)
