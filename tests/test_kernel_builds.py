@@ -111,3 +111,16 @@ def test_a_cached_module_is_used_without_compiling(monkeypatch, tmp_path):
     written.write_bytes(b"cubin")
     assert cubin_cache.ensure("k", source) == written
     assert cubin_cache.folder() == tmp_path
+
+
+def test_the_metal_self_check_runs_once_per_kernel_variant_not_per_question_length():
+    """fused_prefill gives the kernels R * L query rows per KV head: questions of 8 to 30 tokens
+    share one pass-1 variant (their rows bucket), so Metal checks that variant once."""
+    from turboquant.kernels import metal
+
+    cache = build_cache("turbo4", 2, 64, mx.float16, 300)
+    full = stored(cache)
+    calls = [host.describe(mx.zeros((1, 4 * L, 1, 64), dtype=mx.float16), cache._key_side, cache._value_side,
+                           full, None) for L in (8, 15, 30)]
+    assert len({c.pass1 for c in calls}) == 1 and len({c.R for c in calls}) == 3
+    assert len({metal.shape_key(c) for c in calls}) == 1

@@ -33,7 +33,10 @@ def kernel(variant: Pass0 | Pass1 | Pass2):
 
 
 def shape_key(call, sinks: bool = False) -> tuple:
-    return (call.pass1, call.pass2, call.B, call.H, call.R, sinks)
+    """What one self-check vouches for: the kernel variants (pass 1 names its rows bucket) and
+    the batch and head counts. Not the GQA ratio itself: `fused_prefill` passes R * L query rows,
+    and a key with it would check again at every new question length."""
+    return (call.pass1, call.pass2, call.B, call.H, sinks)
 
 
 def verdict(call, run, reference, sinks: bool = False) -> tuple | None:
