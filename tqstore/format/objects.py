@@ -158,8 +158,10 @@ def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[bytes, Header
 def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: list[dict], header_codecs: dict,
            groups: dict, raws: list[np.ndarray]) -> tuple[bytes, Header]:
     """Format 3: the frame, the binary header, then each group at an aligned offset."""
+    dtypes = [key[2] for key in groups]
+
     def pack(j: int) -> tuple[str, Any, bytes]:
-        dtype, raw = list(groups)[j][2], raws[j]
+        dtype, raw = dtypes[j], raws[j]
         encoding, packed = ("raw", None) if dtype in PACKED_DTYPES else _encode(raw, DTYPES[dtype][0].size)
         stored = raw.data if packed is None else packed
         return encoding, stored, xxhash.xxh3_128_digest(stored)
@@ -210,8 +212,10 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
 
 def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
     """Encode each group once: (the header's group records, each group's stored bytes)."""
+    dtypes = [key[2] for key in groups]
+
     def pack(j: int) -> tuple[dict, Any]:
-        dtype, raw = list(groups)[j][2], raws[j]
+        dtype, raw = dtypes[j], raws[j]
         encoding, packed = _encode(raw, DTYPES[dtype][0].size)
         record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
                   "sha256": hashlib.sha256(raw).hexdigest()}
@@ -243,8 +247,8 @@ def loads(data: bytes, *, expect: Expect) -> Obj:
 def load(data: bytes, *, expect: Expect, verified: bool = False) -> tuple[Header, Obj]:
     """`loads` that also returns the object's header (parsed once for both). `verified`: the
     caller has just checked these whole bytes against the digest recorded when they were
-    written (an LMDB or S3 read), so a format 1 or 2 frame's digest, of the same bytes, is not
-    computed again (format 3 checks its own digests, which cover every byte, in any case)."""
+    written (an S3 read, a publish), so the object's own digests of the same bytes (a format 1
+    or 2 frame's digest, format 3's group digests) are not computed again."""
     return build(parse(data, expect=expect, verified=verified))
 
 
@@ -267,7 +271,7 @@ def parse(data: bytes | memoryview | np.ndarray, *, expect: Expect, verified: bo
         return Parsed(header, None, {name: (info, blob[s:e]) for name, (info, s, e) in table.items()})
     if header.version == 2:
         return Parsed(header, _unpack(header, [blob[s:e] for _, s, e in table.values()]))
-    return Parsed(header, _unpack3(header, table, blob))
+    return Parsed(header, _unpack3(header, table, blob, hashed=not verified))
 
 
 def build(parsed: Parsed) -> tuple[Header, Obj]:
@@ -427,10 +431,11 @@ def _read3(view: memoryview, header_len: int, payload_len: int, digest: bytes, r
     return header, groups, view
 
 
-def _unpack3(header: Header, groups: Groups, view: memoryview) -> list[np.ndarray]:
+def _unpack3(header: Header, groups: Groups, view: memoryview, hashed: bool = True) -> list[np.ndarray]:
     """Format 3: the padding before each group is zero, each group's stored bytes match their
-    xxh3-128 digest (once per byte, before anything decodes them), and each group decodes to
-    its size; calibration arrays match their own sha256 (the calibration digest hashes those)."""
+    xxh3-128 digest (once per byte, before anything decodes them; not when `hashed` is False:
+    the caller checked the whole object's sha256), and each group decodes to its size;
+    calibration arrays match their own sha256 (the calibration digest hashes those)."""
     at = FRAME_SIZE + _FRAME.unpack_from(view)[3]
     for offset, stored in zip(groups.offsets.tolist(), groups.stored.tolist()):
         if any(view[at:offset]):  # under 64 bytes
@@ -440,7 +445,7 @@ def _unpack3(header: Header, groups: Groups, view: memoryview) -> list[np.ndarra
     def unpack(j: int) -> np.ndarray:
         g, offset = header.groups[j], int(groups.offsets[j])
         stored = view[offset:offset + int(groups.stored[j])]
-        if xxhash.xxh3_128_digest(stored) != groups.xxh3[j]:
+        if hashed and xxhash.xxh3_128_digest(stored) != groups.xxh3[j]:
             raise ChecksumMismatch(f"group {j} ({g.dtype}) is corrupt: its xxh3-128 does not match the header")
         return _decoded(f"group {j}", g.encoding, stored, g.nbytes, DTYPES[g.dtype][0].size)
 

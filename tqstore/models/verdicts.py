@@ -4,8 +4,8 @@ Making a model's caches runs the model to learn which layers its code reads itse
 a scheme's plan passes its check; that costs several seconds of every fresh process on a CPU
 (8 of 21 s of a `tqstore ask` with a 0.5B model) and never changes for one model and one
 version of the code. The file is named by the model's identity digest and a fingerprint of
-the code that decides (tqstore, MLX, mlx-lm and turboquant's own files), so a changed model or
-an upgrade reads nothing stale. A file that cannot be read or written is ignored: the verdicts
+the code that decides (MLX's and mlx-lm's versions and turboquant's own files: tqstore takes no
+part in a plan's check), so a changed model or an upgrade reads nothing stale. A file that cannot be read or written is ignored: the verdicts
 are computed again, as without a book.
 """
 

@@ -23,6 +23,7 @@ two entries that share a prefix share its members, whichever pack holds them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -72,7 +73,7 @@ class PackPlan:
     members: tuple[Member, ...]
     sealed: str | None  # the key id (hex) of the envelopes, None when unencrypted
 
-    @property
+    @functools.cached_property
     def offsets(self) -> list[int]:
         out, at = [], 0
         for m in self.members:
@@ -80,7 +81,7 @@ class PackPlan:
             at += m.length
         return out
 
-    @property
+    @functools.cached_property
     def index(self) -> bytes:
         """The pack's index: canonical JSON of its members and ranges."""
         return canonical_json({
@@ -88,7 +89,7 @@ class PackPlan:
             "members": [[m.key.hex(), m.sha256, off, m.length] for m, off in zip(self.members, self.offsets)],
         })
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
         """The pack's name: the sha256 of its index."""
         return hashlib.sha256(self.index).hexdigest()
