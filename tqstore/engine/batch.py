@@ -15,7 +15,6 @@ next token, which the caller fills by running `decode_step` over every waiting r
 
 from __future__ import annotations
 
-import random
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 from turboquant import TurboQuantKVCache
 from turboquant.integration import compressed_sdpa, install_attention_dispatch
 
-from tqstore.engine.engine import AskResult, Engine, Started
+from tqstore.engine.engine import AskResult, Engine, Started, own_randomness
 from tqstore.models.loading import LoadedModel
 
 # Model families whose attention layers use their cache only through `offset`,
@@ -119,7 +118,8 @@ def decode_step(model: Any, rows: Sequence[Row]) -> float:
     mx.eval(drawn, logprobs)
     for i, row in enumerate(rows):
         row.drawn = drawn[i].item()
-        row.logprobs = logprobs[i]
+        if row.logprobs is None:  # the first token's, for the result; later steps' are not kept
+            row.logprobs = logprobs[i]
     return time.perf_counter() - t0
 
 
@@ -128,15 +128,7 @@ def _sampler(temp: float, top_p: float, seed: int | None) -> Callable[[mx.array]
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(temp=temp, top_p=top_p)
-    if temp <= 0:
-        return sampler
-    draws = random.Random(seed)
-
-    def sample(logprobs: mx.array) -> mx.array:
-        mx.random.seed(draws.getrandbits(64))
-        return sampler(logprobs)
-
-    return sample
+    return own_randomness(sampler, seed) if temp > 0 else sampler
 
 
 def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *,

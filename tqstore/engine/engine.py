@@ -138,7 +138,7 @@ def _finish(steps: Generator[None, None, Any]) -> Any:
             return done.value
 
 
-def _own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
+def own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
     """`sampler` drawing from this generation's own random sequence (from `seed`, or fresh):
     each draw reseeds MLX's global generator, which generations interleaved on one thread share."""
     draws = random.Random(seed)
@@ -391,7 +391,7 @@ class Engine:
                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                    on_text: Callable[[str], None] | None = None, recorded: float = 0.0,
                    stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
-                   started: Started | None = None, windows: str | None = None
+                   started: Started | None = None, windows: str | None = None, log_answer: bool = False
                    ) -> Generator[None, None, tuple[AskResult, list[Any]]]:
         """`generate_with_caches` one step at a time: it yields after each prefill chunk and
         each token and returns (result, caches), so one thread can take turns between several
@@ -402,7 +402,9 @@ class Engine:
         far)` ends generation early and is also asked (with "") between prefill chunks, so a
         caller that has gone away does not wait for a long prefill. `started` gives caches that
         already hold the prompt's first `matched` tokens (composed documents) instead of a lookup;
-        `windows` which entries the lookup may use (as in `start`).
+        `windows` which entries the lookup may use (as in `start`). `log_answer`: the answer's
+        tokens are checkpointed like a prefill's (window rows, block-end states) for a caller that
+        stores prompt + answer (a chat turn); it costs a copy per generated token, so only then.
         """
         from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
@@ -418,13 +420,13 @@ class Engine:
             # The prompt's last token runs through mlx-lm's own loop: it yields the first logits.
             responses = stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:], max_tokens=max_tokens,
                                         prompt_cache=started.caches,
-                                        sampler=_own_randomness(sampler, seed) if temp > 0 else sampler)
+                                        sampler=own_randomness(sampler, seed) if temp > 0 else sampler)
             while True:
                 t0 = time.perf_counter()
                 response = next(responses, None)
                 generating += time.perf_counter() - t0
-                if started.checkpoints is not None:
-                    started.checkpoints.follow(started.caches)  # the rows of generated tokens too
+                if log_answer and started.checkpoints is not None:
+                    started.checkpoints.follow(started.caches)
                 if response is None:
                     break
                 if not tokens:
@@ -509,7 +511,8 @@ class Engine:
         starts: list[Started] = []
         scheme, windows = self.entry_scheme(manifest, loaded)
         result, caches = self.generate_with_caches(loaded, scheme, prompt, recorded=manifest.prefill_seconds,
-                                                   on_start=starts.append, windows=windows, **options)
+                                                   on_start=starts.append, windows=windows, log_answer=True,
+                                                   **options)
         self.store_caches(child, loaded, scheme, caches, prompt + result.tokens,
                           prefill_seconds=manifest.prefill_seconds, metadata={**manifest.metadata, CHAT_PARENT: name},
                           checkpoints=starts[0].checkpoints, windows=windows)
