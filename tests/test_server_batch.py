@@ -119,6 +119,9 @@ def test_sampled_seeded_answers_do_not_depend_on_the_batch(tmp_path, llama):
     together, _ = _serve(engine, llama, "raw", [_request(p, sampled) for p in PROMPTS[:4]])
     alone, _ = _serve(engine, llama, "raw", [_request(PROMPTS[2], sampled)], max_running=1)
     assert together[2][0].text == alone[0][0].text
+    loaded = engine.model(str(llama))
+    direct = engine.generate(loaded, "raw", loaded.tokenizer.encode(PROMPTS[2]), max_tokens=12, temp=1.0, seed=11)
+    assert together[2][0].text == direct.text  # the same draws as the unbatched Engine path
 
 
 def test_stop_strings_and_the_token_cap_end_rows_that_leave_the_batch(tmp_path, llama):
