@@ -108,3 +108,14 @@ def test_the_receipt_shows_in_info_and_ls_and_survives_push_and_pull(s3, monkeyp
     assert tq("b", "pull", "doc")[0] == 0
     _, info_b = tq("b", "info", "doc")
     assert info_b["quality"] == quality
+
+
+def test_a_sliding_window_model_gets_a_receipt_while_its_windows_can_be_trimmed(engine, tmp_path):
+    """Window rows logged per token make checkpoints exist without recurrent states: the probe
+    still runs (raw: exactly 0), where it used to be skipped as if the model were recurrent. The
+    context stays inside the tiny model's 64-token windows (a full window cannot be trimmed, so
+    longer contexts get no receipt: receipts.probe_length)."""
+    gemma = str(write_model_folder(tmp_path / "tiny-gemma3", kind="gemma3_text"))
+    engine.save("raw", DOC[:200], model=gemma, scheme="raw")
+    receipt = _receipt(engine, "raw")
+    assert receipt is not None and receipt.kl == 0.0 and receipt.top1 == 1.0

@@ -341,7 +341,7 @@ class Engine:
         seconds = yield from self.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
                                                 at=started.matched, checkpoints=started.checkpoints)
         # The quality receipt's reference: the context's last tokens against the caches as prefilled.
-        probe = receipts.probe_length(new, started.caches, started.checkpoints is not None)
+        probe = receipts.probe_length(new, started.caches, bool(started.checkpoints and started.checkpoints.states))
         if probe:
             reference, probe_seconds = receipts.reference(loaded.model, snapshot(started.caches), tokens[-probe:])
         for cache in started.caches:
