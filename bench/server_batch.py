@@ -131,7 +131,7 @@ def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int) ->
     """(tokens per second, tokens per CPU-second) of the decode steps alone, in this process:
     one row per prompt through tqstore/engine/batch.py (prefilled first, not timed), stepped
     together until every row has its `max_tokens` (or its end-of-sequence token)."""
-    from tqstore.engine.batch import batched_generation, decode_step
+    from tqstore.engine.batch import DecodeBatch, batched_generation
 
     rows = [batched_generation(engine, loaded, scheme, p, max_tokens=max_tokens) for p in prompts]
     pending = []
@@ -141,9 +141,10 @@ def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int) ->
             step = next(row)
         pending.append(step)
     tokens, wall, cpu = 0, time.perf_counter(), time.process_time()
+    batch = DecodeBatch()
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None]
-        decode_step(loaded.model, [pending[i] for i in live])
+        batch.step(loaded.model, [pending[i] for i in live])
         tokens += len(live)
         for i in live:
             try:
