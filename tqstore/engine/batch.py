@@ -5,17 +5,21 @@ from any tier, prefilled on their own). A `DecodeBatch` step stacks the generati
 tokens into one [B, 1] input and runs the model once: embeddings, projections, MLPs, norms and
 the output head run batched. Attention runs in one of two forms per row:
 
-- Raw rows (every layer a plain KVCache) up to GROUP_TOKENS long attend together: the batch
-  keeps their keys and values in one buffer pair per layer, [rows, heads, capacity, dim], each
-  row's at [0, its length) and zeros after; a step writes every row's new token with one
-  scatter and runs one attention call over the rows' longest length, a mask hiding each row's
-  padding. A row's caches are copied in when it joins and its new rows copied back when it
-  leaves unfinished (parked), so its own caches hold its prompt throughout and every token
-  again once it leaves.
-- Other rows (compressed TurboQuant storage, longer raw rows) attend one at a time over their
-  own caches, through TurboQuant's dispatch (`RowsCache` routes each row's call).
+- Rows shorter than GROUP_TOKENS (1024) attend together, the group: the batch keeps their keys
+  and values in one buffer pair per layer, [rows, KV heads, capacity, head dim], each row's at
+  [0, its length) and zeros after; a step writes every row's new token with one scatter and runs
+  one attention call over the rows' longest length, a mask hiding each row's padding. A row's
+  rows are copied in when it joins (a TurboQuant cache's raw rows as they are, its compressed
+  ones decoded: `dequantized`) and its new rows handed back to its own caches
+  (`update_and_fetch`) when it leaves unfinished (parked, or grown to GROUP_TOKENS), so its own
+  caches hold its prompt throughout and every token again once it leaves. A TurboQuant row in
+  the group thus attends over raw keys and values: a fresh prompt's rows (a TurboQuant cache
+  keeps its prefill raw until its first one-token update, which the group never makes) and the
+  answer's exactly, a restored compressed prefix as decoded; its caches are compressed when
+  they are saved, as always.
+- Longer rows attend one at a time over their own caches, through TurboQuant's dispatch.
 
-With MLX's bundled BLAS a row's arithmetic is its own either way (the padded positions add
+With MLX's bundled BLAS a raw row's arithmetic is its own either way (the padded positions add
 exact zeros): a greedy answer does not depend on what else is in the batch
 (tests/test_server_batch.py). Greedy rows draw with one argmax over the batch; sampled rows each
 draw from their own random sequence.
@@ -57,12 +61,24 @@ def batchable(loaded: LoadedModel, caches: Sequence[Any]) -> bool:
     return family in BATCHED_FAMILIES and all(type(c) in _ROW_CACHES for c in caches)
 
 
-GROUP_TOKENS = 2048  # raw rows longer than this attend alone: padding others to them costs more than the calls saved
+# Rows this long or longer attend over their own caches: padding others to them would cost more
+# than the calls it saves, and compressed rows keep their memory saving where it matters.
+GROUP_TOKENS = 1024
 _CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
 
-def _raw(row: "Row") -> bool:
-    return all(type(c) is KVCache for c in row.caches)
+def _plain(row: "Row") -> bool:
+    """Whether every layer of the row is a plain attention cache (raw or TurboQuant)."""
+    return all(type(c) in _ROW_CACHES for c in row.caches)
+
+
+def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
+    """The keys and values a cache holds, [1, H, offset, D], in its model's dtype: a raw cache's
+    own arrays; a TurboQuant cache's raw rows as they are and its compressed rows decoded."""
+    if isinstance(cache, TurboQuantKVCache):
+        keys, values = cache.dequantized()
+        return keys.astype(cache.native_dtype), values.astype(cache.native_dtype)
+    return cache.keys_and_values()
 
 
 class StepKeys:
@@ -146,8 +162,8 @@ class Row:
 class DecodeBatch:
     """Decode steps over changing sets of rows (one owner: the thread that steps them).
 
-    Raw rows shorter than `group_tokens` form the group: their keys and values live in one buffer
-    pair per layer ([group, kv heads, capacity, head dim], row j's at [0, lengths[j]), zeros
+    Rows shorter than `group_tokens` form the group: their keys and values live in one buffer
+    pair per layer ([group, KV heads, capacity, head dim], row j's at [0, lengths[j]), zeros
     after) while they stay; the rest attend over their own caches."""
 
     def __init__(self, group_tokens: int = GROUP_TOKENS):
@@ -176,7 +192,7 @@ class DecodeBatch:
         def length(row: Row) -> int:
             return self.lengths[member[id(row)]] if id(row) in member else row.caches[0].offset
 
-        self._regroup([r for r in rows if _raw(r) and length(r) < self.group_tokens])
+        self._regroup([r for r in rows if _plain(r) and length(r) < self.group_tokens])
         grouped = {id(r) for r in self.members}
         others = [r for r in rows if id(r) not in grouped]
         ordered = self.members + others
@@ -251,7 +267,7 @@ class DecodeBatch:
                     j = old[id(r)]
                     k, v = self.keys[layer][j:j + 1, :, :n], self.values[layer][j:j + 1, :, :n]
                 else:
-                    k, v = r.caches[layer].keys_and_values() if n else (None, None)
+                    k, v = _held_rows(r.caches[layer]) if n else (None, None)
                 pieces_k.append(k)
                 pieces_v.append(v)
             keys.append(_stacked(pieces_k, capacity))

@@ -53,8 +53,8 @@ HOLD_SECONDS = 1.0  # model time a job runs for, once admitted, before it yields
 # A prompt's prefill chunk is sized to take about this long at the rate the last chunk ran (at
 # least MIN_CHUNK tokens, at most the engine's chunk): a request that arrives meanwhile waits
 # at most about this long for the model before its own prefill runs.
-CHUNK_SECONDS = 0.025
-MIN_CHUNK = 32
+CHUNK_SECONDS = 0.02
+MIN_CHUNK = 16
 UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no context length
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 
@@ -430,7 +430,7 @@ class ModelWorker:
 
     def _chunks(self, job: Job) -> Callable[[], int]:
         """A prefill's chunk sizes: CHUNK_SECONDS of work at the rate of the last chunk measured
-        (this job's, or before its first one the last job's); the engine's chunk before any."""
+        (this job's, or before its first one the last job's); 2 * MIN_CHUNK before any."""
         asked = 0
 
         def size() -> int:
@@ -438,7 +438,7 @@ class ModelWorker:
             if asked and job.step_seconds > 0:
                 self._prefill_rate = asked / job.step_seconds
             limit = self.engine.prefill_chunk
-            wanted = limit if self._prefill_rate is None else int(self._prefill_rate * CHUNK_SECONDS)
+            wanted = 2 * MIN_CHUNK if self._prefill_rate is None else int(self._prefill_rate * CHUNK_SECONDS)
             asked = max(MIN_CHUNK, min(wanted, limit))
             return asked
 
