@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_rows = [[scheme, str(c)] + [cell(decodes[(scheme, c, kind)], decodes[(scheme, 1, kind)])
                                        for kind in ("wall", "cpu")]
                    for scheme in args.schemes for c in args.concurrency]
-    body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `decode_step` over rows "
+    body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `DecodeBatch.step` over rows "
              "prefilled first; no HTTP, no detokenizing for clients):\n\n"
              + markdown_table(["scheme", "rows", "tokens/s (x one row)", "tokens per CPU-second (x one row)"],
                               decode_rows))
