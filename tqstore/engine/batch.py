@@ -96,7 +96,7 @@ class StepLayer:
     other row's into its own cache."""
 
     def __init__(self, batch: "DecodeBatch", layer: int, others: list[Any], offset: mx.array,
-                 positions: mx.array | None, width: int, mask: mx.array | None):
+                 positions: mx.array | None, width: int | None, mask: mx.array | None):
         self.batch, self.layer, self.others = batch, layer, others
         self.offset, self.positions, self.width, self.mask = offset, positions, width, mask
 
@@ -200,9 +200,9 @@ class DecodeBatch:
         offset = mx.array(lengths)
         positions = width = mask = None
         if self.members:
-            positions = offset[:len(self.members)] if others else offset
             width = max(self.lengths) + 1
             if min(self.lengths) + 1 < width:  # rows of unequal length: hide each row's padding
+                positions = offset[:len(self.members)] if others else offset
                 mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
         layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask)
                   for layer in range(len(rows[0].caches))]
@@ -225,16 +225,20 @@ class DecodeBatch:
             if r.logprobs is None:  # the first token's, for the result; later steps' are not kept
                 r.logprobs = logprobs[i]
 
-    def write(self, layer: int, keys: mx.array, values: mx.array, positions: mx.array,
+    def write(self, layer: int, keys: mx.array, values: mx.array, positions: mx.array | None,
               width: int) -> tuple[mx.array, mx.array]:
-        """Put the group's new rows (one per member, at `positions`) into the layer's buffers;
-        the buffers up to `width`."""
+        """Put the group's new rows (one per member, at `positions`; None: all at `width` - 1)
+        into the layer's buffers; the buffers up to `width`."""
         if self.keys[layer] is None or self.keys[layer].shape[2] < width:
             self.keys[layer] = self._grown(self.keys[layer], keys, width)
             self.values[layer] = self._grown(self.values[layer], values, width)
-        rows = mx.arange(keys.shape[0])
-        self.keys[layer][rows, :, positions] = keys[:, :, 0, :]
-        self.values[layer][rows, :, positions] = values[:, :, 0, :]
+        if positions is None:  # rows of one length: a slice update (cheaper than a scatter on the CPU)
+            self.keys[layer][:, :, width - 1:width] = keys
+            self.values[layer][:, :, width - 1:width] = values
+        else:
+            rows = mx.arange(keys.shape[0])
+            self.keys[layer][rows, :, positions] = keys[:, :, 0, :]
+            self.values[layer][rows, :, positions] = values[:, :, 0, :]
         return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
 
     @staticmethod
