@@ -346,9 +346,9 @@ class ModelWorker:
                 self._running.append(Running(item, item.work(item)))
 
     def _cycle(self) -> None:
-        """One batched decode step over every running job that waits on a Row, then one step of
-        the other running job that has had the least model time; then park jobs that have held
-        their place for HOLD_SECONDS while others wait for one."""
+        """One batched decode step over every running job that waits on a Row, then a step of each
+        other running job, least model time first, while they fit in CHUNK_SECONDS; then park
+        jobs that have held their place for HOLD_SECONDS while others wait for one."""
         decoding = [r for r in self._running if r.pending is not None]
         if decoding:
             try:
@@ -365,17 +365,24 @@ class ModelWorker:
                 running.seconds += spent
                 running.held += spent
                 self._advance(running)
-        # The other job that has had the least model time: a new request's prefill goes before
-        # the next chunk of a long one, so its first token waits for at most one chunk.
-        other = min((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds,
-                    default=None)
-        if other is not None:
+        # Then steps of the other jobs, least model time first (a new request's prefill goes
+        # before the next chunk of a long one), one each, while they fit in CHUNK_SECONDS by
+        # their last step's time: requests that arrive together join the batch together, and a
+        # long prompt's chunk never runs after a short request's step in the same cycle.
+        others = sorted((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds)
+        left = CHUNK_SECONDS
+        for i, other in enumerate(others):
+            if i and other.job.step_seconds > left:
+                continue
             t0 = time.perf_counter()
             self._advance(other)
             spent = time.perf_counter() - t0
             other.job.step_seconds = spent
             other.seconds += spent
             other.held += spent
+            left -= spent
+            if left <= 0:
+                break
         if self._waiting and not self._stopping.is_set():
             overdue = [r for r in self._running if r.held >= HOLD_SECONDS][:len(self._waiting)]
             for running in overdue:
