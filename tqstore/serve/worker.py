@@ -7,9 +7,10 @@ Failed) through the job's `sink`, called on the worker's thread. Up to `max_runn
 once. A job is a generator: it yields None after a step of its own (a prefill chunk, a token of
 a family that cannot batch) and a `Row` when it waits for its next token from a shared decode
 step (tqstore/engine/batch.py). Each cycle of the worker runs one batched decode step over every
-job waiting on a Row (joining and leaving between steps), then one step of the other job that
-has had the least model time, so a long prompt's prefill chunks interleave with the running
-decode and a new request's prefill goes before a long one's next chunk. A running job that has
+job waiting on a Row (joining and leaving between steps), then a step of each other job, least
+model time first, while they fit in CHUNK_SECONDS, so a long prompt's prefill chunks (sized to
+CHUNK_SECONDS) interleave with the running decode and a new request's prefill goes before a long
+one's next chunk. A running job that has
 had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
 back of the line, and the job that waited longest takes its place, so no request waits for the
 running ones to end. A client that goes away cancels its job: a queued job is skipped, a
