@@ -45,6 +45,7 @@ from server_process import ServerProcess  # noqa: E402
 
 DOC = ROOT / "docs" / "server.md"
 MARKER = "server_batch"
+FORMS = ("group", "per row")  # the decode steps' attention: DecodeBatch's group, or one call per row
 
 
 def say(message: str) -> None:
@@ -127,11 +128,13 @@ def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> tu
     return tokens / max(r[2] for r in results), tokens / max(cpu_seconds(server.proc.pid) - cpu0, 1e-9)
 
 
-def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int) -> tuple[float, float]:
+def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int, group: bool) -> tuple[float, float]:
     """(tokens per second, tokens per CPU-second) of the decode steps alone, in this process:
     one row per prompt through tqstore/engine/batch.py (prefilled first, not timed), stepped
-    together until every row has its `max_tokens` (or its end-of-sequence token)."""
-    from tqstore.engine.batch import batched_generation, decode_step
+    together until every row has its `max_tokens` (or its end-of-sequence token). `group`
+    False: every row attends over its own caches, one call per row (the form before the
+    group, kept for rows of 1,024 tokens and more)."""
+    from tqstore.engine.batch import DecodeBatch, batched_generation
 
     rows = [batched_generation(engine, loaded, scheme, p, max_tokens=max_tokens) for p in prompts]
     pending = []
@@ -141,9 +144,10 @@ def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int) ->
             step = next(row)
         pending.append(step)
     tokens, wall, cpu = 0, time.perf_counter(), time.process_time()
+    batch = DecodeBatch() if group else DecodeBatch(group_tokens=0)
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None]
-        decode_step(loaded.model, [pending[i] for i in live])
+        batch.step(loaded.model, [pending[i] for i in live])
         tokens += len(live)
         for i in live:
             try:
@@ -235,16 +239,17 @@ def main(argv: list[str] | None = None) -> int:
 
         engine = Engine.open(root / "decode-home")  # an empty store: every row is prefilled
         loaded = engine.model(str(folder))
-        decodes: dict[tuple[str, int, str], list[float]] = {}
+        decodes: dict[tuple[str, str, int, str], list[float]] = {}  # (scheme, attention, rows, "wall" | "cpu")
         for run in range(args.runs):
             for c in args.concurrency:
                 for scheme in args.schemes:
-                    rates_now = decode_rates(engine, loaded, scheme, prompts[:c], args.tokens)
-                    measured = dict(zip(("wall", "cpu"), rates_now))
-                    for kind, rate in measured.items():
-                        decodes.setdefault((scheme, c, kind), []).append(rate)
-                    say(f"run {run + 1}/{args.runs}, decode steps of {c} rows, {scheme}: {measured['wall']:.1f} "
-                        f"tokens/s, {measured['cpu']:.1f} tokens per CPU-second")
+                    for form in FORMS:
+                        rates_now = decode_rates(engine, loaded, scheme, prompts[:c], args.tokens, form == "group")
+                        measured = dict(zip(("wall", "cpu"), rates_now))
+                        for kind, rate in measured.items():
+                            decodes.setdefault((scheme, form, c, kind), []).append(rate)
+                        say(f"run {run + 1}/{args.runs}, decode steps of {c} rows, {scheme}, {form}: "
+                            f"{measured['wall']:.1f} tokens/s, {measured['cpu']:.1f} tokens per CPU-second")
         firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
         if long_tokens:
             long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
@@ -266,13 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of 16-token "
             f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
             "run.\n\n" + markdown_table(header, rows))
-    decode_rows = [[scheme, str(c)] + [cell(decodes[(scheme, c, kind)], decodes[(scheme, 1, kind)])
-                                       for kind in ("wall", "cpu")]
-                   for scheme in args.schemes for c in args.concurrency]
-    body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `decode_step` over rows "
-             "prefilled first; no HTTP, no detokenizing for clients):\n\n"
-             + markdown_table(["scheme", "rows", "tokens/s (x one row)", "tokens per CPU-second (x one row)"],
-                              decode_rows))
+    decode_rows = [[scheme, form, str(c)] + [cell(decodes[(scheme, form, c, kind)], decodes[(scheme, form, 1, kind)])
+                                             for kind in ("wall", "cpu")]
+                   for scheme in args.schemes for form in FORMS for c in args.concurrency]
+    body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `DecodeBatch.step` over rows "
+             "prefilled first; no HTTP, no detokenizing for clients), with the rows attending as one group (what the "
+             "server does under 1,024 tokens) and one call per row (`DecodeBatch(group_tokens=0)`, the form "
+             "before the group), alternating:\n\n"
+             + markdown_table(["scheme", "attention", "rows", "tokens/s (x one row)",
+                               "tokens per CPU-second (x one row)"], decode_rows))
     if firsts:
         first_rows = [[s, summary(firsts[s][0], 0), summary(firsts[s][1], 0),
                        summary([b / i for i, b in zip(firsts[s][0], firsts[s][1])], 2) + "x",

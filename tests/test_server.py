@@ -230,9 +230,9 @@ def test_metrics_are_prometheus_text_and_count_what_happened(server, client):
 
     assert delta('tqstore_http_requests_total{endpoint="/v1/completions",method="POST",status="200"}') == 2
     assert delta('tqstore_http_requests_total{endpoint="/v1/models",method="GET",status="401"}') == 1
-    assert delta('tqstore_prefix_hits_total{tier="none"}') == 1
-    assert delta('tqstore_prefix_hits_total{tier="memory"}') == 1
-    assert delta("tqstore_cached_tokens_total") > 30
+    assert delta('tqstore_prefix_hits_total{api="openai",tier="none"}') == 1
+    assert delta('tqstore_prefix_hits_total{api="openai",tier="memory"}') == 1
+    assert delta('tqstore_cached_tokens_total{api="openai"}') > 30
     assert delta('tqstore_autosaves_total{outcome="saved"}') == 1
     assert delta("tqstore_autosave_seconds_count") == 1 and delta("tqstore_autosave_seconds_sum") > 0
     assert delta('tqstore_autosaves_total{outcome="covered"}') == 1

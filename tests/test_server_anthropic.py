@@ -174,4 +174,4 @@ def test_concurrent_streams_get_what_they_get_alone(server, client):
         assert list(pool.map(stream, prompts)) == alone
     status, _, text = request(server, "GET", "/metrics", key=None, headers={"x-api-key": KEY})
     samples = parse_prometheus(text)
-    assert sum(v for k, v in samples.items() if k.startswith('tqstore_api_prefix_hits_total{api="anthropic"')) >= 8
+    assert sum(v for k, v in samples.items() if k.startswith('tqstore_prefix_hits_total{api="anthropic"')) >= 8

@@ -121,7 +121,8 @@ def test_metrics_render_valid_prometheus_text():
                             misses=0, evicted_entries=1, evicted_objects=2, evicted_bytes=30, memory_evictions=4)
     samples = parse_prometheus(metrics.render(stats, QueueState(waiting=2, capacity=8, running=1)))
     assert samples['tqstore_http_requests_total{endpoint="/v1/caches/{name}",method="GET",status="404"}'] == 1
-    assert samples['tqstore_prefix_hits_total{tier="lmdb"}'] == 1 and samples["tqstore_cached_tokens_total"] == 39
+    assert samples['tqstore_prefix_hits_total{api="openai",tier="lmdb"}'] == 1
+    assert samples['tqstore_cached_tokens_total{api="openai"}'] == 39
     assert samples['tqstore_restore_seconds_bucket{le="0.01"}'] == 1 and samples["tqstore_restore_seconds_count"] == 1
     assert samples['tqstore_restore_seconds_bucket{le="0.005"}'] == 0
     assert samples["tqstore_queue_depth"] == 2 and samples["tqstore_evicted_bytes_total"] == 30
@@ -138,10 +139,13 @@ def test_metrics_count_decode_batches_and_hits_per_api():
     stats = SimpleNamespace(tiers={}, misses=0, evicted_entries=0, evicted_objects=0, evicted_bytes=0,
                             memory_evictions=0)
     samples = parse_prometheus(metrics.render(stats, QueueState(3, 32, 8, batching=True)))
-    assert samples['tqstore_api_prefix_hits_total{api="anthropic",tier="memory"}'] == 1
-    assert samples['tqstore_api_prefix_hits_total{api="openai",tier="none"}'] == 1
-    assert samples['tqstore_api_prefix_hits_total{api="openai",tier="memory"}'] == 0
-    assert samples['tqstore_api_cached_tokens_total{api="anthropic"}'] == 39
+    assert samples['tqstore_prefix_hits_total{api="anthropic",tier="memory"}'] == 1
+    assert samples['tqstore_prefix_hits_total{api="openai",tier="none"}'] == 1
+    assert samples['tqstore_prefix_hits_total{api="openai",tier="memory"}'] == 0
+    assert samples['tqstore_cached_tokens_total{api="anthropic"}'] == 39
+    assert samples['tqstore_cached_tokens_total{api="openai"}'] == 0
+    # One counter per thing counted: the per-API figures are labels, not a second series to keep in step.
+    assert not any(name.startswith("tqstore_api_") for name in samples)
     assert samples["tqstore_batch_size_count"] == 3 and samples["tqstore_batch_size_sum"] == 12
     assert samples['tqstore_batch_size_bucket{le="2.0"}'] == 1 and samples['tqstore_batch_size_bucket{le="4.0"}'] == 2
     assert samples["tqstore_decode_tokens_per_second"] == 12 / RATE_WINDOW_SECONDS  # 12 tokens in the window

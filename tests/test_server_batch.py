@@ -12,12 +12,12 @@ import pytest
 
 from model_folder import write_model_folder
 from server_process import parse_prometheus
-from tqstore.engine.batch import batchable, batched_generation, decode_step
+from tqstore.engine.batch import GROUP_TOKENS, DecodeBatch, batchable, batched_generation
 from tqstore.engine.engine import Engine
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
 from tqstore.serve.worker import Failed, Finished, ModelWorker, SavePolicy, Text
-from turboquant import make_prompt_cache
+from turboquant import TurboQuantKVCache, make_prompt_cache
 
 GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())
 PROMPTS = [f"Who pays for delays {i}? " + "The contract says the seller pays. " * i for i in range(8)]
@@ -99,9 +99,10 @@ def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama,
         while step is None:
             step = next(g)
         pending.append(step)
+    batch = DecodeBatch()
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None]
-        decode_step(loaded.model, [pending[i] for i in live])
+        batch.step(loaded.model, [pending[i] for i in live])
         for i in live:
             try:
                 pending[i] = gens[i].send(None)
@@ -143,3 +144,104 @@ def test_families_with_windows_do_not_batch(tmp_path):
     folder = write_model_folder(tmp_path / "gemma", kind="gemma3_text")
     loaded = Engine.open(tmp_path / "home").model(str(folder))
     assert not batchable(loaded, make_prompt_cache(loaded.model, "raw"))
+
+
+def _step_all(batch, loaded, gens, absent=lambda step, i: False):
+    """Step generators to their end through `batch`; row i sits out the steps where
+    `absent(step, i)`. Their (result, caches), and the largest group seen."""
+    pending, results, largest, step = [], [None] * len(gens), 0, 0
+    for g in gens:
+        row = next(g)
+        while row is None:
+            row = next(g)
+        pending.append(row)
+    while any(p is not None for p in pending):
+        live = [i for i, p in enumerate(pending) if p is not None and not absent(step, i)]
+        batch.step(loaded.model, [pending[i] for i in live])
+        largest = max(largest, len(batch.members))
+        for i in live:
+            try:
+                pending[i] = gens[i].send(None)
+            except StopIteration as done:
+                results[i], pending[i] = done.value, None
+        step += 1
+    return results, largest
+
+
+def test_rows_that_leave_the_group_and_come_back_decode_the_tokens_they_decode_alone(tmp_path, llama):
+    """Rows parked for some steps (their new rows go back to their own caches and are copied in
+    again when they return) and rows that grow past the group's length limit (they go on over
+    their own caches) decode what they decode alone, bit for bit on the first token; a row
+    that left the group ends with its own caches holding every row, bit for bit those of the
+    same generation decoded on its own caches throughout."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
+    limit = sorted(len(p) for p in prompts)[1] + 4  # two rows start in the group; the longer leaves it after 4 steps
+    gens = [batched_generation(engine, loaded, "raw", p, max_tokens=10) for p in prompts]
+    results, largest = _step_all(DecodeBatch(group_tokens=limit), loaded, gens,
+                                 absent=lambda step, i: i == 1 and 2 <= step < 5 or i == 2 and step == 6)
+    assert largest == 2  # the shared buffers did run rows together (the other two beside them, on their own caches)
+    for prompt, (result, _) in zip(prompts, results):
+        alone = engine.generate(loaded, "raw", prompt, max_tokens=10)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+    [(_, own)], _ = _step_all(DecodeBatch(group_tokens=0), loaded,
+                              [batched_generation(engine, loaded, "raw", prompts[1], max_tokens=10)])
+    parked = results[1][1]
+    for a, b in zip(own, parked):
+        assert a.offset == b.offset == len(prompts[1]) - 1 + 10
+        for x, y in zip(a.keys_and_values(), b.keys_and_values()):
+            assert mx.array_equal(x, y)
+
+
+def test_prefill_in_chunks_of_any_size_gives_the_same_caches(tmp_path, llama):
+    """The server sizes prefill chunks by time (`chunk`): caches filled in chunks of 7, then
+    growing, are bit for bit those of the engine's own chunks."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    tokens = loaded.tokenizer.encode(PROMPTS[7] * 3)
+    assert len(tokens) > 100
+    whole, chunked = make_prompt_cache(loaded.model, "raw"), make_prompt_cache(loaded.model, "raw")
+    engine.prefill(loaded, whole, tokens)
+    sizes = iter([7, 7, 30] + [60] * 10)
+    steps = sum(1 for _ in engine.prefill_steps(loaded, chunked, tokens, chunk=lambda: next(sizes)))
+    assert steps == 3 + -(-(len(tokens) - 44) // 60)
+    for a, b in zip(whole, chunked):
+        assert a.offset == b.offset == len(tokens)
+        for x, y in zip(a.keys_and_values(), b.keys_and_values()):
+            assert mx.array_equal(x, y)
+
+
+def test_turbo4_rows_in_the_group_attend_over_their_raw_prompt_and_restored_rows_decoded(tmp_path, llama):
+    """A fresh turbo4 prompt's rows are still raw when its row joins the group (compression
+    waits for a one-token update, which the group never makes): it decodes the raw scheme's
+    tokens, bit for bit; the caches are then compressed when saved. A prompt whose prefix is
+    restored compressed joins with that prefix decoded: its first log-probabilities differ from
+    those of the compressed attention over the same storage by float32 rounding (through 8
+    layers), under a twentieth of how far either is from the raw scheme's (the codec's error)."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
+    gens = [batched_generation(engine, loaded, "turbo4", p, max_tokens=6) for p in prompts]
+    results, largest = _step_all(DecodeBatch(), loaded, gens)
+    assert largest == 4
+    for prompt, (result, caches) in zip(prompts, results):
+        raw = engine.generate(loaded, "raw", prompt, max_tokens=6)
+        assert result.tokens == raw.tokens
+        assert mx.array_equal(result.first_logprobs, raw.first_logprobs)
+        assert all(isinstance(c, TurboQuantKVCache) and not c.compressed for c in caches)
+    document = loaded.tokenizer.encode(PROMPTS[7] * 12)
+    assert len(document) > 300  # more than one stored block
+    engine.save_tokens("doc", loaded, document, scheme="turbo4")
+    question = document + loaded.tokenizer.encode(" Who pays?")
+
+    def first(group_tokens):
+        [(result, _)], _ = _step_all(DecodeBatch(group_tokens), loaded,
+                                     [batched_generation(engine, loaded, "turbo4", question, max_tokens=1)])
+        assert result.cached_tokens > 256
+        return result.first_logprobs
+
+    grouped, alone = first(GROUP_TOKENS), first(0)
+    raw = engine.generate(loaded, "raw", question, max_tokens=1).first_logprobs
+    assert mx.abs(grouped - alone).max().item() < mx.abs(alone - raw).max().item() / 20

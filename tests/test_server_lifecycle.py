@@ -89,7 +89,7 @@ def test_a_restarted_server_restores_the_prefix_from_lmdb(restarted):
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1 > 16
     assert again["choices"] == restarted.first["choices"]
     after = _metrics(server)
-    key = 'tqstore_prefix_hits_total{tier="lmdb"}'
+    key = 'tqstore_prefix_hits_total{api="openai",tier="lmdb"}'
     assert after[key] - before.get(key, 0) == 1
     assert after['tqstore_store_object_hits_total{tier="lmdb"}'] > 0
 

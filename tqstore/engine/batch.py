@@ -1,16 +1,32 @@
 """Batched decoding: several generations' next tokens from one forward pass of the model.
 
 Each generation keeps its own per-layer caches (raw KVCache or TurboQuantKVCache, restored
-from any tier, prefilled on their own). A decode step stacks the generations' next tokens into
-one [B, 1] input and runs the model once: embeddings, projections, MLPs, norms and the output
-head run batched; attention alone runs per row, each row over its own cache (`RowsCache`
-stands for the B caches of one layer, and `rows_sdpa` splits the attention call). So caches
-of any length and either scheme share a step without padding or copying, and a row's
-arithmetic is its own: a greedy answer does not depend on what else is in the batch.
+from any tier, prefilled on their own). A `DecodeBatch` step stacks the generations' next
+tokens into one [B, 1] input and runs the model once: embeddings, projections, MLPs, norms and
+the output head run batched. Attention runs in one of two forms per row:
+
+- Rows shorter than GROUP_TOKENS (1024) attend together, the group: the batch keeps their keys
+  and values in one buffer pair per layer, [rows, KV heads, capacity, head dim], each row's at
+  [0, its length) and zeros after; a step writes every row's new token with one scatter and runs
+  one attention call over the rows' longest length, a mask hiding each row's padding. A row's
+  rows are copied in when it joins (a TurboQuant cache's raw rows as they are, its compressed
+  ones decoded: `dequantized`) and its new rows handed back to its own caches
+  (`update_and_fetch`) when it leaves unfinished (parked, or grown to GROUP_TOKENS), so its own
+  caches hold its prompt throughout and every token again once it leaves. A TurboQuant row in
+  the group thus attends over raw keys and values: a fresh prompt's rows (a TurboQuant cache
+  keeps its prefill raw until its first one-token update, which the group never makes) and the
+  answer's exactly, a restored compressed prefix as decoded; its caches are compressed when
+  they are saved, as always.
+- Longer rows attend one at a time over their own caches, through TurboQuant's dispatch.
+
+With MLX's bundled BLAS a raw row's arithmetic is its own either way (the padded positions add
+exact zeros): a greedy answer does not depend on what else is in the batch
+(tests/test_server_batch.py). Greedy rows draw with one argmax over the batch; sampled rows each
+draw from their own random sequence.
 
 `batched_generation` is `Engine.generation` with its decode handed to the caller: it yields
 `None` after each prefill chunk (as `Engine.generation`) and a `Row` whenever it needs its
-next token, which the caller fills by running `decode_step` over every waiting row.
+next token, which the caller fills by running `DecodeBatch.step` over every waiting row.
 """
 
 from __future__ import annotations
@@ -45,42 +61,79 @@ def batchable(loaded: LoadedModel, caches: Sequence[Any]) -> bool:
     return family in BATCHED_FAMILIES and all(type(c) in _ROW_CACHES for c in caches)
 
 
-class RowKeys:
-    """The keys `RowsCache.update_and_fetch` returns: each row's own (keys, values, cache)."""
+# Rows this long or longer attend over their own caches: padding others to them would cost more
+# than the calls it saves, and compressed rows keep their memory saving where it matters.
+GROUP_TOKENS = 1024
+_CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
-    def __init__(self, rows: list[tuple[Any, Any, Any]]):
-        self.rows = rows
+
+def _plain(row: "Row") -> bool:
+    """Whether every layer of the row is a plain attention cache (raw or TurboQuant)."""
+    return all(type(c) in _ROW_CACHES for c in row.caches)
 
 
-class RowsCache:
-    """One layer's caches of the rows of a decode batch, as the model sees one cache: per-row
-    offsets (RoPE takes an array), per-row updates, and keys that route attention per row."""
+def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
+    """The keys and values a cache holds, [1, H, offset, D], in its model's dtype: a raw cache's
+    own arrays; a TurboQuant cache's raw rows as they are and its compressed rows decoded."""
+    if isinstance(cache, TurboQuantKVCache):
+        keys, values = cache.dequantized()
+        return keys.astype(cache.native_dtype), values.astype(cache.native_dtype)
+    return cache.keys_and_values()
 
-    def __init__(self, caches: list[Any]):
-        self.caches = caches
-        self.offset = mx.array([c.offset for c in caches])
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[RowKeys, RowKeys]:
-        rows = []
-        for i, cache in enumerate(self.caches):
+class StepKeys:
+    """What a step's layer returns as its keys (and values): the group's padded buffers and
+    mask, and each other row's own (keys, values, cache)."""
+
+    def __init__(self, group: tuple[mx.array, mx.array, Any] | None, others: list[tuple[Any, Any, Any]]):
+        self.group = group
+        self.others = others
+
+
+class StepLayer:
+    """One layer's caches in a decode step, as the model sees one cache: per-row offsets (RoPE
+    takes an array); the group's new rows go into the batch's buffers with one scatter, each
+    other row's into its own cache."""
+
+    def __init__(self, batch: "DecodeBatch", layer: int, others: list[Any], offset: mx.array,
+                 positions: mx.array | None, width: int | None, mask: mx.array | None):
+        self.batch, self.layer, self.others = batch, layer, others
+        self.offset, self.positions, self.width, self.mask = offset, positions, width, mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[StepKeys, StepKeys]:
+        g = len(self.batch.members)
+        group = None
+        if g:
+            k, v = self.batch.write(self.layer, keys[:g] if self.others else keys,
+                                    values[:g] if self.others else values, self.positions, self.width)
+            group = (k, v, self.mask)
+        others = []
+        for i, cache in enumerate(self.others, start=g):
             k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-            rows.append((k, v, cache))
-        fetched = RowKeys(rows)
+            others.append((k, v, cache))
+        fetched = StepKeys(group, others)
         return fetched, fetched
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         if N != 1:
             raise ValueError("a decode batch runs one token per row")
-        return None
+        return None  # the group's mask travels with its keys (StepKeys)
 
 
 def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
-    """mlx-lm's scaled_dot_product_attention (through TurboQuant's dispatch), once per row when
-    the keys are a decode batch's."""
-    if isinstance(keys, RowKeys):
-        return mx.concatenate([compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks)
-                               for i, (k, v, c) in enumerate(keys.rows)], axis=0)
-    return compressed_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    """mlx-lm's scaled_dot_product_attention (through TurboQuant's dispatch); in a decode step,
+    one masked call over the group's buffers and one call per other row."""
+    if not isinstance(keys, StepKeys):
+        return compressed_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    outs, g = [], 0
+    if keys.group is not None:
+        k, v, group_mask = keys.group
+        g = k.shape[0]
+        outs.append(compressed_sdpa(queries[:g] if keys.others else queries, k, v, cache=None, scale=scale,
+                                    mask=group_mask, sinks=sinks))
+    outs += [compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks)
+             for i, (k, v, c) in enumerate(keys.others, start=g)]
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
 
 def install_rows_dispatch() -> None:
@@ -93,57 +146,182 @@ def install_rows_dispatch() -> None:
             module.scaled_dot_product_attention = rows_sdpa
 
 
-@dataclass
+@dataclass(eq=False)
 class Row:
     """One generation's place in a decode step: the token to run and, after the step, the
-    token drawn and its log-probabilities."""
+    token drawn and (the first step's) log-probabilities. `sample` None: greedy."""
 
     caches: list[Any]
     token: int  # the input of the next step
-    sample: Callable[[mx.array], mx.array]
+    sample: Callable[[mx.array], mx.array] | None
     drawn: int | None = None
     logprobs: mx.array | None = field(default=None, repr=False)
+    finished: bool = False  # its generation ended: nothing reads its caches' new rows
 
 
-def decode_step(model: Any, rows: Sequence[Row]) -> float:
-    """Run every row's next token through the model in one forward pass and draw each row's
-    next token with its own sampler; returns the seconds taken. The rows come from
-    `batched_generation`, which installed the per-row attention dispatch."""
-    t0 = time.perf_counter()
-    layers = len(rows[0].caches)
-    caches = [RowsCache([row.caches[layer] for row in rows]) for layer in range(layers)]
-    logits = model(mx.array([[row.token] for row in rows]), cache=caches)[:, -1, :]
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    drawn = [row.sample(logprobs[i:i + 1]) for i, row in enumerate(rows)]
-    mx.eval(drawn, logprobs)
-    for i, row in enumerate(rows):
-        row.drawn = drawn[i].item()
-        if row.logprobs is None:  # the first token's, for the result; later steps' are not kept
-            row.logprobs = logprobs[i]
-    return time.perf_counter() - t0
+class DecodeBatch:
+    """Decode steps over changing sets of rows (one owner: the thread that steps them).
+
+    Rows shorter than `group_tokens` form the group: their keys and values live in one buffer
+    pair per layer ([group, KV heads, capacity, head dim], row j's at [0, lengths[j]), zeros
+    after) while they stay; the rest attend over their own caches."""
+
+    def __init__(self, group_tokens: int = GROUP_TOKENS):
+        self.group_tokens = group_tokens
+        self.members: list[Row] = []
+        self.lengths: list[int] = []
+        self.keys: list[mx.array | None] = []
+        self.values: list[mx.array | None] = []
+
+    def step(self, model: Any, rows: Sequence[Row]) -> float:
+        """Run every row's next token through the model in one forward pass and draw each row's
+        next token; returns the seconds taken. The rows come from `batched_generation`, which
+        installed the dispatch. A failed step drops the group's buffers (their rows' answers
+        so far with them) and raises."""
+        t0 = time.perf_counter()
+        try:
+            self._step(model, rows)
+        except BaseException:
+            self.__init__(self.group_tokens)
+            raise
+        return time.perf_counter() - t0
+
+    def _step(self, model: Any, rows: Sequence[Row]) -> None:
+        member = {id(r): j for j, r in enumerate(self.members)}
+
+        def length(row: Row) -> int:
+            return self.lengths[member[id(row)]] if id(row) in member else row.caches[0].offset
+
+        self._regroup([r for r in rows if _plain(r) and length(r) < self.group_tokens])
+        grouped = {id(r) for r in self.members}
+        others = [r for r in rows if id(r) not in grouped]
+        ordered = self.members + others
+        lengths = self.lengths + [r.caches[0].offset for r in others]
+        offset = mx.array(lengths)
+        positions = width = mask = None
+        if self.members:
+            width = max(self.lengths) + 1
+            if min(self.lengths) + 1 < width:  # rows of unequal length: hide each row's padding
+                positions = offset[:len(self.members)] if others else offset
+                mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
+        layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask)
+                  for layer in range(len(rows[0].caches))]
+        logits = model(mx.array([[r.token] for r in ordered]), cache=layers)[:, -1, :]
+        self.lengths = [n + 1 for n in self.lengths]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        greedy = [i for i, r in enumerate(ordered) if r.sample is None]
+        drawn = {}
+        if greedy:
+            picked = logprobs if len(greedy) == len(ordered) else logprobs[mx.array(greedy)]
+            drawn["greedy"] = mx.argmax(picked, axis=-1)
+        for i, r in enumerate(ordered):
+            if r.sample is not None:
+                drawn[i] = r.sample(logprobs[i:i + 1])
+        mx.eval(drawn)
+        tokens = dict(zip(greedy, drawn.pop("greedy").tolist())) if greedy else {}
+        tokens.update((i, d.item()) for i, d in drawn.items())
+        for i, r in enumerate(ordered):
+            r.drawn = tokens[i]
+            if r.logprobs is None:  # the first token's, for the result; later steps' are not kept
+                r.logprobs = logprobs[i]
+
+    def write(self, layer: int, keys: mx.array, values: mx.array, positions: mx.array | None,
+              width: int) -> tuple[mx.array, mx.array]:
+        """Put the group's new rows (one per member, at `positions`; None: all at `width` - 1)
+        into the layer's buffers; the buffers up to `width`."""
+        if self.keys[layer] is None or self.keys[layer].shape[2] < width:
+            self.keys[layer] = self._grown(self.keys[layer], keys, width)
+            self.values[layer] = self._grown(self.values[layer], values, width)
+        if positions is None:  # rows of one length: a slice update (cheaper than a scatter on the CPU)
+            self.keys[layer][:, :, width - 1:width] = keys
+            self.values[layer][:, :, width - 1:width] = values
+        else:
+            rows = mx.arange(keys.shape[0])
+            self.keys[layer][rows, :, positions] = keys[:, :, 0, :]
+            self.values[layer][rows, :, positions] = values[:, :, 0, :]
+        return self.keys[layer][:, :, :width], self.values[layer][:, :, :width]
+
+    @staticmethod
+    def _grown(buffer: mx.array | None, like: mx.array, width: int) -> mx.array:
+        capacity = -(-width // _CAPACITY_STEP) * _CAPACITY_STEP
+        B, H, _, D = like.shape
+        if buffer is None:
+            return mx.zeros((B, H, capacity, D), like.dtype)
+        return mx.pad(buffer, [(0, 0), (0, 0), (0, capacity - buffer.shape[2]), (0, 0)])
+
+    def _regroup(self, group: list[Row]) -> None:
+        """Make `group` the members: rows that leave unfinished get their new rows back in
+        their own caches; rows that join are copied in from theirs."""
+        if [id(r) for r in group] == [id(r) for r in self.members]:
+            return
+        staying = {id(r) for r in group}
+        old = {id(r): j for j, r in enumerate(self.members)}
+        for j, row in enumerate(self.members):
+            if id(row) not in staying and not row.finished:
+                self._give_back(j, row)
+        lengths = [self.lengths[old[id(r)]] if id(r) in old else r.caches[0].offset for r in group]
+        width = max(lengths, default=0) + 1
+        capacity = -(-width // _CAPACITY_STEP) * _CAPACITY_STEP
+        layers = len(group[0].caches) if group else 0
+        keys, values = [], []
+        for layer in range(layers):
+            pieces_k, pieces_v = [], []
+            for r, n in zip(group, lengths):
+                if id(r) in old:
+                    j = old[id(r)]
+                    k, v = self.keys[layer][j:j + 1, :, :n], self.values[layer][j:j + 1, :, :n]
+                else:
+                    k, v = _held_rows(r.caches[layer]) if n else (None, None)
+                pieces_k.append(k)
+                pieces_v.append(v)
+            keys.append(_stacked(pieces_k, capacity))
+            values.append(_stacked(pieces_v, capacity))
+        self.members, self.lengths, self.keys, self.values = list(group), lengths, keys, values
+
+    def _give_back(self, j: int, row: Row) -> None:
+        """Append the rows a member decoded in the group to its own caches."""
+        for layer, cache in enumerate(row.caches):
+            start, end = cache.offset, self.lengths[j]
+            if end > start:
+                cache.update_and_fetch(self.keys[layer][j:j + 1, :, start:end],
+                                       self.values[layer][j:j + 1, :, start:end])
 
 
-def _sampler(temp: float, top_p: float, seed: int | None) -> Callable[[mx.array], mx.array]:
-    """mlx-lm's sampler; a sampled one draws from this generation's own random sequence."""
+def _stacked(pieces: list[mx.array | None], capacity: int) -> mx.array | None:
+    """Rows [1, H, n, D] (None: empty) as one [rows, H, capacity, D] buffer, zero-padded; None
+    when every row is empty (the first write allocates it)."""
+    like = next((p for p in pieces if p is not None), None)
+    if like is None:
+        return None
+    _, H, _, D = like.shape
+    return mx.concatenate([mx.zeros((1, H, capacity, D), like.dtype) if p is None else
+                           mx.pad(p, [(0, 0), (0, 0), (0, capacity - p.shape[2]), (0, 0)]) for p in pieces])
+
+
+def _sampler(temp: float, top_p: float, seed: int | None) -> Callable[[mx.array], mx.array] | None:
+    """mlx-lm's sampler, drawing from this generation's own random sequence; None for greedy."""
     from mlx_lm.sample_utils import make_sampler
 
-    sampler = make_sampler(temp=temp, top_p=top_p)
-    return own_randomness(sampler, seed) if temp > 0 else sampler
+    if temp == 0:
+        return None  # greedy: DecodeBatch draws every greedy row with one argmax
+    return own_randomness(make_sampler(temp=temp, top_p=top_p), seed)
 
 
 def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *,
                        max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                        stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
-                       started: Started | None = None, step_seconds: Callable[[], float] | None = None
+                       started: Started | None = None, step_seconds: Callable[[], float] | None = None,
+                       chunk: Callable[[], int] | None = None
                        ) -> Generator[Row | None, None, tuple[AskResult, list[Any]]]:
     """`Engine.generation` whose tokens come from shared decode steps: it yields None after each
-    prefill chunk and its `Row` whenever it needs a token (the caller runs `decode_step` over the
+    prefill chunk and its `Row` whenever it needs a token (the caller runs `DecodeBatch.step` over the
     waiting rows, then resumes it). Stops, token cap, EOS and text are mlx-lm's
     `stream_generate`'s. `step_seconds()` says how long the last step took (the generation's
-    decode time counts the steps it took part in)."""
+    decode time counts the steps it took part in); `chunk()` sizes each prefill chunk."""
     install_rows_dispatch()  # model modules imported since the last request get it too
     started, remainder, prefill, halted = yield from engine.prompt_steps(loaded, scheme, prompt, seed=seed, stop=stop,
-                                                                         on_start=on_start, started=started)
+                                                                         on_start=on_start, started=started,
+                                                                         chunk=chunk)
     pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
     if halted():
         finish = "stop"
@@ -174,6 +352,7 @@ def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt:
                 finish = "stop"
                 break
             row.token = token
+        row.finished = True
     result = AskResult("".join(pieces), tokens, len(prompt), started.matched, started.tier, started.restore_seconds,
                        prefill, 0.0, generating, finish, first_token, first_logprobs=first_logprobs)
     return result, started.caches

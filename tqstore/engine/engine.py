@@ -285,14 +285,18 @@ class Engine:
 
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
                       progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
-                      at: int = 0, checkpoints: StateCheckpoints | None = None) -> Generator[None, None, float]:
+                      at: int = 0, checkpoints: StateCheckpoints | None = None,
+                      chunk: Callable[[], int] | None = None) -> Generator[None, None, float]:
         """`prefill`, yielding after each chunk so that the caller can take turns with other
-        work; returns the seconds of its own steps."""
+        work; returns the seconds of its own steps. `chunk()`, asked before each chunk, sizes it
+        (default `prefill_chunk`): the server keeps its chunks short in time."""
         body = _body(loaded.model)
         seconds, done = 0.0, 0
         if progress and tokens:
             progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
-        for end in chunk_ends(at, at + len(tokens), self.prefill_chunk, checkpoints and checkpoints.boundary):
+        size = chunk or (lambda: self.prefill_chunk)
+        while done < len(tokens):
+            end = next(chunk_ends(at + done, at + len(tokens), max(1, size()), checkpoints and checkpoints.boundary))
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
@@ -449,7 +453,8 @@ class Engine:
 
     def prompt_steps(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, seed: int | None = None,
                      stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
-                     started: Started | None = None, windows: str | None = None
+                     started: Started | None = None, windows: str | None = None,
+                     chunk: Callable[[], int] | None = None
                      ) -> Generator[None, None, tuple[Started, list[int], float, Callable[[], bool]]]:
         """What a generation does before its first token (options as `generation`): the seed
         checked, the stored prefix restored, all but the prompt's last token prefilled (yielding
@@ -463,7 +468,7 @@ class Engine:
         remainder = list(prompt[started.matched:])
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
         prefill = yield from self.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
-                                                at=started.matched, checkpoints=started.checkpoints)
+                                                at=started.matched, checkpoints=started.checkpoints, chunk=chunk)
         return started, remainder, prefill, halted
 
     def add_chunk(self, name: str | None, text: str, *, model: str, scheme: str | None = None,

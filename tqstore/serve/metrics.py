@@ -53,10 +53,10 @@ class Metrics:
                                 ("endpoint", "method", "status"))
         self.prompt_tokens = counter("tqstore_prompt_tokens", "Prompt tokens of finished generations.")
         self.cached_tokens = counter("tqstore_cached_tokens",
-                                     "Prompt tokens restored from the store instead of prefilled.")
+                                     "Prompt tokens restored from the store instead of prefilled, per API.", ("api",))
         self.completion_tokens = counter("tqstore_completion_tokens", "Tokens generated.")
-        self.prefix_hits = counter("tqstore_prefix_hits", "Generations by the slowest tier their stored prefix came "
-                                   "from (none: no stored prefix).", ("tier",))
+        self.prefix_hits = counter("tqstore_prefix_hits", "Generations per API by the slowest tier their stored "
+                                   "prefix came from (none: no stored prefix).", ("api", "tier"))
         self.restore = seconds("tqstore_restore_seconds", "Seconds spent restoring a stored prefix (hits only).")
         self.prefill = seconds("tqstore_prefill_seconds", "Seconds spent prefilling the prompt tokens not restored.")
         self.generation = seconds("tqstore_generation_seconds", "Seconds spent decoding after the prefill.")
@@ -65,21 +65,15 @@ class Metrics:
         self.saves = counter("tqstore_autosaves", "Save-policy decisions after generations, by outcome.",
                              ("outcome",))
         self.save_seconds = seconds("tqstore_autosave_seconds", "Seconds spent storing new prefixes after responses.")
-        self.api_hits = counter("tqstore_api_prefix_hits", "Generations per API by the slowest tier their stored "
-                                "prefix came from (none: no stored prefix).", ("api", "tier"))
-        self.api_cached = counter("tqstore_api_cached_tokens", "Prompt tokens restored from the store, per API.",
-                                  ("api",))
         self.batch_size = Histogram("tqstore_batch_size", "Generations in each batched decode step.",
                                     buckets=BATCH_BUCKETS, registry=self.registry)
         self.step_seconds = seconds("tqstore_decode_step_seconds", "Seconds per batched decode step.")
         self._decoded: deque[tuple[float, int]] = deque()  # (when, tokens) of recent decode steps
         self._decoded_lock = threading.Lock()
-        for tier in TIERS:  # listed at 0 before the first of each
-            self.prefix_hits.labels(tier)
-            for api in APIS:
-                self.api_hits.labels(api, tier)
-        for api in APIS:
-            self.api_cached.labels(api)
+        for api in APIS:  # listed at 0 before the first of each
+            self.cached_tokens.labels(api)
+            for tier in TIERS:
+                self.prefix_hits.labels(api, tier)
         for outcome in SAVE_OUTCOMES:
             self.saves.labels(outcome)
 
@@ -90,11 +84,9 @@ class Metrics:
     def generated(self, gen: Generation, api: str = "openai") -> None:
         """One finished generation, asked for through `api` (openai or anthropic)."""
         self.prompt_tokens.inc(gen.prompt_tokens)
-        self.cached_tokens.inc(gen.cached_tokens)
+        self.cached_tokens.labels(api).inc(gen.cached_tokens)
         self.completion_tokens.inc(gen.completion_tokens)
-        self.prefix_hits.labels(gen.tier).inc()
-        self.api_hits.labels(api, gen.tier).inc()
-        self.api_cached.labels(api).inc(gen.cached_tokens)
+        self.prefix_hits.labels(api, gen.tier).inc()
         if gen.cached_tokens:
             self.restore.observe(gen.restore_seconds)
         self.prefill.observe(gen.prefill_seconds)

@@ -7,9 +7,10 @@ Failed) through the job's `sink`, called on the worker's thread. Up to `max_runn
 once. A job is a generator: it yields None after a step of its own (a prefill chunk, a token of
 a family that cannot batch) and a `Row` when it waits for its next token from a shared decode
 step (tqstore/engine/batch.py). Each cycle of the worker runs one batched decode step over every
-job waiting on a Row (joining and leaving between steps), then one step of the other job that
-has had the least model time, so a long prompt's prefill chunks interleave with the running
-decode and a new request's prefill goes before a long one's next chunk. A running job that has
+job waiting on a Row (joining and leaving between steps), then a step of each other job, least
+model time first, while they fit in CHUNK_SECONDS, so a long prompt's prefill chunks (sized to
+CHUNK_SECONDS) interleave with the running decode and a new request's prefill goes before a long
+one's next chunk. A running job that has
 had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
 back of the line, and the job that waited longest takes its place, so no request waits for the
 running ones to end. A client that goes away cancels its job: a queued job is skipped, a
@@ -39,7 +40,7 @@ from turboquant import make_prompt_cache
 from turboquant.checkpoints import StateCheckpoints
 
 from tqstore.engine.background import BackgroundWriter
-from tqstore.engine.batch import Row, batchable, batched_generation, decode_step
+from tqstore.engine.batch import DecodeBatch, Row, batchable, batched_generation
 from tqstore.engine.engine import Engine, Started
 from tqstore.errors import BadInput, TqstoreError
 from tqstore.models.loading import LoadedModel
@@ -50,6 +51,11 @@ from tqstore.models.prompting import encode_prompt
 log = logging.getLogger("tqstore.serve")
 AUTO_PREFIX = "auto-"
 HOLD_SECONDS = 1.0  # model time a job runs for, once admitted, before it yields its place to a waiting one
+# A prompt's prefill chunk is sized to take about this long at the rate the last chunk ran (at
+# least MIN_CHUNK tokens, at most the engine's chunk): a request that arrives meanwhile waits
+# at most about this long for the model before its own prefill runs.
+CHUNK_SECONDS = 0.02
+MIN_CHUNK = 16
 UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no context length
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 
@@ -99,6 +105,7 @@ class Job:
     work: Callable[[Job], Iterator[Row | None]]  # a generator: it yields where the worker may switch jobs
     sink: Sink  # takes the job's events, on the worker's thread: it must not block
     cancelled: threading.Event = field(default_factory=threading.Event)
+    step_seconds: float = 0.0  # model time of its last own step (a prefill chunk, say)
 
     def send(self, event: Event) -> None:
         self.sink(event)
@@ -218,6 +225,8 @@ class ModelWorker:
         self.loaded: LoadedModel | None = None
         self.batching = False  # whether this model's generations share decode steps (known once loaded)
         self._step_seconds = 0.0  # the last decode step's
+        self._batch = DecodeBatch()  # the running rows' shared decode state (model thread only)
+        self._prefill_rate: float | None = None  # tokens per second of the last prefill chunk measured
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         # What waits for a place among the running: new jobs, and parked ones (started, their
@@ -338,13 +347,13 @@ class ModelWorker:
                 self._running.append(Running(item, item.work(item)))
 
     def _cycle(self) -> None:
-        """One batched decode step over every running job that waits on a Row, then one step of
-        the other running job that has had the least model time; then park jobs that have held
-        their place for HOLD_SECONDS while others wait for one."""
+        """One batched decode step over every running job that waits on a Row, then a step of each
+        other running job, least model time first, while they fit in CHUNK_SECONDS; then park
+        jobs that have held their place for HOLD_SECONDS while others wait for one."""
         decoding = [r for r in self._running if r.pending is not None]
         if decoding:
             try:
-                spent = decode_step(self.loaded.model, [r.pending for r in decoding])
+                spent = self._batch.step(self.loaded.model, [r.pending for r in decoding])
             except BaseException as e:  # the worker must outlive any one step
                 log.exception("a decode step failed")
                 for running in decoding:
@@ -357,16 +366,24 @@ class ModelWorker:
                 running.seconds += spent
                 running.held += spent
                 self._advance(running)
-        # The other job that has had the least model time: a new request's prefill goes before
-        # the next chunk of a long one, so its first token waits for at most one chunk.
-        other = min((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds,
-                    default=None)
-        if other is not None:
+        # Then steps of the other jobs, least model time first (a new request's prefill goes
+        # before the next chunk of a long one), one each, while they fit in CHUNK_SECONDS by
+        # their last step's time: requests that arrive together join the batch together, and a
+        # long prompt's chunk never runs after a short request's step in the same cycle.
+        others = sorted((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds)
+        left = CHUNK_SECONDS
+        for i, other in enumerate(others):
+            if i and other.job.step_seconds > left:
+                continue
             t0 = time.perf_counter()
             self._advance(other)
             spent = time.perf_counter() - t0
+            other.job.step_seconds = spent
             other.seconds += spent
             other.held += spent
+            left -= spent
+            if left <= 0:
+                break
         if self._waiting and not self._stopping.is_set():
             overdue = [r for r in self._running if r.held >= HOLD_SECONDS][:len(self._waiting)]
             for running in overdue:
@@ -412,12 +429,28 @@ class ModelWorker:
             raise BadInput("the prompt is empty: send at least one token")
         return tokens
 
-    def _generation(self, prompt: list[int], **options) -> Iterator[Row | None]:
+    def _generation(self, job: Job, prompt: list[int], **options) -> Iterator[Row | None]:
         """The engine's generation of `prompt`: decoding in shared steps when the model batches."""
         if self.batching:
             return batched_generation(self.engine, self.loaded, self.scheme, prompt,
-                                      step_seconds=lambda: self._step_seconds, **options)
+                                      step_seconds=lambda: self._step_seconds, chunk=self._chunks(job), **options)
         return self.engine.generation(self.loaded, self.scheme, prompt, **options)
+
+    def _chunks(self, job: Job) -> Callable[[], int]:
+        """A prefill's chunk sizes: CHUNK_SECONDS of work at the rate of the last chunk measured
+        (this job's, or before its first one the last job's); 2 * MIN_CHUNK before any."""
+        asked = 0
+
+        def size() -> int:
+            nonlocal asked
+            if asked and job.step_seconds > 0:
+                self._prefill_rate = asked / job.step_seconds
+            limit = self.engine.prefill_chunk
+            wanted = 2 * MIN_CHUNK if self._prefill_rate is None else int(self._prefill_rate * CHUNK_SECONDS)
+            asked = max(MIN_CHUNK, min(wanted, limit))
+            return asked
+
+        return size
 
     def _generate(self, job: Job, request: GenerationRequest) -> Iterator[Row | None]:
         if request.documents:
@@ -438,7 +471,7 @@ class ModelWorker:
             job.send(Accepted(len(prompt), started.matched, started.tier))
 
         result, caches = yield from self._generation(
-            prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop,
+            job, prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop,
             on_start=accepted)
         if job.cancelled.is_set():
             self.metrics.count_cancelled()
@@ -475,7 +508,7 @@ class ModelWorker:
         started = Started(context.caches, len(context.tokens), "composed", context.seconds)
         job.send(Accepted(len(prompt), context.reused, "composed"))
         result, _ = yield from self._generation(
-            prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit), temp=s.temperature, top_p=s.top_p,
+            job, prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit), temp=s.temperature, top_p=s.top_p,
             seed=s.seed, stop=stop, started=started)
         if job.cancelled.is_set():
             self.metrics.count_cancelled()
