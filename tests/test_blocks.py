@@ -21,9 +21,11 @@ import pytest
 from tqstore.format.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calibration_digest, join_blocks,
                             split_snapshot)
 from tqstore.canonical import tensor_bytes
+from tqstore.format import objects as F
 from turboquant.codec import TurboCodec
 from turboquant.plan import codec_record, codec_name
-from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays, join_children
+from turboquant.records import (LayerRecord, Layout, Snapshot, check_record_arrays, join_children, leaf_records,
+                                split_children, state_at)
 
 B, H, D = 1, 2, 64
 WINDOW = 64
@@ -425,3 +427,76 @@ def test_a_layer_that_claims_fewer_tokens_than_it_holds_compressed_is_refused(la
             check_record_arrays(dataclasses.replace(record, offset=offset))
     with pytest.raises(ValueError, match="compressed"):
         check_record_arrays(dataclasses.replace(record, state={**record.state, "stored": -1}))
+
+
+def _member_list(T: int, *, marked: bool = True, checkpoints: bool = True, rows: bool = True) -> LayerRecord:
+    """A CacheList as the engine records it by token (`marked`): a KVCache's rows next to a
+    nested list of a recurrent state (with a checkpoint at every block end when `checkpoints`)
+    and a sliding window (every token's row when `rows`, else its ring buffer)."""
+    rng = np.random.default_rng(7)
+    config = {"class": "CacheList", **({"rows": "token"} if marked else {})}
+    window = LayerRecord(Layout.RAW, T, {"keys": _floats(rng, (B, H, T, D), mx.float16, True),
+                                         "values": _floats(rng, (B, H, T, D), mx.float16)},
+                         {"class": "RotatingKVCache", "max_size": WINDOW, "keep": 0, "rows": "token"}) if rows \
+        else make_layer(Layout.ROTATING, T, mx.float16, 3)
+    inner = join_children([_state(rng, T, mx.float16, 0, boundaries=checkpoints), window], config)
+    return join_children([make_layer(Layout.RAW, T, mx.float16, 0), inner], config)
+
+
+def test_a_list_kept_by_member_restores_any_prefix():
+    """A CacheList marked `rows` "token" goes into the blocks member by member (issue 29): rows by
+    their tokens, recurrent states at each block's end; a prefix of k blocks joins (in memory and
+    through the format) into the list holding the first k x 256 tokens."""
+    snap = Snapshot([_member_list(600), make_layer(Layout.TURBO, 600, seed=4)], _codecs())
+    split = split_snapshot(snap)
+    assert split.reusable_as_prefix and all(0 in blk.layers for blk in split.blocks)
+    tokens = list(range(600))
+    keys = block_keys(tokens, M, C)
+    stored = [F.loads(F.dumps(blk, F.Provenance(M, C, None, tuple(tokens[blk.start:blk.start + blk.n_tokens]),
+                                                parent=keys[blk.index - 1] if blk.index else None)),
+                      expect=F.Expect("block", M, C, tokens[blk.start:blk.start + blk.n_tokens], keys[blk.index]))
+              for blk in split.blocks]
+    window = F.loads(F.dumps(split.window, F.Provenance(M, C, key=keys[-1])), expect=F.Expect("window", M, C, key=keys[-1]))
+    assert_same_snapshot(join_blocks(type(split)(stored, window, split.shared)), snap)
+    for k in (1, 2):
+        n = 256 * k
+        for joined in (join_blocks(split, k), join_blocks(type(split)(stored, window, split.shared), k)):
+            assert joined.offset == n
+            for (path, got), (_, full) in zip(leaf_records(joined.layers[:1]), leaf_records(snap.layers[:1])):
+                assert got.offset == n, path
+                want = {**state_at(full, n), **{f"{name}@256": a for name, a in state_at(full, 256).items() if k == 2}} \
+                    if full.layout is Layout.STATE else {name: a[:, :, :n] for name, a in full.arrays.items()}
+                assert set(got.arrays) == set(want), path
+                for name, a in want.items():
+                    assert_same_array(a, got.arrays[name], f"{path} {name}")
+        assert [c.layout for c in split_children(joined.layers[0])] == [Layout.RAW, Layout.LIST]
+
+
+@pytest.mark.parametrize("why", ["unmarked", "ring buffer", "no checkpoints"])
+def test_a_list_with_a_member_that_cannot_be_cut_stays_whole(why):
+    """An unmarked list (entries saved before lists were cut, and windows="whole"), a ring buffer
+    member, or a recurrent member without its block-end states keeps the list whole in the window."""
+    record = _member_list(600, marked=why != "unmarked", rows=why != "ring buffer", checkpoints=why != "no checkpoints")
+    snap = Snapshot([record, make_layer(Layout.RAW, 600)], _codecs())
+    split = split_snapshot(snap)
+    assert not split.reusable_as_prefix and all(0 not in blk.layers for blk in split.blocks)
+    assert_same_snapshot(join_blocks(split), snap)
+    with pytest.raises(ValueError, match="cannot be cut"):
+        join_blocks(split, 1)
+
+
+def test_a_block_refuses_a_list_member_that_is_not_cut_to_its_tokens():
+    """The block header checks each member of a list: a member with another token count, or a
+    recurrent state with earlier checkpoints, is not a block's part."""
+    split = split_snapshot(Snapshot([_member_list(300)], _codecs()))
+    part = split.blocks[0].layers[0]
+    kv, inner = split_children(part)
+    state, window = split_children(inner)
+    bad_state = dataclasses.replace(state, arrays={**state.arrays, **{f"{n}@100": a for n, a in state.arrays.items()}})
+    for members in ([make_layer(Layout.RAW, 255), inner], [kv, join_children([bad_state, window], {"class": "CacheList",
+                                                                                                  "rows": "token"})]):
+        layer = join_children(members, {"class": "CacheList", "rows": "token"})
+        block = dataclasses.replace(split.blocks[0], layers={0: dataclasses.replace(layer, offset=256)})
+        # The writer reads its header back, so the header's check refuses it as it is written.
+        with pytest.raises(ValueError, match="layer 0 is list with 256 tokens; a block holds per-token layers"):
+            F.dumps(block, F.Provenance(M, C, None, tuple(range(256))))

@@ -1,5 +1,6 @@
 """Prefix reuse for the families whose layers were stored whole (issue 29): sliding windows
-(RotatingKVCache), chunked attention (ChunkedKVCache), and llama as the control.
+(RotatingKVCache), chunked attention (ChunkedKVCache), CacheLists (each member by its own kind:
+token rows, window rows, recurrent states at block ends), and llama as the control.
 
 Through the engine and a real store, on tiny random-weight folders (windows and chunks of 64
 tokens, so that a 256-token block crosses several): save a long document, then a shorter one
@@ -39,7 +40,12 @@ SLIDING = ("afmoe", "cohere2", "exaone_moe", "gemma3", "gemma3_text", "gemma3n",
            "step3p5")
 CHUNKED = ("llama4",)
 WINDOWS_AND_STATES = ("recurrent_gemma",)  # recurrent layers next to sliding ones
-FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES)
+# CacheLists: attention next to an indexer's keys (deepseek_v32, glm_moe_dsa), two attentions per
+# layer (longcat_flash, with an n-gram state beside them in longcat_flash_ngram), a list of one
+# (minimax_m3_vl), a recurrent state next to attention (falcon_h1) and next to a window (baichuan_m1).
+LISTS = ("baichuan_m1", "deepseek_v32", "falcon_h1", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram",
+         "minimax_m3_vl")
+FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES, *LISTS)
 # Families whose tiny folder does not load (transformers' config validation refuses what
 # mlx-lm's ModelArgs need): checked on the model object and the block split, without a store.
 NO_FOLDER = {"exaone4": "transformers reads sliding_window_pattern 'LG' as a number",
@@ -53,7 +59,7 @@ def _folder(family: str, tmp_path_factory):
 
 
 # The default suite checks one family of each kind; `pytest -m slow` checks every family.
-DEFAULT = ("llama", "gemma3_text", "gpt_oss", "llama4", "recurrent_gemma")
+DEFAULT = ("llama", "gemma3_text", "gpt_oss", "llama4", "recurrent_gemma", "baichuan_m1", "deepseek_v32")
 
 
 @pytest.fixture(scope="module", params=[f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow)
@@ -104,7 +110,9 @@ def test_a_restored_prefix_equals_a_prefill_of_it(engine, folder):
         started = engine.start(loaded, "raw", prompt)
         assert started.matched == shared
         fresh = make_prompt_cache(loaded.model, "raw")
-        engine.prefill(loaded, fresh, prompt[:shared])
+        # As the engine prefills what it saves: chunks also end at block ends when the caches
+        # hold recurrent states (a scan's rounding depends on where its chunks end).
+        engine.prefill(loaded, fresh, prompt[:shared], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
         _assert_same_caches(fresh, started.caches)
         assert mx.array_equal(loaded.model(step, cache=started.caches), loaded.model(step, cache=fresh))
         engine.prefill(loaded, fresh, prompt[shared:], at=shared)

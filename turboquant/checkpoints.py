@@ -16,13 +16,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from .integration import held_tokens
-from .records import Layout, Snapshot, state_at, state_boundaries, state_boundary
-from .windows import WindowRows, window_layers
+from .records import Layout, Path, Snapshot, leaf_records, state_at, state_boundaries, state_boundary
+from .windows import WindowRows, leaves, member, window_layers
 
 
-def recurrent_layers(caches: list[Any]) -> list[int]:
-    """The indices of the recurrent-state (ArraysCache) layers."""
-    return [i for i, c in enumerate(caches) if type(c) is ArraysCache]
+def recurrent_layers(caches: list[Any]) -> list[Path]:
+    """The paths of the recurrent-state (ArraysCache) layers, CacheList members included (a
+    member's path is (layer, member, ...), as `windows.leaves` gives it)."""
+    return [p for p, c in leaves(caches) if type(c) is ArraysCache]
 
 
 def chunk_ends(start: int, stop: int, chunk: int, block: int | None) -> Iterator[int]:
@@ -46,7 +47,7 @@ class StateCheckpoints:
         self.block = block
         self.windows = windows
         self.states = states
-        self.layers: dict[int, dict[int, list[mx.array | None]]] = {}
+        self.layers: dict[Path, dict[int, list[mx.array | None]]] = {}
 
     @property
     def boundary(self) -> int | None:
@@ -72,7 +73,7 @@ class StateCheckpoints:
             return None
         if out.windows is not None:
             out.windows = WindowRows.from_snapshot(snap)
-        for i, r in enumerate(snap.layers):
+        for i, r in leaf_records(snap.layers):
             if r.layout is not Layout.STATE or not r.arrays:
                 continue
             for t in [*state_boundaries(r), r.offset]:
@@ -94,9 +95,9 @@ class StateCheckpoints:
     def record_states(self, caches: list[Any], seen: int) -> None:
         """Keep every recurrent layer's state after `seen` tokens."""
         for i in recurrent_layers(caches):
-            self.layers.setdefault(i, {})[seen] = list(caches[i].cache)
+            self.layers.setdefault(i, {})[seen] = list(member(caches, i).cache)
 
-    def before(self, tokens: int) -> dict[int, dict[int, list[mx.array | None]]]:
+    def before(self, tokens: int) -> dict[Path, dict[int, list[mx.array | None]]]:
         """The checkpoints strictly before `tokens` (the state at `tokens` is the cache's own)."""
         return {i: {t: s for t, s in by_t.items() if t < tokens} for i, by_t in self.layers.items()}
 

@@ -119,6 +119,44 @@ def join_children(children: list["LayerRecord"], config: dict[str, Scalar]) -> "
     return LayerRecord(Layout.LIST, max((c.offset for c in children), default=0), arrays, cfg, state)
 
 
+Path = int | tuple[int, ...]  # a layer index, or (layer, member, ...) for a CacheList's members at any depth
+
+
+def child_path(path: Path, j: int) -> tuple[int, ...]:
+    """The path of member `j` of the CacheList at `path`."""
+    return (*((path,) if isinstance(path, int) else path), j)
+
+
+def leaf_records(layers: list["LayerRecord"]) -> list[tuple[Path, "LayerRecord"]]:
+    """Every record that is not a LIST, with its path: LIST records are opened into their
+    members (as `windows.leaves` opens a model's CacheLists), at any depth."""
+    out: list[tuple[Path, LayerRecord]] = []
+    for i, r in enumerate(layers):
+        if r.layout is Layout.LIST:
+            out += [(child_path(i, p) if isinstance(p, int) else (i, *p), c) for p, c in leaf_records(split_children(r))]
+        else:
+            out.append((i, r))
+    return out
+
+
+def list_config(record: "LayerRecord") -> dict[str, Scalar]:
+    """A LIST record's own config, without its members' (what `join_children` is given)."""
+    return {k: v for k, v in record.config.items() if k != "children" and _CHILD_NAME.fullmatch(k) is None}
+
+
+def in_block_form(record: "LayerRecord", n_tokens: int) -> bool:
+    """Whether a record is what a block of `n_tokens` tokens may hold for a layer: a per-token
+    layer of those tokens, a recurrent state at the block's end (no earlier checkpoints), or a
+    CacheList whose members are all of these (docs/format.md, section 3)."""
+    if record.offset != n_tokens:
+        return False
+    if record.layout is Layout.LIST:
+        return all(in_block_form(c, n_tokens) for c in split_children(record))
+    if record.layout is Layout.STATE:
+        return all(state_boundary(n)[1] is None for n in record.arrays)
+    return record.per_token
+
+
 def token_span(record: "LayerRecord", name: str) -> tuple[int, int] | None:
     """Tokens [start, end) that array `name` of `record` covers along axis 2; None for arrays
     that are not per token (ring buffers, and per-block arrays whose axis 2 counts blocks)."""
