@@ -45,7 +45,12 @@ WINDOWS_AND_STATES = ("recurrent_gemma",)  # recurrent layers next to sliding on
 # (minimax_m3_vl), a recurrent state next to attention (falcon_h1) and next to a window (baichuan_m1).
 LISTS = ("baichuan_m1", "deepseek_v32", "falcon_h1", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram",
          "minimax_m3_vl")
-FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES, *LISTS)
+# A model's own cache class (deepseek_v41's LayerCache: a window, compressed groups of 4 and of 3
+# tokens with index keys, and the open group's rows; the generic tiny config compresses nothing).
+FIELDS = ("deepseek_v41",)
+FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES, *LISTS, *FIELDS)
+EXTRA = {"deepseek_v41": dict(compress_ratios=[0, 4, 3, 4], kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 3],
+                              index_n_heads=2, index_head_dim=16, index_topk=8)}
 # Families whose tiny folder does not load (transformers' config validation refuses what
 # mlx-lm's ModelArgs need): checked on the model object and the block split, without a store.
 NO_FOLDER = {"exaone4": "transformers reads sliding_window_pattern 'LG' as a number",
@@ -53,8 +58,8 @@ NO_FOLDER = {"exaone4": "transformers reads sliding_window_pattern 'LG' as a num
 
 
 def _folder(family: str, tmp_path_factory):
-    config = arch_configs.config(family, vocab_size=VOCAB, **WINDOWS)
-    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS)
+    config = arch_configs.config(family, vocab_size=VOCAB, **WINDOWS, **EXTRA.get(family, {}))
+    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS, **EXTRA.get(family, {}))
     return write_model_folder(tmp_path_factory.mktemp(family) / family, model=model, config=config)
 
 
