@@ -27,8 +27,8 @@ from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints
-from turboquant.records import Layout
-from turboquant.windows import from_rows, settle_all
+from turboquant.records import Layout, leaf_records
+from turboquant.windows import from_rows, leaves, settle_all
 
 VOCAB = 512  # the folder's tokenizer needs the byte alphabet and more
 # Windows and attention chunks of 64 tokens (each family names the field its own way), so that a
@@ -168,23 +168,25 @@ def test_a_settled_window_continues_like_the_one_it_was_settled_from(family):
 
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma"])
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma",
+                                    pytest.param("baichuan_m1", marks=pytest.mark.slow)])
 def test_a_chat_answer_keeps_its_window_rows(engine, tmp_path_factory, family):
-    """A chat child entry stores the window rows of its answer too (logged as it is generated),
-    so it shares its parent's blocks and a branch inside the answer reuses it by prefix. Before:
-    storing the child conflicted with the parent's blocks (the child's windows were whole)."""
+    """A chat child entry stores the window rows of its answer too (logged as it is generated;
+    baichuan_m1: window members of CacheLists, next to recurrent members), so it shares its
+    parent's blocks and a branch inside the answer reuses it by prefix. Before: storing the child
+    conflicted with the parent's blocks (the child's windows were whole)."""
     loaded = engine.model(str(_folder(family, tmp_path_factory)))
     engine.save_tokens("doc", loaded, _tokens(2 * BLOCK_SIZE - 30, seed=7), scheme="raw")
     engine.chat_turn("doc", "Who pays?", "turn", max_tokens=60)
     tokens = list(engine.store.get("turn").tokens)
     assert len(tokens) > 2 * BLOCK_SIZE + 5, "the answer must cross a block end"
     snap, _ = engine.store.load("turn")
-    windows = [r for r in snap.layers if r.config.get("class") in ("RotatingKVCache", "ChunkedKVCache")]
+    windows = [r for _, r in leaf_records(snap.layers) if r.config.get("class") in ("RotatingKVCache", "ChunkedKVCache")]
     assert windows and all(r.layout is Layout.RAW and r.offset == len(tokens) for r in windows)
     started = engine.start(loaded, "raw", tokens[:2 * BLOCK_SIZE + 5])
     assert started.matched == 2 * BLOCK_SIZE
     whole = restore(snap)
-    for r, restored in zip(snap.layers, started.caches):
+    for (_, r), (_, restored) in zip(leaf_records(snap.layers), leaves(started.caches)):
         if r in windows:  # the window of the first 512 tokens out of the answer's logged rows
             expected = from_rows(replace(r, offset=2 * BLOCK_SIZE,
                                          arrays={k: a[..., :2 * BLOCK_SIZE, :] for k, a in r.arrays.items()}))
@@ -209,3 +211,24 @@ def test_an_entry_can_keep_its_windows_whole(engine, tmp_path_factory):
         assert answer.cached_tokens == len(engine.store.get(name).tokens)
     with pytest.raises(BadInput, match="windows must be one of token, whole"):
         engine.save_tokens("bad", loaded, document, scheme="raw", windows="rows")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", pytest.param("falcon_h1", marks=pytest.mark.slow)])
+def test_generation_restores_the_shared_blocks_of_a_list_family(engine, tmp_path_factory, family):
+    """What `tqstore serve` does with a prompt (Engine.generation: the longest stored prefix, then
+    the rest) restores the blocks a CacheList family's prompt shares with a stored entry, and
+    answers as a cold run does; `ask` on the entry itself restores all of it."""
+    loaded = engine.model(str(_folder(family, tmp_path_factory)))
+    document = _tokens(2 * BLOCK_SIZE + 40, seed=8)
+    engine.save_tokens("doc", loaded, document, scheme="raw")
+    prompt = document[:BLOCK_SIZE + 30] + _tokens(20, seed=9)
+    warm = engine.generate(loaded, "raw", prompt, max_tokens=4)
+    assert warm.cached_tokens == BLOCK_SIZE
+    home = tmp_path_factory.mktemp("cold")
+    cold_store = Store.open(home, config=load_config(home))
+    try:
+        cold = Engine(cold_store, prefill_chunk=192).generate(loaded, "raw", prompt, max_tokens=4)
+    finally:
+        cold_store.close()
+    assert cold.cached_tokens == 0 and cold.tokens == warm.tokens
+    assert engine.ask("doc", "Who pays?", max_tokens=2).cached_tokens == len(document)
