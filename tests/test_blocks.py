@@ -429,7 +429,7 @@ def test_a_layer_that_claims_fewer_tokens_than_it_holds_compressed_is_refused(la
         check_record_arrays(dataclasses.replace(record, state={**record.state, "stored": -1}))
 
 
-def _through_format(split, tokens: list[int]):
+def through_format(split, tokens: list[int]):
     """The split as a restore reads it back: every block and the window written and read."""
     keys = block_keys(tokens, M, C)
     stored = [F.loads(F.dumps(blk, F.Provenance(M, C, None, tuple(tokens[blk.start:blk.start + blk.n_tokens]),
@@ -461,7 +461,7 @@ def test_a_list_kept_by_member_restores_any_prefix():
     snap = Snapshot([_member_list(600), make_layer(Layout.TURBO, 600, seed=4)], _codecs())
     split = split_snapshot(snap)
     assert split.reusable_as_prefix and all(0 in blk.layers for blk in split.blocks)
-    read = _through_format(split, list(range(600)))
+    read = through_format(split, list(range(600)))
     assert_same_snapshot(join_blocks(read), snap)
     for k in (1, 2):
         n = 256 * k
@@ -532,7 +532,7 @@ def test_a_model_cache_class_kept_by_block_restores_any_prefix():
     snap = Snapshot([_block_fields(600), make_layer(Layout.RAW, 600)], _codecs())
     split = split_snapshot(snap)
     assert split.reusable_as_prefix and all(0 in blk.layers for blk in split.blocks)
-    read = _through_format(split, list(range(600)))
+    read = through_format(split, list(range(600)))
     assert_same_snapshot(join_blocks(read), snap)
     full = snap.layers[0]
     for k in (1, 2):

@@ -20,6 +20,7 @@ import pytest
 import arch_configs
 from model_folder import write_model_folder
 from test_arch_all import cache_arrays
+from test_blocks import through_format
 from tqstore import Store
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
@@ -27,6 +28,7 @@ from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints
+from turboquant.integration import compress_caches
 from turboquant.records import Layout, leaf_records
 from turboquant.windows import from_rows, leaves, settle_all
 
@@ -232,3 +234,27 @@ def test_generation_restores_the_shared_blocks_of_a_list_family(engine, tmp_path
         cold_store.close()
     assert cold.cached_tokens == 0 and cold.tokens == warm.tokens
     assert engine.ask("doc", "Who pays?", max_tokens=2).cached_tokens == len(document)
+
+
+@pytest.mark.parametrize("family", ["baichuan_m1", "deepseek_v41"])
+def test_under_a_compressed_scheme_a_restore_gives_the_saved_caches(engine, family):
+    """Under turbo4 (list members and a model's own cache class stay native): the blocks, written
+    and read through the format, join into exactly the caches that were saved, and a prefix of
+    them into the caches of the engine's turbo4 prefill of that prefix."""
+    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS, **EXTRA.get(family, {}))
+    loaded = SimpleNamespace(model=model)
+    document = _tokens(2 * BLOCK_SIZE + 40, seed=10)
+    caches = make_prompt_cache(model, "turbo4")
+    logged = StateCheckpoints.for_caches(caches, BLOCK_SIZE)
+    engine.prefill(loaded, caches, document, checkpoints=logged)
+    compress_caches(caches)
+    n = len(document)
+    split = split_snapshot(snapshot(caches, tokens=n, checkpoints=logged.before(n), rows=logged.rows(n),
+                                    windows="token"))
+    assert split.reusable_as_prefix
+    read = through_format(split, document)
+    _assert_same_caches(caches, restore(join_blocks(read)))
+    fresh = make_prompt_cache(model, "turbo4")
+    engine.prefill(loaded, fresh, document[:BLOCK_SIZE], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
+    compress_caches(fresh)
+    _assert_same_caches(fresh, restore(join_blocks(read, 1)))
