@@ -258,3 +258,19 @@ def test_under_a_compressed_scheme_a_restore_gives_the_saved_caches(engine, fami
     engine.prefill(loaded, fresh, document[:BLOCK_SIZE], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
     compress_caches(fresh)
     _assert_same_caches(fresh, restore(join_blocks(read, 1)))
+
+
+def test_a_list_entry_kept_whole_stays_readable(engine, tmp_path_factory):
+    """windows="whole" keeps CacheLists whole, as every entry of these families was stored before
+    (same codec digest): such an entry is reused only whole, never shares a block key with a
+    by-member entry of the same tokens, and `ask` answers from both."""
+    loaded = engine.model(str(_folder("deepseek_v32", tmp_path_factory)))
+    document = _tokens(600, seed=11)
+    engine.save_tokens("whole", loaded, document, scheme="raw", windows="whole")
+    by_member = engine.save_tokens("members", loaded, document, scheme="raw")
+    assert by_member.reused_tokens == 0
+    assert engine.store.get("whole").sliding and not engine.store.get("members").sliding
+    assert engine.save_tokens("branch", loaded, document[:520], scheme="raw", windows="whole").reused_tokens == 0
+    assert engine.save_tokens("branch2", loaded, document[:520], scheme="raw").reused_tokens == 2 * BLOCK_SIZE
+    for name in ("whole", "members"):
+        assert engine.ask(name, "Who pays?", max_tokens=2).cached_tokens == len(engine.store.get(name).tokens)
