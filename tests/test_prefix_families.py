@@ -170,8 +170,7 @@ def test_a_settled_window_continues_like_the_one_it_was_settled_from(family):
 
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma",
-                                    pytest.param("baichuan_m1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma", "baichuan_m1"])
 def test_a_chat_answer_keeps_its_window_rows(engine, tmp_path_factory, family):
     """A chat child entry stores the window rows of its answer too (logged as it is generated;
     baichuan_m1: window members of CacheLists, next to recurrent members), so it shares its
