@@ -19,46 +19,48 @@ import arch_configs  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from turboquant import make_prompt_cache  # noqa: E402
 from turboquant.integration import PREFIX_KINDS, layer_kind  # noqa: E402
+from turboquant.windows import leaves  # noqa: E402
 
 SCHEME = "turbo4"
 DOC = ROOT / "docs" / "models.md"
 BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
 # Why a layer kind is still stored whole per entry (the reason beside "whole entry only").
 WHOLE_REASONS = {
-    "CacheList": "CacheList members are not cut into blocks yet (a block's header refuses list layers)",
-    "LayerCache": "the model's own cache class has no block layout",
+    "CacheList": "a CacheList member has no block layout",
 }
 
 
 def row(family: str) -> list[str]:
-    """[family, layer kinds, in memory, at rest, native, window, state, whole, prefix reuse, state
-    bytes per recurrent layer and block] for one family."""
+    """[family, layer kinds, in memory, at rest, native, window, state, list, fields, whole, prefix
+    reuse, state bytes per recurrent layer and block] for one family."""
     if family in arch_configs.NOT_BUILDABLE:
-        return [family, "not built: " + arch_configs.NOT_BUILDABLE[family], "", "", "", "", "", "", "", ""]
+        return [family, "not built: " + arch_configs.NOT_BUILDABLE[family], *[""] * 10]
     try:
         model = arch_configs.build(family)
         caches = make_prompt_cache(model, SCHEME)
         mx.eval(model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8]]), cache=caches))
     except Exception as e:  # the table states what fails instead of hiding the family
-        return [family, f"{SCHEME} caches fail: {type(e).__name__}: {str(e)[:80]}", "", "", "", "", "", "", "", ""]
+        return [family, f"{SCHEME} caches fail: {type(e).__name__}: {str(e)[:80]}", *[""] * 10]
     kinds = [layer_kind(c) for c in caches]
     classes = collections.Counter(name for name, _ in kinds)
     by_kind = collections.Counter(kind for _, kind in kinds)
     listed = ", ".join(f"{n} x{k}" if k > 1 else n for n, k in classes.items())
-    whole = sorted({WHOLE_REASONS.get(name.partition("(")[0], "no block layout for this kind")
+    whole = sorted({WHOLE_REASONS.get(name.partition("(")[0], "a model's own cache class not in turboquant.records."
+                                      "FIELD_PLANS (which of its fields only grow is the model's to say)")
                     for name, kind in kinds if kind not in PREFIX_KINDS})
     prefix = "yes" if not whole else f"whole entry only: {'; '.join(whole)}"
     # A recurrent state has the same size after any number of tokens: one per layer and block.
-    state_bytes = sorted({c.nbytes for c, (_, kind) in zip(caches, kinds) if kind == "state"})
+    # CacheList members included (a recurrent member is checkpointed like a recurrent layer).
+    state_bytes = sorted({c.nbytes for _, c in leaves(caches) if layer_kind(c)[1] == "state"})
     return [family, listed, *(str(by_kind.get(k, 0)) for k in ("in memory", "at rest", "native", "window", "state",
-                                                           "whole")),
+                                                           "list", "fields", "whole")),
             prefix,
             ", ".join(f"{b:,}" for b in state_bytes)]
 
 
 def table() -> str:
-    head = ["family", f"layer kinds ({SCHEME} caches)", "in memory", "at rest", "native", "window", "state", "whole",
-            "prefix reuse", "state bytes / layer / block"]
+    head = ["family", f"layer kinds ({SCHEME} caches)", "in memory", "at rest", "native", "window", "state", "list",
+            "fields", "whole", "prefix reuse", "state bytes / layer / block"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(c.replace("|", "/") for c in row(f)) + " |" for f in arch_configs.families()]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """What keeping sliding-window and chunked layers by token costs: stored bytes per token of every
-family with such layers, windows whole (before issue 29) and by token (the engine's default now).
+family with such layers (CacheList members included: baichuan_m1), windows whole (before issue 29)
+and by token (the engine's default now).
 
     python bench/window_bytes.py            # writes the window table into docs/models.md
 
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     header = ["family", "window layers", "raw B/token whole", "raw B/token by token", "raw by token x whole",
               "turbo4 B/token whole", "turbo4 B/token by token", "turbo4 by token x whole",
               "turbo4 whole windows, bytes per entry"]
-    intro = (f"Stored bytes per token of the families with sliding-window or chunked layers ({args.tokens} tokens; "
+    intro = (f"Stored bytes per token of the families with sliding-window or chunked layers or CacheList members "
+             f"({args.tokens} tokens; "
              f"heads of 64, fp16 accounting, layer arrays only: see bench/window_bytes.py; revision "
              f"{git_revision()}; {machine_line()}).")
     print(intro)

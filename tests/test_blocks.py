@@ -21,9 +21,11 @@ import pytest
 from tqstore.format.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans, calibration_digest, join_blocks,
                             split_snapshot)
 from tqstore.canonical import tensor_bytes
+from tqstore.format import objects as F
 from turboquant.codec import TurboCodec
 from turboquant.plan import codec_record, codec_name
-from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays, join_children
+from turboquant.records import (LayerRecord, Layout, Snapshot, check_record_arrays, join_children, leaf_records,
+                                split_children, state_at)
 
 B, H, D = 1, 2, 64
 WINDOW = 64
@@ -425,3 +427,131 @@ def test_a_layer_that_claims_fewer_tokens_than_it_holds_compressed_is_refused(la
             check_record_arrays(dataclasses.replace(record, offset=offset))
     with pytest.raises(ValueError, match="compressed"):
         check_record_arrays(dataclasses.replace(record, state={**record.state, "stored": -1}))
+
+
+def through_format(split, tokens: list[int]):
+    """The split as a restore reads it back: every block and the window written and read."""
+    keys = block_keys(tokens, M, C)
+    stored = [F.loads(F.dumps(blk, F.Provenance(M, C, None, tuple(tokens[blk.start:blk.start + blk.n_tokens]),
+                                                parent=keys[blk.index - 1] if blk.index else None)),
+                      expect=F.Expect("block", M, C, tokens[blk.start:blk.start + blk.n_tokens], keys[blk.index]))
+              for blk in split.blocks]
+    window = F.loads(F.dumps(split.window, F.Provenance(M, C, key=keys[-1])), expect=F.Expect("window", M, C, key=keys[-1]))
+    return type(split)(stored, window, split.shared)
+
+
+def _member_list(T: int, *, marked: bool = True, checkpoints: bool = True, rows: bool = True) -> LayerRecord:
+    """A CacheList as the engine records it by token (`marked`): a KVCache's rows next to a
+    nested list of a recurrent state (with a checkpoint at every block end when `checkpoints`)
+    and a sliding window (every token's row when `rows`, else its ring buffer)."""
+    rng = np.random.default_rng(7)
+    config = {"class": "CacheList", **({"rows": "token"} if marked else {})}
+    window = LayerRecord(Layout.RAW, T, {"keys": _floats(rng, (B, H, T, D), mx.float16, True),
+                                         "values": _floats(rng, (B, H, T, D), mx.float16)},
+                         {"class": "RotatingKVCache", "max_size": WINDOW, "keep": 0, "rows": "token"}) if rows \
+        else make_layer(Layout.ROTATING, T, mx.float16, 3)
+    inner = join_children([_state(rng, T, mx.float16, 0, boundaries=checkpoints), window], config)
+    return join_children([make_layer(Layout.RAW, T, mx.float16, 0), inner], config)
+
+
+def test_a_list_kept_by_member_restores_any_prefix():
+    """A CacheList marked `rows` "token" goes into the blocks member by member (issue 29): rows by
+    their tokens, recurrent states at each block's end; a prefix of k blocks joins (in memory and
+    through the format) into the list holding the first k x 256 tokens."""
+    snap = Snapshot([_member_list(600), make_layer(Layout.TURBO, 600, seed=4)], _codecs())
+    split = split_snapshot(snap)
+    assert split.reusable_as_prefix and all(0 in blk.layers for blk in split.blocks)
+    read = through_format(split, list(range(600)))
+    assert_same_snapshot(join_blocks(read), snap)
+    for k in (1, 2):
+        n = 256 * k
+        for joined in (join_blocks(split, k), join_blocks(read, k)):
+            assert joined.offset == n
+            for (path, got), (_, full) in zip(leaf_records(joined.layers[:1]), leaf_records(snap.layers[:1])):
+                assert got.offset == n, path
+                want = {**state_at(full, n), **{f"{name}@256": a for name, a in state_at(full, 256).items() if k == 2}} \
+                    if full.layout is Layout.STATE else {name: a[:, :, :n] for name, a in full.arrays.items()}
+                assert set(got.arrays) == set(want), path
+                for name, a in want.items():
+                    assert_same_array(a, got.arrays[name], f"{path} {name}")
+        assert [c.layout for c in split_children(joined.layers[0])] == [Layout.RAW, Layout.LIST]
+
+
+@pytest.mark.parametrize("why", ["unmarked", "ring buffer", "no checkpoints"])
+def test_a_list_with_a_member_that_cannot_be_cut_stays_whole(why):
+    """An unmarked list (entries saved before lists were cut, and windows="whole"), a ring buffer
+    member, or a recurrent member without its block-end states keeps the list whole in the window."""
+    record = _member_list(600, marked=why != "unmarked", rows=why != "ring buffer", checkpoints=why != "no checkpoints")
+    snap = Snapshot([record, make_layer(Layout.RAW, 600)], _codecs())
+    split = split_snapshot(snap)
+    assert not split.reusable_as_prefix and all(0 not in blk.layers for blk in split.blocks)
+    assert_same_snapshot(join_blocks(split), snap)
+    with pytest.raises(ValueError, match="cannot be cut"):
+        join_blocks(split, 1)
+
+
+def test_a_block_refuses_a_list_member_that_is_not_cut_to_its_tokens():
+    """The block header checks each member of a list: a member with another token count, or a
+    recurrent state with earlier checkpoints, is not a block's part."""
+    split = split_snapshot(Snapshot([_member_list(300)], _codecs()))
+    part = split.blocks[0].layers[0]
+    kv, inner = split_children(part)
+    state, window = split_children(inner)
+    bad_state = dataclasses.replace(state, arrays={**state.arrays, **{f"{n}@100": a for n, a in state.arrays.items()}})
+    for members in ([make_layer(Layout.RAW, 255), inner], [kv, join_children([bad_state, window], {"class": "CacheList",
+                                                                                                  "rows": "token"})]):
+        layer = join_children(members, {"class": "CacheList", "rows": "token"})
+        block = dataclasses.replace(split.blocks[0], layers={0: dataclasses.replace(layer, offset=256)})
+        # The writer reads its header back, so the header's check refuses it as it is written.
+        with pytest.raises(ValueError, match="layer 0 is list with 256 tokens; a block holds per-token layers"):
+            F.dumps(block, F.Provenance(M, C, None, tuple(range(256))))
+
+
+def _block_fields(T: int, *, checkpoints: bool = True) -> LayerRecord:
+    """deepseek_v41's LayerCache as the engine records it by block: compressed groups of 3 tokens
+    (grown: a prefix at every block end), no index keys, the window and the open group's rows at
+    the end and (with `checkpoints`) at every earlier block end."""
+    rng = np.random.default_rng(11)
+    arrays = {"compress_kv": _floats(rng, (B, T // 3, D), mx.float16, True)}
+    state: dict = {"window_size": WINDOW, "offset": T, "index_k": None}
+    for t in [*(range(BLOCK_SIZE, T, BLOCK_SIZE) if checkpoints else ()), T]:
+        suffix = "" if t == T else f"@{t}"
+        arrays.update({f"window{suffix}": _floats(rng, (B, min(t, WINDOW), D), mx.float16),
+                       f"pending_kv{suffix}": _floats(rng, (B, t % 3, D), mx.float32),
+                       f"pending_gate{suffix}": _floats(rng, (B, t % 3, D), mx.float32)})
+        if suffix:
+            state.update({f"compress_kv{suffix}": t // 3, f"index_k{suffix}": 0})
+    return LayerRecord(Layout.FIELDS, T, arrays, {"class": "mlx_lm.models.deepseek_v41:LayerCache", "rows": "token"},
+                       state)
+
+
+def test_a_model_cache_class_kept_by_block_restores_any_prefix():
+    """A FIELD_PLANS class (deepseek_v41's LayerCache) marked `rows` "token" goes into the blocks:
+    each block the rows its grown fields added, its other fields as at its end; a prefix of k
+    blocks joins (in memory and through the format) into the record at k x 256 tokens."""
+    snap = Snapshot([_block_fields(600), make_layer(Layout.RAW, 600)], _codecs())
+    split = split_snapshot(snap)
+    assert split.reusable_as_prefix and all(0 in blk.layers for blk in split.blocks)
+    read = through_format(split, list(range(600)))
+    assert_same_snapshot(join_blocks(read), snap)
+    full = snap.layers[0]
+    for k in (1, 2):
+        n = 256 * k
+        for joined in (join_blocks(split, k), join_blocks(read, k)):
+            got = joined.layers[0]
+            assert got.offset == n and got.state["offset"] == n and got.state["index_k"] is None
+            assert_same_array(full.arrays["compress_kv"][:, :n // 3], got.arrays["compress_kv"], "compress_kv")
+            for name in ("window", "pending_kv", "pending_gate"):
+                assert_same_array(full.arrays[f"{name}@{n}"], got.arrays[name], name)
+            assert got.state.get("compress_kv@256") == (85 if k == 2 else None)
+
+
+def test_a_model_cache_class_without_its_block_ends_stays_whole():
+    """Without its fields at every block end (or unmarked: entries saved before, and
+    windows="whole") a model's own cache class stays whole in the window."""
+    for record in (_block_fields(600, checkpoints=False),
+                   dataclasses.replace(_block_fields(600), config={"class": "mlx_lm.models.deepseek_v41:LayerCache"})):
+        split = split_snapshot(Snapshot([record, make_layer(Layout.RAW, 600)], _codecs()))
+        assert not split.reusable_as_prefix and all(0 not in blk.layers for blk in split.blocks)
+        with pytest.raises(ValueError, match="cannot be cut"):
+            join_blocks(split, 1)

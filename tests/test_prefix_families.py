@@ -1,5 +1,6 @@
 """Prefix reuse for the families whose layers were stored whole (issue 29): sliding windows
-(RotatingKVCache), chunked attention (ChunkedKVCache), and llama as the control.
+(RotatingKVCache), chunked attention (ChunkedKVCache), CacheLists (each member by its own kind:
+token rows, window rows, recurrent states at block ends), and llama as the control.
 
 Through the engine and a real store, on tiny random-weight folders (windows and chunks of 64
 tokens, so that a 256-token block crosses several): save a long document, then a shorter one
@@ -19,6 +20,7 @@ import pytest
 import arch_configs
 from model_folder import write_model_folder
 from test_arch_all import cache_arrays
+from test_blocks import through_format
 from tqstore import Store
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
@@ -26,8 +28,9 @@ from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.checkpoints import StateCheckpoints
-from turboquant.records import Layout
-from turboquant.windows import from_rows, settle_all
+from turboquant.integration import compress_caches
+from turboquant.records import Layout, leaf_records
+from turboquant.windows import from_rows, leaves, settle_all
 
 VOCAB = 512  # the folder's tokenizer needs the byte alphabet and more
 # Windows and attention chunks of 64 tokens (each family names the field its own way), so that a
@@ -39,7 +42,17 @@ SLIDING = ("afmoe", "cohere2", "exaone_moe", "gemma3", "gemma3_text", "gemma3n",
            "step3p5")
 CHUNKED = ("llama4",)
 WINDOWS_AND_STATES = ("recurrent_gemma",)  # recurrent layers next to sliding ones
-FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES)
+# CacheLists: attention next to an indexer's keys (deepseek_v32, glm_moe_dsa), two attentions per
+# layer (longcat_flash, with an n-gram state beside them in longcat_flash_ngram), a list of one
+# (minimax_m3_vl), a recurrent state next to attention (falcon_h1) and next to a window (baichuan_m1).
+LISTS = ("baichuan_m1", "deepseek_v32", "falcon_h1", "glm_moe_dsa", "longcat_flash", "longcat_flash_ngram",
+         "minimax_m3_vl")
+# A model's own cache class (deepseek_v41's LayerCache: a window, compressed groups of 4 and of 3
+# tokens with index keys, and the open group's rows; the generic tiny config compresses nothing).
+FIELDS = ("deepseek_v41",)
+FAMILIES = ("llama", *SLIDING, *CHUNKED, *WINDOWS_AND_STATES, *LISTS, *FIELDS)
+EXTRA = {"deepseek_v41": dict(compress_ratios=[0, 4, 3, 4], kv_source_layer_ids=[1, 2], index_source_layer_ids=[1, 3],
+                              index_n_heads=2, index_head_dim=16, index_topk=8)}
 # Families whose tiny folder does not load (transformers' config validation refuses what
 # mlx-lm's ModelArgs need): checked on the model object and the block split, without a store.
 NO_FOLDER = {"exaone4": "transformers reads sliding_window_pattern 'LG' as a number",
@@ -47,13 +60,13 @@ NO_FOLDER = {"exaone4": "transformers reads sliding_window_pattern 'LG' as a num
 
 
 def _folder(family: str, tmp_path_factory):
-    config = arch_configs.config(family, vocab_size=VOCAB, **WINDOWS)
-    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS)
+    config = arch_configs.config(family, vocab_size=VOCAB, **WINDOWS, **EXTRA.get(family, {}))
+    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS, **EXTRA.get(family, {}))
     return write_model_folder(tmp_path_factory.mktemp(family) / family, model=model, config=config)
 
 
 # The default suite checks one family of each kind; `pytest -m slow` checks every family.
-DEFAULT = ("llama", "gemma3_text", "gpt_oss", "llama4", "recurrent_gemma")
+DEFAULT = ("llama", "gemma3_text", "gpt_oss", "llama4", "recurrent_gemma", "baichuan_m1", "deepseek_v32")
 
 
 @pytest.fixture(scope="module", params=[f if f in DEFAULT else pytest.param(f, marks=pytest.mark.slow)
@@ -104,7 +117,9 @@ def test_a_restored_prefix_equals_a_prefill_of_it(engine, folder):
         started = engine.start(loaded, "raw", prompt)
         assert started.matched == shared
         fresh = make_prompt_cache(loaded.model, "raw")
-        engine.prefill(loaded, fresh, prompt[:shared])
+        # As the engine prefills what it saves: chunks also end at block ends when the caches
+        # hold recurrent states (a scan's rounding depends on where its chunks end).
+        engine.prefill(loaded, fresh, prompt[:shared], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
         _assert_same_caches(fresh, started.caches)
         assert mx.array_equal(loaded.model(step, cache=started.caches), loaded.model(step, cache=fresh))
         engine.prefill(loaded, fresh, prompt[shared:], at=shared)
@@ -155,23 +170,24 @@ def test_a_settled_window_continues_like_the_one_it_was_settled_from(family):
 
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma"])
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4", "recurrent_gemma", "baichuan_m1"])
 def test_a_chat_answer_keeps_its_window_rows(engine, tmp_path_factory, family):
-    """A chat child entry stores the window rows of its answer too (logged as it is generated),
-    so it shares its parent's blocks and a branch inside the answer reuses it by prefix. Before:
-    storing the child conflicted with the parent's blocks (the child's windows were whole)."""
+    """A chat child entry stores the window rows of its answer too (logged as it is generated;
+    baichuan_m1: window members of CacheLists, next to recurrent members), so it shares its
+    parent's blocks and a branch inside the answer reuses it by prefix. Before: storing the child
+    conflicted with the parent's blocks (the child's windows were whole)."""
     loaded = engine.model(str(_folder(family, tmp_path_factory)))
     engine.save_tokens("doc", loaded, _tokens(2 * BLOCK_SIZE - 30, seed=7), scheme="raw")
     engine.chat_turn("doc", "Who pays?", "turn", max_tokens=60)
     tokens = list(engine.store.get("turn").tokens)
     assert len(tokens) > 2 * BLOCK_SIZE + 5, "the answer must cross a block end"
     snap, _ = engine.store.load("turn")
-    windows = [r for r in snap.layers if r.config.get("class") in ("RotatingKVCache", "ChunkedKVCache")]
+    windows = [r for _, r in leaf_records(snap.layers) if r.config.get("class") in ("RotatingKVCache", "ChunkedKVCache")]
     assert windows and all(r.layout is Layout.RAW and r.offset == len(tokens) for r in windows)
     started = engine.start(loaded, "raw", tokens[:2 * BLOCK_SIZE + 5])
     assert started.matched == 2 * BLOCK_SIZE
     whole = restore(snap)
-    for r, restored in zip(snap.layers, started.caches):
+    for (_, r), (_, restored) in zip(leaf_records(snap.layers), leaves(started.caches)):
         if r in windows:  # the window of the first 512 tokens out of the answer's logged rows
             expected = from_rows(replace(r, offset=2 * BLOCK_SIZE,
                                          arrays={k: a[..., :2 * BLOCK_SIZE, :] for k, a in r.arrays.items()}))
@@ -196,3 +212,64 @@ def test_an_entry_can_keep_its_windows_whole(engine, tmp_path_factory):
         assert answer.cached_tokens == len(engine.store.get(name).tokens)
     with pytest.raises(BadInput, match="windows must be one of token, whole"):
         engine.save_tokens("bad", loaded, document, scheme="raw", windows="rows")
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", pytest.param("falcon_h1", marks=pytest.mark.slow)])
+def test_generation_restores_the_shared_blocks_of_a_list_family(engine, tmp_path_factory, family):
+    """What `tqstore serve` does with a prompt (Engine.generation: the longest stored prefix, then
+    the rest) restores the blocks a CacheList family's prompt shares with a stored entry, and
+    answers as a cold run does; `ask` on the entry itself restores all of it."""
+    loaded = engine.model(str(_folder(family, tmp_path_factory)))
+    document = _tokens(2 * BLOCK_SIZE + 40, seed=8)
+    engine.save_tokens("doc", loaded, document, scheme="raw")
+    prompt = document[:BLOCK_SIZE + 30] + _tokens(20, seed=9)
+    warm = engine.generate(loaded, "raw", prompt, max_tokens=4)
+    assert warm.cached_tokens == BLOCK_SIZE
+    home = tmp_path_factory.mktemp("cold")
+    cold_store = Store.open(home, config=load_config(home))
+    try:
+        cold = Engine(cold_store, prefill_chunk=192).generate(loaded, "raw", prompt, max_tokens=4)
+    finally:
+        cold_store.close()
+    assert cold.cached_tokens == 0 and cold.tokens == warm.tokens
+    assert engine.ask("doc", "Who pays?", max_tokens=2).cached_tokens == len(document)
+
+
+@pytest.mark.parametrize("family", ["baichuan_m1", "deepseek_v41"])
+def test_under_a_compressed_scheme_a_restore_gives_the_saved_caches(engine, family):
+    """Under turbo4 (list members and a model's own cache class stay native): the blocks, written
+    and read through the format, join into exactly the caches that were saved, and a prefix of
+    them into the caches of the engine's turbo4 prefill of that prefix."""
+    model = arch_configs.build(family, vocab_size=VOCAB, **WINDOWS, **EXTRA.get(family, {}))
+    loaded = SimpleNamespace(model=model)
+    document = _tokens(2 * BLOCK_SIZE + 40, seed=10)
+    caches = make_prompt_cache(model, "turbo4")
+    logged = StateCheckpoints.for_caches(caches, BLOCK_SIZE)
+    engine.prefill(loaded, caches, document, checkpoints=logged)
+    compress_caches(caches)
+    n = len(document)
+    split = split_snapshot(snapshot(caches, tokens=n, checkpoints=logged.before(n), rows=logged.rows(n),
+                                    windows="token"))
+    assert split.reusable_as_prefix
+    read = through_format(split, document)
+    _assert_same_caches(caches, restore(join_blocks(read)))
+    fresh = make_prompt_cache(model, "turbo4")
+    engine.prefill(loaded, fresh, document[:BLOCK_SIZE], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
+    compress_caches(fresh)
+    _assert_same_caches(fresh, restore(join_blocks(read, 1)))
+
+
+def test_a_list_entry_kept_whole_stays_readable(engine, tmp_path_factory):
+    """windows="whole" keeps CacheLists whole, as every entry of these families was stored before
+    (same codec digest): such an entry is reused only whole, never shares a block key with a
+    by-member entry of the same tokens, and `ask` answers from both."""
+    loaded = engine.model(str(_folder("deepseek_v32", tmp_path_factory)))
+    document = _tokens(600, seed=11)
+    engine.save_tokens("whole", loaded, document, scheme="raw", windows="whole")
+    by_member = engine.save_tokens("members", loaded, document, scheme="raw")
+    assert by_member.reused_tokens == 0
+    assert engine.store.get("whole").sliding and not engine.store.get("members").sliding
+    assert engine.save_tokens("branch", loaded, document[:520], scheme="raw", windows="whole").reused_tokens == 0
+    assert engine.save_tokens("branch2", loaded, document[:520], scheme="raw").reused_tokens == 2 * BLOCK_SIZE
+    for name in ("whole", "members"):
+        assert engine.ask(name, "Who pays?", max_tokens=2).cached_tokens == len(engine.store.get(name).tokens)

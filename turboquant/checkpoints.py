@@ -4,7 +4,9 @@ A recurrent (ArraysCache) state cannot be cut back to fewer tokens the way atten
 so the prefill runs in chunks that end on every block boundary and the state of every
 recurrent layer is kept at each one. A snapshot stores them as `state<j>@<t>` arrays; the store
 puts each block's end state into that block, and restoring k blocks gives the state at their end.
-Costs one state per recurrent layer and block (docs/models.md gives the bytes per block).
+Costs one state per recurrent layer and block (docs/models.md gives the bytes per block). A
+model's own cache class of `records.FIELD_PLANS` is kept the same way: its replaced fields at
+every block end, and the row count of the fields that only grow.
 Sliding-window and chunked layers log every token's row instead (`windows.WindowRows`).
 """
 
@@ -15,14 +17,21 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from .integration import held_tokens
-from .records import Layout, Snapshot, state_at, state_boundaries, state_boundary
-from .windows import WindowRows, window_layers
+from .integration import fields_class, held_tokens
+from .records import (FIELD_PLANS, Layout, Path, Snapshot, field_boundaries, field_plan, fields_at, leaf_records,
+                      state_at, state_boundaries, state_boundary)
+from .windows import WindowRows, leaves, member, window_layers
 
 
-def recurrent_layers(caches: list[Any]) -> list[int]:
-    """The indices of the recurrent-state (ArraysCache) layers."""
-    return [i for i, c in enumerate(caches) if type(c) is ArraysCache]
+def recurrent_layers(caches: list[Any]) -> list[Path]:
+    """The paths of the recurrent-state (ArraysCache) layers, CacheList members included (a
+    member's path is (layer, member, ...), as `windows.leaves` gives it)."""
+    return [p for p, c in leaves(caches) if type(c) is ArraysCache]
+
+
+def field_layers(caches: list[Any]) -> list[Path]:
+    """The paths of the layers of a model's own cache class that is cut at block ends (`FIELD_PLANS`)."""
+    return [p for p, c in leaves(caches) if fields_class(c) in FIELD_PLANS]
 
 
 def chunk_ends(start: int, stop: int, chunk: int, block: int | None) -> Iterator[int]:
@@ -46,7 +55,8 @@ class StateCheckpoints:
         self.block = block
         self.windows = windows
         self.states = states
-        self.layers: dict[int, dict[int, list[mx.array | None]]] = {}
+        # {path: {tokens: an ArraysCache's states, or a FIELD_PLANS class's (end fields, grown rows)}}
+        self.layers: dict[Path, dict[int, Any]] = {}
 
     @property
     def boundary(self) -> int | None:
@@ -58,9 +68,10 @@ class StateCheckpoints:
         """The checkpoints a fresh prefill into `caches` keeps (None when every layer can be cut);
         window rows only with `rows` (an entry that keeps its windows whole needs none)."""
         windows = window_layers(caches) if rows else []
-        if not windows and not recurrent_layers(caches):
+        states = bool(recurrent_layers(caches) or (rows and field_layers(caches)))
+        if not windows and not states:
             return None
-        return cls(block, WindowRows(windows) if windows else None, bool(recurrent_layers(caches)))
+        return cls(block, WindowRows(windows) if windows else None, states)
 
     @classmethod
     def from_snapshot(cls, snap: Snapshot, block: int, caches: list[Any], rows: bool = True
@@ -72,7 +83,12 @@ class StateCheckpoints:
             return None
         if out.windows is not None:
             out.windows = WindowRows.from_snapshot(snap)
-        for i, r in enumerate(snap.layers):
+        for i, r in leaf_records(snap.layers):
+            if field_plan(r) is not None:
+                for t in [*field_boundaries(r), r.offset]:
+                    if t and t % block == 0:
+                        out.layers.setdefault(i, {})[t] = fields_at(r, t)
+                continue
             if r.layout is not Layout.STATE or not r.arrays:
                 continue
             for t in [*state_boundaries(r), r.offset]:
@@ -94,9 +110,14 @@ class StateCheckpoints:
     def record_states(self, caches: list[Any], seen: int) -> None:
         """Keep every recurrent layer's state after `seen` tokens."""
         for i in recurrent_layers(caches):
-            self.layers.setdefault(i, {})[seen] = list(caches[i].cache)
+            self.layers.setdefault(i, {})[seen] = list(member(caches, i).cache)
+        for i in field_layers(caches):
+            cache, plan = member(caches, i), FIELD_PLANS[fields_class(member(caches, i))]
+            self.layers.setdefault(i, {})[seen] = (
+                {f: getattr(cache, f) for f in plan.ends},
+                {f: 0 if getattr(cache, f) is None else getattr(cache, f).shape[plan.axis] for f in plan.grows})
 
-    def before(self, tokens: int) -> dict[int, dict[int, list[mx.array | None]]]:
+    def before(self, tokens: int) -> dict[Path, dict[int, Any]]:
         """The checkpoints strictly before `tokens` (the state at `tokens` is the cache's own)."""
         return {i: {t: s for t, s in by_t.items() if t < tokens} for i, by_t in self.layers.items()}
 

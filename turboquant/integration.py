@@ -29,8 +29,8 @@ from .calibration import CalibrationConfig
 from .plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, plan_layer
 from .schemes import Format, SchemeSpec, parse_scheme
 from .verdicts import book_for
-from .records import (SIDE_SUFFIXES, LayerRecord, Layout, Snapshot, join_children, split_children, state_at,
-                      state_boundary)
+from .records import (FIELD_PLANS, SIDE_SUFFIXES, LayerRecord, Layout, Path, Snapshot, child_path, join_children,
+                      split_children, state_at, state_boundary)
 from .residence import NATIVE_KINDS, Residence, kind_name, layers_read_by_model, residence_of
 from .windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, window_config, window_record
 
@@ -310,7 +310,18 @@ def _state_record(cache: ArraysCache, tokens: int | None, checkpoints: Mapping[i
     return LayerRecord(Layout.STATE, offset, arrays, {"class": "ArraysCache", "size": len(cache.cache)})
 
 
-def _fields_record(cache) -> LayerRecord:
+def fields_class(cache) -> str | None:
+    """`module:Class` of a model module's own cache class (None for any other cache)."""
+    kind = type(cache)
+    return f"{kind.__module__}:{kind.__qualname__}" if kind.__module__.startswith(_MODEL_MODULES) else None
+
+
+def _fields_record(cache, by_token: bool = False, checkpoints: Mapping[int, tuple[dict, dict]] | None = None
+                   ) -> LayerRecord:
+    """A model's own cache class: its array attributes and scalars. `by_token` with a class of
+    `FIELD_PLANS`: marked `rows` "token", with its fields at earlier block ends (`checkpoints`,
+    {tokens: ({end field: array or None}, {grown field: rows})}) as `<field>@<t>` arrays and
+    scalars, so that the store cuts it into blocks."""
     arrays, state = {}, {}
     for name, value in vars(cache).items():
         if isinstance(value, mx.array):
@@ -319,7 +330,12 @@ def _fields_record(cache) -> LayerRecord:
             state[name] = value
         else:
             raise TypeError(f"cannot snapshot {type(cache).__name__}.{name}, a {type(value).__name__}")
-    config = {"class": f"{type(cache).__module__}:{type(cache).__qualname__}"}
+    config = {"class": fields_class(cache)}
+    if by_token and config["class"] in FIELD_PLANS:
+        config["rows"] = "token"
+        for t, (ends, grown) in (checkpoints or {}).items():
+            arrays.update({f"{f}@{t}": a for f, a in ends.items() if a is not None})
+            state.update({f"{f}@{t}": None for f, a in ends.items() if a is None} | {f"{f}@{t}": n for f, n in grown.items()})
     return LayerRecord(Layout.FIELDS, int(getattr(cache, "offset", 0)), arrays, config, state)
 
 
@@ -332,8 +348,8 @@ def held_tokens(caches) -> int:
 
 
 def snapshot(caches: list[Any], *, tokens: int | None = None,
-             checkpoints: Mapping[int, Mapping[int, list]] | None = None,
-             rows: Mapping[int, tuple[mx.array, mx.array]] | None = None, windows: str = "whole") -> Snapshot:
+             checkpoints: Mapping[Path, Mapping[int, list]] | None = None,
+             rows: Mapping[Path, tuple[mx.array, mx.array]] | None = None, windows: str = "whole") -> Snapshot:
     """Every layer as a record plus the codecs they use (arrays shared, not copied).
 
     Recurrent states (ArraysCache) count no tokens themselves: they take `tokens`, by default
@@ -343,23 +359,33 @@ def snapshot(caches: list[Any], *, tokens: int | None = None,
     ChunkedKVCache) every token's (keys, values) row from token 0 ({layer: rows}, from
     `WindowRows`): with `windows` "token" they are stored by token, as RAW records, instead of
     whole (a window without rows is then still whole, its config marked as the entry's).
+    With "token", a CacheList's members are recorded the same way, each by its own kind (their
+    paths (layer, member, ...) key `checkpoints` and `rows`), and its config is marked `rows`
+    "token" too: the store cuts such a list into blocks member by member.
     """
     if windows not in WINDOW_MODES:
         raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
     by_token = windows == "token"
     if tokens is None:
         tokens = held_tokens(caches)
-    layers, codecs = [], {}
-    for i, cache in enumerate(caches):
+    codecs: dict = {}
+
+    def record(path: Path, cache) -> LayerRecord:
         if isinstance(cache, (TurboQuantKVCache, AtRestKVCache)):
-            layers.append(cache.to_record())
             codecs.update(cache.plan.codecs())
-        elif type(cache) is ArraysCache:
-            layers.append(_state_record(cache, tokens, (checkpoints or {}).get(i, {})))
-        elif by_token and rows and i in rows and type(cache) in WINDOW_CLASSES.values():
-            layers.append(window_record(cache, *rows[i]))
-        else:
-            layers.append(_native_record(cache, tokens, by_token))
+            return cache.to_record()
+        if type(cache) is ArraysCache:
+            return _state_record(cache, tokens, (checkpoints or {}).get(path, {}))
+        if by_token and rows and path in rows and type(cache) in WINDOW_CLASSES.values():
+            return window_record(cache, *rows[path])
+        if by_token and fields_class(cache) in FIELD_PLANS:
+            return _fields_record(cache, True, (checkpoints or {}).get(path))
+        if by_token and type(cache) is CacheList:
+            return join_children([record(child_path(path, j), c) for j, c in enumerate(cache.caches)],
+                                 {"class": "CacheList", "rows": "token"})
+        return _native_record(cache, tokens, by_token)
+
+    layers = [record(i, cache) for i, cache in enumerate(caches)]
     return Snapshot(layers=layers, codecs=codecs)
 
 
@@ -411,14 +437,17 @@ def _restore_fields(record: LayerRecord):
         raise ValueError(f"cache class {record.config['class']!r} is not a class of an mlx-lm model module")
     cls = getattr(importlib.import_module(module_name), qualname)
     cache = cls.__new__(cls)
+    # `<field>@<t>`: the fields at an earlier block end (docs/format.md), not attributes.
     for name, value in record.state.items():
-        setattr(cache, name, value)
+        if "@" not in name:
+            setattr(cache, name, value)
     for name, a in record.arrays.items():
-        setattr(cache, name, _own(a))
+        if "@" not in name:
+            setattr(cache, name, _own(a))
     return cache
 
 
-PREFIX_KINDS = frozenset({"in memory", "at rest", "native", "window", "state"})  # kinds a stored prefix can be cut from
+PREFIX_KINDS = frozenset({"in memory", "at rest", "native", "window", "state", "list", "fields"})  # kinds a stored prefix can be cut from
 
 
 def layer_kind(cache) -> tuple[str, str]:
@@ -427,22 +456,27 @@ def layer_kind(cache) -> tuple[str, str]:
     in the bucket, decoded into mlx-lm's KVCache in memory: the model reads the arrays itself),
     "native" (token rows as mlx-lm holds them), "window" (a sliding window or attention chunk:
     every token's row, native, the window rebuilt at any block end: `turboquant.windows`),
-    "state" (recurrent state, stored at every block end), or "whole" (stored whole per entry:
-    lists and a model's own cache class). The first three are `residence.Residence`."""
+    "state" (recurrent state, stored at every block end), "list" (a CacheList whose members are
+    each kept by their own kind), "fields" (a model's own cache class of `FIELD_PLANS`: its grown
+    rows by block, its other fields at every block end) or "whole" (stored whole per entry: any
+    other class of a model's own, and a list holding one). The first three are
+    `residence.Residence`."""
     if isinstance(cache, TurboQuantKVCache):
         return "TurboQuantKVCache", Residence.IN_MEMORY.value
     if isinstance(cache, AtRestKVCache):
         return "AtRestKVCache", Residence.AT_REST.value
     name = type(cache).__name__
     if isinstance(cache, CacheList):
-        return f"CacheList({', '.join(layer_kind(c)[0] for c in cache.caches)})", "whole"
+        kinds = [layer_kind(c) for c in cache.caches]
+        return (f"CacheList({', '.join(name for name, _ in kinds)})",
+                "list" if all(kind in PREFIX_KINDS for _, kind in kinds) else "whole")
     if type(cache) is ArraysCache:
         return f"ArraysCache({len(cache.cache)})", "state"
     if type(cache) in (*_KV_CLASSES.values(), QuantizedKVCache):
         return name, "native"
     if type(cache) in WINDOW_CLASSES.values():
         return name, "window"
-    return name, "whole"
+    return name, "fields" if fields_class(cache) in FIELD_PLANS else "whole"
 
 
 def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:

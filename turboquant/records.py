@@ -119,6 +119,97 @@ def join_children(children: list["LayerRecord"], config: dict[str, Scalar]) -> "
     return LayerRecord(Layout.LIST, max((c.offset for c in children), default=0), arrays, cfg, state)
 
 
+Path = int | tuple[int, ...]  # a layer index, or (layer, member, ...) for a CacheList's members at any depth
+
+
+def child_path(path: Path, j: int) -> tuple[int, ...]:
+    """The path of member `j` of the CacheList at `path`."""
+    return (*((path,) if isinstance(path, int) else path), j)
+
+
+def leaf_records(layers: list["LayerRecord"]) -> list[tuple[Path, "LayerRecord"]]:
+    """Every record that is not a LIST, with its path: LIST records are opened into their
+    members (as `windows.leaves` opens a model's CacheLists), at any depth."""
+    out: list[tuple[Path, LayerRecord]] = []
+    for i, r in enumerate(layers):
+        if r.layout is Layout.LIST:
+            out += [(child_path(i, p) if isinstance(p, int) else (i, *p), c) for p, c in leaf_records(split_children(r))]
+        else:
+            out.append((i, r))
+    return out
+
+
+@dataclass(frozen=True)
+class FieldPlan:
+    """How a model's own cache class is cut at block ends: `grows` are fields only ever appended
+    to along `axis` (their rows at a block end are a prefix of the final ones, so each block holds
+    the rows it added), `ends` fields a block keeps as they are at its end (small, replaced on
+    every update). None-valued fields are recorded as None scalars in the record's state."""
+
+    grows: tuple[str, ...]
+    ends: tuple[str, ...]
+    axis: int = 1
+
+
+# Explicit registry: the model cache classes read field by field (mlx-lm 0.32's deepseek_v41:
+# the compressed groups and their index keys only grow; the sliding window (its last
+# `window_size` rows) and the rows of the still open group are replaced on every update).
+FIELD_PLANS: dict[str, FieldPlan] = {
+    "mlx_lm.models.deepseek_v41:LayerCache": FieldPlan(grows=("compress_kv", "index_k"),
+                                                       ends=("window", "pending_kv", "pending_gate")),
+}
+
+
+def field_plan(record: "LayerRecord") -> FieldPlan | None:
+    """The plan of a FIELDS record kept by block (config marked `rows` "token"), or None."""
+    if record.layout is not Layout.FIELDS or record.config.get("rows") != "token":
+        return None
+    return FIELD_PLANS.get(str(record.config.get("class")))
+
+
+def fields_at(record: "LayerRecord", boundary: int) -> tuple[dict[str, "mx.array | None"], dict[str, int]]:
+    """A block-kept FIELDS record at a block end: ({end field: array or None}, {grown field:
+    rows}), from its `<field>@<t>` checkpoints (its current fields at its own offset)."""
+    plan = field_plan(record)
+    assert plan is not None
+    suffix = "" if boundary == record.offset else f"@{boundary}"
+    if suffix and not all(f + suffix in record.arrays or f + suffix in record.state for f in (*plan.ends, *plan.grows)):
+        raise ValueError(f"no fields stored at token {boundary}")
+    ends = {f: record.arrays.get(f + suffix) for f in plan.ends}
+    if suffix:
+        grown = {f: int(record.state[f + suffix]) for f in plan.grows}
+    else:
+        grown = {f: record.arrays[f].shape[plan.axis] if f in record.arrays else 0 for f in plan.grows}
+    return ends, grown
+
+
+def field_boundaries(record: "LayerRecord") -> list[int]:
+    """The block ends at which a FIELDS record holds its fields (`<field>@<t>` names), in order."""
+    return sorted({int(n.rpartition("@")[2]) for n in (*record.arrays, *record.state) if "@" in n})
+
+
+def list_config(record: "LayerRecord") -> dict[str, Scalar]:
+    """A LIST record's own config, without its members' (what `join_children` is given)."""
+    return {k: v for k, v in record.config.items() if k != "children" and _CHILD_NAME.fullmatch(k) is None}
+
+
+def in_block_form(record: "LayerRecord", n_tokens: int) -> bool:
+    """Whether a record is what a block of `n_tokens` tokens may hold for a layer: a per-token
+    layer of those tokens, a recurrent state at the block's end (no earlier checkpoints), or a
+    CacheList whose members are all of these, or a model's own cache class kept by block (its
+    grown rows of those tokens and its other fields at the block's end: `FIELD_PLANS`)
+    (docs/format.md, section 3)."""
+    if record.offset != n_tokens:
+        return False
+    if record.layout is Layout.LIST:
+        return all(in_block_form(c, n_tokens) for c in split_children(record))
+    if record.layout is Layout.STATE:
+        return all(state_boundary(n)[1] is None for n in record.arrays)
+    if record.layout is Layout.FIELDS:
+        return field_plan(record) is not None and not any("@" in n for n in (*record.arrays, *record.state))
+    return record.per_token
+
+
 def token_span(record: "LayerRecord", name: str) -> tuple[int, int] | None:
     """Tokens [start, end) that array `name` of `record` covers along axis 2; None for arrays
     that are not per token (ring buffers, and per-block arrays whose axis 2 counts blocks)."""

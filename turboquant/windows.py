@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import mlx.core as mx
-from mlx_lm.models.cache import ChunkedKVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, RotatingKVCache
 
 from .buffers import detach
-from .records import TOKEN_AXIS, LayerRecord, Layout, Snapshot
+from .records import TOKEN_AXIS, LayerRecord, Layout, Path, Snapshot, child_path, leaf_records
 
 WINDOW_CLASSES = {"RotatingKVCache": RotatingKVCache, "ChunkedKVCache": ChunkedKVCache}
 
@@ -35,9 +35,31 @@ def is_window(cache: Any) -> bool:
     return type(cache) in WINDOW_CLASSES.values()
 
 
-def window_layers(caches: list[Any]) -> list[int]:
-    """The indices of the window layers among a model's caches."""
-    return [i for i, c in enumerate(caches) if is_window(c)]
+def leaves(caches: list[Any] | tuple[Any, ...]) -> list[tuple[Path, Any]]:
+    """Every cache of a model's caches that is not a CacheList, with its path: its layer index,
+    or (layer, member, ...) for the members of a CacheList, at any depth."""
+    out: list[tuple[Path, Any]] = []
+    for i, c in enumerate(caches):
+        if type(c) is CacheList:
+            out += [(child_path(i, p) if isinstance(p, int) else (i, *p), m) for p, m in leaves(c.caches)]
+        else:
+            out.append((i, c))
+    return out
+
+
+def member(caches: list[Any], path: Path) -> Any:
+    """The cache at `path` (a layer index, or a CacheList member's path from `leaves`)."""
+    if isinstance(path, int):
+        return caches[path]
+    cache = caches[path[0]]
+    for j in path[1:]:
+        cache = cache.caches[j]
+    return cache
+
+
+def window_layers(caches: list[Any]) -> list[Path]:
+    """The paths of the window layers among a model's caches (CacheList members included)."""
+    return [p for p, c in leaves(caches) if is_window(c)]
 
 
 WINDOW_MODES = ("token", "whole")
@@ -72,19 +94,18 @@ def settle(cache: Any) -> None:
         return
     if type(cache) is ChunkedKVCache:
         cache.maybe_trim_front()
-        cache.keys, cache.values = cache.keys_and_values()
+        cache.state = (*cache.keys_and_values(), cache.offset, cache.chunk_size, cache.start_position)
         return
     keys, values = cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
     keys, values = keys[..., :cache.offset, :], values[..., :cache.offset, :]
     if keys.shape[TOKEN_AXIS] > cache.max_size:
         keys, values = (_ring_rows(a, cache.keep, cache.max_size) for a in (keys, values))
-    cache.keys, cache.values = detach(keys), detach(values)
-    cache._idx = keys.shape[TOKEN_AXIS]
+    cache.state = (detach(keys), detach(values), cache.offset, cache.keep, cache.max_size, keys.shape[TOKEN_AXIS])
 
 
 def settle_all(caches: list[Any]) -> None:
-    """`settle` every window cache of a model's caches."""
-    for c in caches:
+    """`settle` every window cache of a model's caches (CacheList members included)."""
+    for _, c in leaves(caches):
         if is_window(c):
             settle(c)
 
@@ -104,15 +125,14 @@ def from_rows(record: LayerRecord) -> Any:
     if config["class"] == "RotatingKVCache":
         cache = RotatingKVCache(max_size=int(config["max_size"]), keep=int(config["keep"]))
         if n:
-            cache.keys, cache.values = (detach(_ring_rows(record.arrays[s], cache.keep, cache.max_size))
-                                        for s in ("keys", "values"))
-            cache.offset, cache._idx = n, cache.keys.shape[TOKEN_AXIS]
+            keys, values = (detach(_ring_rows(record.arrays[s], cache.keep, cache.max_size)) for s in ("keys", "values"))
+            cache.state = (keys, values, n, cache.keep, cache.max_size, keys.shape[TOKEN_AXIS])
         return cache
     cache = ChunkedKVCache(int(config["chunk_size"]))
     if n:
         start = max(0, n - cache.chunk_size)
-        cache.keys, cache.values = (detach(record.arrays[s][..., start:, :]) for s in ("keys", "values"))
-        cache.offset, cache.start_position = n, start
+        keys, values = (detach(record.arrays[s][..., start:, :]) for s in ("keys", "values"))
+        cache.state = (keys, values, n, cache.chunk_size, start)
     return cache
 
 
@@ -136,10 +156,10 @@ class WindowRows:
     stores its windows whole.
     """
 
-    def __init__(self, layers: list[int], seen: int = 0, rows: Mapping[int, tuple[mx.array, mx.array]] | None = None):
+    def __init__(self, layers: list[Path], seen: int = 0, rows: Mapping[Path, tuple[mx.array, mx.array]] | None = None):
         self.seen = seen
         self.complete = seen == 0 or rows is not None
-        self.parts: dict[int, list[tuple[mx.array, mx.array]]] = {i: [] for i in layers}
+        self.parts: dict[Path, list[tuple[mx.array, mx.array]]] = {i: [] for i in layers}
         for i, kv in (rows or {}).items():
             self.parts[i].append(kv)
 
@@ -147,11 +167,11 @@ class WindowRows:
     def from_snapshot(cls, snap: Snapshot) -> "WindowRows":
         """The log of a restored snapshot: its window rows when every window layer is stored by
         token, else an incomplete log."""
-        layers = [i for i, r in enumerate(snap.layers) if r.config.get("class") in WINDOW_CLASSES]
-        by_token = all(is_window_record(snap.layers[i]) for i in layers)
-        rows = {i: (snap.layers[i].arrays["keys"], snap.layers[i].arrays["values"])
-                for i in layers if snap.layers[i].offset} if by_token else None
-        seen = max((snap.layers[i].offset for i in layers), default=0)
+        found = {p: r for p, r in leaf_records(snap.layers) if r.config.get("class") in WINDOW_CLASSES}
+        layers = list(found)
+        by_token = all(is_window_record(r) for r in found.values())
+        rows = {p: (r.arrays["keys"], r.arrays["values"]) for p, r in found.items() if r.offset} if by_token else None
+        seen = max((r.offset for r in found.values()), default=0)
         out = cls(layers, seen, rows)
         out.complete = by_token
         return out
@@ -162,7 +182,7 @@ class WindowRows:
         n = seen - self.seen
         if n > 0:
             # Copied and evaluated now: a view would keep the whole ring of every step alive.
-            new = [tuple(mx.contiguous(a) for a in _last_rows(caches[i], n)) for i in self.parts]
+            new = [tuple(mx.contiguous(a) for a in _last_rows(member(caches, i), n)) for i in self.parts]
             mx.eval(new)
             for i, rows in zip(self.parts, new):
                 self.parts[i].append(rows)
@@ -171,9 +191,9 @@ class WindowRows:
     def follow(self, caches: list[Any]) -> None:
         """Log the rows of the tokens the window caches took in since the last call, whatever
         their number (generation feeds tokens one decode step at a time, ahead of what it yields)."""
-        self.record(caches, max((caches[i].offset for i in self.parts), default=self.seen))
+        self.record(caches, max((member(caches, i).offset for i in self.parts), default=self.seen))
 
-    def rows(self, tokens: int) -> dict[int, tuple[mx.array, mx.array]] | None:
+    def rows(self, tokens: int) -> dict[Path, tuple[mx.array, mx.array]] | None:
         """Each window layer's rows of tokens [0, tokens), or None when the log lacks some."""
         if not self.complete or self.seen < tokens:
             return None

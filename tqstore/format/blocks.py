@@ -13,9 +13,10 @@ block too (calibration is fitted from the first block's keys and stored in it).
 A snapshot splits into three kinds of parts: per-block records (every layer that is not a ring
 buffer, cut to the block's tokens: compressed rows, raw tail rows and per-256-token-block rows
 each by the tokens they cover, `turboquant.records.token_span`; calibration in block 0;
-recurrent states as they were at the block's end), one per-entry `Window` (the layers that
-cannot be cut, whole: ring buffers, chunked and list caches, a model's own cache class, and
-recurrent states without a checkpoint at every block end; plus a 0-token template of every
+recurrent states as they were at the block's end; CacheLists marked `rows` "token" member by
+member, each by its own kind), one per-entry `Window` (the layers that cannot be cut, whole:
+ring buffers, chunked caches, lists with a member that cannot be cut, a model's own cache class,
+and recurrent states without a checkpoint at every block end; plus a 0-token template of every
 other layer that fixes its layout, config and state) and the shared codecs. `join_blocks` puts
 the first k blocks back together.
 """
@@ -32,7 +33,8 @@ from typing import Iterable, Mapping, Sequence
 import mlx.core as mx
 
 from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
-                                 check_record_arrays, state_at, state_boundaries, token_span)
+                                 check_record_arrays, field_boundaries, field_plan, fields_at, join_children, leaf_records,
+                                 list_config, split_children, state_at, state_boundaries, token_span)
 
 from tqstore.canonical import canonical_json, tensor_summary
 
@@ -229,12 +231,64 @@ class SplitSnapshot:
 
 def _in_blocks(template: LayerRecord) -> bool:
     """Whether a window record is the template of a layer kept in the blocks (not whole)."""
+    if template.layout is Layout.FIELDS:
+        return field_plan(template) is not None and template.offset == 0 and not template.arrays
+    if template.layout is Layout.LIST:
+        return template.offset == 0 and template.config.get("rows") == "token" \
+            and all(_in_blocks(c) for c in split_children(template))
     return template.per_token or (template.layout is Layout.STATE and template.offset == 0 and not template.arrays)
 
 
 def _checkpointed(r: LayerRecord, spans: Sequence[tuple[int, int]]) -> bool:
     """Whether a STATE record holds its state at every block end (so that it goes in the blocks)."""
     return r.layout is Layout.STATE and bool(r.arrays) and set(state_boundaries(r)) >= {stop for _, stop in spans[:-1]}
+
+
+def _list_in_blocks(r: LayerRecord, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether a LIST record is cut into blocks member by member: its snapshot marked it `rows`
+    "token", and every member is per token or a recurrent state checkpointed at every block end
+    (nested lists alike)."""
+    return r.layout is Layout.LIST and r.config.get("rows") == "token" and all(
+        _list_in_blocks(c, spans) if c.layout is Layout.LIST else c.per_token or _checkpointed(c, spans)
+        for c in split_children(r))
+
+
+def _fields_in_blocks(r: LayerRecord, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether a FIELDS record is cut into blocks: a class of `FIELD_PLANS` marked `rows`
+    "token", with its fields at every block end."""
+    return field_plan(r) is not None and set(field_boundaries(r)) >= {stop for _, stop in spans[:-1]}
+
+
+def _cut_fields(r: LayerRecord, start: int, stop: int) -> LayerRecord:
+    """Tokens [start, stop) of a block-kept FIELDS record (start == stop == 0: its template):
+    the rows its grown fields added over them, its other fields as they were at `stop`; fields
+    that were None are None scalars in the state, as in the record."""
+    plan = field_plan(r)
+    scalars = {k: v for k, v in r.state.items() if "@" not in k and k not in (*plan.ends, *plan.grows)}
+    state = {**scalars, "offset": stop - start} if "offset" in scalars else scalars
+    if start == stop:
+        return LayerRecord(Layout.FIELDS, 0, {}, r.config, state)
+    ends, grown = fields_at(r, stop)
+    lo = fields_at(r, start)[1] if start else dict.fromkeys(plan.grows, 0)
+    arrays = {f: a for f, a in ends.items() if a is not None}
+    state.update({f: None for f, a in ends.items() if a is None})
+    for f in plan.grows:
+        if grown[f] > lo[f]:
+            index = (slice(None),) * plan.axis + (slice(lo[f], grown[f]),)
+            arrays[f] = r.arrays[f][index]
+    return LayerRecord(Layout.FIELDS, stop - start, arrays, r.config, state)
+
+
+def _cut_list(r: LayerRecord, start: int, stop: int) -> LayerRecord:
+    """Tokens [start, stop) of a LIST record cut member by member (start == stop == 0: its
+    template): per-token members by their tokens, recurrent states as they were at `stop`."""
+    def member(c: LayerRecord) -> LayerRecord:
+        if c.layout is Layout.LIST:
+            return _cut_list(c, start, stop)
+        if c.layout is Layout.STATE:
+            return LayerRecord(Layout.STATE, stop - start, state_at(c, stop) if stop else {}, c.config)
+        return _cut(c, start, stop, False)
+    return join_children([member(c) for c in split_children(r)], list_config(r))
 
 
 def split_snapshot(snapshot: Snapshot, block_size: int = BLOCK_SIZE) -> SplitSnapshot:
@@ -256,21 +310,29 @@ def split_snapshot(snapshot: Snapshot, block_size: int = BLOCK_SIZE) -> SplitSna
                              f"the block size must be a multiple of {BLOCK_TOKENS}, not {block_size}")
     spans = block_spans(n, block_size)
     states = {i for i, r in enumerate(snapshot.layers) if _checkpointed(r, spans)}
-    for i in states:
-        if snapshot.layers[i].offset != n:
-            raise ValueError(f"layer {i} holds recurrent state after {snapshot.layers[i].offset} tokens, other layers "
-                             f"{n}: a snapshot splits into blocks only when every layer holds the same tokens")
+    lists = {i for i, r in enumerate(snapshot.layers) if _list_in_blocks(r, spans)}
+    fields = {i for i, r in enumerate(snapshot.layers) if _fields_in_blocks(r, spans)}
+    for i in sorted(states | lists | fields):
+        for path, leaf in leaf_records([snapshot.layers[i]]):
+            if leaf.offset != n:
+                raise ValueError(f"layer {i} ({leaf.layout.value} member {path}) holds {leaf.offset} tokens, other "
+                                 f"layers {n}: a snapshot splits into blocks only when every layer holds the same tokens")
 
     def part(i: int, r: LayerRecord, b: int, start: int, stop: int) -> LayerRecord:
         if i in states:
             return LayerRecord(Layout.STATE, stop - start, state_at(r, stop), r.config)
+        if i in lists:
+            return _cut_list(r, start, stop)
+        if i in fields:
+            return _cut_fields(r, start, stop)
         return _cut(r, start, stop, b == 0)
 
     blocks = [Block(b, start, stop - start, {i: part(i, r, b, start, stop) for i, r in enumerate(snapshot.layers)
-                                             if r.per_token or i in states}, block_size)
+                                             if r.per_token or i in states or i in lists or i in fields}, block_size)
               for b, (start, stop) in enumerate(spans)]
-    window = Window([LayerRecord(Layout.STATE, 0, {}, r.config) if i in states
-                     else _cut(r, 0, 0, not spans) if r.per_token else r for i, r in enumerate(snapshot.layers)])
+    window = Window([LayerRecord(Layout.STATE, 0, {}, r.config) if i in states else _cut_list(r, 0, 0) if i in lists
+                     else _cut_fields(r, 0, 0) if i in fields else _cut(r, 0, 0, not spans) if r.per_token else r
+                     for i, r in enumerate(snapshot.layers)])
     return SplitSnapshot(blocks, window, SharedCodecs(snapshot.codecs), block_size)
 
 
@@ -299,8 +361,9 @@ def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
     if extra:
         raise ValueError(f"blocks hold layers {extra}, which the window lists as whole or absent")
     grouped = _join_groups(split.window.layers, in_blocks, blocks)
-    layers = [r if i not in in_blocks else grouped[i] if grouped is not None else _join_state(i, r, blocks)
-              if r.layout is Layout.STATE else _join_layer(i, r, blocks) for i, r in enumerate(split.window.layers)]
+    join = {Layout.LIST: _join_list, Layout.STATE: _join_state, Layout.FIELDS: _join_fields}
+    layers = [r if i not in in_blocks else grouped[i] if grouped is not None else join.get(r.layout, _join_layer)(i, r, blocks)
+              for i, r in enumerate(split.window.layers)]
     return Snapshot(layers=layers, codecs=split.shared.codecs)
 
 
@@ -334,7 +397,7 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
     if not blocks or not all(isinstance(b.layers, GroupedLayers) for b in blocks):
         return None
     layers = sorted(in_blocks)
-    if any(templates[i].layout is Layout.STATE for i in layers):
+    if any(templates[i].layout in (Layout.STATE, Layout.LIST, Layout.FIELDS) for i in layers):
         return None
     partial = {i: False for i in layers}
     checked = None  # (shells, n_tokens) of the block before, when it passed with no partial layer
@@ -386,7 +449,7 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
     return out
 
 
-def _join_layer(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+def _join_layer(i: int | str, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
     if not blocks:
         return template
     parts, partial = [], False
@@ -427,7 +490,69 @@ def _join_layer(i: int, template: LayerRecord, blocks: Sequence[Block]) -> Layer
     return joined
 
 
-def _join_state(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+def _part(blk: Block, i: int | str, template: LayerRecord, what: str) -> LayerRecord:
+    """Block `blk`'s part of layer `i`, which must be of the template's layout and config and
+    hold the block's tokens."""
+    part = blk.layers.get(i)
+    if part is None or part.layout is not template.layout or part.config != template.config \
+            or part.offset != blk.n_tokens:
+        raise ValueError(f"block {blk.index} lacks layer {i}'s {what} or stores another kind: blocks of different saves "
+                         "mixed")
+    return part
+
+
+def _join_list(i: int | str, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+    """A CacheList kept member by member: each member joined by its own kind (its parts in
+    the blocks are addressed as "<layer>.c<member>" in the messages)."""
+    if not blocks:
+        return template
+    parts = [split_children(_part(blk, i, template, "CacheList")) for blk in blocks]
+    members = []
+    for j, member in enumerate(split_children(template)):
+        key = f"{i}.c{j}"
+        pieces = [Block(b.index, b.start, b.n_tokens, {key: p[j]}, b.block_size) for b, p in zip(blocks, parts)]
+        join = _join_list if member.layout is Layout.LIST else _join_state if member.layout is Layout.STATE \
+            else _join_layer
+        members.append(join(key, member, pieces))
+    joined = join_children(members, list_config(template))
+    check_record_arrays(joined)
+    return joined
+
+
+def _join_fields(i: int, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
+    """A block-kept FIELDS record: the grown fields' rows concatenated, the other fields as the
+    last block holds them, and the earlier block ends as `<field>@<t>` checkpoints."""
+    if not blocks:
+        return template
+    plan = field_plan(template)
+    arrays: dict[str, mx.array] = {}
+    state = dict(template.state)
+    grown: dict[str, list[mx.array]] = {f: [] for f in plan.grows}
+    seen = 0
+    for blk in blocks:
+        part = _part(blk, i, template, "fields")
+        if seen:  # the block before ended here
+            arrays.update({f"{f}@{seen}": a for f, a in ends.items() if a is not None})
+            state.update({f"{f}@{seen}": None for f, a in ends.items() if a is None})
+            state.update({f"{f}@{seen}": sum(a.shape[plan.axis] for a in grown[f]) for f in plan.grows})
+        seen += part.offset
+        ends = {f: part.arrays.get(f) for f in plan.ends}
+        for f in plan.grows:
+            if f in part.arrays:
+                grown[f].append(part.arrays[f])
+    arrays.update({f: a for f, a in ends.items() if a is not None})
+    state.update({f: None for f, a in ends.items() if a is None})
+    for f, pieces in grown.items():
+        if pieces:
+            arrays[f] = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=plan.axis)
+        else:
+            state[f] = None
+    if "offset" in state:
+        state["offset"] = seen
+    return LayerRecord(Layout.FIELDS, seen, arrays, template.config, state)
+
+
+def _join_state(i: int | str, template: LayerRecord, blocks: Sequence[Block]) -> LayerRecord:
     """The recurrent state after the last block, with the earlier block ends as checkpoints."""
     if not blocks:
         return template

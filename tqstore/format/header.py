@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from turboquant.records import BLOCK_ARRAYS, WHOLE_LAYOUTS, LayerRecord, Layout, check_record_arrays
+from turboquant.records import BLOCK_ARRAYS, WHOLE_LAYOUTS, LayerRecord, Layout, check_record_arrays, in_block_form
 
 from tqstore.format.blocks import BlockKey, block_key, digest_calibration
 from tqstore.canonical import DTYPES
@@ -239,7 +239,9 @@ def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tup
         raise MalformedHeader(f"block {block.index} of size {block.block_size} cannot start at token {block.start} "
                               f"and hold {block.n_tokens} tokens")
     for li in layers:
-        if li.layout in (WHOLE_LAYOUTS - {Layout.STATE}) or li.offset != block.n_tokens or (block.index and li.calibration):
+        if li.layout in (WHOLE_LAYOUTS - {Layout.STATE, Layout.LIST, Layout.FIELDS}) or li.offset != block.n_tokens \
+                or (li.layout in (Layout.LIST, Layout.FIELDS) and not in_block_form(li, block.n_tokens)) \
+                or (block.index and li.calibration):
             raise MalformedHeader(f"block {block.index}: layer {li.index} is {li.layout.value} with {li.offset} tokens"
                                   f"{' and calibration' if li.calibration else ''}; a block holds per-token layers of "
                                   f"{block.n_tokens} tokens, calibration only in block 0")
