@@ -381,3 +381,18 @@ def test_question_over_a_long_tail_matches_f64(stored_rows, tail_rows):
     ref = causal64(q, k64, v64, 1 / math.sqrt(128))
     got = np.array(cache.attention(q, 1 / math.sqrt(128), "causal").astype(mx.float32)).astype(np.float64)
     assert np.all(np.abs(got - ref) <= 2 * 2.0**-7 * np.abs(ref) + RTOL_MMA * np.abs(ref).max())
+
+
+def test_replayed_decode_steps_equal_fresh_ones():
+    """The cache's kept decode step (kernels/steps.py) replays the same kernels on the GPU: every
+    step equals the one built from scratch, across the block that fills at 4352 rows."""
+    cache = build_cache("turbo4", 8, 128, mx.bfloat16, 4096, seed=31, tail=250)
+    k, v = (mx.random.normal((1, 8, 10, 128), key=mx.random.key(s)).astype(mx.bfloat16) for s in (5, 6))
+    for t in range(10):
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(40 + t)).astype(mx.bfloat16)
+        tail_buffers = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
+        fresh = kernels.fused_decode(q, cache._key_side, cache._value_side, cache._store.arrays, 0.088, cache._shifts,
+                                     tail_buffers, cache.stored, cache.offset - cache.stored)[0]
+        assert mx.array_equal(cache.attention(q, 0.088), fresh).item(), t
+    assert cache.stored == 4352

@@ -68,6 +68,7 @@ class TurboQuantKVCache:
         self._key_side = None
         self._value_side = None
         self.allocated: str | None = None  # autoB layers: a plan.key_options() entry, once decided
+        self._steps: dict = {}  # the GPU decode step, prepared once and replayed (kernels/steps.py)
         if plan.group is not None:
             plan.group.join(self)
 
@@ -305,7 +306,8 @@ class TurboQuantKVCache:
         if self.offset > self.stored:
             tail = (self._tail.arrays["keys"], self._tail.arrays["values"])
         return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
-                                    self._shifts, tail, self.stored, self.offset - self.stored, sinks)
+                                    self._shifts, tail, self.stored, self.offset - self.stored, sinks,
+                                    memo=self._steps)
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""

@@ -63,7 +63,7 @@ import os
 
 import mlx.core as mx
 
-from . import host
+from . import host, steps
 from .host import DEFAULT_TUNING, KernelTuning, merge_tail
 
 __all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "select_backend"]
@@ -89,7 +89,7 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
                  shifts: mx.array | None = None, tail: tuple[mx.array, mx.array] | None = None,
                  rows: int | None = None, tail_rows: int | None = None,
                  sinks: mx.array | None = None, tuning: KernelTuning | None = None,
-                 causal: int = 0) -> tuple[mx.array, mx.array] | None:
+                 causal: int = 0, memo: dict | None = None) -> tuple[mx.array, mx.array] | None:
     """(out, lse) of the stored rows and the raw `tail` through the GPU kernels, or None (see the
     module docstring). `rows` / `tail_rows`: `arrays` / `tail` are token buffers of which only
     the first `rows` / `tail_rows` tokens count (the kernels read them in place, so a decode step
@@ -97,11 +97,18 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     in the normaliser, or None. `tuning`: how kernels are picked and launched (None: the
     defaults with the environment's settings, `KernelTuning.from_env()`). `causal` (L > 1, what
     `fused_prefill` passes): the query rows are L tokens per query head ([B, Hq * L, 1, D]), the
-    tail's last L rows, and token l sees the tail only up to its own row."""
+    tail's last L rows, and token l sees the tail only up to its own row. `memo`: a dict the
+    caller owns beside the buffers (a cache), where the step is prepared once and replayed while
+    the buffers, the stored rows and the query's shape stay the same (`steps.py`; CUDA)."""
     backend = select_backend()
     if backend is None or not host.check_sinks(sinks, queries):
         return None
     tuning = host.resolve(tuning)
+    replay = (queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks, tuning, causal)
+    if memo is not None and backend == "cuda":
+        hit = steps.replay(memo, *replay)
+        if hit is not None:
+            return hit
     call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows,
                          tuning=tuning)
     if call is None:
@@ -110,6 +117,11 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     if backend == "cuda":
         from . import cuda
 
+        if memo is not None:
+            steps.prepare(memo, cuda.kernel, call, *replay)
+            hit = steps.replay(memo, *replay)
+            if hit is not None:
+                return hit
         return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail,
                            tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks, tuning=tuning,
                            causal=causal)
