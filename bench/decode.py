@@ -17,6 +17,14 @@ caches too.
   python bench/decode.py --sweep            # lane-shape / unroll / threadgroup sweep first
   python bench/decode.py --breakdown        # also the GPU time of each pass alone
   python bench/decode.py --sinks            # also the entry point with attention sinks, side by side
+  python bench/decode.py --model --runs 3    # instead: a model's decode tokens/s, raw against compressed
+
+`--model` (issue 30): tokens/s of one decode stream through mlx-lm's `generate_step` (what
+`Engine.generate` runs) on N layers of Llama-3.1-8B's shapes with random bf16 weights, after
+contexts of 16 tokens to 64k: every scheme's caches (`make_prompt_cache`) hold the same context of
+random K/V rows (compressed caches then compressed, as a restore or the first decode step leaves
+them), and per run the schemes take turns on the same context; the caches are trimmed back after
+each run.
 
 Needs an MLX GPU backend (CUDA or Metal).
 """
@@ -299,6 +307,80 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+MODEL_CONTEXTS = [16, 300, 1024, 4096, 16384, 65536]
+MODEL_SCHEMES = ["raw", "turbo4", "turbo8v3"]
+
+
+def model_decode(contexts: list[int], schemes: list[str], runs: int, tokens: int, layers: int) -> list[dict]:
+    """Decode tokens/s per (context, scheme, run): `tokens` tokens through `generate_step` after
+    the context, timed from the first token to the last (the first, which pays the prompt's last
+    token and any first-use build, is left out)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import llama
+    from question_prefill import fill_caches, llama_config
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(llama_config(layers)))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    rows = []
+    for T in contexts:
+        caches = {s: fill_caches(model, s, T, seed=T) for s in schemes}
+        prompt = mx.array([7], dtype=mx.uint32)
+
+        def one(scheme: str) -> float:
+            times = []
+            for _ in generate_step(prompt, model, prompt_cache=caches[scheme], max_tokens=tokens):
+                times.append(time.perf_counter())
+            for c in caches[scheme]:
+                c.trim(tokens)
+            return (len(times) - 1) / (times[-1] - times[0])
+
+        def split(scheme: str, steps: int = 16) -> tuple[float, float]:
+            """(host ms to build a step's graph, ms to evaluate it and wait), medians over
+            `steps` steps run one at a time (no overlap of host and GPU, unlike generate_step)."""
+            build, run = [], []
+            y = prompt[None]
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                logits = model(y, cache=caches[scheme])
+                t1 = time.perf_counter()
+                mx.eval(logits)
+                run.append(time.perf_counter() - t1)
+                build.append(t1 - t0)
+            for c in caches[scheme]:
+                c.trim(steps)
+            return statistics.median(build) * 1e3, statistics.median(run) * 1e3
+
+        for scheme in schemes:  # warm up: first-use builds, allocations
+            one(scheme)
+        got = {s: [] for s in schemes}
+        for _ in range(runs):
+            for scheme in schemes:
+                got[scheme].append(one(scheme))
+        parts = {s: split(s) for s in schemes}
+        for scheme in schemes:
+            rows.append(dict(T=T, scheme=scheme, tps=got[scheme], raw=got.get("raw"), split=parts[scheme]))
+        print(model_table(rows[-len(schemes):]), flush=True)
+        del caches
+        mx.clear_cache()
+    return rows
+
+
+def model_table(rows: list[dict]) -> str:
+    lines = ["| context | scheme | decode tokens/s, per run | median | x raw, per run (min-max) "
+             "| step alone: graph build ms | step alone: eval + wait ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = ""
+        if r["raw"] and r["scheme"] != "raw":
+            xs = [a / b for a, b in zip(r["tps"], r["raw"])]
+            ratio = f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
+        lines.append(f"| {r['T']:,} | {r['scheme']} | {', '.join(f'{v:.0f}' for v in r['tps'])} | "
+                     f"{statistics.median(r['tps']):.0f} | {ratio} | {r['split'][0]:.2f} | {r['split'][1]:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
@@ -310,12 +392,30 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="also time the passes alone (4k and 128k)")
     ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--model", action="store_true", help="a model's decode tokens/s instead (issue 30)")
+    ap.add_argument("--runs", type=int, default=3, help="--model: runs per cell")
+    ap.add_argument("--tokens", type=int, default=64, help="--model: tokens per run")
+    ap.add_argument("--layers", type=int, default=8, help="--model: layers of Llama-3.1-8B's shapes")
     args = ap.parse_args()
-    if kernels.select_backend() is None:
+    if kernels.select_backend() is None and not args.model:
         sys.exit("bench/decode.py needs an MLX GPU backend (CUDA or Metal) as the default device")
     mx.set_memory_limit(60 << 30)
     dev = device_line()
     print(dev, flush=True)
+    if args.model:
+        contexts = MODEL_CONTEXTS if args.contexts == ",".join(map(str, CONTEXTS)) else list(map(int, args.contexts.split(",")))
+        schemes = MODEL_SCHEMES if args.schemes == ",".join(SCHEMES) else args.schemes.split(",")
+        rows = model_decode(contexts, schemes, args.runs, args.tokens, args.layers)
+        command = "python bench/decode.py " + " ".join(sys.argv[1:])
+        body = (f"### One decode stream of a model: compressed against raw\n\n"
+                f"Device: {dev}. Date: {datetime.date.today().isoformat()}. Command: `{command}`.\n"
+                f"{args.layers} layers of Llama-3.1-8B's shapes, random bf16 weights; {args.tokens} tokens per run "
+                f"through mlx-lm's `generate_step` after the context, timed from the first token to the last; "
+                f"the schemes take turns on the same context in every run. Step alone: 16 more steps one at a "
+                f"time, the host's graph build (Python, mlx-lm and ours) and the evaluation it then waits for "
+                f"(medians; generate_step overlaps the next build with this evaluation).\n\n{model_table(rows)}\n")
+        emit(body, "decode-model", args.write_docs)
+        return
     tuning = ""
     if args.sweep:
         ns, u, tgs = sweep(args.calls)
@@ -345,12 +445,17 @@ def main() -> None:
             f"several layers' caches so the working set exceeds the L2 cache. GPU us/call: the calls' graphs are "
             f"built first, then evaluated together (timed); host us/call: building them (Python and MLX).{tuning}"
             f"\n\n{text}\n")
+    emit(body, "decode-kernels", args.write_docs)
+
+
+def emit(body: str, marker: str, write: bool) -> None:
+    """Print a section and, with `write`, put it into docs/benchmarks.md between its markers."""
     print(body)
-    if args.write_docs:
+    if write:
         from common import replace_section
 
-        replace_section(ROOT / "docs" / "benchmarks.md", "decode-kernels", body)
-        print("wrote docs/benchmarks.md (decode-kernels section)")
+        replace_section(ROOT / "docs" / "benchmarks.md", marker, body)
+        print(f"wrote docs/benchmarks.md ({marker} section)")
 
 
 if __name__ == "__main__":

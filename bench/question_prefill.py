@@ -6,6 +6,7 @@ rows, compressed against raw, and what each new context length builds (issue 28)
     python bench/question_prefill.py --mma-ab               # also the decode kernels' pass 1 A/B at 1k, 4k, 16k
     python bench/question_prefill.py --ab-prefill           # also each compressed cell with its rows decoded
     python bench/question_prefill.py --render a.json b.json --labels "A" "B" --write   # kept runs into the docs
+    python bench/question_prefill.py --breakdown --tokens 4096 65536   # GPU time of the 15-token attention's parts
 
 A model with Llama-3.1-8B's shapes (hidden 4096, 32 query / 8 KV heads, head dim 128, MLP 14336,
 vocabulary 32,000), N of its layers (default 8), random bf16 weights, built in memory. Per cell
@@ -187,6 +188,52 @@ def mma_ab(reps: int = 3) -> list[dict]:
     return rows
 
 
+def breakdown(tokens: list[int], layers: int = 8, calls: int = 64) -> list[dict]:
+    """GPU us per layer of the 15-token question's attention over T stored turbo4 rows (bf16),
+    batched over `layers` caches: the whole `fused_prefill` (pass 1, pass 2 with the causal tail),
+    pass 1 alone, pass 2 alone, and raw SDPA over the same number of bf16 rows with the causal
+    mask (the floor), plus the bytes pass 1 reads per call (K/V once per 8 query rows)."""
+    import mlx.core as mx
+
+    from decode import timed
+    from turboquant.kernels import cuda, fused_prefill, host
+    from turboquant.kernels.reference import build_cache, stored
+
+    L, scale = QUESTION - 1, 1 / math.sqrt(128)
+    rows = []
+    for T in tokens:
+        caches = [build_cache("turbo4", 8, 128, mx.bfloat16, T, seed=i, tail=L) for i in range(layers)]
+        q = mx.random.normal((1, 32, L, 128), key=mx.random.key(2)).astype(mx.bfloat16)
+        rq = q.reshape(1, 32 * L, 1, 128)
+        parts = []
+        for c in caches:
+            arrays = stored(c)
+            call = host.describe(rq, c._key_side, c._value_side, arrays, c._shifts, tensor_cores=True)
+            a1 = host.pass1_args(cuda.kernel, call, rq, c._key_side, c._value_side, arrays, scale, c._shifts)
+            po, pm, pl = cuda.kernel(call.pass1)(**a1)
+            a2 = host.pass2_args(call, c._value_side, a1["inputs"][0], po, pm, pl)
+            mx.eval(po, pm, pl)
+            parts.append((c, call, a1, a2))
+        nbytes = sum(a.nbytes for a in stored(caches[0]).values()) * -(-call.R // call.pass1.rmax)
+        tails = [(c._tail.arrays["keys"], c._tail.arrays["values"]) for c in caches]
+        fns = {
+            "fused_prefill": [lambda c=c, t=t: fused_prefill(q, c._key_side, c._value_side, c._store.arrays, scale,
+                                                             "causal", c._shifts, t, c.stored, L) for c, t in zip(caches, tails)],
+            "pass 1": [lambda p=p: cuda.kernel(p[1].pass1)(**p[2])[0] for p in parts],
+            "pass 2 (merge only)": [lambda p=p: cuda.kernel(p[1].pass2)(**p[3])[0] for p in parts],
+        }
+        ks = [mx.random.normal((1, 8, T + L, 128), key=mx.random.key(i)).astype(mx.bfloat16) for i in range(layers)]
+        mx.eval(ks)
+        fns["raw SDPA (causal)"] = [lambda k=k: mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask="causal")
+                                    for k in ks]
+        got = {name: timed(f, calls, 3)[0] * 1e6 for name, f in fns.items()}
+        rows.append({"tokens": T, "pass1_reads": -(-call.R // call.pass1.rmax), "pass1_mb": nbytes / 1e6, **got})
+        print("ROW " + json.dumps({"breakdown": rows[-1]}), flush=True)
+        del caches, parts, ks, fns
+        mx.clear_cache()
+    return rows
+
+
 def child(args) -> None:
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -284,10 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", type=Path, nargs="+", help="only print the tables of these --json files")
     parser.add_argument("--labels", nargs="+", default=[], help="a caption per --render file")
     parser.add_argument("--write", action="store_true", help="put the rendered tables into docs/benchmarks.md")
+    parser.add_argument("--breakdown", action="store_true", help="only the GPU time of the question attention's parts")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.child:
         child(args)
+        return 0
+    if args.breakdown:
+        breakdown(args.tokens, args.layers)
         return 0
     if args.render:
         body = render(args.render, args.labels)

@@ -144,7 +144,9 @@ def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme, numpy_stages, monkeypa
     H, R, D, L = 2, 3, 64, 220
     cache = _cache(scheme, H, D, mx.float32, T0=300, seed=4)
     k_new, v_new = kv_rows(1, H, L, D, seed=9)
-    cache.update_and_fetch(k_new, v_new)
+    cache.update_and_fetch(k_new[:, :, :-1], v_new[:, :, :-1])
+    assert cache.stored == 300 and cache.offset == 519  # the chunk's rows wait raw in the tail
+    cache.update_and_fetch(k_new[:, :, -1:], v_new[:, :, -1:])  # the next update encodes them
     assert cache.stored == 512 and cache.offset == 520
     q = mx.random.normal((1, H * R, L, D), key=mx.random.key(2))
     T = cache.offset

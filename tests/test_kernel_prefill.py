@@ -47,13 +47,35 @@ def test_question_through_the_kernels_matches_f64(monkeypatch, case):
         calls.clear()
         out = cache.attention(q, 0.125, mask)
         assert out.dtype == dtype and out.shape == q.shape
-        assert len(calls) == 2  # pass 1 over the stored rows, pass 2; the tail joins in plain ops
+        assert len(calls) == 2  # pass 1 over the stored rows, pass 2 with the tail (causal per row)
+        assert calls[1].tail_dtype
         if pass1 is not None:
             assert isinstance(calls[0], pass1)
         ref = causal64(q, k64, v64, 0.125, mask == "causal")
         rtol = 1e-4 if dtype == mx.float32 else 2e-3
         err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)
         assert np.all(err <= 2 * ULP[dtype] * np.abs(ref) + rtol * np.abs(ref).max()), (mask, err.max())
+
+
+@pytest.mark.parametrize("T, tail", [(300, 9), (256, 300)], ids=["open-block", "tail-past-pass-2"])
+def test_question_after_a_restore_in_an_open_block(monkeypatch, T, tail):
+    """Issue 28/30: a question after a restore whose last block is open (300 rows) kept its rows
+    encoded at once, so fewer than L stayed in the tail and it decoded every stored row
+    (turboquant/prefill.py). They now wait in the tail and the kernels take it; a tail longer
+    than pass 2 takes (256 rows) joins with plain ops, still causal per row."""
+    calls = []
+    force_backend(monkeypatch, "cuda", lambda v: calls.append(v) or emulate.kernel(v))
+    cache = build_cache("turbo4", H, D, mx.float16, T, seed=8)
+    k, v = (mx.random.normal((1, H, tail, D), key=mx.random.key(s)).astype(mx.float16) for s in (1, 2))
+    cache.update_and_fetch(k, v)
+    assert cache.offset - cache.stored == tail and cache.stored == T
+    k64, v64 = dequantized(cache)
+    q = mx.random.normal((1, H * R, 5, D), key=mx.random.key(6)).astype(mx.float16)
+    out = cache.attention(q, 0.125, "causal")
+    assert len(calls) == 2 and bool(calls[1].tail_dtype) == (tail <= 256)
+    ref = causal64(q, k64, v64, 0.125, True)
+    err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)
+    assert np.all(err <= 2 * ULP[mx.float16] * np.abs(ref) + 2e-3 * np.abs(ref).max()), err.max()
 
 
 def test_queries_reaching_into_the_stored_rows_take_the_plain_path(monkeypatch):

@@ -198,6 +198,7 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
     ref, _ = reference(cache, q, 0.125)
     for mask in (None, "causal"):
         calls.clear()
+        cache._steps.clear()  # (a kept step replays its kernels: test_kernel_steps.py)
         out = cache.attention(q, 0.125, mask)
         assert len(calls) == 2 and out.dtype == mx.float16  # pass 1 (rotates the query), pass 2
         assert isinstance(calls[0], MmaPass1)  # fp16 activations on CUDA: the tensor-core pass 1

@@ -346,7 +346,7 @@ def test_compiled_modules_serve_the_next_process(tmp_path):
                                           ("turbo4", mx.float32)], ids=str)
 def test_question_prefill_matches_f64(scheme, dtype):
     """A 16-token question after 4096 stored rows (the decode kernels with the tokens as query
-    rows, the tail causal in plain ops) against float64, and the same through the rows decoded
+    rows, the tail causal in pass 2) against float64, and the same through the rows decoded
     into SDPA (TQSTORE_KERNEL_PREFILL=0)."""
     cache = build_cache(scheme, 8, 128, dtype, 4096, seed=21, tail=40)
     q = mx.random.normal((1, 32, 16, 128), key=mx.random.key(9)).astype(dtype)
@@ -365,3 +365,34 @@ def test_question_prefill_matches_f64(scheme, dtype):
         got = np.array(out.astype(mx.float32)).astype(np.float64)
         assert np.all(np.abs(got - ref) <= 2 * ulp * np.abs(ref) + rtol * np.abs(ref).max()), (fused, scheme)
 
+
+
+@pytest.mark.parametrize("stored_rows,tail_rows", [(4000, 40), (4096, 240)], ids=["open-block", "tail-256"])
+def test_question_over_a_long_tail_matches_f64(stored_rows, tail_rows):
+    """A 16-token question whose tail pass 2 attends over causally per query row: after a store
+    whose last block is open (the decode rows wait raw in the tail) and with the tail at pass 2's
+    limit of 256 rows."""
+    cache = build_cache("turbo4", 8, 128, mx.bfloat16, stored_rows, seed=23, tail=tail_rows)
+    assert cache.stored == stored_rows
+    k, v = (mx.random.normal((1, 8, 16, 128), key=mx.random.key(s)).astype(mx.bfloat16) for s in (3, 4))
+    cache.update_and_fetch(k, v)
+    q = mx.random.normal((1, 32, 16, 128), key=mx.random.key(10)).astype(mx.bfloat16)
+    k64, v64 = dequantized(cache)
+    ref = causal64(q, k64, v64, 1 / math.sqrt(128))
+    got = np.array(cache.attention(q, 1 / math.sqrt(128), "causal").astype(mx.float32)).astype(np.float64)
+    assert np.all(np.abs(got - ref) <= 2 * 2.0**-7 * np.abs(ref) + RTOL_MMA * np.abs(ref).max())
+
+
+def test_replayed_decode_steps_equal_fresh_ones():
+    """The cache's kept decode step (kernels/steps.py) replays the same kernels on the GPU: every
+    step equals the one built from scratch, across the block that fills at 4352 rows."""
+    cache = build_cache("turbo4", 8, 128, mx.bfloat16, 4096, seed=31, tail=250)
+    k, v = (mx.random.normal((1, 8, 10, 128), key=mx.random.key(s)).astype(mx.bfloat16) for s in (5, 6))
+    for t in range(10):
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(40 + t)).astype(mx.bfloat16)
+        tail_buffers = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
+        fresh = kernels.fused_decode(q, cache._key_side, cache._value_side, cache._store.arrays, 0.088, cache._shifts,
+                                     tail_buffers, cache.stored, cache.offset - cache.stored)[0]
+        assert mx.array_equal(cache.attention(q, 0.088), fresh).item(), t
+    assert cache.stored == 4352

@@ -62,6 +62,7 @@ def compressed_attention(
     rows: int | None = None,
     tail_rows: int | None = None,
     sinks: mx.array | None = None,
+    memo: dict | None = None,
 ) -> mx.array:
     """softmax(q K^T * scale + mask) V for queries [B, Hq, L, D].
 
@@ -71,6 +72,8 @@ def compressed_attention(
     arrays / the tail are buffers of which only the first `rows` / `tail_rows` tokens count
     (None: all). `sinks` ([Hq] logits, gpt-oss): one more score per query head that joins the
     softmax normaliser and mixes no value, as in mx.fast.scaled_dot_product_attention.
+    `memo`: a dict owned with the buffers, where a GPU decode step is kept and replayed
+    (`kernels.fused_decode`).
     """
     B, Hq, L, D = queries.shape
     some = next(iter(arrays.values())) if arrays else tail[0]
@@ -81,7 +84,8 @@ def compressed_attention(
     if L == 1 and arrays and (mask is None or (isinstance(mask, str) and mask == "causal")):
         # One query token: the fused GPU kernels over the stored rows and the raw tail (None on
         # the CPU, or when no kernel fits).
-        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks)
+        fused = fused_decode(queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks,
+                             memo=memo)
         if fused is not None:
             return fused[0]
     if L > 1 and arrays and sinks is None:

@@ -63,7 +63,7 @@ import os
 
 import mlx.core as mx
 
-from . import host
+from . import host, steps
 from .host import DEFAULT_TUNING, KernelTuning, merge_tail
 
 __all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "select_backend"]
@@ -88,17 +88,27 @@ def select_backend() -> str | None:
 def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
                  shifts: mx.array | None = None, tail: tuple[mx.array, mx.array] | None = None,
                  rows: int | None = None, tail_rows: int | None = None,
-                 sinks: mx.array | None = None, tuning: KernelTuning | None = None) -> tuple[mx.array, mx.array] | None:
+                 sinks: mx.array | None = None, tuning: KernelTuning | None = None,
+                 causal: int = 0, memo: dict | None = None) -> tuple[mx.array, mx.array] | None:
     """(out, lse) of the stored rows and the raw `tail` through the GPU kernels, or None (see the
     module docstring). `rows` / `tail_rows`: `arrays` / `tail` are token buffers of which only
     the first `rows` / `tail_rows` tokens count (the kernels read them in place, so a decode step
     adds no slicing ops to the graph); None: all of them. `sinks`: [Hq] attention-sink logits
     in the normaliser, or None. `tuning`: how kernels are picked and launched (None: the
-    defaults with the environment's settings, `KernelTuning.from_env()`)."""
+    defaults with the environment's settings, `KernelTuning.from_env()`). `causal` (L > 1, what
+    `fused_prefill` passes): the query rows are L tokens per query head ([B, Hq * L, 1, D]), the
+    tail's last L rows, and token l sees the tail only up to its own row. `memo`: a dict the
+    caller owns beside the buffers (a cache), where the step is prepared once and replayed while
+    the buffers, the stored rows and the query's shape stay the same (`steps.py`; CUDA)."""
     backend = select_backend()
     if backend is None or not host.check_sinks(sinks, queries):
         return None
     tuning = host.resolve(tuning)
+    replay = (queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks, tuning, causal)
+    if memo is not None and backend == "cuda":
+        hit = steps.replay(memo, *replay)
+        if hit is not None:
+            return hit
     call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows,
                          tuning=tuning)
     if call is None:
@@ -107,8 +117,14 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     if backend == "cuda":
         from . import cuda
 
+        if memo is not None:
+            steps.prepare(memo, cuda.kernel, call, *replay)
+            hit = steps.replay(memo, *replay)
+            if hit is not None:
+                return hit
         return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail,
-                           tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks, tuning=tuning)
+                           tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks, tuning=tuning,
+                           causal=causal)
     from . import metal
 
     if rows is not None:  # the self-check's plain-ops reference needs exact views
@@ -122,7 +138,7 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     if stored is None:
         return None
     # (the stored rows' lse includes the sink, so merging the tail keeps it in the normaliser)
-    out, lse = host.merge_tail(queries, *stored, tail, scale)
+    out, lse = host.merge_tail_rows(queries, *stored, tail, scale, causal)
     return out.astype(queries.dtype), lse
 
 
@@ -144,7 +160,8 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     Every stored row precedes every query (they are the tail's last L rows), so no mask applies
     to them: the L tokens of each query head go to the kernels as L more query rows of its KV
     head ([B, Hq * L, 1, D], a GQA ratio of R * L; the kernels read K/V once per 8 rows), and the
-    raw tail joins with plain ops under the causal mask (`merge_tail`). None when `mask` is an
+    raw tail joins under the causal mask: in pass 2 on CUDA (up to 256 tail rows), else with
+    plain ops (`host.merge_tail_rows`). None when `mask` is an
     array or another string, when the tail holds fewer than L rows (some queries are stored:
     they would need a mask inside the stored rows), beyond `MAX_PREFILL_ROWS` query rows per KV
     head (a long chunk: decoding the rows once costs less), when no kernel applies (the CPU), or with
@@ -155,17 +172,13 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     H = next(iter(arrays.values())).shape[1]
     if H == 0 or Hq % H or Hq // H * L > MAX_PREFILL_ROWS:
         return None
-    if tail is not None:
-        n = tail[0].shape[2] if tail_rows is None else tail_rows
-        tail = (tail[0][:, :, :n], tail[1][:, :, :n]) if n else None
-    if mask == "causal" and (tail is None or tail[0].shape[2] < L):
+    n = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
+    if mask == "causal" and n < L:
         return None
+    # (one query row per token; on CUDA pass 2 attends over the tail, causal per row)
     rows_q = queries.reshape(B, Hq * L, 1, D)
-    stored = fused_decode(rows_q, key_side, value_side, arrays, scale, shifts, rows=rows, tuning=tuning)
+    stored = fused_decode(rows_q, key_side, value_side, arrays, scale, shifts, tail if n else None, rows, n,
+                          tuning=tuning, causal=L if mask == "causal" else 0)
     if stored is None:
         return None
-    out, lse = stored
-    out, _ = host.merge_tail(queries, out.reshape(B, Hq, L, D), lse.reshape(B, Hq, L), tail, scale,
-                             causal=mask == "causal")
-    return out.astype(queries.dtype)
-
+    return stored[0].reshape(B, Hq, L, D).astype(queries.dtype)

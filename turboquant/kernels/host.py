@@ -399,7 +399,7 @@ KernelFactory = Callable[[Pass1 | Pass2], Callable]
 
 
 @functools.lru_cache(maxsize=1024)
-def _params(*sizes: int) -> mx.array:
+def params_array(*sizes: int) -> mx.array:
     """The runtime sizes as a device array, made once per distinct sizes: the stored row count
     grows a block at a time, so decode steps reuse it instead of uploading a new array each call."""
     params = mx.array(list(sizes) + [0] * (MIN_INPUT_ELEMENTS - len(sizes)), dtype=mx.int32)
@@ -407,20 +407,37 @@ def _params(*sizes: int) -> mx.array:
     return params
 
 
-def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
-               scale: float, shifts: mx.array | None, target: int | None = None, tail_rows: int = 0,
-               tuning: KernelTuning | None = None) -> dict | None:
-    """Keyword arguments of the pass-1 kernel call (inputs, grid, outputs), or None (T too long).
-    `tail_rows` travels in `params` for a pass 2 that also attends over the raw tail."""
-    p1 = call.pass1
-    NG = -(-call.R // p1.rmax)
-    blocks = plan_blocks(call.T, call.B * call.H * NG, target, isinstance(p1, MmaPass1), tuning)
+def pass1_sizes(call: Call, shifts: mx.array | None, target: int | None = None,
+                tuning: KernelTuning | None = None) -> tuple[int, ...] | None:
+    """The sizes pass 1 and 2 read from `params` before the tail's: (stored rows, block span,
+    blocks, GQA ratio, KV heads, row groups, key-mean blocks), or None (T too long)."""
+    NG = -(-call.R // call.pass1.rmax)
+    blocks = plan_blocks(call.T, call.B * call.H * NG, target, isinstance(call.pass1, MmaPass1), tuning)
     if blocks is None:
         return None
-    span, nblk = blocks
-    rows = call.B * call.H * call.R
     nb_mu = 0 if shifts is None else shifts.shape[1]
-    params = _params(call.T, span, nblk, call.R, call.H, NG, nb_mu, tail_rows)
+    return (call.T, *blocks, call.R, call.H, NG, nb_mu)
+
+
+def query_scale(key_side, scale: float, call: Call) -> mx.array:
+    """The softmax scale in log2 units as pass 2 reads it (cq[0]) for the raw tail's scores."""
+    return _query_transform(key_side, scale * LOG2E, call.H, call.D)[4]
+
+
+def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side, arrays: dict[str, mx.array],
+               scale: float, shifts: mx.array | None, target: int | None = None, tail_rows: int = 0,
+               tuning: KernelTuning | None = None, causal: int = 0) -> dict | None:
+    """Keyword arguments of the pass-1 kernel call (inputs, grid, outputs), or None (T too long).
+    `tail_rows` travels in `params` for a pass 2 that also attends over the raw tail, and so
+    does `causal` (L > 1: the query rows are a question's L tokens per query head, and token l
+    sees the tail's first tail_rows - L + 1 + l rows)."""
+    p1 = call.pass1
+    sizes = pass1_sizes(call, shifts, target, tuning)
+    if sizes is None:
+        return None
+    _, span, nblk, _, _, NG, _ = sizes
+    rows = call.B * call.H * call.R
+    params = params_array(*sizes, tail_rows, causal)
     if p1.q_dtype:
         _, pre, _, _, cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)
         inputs = {"params": params, "q_raw": queries, "pre": pre, "cq": cq}
@@ -462,16 +479,16 @@ def tail_pass2(call: Call, queries: mx.array, tail: tuple[mx.array, mx.array] | 
             or kt.ndim != 4 or kt.shape[:2] != (call.B, call.H) or vt.shape[:3] != kt.shape[:3]
             or kt.shape[3] != call.D or vt.shape[3] != call.D):
         return None
-    return _pass2(call.D, call.pass2.rotate, dt, qt, out_dtype)
+    return pass2_variant(call.D, call.pass2.rotate, dt, qt, out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _pass2(d: int, rotate: bool, tail_dtype: str, q_dtype: str, out_dtype: str = "") -> Pass2:
+def pass2_variant(d: int, rotate: bool, tail_dtype: str, q_dtype: str, out_dtype: str = "") -> Pass2:
     return Pass2(d=d, rotate=rotate, tail_dtype=tail_dtype, q_dtype=q_dtype, out_dtype=out_dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _with_sinks(p2: Pass2) -> Pass2:
+def with_sinks(p2: Pass2) -> Pass2:
     return dataclasses.replace(p2, sinks=True)
 
 
@@ -513,7 +530,7 @@ def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, 
            partials: bool = False, tail: tuple[mx.array, mx.array] | None = None,
            fuse_tail: bool = True, tail_rows: int | None = None,
            out_dtype: mx.Dtype | None = None, sinks: mx.array | None = None,
-           tuning: KernelTuning | None = None) -> tuple[mx.array, ...] | None:
+           tuning: KernelTuning | None = None, causal: int = 0) -> tuple[mx.array, ...] | None:
     """Run both passes; returns (out [B, Hq, 1, D] normalised in the original basis, float32 or
     `out_dtype` (CUDA: pass 2 writes it), lse [B, Hq, 1] float32 natural-log log-sum-exp of the
     scaled scores) over the stored rows and the raw `tail` (its first `tail_rows` rows; None:
@@ -521,27 +538,30 @@ def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, 
     it), plus pass 1's (o, m, l) per (row, block) when `partials` (tests). `init_value` fills
     every output before the kernels run (tests poison them with NaN). `sinks` [Hq]: one logit
     per query head in the normaliser (`check_sinks`); out and lse then include it. `tuning` sets
-    the threadgroup target when `target` is None (None: `KernelTuning.from_env()`)."""
+    the threadgroup target when `target` is None (None: `KernelTuning.from_env()`). `causal`
+    (L > 1): the query rows are L tokens per query head ([B, Hq * L, 1, D]) that are the
+    tail's last L rows, so token l sees the tail's rows up to its own (`merge_tail_rows`)."""
     half = out_dtype is not None and out_dtype != mx.float32
     dtype = DTYPE_NAMES.get(out_dtype, "") if half else ""
     p2 = tail_pass2(call, queries, tail, tail_rows, dtype) if fuse_tail else None
     if p2 is None and tail is None and dtype:
-        p2 = _pass2(call.D, call.pass2.rotate, "", "", dtype)
+        p2 = pass2_variant(call.D, call.pass2.rotate, "", "", dtype)
     if sinks is not None:
-        p2 = _with_sinks(p2 or call.pass2)
+        p2 = with_sinks(p2 or call.pass2)
     n_tail = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
+    fused = p2 is not None and bool(p2.tail_dtype)
     args1 = pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, target,
-                       n_tail if p2 is not None and p2.tail_dtype else 0, tuning)
+                       n_tail if fused else 0, tuning, causal if fused else 0)
     if args1 is None:
         return None
     po, pm, pl = make_kernel(call.pass1)(**args1, init_value=init_value)
-    cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)[4]
+    cq = query_scale(key_side, scale, call)
     out, lse = make_kernel(p2 or call.pass2)(**pass2_args(call, value_side, args1["inputs"][0], po, pm, pl, p2,
                                                           queries, cq, tail, sinks), init_value=init_value)
     result = (out, lse)
     if (p2 is None or not p2.tail_dtype) and tail is not None:
         kt, vt = tail
-        result = merge_tail(queries, out, lse, (kt[:, :, :n_tail], vt[:, :, :n_tail]), scale)
+        result = merge_tail_rows(queries, out, lse, (kt[:, :, :n_tail], vt[:, :, :n_tail]), scale, causal)
         if half:
             result = (result[0].astype(out_dtype), result[1])
     return result + (po, pm, pl) if partials else result
@@ -599,6 +619,19 @@ def merge_tail(queries: mx.array, out: mx.array, lse: mx.array, tail: tuple[mx.a
     num = out.astype(mx.float32).reshape(B, H, R * L, -1) * w + e @ vt.astype(mx.float32)
     den = w + mx.sum(e, axis=-1, keepdims=True)
     return (num / den).reshape(B, Hq, L, -1), (m + mx.log(den)).reshape(B, Hq, L)
+
+
+def merge_tail_rows(queries: mx.array, out: mx.array, lse: mx.array, tail: tuple[mx.array, mx.array] | None,
+                    scale: float, causal: int = 0) -> tuple[mx.array, mx.array]:
+    """`merge_tail` for one query row per (query head, token) ([B, Hq * L, 1, D], what the
+    kernels take): with `causal` = L > 1 the rows are brought back to [B, Hq, L, D] and merged
+    under the causal mask (token l sees the tail's first n - L + 1 + l rows)."""
+    if tail is None or causal <= 1:
+        return merge_tail(queries, out, lse, tail, scale)
+    B, rows, _, D = queries.shape
+    o, m = merge_tail(queries.reshape(B, rows // causal, causal, D), out.reshape(B, rows // causal, causal, -1),
+                      lse.reshape(B, rows // causal, causal), tail, scale, causal=True)
+    return o.reshape(B, rows, 1, -1), m.reshape(B, rows, 1)
 
 
 def close(a: mx.array, b: mx.array, rtol: float) -> tuple[bool, float]:

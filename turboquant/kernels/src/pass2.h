@@ -117,14 +117,16 @@ for (int e = tid; e < D; e += NT) {
 if (tid == 0) {
   lse[row] = (M + LOG2(L)) * TQ_LN2;
 }
-//! The raw tail (n < 256 native rows of this row's KV head) joins the stored rows' softmax: one
-//! score per thread, block max and sum, then every output element mixes the n value rows. Both
+//! The raw tail (n <= 256 native rows of this row's KV head) joins the stored rows' softmax: one
+//! score per thread, block max and sum, then every output element mixes the n value rows. A
+//! question's L tokens run as L query rows each (params[8] = L > 1): row l of a query head sees
+//! the tail's first n - L + 1 + l rows (the causal mask; every stored row precedes them). Both
 //! loops are latency chains when they run alone (a decode step waits for them), so every load of
 //! a score is independent (the head dim unrolled into eight sums) and the value rows are split
 //! over VS slices of threads (two dims per thread, eight rows in flight), merged in a fixed order.
 //@@ tail
 {
-  const int n = params[7];
+  const int n = params[8] > 1 ? params[7] - params[8] + 1 + row % params[8] : params[7];
   const int R = params[3];
   const int H = params[4];
   const int bh = row / R;
