@@ -8,6 +8,10 @@ object is marked gone in the remote index, never deleted from the bucket, since 
 may be the network's fault). The next tier is tried. Good copies are promoted (S3 -> LMDB ->
 memory). Nothing is joined before every object needed is verified, and a restore returns the
 whole requested prefix, a shorter prefix of whole blocks (block-prefix restores only), or raises.
+
+The memory tier keeps the joined blocks as views of the joined arrays (`TierSet.keep_joined`), so a
+restore from memory of what was last restored or saved (or of a prefix of it) is a slice of
+arrays already in place: no decode, no copy, no transfer to the device.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import mlx.core as mx
 from turboquant.records import Snapshot
 
 from tqstore.errors import ConflictError, CorruptBlock, TqstoreError
-from tqstore.format.blocks import SplitSnapshot, join_blocks
+from tqstore.format.blocks import SplitSnapshot, join_resident
 from tqstore.format.manifest import Manifest
 from tqstore.format.objects import Parsed, parse as parse_object
 from tqstore.store.bucket import fetch_objects
@@ -81,11 +85,8 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
     pending = [w for w in pending if w.key not in out.objects]
     if pending and tiers.s3 is not None:
         _from_s3(tiers, pending, out)
-    tiers.ensure_pins()
-    for key, (hot, tier, _) in out.objects.items():
+    for hot, tier, _ in out.objects.values():
         tiers.counters.hit(tier)
-        if tier != "memory":
-            tiers.memory.put(key, hot)
     tiers.counters.miss(sum(1 for w in wants if w.key not in out.objects))
     return out
 
@@ -198,7 +199,7 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     split = SplitSnapshot([got.objects[w.key][0].obj for w in wants[:n_blocks]], got.objects[wants[-2].key][0].obj,
                           got.objects[wants[-1].key][0].obj, manifest.block_size)
     try:
-        snapshot = join_blocks(split, n_blocks)
+        snapshot, kept = join_resident(split, n_blocks)
     except ValueError as exc:
         suspects = _misfit(tiers, [(w, got.objects[w.key][0]) for w in wants if w.key in got.objects])
         why = "; ".join(f"{w.kind} {w.key.hex()[:12]} is not the copy any entry recorded (quarantined: it will be "
@@ -210,6 +211,8 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     if snapshot.offset != tokens:  # the caller prefills from here: the joined length must be it
         raise CorruptBlock(f"the stored objects of entry {manifest.name} hold {snapshot.offset} tokens where "
                            f"{tokens} were restored: remove the entry and save it again")
+    fetched = [(w.key, *got.objects[w.key][:2]) for w in wants if w.key in got.objects]
+    tiers.keep_joined(fetched[:n_blocks], kept, fetched[n_blocks:])
     per_tier: dict[str, int] = {}
     for _, tier, _ in used:
         per_tier[tier] = per_tier.get(tier, 0) + 1

@@ -11,11 +11,12 @@ referenced. Readers take no lock: an object deleted under a restore is a miss, n
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tqstore.format.blocks import BLOCK_SIZE
+from tqstore.format.blocks import BLOCK_SIZE, Block
 from tqstore.config import Config
 from tqstore.errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from tqstore.format.manifest import Manifest
@@ -23,7 +24,7 @@ from tqstore.names import is_valid_name
 from tqstore.store.home_lock import HomeLock
 from tqstore.store.remote_index import RemoteIndex
 from tqstore.store.tiers.lmdb import LmdbTier
-from tqstore.store.tiers.memory import MemoryTier
+from tqstore.store.tiers.memory import HotObject, MemoryTier
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier
@@ -165,6 +166,24 @@ class TierSet:
         """refresh_pins once, before the memory tier first needs to know the pins."""
         if not self._pins_known:
             self.refresh_pins()
+
+    def keep_joined(self, blocks: list[tuple[bytes, HotObject, str]], joined: list[Block],
+                    others: list[tuple[bytes, HotObject, str]]) -> None:
+        """Keep in memory the blocks of a restore's or put's join (`blocks`: key, object, the
+        tier it came from) as `join_resident` left them (`joined`: views of the joined arrays,
+        so the next restore of them is a slice), and its other objects. The blocks go in at
+        once, since they share the joined arrays (counted once); blocks that do not fit in the
+        budget together are not kept at all (views of one array cannot be evicted apart). What
+        the memory tier already holds as it is is not put again."""
+        self.ensure_pins()
+        items = []
+        for (key, hot, tier), block in zip(blocks, joined):
+            if block is not hot.obj:
+                items.append((key, dataclasses.replace(hot, obj=block)))
+            elif tier != "memory":
+                items.append((key, hot))
+        self.memory.put_all(items)
+        self.memory.put_all([(key, hot) for key, hot, tier in others if tier != "memory"])
 
     def where(self, key: bytes) -> str | None:
         """The fastest tier believed to hold `key`, or None."""
