@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from test_blocks import assert_same_array, assert_same_snapshot, make_snapshot
+from test_blocks import HETEROGENEOUS, assert_same_array, assert_same_snapshot, make_snapshot
 from test_store import (CODEC, MODEL, decode_logits, open_store, put, reopen, stored_model_entry, token_ids)
 from tqstore.format.blocks import Joined
 from turboquant import restore
@@ -125,4 +125,34 @@ def test_caches_restored_from_memory_never_change_what_memory_holds(tmp_path, sc
         assert same_bytes(kept, before), "a restored cache wrote into the arrays kept in memory"
     again, stats = store.load("tiny")
     assert stats.tier == "memory" and same_bytes(again, before)
+    store.close()
+
+
+@pytest.mark.parametrize("layouts, seed, joined", [
+    ([Layout.RAW, Layout.RAW], 0, True),  # a KVCache layer, and an uncompressed TurboQuant one calibrated in block 0
+    ([Layout.RAW, Layout.RAW], 1, True),
+    ([Layout.TURBO, Layout.CALIBRATED], 1, True),  # compressed to the last token, per-block key means
+    (HETEROGENEOUS, 0, False),  # layers whose last blocks differ (raw tails): joined layer by layer, as before
+])
+def test_blocks_read_from_lmdb_are_decoded_into_one_joined_array(tmp_path, layouts, seed, joined):
+    """An LMDB restore decodes each block's groups straight into their slice of one joined
+    array per name (calibration and per-block rows included), bit for bit; a restore mixing
+    blocks from memory and from LMDB joins them as well."""
+    store = open_store(tmp_path / "home")
+    snap, tokens = make_snapshot(700, layouts=layouts, seed=seed), token_ids(700)
+    m = put(store, "e", snap, tokens).manifest
+    store = reopen(store)
+    loaded, stats = store.load("e")
+    assert stats.objects == {"lmdb": 5}
+    assert_same_snapshot(loaded, snap)
+    bases = {}
+    for ref in m.blocks:  # every block's groups are consecutive views of one joined group per name
+        for g in store._tiers.memory.get(ref.key).obj.layers.groups:
+            base, stop = bases.get(g.name, (g.base, 0))
+            assert (g.base is base is not None and g.start == stop) == joined
+            bases[g.name] = (base, g.stop)
+    store._tiers.memory.drop([m.blocks[1].key])
+    mixed, stats = store.load("e")
+    assert stats.objects == {"memory": 4, "lmdb": 1}
+    assert_same_snapshot(mixed, snap)
     store.close()

@@ -31,14 +31,14 @@ from turboquant.records import Snapshot
 from tqstore.errors import ConflictError, CorruptBlock, TqstoreError
 from tqstore.format.blocks import SplitSnapshot, join_resident
 from tqstore.format.manifest import Manifest
-from tqstore.format.objects import Parsed, parse as parse_object
+from tqstore.format.objects import Parsed, build as build_object, build_run, parse as parse_object
 from tqstore.store.bucket import fetch_objects
 from tqstore.store.packs import Location
 from tqstore.store.tiers.lmdb import LmdbTier
-from tqstore.store.tiers.memory import HotObject
+from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet, slowest
-from tqstore.store.verify import (BAD_CONTENT, Want, codec_problem, decode, decode_parsed, quarantine_lmdb,
-                                  wants_for)
+from tqstore.store.verify import (BAD_CONTENT, Want, check_parsed, codec_problem, decode, decode_parsed,
+                                  quarantine_lmdb, wants_for)
 
 READ_AHEAD = 2  # LMDB objects per reader thread read and verified ahead of the one being built
 
@@ -140,7 +140,11 @@ def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Fetched) -> None:
     try:
         if isinstance(parsed, TqstoreError):
             raise parsed
-        out.objects[want.key] = (decode_parsed(parsed, want, digest), "lmdb", nbytes)
+        if want.kind == "block" and parsed.raws is not None:  # checked now, built with the others (_build_blocks)
+            check_parsed(parsed, want)
+            out.objects[want.key] = (HotObject(parsed, "block", parsed.header.provenance, digest, 0), "lmdb", nbytes)
+        else:
+            out.objects[want.key] = (decode_parsed(parsed, want, digest), "lmdb", nbytes)
     except ConflictError as exc:  # intact, and right for other entries: keep it
         out.misses.append(f"LMDB copy of {what}: {exc}")
     except BAD_CONTENT as exc:
@@ -191,6 +195,7 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
             raise CorruptBlock(f"entry {manifest.name} cannot be restored: {len(lost)} of its objects are missing or "
                                f"damaged in every tier ({reasons}); save it again (or pull it again)")
         n_blocks, whole = first, False
+    _build_blocks(got, wants, n_blocks)
     used = [got.objects[w.key] for w in wants if w.kind != "block"] + [got.objects[w.key] for w in wants[:n_blocks]]
     unfit = codec_problem(manifest, got.objects[wants[-2].key][0], got.objects[wants[-1].key][0])
     if unfit is not None:
@@ -219,6 +224,20 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     stats = RestoreStats(slowest(list(per_tier)), tokens, sum(n for _, _, n in used), time.perf_counter() - start,
                          per_tier, tuple(got.misses))
     return snapshot, stats
+
+
+def _build_blocks(got: Fetched, wants: list[Want], n_blocks: int) -> None:
+    """Build the blocks read from LMDB, which `_from_lmdb` checked but left parsed: those of the
+    first `n_blocks` together, each name's groups decoded straight into one joined array
+    (`build_run`: one copy of each byte, and the join a slice of it); any others one by one."""
+    parsed = [w for w in wants if w.key in got.objects and isinstance(got.objects[w.key][0].obj, Parsed)]
+    first = {w.key for w in wants[:n_blocks]}
+    run = [w for w in parsed if w.key in first]
+    built = dict(zip((w.key for w in run), build_run([got.objects[w.key][0].obj for w in run]) or ()))
+    for want in parsed:
+        hot, tier, nbytes = got.objects[want.key]
+        block = built.get(want.key) or build_object(hot.obj)[1]
+        got.objects[want.key] = (dataclasses.replace(hot, obj=block, nbytes=decoded_nbytes(block)), tier, nbytes)
 
 
 def _misfit(tiers: TierSet, used: list[tuple[Want, HotObject]]) -> list[Want]:
