@@ -156,3 +156,17 @@ def test_blocks_read_from_lmdb_are_decoded_into_one_joined_array(tmp_path, layou
     assert stats.objects == {"memory": 4, "lmdb": 1}
     assert_same_snapshot(mixed, snap)
     store.close()
+
+
+def test_blocks_joined_layer_by_layer_are_kept_as_each_fits(tmp_path):
+    """Blocks that share no joined array (their layers differ block to block) are kept one by
+    one, as many as the budget holds, as before."""
+    snap, tokens = make_snapshot(700, layouts=HETEROGENEOUS), token_ids(700)
+    store = open_store(tmp_path / "home", memory_budget_bytes=snap.nbytes // 2)
+    m = put(store, "e", snap, tokens).manifest
+    held = [store._tiers.memory.has(ref.key) for ref in m.blocks]
+    assert any(held) and not all(held)
+    loaded, stats = store.load("e")
+    assert set(stats.objects) == {"memory", "lmdb"}
+    assert_same_snapshot(loaded, snap)
+    store.close()

@@ -24,7 +24,7 @@ from tqstore.names import is_valid_name
 from tqstore.store.home_lock import HomeLock
 from tqstore.store.remote_index import RemoteIndex
 from tqstore.store.tiers.lmdb import LmdbTier
-from tqstore.store.tiers.memory import HotObject, MemoryTier
+from tqstore.store.tiers.memory import HotObject, MemoryTier, holdings
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier
@@ -171,9 +171,9 @@ class TierSet:
                     others: list[tuple[bytes, HotObject, str]]) -> None:
         """Keep in memory the blocks of a restore's or put's join (`blocks`: key, object, the
         tier it came from) as `join_resident` left them (`joined`: views of the joined arrays,
-        so the next restore of them is a slice), and its other objects. The blocks go in at
-        once, since they share the joined arrays (counted once); blocks that do not fit in the
-        budget together are not kept at all (views of one array cannot be evicted apart). What
+        so the next restore of them is a slice), and its other objects. Blocks that view joined
+        arrays go in at once, since they share them (counted once), or, when together they do
+        not fit in the budget, not at all (views of one array cannot be evicted apart). What
         the memory tier already holds as it is is not put again."""
         self.ensure_pins()
         items = []
@@ -182,8 +182,13 @@ class TierSet:
                 items.append((key, dataclasses.replace(hot, obj=block)))
             elif tier != "memory":
                 items.append((key, hot))
-        self.memory.put_all(items)
-        self.memory.put_all([(key, hot) for key, hot, tier in others if tier != "memory"])
+        if any(holdings(hot.obj)[1] for _, hot in items):
+            self.memory.put_all(items)
+        else:  # blocks joined by layer (no joined arrays to share): each kept as it fits
+            others = [(key, hot, "") for key, hot in items] + others
+        for key, hot, tier in others:
+            if tier != "memory":
+                self.memory.put(key, hot)
 
     def where(self, key: bytes) -> str | None:
         """The fastest tier believed to hold `key`, or None."""
