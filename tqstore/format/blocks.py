@@ -342,7 +342,9 @@ def join_resident(split: SplitSnapshot, n_blocks: int | None = None) -> tuple[Sn
     grouped, bases = found if found is not None else (None, None)
     layers = [r if i not in in_blocks else grouped[i] if grouped is not None else _join_state(i, r, blocks)
               if r.layout is Layout.STATE else _join_layer(i, r, blocks) for i, r in enumerate(split.window.layers)]
-    return Snapshot(layers=layers, codecs=split.shared.codecs), _rebased(blocks, bases) if bases else list(blocks)
+    held = {id(g.base) for b in blocks for g in b.layers.groups} if bases else set()
+    fresh = any(id(j) not in held for j in bases.values()) if bases else False  # made by this join
+    return Snapshot(layers=layers, codecs=split.shared.codecs), _rebased(blocks, bases) if fresh else list(blocks)
 
 
 def _cut(r: LayerRecord, start: int, stop: int, with_calibration: bool) -> LayerRecord:
@@ -405,8 +407,10 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int], blocks: Sequ
     bases: dict[str, Joined] = {}
     for name, groups in by_name.items():
         first = groups[0]
-        if any(g.layers != first.layers or g.data.dtype != first.data.dtype
-               or _without_tokens(g.data.shape[1:]) != _without_tokens(first.data.shape[1:]) for g in groups):
+        # Views of one joined group were checked alike when it was joined (or built: build_run).
+        if not _views_of_one(groups) and any(
+                g.layers != first.layers or g.data.dtype != first.data.dtype
+                or _without_tokens(g.data.shape[1:]) != _without_tokens(first.data.shape[1:]) for g in groups):
             return None
         for i in first.layers:
             t = templates[i].arrays.get(name)
@@ -416,14 +420,17 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int], blocks: Sequ
         data, bases[name] = _joined(groups)
         for k, i in enumerate(first.layers):
             joined[i][name] = layer_view(data, k)
+    runs: dict[int, list] = {}  # the distinct shells (blocks decoded from one table share them), how many blocks
+    for blk in blocks:
+        runs.setdefault(id(blk.layers.shells), [blk.layers.shells, 0])[1] += 1
     out = {}
     for i in layers:
         template = templates[i]
-        names = dict.fromkeys(n for blk in blocks for n in blk.layers.shells[i].arrays)
+        names = dict.fromkeys(n for shells, _ in runs.values() for n in shells[i].arrays)
         state = dict(template.state)
         if "stored" in state:
-            state["stored"] = sum(int(blk.layers.shells[i].state["stored"]) for blk in blocks)
-        out[i] = LayerRecord(template.layout, sum(blk.layers.shells[i].offset for blk in blocks),
+            state["stored"] = sum(n * int(shells[i].state["stored"]) for shells, n in runs.values())
+        out[i] = LayerRecord(template.layout, sum(n * shells[i].offset for shells, n in runs.values()),
                              {n: joined[i][n] for n in names}, template.config, state,
                              blocks[0].layers.shells[i].calibration)
         check_record_arrays(out[i])
@@ -433,13 +440,19 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int], blocks: Sequ
 _GROUP_TOKENS = TOKEN_AXIS + 1  # the token axis of a group's data ([layers, *array shape])
 
 
+def _views_of_one(groups: Sequence[ArrayGroup]) -> bool:
+    """Whether `groups` are consecutive views of one joined group, from its first token."""
+    base = groups[0].base
+    return base is not None and groups[0].start == 0 and all(g.base is base for g in groups) \
+        and all(a.stop == b.start for a, b in zip(groups, groups[1:]))
+
+
 def _joined(groups: Sequence[ArrayGroup]) -> tuple[mx.array, Joined]:
     """The groups of one name joined along the token axis, and the joined group that holds it:
     a slice of their common base where they are its consecutive views from its first token
     (blocks kept in memory by an earlier join), else a concatenation (one group: itself)."""
     base = groups[0].base
-    if base is not None and groups[0].start == 0 and all(g.base is base for g in groups) \
-            and all(a.stop == b.start for a, b in zip(groups, groups[1:])):
+    if _views_of_one(groups):
         stop = groups[-1].stop
         if stop == base.data.shape[_GROUP_TOKENS]:
             return base.data, base

@@ -81,6 +81,7 @@ class TierSet:
         self.block_size = BLOCK_SIZE
         self._cache: dict[str, tuple[int, float, Manifest]] = {}  # name -> (size, last used, parsed)
         self._cache_lock = threading.Lock()
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}  # name -> (bytes, parsed): local_manifest
         self._pins_known = False
 
     def require_s3(self) -> S3Tier:
@@ -93,11 +94,22 @@ class TierSet:
         return self.s3
 
     def local_manifest(self, name: str) -> Manifest | None:
-        """The local manifest `name`, parsed (FormatError if it is damaged), or None."""
+        """The local manifest `name`, parsed (FormatError if it is damaged), or None. The same
+        bytes parse to the same manifest: the last parse of each name is kept with its bytes
+        (a restore by name would otherwise re-check every token and recompute every key)."""
         data = self.lmdb.get_manifest(name)
         if data is None:
             return None
-        return check_name(Manifest.from_bytes(data), name)
+        with self._cache_lock:
+            seen = self._parsed.get(name)
+        if seen is not None and seen[0] == data:
+            return seen[1]
+        manifest = check_name(Manifest.from_bytes(data), name)
+        with self._cache_lock:
+            if len(self._parsed) >= 1024:
+                self._parsed.clear()
+            self._parsed[name] = (bytes(data), manifest)
+        return manifest
 
     def require_manifest(self, name: str) -> Manifest:
         """The local manifest `name`; NotFound (saying where to look) if there is none."""
