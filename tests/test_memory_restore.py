@@ -70,17 +70,25 @@ def test_a_restore_from_lmdb_is_kept_joined_and_then_restores_as_a_slice(tmp_pat
     store.close()
 
 
-def test_a_prefix_of_a_kept_join_is_a_view_of_it(tmp_path):
+def test_a_prefix_of_a_kept_join_is_copied_out_of_it(tmp_path):
+    """A prefix of the blocks kept in memory is restored as row-contiguous arrays (a layer's view
+    of a token slice would be strided: kernels would copy it at every step); memory keeps the
+    whole join as it was."""
     store = open_store(tmp_path / "home")
     snap, tokens = make_snapshot(600, layouts=[Layout.RAW, Layout.RAW]), token_ids(600)
     result = put(store, "e", snap, tokens)
+    held = store._tiers.memory.stats().bytes
     match = store.lookup(tokens[:512] + token_ids(100, seed=5), model=MODEL.digest, codec=CODEC.digest)
     prefix, stats = store.restore(match)
     assert (stats.tier, stats.tokens) == ("memory", 512)
     for got, whole in zip(prefix.layers, result.snapshot.layers):
         for name, a in got.arrays.items():
             assert_same_array(a, whole.arrays[name][:, :, :512], name)
-            assert address(a) == address(whole.arrays[name])
+            assert np.asarray(a).flags.c_contiguous
+    assert store._tiers.memory.stats().bytes == held
+    again, stats = store.load("e")
+    assert stats.tier == "memory" and [address(a) for a in again.arrays()] == [
+        address(a) for a in result.snapshot.arrays()]
     store.close()
 
 

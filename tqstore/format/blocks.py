@@ -449,14 +449,17 @@ def _views_of_one(groups: Sequence[ArrayGroup]) -> bool:
 
 def _joined(groups: Sequence[ArrayGroup]) -> tuple[mx.array, Joined]:
     """The groups of one name joined along the token axis, and the joined group that holds it:
-    a slice of their common base where they are its consecutive views from its first token
-    (blocks kept in memory by an earlier join), else a concatenation (one group: itself)."""
+    their common base itself where they are all of its consecutive views (blocks kept in memory
+    by an earlier join), a copy of its first tokens where they are its first ones, else a
+    concatenation (one group: itself)."""
     base = groups[0].base
     if _views_of_one(groups):
         stop = groups[-1].stop
         if stop == base.data.shape[_GROUP_TOKENS]:
             return base.data, base
-        return base.data[(slice(None),) * _GROUP_TOKENS + (slice(0, stop),)], base
+        # A prefix: copied into a row-contiguous array (as a concatenation made it), since every
+        # layer's view of a token slice is strided and kernels would copy it at every step.
+        return mx.contiguous(base.data[(slice(None),) * _GROUP_TOKENS + (slice(0, stop),)]), base
     data = groups[0].data if len(groups) == 1 else mx.concatenate([g.data for g in groups], axis=_GROUP_TOKENS)
     return data, Joined(data)
 
