@@ -17,11 +17,15 @@ Per cell (tokens, scheme) and run, in a fresh store home:
   token (what answering costs without tqstore);
 - plain prefill: the Engine's chunked prefill of the context into plain KVCaches, against the
   prefill inside `save_tokens` (into the scheme's caches);
-- from memory: `generate(..., max_tokens=1)` right after the save (the memory tier);
+- from memory: `generate(..., max_tokens=1)` right after the save (the memory tier: the save's
+  joined arrays, so the restore is a slice of them);
 - from LMDB: the store closed, data.mdb's pages dropped (posix_fadvise DONTNEED), a fresh Store
   and Engine, `generate` again;
 - cold read: data.mdb's pages dropped again and the file read sequentially (the floor).
 All cells and runs go side by side in one process; the table gives the median and min-max.
+A second table splits each first token from memory and from LMDB into the store's restore, the
+question's forward, the first-token step (the last token's forward and the sampling) and the
+rest (lookup, building the caches), beside the time that 10x sooner than cold allows.
 """
 
 from __future__ import annotations
@@ -123,13 +127,19 @@ def plain_prefill(engine, loaded, context: list[int]) -> float:
 
 
 def first_token(engine, loaded, scheme: str, prompt: list[int], tier: str) -> dict:
-    """`generate(..., max_tokens=1)`: wall seconds, the restore's seconds and the tier it used."""
+    """`generate(..., max_tokens=1)`: wall seconds, the tier it used, and where the seconds went:
+    the store's restore (fetch, verify, join, evaluate), the question's forward (all but its
+    last token, over the restored caches), the first-token step (the last token's forward and
+    the sampling, mlx-lm's `stream_generate`), and the rest (the lookup, building the caches
+    from the snapshot, Python between the steps)."""
     t0 = time.perf_counter()
     answer = engine.generate(loaded, scheme, prompt, max_tokens=1)
     wall = time.perf_counter() - t0
     if answer.tier != tier or answer.cached_tokens == 0:
         raise RuntimeError(f"expected a restore from {tier}, got {answer.tier!r} ({answer.cached_tokens} tokens)")
-    return {"seconds": wall, "restore_seconds": answer.restore_seconds, "cached_tokens": answer.cached_tokens}
+    return {"seconds": wall, "restore_seconds": answer.restore_seconds, "cached_tokens": answer.cached_tokens,
+            "question_seconds": answer.prefill_seconds, "step_seconds": answer.generation_seconds,
+            "other_seconds": wall - answer.restore_seconds - answer.prefill_seconds - answer.generation_seconds}
 
 
 def cold_read(path: Path) -> dict:
@@ -236,11 +246,34 @@ def tables(rows: list[dict]) -> str:
     text = markdown_table(["tokens", "scheme", "stored MB", "cold prefill + 1st token", "from memory (ratio)",
                            "from LMDB, pages dropped (ratio)", "memory restore GB/s", "LMDB restore GB/s",
                            "cold-read GB/s"], restore)
+    text += "\n\n" + breakdown(cells)
     text += "\n\n" + markdown_table(["tokens", "scheme", "plain prefill (Engine, KVCache)",
                                      "prefill inside save (x plain)", "whole save (prefill + compress + put)"], save)
     for f in failures:
         text += f"\n\nFailed: {f['tokens']:,} tokens {f['scheme']} run {f['run']}: {f['error']}"
     return text
+
+
+PARTS = (("restore_seconds", "restore"), ("question_seconds", "question forward"),
+         ("step_seconds", "first-token step"), ("other_seconds", "lookup + caches + rest"))
+
+
+def breakdown(cells: dict[tuple[int, str], list[dict]]) -> str:
+    """Where a first token's seconds go, from memory and from LMDB: the store's restore, the
+    question's forward, the first-token step (last token's forward + sampling) and the rest,
+    median (min-max) over the runs; with what 10x sooner than cold would allow in all."""
+    rows = []
+    for (tokens, scheme), runs in cells.items():
+        for tier in ("memory", "lmdb"):
+            if not all("question_seconds" in r[tier] for r in runs):
+                continue  # figures kept before the breakdown was measured
+            rows.append([f"{tokens:,}", scheme, tier, summary([r[tier]["seconds"] for r in runs]),
+                         *(summary([r[tier][key] for r in runs]) for key, _ in PARTS),
+                         f"{statistics.median(r['cold'] for r in runs) / 10:.3f} s"])
+    if not rows:
+        return "(no breakdown: these figures were kept before it was measured)"
+    return markdown_table(["tokens", "scheme", "from", "first token", *(name for _, name in PARTS),
+                           "10x sooner than cold"], rows)
 
 
 def section(results: dict) -> str:
@@ -345,8 +378,10 @@ def measure(args, argv: list[str]) -> dict:
                         mx.clear_cache()
                     results["rows"].append(row)
                     if "error" not in row:
+                        parts = ", ".join(f"{name} {row['memory'][key]:.3f}" for key, name in PARTS)
                         say(f"run {run + 1}/{args.runs} {tokens} {scheme}: cold {row['cold']:.3f} s, memory "
-                            f"{row['memory']['seconds']:.3f} s, lmdb {row['lmdb']['seconds']:.3f} s, save prefill "
+                            f"{row['memory']['seconds']:.3f} s ({parts}), lmdb {row['lmdb']['seconds']:.3f} s, "
+                            f"save prefill "
                             f"{row['save_prefill']:.3f} s vs {row['plain_prefill']:.3f} s, "
                             f"{row['stored_bytes'] / 1e6:.0f} MB ({time.perf_counter() - t0:.1f} s, peak "
                             f"{mx.get_peak_memory() / 2**30:.1f} GiB)")

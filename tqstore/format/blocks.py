@@ -151,14 +151,37 @@ class Block:
 
 
 @dataclass(frozen=True, eq=False)
+class Joined:
+    """One array name's group joined over consecutive blocks ([layers, *array shape], every
+    block's tokens along the token axis). Blocks kept in memory after a join hold views of it,
+    so that the next join of the same blocks is a slice of it, not a copy; the memory tier
+    counts its bytes once, however many blocks share it."""
+
+    data: mx.array
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass(frozen=True, eq=False)
 class ArrayGroup:
     """The arrays of one name in a block, one per layer of `layers` (in that order), held as
     one array `data` of shape [len(layers), *each array's shape]: what a stored group decodes
-    to. Joins concatenate groups, not arrays."""
+    to. Joins concatenate groups, not arrays. With a `base`, `data` is the view of tokens
+    [start, stop) of that joined group."""
 
     name: str
     layers: tuple[int, ...]
     data: mx.array
+    base: Joined | None = None
+    start: int = 0
+    stop: int = 0
+
+
+def layer_view(data: mx.array, k: int) -> mx.array:
+    """Layer `k`'s array of a group's data, a view (MLX's `data[k]` gathers: a copy)."""
+    return data[k:k + 1].squeeze(0)
 
 
 class GroupedLayers(Mapping[int, LayerRecord]):
@@ -186,8 +209,16 @@ class GroupedLayers(Mapping[int, LayerRecord]):
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays (without building the records)."""
-        return sum(g.data.nbytes for g in self.groups) + sum(a.nbytes for s in self.shells.values()
-                                                            for a in s.calibration.values())
+        return sum(g.data.nbytes for g in self.groups) + self._calibration_nbytes()
+
+    def holdings(self) -> tuple[int, tuple[Joined, ...]]:
+        """(bytes of the arrays held by this block alone, the joined groups it holds views of):
+        what keeping it in memory costs, a joined group counted once by whoever holds it."""
+        own = sum(g.data.nbytes for g in self.groups if g.base is None) + self._calibration_nbytes()
+        return own, tuple({id(g.base): g.base for g in self.groups if g.base is not None}.values())
+
+    def _calibration_nbytes(self) -> int:
+        return sum(a.nbytes for s in self.shells.values() for a in s.calibration.values())
 
     def records(self) -> dict[int, LayerRecord]:
         """Every layer as a plain record (built once)."""
@@ -195,7 +226,7 @@ class GroupedLayers(Mapping[int, LayerRecord]):
             arrays = {i: dict(s.arrays) for i, s in self.shells.items()}
             for g in self.groups:
                 for k, i in enumerate(g.layers):
-                    arrays[i][g.name] = g.data[k]
+                    arrays[i][g.name] = layer_view(g.data, k)
             self._records = {i: dataclasses.replace(s, arrays=arrays[i]) for i, s in self.shells.items()}
         return self._records
 
@@ -343,6 +374,15 @@ def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
     blocks cannot be restored for an entry with ROTATING layers: their ring buffers hold the
     whole entry's window, so such entries are reused whole.
     """
+    return join_resident(split, n_blocks)[0]
+
+
+def join_resident(split: SplitSnapshot, n_blocks: int | None = None) -> tuple[Snapshot, list[Block]]:
+    """`join_blocks`, and the joined blocks to keep in memory instead of the ones given: where
+    the blocks hold their arrays in groups, each block's groups become views of the joined
+    groups (`ArrayGroup.base`), so that joining those blocks again (or a prefix of them) is a
+    slice of what this join made, not a copy, and memory holds each byte once. Joined groups
+    and views are evaluated here: lazy views would be bound to this thread's stream."""
     k = len(split.blocks) if n_blocks is None else n_blocks
     if not 0 <= k <= len(split.blocks):
         raise ValueError(f"cannot join {k} blocks of an entry with {len(split.blocks)}")
@@ -360,11 +400,14 @@ def join_blocks(split: SplitSnapshot, n_blocks: int | None = None) -> Snapshot:
     extra = sorted({i for blk in blocks for i in blk.layers} - in_blocks)
     if extra:
         raise ValueError(f"blocks hold layers {extra}, which the window lists as whole or absent")
-    grouped = _join_groups(split.window.layers, in_blocks, blocks)
+    found = _join_groups(split.window.layers, in_blocks, blocks)
+    grouped, bases = found if found is not None else (None, None)
     join = {Layout.LIST: _join_list, Layout.STATE: _join_state, Layout.FIELDS: _join_fields}
     layers = [r if i not in in_blocks else grouped[i] if grouped is not None else join.get(r.layout, _join_layer)(i, r, blocks)
               for i, r in enumerate(split.window.layers)]
-    return Snapshot(layers=layers, codecs=split.shared.codecs)
+    held = {id(g.base) for b in blocks for g in b.layers.groups} if bases else set()
+    fresh = any(id(j) not in held for j in bases.values()) if bases else False  # made by this join
+    return Snapshot(layers=layers, codecs=split.shared.codecs), _rebased(blocks, bases) if fresh else list(blocks)
 
 
 def _cut(r: LayerRecord, start: int, stop: int, with_calibration: bool) -> LayerRecord:
@@ -388,12 +431,14 @@ def _cut(r: LayerRecord, start: int, stop: int, with_calibration: bool) -> Layer
     return LayerRecord(r.layout, stop - start, arrays, r.config, state, r.calibration if with_calibration else {})
 
 
-def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
-                 blocks: Sequence[Block]) -> dict[int, LayerRecord] | None:
+def _join_groups(templates: list[LayerRecord], in_blocks: set[int], blocks: Sequence[Block]
+                 ) -> tuple[dict[int, LayerRecord], dict[str, Joined]] | None:
     """The joined layers of blocks whose arrays are all in groups, one concatenation per array
-    name: the same records `_join_layer` makes (as views of the joined groups). None where the
-    blocks are not all grouped alike (other layers, layer sets or shapes per name); the
-    per-layer join then applies, with its messages for blocks that do not fit."""
+    name (none where the blocks are consecutive views of one joined group from its first token:
+    a slice of it), the same records `_join_layer` makes (as views of the joined groups); and
+    the joined group of each name. None where the blocks are not all grouped alike (other
+    layers, layer sets or shapes per name); the per-layer join then applies, with its messages
+    for blocks that do not fit."""
     if not blocks or not all(isinstance(b.layers, GroupedLayers) for b in blocks):
         return None
     layers = sorted(in_blocks)
@@ -422,30 +467,86 @@ def _join_groups(templates: list[LayerRecord], in_blocks: set[int],
         for g in blk.layers.groups:
             by_name.setdefault(g.name, []).append(g)
     joined: dict[int, dict[str, mx.array]] = {i: {} for i in layers}
+    bases: dict[str, Joined] = {}
     for name, groups in by_name.items():
         first = groups[0]
-        if any(g.layers != first.layers or g.data.dtype != first.data.dtype
-               or _without_tokens(g.data.shape[1:]) != _without_tokens(first.data.shape[1:]) for g in groups):
+        # Views of one joined group were checked alike when it was joined (or built: build_run).
+        if not _views_of_one(groups) and any(
+                g.layers != first.layers or g.data.dtype != first.data.dtype
+                or _without_tokens(g.data.shape[1:]) != _without_tokens(first.data.shape[1:]) for g in groups):
             return None
         for i in first.layers:
             t = templates[i].arrays.get(name)
             if t is not None and (t.dtype != first.data.dtype
                                   or _without_tokens(t.shape) != _without_tokens(first.data.shape[1:])):
                 return None
-        data = first.data if len(groups) == 1 else mx.concatenate([g.data for g in groups], axis=TOKEN_AXIS + 1)
+        data, bases[name] = _joined(groups)
         for k, i in enumerate(first.layers):
-            joined[i][name] = data[k]
+            joined[i][name] = layer_view(data, k)
+    runs: dict[int, list] = {}  # the distinct shells (blocks decoded from one table share them), how many blocks
+    for blk in blocks:
+        runs.setdefault(id(blk.layers.shells), [blk.layers.shells, 0])[1] += 1
     out = {}
     for i in layers:
         template = templates[i]
-        names = dict.fromkeys(n for blk in blocks for n in blk.layers.shells[i].arrays)
+        names = dict.fromkeys(n for shells, _ in runs.values() for n in shells[i].arrays)
         state = dict(template.state)
         if "stored" in state:
-            state["stored"] = sum(int(blk.layers.shells[i].state["stored"]) for blk in blocks)
-        out[i] = LayerRecord(template.layout, sum(blk.layers.shells[i].offset for blk in blocks),
+            state["stored"] = sum(n * int(shells[i].state["stored"]) for shells, n in runs.values())
+        out[i] = LayerRecord(template.layout, sum(n * shells[i].offset for shells, n in runs.values()),
                              {n: joined[i][n] for n in names}, template.config, state,
                              blocks[0].layers.shells[i].calibration)
         check_record_arrays(out[i])
+    return out, bases
+
+
+_GROUP_TOKENS = TOKEN_AXIS + 1  # the token axis of a group's data ([layers, *array shape])
+
+
+def _views_of_one(groups: Sequence[ArrayGroup]) -> bool:
+    """Whether `groups` are consecutive views of one joined group, from its first token."""
+    base = groups[0].base
+    return base is not None and groups[0].start == 0 and all(g.base is base for g in groups) \
+        and all(a.stop == b.start for a, b in zip(groups, groups[1:]))
+
+
+def _joined(groups: Sequence[ArrayGroup]) -> tuple[mx.array, Joined]:
+    """The groups of one name joined along the token axis, and the joined group that holds it:
+    their common base itself where they are all of its consecutive views (blocks kept in memory
+    by an earlier join), a copy of its first tokens where they are its first ones, else a
+    concatenation (one group: itself)."""
+    base = groups[0].base
+    if _views_of_one(groups):
+        stop = groups[-1].stop
+        if stop == base.data.shape[_GROUP_TOKENS]:
+            return base.data, base
+        # A prefix: copied into a row-contiguous array (as a concatenation made it), since every
+        # layer's view of a token slice is strided and kernels would copy it at every step.
+        return mx.contiguous(base.data[(slice(None),) * _GROUP_TOKENS + (slice(0, stop),)]), base
+    data = groups[0].data if len(groups) == 1 else mx.concatenate([g.data for g in groups], axis=_GROUP_TOKENS)
+    return data, Joined(data)
+
+
+def _rebased(blocks: Sequence[Block], bases: Mapping[str, Joined]) -> list[Block]:
+    """`blocks` (grouped, as `_join_groups` joined them) with each group a view of its name's
+    joined group; a group that already is one stays as it is. The new views are evaluated."""
+    at = dict.fromkeys(bases, 0)
+    out, fresh = [], []
+    for blk in blocks:
+        groups = []
+        for g in blk.layers.groups:
+            base, start = bases[g.name], at[g.name]
+            stop = at[g.name] = start + g.data.shape[_GROUP_TOKENS]
+            if g.base is not base or (g.start, g.stop) != (start, stop):
+                view = base.data[(slice(None),) * _GROUP_TOKENS + (slice(start, stop),)]
+                g = ArrayGroup(g.name, g.layers, view, base, start, stop)
+                fresh.append(view)
+            groups.append(g)
+        same = all(a is b for a, b in zip(groups, blk.layers.groups))
+        out.append(blk if same else Block(blk.index, blk.start, blk.n_tokens,
+                                          GroupedLayers(blk.layers.shells, tuple(groups)), blk.block_size))
+    if fresh:
+        mx.eval([b.data for b in bases.values()], fresh)
     return out
 
 

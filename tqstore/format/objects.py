@@ -39,10 +39,10 @@ import numpy as np
 import xxhash
 import zstandard
 
-from turboquant.records import CodecRecord, LayerRecord, Snapshot
+from turboquant.records import TOKEN_AXIS, CodecRecord, LayerRecord, Snapshot
 
-from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, SharedCodecs, Window, block_key,
-                                   digest_calibration)
+from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, Joined, SharedCodecs, Window,
+                                   block_key, digest_calibration)
 from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
@@ -636,6 +636,73 @@ def _plan(layers: tuple[LayerInfo, ...]) -> _Plan | None:
             _PLANS.clear()
         _PLANS[id(layers)] = (layers, plan)
     return plan
+
+
+def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
+    """Consecutive blocks of one entry, parsed, built with each array name's groups decoded
+    straight into one joined array: every block's bytes are copied once, into their token
+    slice of it, and each block's groups are views of it (`ArrayGroup.base`), so the join that
+    follows is a slice, not a concatenation. The joined arrays are allocated on the CPU stream
+    and written in place (numpy views of MLX's buffers): no extra copy where memory is unified
+    (Apple silicon, the CPU); on CUDA the first use on the device moves each joined array
+    across once. None unless every object is a format 2 or 3 block whose groups hold one
+    array per layer (`_plan`) with the same layers, dtype and shape but for tokens per name:
+    the caller then builds them one by one (`build`)."""
+    plans = [_plan(p.header.layers) if p.header.kind == "block" and p.raws is not None else None for p in parsed]
+    if not parsed or any(plan is None for plan in plans):
+        return None
+    names: dict[str, list[tuple[int, int, tuple[int, ...], tuple[int, ...], str]]] = {}
+    for b, plan in enumerate(plans):
+        for j, name, layers, shape, dtype in plan.groups:
+            names.setdefault(name, []).append((b, j, layers, shape, dtype))
+    axis = TOKEN_AXIS  # of each array's shape; of a group's data it is TOKEN_AXIS + 1
+    for members in names.values():
+        _, _, layers, shape, dtype = members[0]
+        if any(m[2] != layers or m[4] != dtype or len(m[3]) != len(shape) or len(shape) <= axis
+               or m[3][:axis] + m[3][axis + 1:] != shape[:axis] + shape[axis + 1:] for m in members):
+            return None
+    views: list[dict[int, ArrayGroup]] = [{} for _ in parsed]
+    copies = []
+    for name, members in names.items():
+        _, _, layers, shape, dtype = members[0]
+        mx_dtype, _, unsigned = DTYPES[dtype]
+        total = sum(m[3][axis] for m in members)
+        joined = mx.zeros((len(layers), *shape[:axis], total, *shape[axis + 1:]), dtype=unsigned, stream=mx.cpu)
+        mx.eval(joined)
+        host = np.asarray(joined)  # MLX's own buffer, written below before any view of it is made
+        data = joined if mx_dtype == unsigned else joined.view(mx_dtype)
+        base, start = Joined(data), 0
+        for b, j, _, part, _ in members:
+            stop = start + part[axis]
+            where = (slice(None),) * (axis + 1) + (slice(start, stop),)
+            copies.append((host[where], parsed[b].raws[j], (len(layers), *part)))
+            views[b][j] = ArrayGroup(name, layers, data[where], base, start, stop)
+            start = stop
+
+    def copy(item: tuple[np.ndarray, np.ndarray, tuple[int, ...]]) -> None:
+        dest, raw, shape = item
+        np.copyto(dest, _aligned(raw, dest.itemsize).reshape(shape))
+
+    _map(copy, copies, [c[1].size for c in copies])  # numpy copies release the GIL
+    out, calibrations = [], []
+    for p, plan, groups in zip(parsed, plans, views):
+        header, calibration = p.header, {}
+        for li in header.layers:
+            for n, info in li.calibration.items():
+                mx_dtype, _, unsigned = DTYPES[info.dtype]
+                raw = p.raws[info.group][info.offset:info.offset + info.nbytes]
+                a = mx.array(_aligned(raw, unsigned.size)).reshape(info.shape)
+                calibration[(li.index, n)] = a if mx_dtype == unsigned else a.view(mx_dtype)
+                calibrations.append(calibration[(li.index, n)])
+        shells = plan.shells or {
+            li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
+                                  {n: calibration[(li.index, n)] for n in li.calibration}) for li in header.layers}
+        b = header.block
+        out.append(Block(b.index, b.start, b.n_tokens,
+                         GroupedLayers(shells, tuple(groups[j] for j, *_ in plan.groups)), b.block_size))
+    # Evaluated here: lazy views would be bound to this thread's stream (see _grouped_block).
+    mx.eval([g.data for blk in out for g in blk.layers.groups], calibrations)
+    return out
 
 
 def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:

@@ -19,10 +19,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from turboquant.records import Snapshot
 
 from tqstore.errors import ConflictError, TokenMismatch
-from tqstore.format.blocks import SplitSnapshot, block_keys, calibration_digest, join_blocks, split_snapshot
+from tqstore.format.blocks import (SplitSnapshot, block_keys, calibration_digest, join_blocks, join_resident,
+                                   split_snapshot)
 from tqstore.format.header import Provenance
 from tqstore.format.manifest import Manifest, ObjectRef, window_key
 from tqstore.format.objects import dumps_decoded as dump_object
@@ -88,10 +91,11 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
         )
 
     published = publish(tiers, name, wants, source, build)
-    canonical = [source.canonical[w.key] for w in wants]
-    for want, hot in zip(wants, canonical):
-        tiers.memory.put(want.key, hot)
-    result = join_blocks(SplitSnapshot([h.obj for h in canonical[:-2]], canonical[-2].obj, canonical[-1].obj, bs))
+    canonical = [(w.key, source.canonical[w.key], "put") for w in wants]
+    result, kept = join_resident(SplitSnapshot([h.obj for _, h, _ in canonical[:-2]], canonical[-2][1].obj,
+                                               canonical[-1][1].obj, bs))
+    mx.eval(*result.arrays())
+    tiers.keep_joined(canonical[:-2], kept, canonical[-2:])  # the next restore is a slice of `result`
     new_blocks = sum(1 for w in wants[:-2] if w.key in published.written)
     return PutResult(name, result, published.manifest, new_blocks, len(keys) - new_blocks,
                      sum(published.written.values()), published.evicted, published.warnings)

@@ -8,6 +8,10 @@ object is marked gone in the remote index, never deleted from the bucket, since 
 may be the network's fault). The next tier is tried. Good copies are promoted (S3 -> LMDB ->
 memory). Nothing is joined before every object needed is verified, and a restore returns the
 whole requested prefix, a shorter prefix of whole blocks (block-prefix restores only), or raises.
+
+The memory tier keeps the joined blocks as views of the joined arrays (`TierSet.keep_joined`), so a
+restore from memory of what was last restored or saved (or of a prefix of it) is a slice of
+arrays already in place: no decode, no copy, no transfer to the device.
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ import mlx.core as mx
 from turboquant.records import Snapshot
 
 from tqstore.errors import ConflictError, CorruptBlock, TqstoreError
-from tqstore.format.blocks import SplitSnapshot, join_blocks
+from tqstore.format.blocks import SplitSnapshot, join_resident
 from tqstore.format.manifest import Manifest
-from tqstore.format.objects import Parsed, parse as parse_object
+from tqstore.format.objects import Parsed, build as build_object, build_run, parse as parse_object
 from tqstore.store.bucket import fetch_objects
 from tqstore.store.packs import Location
 from tqstore.store.tiers.lmdb import LmdbTier
-from tqstore.store.tiers.memory import HotObject
+from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet, slowest
-from tqstore.store.verify import (BAD_CONTENT, Want, codec_problem, decode, decode_parsed, quarantine_lmdb,
-                                  wants_for)
+from tqstore.store.verify import (BAD_CONTENT, Want, check_parsed, codec_problem, decode, decode_parsed,
+                                  quarantine_lmdb, wants_for)
 
 READ_AHEAD = 2  # LMDB objects per reader thread read and verified ahead of the one being built
 
@@ -81,11 +85,8 @@ def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
     pending = [w for w in pending if w.key not in out.objects]
     if pending and tiers.s3 is not None:
         _from_s3(tiers, pending, out)
-    tiers.ensure_pins()
-    for key, (hot, tier, _) in out.objects.items():
+    for hot, tier, _ in out.objects.values():
         tiers.counters.hit(tier)
-        if tier != "memory":
-            tiers.memory.put(key, hot)
     tiers.counters.miss(sum(1 for w in wants if w.key not in out.objects))
     return out
 
@@ -139,7 +140,11 @@ def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Fetched) -> None:
     try:
         if isinstance(parsed, TqstoreError):
             raise parsed
-        out.objects[want.key] = (decode_parsed(parsed, want, digest), "lmdb", nbytes)
+        if want.kind == "block" and parsed.raws is not None:  # checked now, built with the others (_build_blocks)
+            check_parsed(parsed, want)
+            out.objects[want.key] = (HotObject(parsed, "block", parsed.header.provenance, digest, 0), "lmdb", nbytes)
+        else:
+            out.objects[want.key] = (decode_parsed(parsed, want, digest), "lmdb", nbytes)
     except ConflictError as exc:  # intact, and right for other entries: keep it
         out.misses.append(f"LMDB copy of {what}: {exc}")
     except BAD_CONTENT as exc:
@@ -190,6 +195,7 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
             raise CorruptBlock(f"entry {manifest.name} cannot be restored: {len(lost)} of its objects are missing or "
                                f"damaged in every tier ({reasons}); save it again (or pull it again)")
         n_blocks, whole = first, False
+    _build_blocks(got, wants, n_blocks)
     used = [got.objects[w.key] for w in wants if w.kind != "block"] + [got.objects[w.key] for w in wants[:n_blocks]]
     unfit = codec_problem(manifest, got.objects[wants[-2].key][0], got.objects[wants[-1].key][0])
     if unfit is not None:
@@ -198,7 +204,7 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     split = SplitSnapshot([got.objects[w.key][0].obj for w in wants[:n_blocks]], got.objects[wants[-2].key][0].obj,
                           got.objects[wants[-1].key][0].obj, manifest.block_size)
     try:
-        snapshot = join_blocks(split, n_blocks)
+        snapshot, kept = join_resident(split, n_blocks)
     except ValueError as exc:
         suspects = _misfit(tiers, [(w, got.objects[w.key][0]) for w in wants if w.key in got.objects])
         why = "; ".join(f"{w.kind} {w.key.hex()[:12]} is not the copy any entry recorded (quarantined: it will be "
@@ -210,12 +216,28 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     if snapshot.offset != tokens:  # the caller prefills from here: the joined length must be it
         raise CorruptBlock(f"the stored objects of entry {manifest.name} hold {snapshot.offset} tokens where "
                            f"{tokens} were restored: remove the entry and save it again")
+    fetched = [(w.key, *got.objects[w.key][:2]) for w in wants if w.key in got.objects]
+    tiers.keep_joined(fetched[:n_blocks], kept, fetched[n_blocks:])
     per_tier: dict[str, int] = {}
     for _, tier, _ in used:
         per_tier[tier] = per_tier.get(tier, 0) + 1
     stats = RestoreStats(slowest(list(per_tier)), tokens, sum(n for _, _, n in used), time.perf_counter() - start,
                          per_tier, tuple(got.misses))
     return snapshot, stats
+
+
+def _build_blocks(got: Fetched, wants: list[Want], n_blocks: int) -> None:
+    """Build the blocks read from LMDB, which `_from_lmdb` checked but left parsed: those of the
+    first `n_blocks` together, each name's groups decoded straight into one joined array
+    (`build_run`: one copy of each byte, and the join a slice of it); any others one by one."""
+    parsed = [w for w in wants if w.key in got.objects and isinstance(got.objects[w.key][0].obj, Parsed)]
+    first = {w.key for w in wants[:n_blocks]}
+    run = [w for w in parsed if w.key in first]
+    built = dict(zip((w.key for w in run), build_run([got.objects[w.key][0].obj for w in run]) or ()))
+    for want in parsed:
+        hot, tier, nbytes = got.objects[want.key]
+        block = built.get(want.key) or build_object(hot.obj)[1]
+        got.objects[want.key] = (dataclasses.replace(hot, obj=block, nbytes=decoded_nbytes(block)), tier, nbytes)
 
 
 def _misfit(tiers: TierSet, used: list[tuple[Want, HotObject]]) -> list[Want]:

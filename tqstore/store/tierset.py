@@ -11,11 +11,12 @@ referenced. Readers take no lock: an object deleted under a restore is a miss, n
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tqstore.format.blocks import BLOCK_SIZE
+from tqstore.format.blocks import BLOCK_SIZE, Block
 from tqstore.config import Config
 from tqstore.errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from tqstore.format.manifest import Manifest
@@ -23,7 +24,7 @@ from tqstore.names import is_valid_name
 from tqstore.store.home_lock import HomeLock
 from tqstore.store.remote_index import RemoteIndex
 from tqstore.store.tiers.lmdb import LmdbTier
-from tqstore.store.tiers.memory import MemoryTier
+from tqstore.store.tiers.memory import HotObject, MemoryTier, holdings
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier
@@ -80,6 +81,7 @@ class TierSet:
         self.block_size = BLOCK_SIZE
         self._cache: dict[str, tuple[int, float, Manifest]] = {}  # name -> (size, last used, parsed)
         self._cache_lock = threading.Lock()
+        self._parsed: dict[str, tuple[bytes, Manifest]] = {}  # name -> (bytes, parsed): local_manifest
         self._pins_known = False
 
     def require_s3(self) -> S3Tier:
@@ -92,11 +94,22 @@ class TierSet:
         return self.s3
 
     def local_manifest(self, name: str) -> Manifest | None:
-        """The local manifest `name`, parsed (FormatError if it is damaged), or None."""
+        """The local manifest `name`, parsed (FormatError if it is damaged), or None. The same
+        bytes parse to the same manifest: the last parse of each name is kept with its bytes
+        (a restore by name would otherwise re-check every token and recompute every key)."""
         data = self.lmdb.get_manifest(name)
         if data is None:
             return None
-        return check_name(Manifest.from_bytes(data), name)
+        with self._cache_lock:
+            seen = self._parsed.get(name)
+        if seen is not None and seen[0] == data:
+            return seen[1]
+        manifest = check_name(Manifest.from_bytes(data), name)
+        with self._cache_lock:
+            if len(self._parsed) >= 1024:
+                self._parsed.clear()
+            self._parsed[name] = (bytes(data), manifest)
+        return manifest
 
     def require_manifest(self, name: str) -> Manifest:
         """The local manifest `name`; NotFound (saying where to look) if there is none."""
@@ -165,6 +178,29 @@ class TierSet:
         """refresh_pins once, before the memory tier first needs to know the pins."""
         if not self._pins_known:
             self.refresh_pins()
+
+    def keep_joined(self, blocks: list[tuple[bytes, HotObject, str]], joined: list[Block],
+                    others: list[tuple[bytes, HotObject, str]]) -> None:
+        """Keep in memory the blocks of a restore's or put's join (`blocks`: key, object, the
+        tier it came from) as `join_resident` left them (`joined`: views of the joined arrays,
+        so the next restore of them is a slice), and its other objects. Blocks that view joined
+        arrays go in at once, since they share them (counted once), or, when together they do
+        not fit in the budget, not at all (views of one array cannot be evicted apart). What
+        the memory tier already holds as it is is not put again."""
+        self.ensure_pins()
+        items = []
+        for (key, hot, tier), block in zip(blocks, joined):
+            if block is not hot.obj:
+                items.append((key, dataclasses.replace(hot, obj=block)))
+            elif tier != "memory":
+                items.append((key, hot))
+        if any(holdings(hot.obj)[1] for _, hot in items):
+            self.memory.put_all(items)
+        else:  # blocks joined by layer (no joined arrays to share): each kept as it fits
+            others = [(key, hot, "") for key, hot in items] + others
+        for key, hot, tier in others:
+            if tier != "memory":
+                self.memory.put(key, hot)
 
     def where(self, key: bytes) -> str | None:
         """The fastest tier believed to hold `key`, or None."""

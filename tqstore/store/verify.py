@@ -102,15 +102,23 @@ def decode_parsed(parsed: Parsed, want: Want, sha256: str) -> HotObject:
     the object built on this thread and checked against `want`; `sha256` is the digest the
     payload was recorded with."""
     header, obj = build_object(parsed)
+    check_parsed(parsed, want, obj)
+    return HotObject(obj, header.kind, header.provenance, sha256, decoded_nbytes(obj))
+
+
+def check_parsed(parsed: Parsed, want: Want, obj: object | None = None) -> None:
+    """`decode_parsed`'s checks of a parsed object against `want`, before it is built (`obj`,
+    the built object, only for shared codecs: they are checked by their digest). Raises
+    IdentityMismatch (damage) or ConflictError (a good object of another save)."""
+    header = parsed.header
     problem = want.problem(header.kind, header.provenance)
-    if problem is None and want.kind == "shared" and codecs_digest(obj.codecs) != want.key:
+    if problem is None and want.kind == "shared" and (obj is None or codecs_digest(obj.codecs) != want.key):
         problem = "its codecs do not hash to its key"
     if problem is not None:
         raise IdentityMismatch(f"{want.kind} {want.key.hex()[:12]} does not fit here: {problem}")
     other = want.other_save(header.kind, header.provenance)
     if other is not None:
         raise ConflictError(f"{want.kind} {want.key.hex()[:12]} does not fit here: {other}")
-    return HotObject(obj, header.kind, header.provenance, sha256, decoded_nbytes(obj))
 
 
 def codec_problem(manifest: Manifest, window: HotObject, shared: HotObject) -> str | None:
