@@ -61,7 +61,8 @@ def corpus_pieces(tokenizer, corpus: Path, n: int, continuation: int) -> list[tu
     from the corpus files so a prompt mixes sources."""
     streams = []
     for path in sorted(corpus.glob("*.txt")):
-        tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:])
+        # No special tokens: a BOS inside a piece would be a document's text.
+        tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:], add_special_tokens=False)
         streams.append(tokens)
     pieces, at = [], [0] * len(streams)
     while len(pieces) < n:
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", type=Path, help="store home to keep chunks between runs (default: a fresh temp dir)")
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--section", default="rag-table",
+                        help="docs/rag.md section the table replaces (and img/<section less -table>.svg)")
     args = parser.parse_args(argv[1:])
     if args.openblas:
         use_openblas(argv)
@@ -110,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from tqstore import Store
-    from tqstore.engine.chunks import ensure_chunk, prefix_tokens
-    from tqstore.engine.compose import SELECT, SINK_TOKENS, compose
+    from tqstore.engine.chunks import ensure_chunk, fill_caches, prefix_tokens
+    from tqstore.engine.compose import SELECT, SINK_TOKENS, compose, window_sizes
     from tqstore.config import load_config
     from tqstore.engine.engine import Engine
     from turboquant import make_prompt_cache
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(Store.open(home, config=load_config(home)))
     loaded = engine.model(str(args.model))
     model, tokenizer = loaded.model, loaded.tokenizer
+    windows = window_sizes(make_prompt_cache(model, "raw"))
     ks = [int(k) for k in args.ks.split(",")]
     pieces = corpus_pieces(tokenizer, args.corpus, max(ks) * 2, args.continuation)
     prefix = prefix_tokens(loaded, None)
@@ -153,26 +157,27 @@ def main(argv: list[str] | None = None) -> int:
             chunk_total = len(prompt) - len(prefix)
             budget = options["sink_tokens"] * (k - 1) / chunk_total if v.budget == "sinks" else v.budget
             chosen = {**options, "select": v.select or options["select"]}
-            composed = compose(model, parts, budget, question=pieces[picked[-1]][1][:args.question], **chosen)
+            composed = compose(model, parts, budget, question=pieces[picked[-1]][1][:args.question],
+                               windows=windows, **chosen)
             caches = make_prompt_cache(model, "raw")
-            for cache, keys, values in zip(caches, composed.keys, composed.values):
-                cache.update_and_fetch(keys, values)
+            recomputed = composed.recomputed
+            fill_caches(caches, composed)
             first = model(cont[:, :args.question], cache=caches)[0]
             mx.eval(first)
             seconds = time.perf_counter() - t0
             test = mx.concatenate([first, model(cont[:, args.question:], cache=caches)[0]])
             kl, top1 = kl_top1(ref, test)
             rows.setdefault((k, v.label, v.scheme), []).append((kl, top1, full_seconds / seconds,
-                                                                 composed.recomputed / chunk_total))
+                                                                 recomputed / chunk_total))
             print(f"  {v.scheme:7s} {v.label:20s} KL {kl:.4f} top-1 {top1:.3f} recomputed "
-                  f"{composed.recomputed}/{chunk_total} TTFT {seconds:.2f} s ({full_seconds / seconds:.1f}x)",
+                  f"{recomputed}/{chunk_total} TTFT {seconds:.2f} s ({full_seconds / seconds:.1f}x)",
                   flush=True)
     command = "python bench/rag.py " + " ".join(argv[1:])
     body = table(rows, command, options, args)
     print(body)
     if not args.no_write:
-        replace_section(DOCS / "rag.md", "rag-table", body)
-        plot(rows, DOCS / "img" / "rag.svg")
+        replace_section(DOCS / "rag.md", args.section, body)
+        plot(rows, DOCS / "img" / f"{args.section.removesuffix('-table')}.svg")
     return 0
 
 
@@ -192,7 +197,7 @@ def table(rows, command: str, options: dict, args) -> str:
               "ratio (range over orders). Recomputed is the share of chunk tokens run through every layer in "
               "context (besides the first full_layers layers, which run over every token when the budget is "
               "above 0).", "", f"Command: `{command}` (git {git_revision()}, {datetime.date.today()}).",
-              f"Machine: {machine_line()}."]
+              f"Model: {args.model.name}. Machine: {machine_line()}."]
     return "\n".join(lines)
 
 

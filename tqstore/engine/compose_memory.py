@@ -16,14 +16,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from tqstore.engine.compose import model_layers, query_step
+from tqstore.engine.defaults import PREFILL_CHUNK
 from tqstore.errors import OverMemoryBudget
 from tqstore.units import format_size
 
 F32 = 4
-# Prompts are prefilled in steps of this many tokens (engine.py's PREFILL_CHUNK): the question
-# over the composed caches, or the whole prompt at recompute 1; mlx-lm's attention holds one
-# step's scores at a time.
-PREFILL_STEP = 512
 # Fixed costs of any composition that do not grow with the tokens (the pilot pass's small
 # arrays, MLX's kernels and per-op scratch).
 OVERHEAD = 32 * 2**20
@@ -63,30 +60,32 @@ class ModelShape:
 
 
 def composition_bytes(shape: ModelShape, prefix: int, chunks: Sequence[int], distinct: Sequence[int], *,
-                      question: int, recompute: float) -> int:
+                      question: int, recompute: float, step: int = PREFILL_CHUNK) -> int:
     """Estimated peak bytes of composing `[prefix][chunks...]` and prefilling `question` tokens
     after it: `chunks` are the documents' token counts in prompt order, `distinct` those of each
     different document (restored once however often it is given), `recompute` the share of chunk
-    tokens recomputed (1: a plain prefill of the whole)."""
+    tokens recomputed (1: a plain prefill of the whole), `step` the tokens of one prefill step."""
     per_token = shape.kv_bytes_per_token
     context = prefix + sum(chunks)
     largest = prefix + max(distinct)
+    # Prompts are prefilled in steps of `step` tokens (the question over the composed caches, or
+    # the whole prompt at recompute 1); mlx-lm's attention holds one step's scores.
     # One chunk restored (or prefilled and stored) at a time: its compressed objects, caches and
     # a float32 decode before the cast to the model's dtype, or one prefill step's scores.
     restoring = largest * per_token * (2 + 2 * F32 // shape.dtype_bytes) + 4 * shape.heads * min(
-        largest, PREFILL_STEP) * largest * F32
+        largest, step) * largest * F32
     # One attention step of the recompute (compose.query_step's rows over the whole context):
     # its scores, their masked and softmaxed copies, and the mask.
     step_scores = 4 * query_step(shape.heads, context + question) * shape.heads * (context + question) * F32
-    question_scores = 4 * shape.heads * min(question, PREFILL_STEP) * (context + question) * F32
+    question_scores = 4 * shape.heads * min(question, step) * (context + question) * F32
     caches = (context + question + 256) * per_token  # the caches grow in steps of 256 tokens
     # The question's prefill: hidden states, MLP activations and logits of one step, and the
     # compression of the caches at the first decode step (never larger than the raw caches).
-    answering = caches * 2 + question_scores + min(question, PREFILL_STEP) * (
+    answering = caches * 2 + question_scores + min(question, step) * (
         4 * shape.hidden + 3 * shape.intermediate + shape.vocab) * F32
     if recompute >= 1.0:  # a plain prefill of the whole prompt
-        step = min(context, PREFILL_STEP)
-        prefill = caches + 4 * shape.heads * step * context * F32 + step * (
+        rows = min(context, step)
+        prefill = caches + 4 * shape.heads * rows * context * F32 + rows * (
             4 * shape.hidden + 3 * shape.intermediate + shape.vocab) * F32
         return OVERHEAD + restoring + max(prefill, answering)
     held = sum(prefix + n for n in distinct) * per_token

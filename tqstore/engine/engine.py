@@ -25,6 +25,7 @@ from turboquant.windows import WINDOW_MODES, settle_all
 
 from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
+from tqstore.engine.defaults import PREFILL_CHUNK
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.errors import BadInput, CorruptBlock, IdentityMismatch, NotFound, TqstoreError
 from tqstore.models.identity import CodecIdentity, stored_bytes_at_least
@@ -36,7 +37,6 @@ from tqstore.store.store import PutResult, Store
 if TYPE_CHECKING:
     from tqstore.engine.chunks import ChunkInfo, Document, DocumentsAnswer
 
-PREFILL_CHUNK = 512
 MAX_SEED = (1 << 64) - 1  # MLX seeds are unsigned 64-bit
 CHAT_PARENT = "chat.parent"
 Progress = Callable[[int, int], None]

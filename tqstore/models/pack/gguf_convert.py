@@ -1,8 +1,14 @@
-"""Convert a llama.cpp GGUF checkpoint (qwen2, llama) into a folder that mlx_lm.load accepts.
+"""Convert a llama.cpp GGUF checkpoint (qwen2, llama, gemma3) into a folder that mlx_lm.load accepts.
 
 The folder holds config.json, model.safetensors (dequantized weights, Hugging Face tensor
 names) and the tokenizer files. Weights are dequantized with gguf-py; the tokenizer is
 rebuilt from the GGUF metadata by transformers' torch-free GGUF tokenizer builder.
+
+Gemma 3 files lack what llama.cpp hard-codes for the family (its `llama-model.cpp`): every
+`GEMMA3_PATTERN`-th layer is global and the others slide over `gemma3.attention.sliding_window`
+tokens with RoPE base `GEMMA3_LOCAL_BASE`; the global layers use `gemma3.rope.freq_base` (and
+the file's linear RoPE scaling, if any). llama.cpp stores Gemma's RMSNorm weights as `1 + w`
+(the model multiplies by `1 + w`), so 1 is taken off every norm weight again.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ if TYPE_CHECKING:
 
     from gguf import GGUFReader
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "llama")
+SUPPORTED_ARCHITECTURES = ("qwen2", "llama", "gemma3")
+# What llama.cpp hard-codes for Gemma 3 (not in the file): one global layer in 6, local RoPE base.
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_BASE = 10000.0
 DTYPES = ("float16", "bfloat16", "float32")
 # The tokenizer builder is a private transformers API; this is the version it was checked on.
 TRANSFORMERS_VERSION = "5.24.0"
@@ -46,7 +55,16 @@ _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-_HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+# Gemma 3 names its norms after where they sit around attention and the MLP.
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_HF_CLASSES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 # tokenizer_config.json key -> GGUF metadata key holding the token id
 _SPECIAL_TOKEN_IDS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
@@ -112,8 +130,8 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], dtype: str) -> di
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise ConversionError(f"RoPE scaling ({scaling}, rope_freqs) is not supported")
+    if scaling not in ("none", "linear") or "rope_freqs.weight" in tensor_names:
+        raise ConversionError(f"RoPE scaling ({scaling}, rope_freqs) is not supported: only linear scaling is")
 
     def arch_key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
@@ -137,20 +155,41 @@ def build_config(meta: dict[str, Any], tensor_names: set[str], dtype: str) -> di
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": float(arch_key("rope.scaling.factor", 1.0))}
     if arch == "llama" and arch_key("attention.key_length"):
         config["head_dim"] = arch_key("attention.key_length")
+    if arch == "gemma3":
+        config.update(_gemma3_config(arch_key, config["num_hidden_layers"]))
     config["torch_dtype"] = dtype
     return config
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def _gemma3_config(arch_key: Callable[..., Any], layers: int) -> dict[str, Any]:
+    """What mlx-lm's gemma3_text reads beyond the common keys (see the module docstring)."""
+    head_dim = arch_key("attention.key_length", 256)
+    pattern = arch_key("attention.sliding_window_pattern", GEMMA3_PATTERN)
+    return {
+        "model_type": "gemma3_text",
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": arch_key("attention.sliding_window", 512),
+        "sliding_window_pattern": pattern,
+        "rope_local_base_freq": GEMMA3_LOCAL_BASE,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)],
+    }
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "qwen2") -> str:
     """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.bias`` -> ``model.layers.3...``)."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    table = _GEMMA3_LAYER_TENSORS if arch == "gemma3" else _LAYER_TENSORS
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in table:
         _, layer, base, suffix = parts
-        return f"model.layers.{layer}.{_LAYER_TENSORS[base]}.{suffix}"
+        return f"model.layers.{layer}.{table[base]}.{suffix}"
     raise ConversionError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart")
 
 
@@ -189,10 +228,12 @@ def convert_weights(
         role = tensor.name.split(".", 2)[-1]
         if arch == "llama" and role in rope_heads:
             array = _unpermute_rope_rows(array, rope_heads[role])
+        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            array = array - np.float32(1.0)  # stored as 1 + w (module docstring)
         # Cast tensor by tensor so only one float32 copy is alive at a time.
         converted = mx.array(array).astype(target)
         mx.eval(converted)
-        weights[hf_tensor_name(tensor.name)] = converted
+        weights[hf_tensor_name(tensor.name, arch)] = converted
         report(progress, "convert", done, total)
     return weights
 

