@@ -5,7 +5,8 @@
 An entry of synthetic rows with the real model's KV geometry (bench/storage.py's) is put into a
 fresh home. Each run restores it with data.mdb's pages dropped (wall and CPU seconds of the
 process: the restore reads ahead and decodes large groups on threads, so CPU can exceed wall)
-beside a sequential read of as many bytes of data.mdb with its pages dropped (the floor). Then
+beside a sequential read of as many bytes of data.mdb with its pages dropped after the store
+closed (the floor: pages an open environment maps cannot be dropped; checked with mincore). Then
 the same work once more on one thread, stage by stage, pages dropped again: each object's LMDB
 read (one copy out of LMDB's pages, no hash), the frame and binary header checks (the header's
 SHA-256, the tables validated once per distinct table), the xxh3-128 of every group's stored

@@ -10,13 +10,18 @@ pages unless the step itself is cold:
 
     put        a plain LMDB put of the same number of bytes in 1 MiB values, one transaction, synced
     memory     a copy of the entry's decoded bytes (warm source and destination)
-    lmdb cold  a sequential read of data.mdb with its pages dropped
+    lmdb cold  a sequential read of data.mdb with its pages dropped, the store closed first (an
+               open environment maps the pages it read, and posix_fadvise(DONTNEED) leaves
+               mapped pages in the page cache), checked evicted with mincore
     push/pull  boto3's transfer manager (upload_fileobj / download_fileobj, the store's part size
                and concurrency) on one object of the same size
 
 Ratios are step speed / floor speed (1.0 = at the floor). Ranges over --runs runs.
 
     python bench/storage.py --tokens 16384 --schemes raw turbo4 --runs 3 --scaling --write
+
+`--tree DIR` measures the tqstore and turboquant of another checkout (a baseline) with this
+script's floors: run it beside the same command without it.
 
 `--scaling` adds the restore cost per stored GB (memory tier, and LMDB with its pages dropped)
 from 1k to 32k tokens at 24 layers and from 8 to 64 layers at 4k tokens (turbo4): flat rows
