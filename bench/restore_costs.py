@@ -5,7 +5,8 @@
 An entry of synthetic rows with the real model's KV geometry (bench/storage.py's) is put into a
 fresh home. Each run restores it with data.mdb's pages dropped (wall and CPU seconds of the
 process: the restore reads ahead and decodes large groups on threads, so CPU can exceed wall)
-beside a sequential read of as many bytes of data.mdb with its pages dropped (the floor). Then
+beside a sequential read of as many bytes of data.mdb with its pages dropped after the store
+closed (the floor: pages an open environment maps cannot be dropped; checked with mincore). Then
 the same work once more on one thread, stage by stage, pages dropped again: each object's LMDB
 read (one copy out of LMDB's pages, no hash), the frame and binary header checks (the header's
 SHA-256, the tables validated once per distinct table), the xxh3-128 of every group's stored
@@ -30,7 +31,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from common import compressed, drop_page_cache, markdown_table, replace_section, stamp  # noqa: E402
-from storage import GEOMETRY, cold_read_floor, kv_model, raw_snapshot, span  # noqa: E402
+from storage import GEOMETRY, cold_read_floor, kv_model, raw_snapshot, span, use_tree  # noqa: E402
 
 STAGES = ("lmdb read (one copy)", "frame + header checks", "xxh3 of stored bytes", "zstd + unshuffle",
           "MLX copies + records", "join + eval", "sum of stages")
@@ -103,8 +104,8 @@ def measure(tokens: int, scheme: str, runs: int) -> list:
             c0, t0 = time.process_time(), time.perf_counter()
             store.load("e")
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            store.close()  # an open environment maps the pages it read: DONTNEED would leave them
             floor = cold_read_floor(data, manifest.nbytes)
-            store.close()
             store = Store.open(home, config=config)
             store.get("e")
             drop_page_cache(data)
@@ -138,7 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+", default=["turbo4", "raw"])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    parser.add_argument("--tree", type=Path, help="measure the tqstore and turboquant of another checkout (a "
+                        "baseline), with this script's floor and stages")
     args = parser.parse_args(argv)
+    use_tree(args.tree)
     body = table({s: measure(args.tokens, s, args.runs) for s in args.schemes}, args.tokens)
     print(body)
     if args.write:

@@ -10,13 +10,18 @@ pages unless the step itself is cold:
 
     put        a plain LMDB put of the same number of bytes in 1 MiB values, one transaction, synced
     memory     a copy of the entry's decoded bytes (warm source and destination)
-    lmdb cold  a sequential read of data.mdb with its pages dropped
+    lmdb cold  a sequential read of data.mdb with its pages dropped, the store closed first (an
+               open environment maps the pages it read, and posix_fadvise(DONTNEED) leaves
+               mapped pages in the page cache), checked evicted with mincore
     push/pull  boto3's transfer manager (upload_fileobj / download_fileobj, the store's part size
                and concurrency) on one object of the same size
 
 Ratios are step speed / floor speed (1.0 = at the floor). Ranges over --runs runs.
 
     python bench/storage.py --tokens 16384 --schemes raw turbo4 --runs 3 --scaling --write
+
+`--tree DIR` measures the tqstore and turboquant of another checkout (a baseline) with this
+script's floors: run it beside the same command without it.
 
 `--scaling` adds the restore cost per stored GB (memory tier, and LMDB with its pages dropped)
 from 1k to 32k tokens at 24 layers and from 8 to 64 layers at 4k tokens (turbo4): flat rows
@@ -57,6 +62,7 @@ class Run:
     stored_bytes: int = 0
     fp16_bytes: int = 0
     decoded_bytes: int = 0
+    resident_before_lmdb: int = 0  # bytes of data.mdb in the page cache when the LMDB restore began
     seconds: dict = field(default_factory=dict)  # step -> seconds
     floors: dict = field(default_factory=dict)  # step -> floor seconds
 
@@ -115,9 +121,48 @@ def memcpy_floor(nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
+def resident_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache (mincore over a fresh read-only mapping of it)."""
+    import ctypes
+    import ctypes.util
+    import mmap
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    size = os.path.getsize(path)
+    if not size:
+        return 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), f"mmap of {path}")
+        try:
+            pages = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+            if libc.mincore(ctypes.c_void_p(addr), size, pages) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            return sum(v & 1 for v in pages) * mmap.PAGESIZE
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
 def cold_read_floor(path: Path, nbytes: int) -> float:
-    """Seconds to read the first `nbytes` of `path` sequentially after dropping its pages."""
+    """Seconds to read the first `nbytes` of `path` sequentially after dropping its pages.
+
+    The caller must have closed every LMDB environment on `path`: posix_fadvise(DONTNEED)
+    cannot evict pages that a process has mapped, and an open environment maps the pages its
+    reads touched, so the "cold" read would read the page cache. Checked here with mincore: a
+    floor read with more than 1% of the file still resident raises instead of timing memory."""
     drop_page_cache(path)
+    left_over = resident_bytes(path)
+    if left_over > 0.01 * os.path.getsize(path):
+        raise RuntimeError(f"{left_over} bytes of {path} stay in the page cache after posix_fadvise(DONTNEED): a "
+                           "process still maps them (close the store first)")
     buf = bytearray(8 << 20)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -181,15 +226,16 @@ def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int, run_ind
     store = Store.open(home, config=config)
     store.get("e")  # opening is not part of a restore
     drop_page_cache(data)
+    run.resident_before_lmdb = resident_bytes(data)
     t0 = time.perf_counter()
     store.load("e")
     run.seconds["lmdb"] = time.perf_counter() - t0
-    run.floors["lmdb"] = cold_read_floor(data, run.stored_bytes)
 
     t0 = time.perf_counter()
     store.push("e")
     run.seconds["push"] = time.perf_counter() - t0
     store.close()
+    run.floors["lmdb"] = cold_read_floor(data, run.stored_bytes)
     remote = Store.open(other, config=load_config(other, overrides))
     remote.ls(remote=True)  # the remote index, outside the timing
     t0 = time.perf_counter()
@@ -245,8 +291,8 @@ def measure(tokens: int, schemes: list[str], runs: int) -> list[Run]:
                 r = run_scheme(model, raw, scheme, root, s3, tokens, i)
                 out.append(r)
                 print(f"run {i + 1} {scheme}: " + ", ".join(
-                    f"{k} {v:.3f}s (floor {r.floors.get(k, float('nan')):.3f}s)" for k, v in r.seconds.items()),
-                    flush=True)
+                    f"{k} {v:.3f}s (floor {r.floors.get(k, float('nan')):.3f}s)" for k, v in r.seconds.items())
+                    + f"; data.mdb resident before the LMDB restore {r.resident_before_lmdb / 1e6:.1f} MB", flush=True)
     finally:
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -317,6 +363,18 @@ def scaling_table(runs: int, scheme: str = "turbo4") -> str:
                            "LMDB restore (pages dropped) s/GB", "LMDB GB/s"], rows)
 
 
+def use_tree(tree: Path | None) -> None:
+    """Import tqstore and turboquant from `tree` (before anything imported them)."""
+    if tree is None:
+        return
+    if "tqstore" in sys.modules or "turboquant" in sys.modules:
+        raise RuntimeError("--tree must be applied before tqstore is imported")
+    sys.path.insert(0, str(tree.resolve()))
+    import tqstore
+
+    print(f"measuring the tree at {Path(tqstore.__file__).resolve().parent.parent}", flush=True)
+
+
 def write_docs(sections: dict[str, str], argv: list[str]) -> None:
     """Replace the named sections of docs/benchmarks.md, each under its provenance line."""
     from common import replace_section, stamp
@@ -333,7 +391,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--scaling", action="store_true", help="also the restore cost per GB over tokens and layers")
     parser.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
+    parser.add_argument("--tree", type=Path, help="measure the tqstore and turboquant of another checkout (a "
+                        "baseline, e.g. from `git worktree add`), with this script's floors")
     args = parser.parse_args(argv)
+    use_tree(args.tree)
     sections = {"bench-storage": table(measure(args.tokens, args.schemes, args.runs), args.tokens)}
     print(sections["bench-storage"], flush=True)
     if args.scaling:

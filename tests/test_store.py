@@ -138,6 +138,26 @@ def test_an_entry_without_tokens(store):
     store.close()
 
 
+def test_a_put_commits_its_last_objects_and_its_manifest_in_one_transaction(store, monkeypatch):
+    """One synced commit for an entry of one batch (there were two: objects, then manifest); an
+    entry of several batches commits each batch before the last on its own, the last with the
+    manifest, and loads whole."""
+    import tqstore.store.put as put_module
+
+    env = lmdb_tier(store)._env._env
+    snap, tokens = make_snapshot(600, layouts=PLAIN), token_ids(600)
+    before = env.info()["last_txnid"]
+    put(store, "one", snap, tokens)
+    assert env.info()["last_txnid"] - before == 1
+    monkeypatch.setattr(put_module, "_BATCH_BYTES", 1)  # every object a batch of its own
+    before = env.info()["last_txnid"]
+    result = put(store, "many", make_snapshot(600, layouts=PLAIN, seed=2), token_ids(600, seed=1))
+    # 3 new blocks and a window (the shared codecs are entry "one"'s): four batches, four commits
+    assert result.new_blocks == 3 and env.info()["last_txnid"] - before == 4
+    assert_same_snapshot(store.load("many")[0], make_snapshot(600, layouts=PLAIN, seed=2))
+    assert store.verify() == []
+
+
 def test_a_put_racing_another_writer_continues_from_the_copy_stored_first(store, tmp_path, monkeypatch):
     tokens, theirs = token_ids(300), make_snapshot(300, layouts=PLAIN, seed=6)
     other = open_store(tmp_path / "other")
@@ -147,10 +167,10 @@ def test_a_put_racing_another_writer_continues_from_the_copy_stored_first(store,
     tier, first = lmdb_tier(store), []
     real_put_objects = tier.put_objects
 
-    def another_process_wins(objects, sha256s=None):
+    def another_process_wins(objects, sha256s=None, **manifest):
         if not first:  # between this put's plan and its writes, another process stores its copies
             first.append(real_put_objects(their_payloads))
-        return real_put_objects(objects, sha256s)
+        return real_put_objects(objects, sha256s, **manifest)
 
     monkeypatch.setattr(tier, "put_objects", another_process_wins)
     result = put(store, "mine", make_snapshot(300, layouts=PLAIN), tokens)

@@ -129,6 +129,20 @@ def test_concurrent_threads_while_the_map_grows(tier):
     assert tier.stats().object_count == 160 and tier.stats().map_bytes > MiB
 
 
+def test_a_payload_given_as_buffers_is_stored_as_their_bytes(tier):
+    """Consecutive buffers of any lengths (inside a segment, across segment boundaries, empty)
+    are stored as the one payload they make, with its sha256 and the segments of its length."""
+    per = SEG - 16
+    whole = payload("parts", 5 * per + 123)
+    cuts = [0, 10, 10, per - 5, per + 7, 3 * per, 3 * per + 1, len(whole)]
+    parts = [memoryview(whole)[a:b] for a, b in zip(cuts, cuts[1:])]
+    assert tier.put_objects({key("parts"): parts}).stored == 1
+    assert tier.get_object(key("parts")) == whole
+    info = tier.object_info(key("parts"))
+    assert (info.size, info.sha256, info.segment_count) == (len(whole), hashlib.sha256(whole).hexdigest(), 6)
+    assert tier.verify() == []
+
+
 def test_map_grows_past_a_tiny_initial_size(tier):
     big = payload("big", 5 * MiB)
     tier.put_objects({key(i): payload(i, 300_000) for i in range(20)})

@@ -63,7 +63,12 @@ ZSTD_LEVEL = 1  # on byte-shuffled halves level 1 is both faster and smaller tha
 # packed codes are near their entropy (zstd saves 0-5% on them, docs/format.md), so a trial costs
 # put time for nothing and decoding would cost restore time for almost nothing.
 PACKED_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64"})
-MIN_SAVING = 0.10  # keep zstd only where it saves at least 10% (packed codes save 0-5%: docs/format.md)
+# Format 3 keeps zstd on a group only where it halves it: raw float K/V save 15% (fp16, fp32) to 31%
+# (bf16) shuffled, turbo norms and scales 16-26%, and zstd decodes at about 1 GB/s per core, so a
+# restore reads those bytes sooner than it decodes them from any disk faster than about 0.2-0.4
+# GB/s (docs/format.md, "zstd measurements"); groups that halve (zeros, constants) decode fast.
+MIN_SAVING = 0.50
+MIN_SAVING_V2 = 0.10  # what format 2 was written with (kept for tests of stores that hold it)
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
@@ -83,19 +88,22 @@ def dumps(obj: Obj, provenance: Provenance = Provenance(), version: int = OBJECT
     dtypes, non-scalar config values). `version` 2 writes the format before (for tests of
     stores that hold it).
     """
-    return _dump(obj, provenance, version)[0]
+    return b"".join(_dump(obj, provenance, version)[0])
 
 
-def dumps_decoded(obj: Obj, provenance: Provenance = Provenance()) -> tuple[bytes, Obj]:
-    """`dumps`, and the object as `loads` gives it back: a block with its arrays in groups
-    (views of the bytes just written, so joins concatenate groups), any other kind as it is."""
-    data, header, held = _dump(obj, provenance, OBJECT_VERSION)
+def dumps_decoded(obj: Obj, provenance: Provenance = Provenance()) -> tuple[tuple[memoryview, ...], Obj]:
+    """`dumps` as consecutive buffers (joined, they are its bytes: a writer copies each group
+    once, into its store, instead of once more into one object), and the object as `loads`
+    gives it back: a block with its arrays in groups (views of the bytes just written, so joins
+    concatenate groups), any other kind as it is."""
+    parts, header, held = _dump(obj, provenance, OBJECT_VERSION)
     grouped = _grouped_block(header, held) if header.kind == "block" else None
-    return data, grouped or obj
+    return tuple(memoryview(p).cast("B") for p in parts), grouped or obj
 
 
-def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[bytes, Header, list[mx.array]]:
-    """The bytes of `obj`, its header as read back, and each group's decoded bytes as an array."""
+def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header, list[mx.array]]:
+    """The bytes of `obj` as consecutive buffers, its header as read back, and each group's
+    decoded bytes as an array."""
     if version not in (2, 3):
         raise ValueError(f"this tqstore writes object formats 2 and 3, not {version}")
     kind, layers, codecs = _parts(obj)
@@ -152,12 +160,13 @@ def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[bytes, Header
     for part in parts:
         digest.update(part)
     frame = _FRAME.pack(MAGIC, 2, 0, len(st), 8 + len(st) + at, digest.digest())
-    return b"".join([frame, *parts]), parsed, held
+    return [frame, *parts], parsed, held
 
 
 def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: list[dict], header_codecs: dict,
-           groups: dict, raws: list[np.ndarray]) -> tuple[bytes, Header]:
-    """Format 3: the frame, the binary header, then each group at an aligned offset."""
+           groups: dict, raws: list[np.ndarray]) -> tuple[list, Header]:
+    """Format 3: the frame, the binary header, then each group at an aligned offset (as
+    consecutive buffers: zero padding, and each group's stored bytes as they lie)."""
     dtypes = [key[2] for key in groups]
 
     def pack(j: int) -> tuple[str, Any, bytes]:
@@ -181,7 +190,7 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
     for record, (_, part, _) in zip(records, done):
         parts += [bytes(record["offset"] - at), part]
         at = record["offset"] + record["stored"]
-    return b"".join(parts), parsed
+    return parts, parsed
 
 
 def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]
@@ -216,7 +225,7 @@ def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> t
 
     def pack(j: int) -> tuple[dict, Any]:
         dtype, raw = dtypes[j], raws[j]
-        encoding, packed = _encode(raw, DTYPES[dtype][0].size)
+        encoding, packed = _encode(raw, DTYPES[dtype][0].size, MIN_SAVING_V2)
         record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
                   "sha256": hashlib.sha256(raw).hexdigest()}
         return record, raw.data if packed is None else packed
@@ -337,11 +346,11 @@ def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) 
     return dataclasses.replace(prov, calibration=calibration, key=key)
 
 
-def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
+def _encode(raw: np.ndarray, itemsize: int, min_saving: float = MIN_SAVING) -> tuple[str, bytes | None]:
     """(encoding, stored bytes) of one group, or ("raw", None) to store it as it is: the
     smallest of raw, zstd and zstd over byte planes, chosen on a sample of the first 256 KiB
     (a sample that cannot win decides raw, and the rest is not compressed), zstd kept only
-    where it saves MIN_SAVING."""
+    where it saves `min_saving` of the bytes."""
     if raw.size < MIN_COMPRESS_BYTES:
         return "raw", None
     zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # one per call: compressors are not thread-safe
@@ -349,10 +358,10 @@ def _encode(raw: np.ndarray, itemsize: int) -> tuple[str, bytes | None]:
     candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
     tried = {enc: _compress(zstd, sample, itemsize, enc) for enc in candidates}
     best = min(candidates, key=lambda enc: len(tried[enc]))
-    if len(tried[best]) > (1 - MIN_SAVING) * sample.size:
+    if len(tried[best]) > (1 - min_saving) * sample.size:
         return "raw", None
     stored = tried[best] if sample.size == raw.size else _compress(zstd, raw, itemsize, best)
-    if len(stored) > (1 - MIN_SAVING) * raw.size:
+    if len(stored) > (1 - min_saving) * raw.size:
         return "raw", None
     return best, stored
 

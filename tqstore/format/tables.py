@@ -180,8 +180,7 @@ def read_header(header: memoryview, payload_nbytes: int, object_nbytes: int | No
         block = BlockInfo(b_index, b_start, b_tokens, b_size)
     elif (b_index, b_start, b_tokens, b_size) != (0, 0, 0, 0):
         raise MalformedHeader(f"a {kind} has no block record")
-    layouts = _layouts(bytes(header[ends[1]:]), kind, block, groups.infos, ends[2] - ends[1],
-                       (n_layers, n_arrays, n_codecs, n_digests))
+    layouts = _layouts(header[ends[2]:], kind, block, groups.infos, (n_layers, n_arrays, n_codecs, n_digests))
     check_kind(kind, prov, block, layouts.layers, layouts.codecs)
     return Header(3, kind, prov, block, layouts.layers, layouts.codecs, payload_nbytes, groups.infos), groups
 
@@ -223,18 +222,19 @@ _CACHE_SIZE = 256
 _LOCK = threading.Lock()
 
 
-def _layouts(tables: bytes, kind: str, block: BlockInfo | None, groups: tuple[GroupInfo, ...], groups_nbytes: int,
+def _layouts(tables: memoryview, kind: str, block: BlockInfo | None, groups: tuple[GroupInfo, ...],
              counts: tuple[int, int, int, int]) -> Layouts:
-    """The typed layers and codecs of the tables after the group table, validated once per
-    distinct tables (their bytes, the group dtypes and sizes, and what a kind checks against)."""
-    key = b"".join([tables[groups_nbytes:], kind.encode(), repr((block and (block.index == 0, block.n_tokens),
-                                                                 [(g.dtype, g.nbytes) for g in groups])).encode()])
+    """The typed layers and codecs of `tables` (the header after its group table), validated
+    once per distinct tables (their bytes, the group dtypes and sizes, and what a kind checks
+    against). The cache key is the one copy of the tables a read makes."""
+    key = b"".join([tables, kind.encode(), repr((block and (block.index == 0, block.n_tokens),
+                                                 [(g.dtype, g.nbytes) for g in groups])).encode()])
     with _LOCK:
         found = _CACHE.get(key)
         if found is not None:
             _CACHE.move_to_end(key)
             return found
-    found = _validate(memoryview(tables)[groups_nbytes:], kind, groups, counts)
+    found = _validate(tables, kind, groups, counts)
     with _LOCK:
         _CACHE[key] = found
         if len(_CACHE) > _CACHE_SIZE:

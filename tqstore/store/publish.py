@@ -10,16 +10,20 @@ the objects the entry needs and an `ObjectSource` that yields the payloads of th
    and verified in full (verify.py). A damaged copy is quarantined and written again; a good
    copy of another save (block 0 calibrated differently) is a ConflictError, since the entry's
    later blocks cannot be combined with it. An object already stored is never rewritten.
-3. Write the missing objects the source yields, batch by batch, and check each landed as
-   written: another process may have stored its own copy of a key first, and then the plan is
-   made again (it finds that copy stored).
-4. Write the manifest the caller builds from the digests of the stored copies.
+3. Write the missing objects the source yields, batch by batch (each batch committed on a
+   thread while the source makes the next), and check each landed as written: another process
+   may have stored its own copy of a key first, and then the plan is made again (it finds that
+   copy stored).
+4. Write the manifest the caller builds from the digests of the stored copies, in the
+   transaction of the last batch: a put of up to 64 MiB is one synced commit, and the entry
+   becomes visible with its last objects or not at all.
 5. Pins, and the budget again (never evicting the entry just published).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,7 +36,8 @@ from tqstore.store.tierset import TierSet
 from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb
 
 Digests = Mapping[bytes, tuple[str, int]]  # key -> (sha256, size) of the stored copy
-Batch = dict[bytes, tuple[bytes, str]]  # key -> (verified payload, its sha256)
+# key -> (verified payload: bytes, or consecutive buffers that joined are its bytes; its sha256)
+Batch = dict[bytes, tuple[bytes | Sequence[memoryview], str]]
 _ATTEMPTS = 3
 
 
@@ -73,17 +78,11 @@ def publish(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSour
     written: dict[bytes, int] = {}
     with tiers.lock.shared():
         for _ in range(_ATTEMPTS):
-            digests, complete = _store(tiers, name, wants, source, written, progress)
-            if complete:
+            manifest = _store(tiers, name, wants, source, build, written, progress)
+            if manifest is not None:
                 break
         else:
             raise ConflictError(f"other processes kept storing different copies of the objects of {name}: retry")
-        try:
-            old = tiers.local_manifest(name)
-        except FormatError:
-            old = None
-        manifest = build(digests, old)
-        tiers.lmdb.put_manifest(name, manifest.to_bytes())
     if manifest.pinned:
         tiers.refresh_pins()
     else:
@@ -92,10 +91,14 @@ def publish(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSour
     return Published(manifest, written, tuple(before + after), tuple(warnings))
 
 
-def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSource, written: dict[bytes, int],
-           progress: Callable[[bytes, int | None], None] | None) -> tuple[dict[bytes, tuple[str, int]], bool]:
-    """One plan and its writes: (digests of the stored copies, complete). Not complete when
-    another process stored a different copy of an object meanwhile."""
+def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSource,
+           build: Callable[[Digests, Manifest | None], Manifest], written: dict[bytes, int],
+           progress: Callable[[bytes, int | None], None] | None) -> Manifest | None:
+    """One plan, its writes and the manifest: the manifest written, or None when another
+    process stored a different copy of an object meanwhile (nothing then refers to ours).
+
+    Batches before the last are committed on a thread while the source makes the next one; the
+    last batch and the manifest commit in one transaction (lmdb.py `put_objects`)."""
     digests: dict[bytes, tuple[str, int]] = {}
     kept: dict[bytes, HotObject | None] = {}
     missing = []
@@ -113,19 +116,72 @@ def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSourc
         digests[want.key] = (info.sha256, info.size)
         if progress is not None:
             progress(want.key, None)
+    left = {w.key for w in missing}
+    made: list[Manifest] = []
     complete = True
-    for batch in source.payloads(missing, kept):
-        tiers.lmdb.put_objects({k: p for k, (p, _) in batch.items()}, sha256s={k: d for k, (_, d) in batch.items()})
+
+    def landed(batch: Batch, infos: Mapping[bytes, ObjectInfo]) -> bool:
+        ok = True
         for key, (_, digest) in batch.items():
-            info = tiers.lmdb.object_info(key)
+            info = infos.get(key)
             if info is None or info.sha256 != digest:
-                complete = False  # another writer stored its copy first (existing keys are skipped)
+                ok = False  # another writer stored its copy first (existing keys are skipped)
                 continue
             digests[key] = (info.sha256, info.size)
             written[key] = info.size
             if progress is not None:
                 progress(key, info.size)
-    return digests, complete
+        return ok
+
+    def write(batch: Batch, manifest=None) -> None:
+        tiers.lmdb.put_objects({k: p for k, (p, _) in batch.items()}, sha256s={k: d for k, (_, d) in batch.items()},
+                               **({} if manifest is None else {"manifest": manifest}))
+
+    def finish(batch: Batch) -> None:
+        """The last batch and the manifest, in one transaction (on the writer thread)."""
+        old = _old_manifest(tiers, name)
+
+        def make(infos: dict[bytes, ObjectInfo]) -> bytes | None:
+            if not (landed(batch, infos) and complete):
+                return None
+            made.append(build(digests, old))
+            return made[-1].to_bytes()
+
+        write(batch, (name, make))
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-publish") as writer:
+        writing: tuple[Batch, Future] | None = None
+        for batch in source.payloads(missing, kept):
+            left -= batch.keys()
+            if writing is not None:
+                writing[1].result()
+                complete &= landed(writing[0], _infos(tiers, writing[0]))
+                writing = None
+            if left:
+                writing = (batch, writer.submit(write, batch))
+            else:
+                finish(batch)
+                return made[0] if made else None
+        if writing is not None:
+            writing[1].result()
+            complete &= landed(writing[0], _infos(tiers, writing[0]))
+    if not complete:
+        return None
+    manifest = build(digests, _old_manifest(tiers, name))
+    tiers.lmdb.put_manifest(name, manifest.to_bytes())
+    return manifest
+
+
+def _infos(tiers: TierSet, batch: Batch) -> dict[bytes, ObjectInfo]:
+    return {key: info for key in batch if (info := tiers.lmdb.object_info(key)) is not None}
+
+
+def _old_manifest(tiers: TierSet, name: str) -> Manifest | None:
+    """The entry a publish replaces (None if none, or unreadable: a damaged manifest is replaced)."""
+    try:
+        return tiers.local_manifest(name)
+    except FormatError:
+        return None
 
 
 def _local_copy(tiers: TierSet, want: Want, expected: str | None) -> tuple[ObjectInfo, HotObject | None] | None:

@@ -12,7 +12,6 @@ meet it).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -32,6 +31,7 @@ from tqstore.format.objects import dumps_decoded as dump_object
 from tqstore.models.identity import CodecIdentity, ModelIdentity, codecs_digest
 from tqstore.names import validate_name
 from tqstore.store.publish import Batch, Digests, publish
+from tqstore.store.tiers.lmdb import payload_sha256
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet
 from tqstore.store.verify import Want
@@ -139,20 +139,20 @@ class _Encoder:
         # Each payload's sha256 (the digest its manifest records) is computed on a thread while
         # the next object is encoded here (hashlib releases the GIL).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-put-hash") as hasher:
-            pending: dict[bytes, tuple[bytes, Future]] = {}
+            pending: dict[bytes, tuple[tuple[memoryview, ...], Future]] = {}
             for want in missing:
                 hot = canonical[want.key]
                 # The memory tier keeps the object as a restore decodes it: groups, joined by group.
-                payload, obj = dump_object(hot.obj, hot.provenance)
+                parts, obj = dump_object(hot.obj, hot.provenance)
                 canonical[want.key] = HotObject(obj, hot.kind, hot.provenance, "", hot.nbytes)
-                pending[want.key] = (payload, hasher.submit(lambda p: hashlib.sha256(p).hexdigest(), payload))
-                if sum(len(p) for p, _ in pending.values()) >= _BATCH_BYTES:
+                pending[want.key] = (parts, hasher.submit(lambda p: payload_sha256(p).hex(), parts))
+                if sum(len(part) for p, _ in pending.values() for part in p) >= _BATCH_BYTES:
                     yield self._hashed(pending)
                     pending = {}
             if pending:
                 yield self._hashed(pending)
 
-    def _hashed(self, pending: dict[bytes, tuple[bytes, Future]]) -> Batch:
+    def _hashed(self, pending: dict[bytes, tuple[tuple[memoryview, ...], Future]]) -> Batch:
         batch: Batch = {}
         for key, (payload, digest) in pending.items():
             batch[key] = (payload, digest.result())

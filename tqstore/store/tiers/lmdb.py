@@ -4,9 +4,10 @@ Payloads are cut into fixed-size segments (the last one shorter) so that the ove
 frees when an object is deleted fit the next object's segments, instead of fragmenting the file;
 a segment holds segment_size - 16 bytes so that, with LMDB's page header, it fills whole pages.
 An object's header and all its segments are written in one transaction; `put_objects` returns
-once its objects are committed, and a manifest is written after them in its own transaction
-(store/publish.py), so a killed process leaves at worst orphan objects, never a visible manifest
-with missing objects. The records are described in lmdb_layout.py.
+once its objects are committed, and a manifest is written either in the transaction of the last
+of its objects (`put_objects(..., manifest=...)`, the publish path: one synced commit for an
+entry of up to 64 MiB) or after them in its own, so a killed process leaves at worst orphan
+objects, never a visible manifest with missing objects. The records are described in lmdb_layout.py.
 
 Concurrency: one environment per process and real path (`LmdbTier.open` keeps the registry;
 py-lmdb 3.0 refuses a second open anyway), every write on one writer thread, reads in short
@@ -22,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,26 +137,40 @@ class LmdbTier:
         """Store `payload` under `key`; False (and nothing written) if the key already exists."""
         return self.put_objects({key: payload}).stored == 1
 
-    def put_objects(self, objects: Mapping[bytes, bytes], sha256s: Mapping[bytes, str] | None = None) -> PutCounts:
+    def put_objects(self, objects: Mapping[bytes, bytes | Sequence[memoryview]], sha256s: Mapping[bytes, str] | None = None,
+                    manifest: tuple[str, Callable[[dict[bytes, ObjectInfo]], bytes | None]] | None = None
+                    ) -> PutCounts:
         """Store many objects; existing keys are skipped, never rewritten.
 
-        Each object is atomic; objects are committed in batches of about 64 MiB. `sha256s`
-        gives hex digests the caller has just computed from these very bytes (not hashed again).
+        Each object is atomic; objects are committed in batches of about 64 MiB. A payload is
+        bytes, or consecutive buffers that joined are its bytes (each copied once, into LMDB).
+        `sha256s` gives hex digests the caller has just computed from these very bytes (not
+        hashed again).
+        `manifest` (name, make) ends the last batch's transaction with a manifest: `make` gets
+        the stored ObjectInfo of every key of `objects` as that transaction sees it (another
+        process's copy where one was stored first) and returns the manifest's bytes, or None to
+        write none. The objects and their manifest then commit together: one synced commit
+        where a put used to pay two, and never a visible manifest without its objects.
         """
         known = sha256s or {}
-        items = [(check_key(k), memoryview(p), bytes.fromhex(known[k]) if k in known else hashlib.sha256(p).digest())
-                 for k, p in objects.items()]
-        stored = 0
-        batch: list[tuple[bytes, memoryview, bytes]] = []
+        items = [(check_key(k), parts, bytes.fromhex(known[k]) if k in known else payload_sha256(parts))
+                 for k, parts in ((k, _buffers(p)) for k, p in objects.items())]
+        if manifest is not None:
+            validate_name(manifest[0])
+        batches: list[list[tuple[bytes, tuple[memoryview, ...], bytes]]] = [[]]
         size = 0
         for item in items:
-            batch.append(item)
-            size += len(item[1])
             if size >= _TXN_BYTES:
-                stored += self._env.write(self._put_batch, batch, needed=size)
-                batch, size = [], 0
-        if batch:
-            stored += self._env.write(self._put_batch, batch, needed=size)
+                batches.append([])
+                size = 0
+            batches[-1].append(item)
+            size += _length(item[1])
+        stored = 0
+        for n, batch in enumerate(batches):
+            last = n == len(batches) - 1
+            if batch or (last and manifest is not None):
+                stored += self._env.write(self._put_batch, batch, manifest if last else None, [i[0] for i in items],
+                                          needed=sum(_length(i[1]) for i in batch))
         return PutCounts(stored, len(items) - stored)
 
     def get_object(self, key: bytes) -> bytes | None:
@@ -389,13 +404,21 @@ class LmdbTier:
 
     # --- write jobs (writer thread) --------------------------------------------------------------
 
-    def _put_batch(self, txn: lmdb.Transaction, batch: list[tuple[bytes, memoryview, bytes]]) -> int:
+    def _put_batch(self, txn: lmdb.Transaction, batch: list[tuple[bytes, tuple[memoryview, ...], bytes]],
+                   manifest: tuple[str, Callable[[dict[bytes, ObjectInfo]], bytes | None]] | None,
+                   keys: list[bytes]) -> int:
         dbs = self._env.dbs
         new = [item for item in batch if txn.get(item[0], db=dbs[b"objects"]) is None]
-        self._env.check_free_disk(sum(len(payload) for _, payload, _ in new), txn)
+        self._env.check_free_disk(sum(_length(payload) for _, payload, _ in new), txn)
         now = time.time()
         for key, payload, digest in new:
             write_object(txn, dbs, key, payload, digest, self.segment_size, now)
+        if manifest is not None:
+            stored = {key: txn.get(key, db=dbs[b"objects"]) for key in keys}
+            infos = {key: header_info(key, bytes(raw)) for key, raw in stored.items() if raw is not None}
+            data = manifest[1](infos)
+            if data is not None:
+                self._put_manifest(txn, manifest[0].encode(), bytes(data))
         return len(new)
 
     def _quarantine(self, txn: lmdb.Transaction, key: bytes, header: bytes | None, reason: str) -> None:
@@ -463,6 +486,25 @@ class LmdbTier:
             if len(batch) < BATCH_KEYS:
                 return
             after = batch[-1]
+
+
+def _buffers(payload: bytes | Sequence[memoryview]) -> tuple[memoryview, ...]:
+    """A payload as byte buffers: bytes-like objects are one, a sequence of them is itself."""
+    if isinstance(payload, (bytes, bytearray, memoryview, np.ndarray)):
+        return (memoryview(payload).cast("B"),)
+    return tuple(memoryview(part).cast("B") for part in payload)
+
+
+def _length(parts: tuple[memoryview, ...]) -> int:
+    return sum(len(part) for part in parts)
+
+
+def payload_sha256(parts: Sequence[memoryview]) -> bytes:
+    """The sha256 of a payload given as consecutive buffers."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
 
 
 def reset_newer_schema(path: str | os.PathLike[str]) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -45,16 +46,42 @@ class Problem:
 
 
 def write_object(
-    txn: lmdb.Transaction, dbs: dict, key: bytes, payload: memoryview, digest: bytes, segment_size: int, now: float
+    txn: lmdb.Transaction, dbs: dict, key: bytes, payload: Sequence[memoryview], digest: bytes, segment_size: int,
+    now: float
 ) -> None:
-    """Write the segments and then the header of a new object (one transaction: atomic)."""
+    """Write the segments and then the header of a new object (one transaction: atomic). The
+    payload is given as consecutive byte buffers (joined, they are the object)."""
     per_segment = segment_size - OVERFLOW_HEADER
-    count = -(-len(payload) // per_segment)
+    size = sum(len(part) for part in payload)
+    count = -(-size // per_segment)
     delete_segments(txn, dbs[b"segments"], key)  # leftovers of an interrupted quarantine
-    for i in range(count):
-        txn.put(key + _INDEX.pack(i), payload[i * per_segment:(i + 1) * per_segment], db=dbs[b"segments"])
-    txn.put(key, HEADER.pack(1, digest, len(payload), count, per_segment, now, now), db=dbs[b"objects"])
+    for i, segment in enumerate(_segments_of(payload, per_segment)):
+        txn.put(key + _INDEX.pack(i), segment, db=dbs[b"segments"])
+    txn.put(key, HEADER.pack(1, digest, size, count, per_segment, now, now), db=dbs[b"objects"])
     txn.delete(key, db=dbs[b"quarantine"])
+
+
+def _segments_of(payload: Sequence[memoryview], per_segment: int) -> Iterator[memoryview | bytes]:
+    """The payload cut into segments of `per_segment` bytes (the last one shorter): a slice of a
+    buffer where a segment lies inside one, else its pieces joined (LMDB copies each value into
+    its pages anyway, so a slice costs no copy of its own)."""
+    pieces: list[memoryview] = []
+    held = 0
+    for part in payload:
+        at = 0
+        while at < len(part):
+            take = min(per_segment - held, len(part) - at)
+            if not pieces and take == per_segment:
+                yield part[at:at + take]
+            else:
+                pieces.append(part[at:at + take])
+                held += take
+                if held == per_segment:
+                    yield b"".join(pieces)
+                    pieces, held = [], 0
+            at += take
+    if pieces:
+        yield b"".join(pieces)
 
 
 def load_object(

@@ -48,12 +48,17 @@ class PageReader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.lost_pages = 0
+        self._lost: set[int] = set()  # page numbers: a page walked again is not counted again
         self._fd = os.open(path, os.O_RDONLY)
         self._size = os.fstat(self._fd).st_size
         self.page_size = 4096
         self._dbs: dict[bytes, int] | None = None
         self._free_root = _INVALID
+
+    @property
+    def lost_pages(self) -> int:
+        """How many distinct pages the walks so far could not read (whatever walked them)."""
+        return len(self._lost)
 
     def close(self) -> None:
         """Close the file."""
@@ -89,7 +94,7 @@ class PageReader:
         for root in trees:
             for _, _, value in self._walk(root, 0):
                 if isinstance(value, BigValue) and not self._overflow_sound(value):
-                    self.lost_pages += 1
+                    self._lost.add(value.pgno)
         return self.lost_pages
 
     def value(self, value: bytes | BigValue) -> bytes | None:
@@ -142,7 +147,7 @@ class PageReader:
             kind = flags & (_BRANCH | _LEAF | _OVERFLOW)
             if number == pgno and kind in (_BRANCH, _LEAF) and _PAGE_HEADER <= lower <= upper <= self.page_size:
                 return page
-        self.lost_pages += 1
+        self._lost.add(pgno)
         return None
 
     def _walk(self, pgno: int, depth: int):
@@ -156,7 +161,7 @@ class PageReader:
         for i in range((lower - _PAGE_HEADER) // 2):
             (at,) = struct.unpack_from("=H", page, _PAGE_HEADER + 2 * i)
             if at + _NODE.size > self.page_size:
-                self.lost_pages += 1
+                self._lost.add(pgno)
                 return
             lo, hi, node_flags, ksize = _NODE.unpack_from(page, at)
             key = page[at + _NODE.size:at + _NODE.size + ksize]
@@ -169,7 +174,7 @@ class PageReader:
             else:
                 value = page[data_at:data_at + size] if data_at + size <= self.page_size else None
             if value is None:
-                self.lost_pages += 1
+                self._lost.add(pgno)
                 continue
             yield bytes(key), node_flags, value
 
