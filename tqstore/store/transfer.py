@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is c
     from tqstore.store.tiers.s3 import S3Tier
 
 Progress = Callable[[int, int, int], None]  # (objects done, objects in all, bytes transferred)
+WRITE_BATCH = 4 * 1024 * 1024  # bytes of verified objects a pull writes to LMDB at once
 PENDING = "pending:"  # a remote_etag recorded before a manifest write whose etag is not known yet
 
 
@@ -341,10 +342,11 @@ class _Bucket:
         return want.sha256
 
     def payloads(self, missing: list[Want], kept: object) -> Iterator[Batch]:
-        """Download, verify and yield `missing` in batches of 2 x concurrency objects, in order;
+        """Download, verify and yield `missing` in batches of up to 2 x concurrency objects and
+        about WRITE_BATCH bytes, in order;
         the downloads and checks go on while the caller writes a batch. The first problem in
         `missing`'s order is raised."""
-        step = 2 * self.s3.concurrency
+        step, size = 2 * self.s3.concurrency, 0
         batch: Batch = {}
         located = [(w, self.where.get(w.key, Location(None))) for w in missing]
         for want, result in fetch_objects(self.s3, located, _verified):
@@ -354,9 +356,12 @@ class _Bucket:
             if isinstance(result, TqstoreError):
                 raise result
             batch[want.key] = result
-            if len(batch) == step:
+            size += len(result[0])
+            # Written while the rest downloads: batches of a few MiB keep the LMDB writes
+            # overlapped with the GETs (a write costs about as much per byte as a download here).
+            if len(batch) == step or size >= WRITE_BATCH:
                 yield batch
-                batch = {}
+                batch, size = {}, 0
         if batch:
             yield batch
 
