@@ -24,13 +24,24 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import importlib
+import importlib.metadata as metadata
 import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+# Imported with the module, not in the load: import time is start-up, not the model load's phase.
+import jinja2
+import jinja2.ext
+import mlx.core as mx
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
 from tqstore.durable import write_file_atomic
+from tqstore.models.detokenize import BPEDetokenizer, NaiveDetokenizer, SPMDetokenizer
 from tqstore.models.files import NO_SPACE
+from tqstore.models.lazy_mlx_lm import PACKAGE
 
 FORMAT = "tqstore-tokenizer"
 VERSION = 1
@@ -80,10 +91,6 @@ def _record_path(path: Path, cache_dir: Path) -> Path | None:
     files = [path / "tokenizer.json", path / "tokenizer_config.json"]
     if not all(f.is_file() for f in files):
         return None
-    import importlib.metadata as metadata
-
-    from tqstore.models.lazy_mlx_lm import PACKAGE
-
     digest = hashlib.sha256()
     for f in sorted(path.glob("tokenizer*")) + sorted(path.glob("*chat_template*")) + [path / "config.json"]:
         if f.is_file():
@@ -120,10 +127,6 @@ def _config(path: Path) -> dict | None:
 
 def _model(path: Path, config: dict) -> Any:
     """The model as `mlx_lm.utils.load_model` builds an unquantized one of FAMILIES."""
-    import importlib
-
-    import mlx.core as mx
-
     weights: dict = {}
     for file in glob.glob(str(path / "model*.safetensors")):
         weights.update(mx.load(file))
@@ -183,8 +186,6 @@ class FastTokenizer:
         if not plain or len(hf) != backend.get_vocab_size(with_added_tokens=True):
             return None
         if template is not None:
-            import jinja2
-
             try:
                 _compiled(template)
             except jinja2.TemplateError:  # e.g. {% generation %}, an extension of transformers'
@@ -195,8 +196,6 @@ class FastTokenizer:
     @classmethod
     def from_record(cls, saved: dict) -> FastTokenizer:
         """The tokenizer `record_of` described; ValueError if `saved` is not such a record."""
-        from tokenizers import Tokenizer
-
         if saved.get("format") != FORMAT or saved.get("version") != VERSION:
             raise ValueError("not a tqstore tokenizer record")
         return cls(Tokenizer.from_str(saved["backend"]), dict(saved["special"]), saved["chat_template"],
@@ -231,8 +230,6 @@ class FastTokenizer:
     @property
     def detokenizer(self) -> Any:
         """A fresh streaming detokenizer of mlx-lm's kind for this tokenizer (one per caller)."""
-        from tqstore.models.detokenize import BPEDetokenizer, NaiveDetokenizer, SPMDetokenizer
-
         if self._detokenizer_kind == "bpe":
             return BPEDetokenizer(self._tokens)
         if self._detokenizer_kind == "naive":
@@ -250,10 +247,6 @@ def _compiled(template: str) -> Any:
     """`template` compiled in transformers' chat-template environment (utils/chat_template_utils.py:
     a sandbox with trim_blocks and lstrip_blocks, loop controls, its tojson, raise_exception,
     strftime_now, dict and a namespace that refuses underscore names)."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
 from tqstore.format.manifest import Manifest
 from tqstore.store.bucket import fetch_objects
-from tqstore.store.crypto import UnboundManifest
 from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map,
                                  plan_packs)
 from tqstore.store.publish import Batch, publish
@@ -274,6 +273,8 @@ def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
 
 def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
     """Write the bucket's manifest; returns (its etag, whether it was written)."""
+    from tqstore.store.crypto import UnboundManifest  # here: `cryptography` loads only with a bucket
+
     try:
         got = s3.get_manifest(local.name)
     except UnboundManifest as exc:
