@@ -39,6 +39,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from tqstore.durable import write_file_atomic
+from tqstore.errors import DiskFull
 from tqstore.models.detokenize import BPEDetokenizer, NaiveDetokenizer, SPMDetokenizer
 from tqstore.models.files import NO_SPACE
 from tqstore.models.lazy_mlx_lm import PACKAGE
@@ -82,6 +83,8 @@ def remember(path: Path, cache_dir: Path, tokenizer: Any) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(target, json.dumps(saved).encode())
+    except DiskFull:  # a read (ask) must work on a full disk: the next load records it
+        return
     except OSError as exc:
         if exc.errno not in NO_SPACE:
             raise
