@@ -12,7 +12,9 @@ counted from the store's boto3 client (before-call events), by operation.
 `--baseline REV` measures git revision REV's tqstore too, run by run interleaved with this
 tree's (each run in a fresh process; REV's package is exported with `git archive` and put first
 on PYTHONPATH), so both are measured under the same load. Ranges over --runs runs, median
-first; ratios are floor seconds / tqstore seconds (1.0 = boto3's speed). `--write` puts the
+first; ratios are floor seconds / tqstore seconds (1.0 = boto3's speed). CPU seconds are the
+process's (the moto server runs in it, so they include the server's work for each side): on a
+shared machine they move less than wall times. `--write` puts the
 table into docs/benchmarks.md (section bench-s3-transfer).
 """
 
@@ -34,13 +36,14 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 
 
-def _timed(store, action, requests: Counter) -> float:
-    """Seconds of `action("e")` on `store`, its S3 requests counted by operation in `requests`."""
+def _timed(store, action, requests: Counter) -> tuple[float, float]:
+    """Wall and process CPU seconds of `action("e")` on `store` (the CPU includes the in-process
+    moto server's), its S3 requests counted by operation in `requests`."""
     store._tiers.require_s3().client.meta.events.register(
         "before-call.s3", lambda event_name, **_: requests.update([event_name.split(".")[-1]]))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     action("e")
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def one_run(tokens: list[int], scheme: str) -> list[dict]:
@@ -75,15 +78,18 @@ def one_run(tokens: list[int], scheme: str) -> list[dict]:
             manifest = store.put("e", snap, list(range(n)), model=model_id, codec=codec_id, model_ref="bench",
                                  prefill_seconds=1.0).manifest
             requests = {"push": Counter(), "pull": Counter()}
-            push = _timed(store, store.push, requests["push"])
+            push, push_cpu = _timed(store, store.push, requests["push"])
             store.close()
             remote = Store.open(other, config=load_config(other, overrides))
             remote.ls(remote=True)  # the remote index, outside the timing
-            pull = _timed(remote, remote.pull, requests["pull"])
+            pull, pull_cpu = _timed(remote, remote.pull, requests["pull"])
             remote.close()
+            c0 = time.process_time()
             up, down = boto3_floors(s3, manifest.nbytes, config.s3_part_size, config.s3_concurrency)
+            floor_cpu = time.process_time() - c0
             out.append({"tokens": n, "scheme": scheme, "stored": manifest.nbytes, "objects": len(manifest.objects),
                         "push": push, "up": up, "pull": pull, "down": down,
+                        "push_cpu": push_cpu, "pull_cpu": pull_cpu, "floor_cpu": floor_cpu,
                         "push_requests": dict(requests["push"]), "pull_requests": dict(requests["pull"]),
                         "package": tqstore.__file__})
             print(f"  {n} tokens: push {push:.3f} s (boto3 {up:.3f}), pull {pull:.3f} s (boto3 {down:.3f})",
@@ -122,6 +128,10 @@ def span(values: list[float], fmt: str) -> str:
     return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
+def _range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
 def requests(counts: dict) -> str:
     return f"{sum(counts.values())} ({', '.join(f'{v} {k}' for k, v in sorted(counts.items()))})"
 
@@ -131,7 +141,8 @@ def table(results: dict[str, list[dict]]) -> str:
     from common import markdown_table
 
     header = ["tokens", "scheme", "code", "stored MB", "objects", "push s", "boto3 upload s", "push / boto3",
-              "pull s", "boto3 download s", "pull / boto3", "push requests", "pull requests"]
+              "pull s", "boto3 download s", "pull / boto3", "CPU s: push, pull, boto3 up + down",
+              "push requests", "pull requests"]
     rows = []
     sizes = sorted({r["tokens"] for runs in results.values() for r in runs})
     for n in sizes:
@@ -142,6 +153,7 @@ def table(results: dict[str, list[dict]]) -> str:
                          span([r["up"] / r["push"] for r in mine], "{:.2f}") + "x",
                          span([r["pull"] for r in mine], "{:.3f}"), span([r["down"] for r in mine], "{:.3f}"),
                          span([r["down"] / r["pull"] for r in mine], "{:.2f}") + "x",
+                         ", ".join(_range([r[k] for r in mine]) for k in ("push_cpu", "pull_cpu", "floor_cpu")),
                          requests(mine[0]["push_requests"]), requests(mine[0]["pull_requests"])])
     return markdown_table(header, rows)
 

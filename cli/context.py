@@ -56,7 +56,7 @@ class Context:
         if self._engine is None:
             from tqstore.engine.engine import Engine
 
-            self._engine = Engine(self.store())
+            self._engine = Engine(self.store(), light=True)
         return self._engine
 
     def close(self) -> None:

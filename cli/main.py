@@ -233,6 +233,9 @@ def _silence_stdout() -> None:
 def run() -> None:
     """The console script and `python -m tqstore_cli`: main(), then `leave` with its code."""
     _hide_torch()
+    from tqstore.models import lazy_mlx_lm
+
+    lazy_mlx_lm.install()  # mlx-lm's __init__ (transformers) only if a command asks for it
     loaded: list[object] = []  # alive until leave's os._exit: nothing is freed for nothing
     leave(main(keep=loaded))
 

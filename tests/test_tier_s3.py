@@ -355,3 +355,22 @@ def test_put_object_reuses_a_verified_digest_and_checksums_the_body_sent(s3):
         assert headers["x-amz-meta-tq-sha256"] == digest
         assert (body == data) == (cipher is None)
         assert tier.get_object(key(f"digest-{cipher is None}")) == data
+
+
+def test_read_range_streams_pieces_of_one_get(s3):
+    """A pull reads a pack's span as a stream (bucket.py): each piece is yielded as soon as it
+    has arrived, all from one ranged GET; a missing pack is a single None, and a pack shorter
+    than the pieces asked for is CorruptBlock."""
+    tier = s3.tier(part_size=5 * 1024 * 1024)
+    sizes = [3, 1_500_000, 1, 2_100_000, 700_000]  # pieces across and inside the 1 MiB reads
+    body = random.Random(5).randbytes(sum(sizes) + 10)
+    name = hashlib.sha256(b"pack").hexdigest()
+    tier.put_pack(name, body)
+    calls = Requests(tier)
+    cuts = [10 + sum(sizes[:i + 1]) for i in range(len(sizes))]
+    pieces = list(tier.read_range(name, 10, cuts))
+    assert pieces == [body[a:b] for a, b in zip([10] + cuts, cuts)]
+    assert calls.count("GetObject") == 1
+    assert list(tier.read_range(hashlib.sha256(b"none").hexdigest(), 0, [5])) == [None]
+    with pytest.raises(CorruptBlock, match="shorter than its map says"):
+        list(tier.read_range(name, len(body) - 4, [len(body) - 2, len(body) + 6]))

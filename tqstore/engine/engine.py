@@ -25,6 +25,7 @@ from turboquant.windows import WINDOW_MODES, settle_all
 
 from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
+from tqstore.engine.decoding import stream_tokens
 from tqstore.engine.defaults import PREFILL_CHUNK
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.errors import BadInput, CorruptBlock, IdentityMismatch, NotFound, TqstoreError
@@ -161,12 +162,15 @@ class Engine:
     """Save contexts and answer questions with mlx-lm models over a Store."""
 
     def __init__(self, store: Store, *, dtype: str = "auto", prefill_chunk: int = PREFILL_CHUNK,
-                 windows: str = "token"):
+                 windows: str = "token", light: bool = False):
         """`windows`: how new entries keep sliding-window and chunked layers, "token" (every
         token's row in the blocks: reused by prefix) or "whole" (the window alone, once per entry:
-        fewer bytes, reused only whole; docs/models.md). Entries of either are read whatever it is."""
+        fewer bytes, reused only whole; docs/models.md). Entries of either are read whatever it is.
+        `light`: load models without transformers where they allow it (models/light.py: the
+        tokenizer as recorded by an earlier load; no tool-call parsing), as the CLI does."""
         self.store = store
         self.dtype = dtype
+        self.light = light
         self.prefill_chunk = prefill_chunk
         self.windows = _window_mode(windows)
         self.registry = ModelRegistry(store.config.home)
@@ -185,7 +189,7 @@ class Engine:
         key = (ref, adapter_path)
         if key not in self._models:
             cache = Path(self.store.config.home) / "cache"
-            loaded = load_model(ref, cache_dir=cache, adapter_path=adapter_path, dtype=self.dtype)
+            loaded = load_model(ref, cache_dir=cache, adapter_path=adapter_path, dtype=self.dtype, light=self.light)
             # What a plan's check learns about this model is kept for the next process.
             verdicts.register(loaded.model, FileVerdicts(cache / "verdicts", loaded.identity.hexdigest))
             self.registry.remember(loaded)
@@ -410,7 +414,6 @@ class Engine:
         tokens are checkpointed like a prefill's (window rows, block-end states) for a caller that
         stores prompt + answer (a chat turn); it costs a copy per generated token, so only then.
         """
-        from mlx_lm import stream_generate
         from mlx_lm.sample_utils import make_sampler
 
         started, remainder, prefill, halted = yield from self.prompt_steps(loaded, scheme, prompt, seed=seed,
@@ -421,10 +424,10 @@ class Engine:
             finish = "stop"
         else:
             sampler = make_sampler(temp=temp, top_p=top_p)
-            # The prompt's last token runs through mlx-lm's own loop: it yields the first logits.
-            responses = stream_generate(loaded.model, loaded.tokenizer, prompt=remainder[-1:], max_tokens=max_tokens,
-                                        prompt_cache=started.caches,
-                                        sampler=own_randomness(sampler, seed) if temp > 0 else sampler)
+            # The prompt's last token runs through mlx-lm's loop (decoding.py): it yields the first logits.
+            responses = stream_tokens(loaded.model, loaded.tokenizer, remainder[-1:], max_tokens=max_tokens,
+                                      prompt_cache=started.caches,
+                                      sampler=own_randomness(sampler, seed) if temp > 0 else sampler)
             while True:
                 t0 = time.perf_counter()
                 response = next(responses, None)

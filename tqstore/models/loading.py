@@ -17,6 +17,7 @@ from tqstore.durable import write_file_atomic
 from tqstore.models.files import NO_SPACE
 from tqstore.errors import ConfigError, IdentityMismatch, NotFound, TqstoreError
 from tqstore.models.identity import ModelIdentity, describe_difference, legacy_identity
+from tqstore.models.light import load_light as light_model, remember as remember_tokenizer
 from tqstore.models.prompting import PromptFormat, prompt_format
 
 REGISTRY_FILE = "models.json"
@@ -70,17 +71,26 @@ def resolve_model_path(ref: str) -> Path:
                        "`tqstore model install qwen2.5-coder-0.5b`") from None
 
 
-def load_model(ref: str, *, cache_dir: Path, adapter_path: str | None = None, dtype: str = "auto") -> LoadedModel:
-    """Load a model with mlx-lm (optionally with a LoRA adapter) and compute its identity."""
-    from mlx_lm import load
-
+def load_model(ref: str, *, cache_dir: Path, adapter_path: str | None = None, dtype: str = "auto",
+               light: bool = False) -> LoadedModel:
+    """Load a model with mlx-lm (optionally with a LoRA adapter) and compute its identity.
+    `light`: without transformers where the folder allows it (models/light.py), and record
+    its tokenizer for the next light load when it goes through mlx-lm."""
     path = resolve_model_path(ref)
     if adapter_path is not None and not Path(adapter_path).exists():
         raise NotFound(f"adapter {adapter_path} not found")
+    found = light_model(path, cache_dir) if light and adapter_path is None else None
     try:
-        model, tokenizer = load(str(path), adapter_path=adapter_path)
+        if found is not None:
+            model, tokenizer = found
+        else:
+            from mlx_lm import load
+
+            model, tokenizer = load(str(path), adapter_path=adapter_path)
     except (FileNotFoundError, ValueError) as e:
         raise TqstoreError(f"mlx-lm cannot load {path}: {e}") from None
+    if found is None and light and adapter_path is None:
+        remember_tokenizer(path, cache_dir, tokenizer)
     target = compute_dtype(dtype)
     if target is not None:
         model.set_dtype(target)

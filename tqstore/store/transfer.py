@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, TqstoreError
 from tqstore.format.manifest import Manifest
 from tqstore.store.bucket import fetch_objects
-from tqstore.store.crypto import UnboundManifest
 from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map,
                                  plan_packs)
 from tqstore.store.publish import Batch, publish
@@ -45,6 +44,7 @@ if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is c
     from tqstore.store.tiers.s3 import S3Tier
 
 Progress = Callable[[int, int, int], None]  # (objects done, objects in all, bytes transferred)
+WRITE_BATCH = 4 * 1024 * 1024  # bytes of verified objects a pull writes to LMDB at once
 PENDING = "pending:"  # a remote_etag recorded before a manifest write whose etag is not known yet
 
 
@@ -273,6 +273,8 @@ def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
 
 def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
     """Write the bucket's manifest; returns (its etag, whether it was written)."""
+    from tqstore.store.crypto import UnboundManifest  # here: `cryptography` loads only with a bucket
+
     try:
         got = s3.get_manifest(local.name)
     except UnboundManifest as exc:
@@ -341,10 +343,11 @@ class _Bucket:
         return want.sha256
 
     def payloads(self, missing: list[Want], kept: object) -> Iterator[Batch]:
-        """Download, verify and yield `missing` in batches of 2 x concurrency objects, in order;
+        """Download, verify and yield `missing` in batches of up to 2 x concurrency objects and
+        about WRITE_BATCH bytes, in order;
         the downloads and checks go on while the caller writes a batch. The first problem in
         `missing`'s order is raised."""
-        step = 2 * self.s3.concurrency
+        step, size = 2 * self.s3.concurrency, 0
         batch: Batch = {}
         located = [(w, self.where.get(w.key, Location(None))) for w in missing]
         for want, result in fetch_objects(self.s3, located, _verified):
@@ -354,9 +357,12 @@ class _Bucket:
             if isinstance(result, TqstoreError):
                 raise result
             batch[want.key] = result
-            if len(batch) == step:
+            size += len(result[0])
+            # Written while the rest downloads: batches of a few MiB keep the LMDB writes
+            # overlapped with the GETs (a write costs about as much per byte as a download here).
+            if len(batch) == step or size >= WRITE_BATCH:
                 yield batch
-                batch = {}
+                batch, size = {}, 0
         if batch:
             yield batch
 

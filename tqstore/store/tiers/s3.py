@@ -27,7 +27,7 @@ import base64
 import hashlib
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import AbstractContextManager, suppress
 from typing import TypeVar
@@ -55,6 +55,7 @@ _META_PACK = "tq-pack"
 _HEX = frozenset("0123456789abcdef")
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
 _MAX_PARTS = 10_000
+_STREAM_CHUNK = 1024 * 1024  # bytes a streamed GET reads at a time
 
 
 class S3Tier:
@@ -268,25 +269,49 @@ class S3Tier:
         except Missing:
             return None
 
-    def get_range(self, pack: str, start: int, end: int) -> bytes | None:
-        """Bytes [start, end) of pack `pack` (one ranged GET), or None if the pack is absent.
-        CorruptBlock if the pack is shorter."""
+    def read_range(self, pack: str, start: int, cuts: Sequence[int]) -> Iterator[bytes | None]:
+        """Bytes [start, cuts[0]), [cuts[0], cuts[1]), ... of pack `pack`, each yielded as soon as
+        it has arrived, from one ranged GET read as a stream (so the caller can verify and store
+        the first pieces while the rest downloads); a single None if the pack is absent. A body
+        cut off mid-read is read on from where it stopped (another ranged GET), up to
+        max_attempts times. CorruptBlock if the pack is shorter."""
         name = self.pack_name(pack)
-
-        def read() -> bytes:
-            response = self._call("get_object", Key=name, Range=f"bytes={start}-{end - 1}")
-            return response["Body"].read()
-
-        try:
-            body = self._again(read, TRANSPORT)
-        except Missing:
-            return None
-        except TRANSPORT as exc:
-            raise unreachable(exc, self._where(), self.max_attempts) from exc
-        if len(body) != end - start:
-            raise CorruptBlock(f"S3 pack {name} is shorter than its map says ({len(body)} of {end - start} bytes "
-                               f"at {start}): it was truncated or replaced; push the entries using it again")
-        return body
+        end = cuts[-1] if cuts else start
+        at, attempt = start, 0
+        chunks: list[bytes] = []  # what has arrived of the piece being read
+        pieces = iter(cuts)
+        cut = next(pieces, None)
+        while cut is not None:
+            try:
+                try:
+                    response = self._call("get_object", Key=name, Range=f"bytes={at}-{end - 1}")
+                except Missing:
+                    if at == start:
+                        yield None
+                        return
+                    raise
+                stream = response["Body"]
+                while cut is not None:
+                    chunk = stream.read(min(_STREAM_CHUNK, end - at))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    at += len(chunk)
+                    while cut is not None and at >= cut:
+                        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                        split = len(data) - (at - cut)
+                        chunks = [data[split:]] if split < len(data) else []
+                        yield data[:split] if split < len(data) else data
+                        cut = next(pieces, None)
+                if cut is not None:  # the server ended the body early: the pack is shorter than its map
+                    raise CorruptBlock(f"S3 pack {name} is shorter than its map says ({at - start} of {end - start} "
+                                       f"bytes at {start}): it was truncated or replaced; push the entries using it "
+                                       "again")
+            except TRANSPORT as exc:
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise unreachable(exc, self._where(), self.max_attempts) from exc
+                self._sleep(attempt - 1)
 
     def get_tail(self, pack: str, length: int) -> bytes | None:
         """The last `length` bytes of pack `pack` (its index and footer), or None if absent."""
