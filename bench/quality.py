@@ -34,7 +34,7 @@ PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}  # mlx-lm's own QuantizedKVCache (kv_bi
 # Issue 31's texts: two used while tuning, the third (Python docs) held out from all tuning.
 PROTOCOL_TEXTS = {"devils": "devils_dictionary.txt", "jargon": "jargon_file.txt",
                   "python-docs (held out)": "python_docs_tutorial_howto.txt"}
-PROTOCOL_SCHEMES = ["turbo8v3", "turbo4", "turbo3"]
+PROTOCOL_SCHEMES = ["turbo4", "turbo5v4", "auto5", "auto4", "auto3.5", "auto6"]
 
 
 def mlx_lm_quantized(bits: int):
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, help="prefilled tokens (default 1024; 2048 with --protocol)")
     parser.add_argument("--positions", type=int, help="evaluated tokens (default 1024; 512 with --protocol)")
     parser.add_argument("--chunk", type=int, default=128)
-    parser.add_argument("--schemes", nargs="+", help="default: every scheme (turbo8v3 turbo4 turbo3 with --protocol)")
+    parser.add_argument("--schemes", nargs="+", help="default: every scheme (PROTOCOL_SCHEMES with --protocol)")
     parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection", "peers", "residence"])
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")

@@ -88,8 +88,8 @@ def choose(measures: dict, budget: float, options: dict | None = None) -> dict:
 
 def stored_bits_per_token(plan: "LayerPlan", dtype_bytes: int) -> float:
     """Bits one token costs this layer at long contexts: codes, norms, scales, block means."""
-    k = side_bytes(plan.key.format, plan.key.bits, plan.head_dim_k, dtype_bytes)
-    v = side_bytes(plan.value.format, plan.value.bits, plan.head_dim_v, dtype_bytes)
+    k = side_bytes(plan.key.format, plan.key.bits, plan.head_dim_k, dtype_bytes, plan.key.norm_bytes)
+    v = side_bytes(plan.value.format, plan.value.bits, plan.head_dim_v, dtype_bytes, plan.value.norm_bytes)
     means = plan.head_dim_k * MEAN_BITS / SHIFT_BLOCK if plan.calibrated and plan.calibration.center else 0.0
     return plan.n_kv_heads * (8 * (k + v) + means)
 
