@@ -314,7 +314,7 @@ def test_config_show_set_unset(cli, monkeypatch):
     shown = cli("config", "show", "--json").json
     assert shown["home"] == {"value": cli.home, "source": "flag"} and shown["file"].endswith("config.toml")
     settings = {s["key"]: s for s in shown["settings"]}
-    assert settings["store.default_scheme"] == {"key": "store.default_scheme", "value": "turbo4", "source": "default",
+    assert settings["store.default_scheme"] == {"key": "store.default_scheme", "value": "turbo5v4", "source": "default",
                                                "env": "TQSTORE_DEFAULT_SCHEME"}
     assert settings["store.lmdb_budget"]["value"] == 10 * 2**30
 
