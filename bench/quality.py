@@ -174,7 +174,8 @@ def run_protocol(args, model, tokenizer, command: str) -> int:
     print(body)
     if not args.no_write:
         replace_section(args.out, f"quality-protocol-{args.experiment}" + (f"-{args.label}" if args.label else ""), body)
-        plot_positions(by_text, args.out.parent / "img" / f"quality_kl_{args.experiment}.png")
+        suffix = f"-{args.label}" if args.label else ""
+        plot_positions(by_text, args.out.parent / "img" / f"quality_kl_{args.experiment}{suffix}.png")
     return 0
 
 
