@@ -34,7 +34,7 @@ PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}  # mlx-lm's own QuantizedKVCache (kv_bi
 # Issue 31's texts: two used while tuning, the third (Python docs) held out from all tuning.
 PROTOCOL_TEXTS = {"devils": "devils_dictionary.txt", "jargon": "jargon_file.txt",
                   "python-docs (held out)": "python_docs_tutorial_howto.txt"}
-PROTOCOL_SCHEMES = ["turbo8v3", "turbo4", "turbo3"]
+PROTOCOL_SCHEMES = ["turbo4", "turbo5v4", "auto5", "auto4", "auto3.5", "auto6"]
 
 
 def mlx_lm_quantized(bits: int):
@@ -73,7 +73,26 @@ def experiment_runs(name: str, schemes: list[str]):
         return [(s, label, {"at_rest": label == "at rest"}) for s in schemes for label in ("in memory", "at rest")]
     if name == "protection":
         return [(s, mode, {"protect": mode}) for s in schemes for mode in ("stats", "position", "none")]
+    if name == "wide-keys":  # what turbo5v4 is made of (docs/quality.md), with --protocol
+        return wide_key_runs()
     raise SystemExit(f"unknown experiment {name!r}")
+
+
+def wide_key_runs():
+    """turbo5v4 against its parts: float32 norms, whole-layer or no protection; 4- and 3-bit keys
+    with float16 norms for the smaller budgets."""
+    from dataclasses import replace
+
+    from turboquant import parse_scheme
+
+    t5 = parse_scheme("turbo5v4")
+    f32 = replace(t5, name="turbo5v4-f32", norm_dtype=None, protect_values=True)
+    return [(t5, "f16 norms, keys protected", {}), (t5, "f16 norms, none protected", {"protect": "none"}),
+            (f32, "f32 norms, K+V protected", {}),
+            (replace(parse_scheme("turbo4v3"), name="turbo4v3-f16", norm_dtype="float16", protect_values=False),
+             "f16 norms, none protected", {"protect": "none"}),
+            (replace(parse_scheme("turbo3"), name="turbo3-f16", norm_dtype="float16", protect_values=False),
+             "f16 norms, keys protected", {})]
 
 
 def table(results, command: str) -> str:
@@ -155,7 +174,8 @@ def run_protocol(args, model, tokenizer, command: str) -> int:
     print(body)
     if not args.no_write:
         replace_section(args.out, f"quality-protocol-{args.experiment}" + (f"-{args.label}" if args.label else ""), body)
-        plot_positions(by_text, args.out.parent / "img" / f"quality_kl_{args.experiment}.png")
+        suffix = f"-{args.label}" if args.label else ""
+        plot_positions(by_text, args.out.parent / "img" / f"quality_kl_{args.experiment}{suffix}.png")
     return 0
 
 
@@ -167,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", type=int, help="prefilled tokens (default 1024; 2048 with --protocol)")
     parser.add_argument("--positions", type=int, help="evaluated tokens (default 1024; 512 with --protocol)")
     parser.add_argument("--chunk", type=int, default=128)
-    parser.add_argument("--schemes", nargs="+", help="default: every scheme (turbo8v3 turbo4 turbo3 with --protocol)")
-    parser.add_argument("--experiment", default="schemes", choices=["schemes", "calibration", "protection", "peers", "residence"])
+    parser.add_argument("--schemes", nargs="+", help="default: every scheme (PROTOCOL_SCHEMES with --protocol)")
+    parser.add_argument("--experiment", default="schemes",
+                        choices=["schemes", "calibration", "protection", "peers", "residence", "wide-keys"])
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")

@@ -49,11 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--scheme", default="turbo4")
+    parser.add_argument("--scheme", help="default: the config's default scheme")
     parser.add_argument("--no-real", action="store_true", help="the tiny model only")
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv[1:])
+    if args.scheme is None:
+        from dataclasses import fields
+
+        from tqstore.config import Config
+
+        args.scheme = next(f.default for f in fields(Config) if f.name == "default_scheme")
     if args.openblas:
         use_openblas(argv)
     from model_folder import CORPUS, write_model_folder

@@ -16,7 +16,7 @@ def _relative_mse(x, x_hat):
 
 
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_d_mse_on_gaussian_rows_within_5_percent(d, bits):
     codec = TurboCodec(d, bits, seed=0)
     x = _gaussian(20000, d, seed=bits)

@@ -35,7 +35,7 @@ def _reference_caches(engine, loaded, scheme, tokens):
     return caches
 
 
-@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "raw", "auto5"])
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "raw", "auto5", "turbo5v4"])
 def test_save_then_ask_decodes_exactly_like_an_in_memory_run(engine, model_dir, scheme):
     saved = engine.save("doc", DOCUMENT, model=str(model_dir), scheme=scheme)
     loaded = engine.model(str(model_dir))

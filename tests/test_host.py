@@ -21,7 +21,7 @@ def test_pack_and_unpack_match_the_reference(d, bits):
                           np.asarray(unpack(mx.array(words), bits, d)))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_count_below_matches_the_reference_on_ties_and_extremes(bits):
     codec = TurboCodec(64, bits)
     b = np.asarray(codec.boundaries)
@@ -32,7 +32,7 @@ def test_count_below_matches_the_reference_on_ties_and_extremes(bits):
         assert np.array_equal(host.count_below(y, b), np.asarray(codec.quantize_rotated(mx.array(y))))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("d", [64, 96])
 def test_centroid_values_match_the_reference(d, bits):
     codec = TurboCodec(d, bits)
@@ -43,7 +43,7 @@ def test_centroid_values_match_the_reference(d, bits):
 
 
 @pytest.mark.parametrize("norm_mode", ["raw", "matched"])
-@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("bits", [3, 4, 5])
 def test_encode_on_the_host_matches_the_mlx_path(monkeypatch, bits, norm_mode):
     codec = TurboCodec(64, bits, seed=3, norm_mode=norm_mode)
     x = mx.random.normal((1, 2, 300, 64), key=mx.random.key(7)) * 3

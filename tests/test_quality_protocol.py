@@ -4,11 +4,13 @@ count everything the snapshot holds, and a reference written to disk scores iden
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from tiny_models import build_model, prompt_tokens
-from turboquant import make_prompt_cache, snapshot
+from turboquant import make_prompt_cache, parse_scheme, snapshot
 from turboquant.quality import evaluate_saved, load_reference, reference, save_reference, saved_caches, stored_bits
 
 PREFIX, POSITIONS, CHUNK = 512, 64, 32
@@ -63,3 +65,13 @@ def test_a_reference_must_be_uncompressed(model, ref, tmp_path):
         c.compress()
     with pytest.raises(ValueError, match="not raw"):
         save_reference(Reference(snapshot(caches), ref.continuation, ref.logprobs), tmp_path / "x.npz")
+
+
+def test_a_variant_spec_is_evaluated_under_its_name_and_half_norms_are_counted(model, ref):
+    spec = replace(parse_scheme("turbo5v4"), name="turbo5v4-f32", norm_dtype=None)
+    half, full = evaluate_saved(model, ref, [("turbo5v4", "default", {"protect": "none"}),
+                                             (spec, "f32 norms", {"protect": "none"})], CHUNK)
+    assert (half.scheme, full.scheme) == ("turbo5v4", "turbo5v4-f32")
+    # The same layouts but for the norms: 16 bits less per row on each side, per 2 x 128 values.
+    assert full.bits - half.bits == pytest.approx(2 * 16 / (2 * 128))
+    assert 4.75 < half.bits < 4.75 + 0.2  # 5 + 4 bits of codes, float16 norms, means, scales

@@ -47,7 +47,7 @@ def test_calibrated_only_with_turbo_keys():
                                                                if s.key_format is Format.TURBO}
 
 
-@pytest.mark.parametrize("bad", ["turbo5", "turbo0v8", "turbo8", "affine3", "", "turbo1", "turbo4v1", None, 4])
+@pytest.mark.parametrize("bad", ["turbo5", "turbo5v5", "turbo6v4", "turbo0v8", "turbo8", "affine3", "", "turbo1", "turbo4v1", None, 4])
 def test_unknown_names_list_valid_ones(bad):
     with pytest.raises(ValueError) as err:
         parse_scheme(bad)

@@ -16,7 +16,7 @@ def codebook_table(d: int) -> list[str]:
     """Positive halves of the exact codebooks and D_mse at head dim d."""
     lines = [f"Lloyd-Max codebooks, d={d} (positive half; symmetric)", "",
              "| bits | centroids | boundaries | D_mse |", "|---|---|---|---|"]
-    for bits in (1, 2, 3, 4):
+    for bits in (1, 2, 3, 4, 5):
         cb = lloyd_max_codebook(d, bits)
         half = cb.levels // 2
         c = " ".join(f"{x:.8f}" for x in cb.centroids[half:])
@@ -43,7 +43,7 @@ def round_trip_demo(d: int = 128, rows: int = 4096, seed: int = 0) -> list[str]:
     x = mx.random.normal((rows, d), key=mx.random.key(seed))
     lines = [f"Round trip, {rows} Gaussian rows, d={d}", "",
              "| bits | packed words/row | measured D_mse | exact D_mse | ratio |", "|---|---|---|---|---|"]
-    for bits in (2, 3, 4):
+    for bits in (2, 3, 4, 5):
         codec = TurboCodec(d, bits, seed)
         packed, norms = codec.encode(x)
         err = mx.sum((x - codec.decode(packed, norms)) ** 2, axis=-1) / mx.sum(x * x, axis=-1)

@@ -11,11 +11,12 @@ affine keys would remove:
 the expected squared error of a score q . k, with k~ the keys as stored (quantized with the
 layer's real codec and calibration, not a model of it). Key options per layer, cheapest first:
 the base, 4-bit TurboQuant keys (when the base has 3), 8-bit affine keys. The steps that remove
-the most error per bit are taken until the next would exceed the budget; the budget counts codes, norms, affine scales and biases at the activations' width and the
-per-block key means (codebooks and calibration scales are a constant under 0.02 bit at 2,048
-tokens). Both layouts are ones the fused kernels run (calibrated TurboQuant, affine-K +
-TurboQuant-V). Each layer records its decision in its snapshot, so a restored entry continues
-with it; layers that compress without their group (restored raw on their own) keep the base.
+the most error per bit are taken until the next would exceed the budget; the budget counts codes,
+norms, affine scales and biases at the width they are stored in, and the per-block key means and
+calibration scales spread over the tokens the layer holds when it decides (so the budget holds for
+that context, and more so for longer ones; the codebooks, shared by all layers, are left out: under
+0.01 bit at 2,048 tokens). Each layer records its decision in its snapshot, so a restored entry
+continues with it; layers that compress without their group (restored raw on their own) keep the base.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from .plan import LayerPlan
 
 MEAN_BITS = 32  # one float32 key mean per channel and 256-token block
+SCALE_BITS = 32  # calibration scales: float32 [H, D] per layer (two for TurboQuant keys, one for affine)
 
 
 @dataclass(frozen=True)
@@ -86,12 +88,18 @@ def choose(measures: dict, budget: float, options: dict | None = None) -> dict:
         at[key], spent = j, spent + cost
 
 
-def stored_bits_per_token(plan: "LayerPlan", dtype_bytes: int) -> float:
-    """Bits one token costs this layer at long contexts: codes, norms, scales, block means."""
-    k = side_bytes(plan.key.format, plan.key.bits, plan.head_dim_k, dtype_bytes)
-    v = side_bytes(plan.value.format, plan.value.bits, plan.head_dim_v, dtype_bytes)
-    means = plan.head_dim_k * MEAN_BITS / SHIFT_BLOCK if plan.calibrated and plan.calibration.center else 0.0
-    return plan.n_kv_heads * (8 * (k + v) + means)
+def stored_bits_per_token(plan: "LayerPlan", dtype_bytes: int, tokens: int | None = None) -> float:
+    """Bits one token costs this layer when it holds `tokens` tokens (None: a long context):
+    codes, norms, affine scales, and the block means and calibration scales spread over them."""
+    k = side_bytes(plan.key.format, plan.key.bits, plan.head_dim_k, dtype_bytes, plan.key.norm_bytes)
+    v = side_bytes(plan.value.format, plan.value.bits, plan.head_dim_v, dtype_bytes, plan.value.norm_bytes)
+    blocks = SHIFT_BLOCK if tokens is None else tokens / -(-tokens // SHIFT_BLOCK)  # tokens per stored mean
+    means = plan.head_dim_k * MEAN_BITS / blocks if plan.calibrated and plan.calibration.center else 0.0
+    scales = 0.0
+    if tokens and plan.calibrated:
+        arrays = int(plan.calibration.channel_scale) + int(plan.calibration.rotated_scale)
+        scales = arrays * plan.head_dim_k * SCALE_BITS / tokens
+    return plan.n_kv_heads * (8 * (k + v) + means + scales)
 
 
 def score_error(plan: "LayerPlan", keys: mx.array, power: mx.array | None, fit) -> float:
@@ -113,5 +121,5 @@ def measure_layer(cache: "TurboQuantKVCache") -> LayerMeasure:
     keys, power = cache.raw_keys(), cache.query_power()
     dtype_bytes = cache.native_dtype.size
     return LayerMeasure(tuple(score_error(p, keys, power, cache.fit) for p in plans),
-                        tuple(stored_bits_per_token(p, dtype_bytes) for p in plans),
+                        tuple(stored_bits_per_token(p, dtype_bytes, cache.offset) for p in plans),
                         cache.plan.n_kv_heads * (cache.plan.head_dim_k + cache.plan.head_dim_v))

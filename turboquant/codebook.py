@@ -17,6 +17,7 @@ import numpy as np
 from scipy import special
 
 MIN_DIM = 16
+MAX_BITS = 5  # 5-bit keys are the default scheme's (docs/quality.md)
 MAX_ITERATIONS = 10_000
 TOLERANCE = 1e-15
 
@@ -57,14 +58,14 @@ def _cells(d: int, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 def lloyd_max_codebook(d: int, bits: int) -> Codebook:
-    """Exact Lloyd-Max codebook for head dim `d` (>= 16) at `bits` bits (1..4).
+    """Exact Lloyd-Max codebook for head dim `d` (>= 16) at `bits` bits (1..MAX_BITS).
 
     Iterates c_i <- M_i / P_i from the quantile start until max|dc| < 1e-15.
     """
     if isinstance(d, bool) or not isinstance(d, int) or d < MIN_DIM:
         raise ValueError(f"lloyd_max_codebook needs an integer d >= {MIN_DIM}, got {d!r}")
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (1, 2, 3, 4):
-        raise ValueError(f"lloyd_max_codebook supports bits 1..4, got {bits!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
+        raise ValueError(f"lloyd_max_codebook supports bits 1..{MAX_BITS}, got {bits!r}")
     return _codebook(d, bits)
 
 

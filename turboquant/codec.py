@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import host
-from .codebook import lloyd_max_codebook
+from .codebook import MAX_BITS, lloyd_max_codebook
 from .packing import pack, packed_width, unpack
 from .rotation import Rotation
 
@@ -67,8 +67,9 @@ class TurboCodec:
         """Rebuild a persisted codec; nothing is regenerated from a seed."""
         levels = centroids.shape[0]
         bits = levels.bit_length() - 1
-        if centroids.ndim != 1 or levels != 1 << bits or bits not in (1, 2, 3, 4):
-            raise ValueError(f"a codebook has 2, 4, 8 or 16 centroids, got shape {centroids.shape}")
+        if centroids.ndim != 1 or levels != 1 << bits or not 1 <= bits <= MAX_BITS:
+            raise ValueError(f"a codebook has 2 to {1 << MAX_BITS} centroids (a power of two), got shape "
+                             f"{centroids.shape}")
         if boundaries.shape != (levels - 1,):
             raise ValueError(f"{levels} centroids need {levels - 1} boundaries, got {boundaries.shape}")
         codec = cls.__new__(cls)

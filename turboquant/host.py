@@ -51,6 +51,11 @@ def count_below(y: np.ndarray, boundaries: np.ndarray) -> np.ndarray:
     return codes.reshape(y.shape)
 
 
+def _lane(bits: int) -> tuple[type, int]:
+    """The integer type (and its bytes) that holds one group of 8 codes: 8 * bits bits."""
+    return (np.uint32, 4) if bits <= 4 else (np.uint64, 8)
+
+
 def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes [..., d] (uint8, each < 2**bits) -> uint32 words [..., ceil(d*bits/32)], as `packing.pack`."""
     d = codes.shape[-1]
@@ -61,11 +66,12 @@ def pack_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     if bits == 8:
         words = np.ascontiguousarray(codes, np.uint8).view(np.uint32)
     else:
+        lane, width = _lane(bits)
         groups = codes.reshape(*lead, padded // GROUP, GROUP)
-        acc = groups[..., 0].astype(np.uint32)
+        acc = groups[..., 0].astype(lane)
         for k in range(1, GROUP):
-            acc |= groups[..., k].astype(np.uint32) << np.uint32(bits * k)
-        stream = acc.view(np.uint8).reshape(*lead, -1, 4)[..., :bits]
+            acc |= groups[..., k].astype(lane) << lane(bits * k)
+        stream = acc.view(np.uint8).reshape(*lead, -1, width)[..., :bits]
         words = np.ascontiguousarray(stream).reshape(*lead, -1).view(np.uint32)
     return words[..., :packed_width(d, bits)]
 
@@ -81,14 +87,15 @@ def unpack_codes(words: np.ndarray, bits: int, d: int) -> np.ndarray:
     raw = words.view(np.uint8)
     if bits == 8:
         return raw[..., :d]
+    lane, width = _lane(bits)
     groups = raw.reshape(*lead, padded // GROUP, bits)
-    lanes = np.zeros((*lead, padded // GROUP, 4), np.uint8)
+    lanes = np.zeros((*lead, padded // GROUP, width), np.uint8)
     lanes[..., :bits] = groups
-    acc = lanes.view(np.uint32)[..., 0]
-    mask = np.uint32((1 << bits) - 1)
+    acc = lanes.view(lane)[..., 0]
+    mask = lane((1 << bits) - 1)
     codes = np.empty((*lead, padded // GROUP, GROUP), np.uint8)
     for k in range(GROUP):
-        codes[..., k] = (acc >> np.uint32(bits * k)) & mask
+        codes[..., k] = (acc >> lane(bits * k)) & mask
     return codes.reshape(*lead, padded)[..., :d]
 
 

@@ -13,7 +13,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-SUPPORTED_BITS = (1, 2, 3, 4, 8)
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 8)
 CHUNK = 32
 
 

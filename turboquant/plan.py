@@ -19,13 +19,14 @@ from .calibration import CalibrationConfig
 from .codebook import MIN_DIM
 from .codec import NormMode, TurboCodec
 from .rotation import Rotation
-from .schemes import Format, SchemeSpec, side_bytes
+from .schemes import NORM_BYTES, Format, SchemeSpec, side_bytes
 from .sides import AffineSide, NativeSide, TurboSide
 from .records import CodecRecord, Scalar
 
 PROTECTED_BITS = 8
 # An auto scheme's key options per layer (LayerPlan.key_options), as recorded in snapshots.
-BASE_KEYS, TURBO4_KEYS, AFFINE8_KEYS = "base", "keys4", "keys8"
+BASE_KEYS, TURBO4_KEYS, TURBO5_KEYS, AFFINE8_KEYS = "base", "keys4", "keys5", "keys8"
+TURBO_KEY_OPTIONS = {TURBO4_KEYS: 4, TURBO5_KEYS: 5}
 # Measured on Qwen2.5-Coder-0.5B (docs/quality.md): all three parts together are best.
 DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=True)
 # Noise gain (calibration.noise_gain) above which a TurboQuant-key layer is stored as affine8
@@ -65,6 +66,7 @@ class SidePlan:
     turbo: TurboCodec | None = None
     turbo_name: str | None = None
     affine: AffineCodec | None = None
+    norm_dtype: str | None = None  # TurboQuant row norms stored at this width (float32 when None)
 
     def side(self, name: str, calibration=None):
         """The side object that encodes and attends for this plan."""
@@ -72,12 +74,18 @@ class SidePlan:
             return NativeSide(name)
         if self.format is Format.AFFINE:
             return AffineSide(name, self.affine, calibration)
-        return TurboSide(name, self.turbo, calibration)
+        return TurboSide(name, self.turbo, calibration, self.norm_dtype)
+
+    @property
+    def norm_bytes(self) -> int:
+        return NORM_BYTES if self.norm_dtype is None else mx.finfo(getattr(mx, self.norm_dtype)).bits // 8
 
     def meta(self, prefix: str) -> dict[str, Scalar]:
+        # Only sides with narrower norms carry the key, so every older scheme's identity is unchanged.
         return {f"{prefix}_format": self.format.value, f"{prefix}_bits": self.bits,
                 f"{prefix}_codec": self.turbo_name,
-                f"{prefix}_group_size": self.affine.group_size if self.affine else None}
+                f"{prefix}_group_size": self.affine.group_size if self.affine else None,
+                **({} if self.norm_dtype is None else {f"{prefix}_norms": self.norm_dtype})}
 
 
 @dataclass(frozen=True, eq=False)
@@ -97,6 +105,7 @@ class LayerPlan:
     guard: float | None = None  # statistics-chosen protection: see DEFAULT_GUARD
     boundary: bool = False  # what the guard falls back to when no queries were observed
     budget: float | None = None  # autoB schemes: bits per value the allocation spends (allocation.py)
+    protect_values: bool = True  # protection stores the values as affine8 too (else the keys only)
     # The layers of one model that share the budget (an allocation.AllocationGroup); runtime
     # only: restored layers carry their decision in their record instead.
     group: Any = field(default=None, compare=False, repr=False)
@@ -106,16 +115,21 @@ class LayerPlan:
         return self.key.format is not Format.NATIVE and self.calibration.enabled
 
     def protected_plan(self) -> "LayerPlan":
-        """This layer stored as affine8 K and V (keys calibrated in the original basis only)."""
+        """This layer stored as affine8 K and V (keys calibrated in the original basis only); with
+        `protect_values` off, affine8 keys and the values as planned."""
         key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
-        value = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_v, PROTECTED_BITS))
+        value = (SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_v, PROTECTED_BITS))
+                 if self.protect_values else self.value)
         return replace(self, key=key, value=value, calibration=replace(self.calibration, rotated_scale=False),
                        protected=True, guard=None)
 
     def key_options(self) -> tuple[str, ...]:
         """The key layouts an auto scheme's allocation may give this layer, cheapest first:
-        the base, 4-bit TurboQuant keys when the base has fewer bits, 8-bit affine keys."""
-        return (BASE_KEYS, *((TURBO4_KEYS,) if self.key.bits < 4 else ()), AFFINE8_KEYS)
+        the base, TurboQuant keys at each width above the base's (4, and 5 when norms are
+        narrow), 8-bit affine keys."""
+        wider = [o for o, b in TURBO_KEY_OPTIONS.items()
+                 if b > self.key.bits and (b < 5 or self.key.norm_dtype is not None)]
+        return (BASE_KEYS, *wider, AFFINE8_KEYS)
 
     def with_keys(self, option: str, codecs: dict[str, CodecRecord] | None = None) -> "LayerPlan":
         """This layer with the keys of `option` (key_options) and its values unchanged; 8-bit
@@ -127,8 +141,8 @@ class LayerPlan:
             key = SidePlan(Format.AFFINE, PROTECTED_BITS, affine=AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS))
             return replace(self, key=key, calibration=replace(self.calibration, rotated_scale=False), guard=None,
                            group=None)
-        if option == TURBO4_KEYS:
-            key = _side_plan(Format.TURBO, 4, self.head_dim_k, self.seed)
+        if option in TURBO_KEY_OPTIONS:
+            key = _side_plan(Format.TURBO, TURBO_KEY_OPTIONS[option], self.head_dim_k, self.seed, self.key.norm_dtype)
             if codecs is not None:
                 if key.turbo_name not in codecs:
                     raise ValueError(f"layer references codec {key.turbo_name!r}, which the snapshot lacks")
@@ -156,12 +170,13 @@ class LayerPlan:
             **self.key.meta("key"), **self.value.meta("value"),
             # Only auto schemes carry it, so every other scheme's identity is unchanged.
             **({} if self.budget is None else {"budget": self.budget}),
+            **({} if self.protect_values else {"protect_values": False}),
         }
 
     def bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K + V bytes per token over all KV heads of this layer at the given activation width."""
-        k = side_bytes(self.key.format, self.key.bits, self.head_dim_k, dtype_bytes)
-        v = side_bytes(self.value.format, self.value.bits, self.head_dim_v, dtype_bytes)
+        k = side_bytes(self.key.format, self.key.bits, self.head_dim_k, dtype_bytes, self.key.norm_bytes)
+        v = side_bytes(self.value.format, self.value.bits, self.head_dim_v, dtype_bytes, self.value.norm_bytes)
         return self.n_kv_heads * (k + v)
 
     def codecs(self) -> dict[str, CodecRecord]:
@@ -183,7 +198,9 @@ class LayerPlan:
                 name = meta[f"{prefix}_codec"]
                 if name not in codecs:
                     raise ValueError(f"layer references codec {name!r}, which the snapshot lacks")
-                return SidePlan(fmt, bits, turbo=codec_from_record(codecs[name]), turbo_name=name)
+                norms = meta.get(f"{prefix}_norms")
+                return SidePlan(fmt, bits, turbo=codec_from_record(codecs[name]), turbo_name=name,
+                                norm_dtype=None if norms is None else _norm_dtype(str(norms)))
             if fmt is Format.AFFINE:
                 return SidePlan(fmt, bits, affine=AffineCodec(bits, int(meta[f"{prefix}_group_size"])))
             return SidePlan(fmt)
@@ -195,15 +212,26 @@ class LayerPlan:
                    head_dim_v=int(meta["head_dim_v"]), dtype=str(meta["dtype"]), seed=int(meta["seed"]),
                    calibration=calibration, protected=bool(meta["protected"]),
                    guard=None if meta["guard"] is None else float(meta["guard"]), boundary=bool(meta["boundary"]),
-                   budget=None if meta.get("budget") is None else float(meta["budget"]))
+                   budget=None if meta.get("budget") is None else float(meta["budget"]),
+                   protect_values=bool(meta.get("protect_values", True)))
 
 
-def _side_plan(fmt: Format, bits: int, d: int, seed: int) -> SidePlan:
+NORM_DTYPES = ("float16",)  # narrower norm widths a plan may name (float32 is the default)
+
+
+def _norm_dtype(name: str) -> str:
+    if name not in NORM_DTYPES:
+        raise ValueError(f"unknown norm dtype {name!r}; known: float32 (default), {', '.join(NORM_DTYPES)}")
+    return name
+
+
+def _side_plan(fmt: Format, bits: int, d: int, seed: int, norm_dtype: str | None = None) -> SidePlan:
     if fmt is Format.TURBO:
         if d < MIN_DIM:  # the Lloyd-Max codebook needs d >= 16 (tiny configs have smaller heads)
             raise UnsupportedHeadDim(f"head dim {d} is below the TurboQuant minimum {MIN_DIM}; such layers stay native")
         codec = shared_codec(d, bits, seed)
-        return SidePlan(fmt, bits, turbo=codec, turbo_name=codec_name(codec, seed))
+        return SidePlan(fmt, bits, turbo=codec, turbo_name=codec_name(codec, seed),
+                        norm_dtype=None if norm_dtype is None else _norm_dtype(norm_dtype))
     if fmt is Format.AFFINE:
         return SidePlan(fmt, bits, affine=AffineCodec.for_dim(d, bits))
     return SidePlan(Format.NATIVE)
@@ -247,13 +275,13 @@ def plan_layer(
         calibration = (CalibrationConfig(False, False, False) if plain or not calibrate_affine_keys
                        else replace(calibration, rotated_scale=False))
     try:
-        key = _side_plan(kf, kb, head_dim_k, seed)
-        value = _side_plan(vf, vb, head_dim_v, seed + 1)
+        key = _side_plan(kf, kb, head_dim_k, seed, spec.norm_dtype)
+        value = _side_plan(vf, vb, head_dim_v, seed + 1, spec.norm_dtype)
     except UnsupportedHeadDim:
         return None
     plan = LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
                      head_dim_v=head_dim_v, dtype=_dtype_name(dtype), seed=seed, calibration=calibration,
-                     protected=protected)
+                     protected=protected, protect_values=spec.protect_values)
     if spec.budget is not None and not protected and kf is Format.TURBO and plan.can_protect:
         return replace(plan, budget=spec.budget, group=group)
     if guard is not None and kf is Format.TURBO and plan.can_protect:

@@ -240,15 +240,17 @@ def load_reference(model, path: Path, chunk: int = 128) -> Reference:
     return Reference(Snapshot(layers=layers, codecs=template.codecs), mx.array(data["continuation"]), chunks)
 
 
-def evaluate_saved(model, ref: Reference, schemes: list[tuple[str, str, dict]], chunk: int = 128,
+def evaluate_saved(model, ref: Reference, schemes: list[tuple[Any, str, dict]], chunk: int = 128,
                    progress: Callable[[str], None] | None = None) -> list[ProtocolResult]:
     """KL per continuation position and top-1 of every (scheme, variant, plan options) against
-    the raw cache, each scheme's caches compressed as at save and restored from a snapshot."""
+    the raw cache, each scheme's caches compressed as at save and restored from a snapshot. A
+    scheme is a name or a SchemeSpec (variants no name states, such as float32 norms)."""
     say = progress or (lambda _: None)
     results = []
     for scheme, variant, options in schemes:
         t0 = time.perf_counter()
         caches, bits = saved_caches(model, ref.raw, scheme, **dict(options))
+        scheme = getattr(scheme, "name", scheme)  # a SchemeSpec (an experiment's variant) or a name
         kl, agree = [], 0
         for r, logprobs in zip(ref.logprobs, chunked_logprobs(model, caches, ref.continuation, chunk)):
             kl.append(np.array(mx.sum(mx.exp(r) * (r - logprobs), axis=-1)))

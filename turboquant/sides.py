@@ -115,10 +115,13 @@ class TurboSide:
 
     format = Format.TURBO
 
-    def __init__(self, name: str, codec: TurboCodec, calibration: KeyCalibration | None = None):
+    def __init__(self, name: str, codec: TurboCodec, calibration: KeyCalibration | None = None,
+                 norm_dtype: str | None = None):
         self.name = name
         self.codec = codec
         self.calibration = calibration
+        # Norms are stored at this width (float32 when None); attention reads them as they are.
+        self.norm_dtype = None if norm_dtype is None else getattr(mx, norm_dtype)
 
     def _names(self) -> tuple[str, str]:
         return f"{self.name}_packed", f"{self.name}_norms"
@@ -131,7 +134,10 @@ class TurboSide:
             x = x.astype(mx.float32) - shift
         if self.calibration is not None:
             x = self.calibration.keys_in(x.astype(mx.float32))
-        return dict(zip(self._names(), self.codec.encode(x, scale=self._scale())))
+        packed, norms = self.codec.encode(x, scale=self._scale())
+        if self.norm_dtype is not None:
+            norms = norms.astype(self.norm_dtype)
+        return dict(zip(self._names(), (packed, norms)))
 
     def decode(self, arrays: dict[str, mx.array], shifts: mx.array | None = None) -> mx.array:
         packed, norms = (arrays[n] for n in self._names())

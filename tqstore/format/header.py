@@ -314,9 +314,12 @@ def _arrays_problem(layout: Layout, offset: int, config: tuple, state: tuple,
     # Recurrent states, nested lists and extra fields are not [B, H, T, D] rows: their own
     # record check is all that applies.
     token_addressed = layout not in (Layout.STATE, Layout.LIST, Layout.FIELDS)
+    # TurboQuant row norms are float32 unless the layer's config names a narrower width (turbo5vN).
+    norm_dtypes = {f"{side}s_norms": v for k, _, v in config for side in ("key", "value") if k == f"{side}_norms"}
     for n, dtype, shape in arrays if token_addressed else ():
         norms = n.endswith("_norms")
-        dtypes = ("uint32",) if n.endswith(("_packed", "_w")) else ("float32",) if norms else _FLOATS
+        dtypes = (("uint32",) if n.endswith(("_packed", "_w")) else (norm_dtypes.get(n, "float32"),) if norms
+                  else _FLOATS)
         if len(shape) != (3 if norms else 4) or dtype not in dtypes:
             return f"{n} is {dtype} {list(shape)}; expected {'/'.join(dtypes)} with {3 if norms else 4} dims"
     # The data model's own rule for which arrays a layer holds and how many tokens each covers,

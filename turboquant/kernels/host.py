@@ -144,7 +144,8 @@ def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = Fal
 def _side(side) -> tuple[str, int, int, str] | None:
     """(format, bits, group, dtype name) of a side, None when no kernel reads it."""
     if isinstance(side, TurboSide):
-        return "turbo", side.codec.bits, 0, ""
+        # No kernel reads float16 norms yet: such sides attend through the plain-ops path.
+        return None if side.norm_dtype is not None else ("turbo", side.codec.bits, 0, "")
     if isinstance(side, AffineSide):
         return "affine", side.codec.bits, side.codec.group_size, ""
     if isinstance(side, NativeSide):
