@@ -120,7 +120,7 @@ def test_chunks_compose_in_any_order_from_one_stored_copy(engine, model_dir):
     prefix = prefix_tokens(loaded, None)
     tokens = {t: loaded.prompt.document_tokens(loaded.tokenizer, t) for t in (X, A, B)}
     for order in ([X, A, B], [B, X, A], [A, B, X]):
-        context = composed_caches(engine, loaded, [Document(text=t) for t in order], "turbo5v4", recompute=0.5)
+        context = composed_caches(engine, loaded, [Document(text=t) for t in order], "turbo4", recompute=0.5)
         assert context.tokens == prefix + [t for text in order for t in tokens[text]]
         assert not any(c.stored for c in context.chunks) and len(engine.store.ls()) == entries
         assert 0 < context.recomputed <= len(context.tokens) - len(prefix) and context.caches[0].offset == len(context.tokens)

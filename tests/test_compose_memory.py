@@ -47,11 +47,11 @@ def test_a_document_given_many_times_is_restored_once(engine, model):
     loaded = engine.model(model)
     engine.add_chunk("a", A, model=model)
     before = tier_hits(engine)
-    once = composed_caches(engine, loaded, [Document(name="a")], "turbo5v4", recompute=0)
+    once = composed_caches(engine, loaded, [Document(name="a")], "turbo4", recompute=0)
     one_restore = tier_hits(engine) - before
     assert one_restore > 0
     before = tier_hits(engine)
-    many = composed_caches(engine, loaded, [Document(name="a")] * 5, "turbo5v4", recompute=0)
+    many = composed_caches(engine, loaded, [Document(name="a")] * 5, "turbo4", recompute=0)
     assert tier_hits(engine) - before == one_restore  # was 5 restores, every one held at once
     chunk = len(once.tokens) - len(prefix_tokens(loaded, None))
     assert len(many.tokens) == len(once.tokens) + 4 * chunk and many.reused == 5 * once.reused == 5 * chunk
