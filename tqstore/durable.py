@@ -42,6 +42,21 @@ def write_file_atomic(path: str | os.PathLike, data: bytes | Iterable[bytes]) ->
         raise
 
 
+def write_cache_file(path: str | os.PathLike, data: bytes) -> bool:
+    """`write_file_atomic` for a file that only saves work (digests, verdicts, records): its folder
+    is made, and a full disk skips it (False), so that reads keep working on a full disk."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, data)
+    except DiskFull:
+        return False
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return False
+        raise
+    return True
+
+
 def full_fsync(fd: int) -> bool | None:
     """fsync, or F_FULLFSYNC on macOS (falling back to fsync where a filesystem refuses it).
     Returns whether F_FULLFSYNC was honoured (None where the platform has none)."""

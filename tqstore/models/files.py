@@ -4,7 +4,6 @@ dtype of the weights. What `ModelIdentity.from_folder` is made of."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tqstore.canonical import canonical_json
-from tqstore.durable import write_file_atomic
+from tqstore.durable import write_cache_file
 from tqstore.errors import ConfigError, NotFound
 
 TOKENIZER_FILES = (
@@ -22,7 +21,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json", "added_tokens.json", "vocab.txt", "spiece.model",
 )
 DIGEST_CACHE_FILE = "file-digests.json"
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # bookkeeping files that cannot be written for want of space are skipped
 _CHUNK = 1 << 23
 
 
@@ -88,12 +86,7 @@ class DigestCache:
     def save(self) -> None:
         """Write the cache if it changed; skipped on a full disk (it only saves re-hashing)."""
         if self.dirty:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                write_file_atomic(self.path, canonical_json({"version": self.VERSION, "files": self.entries}))
-            except OSError as exc:
-                if exc.errno not in NO_SPACE:
-                    raise
+            write_cache_file(self.path, canonical_json({"version": self.VERSION, "files": self.entries}))
             self.dirty = False
 
 

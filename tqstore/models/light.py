@@ -38,10 +38,8 @@ import mlx.core as mx
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from tqstore.durable import write_file_atomic
-from tqstore.errors import DiskFull
+from tqstore.durable import write_cache_file
 from tqstore.models.detokenize import BPEDetokenizer, NaiveDetokenizer, SPMDetokenizer
-from tqstore.models.files import NO_SPACE
 from tqstore.models.lazy_mlx_lm import PACKAGE
 
 FORMAT = "tqstore-tokenizer"
@@ -80,14 +78,7 @@ def remember(path: Path, cache_dir: Path, tokenizer: Any) -> None:
     saved = FastTokenizer.record_of(tokenizer)
     if saved is None:
         return
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_file_atomic(target, json.dumps(saved).encode())
-    except DiskFull:  # a read (ask) must work on a full disk: the next load records it
-        return
-    except OSError as exc:
-        if exc.errno not in NO_SPACE:
-            raise
+    write_cache_file(target, json.dumps(saved).encode())  # skipped on a full disk: the next load records it
 
 
 def _record_path(path: Path, cache_dir: Path) -> Path | None:

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from tqstore.durable import write_file_atomic
-from tqstore.models.files import NO_SPACE
+from tqstore.durable import write_cache_file
 from tqstore.errors import ConfigError, IdentityMismatch, NotFound, TqstoreError
 from tqstore.models.identity import ModelIdentity, describe_difference, legacy_identity
 from tqstore.models.light import load_light as light_model, remember as remember_tokenizer
@@ -132,11 +131,7 @@ class ModelRegistry:
         if data.get(loaded.identity.hexdigest) == record:
             return
         data[loaded.identity.hexdigest] = record
-        try:
-            write_file_atomic(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
-        except OSError as exc:
-            if exc.errno not in NO_SPACE:
-                raise
+        write_cache_file(self.path, json.dumps(data, indent=1, sort_keys=True).encode())
 
     def find(self, digest_hex: str) -> dict | None:
         return self._read().get(digest_hex)

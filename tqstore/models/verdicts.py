@@ -18,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tqstore.durable import write_file_atomic
+from tqstore.durable import write_cache_file
 
 
 @lru_cache(maxsize=1)
@@ -64,7 +64,6 @@ class FileVerdicts:
         with self._lock:
             self._values = {**self._read(), **self._values, key: value}
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                write_file_atomic(self.path, json.dumps(self._values, sort_keys=True).encode())
+                write_cache_file(self.path, json.dumps(self._values, sort_keys=True).encode())
             except OSError:
-                pass  # a read-only or full home: the verdicts are computed again next time
+                pass  # a read-only home: the verdicts are computed again next time
