@@ -12,7 +12,7 @@ import pytest
 
 from model_folder import write_model_folder
 from server_process import parse_prometheus
-from tqstore.engine.batch import GROUP_TOKENS, DecodeBatch, batchable, batched_generation
+from tqstore.engine.batch import DecodeBatch, batchable, batched_generation
 from tqstore.engine.engine import Engine
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
@@ -213,35 +213,18 @@ def test_prefill_in_chunks_of_any_size_gives_the_same_caches(tmp_path, llama):
             assert mx.array_equal(x, y)
 
 
-def test_turbo4_rows_in_the_group_attend_over_their_raw_prompt_and_restored_rows_decoded(tmp_path, llama):
-    """A fresh turbo4 prompt's rows are still raw when its row joins the group (compression
-    waits for a one-token update, which the group never makes): it decodes the raw scheme's
-    tokens, bit for bit; the caches are then compressed when saved. A prompt whose prefix is
-    restored compressed joins with that prefix decoded: its first log-probabilities differ from
-    those of the compressed attention over the same storage by float32 rounding (through 8
-    layers), under a twentieth of how far either is from the raw scheme's (the codec's error)."""
+def test_turbo4_rows_in_a_batch_answer_as_the_engine_does(tmp_path, llama):
+    """Rows of a compressed scheme decode over their compressed storage, one row at a time, as
+    `ask` does: the group's dense attention over their raw prompt rows gave other answers than
+    `ask` for the same prompt (a reliability trial through the server failed that way)."""
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
     gens = [batched_generation(engine, loaded, "turbo4", p, max_tokens=6) for p in prompts]
-    results, largest = _step_all(DecodeBatch(), loaded, gens)
-    assert largest == 4
+    results, grouped = _step_all(DecodeBatch(), loaded, gens)
+    assert grouped == 0
     for prompt, (result, caches) in zip(prompts, results):
-        raw = engine.generate(loaded, "raw", prompt, max_tokens=6)
-        assert result.tokens == raw.tokens
-        assert mx.array_equal(result.first_logprobs, raw.first_logprobs)
-        assert all(isinstance(c, TurboQuantKVCache) and not c.compressed for c in caches)
-    document = loaded.tokenizer.encode(PROMPTS[7] * 12)
-    assert len(document) > 300  # more than one stored block
-    engine.save_tokens("doc", loaded, document, scheme="turbo4")
-    question = document + loaded.tokenizer.encode(" Who pays?")
-
-    def first(group_tokens):
-        [(result, _)], _ = _step_all(DecodeBatch(group_tokens), loaded,
-                                     [batched_generation(engine, loaded, "turbo4", question, max_tokens=1)])
-        assert result.cached_tokens > 256
-        return result.first_logprobs
-
-    grouped, alone = first(GROUP_TOKENS), first(0)
-    raw = engine.generate(loaded, "raw", question, max_tokens=1).first_logprobs
-    assert mx.abs(grouped - alone).max().item() < mx.abs(alone - raw).max().item() / 20
+        alone = engine.generate(loaded, "turbo4", prompt, max_tokens=6)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+        assert all(isinstance(c, TurboQuantKVCache) for c in caches)

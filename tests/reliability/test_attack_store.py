@@ -25,8 +25,7 @@ from harness import HERE, ROOT, TEST_SETTINGS, child_env, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
-from tqstore.models import files as model_files
-from tqstore.models import loading
+from tqstore import durable
 from tqstore.canonical import canonical_json
 from tqstore.errors import DiskFull, IdentityMismatch, MalformedHeader, StoreDamaged
 from tqstore.format.manifest import seal
@@ -416,8 +415,7 @@ def test_reads_write_nothing_and_a_refused_save_costs_no_prefill(root, tmp_path,
     def no_space(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(loading, "write_file_atomic", no_space)
-    monkeypatch.setattr(model_files, "write_file_atomic", no_space)
+    monkeypatch.setattr(durable, "write_file_atomic", no_space)  # every cache file (durable.write_cache_file)
     store = open_store(home, min_free_disk_bytes=1 << 60)
     try:
         engine = Engine(store, prefill_chunk=64)

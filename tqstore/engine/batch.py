@@ -5,19 +5,17 @@ from any tier, prefilled on their own). A `DecodeBatch` step stacks the generati
 tokens into one [B, 1] input and runs the model once: embeddings, projections, MLPs, norms and
 the output head run batched. Attention runs in one of two forms per row:
 
-- Rows shorter than GROUP_TOKENS (1024) attend together, the group: the batch keeps their keys
-  and values in one buffer pair per layer, [rows, KV heads, capacity, head dim], each row's at
-  [0, its length) and zeros after; a step writes every row's new token with one scatter and runs
-  one attention call over the rows' longest length, a mask hiding each row's padding. A row's
-  rows are copied in when it joins (a TurboQuant cache's raw rows as they are, its compressed
-  ones decoded: `dequantized`) and its new rows handed back to its own caches
+- Raw rows shorter than GROUP_TOKENS (1024) attend together, the group: the batch keeps their
+  keys and values in one buffer pair per layer, [rows, KV heads, capacity, head dim], each row's
+  at [0, its length) and zeros after; a step writes every row's new token with one scatter and
+  runs one attention call over the rows' longest length, a mask hiding each row's padding. A
+  row's rows are copied in when it joins and its new rows handed back to its own caches
   (`update_and_fetch`) when it leaves unfinished (parked, or grown to GROUP_TOKENS), so its own
-  caches hold its prompt throughout and every token again once it leaves. A TurboQuant row in
-  the group thus attends over raw keys and values: a fresh prompt's rows (a TurboQuant cache
-  keeps its prefill raw until its first one-token update, which the group never makes) and the
-  answer's exactly, a restored compressed prefix as decoded; its caches are compressed when
-  they are saved, as always.
-- Longer rows attend one at a time over their own caches, through TurboQuant's dispatch.
+  caches hold its prompt throughout and every token again once it leaves. TurboQuant rows stay
+  out of the group: dense attention over their raw or decoded rows answered otherwise than `ask`
+  (attention over the compressed storage) for the same prompt.
+- Longer rows, and TurboQuant rows, attend one at a time over their own caches, through
+  TurboQuant's dispatch.
 
 With MLX's bundled BLAS a raw row's arithmetic is its own either way (the padded positions add
 exact zeros): a greedy answer does not depend on what else is in the batch
@@ -68,8 +66,10 @@ _CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
 
 def _plain(row: "Row") -> bool:
-    """Whether every layer of the row is a plain attention cache (raw or TurboQuant)."""
-    return all(type(c) in _ROW_CACHES for c in row.caches)
+    """Whether every layer of the row is a raw attention cache. TurboQuant rows attend one row at
+    a time over their compressed storage, as `ask` does: dense attention over their raw or
+    decoded rows answered otherwise than `ask` for the same prompt."""
+    return all(type(c) is KVCache for c in row.caches)
 
 
 def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
