@@ -381,6 +381,12 @@ def model_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _heading(title: str, dev: str) -> str:
+    """A docs section's title and its line naming the device, the date and this run's command."""
+    command = "python bench/decode.py " + " ".join(sys.argv[1:])
+    return f"### {title}\n\nDevice: {dev}. Date: {datetime.date.today().isoformat()}. Command: `{command}`.\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
@@ -406,9 +412,7 @@ def main() -> None:
         contexts = MODEL_CONTEXTS if args.contexts == ",".join(map(str, CONTEXTS)) else list(map(int, args.contexts.split(",")))
         schemes = MODEL_SCHEMES if args.schemes == ",".join(SCHEMES) else args.schemes.split(",")
         rows = model_decode(contexts, schemes, args.runs, args.tokens, args.layers)
-        command = "python bench/decode.py " + " ".join(sys.argv[1:])
-        body = (f"### One decode stream of a model: compressed against raw\n\n"
-                f"Device: {dev}. Date: {datetime.date.today().isoformat()}. Command: `{command}`.\n"
+        body = (_heading("One decode stream of a model: compressed against raw", dev) +
                 f"{args.layers} layers of Llama-3.1-8B's shapes, random bf16 weights; {args.tokens} tokens per run "
                 f"through mlx-lm's `generate_step` after the context, timed from the first token to the last; "
                 f"the schemes take turns on the same context in every run. Step alone: 16 more steps one at a "
@@ -432,9 +436,7 @@ def main() -> None:
         print(table(new), flush=True)
         rows += new
     text = table(rows)
-    command = "python bench/decode.py " + " ".join(sys.argv[1:])
-    body = (f"### Fused decode kernels vs fp16 SDPA\n\n"
-            f"Device: {dev}. Date: {datetime.date.today().isoformat()}. Command: `{command}`.\n"
+    body = (_heading("Fused decode kernels vs fp16 SDPA", dev) +
             f"B=1, {HQ} query / {HKV} KV heads, d={D}, fp16 activations, one query token; caches built by "
             f"`TurboQuantKVCache` from synthetic rows (T stored rows, no tail unless the method says so). "
             f"Chained: {args.calls} calls, each call's query the previous call's output (as a model's layers "
