@@ -191,6 +191,15 @@ class LmdbEnv:
 
     # --- internals -----------------------------------------------------------------------------
 
+    def _open_dbs(self, env: lmdb.Environment) -> tuple[dict[bytes, object], bytes | None]:
+        """The named databases, and the stored schema version (written if the store is new)."""
+        dbs = {name: env.open_db(name) for name in self._db_names}
+        with env.begin(write=True) as txn:
+            found = txn.get(b"schema", db=dbs[b"meta"])
+            if found is None:
+                txn.put(b"schema", str(self._schema_version).encode(), db=dbs[b"meta"])
+        return dbs, found
+
     def _open(self, map_size: int) -> tuple[lmdb.Environment, dict[bytes, object]]:
         check_data_file(self.path)
         reserve_lock_file(self.path)
@@ -203,11 +212,11 @@ class LmdbEnv:
             raise lmdb_failure(self.path, exc) from exc
         try:
             env.reader_check()  # free the reader slots left by killed processes
-            dbs = {name: env.open_db(name) for name in self._db_names}
-            with env.begin(write=True) as txn:
-                found = txn.get(b"schema", db=dbs[b"meta"])
-                if found is None:
-                    txn.put(b"schema", str(self._schema_version).encode(), db=dbs[b"meta"])
+            try:
+                dbs, found = self._open_dbs(env)
+            except lmdb.MapResizedError:  # another process grew the map while this one opened it
+                env.set_mapsize(0)
+                dbs, found = self._open_dbs(env)
         except lmdb.Error as exc:
             env.close()  # or this process could never open it again
             raise lmdb_failure(self.path, exc) from exc
