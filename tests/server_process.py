@@ -66,7 +66,9 @@ class ServerProcess:
         raise RuntimeError(f"/healthz did not answer 200 within {timeout} s\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        # stop() closes the file; a failed start still wants the server's last words.
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self, timeout: float = 30) -> int:
