@@ -13,7 +13,10 @@ streamed completion of `--tokens` tokens (greedy) on its own short prompt; aggre
 the tokens they received over the wall time from the first request sent to the last stream's
 end. The ratio is against one client alone in the same run. Then, per scheme: a short
 streamed request's first token on the idle server, and again while a `--long`-token prompt
-prefills (sent first; the short one 0.2 s later).
+prefills (sent first; the short one 0.2 s later). With `--prefill-profile`, a long prompt's
+prefill in this process, chunk by chunk (cold: the first time this process runs those shapes;
+warm: the same chunks again): in the engine's 512-token chunks, in the server's chunks
+(tqstore/serve/chunking.py), and in 16-token chunks, so each chunk's cost of a new shape shows.
 
 The 8b model is bench/restore_vs_recompute.py's (its builder: hidden 4096, 32 query / 8 KV
 heads, head dim 128, MLP 14336, vocabulary 32,000, random weights), 8 layers by default.
@@ -158,6 +161,58 @@ def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int, gr
     return tokens / wall, tokens / cpu
 
 
+def prefill_profile(engine, loaded, scheme: str, tokens: list[int], chunk,
+                    learn=None) -> tuple[float, list[int], list[float]]:
+    """(seconds, chunk lengths, seconds per chunk) of `tokens` prefilled into fresh caches through
+    Engine.prefill_steps, each chunk sized by `chunk(position)`; `learn(length, seconds, end)` is told
+    each chunk's time before the next is sized (as the server's worker tells its sizer)."""
+    from turboquant import make_prompt_cache
+
+    starts, lengths, seconds = [], [], []
+
+    def sized(position: int) -> int:
+        if starts:
+            lengths.append(position - starts[-1])
+            if learn is not None:
+                learn(lengths[-1], seconds[-1], position)
+        starts.append(position)
+        return chunk(position)
+
+    t0 = last = time.perf_counter()
+    for _ in engine.prefill_steps(loaded, make_prompt_cache(loaded.model, scheme), tokens, chunk=sized):
+        now = time.perf_counter()
+        seconds.append(now - last)
+        last = now
+    lengths.append(len(tokens) - starts[-1])
+    return time.perf_counter() - t0, lengths, seconds
+
+
+def profile_rows(engine, loaded, schemes: list[str], long_tokens: int, vocab: int) -> list[list[str]]:
+    """The `--prefill-profile` table: per scheme and chunking, a prefill of shapes this process
+    has not run (cold), then the same chunks again (warm)."""
+    import mlx.core as mx
+
+    from tqstore.serve.chunking import ChunkSizer
+
+    rng = random.Random(1)
+    rows = []
+    for scheme in schemes:
+        # One per scheme, learning over its cold and warm runs, as the server's.
+        sizer = ChunkSizer(engine.prefill_chunk, new_shapes_slow=mx.default_device().type == mx.DeviceType.gpu)
+        cases = [("server's chunks (chunking.py)", long_tokens, sizer.size, sizer.ran),
+                 ("engine, 512-token chunks", long_tokens, lambda position: engine.prefill_chunk, None),
+                 ("16-token chunks", min(long_tokens, 2048), lambda position: 16, None)]
+        for name, n, chunk, learn in cases:
+            tokens = [rng.randrange(8, vocab - 1) for _ in range(n)]
+            for run in ("cold", "warm"):
+                seconds, lengths, per_chunk = prefill_profile(engine, loaded, scheme, tokens, chunk, learn)
+                rows.append([scheme, name, f"{n:,}", run, f"{seconds:.2f}", str(len(lengths)),
+                             f"{statistics.median(lengths):.0f}", f"{statistics.median(per_chunk) * 1000:.1f}",
+                             f"{max(per_chunk) * 1000:.1f}"])
+                say(f"prefill profile: {' | '.join(rows[-1])}")
+    return rows
+
+
 def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[float, float, float]:
     """(a short request's first event alone, the same while `long_prompt` prefills, the long
     request's own time to its one token), seconds."""
@@ -198,6 +253,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="OPENBLAS_NUM_THREADS for this process and the servers (1 on a shared CPU: OpenBLAS's "
                              "threads spin while waiting for each other, and on busy cores a batched step then costs "
                              "several times its work)")
+    parser.add_argument("--prefill-profile", action="store_true",
+                        help="also time the long prompt's prefill chunk by chunk in this process, cold and warm, in "
+                             "the engine's, the server's and 16-token chunks")
     parser.add_argument("--write", action="store_true", help="put the table into docs/server.md")
     return parser.parse_args(argv[1:])
 
@@ -235,6 +293,17 @@ def main(argv: list[str] | None = None) -> int:
                         rates.setdefault((scheme, c, kind), []).append(rate)
                     say(f"run {run + 1}/{args.runs}, {c} concurrent, {scheme}: {measured['wall']:.1f} tokens/s, "
                         f"{measured['cpu']:.1f} tokens per server CPU-second")
+        firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        if long_tokens:
+            long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
+            for run in range(args.runs):
+                for scheme, server in servers.items():
+                    measured = first_token_beside_long(server, prompts[0], long_prompt)
+                    for kept, value in zip(firsts.setdefault(scheme, ([], [], [])), measured):
+                        kept.append(value * 1000)
+                    say(f"run {run + 1}/{args.runs}, {scheme}: first token {measured[0] * 1000:.0f} ms idle, "
+                        f"{measured[1] * 1000:.0f} ms beside a {long_tokens}-token prefill that took "
+                        f"{measured[2]:.2f} s")
         from tqstore.engine.engine import Engine
 
         engine = Engine.open(root / "decode-home")  # an empty store: every row is prefilled
@@ -250,17 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                             decodes.setdefault((scheme, form, c, kind), []).append(rate)
                         say(f"run {run + 1}/{args.runs}, decode steps of {c} rows, {scheme}, {form}: "
                             f"{measured['wall']:.1f} tokens/s, {measured['cpu']:.1f} tokens per CPU-second")
-        firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
-        if long_tokens:
-            long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
-            for run in range(args.runs):
-                for scheme, server in servers.items():
-                    measured = first_token_beside_long(server, prompts[0], long_prompt)
-                    for kept, value in zip(firsts.setdefault(scheme, ([], [], [])), measured):
-                        kept.append(value * 1000)
-                    say(f"run {run + 1}/{args.runs}, {scheme}: first token {measured[0] * 1000:.0f} ms idle, "
-                        f"{measured[1] * 1000:.0f} ms beside a {long_tokens}-token prefill that took "
-                        f"{measured[2]:.2f} s")
+        profile = profile_rows(engine, loaded, args.schemes, long_tokens or 1024, vocab) if args.prefill_profile else []
     finally:
         for server in servers.values():
             server.stop()
@@ -287,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         body += ("\n\n" + markdown_table(["scheme", "short request's first token, idle, ms",
                                           f"beside a {long_tokens}-token prompt, ms", "ratio",
                                           "the long prompt's first token, ms"], first_rows))
+    if profile:
+        body += ("\n\nA long prompt's prefill in the bench's own process (`--prefill-profile`; Engine.prefill_steps "
+                 "into fresh caches; cold: shapes this process has not run, warm: the same chunks again):\n\n"
+                 + markdown_table(["scheme", "chunks", "tokens", "run", "seconds", "chunks run", "median length",
+                                   "median chunk, ms", "slowest chunk, ms"], profile))
     print(body)
     if args.write:
         replace_section(DOC, MARKER, body)

@@ -205,7 +205,7 @@ def test_prefill_in_chunks_of_any_size_gives_the_same_caches(tmp_path, llama):
     whole, chunked = make_prompt_cache(loaded.model, "raw"), make_prompt_cache(loaded.model, "raw")
     engine.prefill(loaded, whole, tokens)
     sizes = iter([7, 7, 30] + [60] * 10)
-    steps = sum(1 for _ in engine.prefill_steps(loaded, chunked, tokens, chunk=lambda: next(sizes)))
+    steps = sum(1 for _ in engine.prefill_steps(loaded, chunked, tokens, chunk=lambda position: next(sizes)))
     assert steps == 3 + -(-(len(tokens) - 44) // 60)
     for a, b in zip(whole, chunked):
         assert a.offset == b.offset == len(tokens)

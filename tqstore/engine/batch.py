@@ -311,13 +311,13 @@ def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt:
                        max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                        stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
                        started: Started | None = None, step_seconds: Callable[[], float] | None = None,
-                       chunk: Callable[[], int] | None = None
+                       chunk: Callable[[int], int] | None = None
                        ) -> Generator[Row | None, None, tuple[AskResult, list[Any]]]:
     """`Engine.generation` whose tokens come from shared decode steps: it yields None after each
     prefill chunk and its `Row` whenever it needs a token (the caller runs `DecodeBatch.step` over the
     waiting rows, then resumes it). Stops, token cap, EOS and text are mlx-lm's
     `stream_generate`'s. `step_seconds()` says how long the last step took (the generation's
-    decode time counts the steps it took part in); `chunk()` sizes each prefill chunk."""
+    decode time counts the steps it took part in); `chunk(position)` sizes each prefill chunk."""
     install_rows_dispatch()  # model modules imported since the last request get it too
     started, remainder, prefill, halted = yield from engine.prompt_steps(loaded, scheme, prompt, seed=seed, stop=stop,
                                                                          on_start=on_start, started=started,

@@ -290,17 +290,19 @@ class Engine:
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
                       progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
                       at: int = 0, checkpoints: StateCheckpoints | None = None,
-                      chunk: Callable[[], int] | None = None) -> Generator[None, None, float]:
+                      chunk: Callable[[int], int] | None = None) -> Generator[None, None, float]:
         """`prefill`, yielding after each chunk so that the caller can take turns with other
-        work; returns the seconds of its own steps. `chunk()`, asked before each chunk, sizes it
-        (default `prefill_chunk`): the server keeps its chunks short in time."""
+        work; returns the seconds of its own steps. `chunk(position)`, asked before each chunk
+        with the absolute position of its first token, sizes it (default `prefill_chunk`): the
+        server keeps its chunks short in time and ends them at positions that repeat."""
         body = _body(loaded.model)
         seconds, done = 0.0, 0
         if progress and tokens:
             progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
-        size = chunk or (lambda: self.prefill_chunk)
+        size = chunk or (lambda position: self.prefill_chunk)
         while done < len(tokens):
-            end = next(chunk_ends(at + done, at + len(tokens), max(1, size()), checkpoints and checkpoints.boundary))
+            end = next(chunk_ends(at + done, at + len(tokens), max(1, size(at + done)),
+                                  checkpoints and checkpoints.boundary))
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
@@ -457,7 +459,7 @@ class Engine:
     def prompt_steps(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, seed: int | None = None,
                      stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
                      started: Started | None = None, windows: str | None = None,
-                     chunk: Callable[[], int] | None = None
+                     chunk: Callable[[int], int] | None = None
                      ) -> Generator[None, None, tuple[Started, list[int], float, Callable[[], bool]]]:
         """What a generation does before its first token (options as `generation`): the seed
         checked, the stored prefix restored, all but the prompt's last token prefilled (yielding

@@ -6,11 +6,11 @@ thread; the HTTP layer submits jobs and gets each job's events (Accepted, Text, 
 Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at
 once. A job is a generator: it yields None after a step of its own (a prefill chunk, a token of
 a family that cannot batch) and a `Row` when it waits for its next token from a shared decode
-step (tqstore/engine/batch.py). Each cycle of the worker runs one batched decode step over every
-job waiting on a Row (joining and leaving between steps), then a step of each other job, least
-model time first, while they fit in CHUNK_SECONDS, so a long prompt's prefill chunks (sized to
-CHUNK_SECONDS) interleave with the running decode and a new request's prefill goes before a long
-one's next chunk. A running job that has
+step (tqstore/engine/batch.py). Each cycle of the worker runs steps of the jobs not waiting on a
+Row, least model time first, while they fit in CHUNK_SECONDS, then one batched decode step over
+every job waiting on a Row (joining and leaving between steps), so a long prompt's prefill
+chunks (sized by chunking.py) interleave with the running decode, and a new request's prefill
+and first token go before a long one's next chunk. A running job that has
 had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
 back of the line, and the job that waited longest takes its place, so no request waits for the
 running ones to end. A client that goes away cancels its job: a queued job is skipped, a
@@ -44,6 +44,7 @@ from tqstore.engine.batch import DecodeBatch, Row, batchable, batched_generation
 from tqstore.engine.engine import Engine, Started
 from tqstore.errors import BadInput, TqstoreError
 from tqstore.models.loading import LoadedModel
+from tqstore.serve.chunking import CHUNK_SECONDS, ChunkSizer
 from tqstore.serve.metrics import Metrics, QueueState
 from tqstore.serve.openai_schema import ApiError, CacheSource, Generation, GenerationRequest, StopScanner, api_error
 from tqstore.models.prompting import encode_prompt
@@ -51,11 +52,6 @@ from tqstore.models.prompting import encode_prompt
 log = logging.getLogger("tqstore.serve")
 AUTO_PREFIX = "auto-"
 HOLD_SECONDS = 1.0  # model time a job runs for, once admitted, before it yields its place to a waiting one
-# A prompt's prefill chunk is sized to take about this long at the rate the last chunk ran (at
-# least MIN_CHUNK tokens, at most the engine's chunk): a request that arrives meanwhile waits
-# at most about this long for the model before its own prefill runs.
-CHUNK_SECONDS = 0.02
-MIN_CHUNK = 16
 UNKNOWN_CONTEXT_TOKENS = 32768  # the token cap of a model whose config names no context length
 _CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length", "max_seq_len", "seq_length", "n_ctx")
 
@@ -226,7 +222,8 @@ class ModelWorker:
         self.batching = False  # whether this model's generations share decode steps (known once loaded)
         self._step_seconds = 0.0  # the last decode step's
         self._batch = DecodeBatch()  # the running rows' shared decode state (model thread only)
-        self._prefill_rate: float | None = None  # tokens per second of the last prefill chunk measured
+        # Prefill chunk sizes, learned from every job's chunks; on a GPU a new shape's first run costs a build.
+        self._sizer = ChunkSizer(engine.prefill_chunk, new_shapes_slow=mx.default_device().type == mx.DeviceType.gpu)
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
         # What waits for a place among the running: new jobs, and parked ones (started, their
@@ -347,9 +344,23 @@ class ModelWorker:
                 self._running.append(Running(item, item.work(item)))
 
     def _cycle(self) -> None:
-        """One batched decode step over every running job that waits on a Row, then a step of each
-        other running job, least model time first, while they fit in CHUNK_SECONDS; then park
-        jobs that have held their place for HOLD_SECONDS while others wait for one."""
+        """Steps of the running jobs that do not wait on a Row, least model time first, then one
+        batched decode step over every job that waits on one; then park jobs that have held
+        their place for HOLD_SECONDS while others wait for one.
+
+        The steps fit in CHUNK_SECONDS: the first job runs steps until the time is spent or it
+        waits on a Row (a new request's prefill and its first Row in one cycle), each next job
+        one or more steps if its last step fits in what is left. Once a job reaches its Row in a
+        cycle, the started jobs after it wait: the new row decodes before a long prompt's next
+        chunk (jobs not started yet still start, so requests that arrive together join together)."""
+        others = sorted((r for r in self._running if r.pending is None), key=lambda r: r.seconds)
+        left, ready = CHUNK_SECONDS, False
+        for i, other in enumerate(others):
+            if i and ((ready and other.seconds) or other.job.step_seconds > left):
+                continue
+            while left > 0 and other.pending is None and other in self._running:
+                left -= self._own_step(other)
+            ready = ready or other.pending is not None
         decoding = [r for r in self._running if r.pending is not None]
         if decoding:
             try:
@@ -366,29 +377,21 @@ class ModelWorker:
                 running.seconds += spent
                 running.held += spent
                 self._advance(running)
-        # Then steps of the other jobs, least model time first (a new request's prefill goes
-        # before the next chunk of a long one), one each, while they fit in CHUNK_SECONDS by
-        # their last step's time: requests that arrive together join the batch together, and a
-        # long prompt's chunk never runs after a short request's step in the same cycle.
-        others = sorted((r for r in self._running if r.pending is None and r not in decoding), key=lambda r: r.seconds)
-        left = CHUNK_SECONDS
-        for i, other in enumerate(others):
-            if i and other.job.step_seconds > left:
-                continue
-            t0 = time.perf_counter()
-            self._advance(other)
-            spent = time.perf_counter() - t0
-            other.job.step_seconds = spent
-            other.seconds += spent
-            other.held += spent
-            left -= spent
-            if left <= 0:
-                break
         if self._waiting and not self._stopping.is_set():
             overdue = [r for r in self._running if r.held >= HOLD_SECONDS][:len(self._waiting)]
             for running in overdue:
                 self._running.remove(running)
                 self._park(running)
+
+    def _own_step(self, running: Running) -> float:
+        """Run one step of a job that does not wait on a Row (a prefill chunk, say); its model time."""
+        t0 = time.perf_counter()
+        self._advance(running)
+        spent = time.perf_counter() - t0
+        running.job.step_seconds = spent
+        running.seconds += spent
+        running.held += spent
+        return spent
 
     def _advance(self, running: Running) -> None:
         """Run a job to its next yield; a job that ends or fails leaves the running ones."""
@@ -436,19 +439,17 @@ class ModelWorker:
                                       step_seconds=lambda: self._step_seconds, chunk=self._chunks(job), **options)
         return self.engine.generation(self.loaded, self.scheme, prompt, **options)
 
-    def _chunks(self, job: Job) -> Callable[[], int]:
-        """A prefill's chunk sizes: CHUNK_SECONDS of work at the rate of the last chunk measured
-        (this job's, or before its first one the last job's); 2 * MIN_CHUNK before any."""
-        asked = 0
+    def _chunks(self, job: Job) -> Callable[[int], int]:
+        """A prefill's chunk sizes (chunking.py): each chunk's model time, the job's step that ran
+        it, goes to the worker's sizer before the next chunk is sized."""
+        start: int | None = None
 
-        def size() -> int:
-            nonlocal asked
-            if asked and job.step_seconds > 0:
-                self._prefill_rate = asked / job.step_seconds
-            limit = self.engine.prefill_chunk
-            wanted = 2 * MIN_CHUNK if self._prefill_rate is None else int(self._prefill_rate * CHUNK_SECONDS)
-            asked = max(MIN_CHUNK, min(wanted, limit))
-            return asked
+        def size(position: int) -> int:
+            nonlocal start
+            if start is not None:
+                self._sizer.ran(position - start, job.step_seconds, position)
+            start = position
+            return self._sizer.size(position)
 
         return size
 

@@ -1,0 +1,135 @@
+"""How the server cuts a long prompt's prefill into chunks and schedules them beside short
+requests (tqstore/serve/chunking.py, worker.py `_chunks` and `_cycle`).
+
+The chunk tests drive the worker's real sizer through `chunk_ends` (as Engine.prefill_steps
+does) with each chunk's time from a cost model, the H200's as measured: a chunk whose (query
+length, key length) is new pays a graph build (MLX's CUDA attention builds a cuDNN graph per
+shape), a known one runs in a fixed cost plus a cost per token. Sized by the last chunk's time,
+the chunks of a 16k-token prompt fell to 16 tokens, each a new shape: 62-68 s through the
+server on the H200 against 0.2 s through the Engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from model_folder import write_model_folder
+from tqstore.engine.engine import Engine
+from tqstore.serve.chunking import ChunkSizer
+from tqstore.serve.openai_schema import GenerationRequest, Sampling
+from tqstore.serve.worker import Accepted, Failed, Finished, Job, ModelWorker, SavePolicy
+from turboquant.checkpoints import chunk_ends
+
+
+def _prefill(worker: ModelWorker, tokens: int, seconds, seen: set) -> list[tuple[int, int]]:
+    """Chunks (length, end) of a `tokens`-long prefill from position 0, each timed by
+    `seconds(length, end, new shape)` and handed to the worker's sizer as the job's step."""
+    job = Job("generate", lambda job: iter(()), lambda event: None)
+    size, pos, chunks = worker._chunks(job), 0, []
+    while pos < tokens:
+        end = next(chunk_ends(pos, tokens, size(pos), None))
+        job.step_seconds = seconds(end - pos, end, (end - pos, end) not in seen)
+        seen.add((end - pos, end))
+        chunks.append((end - pos, end))
+        pos = end
+    return chunks
+
+
+def _worker(tmp_path) -> ModelWorker:
+    return ModelWorker(Engine.open(tmp_path / "home"), "unused", scheme="raw")
+
+
+def test_a_long_prompt_keeps_large_chunks_when_new_shapes_are_slow(tmp_path):
+    """A graph build of 60 ms per new shape (every chunk of a first long prompt) must not shrink
+    the chunks: on a GPU's sizer 16,384 tokens go in 32 chunks of 512, not a thousand of 16; a
+    second prompt of the same length runs only shapes the first one built, and runs them warm
+    (5 ms) within CHUNK_SECONDS, so its chunks stay at 512."""
+    worker = _worker(tmp_path)
+    worker._sizer = ChunkSizer(worker.engine.prefill_chunk, new_shapes_slow=True)  # the GPU's
+    seen: set = set()
+
+    def h200(length, end, new):
+        return (0.06 if new else 0.0) + 0.001 + 8e-6 * length
+
+    first = _prefill(worker, 16384, h200, seen)
+    assert first == [(512, end) for end in range(512, 16385, 512)]
+    second = _prefill(worker, 16384, h200, seen)
+    assert second == first
+    assert worker._sizer.pick() == 512
+
+
+def test_a_gpu_sizer_steps_down_when_its_warm_chunks_are_too_slow():
+    """Where a warm 512-token chunk takes 40 ms (a larger model), the GPU's sizer tries 256 (20 ms
+    at 512's rate per token; 20.2 ms once its shapes run warm: too slow), then 128."""
+    sizer = ChunkSizer(512, new_shapes_slow=True)
+    seen: set = set()
+    for _ in range(4):  # four prompts of 4,096 tokens; each chunk 0.5 ms + 0.077 ms a token warm
+        pos = 0
+        while pos < 4096:
+            end = next(chunk_ends(pos, 4096, sizer.size(pos), None))
+            sizer.ran(end - pos, (0.06 if (end - pos, end) not in seen else 0.0) + 0.0005 + 7.7e-5 * (end - pos), end)
+            seen.add((end - pos, end))
+            pos = end
+    assert sizer.pick() == 128
+
+
+def test_chunks_fit_the_time_when_it_grows_with_their_length(tmp_path):
+    """Where a chunk's time is its tokens' (a CPU: 2 ms + 0.5 ms a token), chunks stay within
+    CHUNK_SECONDS (32 tokens, 18 ms) and each ends at a multiple of its length, so the shapes of
+    the next prompt repeat."""
+    worker = _worker(tmp_path)
+    chunks = _prefill(worker, 2048, lambda length, end, new: 0.002 + 0.0005 * length, set())
+    assert {n for n, _ in chunks} <= {16, 32}
+    assert all(end % n == 0 for n, end in chunks)
+    assert sum(1 for n, _ in chunks if n == 32) >= len(chunks) - 3
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("chunks") / "tiny-llama", kind="llama")
+
+
+def test_a_short_request_gets_its_first_token_before_a_long_jobs_next_step(tmp_path, llama):
+    """A short request that arrives while a long job runs step after step (a long prompt's
+    prefill chunks) runs its prefill and its first token with no step of the long job between
+    them: its first token waits for at most the one step in progress when it arrived."""
+    worker = ModelWorker(Engine.open(tmp_path / "home"), str(llama), scheme="raw", policy=SavePolicy(enabled=False))
+    log: list[str] = []
+    stop = threading.Event()
+
+    def long_steps(job):
+        while not stop.is_set():
+            time.sleep(0.02)  # a 20 ms chunk
+            log.append("long")
+            yield None
+
+    done = threading.Event()
+    request = GenerationRequest(chat=False, model=None, stream=True, include_usage=False, prompt="Who pays?",
+                                sampling=Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=()))
+
+    def sink(event):
+        if isinstance(event, Accepted):
+            log.append("accepted")
+        elif isinstance(event, (Finished, Failed)):
+            log.append("finished" if isinstance(event, Finished) else f"failed {event.error}")
+            done.set()
+
+    worker.start()
+    try:
+        assert worker.ready.wait(60)
+        worker.generate(request, sink)  # on the idle worker first, as a warm-up (its first use of the model)
+        assert done.wait(60)
+        done.clear()
+        log.clear()
+        worker._submit(Job("save", long_steps, lambda event: None))
+        while log.count("long") < 100:  # 2 s: more model time than the short one needs, even on a loaded box
+            time.sleep(0.005)
+        worker.generate(request, sink)
+        assert done.wait(60)
+    finally:
+        stop.set()
+        worker.stop()
+    short = log[log.index("accepted"):log.index("finished") + 1]
+    assert short == ["accepted", "finished"], short
