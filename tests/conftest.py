@@ -48,6 +48,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_ignore_collect(collection_path, config):
+    """`pytest -m gpu` (the GPU machine, which has the GPU recipe's packages but not the test
+    extra's moto, hypothesis, openai or anthropic) collects only the modules that mark gpu tests:
+    importing the others would fail there on those packages, and none of them holds a gpu test."""
+    if config.getoption("markexpr") != "gpu" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_"):
+        return None
+    return True if "mark.gpu" not in collection_path.read_text() else None
+
+
 def _has_gpu() -> bool:
     if os.environ.get("TQSTORE_FORCE_CPU"):
         return False
@@ -57,5 +68,6 @@ def _has_gpu() -> bool:
         return False
 
 
-# A real S3 server (moto) for the tier and store tests: `s3` fixture, one server per session.
+# A real S3 server (moto) for the tier and store tests: `s3` fixture, one server per session (the
+# module imports moto only inside the fixture, so this conftest loads without the test extra).
 from s3_server import moto_server, s3  # noqa: E402, F401

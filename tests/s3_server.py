@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import boto3
 import botocore.config
 import pytest
-from moto.server import ThreadedMotoServer
 
 from tqstore.format.manifest import Manifest
 from tqstore.store.packs import Location, manifest_address, parse_map
@@ -84,6 +83,10 @@ class S3Server:
 @pytest.fixture(scope="session")
 def moto_server():
     """Endpoint URL of a moto S3 server on 127.0.0.1 (an ephemeral port)."""
+    # moto is a test-only package: imported here, not at module level, so that the conftest (which
+    # imports this module) loads where moto is not installed (`pytest -m gpu` on the GPU machine).
+    from moto.server import ThreadedMotoServer
+
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()

@@ -35,7 +35,9 @@ def _reference_caches(engine, loaded, scheme, tokens):
     return caches
 
 
-@pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "raw", "auto5", "turbo5v4"])
+# One scheme per layout family by default; turbo8v3 (turbo4's layout at other widths) with -m slow.
+@pytest.mark.parametrize("scheme", ["turbo4", pytest.param("turbo8v3", marks=pytest.mark.slow), "turbo0v4", "raw",
+                                    "auto5", "turbo5v4"])
 def test_save_then_ask_decodes_exactly_like_an_in_memory_run(engine, model_dir, scheme):
     saved = engine.save("doc", DOCUMENT, model=str(model_dir), scheme=scheme)
     loaded = engine.model(str(model_dir))

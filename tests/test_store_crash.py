@@ -17,6 +17,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from test_store import open_store
 from test_store_s3 import bucket_keys, s3_store
 from tqstore.format.manifest import Manifest
@@ -97,15 +99,17 @@ def test_two_processes_write_and_read_concurrently(tmp_path):
     store.close()
 
 
-def test_sigkill_during_put_and_push_leaves_only_whole_entries_and_orphans(s3, tmp_path):
+# 8 children by default (each pays the import of a fresh process); the 20 of the full storm with -m slow.
+@pytest.mark.parametrize("children", [8, pytest.param(20, marks=pytest.mark.slow)])
+def test_sigkill_during_put_and_push_leaves_only_whole_entries_and_orphans(s3, tmp_path, children):
     home = tmp_path / "home"
     settings = {"min_free_disk_bytes": 0, "segment_size": "64KiB", "s3_url": f"s3://{s3.bucket}/kv",
                 "s3_endpoint": s3.endpoint, "s3_region": "us-east-1", "s3_max_attempts": 2, "s3_concurrency": 2}
     rng = random.Random(1234)
-    # 20 children, half putting, half putting and pushing; up to six alive at once, so one starting
-    # (the import costs seconds) overlaps others working. Each is killed at a random moment of its
-    # work: a pusher once its first push is through (so the bucket has entries to check).
-    modes = ["put", "push"] * 10
+    # `children` children, half putting, half putting and pushing; up to six alive at once, so one
+    # starting (the import costs seconds) overlaps others working. Each is killed at a random moment
+    # of its work: a pusher once its first push is through (so the bucket has entries to check).
+    modes = ["put", "push"] * (children // 2)
     waiting, working, kills = list(enumerate(modes)), {}, 0  # working: process -> [mode, kill time]
     while waiting or working:
         while waiting and len(working) < 6:
@@ -126,7 +130,7 @@ def test_sigkill_during_put_and_push_leaves_only_whole_entries_and_orphans(s3, t
                 del working[p]
                 kills += 1
         time.sleep(0.01)
-    assert kills == 20
+    assert kills == children
     store = s3_store(home, s3)
     local = store.ls()
     assert local and any(e.name.startswith("push") for e in local)
