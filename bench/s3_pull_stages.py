@@ -3,7 +3,8 @@
     python bench/s3_pull_stages.py --tokens 4096 --runs 8 --write
 
 One turbo4 entry (bench/storage.py's geometry) is put and pushed to a moto S3 server on loopback,
-then pulled `--runs` times into a fresh home, each pull right after boto3's transfer manager
+then pulled `--runs` times into a fresh home (its S3 client's first request made before the
+timing, as in bench/s3_transfer.py), each pull right after boto3's transfer manager
 downloads one object of the entry's stored size from the same server into memory (the floor of
 bench/s3_transfer.py). The pull's S3 requests, its LMDB writes and the arrival and verification
 of each object are timed by wrapping the tiers' methods (timing only: the code that runs is the
@@ -187,6 +188,7 @@ def run(tokens: int, runs: int) -> tuple[list[dict], dict]:
             boto3_down = time.perf_counter() - t0
             other = root / f"pull-{i}"
             remote = Store.open(other, config=load_config(other, overrides))
+            remote.ls(remote=True)  # its S3 client's first request, outside the timing (as in s3_transfer.py)
             clock[0] = Timeline()
             remote.pull("e")
             clock[0].add("end", clock[0].start)
