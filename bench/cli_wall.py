@@ -224,7 +224,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure(args: argparse.Namespace, kind: str, layers: int, paths: dict[str, str], work: Path, here: Path,
             on_gpu: bool, began: float) -> None:
-    base = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "TQSTORE_BLAS_ACTIVE", "TQSTORE_BLAS")}
+    # PYTHONDONTWRITEBYTECODE (set in some agent and CI shells) makes every process compile every
+    # module of the tree again; an installed tqstore has its bytecode, so the children may write it
+    # (the first `save` below does, for each tree).
+    dropped = ("LD_PRELOAD", "TQSTORE_BLAS_ACTIVE", "TQSTORE_BLAS", "PYTHONDONTWRITEBYTECODE")
+    base = {k: v for k, v in os.environ.items() if k not in dropped}
     trees = [Tree(label, Path(path).resolve(), work, base) for label, path in paths.items()]
 
     t0 = time.perf_counter()
@@ -325,7 +329,8 @@ def report(trees: list[Tree], cmds: dict, walls: dict, cpus: dict, phases: dict,
     library, _ = blas.resolve("auto")
     return (f"{markdown_table(header, rows)}\n\nModel: {described}. {runs} runs per cell, trees interleaved; "
             f"in-process: up to 3 timed calls after one untimed. The commands ran under the default BLAS "
-            f"choice (auto: {library} here). {stamp(sys.argv)}")
+            f"choice (auto: {library} here), with bytecode caching on (__pycache__ written by the first "
+            f"process). {stamp(sys.argv)}")
 
 
 def ratio(walls: list[float], works: list[float]) -> str:

@@ -67,6 +67,18 @@ def stamp(argv: list[str]) -> str:
             f"Machine: {machine_line()}.")
 
 
+def print_and_write(marker: str, body: str, write: bool, argv: list[str] | None) -> int:
+    """Print `body`; with `write`, put it with its provenance (`stamp` of this command line, or
+    of `argv` after the script name) into docs/benchmarks.md, section `marker`. Returns 0."""
+    print(body)
+    if not write:
+        return 0
+    command = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    replace_section(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md", marker,
+                    f"{stamp(command)}\n\n{body}")
+    return 0
+
+
 def replace_section(path: Path, marker: str, body: str) -> None:
     """Replace the text between `<!-- marker:start -->` and `<!-- marker:end -->` (appending if absent)."""
     start, end = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"

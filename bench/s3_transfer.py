@@ -46,6 +46,18 @@ def _timed(store, action, requests: Counter) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+def model_and_identities(scheme: str):
+    """(model with bench/storage.py's KV geometry, its model identity, the codec identity of
+    `scheme` on it)."""
+    from storage import kv_model
+    from tqstore.models.identity import CodecIdentity, ModelIdentity
+    from turboquant import make_prompt_cache, snapshot
+
+    model = kv_model()
+    model_id = ModelIdentity.from_model(model, kv_dtype="float32")
+    return model, model_id, CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme)
+
+
 def one_run(tokens: list[int], scheme: str) -> list[dict]:
     """Push, pull and their boto3 floors for each context size; one dict per size."""
     import mlx.core as mx
@@ -54,15 +66,11 @@ def one_run(tokens: list[int], scheme: str) -> list[dict]:
 
     sys.path.insert(0, str(BENCH))
     from common import LocalS3, compressed
-    from storage import boto3_floors, kv_model, raw_snapshot
+    from storage import boto3_floors, raw_snapshot
     from tqstore.config import load_config
-    from tqstore.models.identity import CodecIdentity, ModelIdentity
     from tqstore.store.store import Store
-    from turboquant import make_prompt_cache, snapshot
 
-    model = kv_model()
-    model_id = ModelIdentity.from_model(model, kv_dtype="float32")
-    codec_id = CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme)
+    model, model_id, codec_id = model_and_identities(scheme)
     s3 = LocalS3()
     root = Path(tempfile.mkdtemp(prefix="tqstore-s3-transfer-", dir=os.environ.get("TQSTORE_BENCH_DIR")))
     out = []
@@ -182,13 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run {i + 1}, {code}", file=sys.stderr, flush=True)
                 results[code] += child(path, args.tokens, args.scheme)
     body = table(results)
-    print(body)
-    if args.write:
-        from common import replace_section, stamp
+    from common import print_and_write
 
-        replace_section(ROOT / "docs" / "benchmarks.md", "bench-s3-transfer",
-                        f"{stamp([sys.argv[0], *(sys.argv[1:] if argv is None else argv)])}\n\n{body}")
-    return 0
+    return print_and_write("bench-s3-transfer", body, args.write, argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,15 @@
 import json
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from turboquant import lloyd_max_codebook
+from turboquant.codebook import MAX_BITS, compute_codebook
+from turboquant.codebook_table import TABLE
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "codebooks.json").read_text())
 
@@ -100,3 +105,46 @@ def test_arrays_are_read_only():
     cb = lloyd_max_codebook(64, 2)
     with pytest.raises(ValueError):
         cb.centroids[0] = 0.0
+
+
+def _same(shipped, computed):
+    """Bit for bit: every array, and D_mse."""
+    for name in ("centroids", "boundaries", "cell_probabilities"):
+        a, b = getattr(shipped, name), getattr(computed, name)
+        assert a.dtype == b.dtype == np.float64 and np.array_equal(a.view(np.uint64), b.view(np.uint64)), name
+    assert struct.pack("<d", shipped.d_mse) == struct.pack("<d", computed.d_mse)
+
+
+def _shipped(d, bits):
+    from turboquant.codebook import _codebook
+
+    return _codebook.__wrapped__(d, bits)
+
+
+@pytest.mark.parametrize("d", sorted({d for d, _ in TABLE}))
+def test_shipped_table_is_the_computation_below_5_bits(d):
+    """turboquant/codebook_table.py (tools/codebook_table.py) holds exactly what the iteration
+    computes; 5 bits (about a second each) for d = 128 only here, every dim in the slow test."""
+    for bits in (1, 2, 3, 4, *((5,) if d == 128 else ())):
+        _same(_shipped(d, bits), compute_codebook(d, bits))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d, bits", sorted(TABLE))
+def test_shipped_table_is_the_computation(d, bits):
+    _same(_shipped(d, bits), compute_codebook(d, bits))
+
+
+def test_table_covers_the_common_head_dims_and_every_bit_width():
+    assert {(d, b) for d in (32, 64, 80, 96, 128, 256) for b in range(1, MAX_BITS + 1)} <= set(TABLE)
+
+
+def test_shipped_codebooks_need_no_scipy():
+    """A process that meets only common head dims never imports scipy (0.25-1 s of a fresh CLI
+    call); another head dim still computes its codebook."""
+    code = ("import sys; from turboquant.codebook import lloyd_max_codebook\n"
+            "for bits in range(1, 6): lloyd_max_codebook(128, bits); lloyd_max_codebook(64, bits)\n"
+            "assert 'scipy' not in sys.modules, 'scipy imported'\n"
+            "lloyd_max_codebook(100, 3)\n"
+            "assert 'scipy' in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

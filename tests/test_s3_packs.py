@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import os
 from collections import Counter
+
+import pytest
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import MODEL, CODEC, PLAIN, put, token_ids
@@ -17,6 +20,7 @@ from test_store_s3 import bucket_keys, count_puts, put_sharing, s3_store
 from tqstore.format.blocks import join_blocks, split_snapshot
 from tqstore.store import crypto
 from tqstore.errors import CorruptBlock
+from tqstore.format.manifest import Manifest
 from tqstore.store.bucket import fetch_objects
 from tqstore.store.packs import Location, Member, manifest_address, plan_packs
 from tqstore.store.verify import Want
@@ -132,9 +136,11 @@ def test_an_encrypted_bucket_shares_members_and_names_nothing_readable(s3, tmp_p
     reader.close()
 
 
-def test_fetch_answers_for_each_object_wherever_it_lies(s3):
+@pytest.mark.parametrize("ordered", [True, False])
+def test_fetch_answers_for_each_object_wherever_it_lies(s3, ordered):
     """bucket.fetch_objects: members of a pack (one ranged GET for neighbours), a loose object,
-    an absent one and a damaged member, each answered on its own, in the order asked."""
+    an absent one and a damaged member, each answered once and on its own, in the order asked
+    (or as each is checked: a pull's order)."""
     tier = s3.tier()
     payloads = {hashlib.sha256(b"%d" % i).digest(): os.urandom(1000 * (i + 1)) for i in range(4)}
     digests = {k: hashlib.sha256(p).hexdigest() for k, p in payloads.items()}
@@ -152,10 +158,35 @@ def test_fetch_answers_for_each_object_wherever_it_lies(s3):
     gets = Counter()
     tier.client.meta.events.register("provide-client-params.s3.GetObject",
                                      lambda params, **_: gets.update([params["Key"].split("/")[1]]))
-    got = [(want.key, result) for want, result in fetch_objects(tier, located, lambda w, payload: payload)]
-    assert [k for k, _ in got] == keys + [absent]
+    got = [(want.key, result) for want, result in fetch_objects(tier, located, lambda w, payload: payload, ordered)]
+    assert [k for k, _ in got] == keys + [absent] if ordered else sorted(k for k, _ in got) == sorted(keys + [absent])
     results = dict(got)
     assert results[keys[0]] == payloads[keys[0]] and results[keys[2]] == payloads[keys[2]]
     assert isinstance(results[keys[1]], CorruptBlock) and keys[1].hex() in str(results[keys[1]])
     assert results[keys[3]] == payloads[keys[3]] and results[absent] is None
     assert gets == {"packs": 1, "objects": 2}  # the three members in one ranged GET
+
+
+def test_a_manifest_in_other_bytes_than_its_canonical_ones_still_finds_its_map(s3, tmp_path):
+    """A pull starts the map's GET at the sha256 of the manifest's bytes as read, before parsing
+    it; a manifest stored in other bytes (the same JSON spaced out, as an editor or another writer
+    might leave it) names its map by its canonical bytes, and the pull fetches that one."""
+    a = s3_store(tmp_path / "a", s3)
+    snap = make_snapshot(300, layouts=PLAIN)
+    put(a, "e", snap, token_ids(300))
+    a.push("e")
+    key = "kv/manifests/e.json"
+    data = s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+    spaced = json.dumps(json.loads(data), indent=2).encode()
+    assert spaced != data and manifest_address(Manifest.from_bytes(spaced)) == hashlib.sha256(data).hexdigest()
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=spaced,
+                         Metadata={"tq-sha256": hashlib.sha256(spaced).hexdigest(), "tq-size": str(len(spaced))})
+    b = s3_store(tmp_path / "b", s3)
+    gets = Counter()
+    b._tiers.s3.client.meta.events.register("provide-client-params.s3.GetObject",
+                                            lambda params, **_: gets.update([params["Key"].split("/")[1]]))
+    assert b.pull("e").transferred == len(a.get("e").objects)
+    assert gets["maps"] == 2  # the guess (absent), then the map of the canonical bytes
+    assert_same_snapshot(b.load("e")[0], snap)
+    a.close()
+    b.close()

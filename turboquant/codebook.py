@@ -5,6 +5,12 @@ f(x) = C (1 - x^2)^((d-3)/2) on [-1, 1] (x = 2B - 1, B ~ Beta((d-1)/2, (d-1)/2))
 Every cell moment of f has a closed form, so the continuous Lloyd-Max iteration
 runs without a grid; reference implementations that k-means a float32 grid are
 off by up to 1.6e-3 at 4 bits (docs/turboquant.md, "Codebooks").
+
+The iteration takes up to a second per codebook at 5 bits (and scipy a quarter of a second to
+import), which every process paid for every head dim it met. The common head dims' codebooks
+ship precomputed in `codebook_table.py` (written by `python tools/codebook_table.py`;
+tests/test_codebook.py checks every entry bit for bit against `compute_codebook`), so a process
+computes only the others, and imports scipy only then.
 """
 
 from __future__ import annotations
@@ -14,7 +20,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special
 
 MIN_DIM = 16
 MAX_BITS = 5  # 5-bit keys are the default scheme's (docs/quality.md)
@@ -40,6 +45,8 @@ class Codebook:
 
 def _beta_parameters(d: int) -> tuple[float, float, float]:
     """Shape a of the Beta law, exponent k of f and its normalising constant C."""
+    from scipy import special
+
     a = (d - 1) / 2.0
     k = (d - 3) / 2.0
     log_c = special.gammaln(d / 2) - 0.5 * math.log(math.pi) - special.gammaln((d - 1) / 2)
@@ -48,6 +55,8 @@ def _beta_parameters(d: int) -> tuple[float, float, float]:
 
 def _cells(d: int, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Boundaries (with the -1, +1 ends), cell probabilities P_i and first moments M_i."""
+    from scipy import special
+
     a, k, c_norm = _beta_parameters(d)
     t = np.concatenate([[-1.0], (centroids[:-1] + centroids[1:]) / 2, [1.0]])
     cdf = special.betainc(a, a, (t + 1) / 2)
@@ -71,6 +80,20 @@ def lloyd_max_codebook(d: int, bits: int) -> Codebook:
 
 @functools.lru_cache(maxsize=None)
 def _codebook(d: int, bits: int) -> Codebook:
+    from .codebook_table import TABLE
+
+    shipped = TABLE.get((d, bits))
+    if shipped is None:
+        return compute_codebook(d, bits)
+    centroids, boundaries, probabilities, d_mse = (np.array(v, dtype=np.float64) for v in shipped)
+    return _frozen(d, bits, centroids, boundaries, probabilities, float(d_mse))
+
+
+def compute_codebook(d: int, bits: int) -> Codebook:
+    """The Lloyd-Max iteration itself (scipy), whatever the table holds: what
+    `tools/codebook_table.py` writes and what the tests check the table against."""
+    from scipy import special
+
     a, _, _ = _beta_parameters(d)
     levels = 1 << bits
     c = 2 * special.betaincinv(a, a, (np.arange(levels) + 0.5) / levels) - 1
@@ -86,6 +109,12 @@ def _codebook(d: int, bits: int) -> Codebook:
     # The middle boundary is 0 by symmetry; drop rounding noise so ties behave the same everywhere.
     boundaries[np.abs(boundaries) < 1e-12] = 0.0
     d_mse = float(d * (1.0 / d - np.sum(p * c**2)))
-    for arr in (c, boundaries, p):
+    return _frozen(d, bits, c, boundaries, p, d_mse)
+
+
+def _frozen(d: int, bits: int, centroids: np.ndarray, boundaries: np.ndarray, probabilities: np.ndarray,
+            d_mse: float) -> Codebook:
+    for arr in (centroids, boundaries, probabilities):
         arr.setflags(write=False)
-    return Codebook(d=d, bits=bits, centroids=c, boundaries=boundaries, cell_probabilities=p, d_mse=d_mse)
+    return Codebook(d=d, bits=bits, centroids=centroids, boundaries=boundaries, cell_probabilities=probabilities,
+                    d_mse=d_mse)

@@ -5,14 +5,17 @@ Neighbouring members of one pack are fetched by one ranged GET of up to a part (
 being consumed. A GET's body is read as a stream: each member is opened (an envelope), checked
 against its manifest digest and handed to `check` (the full verification) on a pool of verifier
 threads as soon as its last byte has arrived, so verification (and the caller's writes of what
-is verified) overlap the rest of the download. Results come back in the order asked, one per
-object: the value of `check`, None when the bucket lacks the object, or the TqstoreError it
-ended in (one damaged object hides none of the others).
+is verified) overlap the rest of the download. Results come back one per object, in the order
+asked or (`ordered=False`, for a pull, whose writes need no order) as each is checked, so that
+what arrives first is written first while packs download side by side: the value of `check`,
+None when the bucket lacks the object, or the TqstoreError it ended in (one damaged object hides
+none of the others).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -30,10 +33,11 @@ T = TypeVar("T")
 VERIFIERS = max(2, min(4, os.cpu_count() or 1))  # threads verifying objects while others download
 
 
-def fetch_objects(s3: S3Tier, located: Sequence[tuple[Want, Location]],
-          check: Callable[[Want, bytes], T]) -> Iterator[tuple[Want, T | TqstoreError | None]]:
-    """(want, check(want, payload) | None | error) for each of `located`, in order; see the
-    module docstring. Each want must carry the sha256 its payload must have."""
+def fetch_objects(s3: S3Tier, located: Sequence[tuple[Want, Location]], check: Callable[[Want, bytes], T],
+                  ordered: bool = True) -> Iterator[tuple[Want, T | TqstoreError | None]]:
+    """(want, check(want, payload) | None | error) for each of `located`, in order (or as each
+    is checked: `ordered=False`); see the module docstring. Each want must carry the sha256 its
+    payload must have."""
     where = {w.key: (w, loc) for w, loc in located}
     # Spans of up to a part: a pack (a push's packs are about a part each) comes in one GET.
     spans = plan_spans([(w.key, loc) for w, loc in located], s3.part_size)
@@ -95,17 +99,40 @@ def fetch_objects(s3: S3Tier, located: Sequence[tuple[Want, Location]],
     with ThreadPoolExecutor(max_workers=s3.concurrency, thread_name_prefix="tqstore-get") as gets, \
             ThreadPoolExecutor(max_workers=VERIFIERS, thread_name_prefix="tqstore-check") as checks:
         pending: deque[tuple[int, Want, Future]] = deque()  # (span index, want, its result)
+        settled: queue.SimpleQueue[tuple[int, Want, Future]] = queue.SimpleQueue()  # unordered: as checked
+        open_spans: dict[int, int] = {}  # unordered: span index -> its results not yet yielded
         started = 0
+
+        def start() -> None:
+            nonlocal started
+            results = [Future() for _ in spans[started].keys]
+            for key, result in zip(spans[started].keys, results):
+                item = (started, where[key][0], result)
+                if ordered:
+                    pending.append(item)
+                else:
+                    result.add_done_callback(lambda _, item=item: settled.put(item))
+            if not ordered:
+                open_spans[started] = len(results)
+            gets.submit(get, spans[started], results)
+            started += 1
+
         try:
-            while started < len(spans) or pending:
-                while started < len(spans) and started < ahead + (pending[0][0] if pending else started):
-                    results = [Future() for _ in spans[started].keys]
-                    for key, result in zip(spans[started].keys, results):
-                        pending.append((started, where[key][0], result))
-                    gets.submit(get, spans[started], results)
-                    started += 1
-                _, want, result = pending.popleft()
-                yield want, result.result()
+            if ordered:
+                while started < len(spans) or pending:
+                    while started < len(spans) and started < ahead + (pending[0][0] if pending else started):
+                        start()
+                    _, want, result = pending.popleft()
+                    yield want, result.result()
+            else:  # the same bound: at most `ahead` spans not yet consumed
+                while started < len(spans) or open_spans:
+                    while started < len(spans) and len(open_spans) < ahead:
+                        start()
+                    index, want, result = settled.get()
+                    open_spans[index] -= 1
+                    if not open_spans[index]:
+                        del open_spans[index]
+                    yield want, result.result()
         finally:  # an error, or the caller stopped: nothing more starts, downloads end early
             stop.set()
             gets.shutdown(cancel_futures=True)
