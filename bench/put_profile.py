@@ -13,7 +13,8 @@ SHA-256 (hash thread), the LMDB writes (the tier's copies into LMDB's pages) and
 blocks' MLX arrays and the join. The process's CPU seconds and the load average are printed
 with each run: on a loaded machine wall seconds stretch, CPU seconds much less.
 
-`--profile` adds cProfile's top functions of the last put (main thread, by own time).
+`--profile` adds cProfile's top functions of the last put (main thread, by own time); `--write`
+puts the table into docs/benchmarks.md (section bench-put-profile).
 `--tree DIR` measures another checkout's tqstore (a baseline) with this script's floor.
 """
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile of the last put of each scheme")
     parser.add_argument("--tree", type=Path, help="measure another checkout's tqstore (a baseline)")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args(argv)
     storage.use_tree(args.tree)
 
@@ -154,22 +156,27 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{k} {w:.3f}/{c:.3f}" for k, (w, c) in stages.items() if w), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    header = ["scheme", "stored MB", "load", "put s", "put CPU s", "floor s", "floor CPU s", "put / floor",
-              "put / floor (CPU)"] + [f"{k} (wall / CPU s)" for _, _, k in STAGES]
-    table = []
-    for scheme in snaps:
-        mine = [r for r in rows if r[0] == scheme]
 
-        def rng(vals, fmt="{:.3f}"):
-            return storage.span(vals, fmt)
+    def rng(values: list[float], fmt: str = "{:.3f}") -> str:
+        return storage.span(values, fmt)
 
-        table.append([scheme, f"{mine[0][2] / 1e6:.1f}", rng([r[7] for r in mine], "{:.0f}"),
-                      rng([r[3] for r in mine]), rng([r[4] for r in mine]), rng([r[5] for r in mine]),
-                      rng([r[6] for r in mine]), rng([r[5] / r[3] for r in mine], "{:.2f}") + "x",
-                      rng([r[6] / r[4] for r in mine], "{:.2f}") + "x"]
-                     + [f"{rng([r[8][k][0] for r in mine])} / {rng([r[8][k][1] for r in mine])}"
-                        for _, _, k in STAGES])
-    print(markdown_table(header, table))
+    # One row per line of the profile, two columns per scheme (wall, CPU): ranges over the runs.
+    header, table = ["", *(f"{s} {what}" for s in snaps for what in ("wall s", "CPU s"))], []
+    lines = [("stored MB", lambda r: (r[2] / 1e6, r[2] / 1e6)), ("load average", lambda r: (r[7], r[7])),
+             ("put", lambda r: (r[3], r[4])), ("floor: plain synced LMDB put", lambda r: (r[5], r[6])),
+             ("put / floor (x)", lambda r: (r[5] / r[3], r[6] / r[4]))]
+    lines += [(k, lambda r, k=k: r[8][k]) for _, _, k in STAGES]
+    for label, get in lines:
+        row = [label]
+        for scheme in snaps:
+            mine = [get(r) for r in rows if r[0] == scheme]
+            fmt = "{:.1f}" if label in ("stored MB", "load average") else "{:.2f}" if label.endswith("(x)") else "{:.3f}"
+            row += [rng([m[0] for m in mine], fmt), rng([m[1] for m in mine], fmt)]
+        table.append(row)
+    body = markdown_table(header, table)
+    print(body)
+    if args.write:
+        storage.write_docs({"bench-put-profile": body}, [sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
     for scheme, prof in profiles.items():
         print(f"\ncProfile of the last {scheme} put (main thread, own time):")
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
