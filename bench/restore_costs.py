@@ -10,8 +10,9 @@ closed (the floor: pages an open environment maps cannot be dropped; checked wit
 the same work once more on one thread, stage by stage, pages dropped again: each object's LMDB
 read (one copy out of LMDB's pages, no hash), the frame and binary header checks (the header's
 SHA-256, the tables validated once per distinct table), the xxh3-128 of every group's stored
-bytes, the zstd decoding (with byte unshuffling), the rest of `decode` (MLX copies, views,
-records), and the join with its evaluation. Stage columns are seconds per stored GB; ranges over --runs runs. `--write`
+bytes, the zstd decoding (with byte unshuffling), the checks of each object against what the
+manifest expects, `build_run` (each name's joined MLX array allocated, and every block's groups
+copied into their token slice of it), and the join (a slice) with its evaluation. Stage columns are seconds per stored GB; ranges over --runs runs. `--write`
 puts the table into docs/benchmarks.md (section bench-restore-costs).
 """
 
@@ -34,21 +35,22 @@ from common import compressed, drop_page_cache, markdown_table, replace_section,
 from storage import GEOMETRY, cold_read_floor, kv_model, raw_snapshot, span, use_tree  # noqa: E402
 
 STAGES = ("lmdb read (one copy)", "frame + header checks", "xxh3 of stored bytes", "zstd + unshuffle",
-          "MLX copies + records", "join + eval", "sum of stages")
+          "checks against the manifest", "build_run (MLX alloc + one copy)", "join + eval", "sum of stages")
 
 
 def stage_costs(store, manifest) -> dict[str, float]:
-    """Seconds of each stage of one LMDB restore of `manifest` (object format 3), run serially
-    on this thread."""
+    """Seconds of each stage of one LMDB restore of `manifest` (object format 3), the path
+    `restore_entry` takes (read, parse, check each block against the manifest, `build_run`
+    of the blocks, the join), run serially on this thread."""
     import xxhash
 
     from tqstore.canonical import DTYPES
     from tqstore.format import objects
-    from tqstore.format.blocks import SplitSnapshot, join_blocks
-    from tqstore.store.verify import decode_parsed, wants_for
+    from tqstore.format.blocks import SplitSnapshot, join_resident
+    from tqstore.store.verify import check_parsed, decode_parsed, wants_for
 
     lmdb, cost = store._tiers.lmdb, dict.fromkeys(STAGES, 0.0)
-    wants, decoded = wants_for(manifest, len(manifest.blocks), False), {}
+    wants, parsed, others = wants_for(manifest, len(manifest.blocks), False), {}, {}
     for want in wants:
         t0 = time.perf_counter()
         payload, digest = lmdb.read_unhashed(want.key)
@@ -62,16 +64,23 @@ def stage_costs(store, manifest) -> dict[str, float]:
         raws = [objects._decoded("", g.encoding, stored, g.nbytes, DTYPES[g.dtype][0].size)
                 for g, stored in zip(header.groups, spans)]
         t4 = time.perf_counter()
-        decoded[want.key] = decode_parsed(objects.Parsed(header, raws), want, digest)
+        if want.kind == "block":
+            parsed[want.key] = objects.Parsed(header, raws)
+            check_parsed(parsed[want.key], want)
+        else:
+            others[want.key] = decode_parsed(objects.Parsed(header, raws), want, digest).obj
         t5 = time.perf_counter()
         for stage, seconds in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             cost[stage] += seconds
     n = len(manifest.blocks)
     t0 = time.perf_counter()
-    split = SplitSnapshot([decoded[w.key].obj for w in wants[:n]], decoded[wants[-2].key].obj,
-                          decoded[wants[-1].key].obj, manifest.block_size)
-    mx.eval(*join_blocks(split, n).arrays())
-    cost["join + eval"] = time.perf_counter() - t0
+    blocks = objects.build_run([parsed[w.key] for w in wants[:n]])
+    t1 = time.perf_counter()
+    snapshot, _ = join_resident(SplitSnapshot(blocks, others[wants[-2].key], others[wants[-1].key],
+                                              manifest.block_size), n)
+    mx.eval(*snapshot.arrays())
+    cost["build_run (MLX alloc + one copy)"] = t1 - t0
+    cost["join + eval"] = time.perf_counter() - t1
     cost["sum of stages"] = sum(v for k, v in cost.items() if k != "sum of stages")
     return cost
 

@@ -16,7 +16,8 @@ Per cell (tokens, scheme) and run, in a fresh store home:
 - cold: mlx-lm's `stream_generate` over context + question on a fresh plain KVCache, to the first
   token (what answering costs without tqstore);
 - plain prefill: the Engine's chunked prefill of the context into plain KVCaches, against the
-  prefill inside `save_tokens` (into the scheme's caches);
+  prefill inside `save_tokens` (into the scheme's caches), and the save's compress + put
+  (fp16-equivalent GB/s: the K/V bytes an fp16 cache of the context holds over those seconds);
 - from memory: `generate(..., max_tokens=1)` right after the save (the memory tier: the save's
   joined arrays, so the restore is a slice of them);
 - from LMDB: the store closed, data.mdb's pages dropped (posix_fadvise DONTNEED), a fresh Store
@@ -31,6 +32,7 @@ rest (lookup, building the caches), beside the time that 10x sooner than cold al
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -159,6 +161,33 @@ def cold_read(path: Path) -> dict:
     return {"bytes": total, "seconds": seconds, "allocated": os.stat(path).st_blocks * 512}
 
 
+@contextlib.contextmanager
+def timing_compress_and_put(store):
+    """Seconds the save inside spends in `TurboQuantKVCache.compress` and in `store.put` (on a
+    GPU compress is lazy: its work is evaluated inside the put, so only the sum is meaningful)."""
+    from turboquant import TurboQuantKVCache
+
+    spent = {"compress": 0.0, "put": 0.0}
+
+    def timed(fn, key):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return run
+
+    compress = TurboQuantKVCache.compress
+    TurboQuantKVCache.compress = timed(compress, "compress")
+    store.put = timed(store.put, "put")
+    try:
+        yield spent
+    finally:
+        TurboQuantKVCache.compress = compress
+        del store.put
+
+
 def one_cell(root: Path, loaded, tokens: int, scheme: str, run: int, rng: random.Random) -> dict:
     """Every measurement of one (tokens, scheme) run, in its own store home (removed after)."""
     import mlx.core as mx
@@ -182,9 +211,14 @@ def one_cell(root: Path, loaded, tokens: int, scheme: str, run: int, rng: random
         row["plain_prefill"] = plain_prefill(engine, loaded, context)
         mx.clear_cache()
         t0 = time.perf_counter()
-        saved = engine.save_tokens(f"ctx-{tokens}", loaded, context, scheme=scheme)
+        with timing_compress_and_put(store) as spent:
+            saved = engine.save_tokens(f"ctx-{tokens}", loaded, context, scheme=scheme)
         row["save"] = time.perf_counter() - t0
+        row["compress_put"] = spent["compress"] + spent["put"]
         row["save_prefill"] = saved.prefill_seconds
+        margs = loaded.model.args  # K and V of every layer at 2 bytes an element: what an fp16 cache holds
+        row["fp16_bytes"] = 2 * 2 * tokens * margs.num_hidden_layers * margs.num_key_value_heads \
+            * (margs.head_dim or margs.hidden_size // margs.num_attention_heads)
         row["stored_bytes"] = store.get(f"ctx-{tokens}").nbytes
         row["memory"] = first_token(engine, loaded, scheme, prompt, "memory")
     finally:
@@ -219,6 +253,14 @@ def gbps(rows: list[dict], seconds) -> str:
     return summary([r["stored_bytes"] / seconds(r) / 1e9 for r in rows], 2, "")
 
 
+def compress_put(runs: list[dict]) -> str:
+    """fp16-equivalent GB/s of a save's compress and put (issue 28's target: 5 GB/s on the H200,
+    0.5 on the CPU). Rows kept before the column existed: "-"."""
+    if any("compress_put" not in r for r in runs):
+        return "-"
+    return summary([r["fp16_bytes"] / max(r["compress_put"], 1e-9) / 1e9 for r in runs], 2, "")
+
+
 def tables(rows: list[dict]) -> str:
     """The restore table and the save-prefill table, one line per (tokens, scheme)."""
     cells: dict[tuple[int, str], list[dict]] = {}
@@ -242,13 +284,14 @@ def tables(rows: list[dict]) -> str:
         save.append([f"{tokens:,}", scheme, summary([r['plain_prefill'] for r in runs]),
                      f"{summary([r['save_prefill'] for r in runs])}, "
                      f"{statistics.median(r['save_prefill'] for r in runs) / plain:.2f}x",
-                     summary([r['save'] for r in runs])])
+                     summary([r['save'] for r in runs]), compress_put(runs)])
     text = markdown_table(["tokens", "scheme", "stored MB", "cold prefill + 1st token", "from memory (ratio)",
                            "from LMDB, pages dropped (ratio)", "memory restore GB/s", "LMDB restore GB/s",
                            "cold-read GB/s"], restore)
     text += "\n\n" + breakdown(cells)
     text += "\n\n" + markdown_table(["tokens", "scheme", "plain prefill (Engine, KVCache)",
-                                     "prefill inside save (x plain)", "whole save (prefill + compress + put)"], save)
+                                     "prefill inside save (x plain)", "whole save (prefill + compress + put)",
+                                     "compress + put GB/s fp16-eq"], save)
     for f in failures:
         text += f"\n\nFailed: {f['tokens']:,} tokens {f['scheme']} run {f['run']}: {f['error']}"
     return text
@@ -382,7 +425,8 @@ def measure(args, argv: list[str]) -> dict:
                         say(f"run {run + 1}/{args.runs} {tokens} {scheme}: cold {row['cold']:.3f} s, memory "
                             f"{row['memory']['seconds']:.3f} s ({parts}), lmdb {row['lmdb']['seconds']:.3f} s, "
                             f"save prefill "
-                            f"{row['save_prefill']:.3f} s vs {row['plain_prefill']:.3f} s, "
+                            f"{row['save_prefill']:.3f} s vs {row['plain_prefill']:.3f} s, compress + put "
+                            f"{row['compress_put']:.3f} s, "
                             f"{row['stored_bytes'] / 1e6:.0f} MB ({time.perf_counter() - t0:.1f} s, peak "
                             f"{mx.get_peak_memory() / 2**30:.1f} GiB)")
                     if args.json:

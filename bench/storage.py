@@ -24,7 +24,8 @@ Ratios are step speed / floor speed (1.0 = at the floor). Ranges over --runs run
 script's floors: run it beside the same command without it.
 
 `--scaling` adds the restore cost per stored GB (memory tier, and LMDB with its pages dropped)
-from 1k to 32k tokens at 24 layers and from 8 to 64 layers at 4k tokens (turbo4): flat rows
+from 1k to 64k tokens at 24 layers and from 8 to 64 layers at 4k tokens (turbo4), wall and
+process CPU seconds: flat rows
 mean the cost grows with bytes, not with layer records. `--write` puts both tables into
 docs/benchmarks.md (sections bench-storage and bench-storage-scaling).
 """
@@ -63,8 +64,10 @@ class Run:
     fp16_bytes: int = 0
     decoded_bytes: int = 0
     resident_before_lmdb: int = 0  # bytes of data.mdb in the page cache when the LMDB restore began
+    load: float = 0.0  # the 1-minute load average when the run began (2 cores here)
     seconds: dict = field(default_factory=dict)  # step -> seconds
     floors: dict = field(default_factory=dict)  # step -> floor seconds
+    cpu: dict = field(default_factory=dict)  # "put", "put floor" -> the process's CPU seconds
 
 
 def kv_model(layers: int = GEOMETRY["num_hidden_layers"]):
@@ -195,7 +198,7 @@ def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int, run_ind
     from tqstore.store.store import Store
     from turboquant import make_prompt_cache, snapshot
 
-    run = Run(scheme)
+    run = Run(scheme, load=os.getloadavg()[0])
     snap, run.seconds["compress"] = compressed(model, raw, scheme)
     run.decoded_bytes = sum(a.nbytes for a in snap.arrays())
     run.fp16_bytes = 2 * 2 * 2 * 64 * n * GEOMETRY["num_hidden_layers"]
@@ -209,11 +212,13 @@ def run_scheme(model, raw, scheme: str, root: Path, s3: LocalS3, n: int, run_ind
     codec_id = CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme)
     tokens = list(range(n))
     store = Store.open(home, config=config)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     result = store.put("e", snap, tokens, model=model_id, codec=codec_id, model_ref="bench", prefill_seconds=1.0)
-    run.seconds["put"] = time.perf_counter() - t0
+    run.seconds["put"], run.cpu["put"] = time.perf_counter() - t0, time.process_time() - c0
     run.stored_bytes = result.manifest.nbytes
+    c0 = time.process_time()
     run.floors["put"] = lmdb_put_floor(run.stored_bytes, root)
+    run.cpu["put floor"] = time.process_time() - c0
 
     t0 = time.perf_counter()
     store.load("e")
@@ -260,19 +265,23 @@ def span(values: list[float], fmt: str = "{:.2f}") -> str:
 
 def table(runs: list[Run], tokens: int) -> str:
     """One row per scheme: GB/s of each step and of its floor, and their ratio, as ranges."""
-    header = ["tokens", "scheme", "stored MB", "save GB/s fp16-eq (compress + put)"]
+    header = ["tokens", "scheme", "load", "stored MB", "save GB/s fp16-eq (compress + put)"]
     for step, _ in STEPS:
         header += [f"{step} GB/s", f"{step} floor GB/s", f"{step} / floor"]
+        if step == "put":  # on a loaded machine CPU seconds stretch far less than wall seconds
+            header += ["put / floor in CPU s"]
     rows = []
     for scheme in dict.fromkeys(r.scheme for r in runs):
         mine = [r for r in runs if r.scheme == scheme]
-        row = [tokens, scheme, f"{mine[0].stored_bytes / 1e6:.1f}",
+        row = [tokens, scheme, span([r.load for r in mine], "{:.0f}"), f"{mine[0].stored_bytes / 1e6:.1f}",
                span([r.fp16_bytes / (r.seconds["compress"] + r.seconds["put"]) / 1e9 for r in mine])]
         for step, basis in STEPS:
             nbytes = (lambda r: r.decoded_bytes) if basis == "decoded" else (lambda r: r.stored_bytes)
             row += [span([nbytes(r) / r.seconds[step] / 1e9 for r in mine]),
                     span([nbytes(r) / r.floors[step] / 1e9 for r in mine]),
                     span([r.floors[step] / r.seconds[step] for r in mine]) + "x"]
+            if step == "put":
+                row += [span([r.cpu["put floor"] / r.cpu["put"] for r in mine]) + "x"]
         rows.append(row)
     return markdown_table(header, rows)
 
@@ -299,14 +308,16 @@ def measure(tokens: int, schemes: list[str], runs: int) -> list[Run]:
     return out
 
 
-SCALING_TOKENS = (1024, 4096, 16384, 32768)  # at the model's 24 layers
+SCALING_TOKENS = (1024, 4096, 16384, 65536)  # at the model's 24 layers
 SCALING_LAYERS = (8, 16, 32, 64)  # at SCALING_AT tokens
 SCALING_AT = 4096
 
 
-def restore_costs(layers: int, tokens: int, scheme: str, root: Path, run_index: int) -> tuple[int, float, float]:
-    """(stored bytes, seconds of a memory-tier restore, seconds of an LMDB restore with the
-    pages dropped) of one entry of `layers` layers and `tokens` tokens."""
+def restore_costs(layers: int, tokens: int, scheme: str, root: Path, run_index: int
+                  ) -> tuple[int, float, float, float, float]:
+    """(stored bytes, wall seconds of a memory-tier restore, of an LMDB restore with the pages
+    dropped, and the process's CPU seconds of each) of one entry of `layers` layers and
+    `tokens` tokens."""
     from tqstore.config import load_config
     from tqstore.models.identity import CodecIdentity, ModelIdentity
     from tqstore.store.store import Store
@@ -323,20 +334,22 @@ def restore_costs(layers: int, tokens: int, scheme: str, root: Path, run_index: 
                        codec=CodecIdentity.from_snapshot(snapshot(make_prompt_cache(model, scheme)), scheme),
                        model_ref="bench", prefill_seconds=1.0)
     del snap, raw
-    t0 = time.perf_counter()
+    mx.clear_cache()  # the freed snapshot (1.6 GB at 64k) must not stay in MLX's cache while the restores allocate
+    c0, t0 = time.process_time(), time.perf_counter()
     store.load("e")
-    memory = time.perf_counter() - t0
+    memory, memory_cpu = time.perf_counter() - t0, time.process_time() - c0
     store.close()
+    mx.clear_cache()
     data = home / "lmdb" / "data.mdb"
     store = Store.open(home, config=config)
     store.get("e")
     drop_page_cache(data)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     store.load("e")
-    lmdb = time.perf_counter() - t0
+    lmdb, lmdb_cpu = time.perf_counter() - t0, time.process_time() - c0
     store.close()
     shutil.rmtree(home, ignore_errors=True)
-    return result.manifest.nbytes, memory, lmdb
+    return result.manifest.nbytes, memory, lmdb, memory_cpu, lmdb_cpu
 
 
 def scaling_table(runs: int, scheme: str = "turbo4") -> str:
@@ -344,23 +357,29 @@ def scaling_table(runs: int, scheme: str = "turbo4") -> str:
     points = [(GEOMETRY["num_hidden_layers"], t) for t in SCALING_TOKENS]
     points += [(n, SCALING_AT) for n in SCALING_LAYERS if (n, SCALING_AT) not in points]
     root = Path(tempfile.mkdtemp(prefix="tqstore-scaling-", dir=os.environ.get("TQSTORE_BENCH_DIR")))
-    found: dict[tuple[int, int], list[tuple[int, float, float]]] = {p: [] for p in points}
+    found: dict[tuple[int, int], list[tuple[int, float, float, float, float]]] = {p: [] for p in points}
+    loads: dict[tuple[int, int], list[float]] = {p: [] for p in points}
     try:
         for i in range(runs):
             for layers, tokens in points:
+                loads[(layers, tokens)].append(os.getloadavg()[0])
                 found[(layers, tokens)].append(restore_costs(layers, tokens, scheme, root, i))
-                nbytes, memory, lmdb = found[(layers, tokens)][-1]
+                nbytes, memory, lmdb, memory_cpu, lmdb_cpu = found[(layers, tokens)][-1]
                 print(f"scaling run {i + 1}: {layers} layers, {tokens} tokens, {nbytes / 1e6:.1f} MB: memory "
-                      f"{memory:.3f}s, lmdb {lmdb:.3f}s", flush=True)
+                      f"{memory:.3f}s (CPU {memory_cpu:.3f}s), lmdb {lmdb:.3f}s (CPU {lmdb_cpu:.3f}s), load "
+                      f"{loads[(layers, tokens)][-1]:.1f}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
     for (layers, tokens), got in found.items():
-        rows.append([layers, tokens, scheme, f"{got[0][0] / 1e6:.1f}",
-                     span([m / (n / 1e9) for n, m, _ in got], "{:.3f}"), span([n / m / 1e9 for n, m, _ in got]),
-                     span([c / (n / 1e9) for n, _, c in got], "{:.3f}"), span([n / c / 1e9 for n, _, c in got])])
-    return markdown_table(["layers", "tokens", "scheme", "stored MB", "memory restore s/GB", "memory GB/s",
-                           "LMDB restore (pages dropped) s/GB", "LMDB GB/s"], rows)
+        rows.append([layers, tokens, scheme, span(loads[(layers, tokens)], "{:.0f}"), f"{got[0][0] / 1e6:.1f}",
+                     span([g[1] / (g[0] / 1e9) for g in got], "{:.3f}"), span([g[3] / (g[0] / 1e9) for g in got], "{:.3f}"),
+                     span([g[0] / g[1] / 1e9 for g in got]),
+                     span([g[2] / (g[0] / 1e9) for g in got], "{:.3f}"), span([g[4] / (g[0] / 1e9) for g in got], "{:.3f}"),
+                     span([g[0] / g[2] / 1e9 for g in got])])
+    return markdown_table(["layers", "tokens", "scheme", "load", "stored MB", "memory restore s/GB",
+                           "its CPU s/GB", "memory GB/s", "LMDB restore (pages dropped) s/GB", "its CPU s/GB",
+                           "LMDB GB/s"], rows)
 
 
 def use_tree(tree: Path | None) -> None:

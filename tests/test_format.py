@@ -102,6 +102,36 @@ def test_loaded_blocks_join_by_groups(layouts, T, dtype):
     assert_same_snapshot(joined[-1], snap)
 
 
+@pytest.mark.parametrize("layouts", UNIFORM + (CUTTABLE,), ids=lambda ls: "-".join(x.value for x in ls))
+@pytest.mark.parametrize("dtype", (mx.bfloat16, mx.float32), ids=("bfloat16", "float32"))
+def test_dumps_parsed_is_dumps_and_its_blocks_build_together(layouts, dtype):
+    """A put's encoding (`dumps_parsed`: each group's bytes copied by numpy from strided views
+    of the block's token slices) writes exactly `dumps`'s bytes, its parsed groups are the
+    decoded bytes a restore would parse, and the blocks built from them together (`build_run`,
+    what the put hands the memory tier) join bit-exactly into the snapshot."""
+    T = 700
+    snap, tokens = make_snapshot(T, dtype, layouts, seed=4), tokens_for(T)
+    split, cal = split_snapshot(snap), calibration_digest(snap)
+    keys = block_keys(tokens, M, C, cal)
+    parsed = []
+    for blk in split.blocks:
+        prov = F.Provenance(M, C, cal, tuple(tokens[blk.start:blk.start + blk.n_tokens]),
+                            parent=keys[blk.index - 1] if blk.index else None)
+        parts, got = F.dumps_parsed(blk, prov)
+        data = F.dumps(blk, prov)
+        assert b"".join(parts) == data
+        again = F.parse(data, expect=F.Expect("block", M, C, tokens[blk.start:blk.start + blk.n_tokens], keys[blk.index]))
+        assert [bytes(r) for r in got.raws] == [bytes(r) for r in again.raws]
+        parsed.append(got)
+    built = F.build_run(parsed)
+    if layouts is not CUTTABLE:
+        assert built is not None
+    blocks = built or [F.build(p)[1] for p in parsed]
+    window = F.loads(F.dumps(split.window, F.Provenance(M, C, cal, key=keys[-1])), expect=F.Expect("window"))
+    shared = F.loads(F.dumps(split.shared, F.Provenance(codec=C)), expect=F.Expect("shared"))
+    assert_same_snapshot(join_blocks(SplitSnapshot(blocks, window, shared)), snap)
+
+
 @pytest.mark.parametrize("layouts", (UNIFORM[0], CUTTABLE), ids=("grouped", "heterogeneous"))
 def test_objects_decoded_in_another_thread_join_in_this_one(layouts):
     """A put's writer thread and a pull's verifier decode objects that the restoring thread joins.

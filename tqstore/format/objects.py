@@ -73,7 +73,7 @@ MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
 
-__all__ = ["dumps", "dumps_decoded", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+__all__ = ["dumps", "dumps_parsed", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
 
 Obj = Snapshot | Block | Window | SharedCodecs
@@ -91,19 +91,19 @@ def dumps(obj: Obj, provenance: Provenance = Provenance(), version: int = OBJECT
     return b"".join(_dump(obj, provenance, version)[0])
 
 
-def dumps_decoded(obj: Obj, provenance: Provenance = Provenance()) -> tuple[tuple[memoryview, ...], Obj]:
+def dumps_parsed(obj: Obj, provenance: Provenance = Provenance()) -> tuple[tuple[memoryview, ...], "Parsed"]:
     """`dumps` as consecutive buffers (joined, they are its bytes: a writer copies each group
-    once, into its store, instead of once more into one object), and the object as `loads`
-    gives it back: a block with its arrays in groups (views of the bytes just written, so joins
-    concatenate groups), any other kind as it is."""
-    parts, header, held = _dump(obj, provenance, OBJECT_VERSION)
-    grouped = _grouped_block(header, held) if header.kind == "block" else None
-    return tuple(memoryview(p).cast("B") for p in parts), grouped or obj
+    once, into its store, instead of once more into one object), and the object as `parse`
+    gives it back: its header and each group's decoded bytes (numpy buffers, the very ones the
+    raw-encoded parts are), for `build`, or `build_run` to make the blocks of one put together,
+    each byte copied once into its joined array."""
+    parts, header, raws = _dump(obj, provenance, OBJECT_VERSION)
+    return tuple(memoryview(p).cast("B") for p in parts), Parsed(header, raws)
 
 
-def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header, list[mx.array]]:
+def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header, list[np.ndarray]]:
     """The bytes of `obj` as consecutive buffers, its header as read back, and each group's
-    decoded bytes as an array."""
+    decoded bytes."""
     if version not in (2, 3):
         raise ValueError(f"this tqstore writes object formats 2 and 3, not {version}")
     kind, layers, codecs = _parts(obj)
@@ -126,12 +126,12 @@ def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header,
     header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
                             "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
                      for name, c in sorted(codecs.items())}
-    held, raws = _group_bytes(groups)
+    raws = _group_bytes(groups)
     prov = _complete(kind, obj, header_layers, provenance)
     block = BlockInfo(obj.index, obj.start, obj.n_tokens, obj.block_size) if kind == "block" else None
     if version == 3:
         data, parsed = _dump3(kind, prov, block, header_layers, header_codecs, groups, raws)
-        return data, parsed, held
+        return data, parsed, raws
     header_groups, stored = _pack(groups, raws)
     header = {
         "kind": kind,
@@ -160,7 +160,7 @@ def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header,
     for part in parts:
         digest.update(part)
     frame = _FRAME.pack(MAGIC, 2, 0, len(st), 8 + len(st) + at, digest.digest())
-    return [frame, *parts], parsed, held
+    return [frame, *parts], parsed, raws
 
 
 def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: list[dict], header_codecs: dict,
@@ -193,30 +193,28 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
     return parts, parsed
 
 
-def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]
-                 ) -> tuple[list[mx.array], list[np.ndarray]]:
-    """Each group's decoded bytes, as an MLX array and as a numpy view of it (its arrays flattened and concatenated by MLX in one
-    evaluation, then viewed by numpy without a copy); places every array in its group and
-    records the digests of calibration arrays. One conversion per group, not per array: the
-    arrays of a block are lazy slices of its entry, and converting them one by one costs an
-    MLX evaluation and a copy each."""
-    flat = []
+def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]) -> list[np.ndarray]:
+    """Each group's decoded bytes, one numpy buffer per group with its arrays copied in one
+    after the other; places every array in its group and records the digests of calibration
+    arrays. The arrays of a block are token slices of its entry's arrays: numpy reads each
+    through a strided view of MLX's buffer (after one evaluation of them all), so every byte is
+    copied once. MLX's `reshape(-1)` of such a slice copies it and the concatenation copies it
+    again (about twice this copy's CPU, and most of a put's, in issue 28's put profile)."""
+    mx.eval([a for members in groups.values() for _, a in members])
+    raws = []
     for j, ((section, _, dtype), members) in enumerate(groups.items()):
         unsigned = DTYPES[dtype][2]
-        parts = [a.reshape(-1) for _, a in members]
-        joined = mx.contiguous(parts[0]) if len(parts) == 1 else mx.concatenate(parts)  # a slice may be strided
-        flat.append(joined if joined.dtype == unsigned else joined.view(unsigned))
+        raw = np.empty(sum(a.nbytes for _, a in members), dtype=np.uint8)
         offset = 0
         for entry, a in members:
             entry["group"], entry["offset"] = j, offset
+            src = np.asarray(a if a.dtype == unsigned else a.view(unsigned))
+            np.copyto(raw[offset:offset + a.nbytes].view(src.dtype).reshape(src.shape), src)
+            if section == "calibration":  # the calibration digest (and every later block key) hashes these
+                entry["sha256"] = hashlib.sha256(raw[offset:offset + a.nbytes]).hexdigest()
             offset += a.nbytes
-    mx.eval(flat)
-    raws = [np.asarray(f).reshape(-1).view(np.uint8) for f in flat]
-    for ((section, _, _), members), raw in zip(groups.items(), raws):
-        if section == "calibration":  # the calibration digest (and every later block key) hashes these
-            for entry, a in members:
-                entry["sha256"] = hashlib.sha256(raw[entry["offset"]:entry["offset"] + a.nbytes]).hexdigest()
-    return flat, raws
+        raws.append(raw)
+    return raws
 
 
 def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:

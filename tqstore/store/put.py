@@ -27,7 +27,7 @@ from tqstore.format.blocks import (SplitSnapshot, block_keys, calibration_digest
                                    split_snapshot)
 from tqstore.format.header import Provenance
 from tqstore.format.manifest import Manifest, ObjectRef, window_key
-from tqstore.format.objects import dumps_decoded as dump_object
+from tqstore.format.objects import Parsed, build as build_object, build_run, dumps_parsed as dump_object
 from tqstore.models.identity import CodecIdentity, ModelIdentity, codecs_digest
 from tqstore.names import validate_name
 from tqstore.store.publish import Batch, Digests, publish
@@ -91,6 +91,7 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
         )
 
     published = publish(tiers, name, wants, source, build)
+    source.build_written()
     canonical = [(w.key, source.canonical[w.key], "put") for w in wants]
     result, kept = join_resident(SplitSnapshot([h.obj for _, h, _ in canonical[:-2]], canonical[-2][1].obj,
                                                canonical[-1][1].obj, bs))
@@ -119,6 +120,7 @@ class _Encoder:
                     and want.other_save(hot.kind, hot.provenance) is None:
                 self.memory[want.key] = hot
         self.canonical: dict[bytes, HotObject] = {}
+        self.parsed: dict[bytes, Parsed] = {}  # the objects written, as their bytes decode
 
     def expected(self, want: Want) -> str | None:
         """A verified memory copy's digest: an LMDB copy with it is not read again."""
@@ -135,22 +137,32 @@ class _Encoder:
         except ValueError as exc:
             raise ConflictError(f"the stored objects this entry shares with an earlier save do not fit this snapshot "
                                 f"({exc}): restore the stored prefix first and continue from it") from None
-        self.canonical = canonical
+        self.canonical, self.parsed = canonical, {}
         # Each payload's sha256 (the digest its manifest records) is computed on a thread while
         # the next object is encoded here (hashlib releases the GIL).
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-put-hash") as hasher:
             pending: dict[bytes, tuple[tuple[memoryview, ...], Future]] = {}
             for want in missing:
                 hot = canonical[want.key]
-                # The memory tier keeps the object as a restore decodes it: groups, joined by group.
-                parts, obj = dump_object(hot.obj, hot.provenance)
-                canonical[want.key] = HotObject(obj, hot.kind, hot.provenance, "", hot.nbytes)
+                parts, self.parsed[want.key] = dump_object(hot.obj, hot.provenance)
                 pending[want.key] = (parts, hasher.submit(lambda p: payload_sha256(p).hex(), parts))
                 if sum(len(part) for p, _ in pending.values() for part in p) >= _BATCH_BYTES:
                     yield self._hashed(pending)
                     pending = {}
             if pending:
                 yield self._hashed(pending)
+
+    def build_written(self) -> None:
+        """The objects written, as a restore decodes them, for the memory tier and the join: the
+        blocks built together (`build_run`: each name's groups copied once into one joined
+        array, so the join that follows is a slice), any other object on its own."""
+        keys = [w.key for w in self.wants if w.key in self.parsed]
+        blocks = [k for k in keys if self.parsed[k].header.kind == "block"]
+        built = dict(zip(blocks, build_run([self.parsed[k] for k in blocks]) or ()))
+        for key in keys:
+            obj = built[key] if key in built else build_object(self.parsed[key])[1]
+            self.canonical[key] = dataclasses.replace(self.canonical[key], obj=obj)
+        self.parsed = {}
 
     def _hashed(self, pending: dict[bytes, tuple[tuple[memoryview, ...], Future]]) -> Batch:
         batch: Batch = {}
