@@ -22,7 +22,7 @@ from turboquant.kernels import DEFAULT_TUNING, KernelTuning, host
 from turboquant.kernels import dialects
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
-from turboquant.kernels.mma import MMA_ROWS, MmaPass1, table_copies
+from turboquant.kernels.mma import MMA_KEY_BITS, MMA_ROWS, MMA_VALUE_BITS, MmaPass1, table_copies
 from turboquant.kernels.reference import build_cache, stored
 
 from kernel_support import emulate, on_demand
@@ -39,12 +39,12 @@ needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 co
 
 
 def mma_variants():
-    keys = [("turbo", b, 0, "") for b in tpl.TURBO_BITS]
+    keys = [("turbo", b, 0, "") for b in MMA_KEY_BITS]
     keys += [("affine", b, g, dt) for b, g, dt in itertools.product(tpl.AFFINE_BITS, tpl.AFFINE_GROUPS,
                                                                     tpl.NATIVE_DTYPES)]
     out = []
     for d in (64, 80, 96, 128, 256):
-        for (kf, kb, kg, kd), vb, shifts, prefetch in itertools.product(keys, tpl.TURBO_BITS, (False, True),
+        for (kf, kb, kg, kd), vb, shifts, prefetch in itertools.product(keys, MMA_VALUE_BITS, (False, True),
                                                                         (0, 1, 2)):
             if kf == "affine" and d % kg:
                 continue
@@ -112,7 +112,7 @@ def test_warp_merge_is_one_bank_wavefront_per_access_and_writes_out_every_elemen
         assert c_int(load, jk=jk, run=run, r=r) == c_int(store, j=j, k=2 * e + i, lane=4 * g + c)
 
 
-@pytest.mark.parametrize("bits,spread", list(itertools.product(tpl.TURBO_BITS, (True, False))))
+@pytest.mark.parametrize("bits,spread", list(itertools.product(MMA_VALUE_BITS, (True, False))))
 def test_pair_table_fill_stores_every_copy_of_every_entry_once(bits, spread):
     """Each thread stores the copies of the entries whose codes it loaded at the kernel's start:
     every word of a table is stored exactly once, with the pair of its own entry."""

@@ -25,7 +25,8 @@ ULP = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 0.0}
 
 
 CASES = [("turbo4", mx.float16, MmaPass1), ("turbo8v3", mx.bfloat16, MmaPass1),
-         ("turbo4", mx.float32, None), ("affine8", mx.float16, None), ("turbo0v4", mx.bfloat16, None)]
+         ("turbo4", mx.float32, None), ("affine8", mx.float16, None), ("turbo0v4", mx.bfloat16, None),
+         ("turbo5v4", mx.float16, MmaPass1), ("auto3.5", mx.float32, None)]
 
 
 # One tensor-core and one CUDA-core case by default; the other layouts with -m slow.

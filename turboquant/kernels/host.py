@@ -142,10 +142,11 @@ def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = Fal
 
 
 def _side(side) -> tuple[str, int, int, str] | None:
-    """(format, bits, group, dtype name) of a side, None when no kernel reads it."""
+    """(format, bits, group, norm dtype name) of a side, None when no kernel reads it; the norm
+    dtype is "" for float32 norms and for sides without norms."""
     if isinstance(side, TurboSide):
-        # No kernel reads float16 norms yet: such sides attend through the plain-ops path.
-        return None if side.norm_dtype is not None else ("turbo", side.codec.bits, 0, "")
+        norm = "" if side.norm_dtype is None or side.norm_dtype == mx.float32 else DTYPE_NAMES.get(side.norm_dtype)
+        return None if norm is None else ("turbo", side.codec.bits, 0, norm)
     if isinstance(side, AffineSide):
         return "affine", side.codec.bits, side.codec.group_size, ""
     if isinstance(side, NativeSide):
@@ -169,8 +170,8 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
     ks, vs = _side(key_side), _side(value_side)
     if ks is None or vs is None or vs[0] == "native":
         return None
-    kfmt, kbits, kgroup, _ = ks
-    vfmt, vbits, vgroup, _ = vs
+    kfmt, kbits, kgroup, knorm = ks
+    vfmt, vbits, vgroup, vnorm = vs
     try:
         if kfmt == "turbo":
             kref = arrays[f"{key_side.name}_packed"]
@@ -222,33 +223,35 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
     if (tensor_cores and tuning.mma and queries.dtype in (mx.float16, mx.bfloat16)
             and T >= tuning.min_mma_tokens()):
         pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None,
-                             tuning.prefetch(), q_dtype, tuning.spread(kfmt))
+                             tuning.prefetch(), q_dtype, tuning.spread(kfmt), knorm, vnorm)
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
-                     shifts is not None, tuning.ns, tuning.unroll, q_dtype)
+                     shifts is not None, tuning.ns, tuning.unroll, q_dtype, knorm, vnorm)
     if pair is None:
         return None
     return Call(pair[0], pair[1], B, H, R, T, D)
 
 
 @functools.lru_cache(maxsize=None)
-def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll, q_dtype=""):
+def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll, q_dtype="",
+              knorm="", vnorm=""):
     try:
         p1 = Pass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
                    value_bits=vbits, value_group=vgroup, value_dtype=vdtype, rmax=rmax, shifts=shifts, ns=ns,
-                   unroll=unroll, q_dtype=q_dtype)
+                   unroll=unroll, q_dtype=q_dtype, key_norm=knorm, value_norm=vnorm)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=vfmt == "turbo")
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype="", spread=True):
+def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype="", spread=True,
+                  knorm="", vnorm=""):
     try:
         p1 = MmaPass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
                       value_bits=vbits, value_group=0, value_dtype="", rmax=rmax, shifts=shifts, prefetch=prefetch,
-                      q_dtype=q_dtype, spread=spread)
+                      q_dtype=q_dtype, spread=spread, key_norm=knorm, value_norm=vnorm)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=True)

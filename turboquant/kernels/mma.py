@@ -31,10 +31,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dialects import HEADERS, MARK, fill, section
-from .template import (MAX_SHIFT_BLOCKS, PASS1_FILE, THREADS, Pass1, _scale, check_raw_query, packed_words,
-                       query_setup, query_suffix)
+from .template import (MAX_SHIFT_BLOCKS, PASS1_FILE, THREADS, Pass1, _scale, check_norms, check_raw_query,
+                       norm_load, norm_suffix, packed_words, query_setup, query_suffix)
 
 MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dimension
+MMA_KEY_BITS = (1, 2, 3, 4, 5)  # TurboQuant keys: a pair table of 2^(2 * bits) entries (16 KB at 5 bits)
+MMA_VALUE_BITS = (1, 2, 3, 4)
 MMA_FILE = "pass1_mma.cuh"
 
 
@@ -55,13 +57,14 @@ class MmaPass1(Pass1):
             raise ValueError(f"no tensor-core kernel for {self.key}/{self.value}")
         if self.rmax != MMA_ROWS:
             raise ValueError(f"rmax must be {MMA_ROWS}")
-        if self.key == "turbo" and self.key_bits not in (1, 2, 3, 4):
+        if self.key == "turbo" and self.key_bits not in MMA_KEY_BITS:
             raise ValueError(f"turbo key bits {self.key_bits}")
         if self.key == "affine" and (self.key_bits not in (4, 8) or self.key_dtype not in
                                      ("float16", "bfloat16", "float32") or self.d % self.key_group):
             raise ValueError(f"affine key bits {self.key_bits}, group {self.key_group}, dtype {self.key_dtype!r}")
-        if self.value_bits not in (1, 2, 3, 4):
+        if self.value_bits not in MMA_VALUE_BITS:
             raise ValueError(f"turbo value bits {self.value_bits}")
+        check_norms(self)
         check_raw_query(self)
         if int(self.prefetch) not in (0, 1, 2):
             raise ValueError(f"prefetch depth {self.prefetch}")
@@ -70,7 +73,7 @@ class MmaPass1(Pass1):
     def name(self) -> str:
         k = f"t{self.key_bits}" if self.key == "turbo" else f"a{self.key_bits}g{self.key_group}_{self.key_dtype}"
         return (f"tq_decode1mma_{k}_t{self.value_bits}_d{self.d}_r{self.rmax}_s{int(self.shifts)}"
-                f"_p{int(self.prefetch)}{'' if self.spread else '_c1'}{query_suffix(self)}")
+                f"_p{int(self.prefetch)}{'' if self.spread else '_c1'}{query_suffix(self)}{norm_suffix(self)}")
 
     def render(self, prologue: str) -> str:
         return mma_body(self, prologue)
@@ -265,7 +268,7 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
         buf.declare("float", "kn", "[2]")
         for tt in range(2):
             buf.fill.append(_chunk_loader("k", f"@kw@[{tt}]", ck * v.key_bits, v.key_bits, v.d, "c", _ktok(tt)))
-            buf.fill.append(f"@kn@[{tt}] = k_n[knbase + (int64_t){_ktok(tt)} * knts];")
+            buf.fill.append(f"@kn@[{tt}] = {norm_load('k', f'knbase + (int64_t){_ktok(tt)} * knts', v.key_norm)};")
 
         def pair(tt, i):  # two adjacent codes are one 2*bits field: one table lookup
             field = _field(f'kw[{tt}]', i * v.key_bits, 2 * v.key_bits, n, dest)
@@ -335,7 +338,7 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     for k in range(4):
         buf.fill.append(_chunk_loader("v", f"@vw@[{k}]", cv * bits, bits, v.d, "g", _vtok(k)))
     for tt in range(2):
-        buf.fill.append(f"@vn@[{tt}] = v_n[vnbase + (int64_t){_ktok(tt)} * vnts];")
+        buf.fill.append(f"@vn@[{tt}] = {norm_load('v', f'vnbase + (int64_t){_ktok(tt)} * vnts', v.value_norm)};")
 
     def pair(k0, k1, i):  # run dim i of two tokens: their codes side by side index the pair table
         fields = [_field(f'vw[{k0}]', i * bits, bits, n, dest), _field(f'vw[{k1}]', i * bits, bits, n, dest + bits)]
