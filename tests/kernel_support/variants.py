@@ -40,7 +40,7 @@ def _pass1(key, value, **kw):
 
 def _mma(key, vbits, **kw):
     return MmaPass1(d=kw.pop("d", 128), key=key[0], key_bits=key[1], key_group=key[2], key_dtype=key[3],
-                    value="turbo", value_bits=vbits, value_group=0, value_dtype="", rmax=8, **kw)
+                    value="turbo", value_bits=vbits, value_group=0, value_dtype="", rmax=kw.pop("rmax", 8), **kw)
 
 
 def _grid():
@@ -99,6 +99,13 @@ def _wide_and_half_norms():
     for key, norm in itertools.product((("affine", 8, 64, "float16"), ("affine", 8, 128, "bfloat16")),
                                        ("float16", "bfloat16")):
         yield lambda key=key, norm=norm: _mma(key, 4, shifts=True, q_dtype="float16", value_norm=norm)
+    # two row tiles per threadgroup (a question's rows)
+    for key, vbits, d, q, shifts in itertools.product(
+            (("turbo", 4, 0, ""), ("turbo", 5, 0, ""), ("turbo", 3, 0, ""), ("affine", 8, 64, "float16"),
+             ("affine", 8, 128, "bfloat16")), (3, 4), (64, 96, 128), ("", "float16", "bfloat16"), (False, True)):
+        yield lambda key=key, vbits=vbits, d=d, q=q, shifts=shifts: _mma(
+            key, vbits, d=d, q_dtype=q, shifts=shifts, rmax=16, **({"key_norm": "float16", "value_norm": "float16"}
+                                                                   if key[1] == 5 else {}))
 
 
 def texts(variant) -> list[str]:

@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..rotation import Rotation, RotationKind
 from ..sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
 from .merge import MAX_BLOCKS, Pass2
-from .mma import MMA_ROWS, MmaPass1
+from .mma import MAX_TILED_D, MMA_ROWS, MmaPass1
 from .query import Pass0
 from .template import MAX_SPAN, OUTPUTS1, THREADS, Pass1, rows_bucket
 
@@ -58,7 +58,8 @@ MMA_MIN_TOKENS = 1
 
 
 # The environment variables `KernelTuning.from_env` reads, in its fields' order.
-TUNING_ENV = ("TQSTORE_KERNEL_NS", "TQSTORE_KERNEL_UNROLL", "TQSTORE_KERNEL_THREADGROUPS", "TQSTORE_KERNEL_MMA")
+TUNING_ENV = ("TQSTORE_KERNEL_NS", "TQSTORE_KERNEL_UNROLL", "TQSTORE_KERNEL_THREADGROUPS", "TQSTORE_KERNEL_MMA",
+              "TQSTORE_KERNEL_TILES")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class KernelTuning:
     None: for TurboQuant keys only (with affine keys they measured slower at three threadgroups
     per SM, 64k turbo8v3 100 against 77 us chained). `raw_query`: pass 1 scales the raw query of
     keys without a rotation (False: plain ops scale it first); `fuse_rotation`: pass 1 rotates
-    the raw query of TurboQuant keys under a Hadamard rotation (False: the pass-0 kernel does)."""
+    the raw query of TurboQuant keys under a Hadamard rotation (False: the pass-0 kernel does).
+    `tiles`: row tiles of 8 per tensor-core threadgroup (0: two where a KV head has more than 8
+    query rows and d <= 128, as a question's R * L rows; 1: one, as before, for benchmarks)."""
 
     ns: int = 0
     unroll: int = 0
@@ -86,13 +89,15 @@ class KernelTuning:
     mma_spread: bool | None = None
     raw_query: bool = True
     fuse_rotation: bool = True
+    tiles: int = 0
 
     @staticmethod
     def from_env() -> KernelTuning:
         """The defaults with the environment's settings (read at every call, so a process may
         change them between steps): `TQSTORE_KERNEL_MMA=0` keeps the CUDA-core pass 1,
         `TQSTORE_KERNEL_THREADGROUPS` sets `threadgroups`, and for benchmarks
-        `TQSTORE_KERNEL_NS` / `TQSTORE_KERNEL_UNROLL` set `ns` / `unroll`."""
+        `TQSTORE_KERNEL_NS` / `TQSTORE_KERNEL_UNROLL` / `TQSTORE_KERNEL_TILES` set `ns` / `unroll` /
+        `tiles`."""
         return _tuning_from_env(*(os.environ.get(name) for name in TUNING_ENV))
 
     def target_threadgroups(self, mma: bool = False) -> int:
@@ -109,10 +114,11 @@ class KernelTuning:
 
 
 @functools.lru_cache(maxsize=16)
-def _tuning_from_env(ns: str | None, unroll: str | None, threadgroups: str | None, mma: str | None) -> KernelTuning:
+def _tuning_from_env(ns: str | None, unroll: str | None, threadgroups: str | None, mma: str | None,
+                     tiles: str | None) -> KernelTuning:
     # (one value per distinct environment: a decode step pays the variable lookups only)
     return dataclasses.replace(DEFAULT_TUNING, ns=int(ns or 0), unroll=int(unroll or 0),
-                               threadgroups=int(threadgroups or 0), mma=mma != "0")
+                               threadgroups=int(threadgroups or 0), mma=mma != "0", tiles=int(tiles or 0))
 
 
 DEFAULT_TUNING = KernelTuning()  # the measured defaults, no environment
@@ -222,7 +228,9 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
     q_dtype = DTYPE_NAMES.get(queries.dtype, "") if raw else ""
     if (tensor_cores and tuning.mma and queries.dtype in (mx.float16, mx.bfloat16)
             and T >= tuning.min_mma_tokens()):
-        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None,
+        # (two row tiles where the rows need more than one: a question's R * L rows read K/V half as often)
+        rmax = MMA_ROWS if R <= MMA_ROWS or D > MAX_TILED_D or tuning.tiles == 1 else 2 * MMA_ROWS
+        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts is not None,
                              tuning.prefetch(), q_dtype, tuning.spread(kfmt), knorm, vnorm)
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
