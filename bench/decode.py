@@ -18,6 +18,8 @@ caches too.
   python bench/decode.py --breakdown        # also the GPU time of each pass alone
   python bench/decode.py --sinks            # also the entry point with attention sinks, side by side
   python bench/decode.py --model --runs 3    # instead: a model's decode tokens/s, raw against compressed
+  python bench/decode.py --compare turbo4,turbo5v4,auto3.75:mixed --runs 3 --contexts 4096,16384,65536
+                                            # schemes side by side, alternating, per-run ranges
 
 `--model` (issue 30): tokens/s of one decode stream through mlx-lm's `generate_step` (what
 `Engine.generate` runs) on N layers of Llama-3.1-8B's shapes with random bf16 weights, after
@@ -307,6 +309,73 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def mixed_caches(scheme: str, T: int, n: int) -> list:
+    """`n` layers' caches of an autoB scheme whose layers cycle through every key layout its
+    allocation can give a layer (base, wider TurboQuant keys, 8-bit affine keys): what a model's
+    mixed allocation decodes."""
+    from turboquant.plan import plan_layer
+    from turboquant.schemes import parse_scheme
+
+    options = plan_layer(parse_scheme(scheme), HKV, D, D, mx.float16).key_options()
+    return [build_cache(scheme, HKV, D, mx.float16, T, seed=i, keys=options[i % len(options)]) for i in range(n)]
+
+
+def compare(contexts: list[int], schemes: list[str], runs: int, calls: int) -> list[dict]:
+    """Chained GPU us per decode call of each scheme's fused path and fp16 SDPA, side by side on
+    caches built once per context: `runs` runs, the methods taking turns in each. A scheme
+    "autoB:mixed" cycles its layers through every key layout the allocation can choose."""
+    rows = []
+    for T in contexts:
+        nl = max(4, layers_for(T))
+        q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(T)).astype(mx.float16)
+        ks = [mx.random.normal((1, HKV, T, D), key=mx.random.key(i)).astype(mx.float16) for i in range(nl)]
+        vs = [mx.random.normal((1, HKV, T, D), key=mx.random.key(100 + i)).astype(mx.float16) for i in range(nl)]
+        mx.eval(ks, vs)
+        methods = {"fp16 SDPA": ([lambda x, k=k, v=v: mx.fast.scaled_dot_product_attention(x, k, v, scale=SCALE)
+                                  for k, v in zip(ks, vs)], None, 2 * T * HKV * D * 2)}
+        for scheme in schemes:
+            name, _, mode = scheme.partition(":")
+            caches = (mixed_caches(name, T, nl) if mode == "mixed"
+                      else [build_cache(name, HKV, D, mx.float16, T, seed=i) for i in range(nl)])
+            kernels_used = sorted({host.describe(q, c._key_side, c._value_side, stored(c), c._shifts,
+                                                 tensor_cores=TENSOR_CORES).pass1.name for c in caches})
+            err = max(check(c, q) for c in caches[:4]) if T <= CHECK_UP_TO else None
+            methods[scheme] = ([lambda x, c=c: c.attention(x, SCALE) for c in caches], (err, kernels_used),
+                               sum(stored_bytes(c) for c in caches) // nl)
+        got = {m: [] for m in methods}
+        for _ in range(runs):
+            for m, (steps, _, _) in methods.items():
+                got[m].append(chained(steps, q, calls))
+        for m, (_, info, nbytes) in methods.items():
+            rows.append(dict(T=T, method=m, us=[t * 1e6 for t in got[m]], sdpa=[t * 1e6 for t in got["fp16 SDPA"]],
+                             first=[t * 1e6 for t in got[schemes[0]]],
+                             bytes=nbytes, err=None if info is None else info[0],
+                             kernels=[] if info is None else info[1]))
+        print(compare_table(rows[-len(methods):], schemes[0]), flush=True)
+        del ks, vs, methods
+        mx.clear_cache()
+    return rows
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    xs = [x / y for x, y in zip(a, b)]
+    return f"{statistics.median(xs):.2f}x ({min(xs):.2f}-{max(xs):.2f})"
+
+
+def compare_table(rows: list[dict], first: str) -> str:
+    lines = [f"| context | method | chained GPU us/call, per run | median | time vs {first}, per run | "
+             "time vs fp16 SDPA | MB read/call | max rel err vs f64 | pass 1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = "" if r["err"] is None else f"{r['err']:.1e}"
+        vs_first = "" if r["method"] in ("fp16 SDPA", first) else _ratio(r["us"], r["first"])
+        vs_sdpa = "" if r["method"] == "fp16 SDPA" else _ratio(r["us"], r["sdpa"])
+        lines.append(f"| {ctx(r['T'])} | {r['method']} | {', '.join(f'{v:.1f}' for v in r['us'])} | "
+                     f"{statistics.median(r['us']):.1f} | {vs_first} | {vs_sdpa} | {r['bytes'] / 1e6:.1f} | {err} | "
+                     f"{', '.join(r['kernels'])} |")
+    return "\n".join(lines)
+
+
 MODEL_CONTEXTS = [16, 300, 1024, 4096, 16384, 65536]
 MODEL_SCHEMES = ["raw", "turbo4", "turbo8v3"]
 
@@ -402,12 +471,27 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="--model: runs per cell")
     ap.add_argument("--tokens", type=int, default=64, help="--model: tokens per run")
     ap.add_argument("--layers", type=int, default=8, help="--model: layers of Llama-3.1-8B's shapes")
+    ap.add_argument("--compare", help="instead: these schemes side by side (comma-separated; autoB:mixed cycles "
+                                      "the allocation's key layouts over the layers), --runs runs")
     args = ap.parse_args()
     if kernels.select_backend() is None and not args.model:
         sys.exit("bench/decode.py needs an MLX GPU backend (CUDA or Metal) as the default device")
     mx.set_memory_limit(60 << 30)
     dev = device_line()
     print(dev, flush=True)
+    if args.compare:
+        schemes = args.compare.split(",")
+        contexts = list(map(int, args.contexts.split(",")))
+        rows = compare(contexts, schemes, args.runs, args.calls)
+        body = (_heading("Decode kernels of the newer schemes against turbo4's", dev) +
+                f"B=1, {HQ} query / {HKV} KV heads, d={D}, fp16 activations, one query token, the cache's own "
+                f"attention path (the fused kernels; on CUDA the tensor-core pass 1); {args.calls} chained calls "
+                f"(each call's query the previous output) cycling over several layers' caches; {args.runs} runs, "
+                f"the methods taking turns in each run on the same caches. Ratios are per run (median, min-max). "
+                f"`:mixed`: the layers cycle through every key layout the scheme's allocation can choose."
+                f"\n\n{compare_table(rows, schemes[0])}\n")
+        emit(body, "decode-schemes", args.write_docs)
+        return
     if args.model:
         contexts = MODEL_CONTEXTS if args.contexts == ",".join(map(str, CONTEXTS)) else list(map(int, args.contexts.split(",")))
         schemes = MODEL_SCHEMES if args.schemes == ",".join(SCHEMES) else args.schemes.split(",")

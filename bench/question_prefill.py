@@ -127,36 +127,51 @@ def logits(model, caches, question):
     return np.array(out)
 
 
-def cells(model, builds: Builds, T: int, scheme: str, runs: int, ab_prefill: bool) -> list[dict]:
-    """The cell's rows: the default path, and with `ab_prefill` the decoded-rows path on the
-    same caches (alternating warm runs)."""
+MODE_ENV = ("TQSTORE_KERNEL_PREFILL", "TQSTORE_KERNEL_TILES")
+
+
+def _set_mode(env: dict[str, str]) -> None:
+    for name in MODE_ENV:
+        if name in env:
+            os.environ[name] = env[name]
+        else:
+            os.environ.pop(name, None)
+
+
+def cells(model, builds: Builds, T: int, scheme: str, runs: int, ab_prefill: bool, ab_tiles: bool = False) -> list[dict]:
+    """The cell's rows: the default path, with `ab_prefill` the decoded-rows path and with
+    `ab_tiles` the tensor-core pass 1 at one row tile per threadgroup (K/V read once per 8 query
+    rows, as before two tiles) on the same caches (alternating warm runs)."""
     import mlx.core as mx
     import numpy as np
 
-    modes = {scheme: "1"} | ({f"{scheme} (rows decoded)": "0"} if ab_prefill and scheme != "raw" else {})
+    compressed = scheme != "raw"
+    modes = ({scheme: {"TQSTORE_KERNEL_PREFILL": "1"}}
+             | ({f"{scheme} (rows decoded)": {"TQSTORE_KERNEL_PREFILL": "0"}} if ab_prefill and compressed else {})
+             | ({f"{scheme} (one row tile)": {"TQSTORE_KERNEL_TILES": "1"}} if ab_tiles and compressed else {}))
     rows = {label: {"tokens": T, "scheme": label} for label in modes}
     t0 = time.perf_counter()
     caches = fill_caches(model, scheme, T, seed=T)
     rows[scheme]["fill"] = time.perf_counter() - t0
     rows[scheme]["fill_builds"] = builds.since()
     question = mx.random.randint(1, 31999, (1, QUESTION), key=mx.random.key(T + 7))
-    for label, flag in modes.items():
-        os.environ["TQSTORE_KERNEL_PREFILL"] = flag
+    for label, env in modes.items():
+        _set_mode(env)
         rows[label]["first"] = ask(model, caches, question)
         rows[label]["first_builds"] = builds.since()
         rows[label]["warm"] = []
     for _ in range(runs):
-        for label, flag in modes.items():
-            os.environ["TQSTORE_KERNEL_PREFILL"] = flag
+        for label, env in modes.items():
+            _set_mode(env)
             rows[label]["warm"].append(ask(model, caches, question))
-    if len(modes) == 2:
+    if ab_prefill and compressed:
         got = {}
-        for label, flag in modes.items():
-            os.environ["TQSTORE_KERNEL_PREFILL"] = flag
+        for label in (scheme, f"{scheme} (rows decoded)"):
+            _set_mode(modes[label])
             got[label] = logits(model, caches, question)
         a, b = got.values()
         rows[scheme]["logits_vs_decoded"] = float(np.abs(a - b).max() / np.abs(b).max())
-    os.environ.pop("TQSTORE_KERNEL_PREFILL", None)
+    _set_mode({})
     del caches
     mx.clear_cache()
     return list(rows.values())
@@ -188,38 +203,44 @@ def mma_ab(reps: int = 3) -> list[dict]:
     return rows
 
 
-def breakdown(tokens: list[int], layers: int = 8, calls: int = 64) -> list[dict]:
-    """GPU us per layer of the 15-token question's attention over T stored turbo4 rows (bf16),
+def breakdown(tokens: list[int], layers: int = 8, calls: int = 64, schemes: tuple[str, ...] = ("turbo4",)) -> list[dict]:
+    """GPU us per layer of the 15-token question's attention over T stored rows of each scheme (bf16),
     batched over `layers` caches: the whole `fused_prefill` (pass 1, pass 2 with the causal tail),
     pass 1 alone, pass 2 alone, and raw SDPA over the same number of bf16 rows with the causal
-    mask (the floor), plus the bytes pass 1 reads per call (K/V once per 8 query rows)."""
+    mask (the floor), plus the bytes pass 1 reads per call (K/V once per row group), and pass 1
+    at one row tile per threadgroup (the layout before two tiles) on the same caches."""
     import mlx.core as mx
 
     from decode import timed
-    from turboquant.kernels import cuda, fused_prefill, host
+    from turboquant.kernels import KernelTuning, cuda, fused_prefill, host
     from turboquant.kernels.reference import build_cache, stored
 
     L, scale = QUESTION - 1, 1 / math.sqrt(128)
     rows = []
-    for T in tokens:
-        caches = [build_cache("turbo4", 8, 128, mx.bfloat16, T, seed=i, tail=L) for i in range(layers)]
+    for T, scheme in ((T, s) for T in tokens for s in schemes):
+        caches = [build_cache(scheme, 8, 128, mx.bfloat16, T, seed=i, tail=L) for i in range(layers)]
         q = mx.random.normal((1, 32, L, 128), key=mx.random.key(2)).astype(mx.bfloat16)
         rq = q.reshape(1, 32 * L, 1, 128)
-        parts = []
+        parts, one_tile = [], []
         for c in caches:
             arrays = stored(c)
-            call = host.describe(rq, c._key_side, c._value_side, arrays, c._shifts, tensor_cores=True)
-            a1 = host.pass1_args(cuda.kernel, call, rq, c._key_side, c._value_side, arrays, scale, c._shifts)
-            po, pm, pl = cuda.kernel(call.pass1)(**a1)
-            a2 = host.pass2_args(call, c._value_side, a1["inputs"][0], po, pm, pl)
-            mx.eval(po, pm, pl)
-            parts.append((c, call, a1, a2))
+            for tuning, into in ((None, parts), (KernelTuning(tiles=1), one_tile)):
+                call = host.describe(rq, c._key_side, c._value_side, arrays, c._shifts, tensor_cores=True,
+                                     tuning=tuning)
+                a1 = host.pass1_args(cuda.kernel, call, rq, c._key_side, c._value_side, arrays, scale, c._shifts,
+                                     tuning=tuning)
+                po, pm, pl = cuda.kernel(call.pass1)(**a1)
+                a2 = host.pass2_args(call, c._value_side, a1["inputs"][0], po, pm, pl)
+                mx.eval(po, pm, pl)
+                into.append((c, call, a1, a2))
+        call = parts[0][1]
         nbytes = sum(a.nbytes for a in stored(caches[0]).values()) * -(-call.R // call.pass1.rmax)
         tails = [(c._tail.arrays["keys"], c._tail.arrays["values"]) for c in caches]
         fns = {
             "fused_prefill": [lambda c=c, t=t: fused_prefill(q, c._key_side, c._value_side, c._store.arrays, scale,
                                                              "causal", c._shifts, t, c.stored, L) for c, t in zip(caches, tails)],
             "pass 1": [lambda p=p: cuda.kernel(p[1].pass1)(**p[2])[0] for p in parts],
+            "pass 1 (one row tile)": [lambda p=p: cuda.kernel(p[1].pass1)(**p[2])[0] for p in one_tile],
             "pass 2 (merge only)": [lambda p=p: cuda.kernel(p[1].pass2)(**p[3])[0] for p in parts],
         }
         ks = [mx.random.normal((1, 8, T + L, 128), key=mx.random.key(i)).astype(mx.bfloat16) for i in range(layers)]
@@ -227,7 +248,8 @@ def breakdown(tokens: list[int], layers: int = 8, calls: int = 64) -> list[dict]
         fns["raw SDPA (causal)"] = [lambda k=k: mx.fast.scaled_dot_product_attention(q, k, k, scale=scale, mask="causal")
                                     for k in ks]
         got = {name: timed(f, calls, 3)[0] * 1e6 for name, f in fns.items()}
-        rows.append({"tokens": T, "pass1_reads": -(-call.R // call.pass1.rmax), "pass1_mb": nbytes / 1e6, **got})
+        rows.append({"tokens": T, "scheme": scheme, "pass1_reads": -(-call.R // call.pass1.rmax), "pass1_mb": nbytes / 1e6,
+                     **got})
         print("ROW " + json.dumps({"breakdown": rows[-1]}), flush=True)
         del caches, parts, ks, fns
         mx.clear_cache()
@@ -248,7 +270,7 @@ def child(args) -> None:
     print("ROW " + json.dumps({"setup": time.perf_counter() - t0, "builds": builds.since()}), flush=True)
     for T in args.tokens:
         for scheme in args.schemes:
-            for row in cells(model, builds, T, scheme, args.runs, args.ab_prefill):
+            for row in cells(model, builds, T, scheme, args.runs, args.ab_prefill, args.ab_tiles):
                 print("ROW " + json.dumps(row), flush=True)
     if args.mma_ab:
         for row in mma_ab():
@@ -326,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--mma-ab", action="store_true")
     parser.add_argument("--ab-prefill", action="store_true")
+    parser.add_argument("--ab-tiles", action="store_true", help="also the tensor-core pass 1 at one row tile (before)")
     parser.add_argument("--cache-dir", type=Path, help="MLX_PTX_CACHE_DIR shared by the processes (default: a new one)")
     parser.add_argument("--json", type=Path, help="write every process's rows here")
     parser.add_argument("--render", type=Path, nargs="+", help="only print the tables of these --json files")
@@ -338,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args)
         return 0
     if args.breakdown:
-        breakdown(args.tokens, args.layers)
+        breakdown(args.tokens, args.layers, schemes=tuple(s for s in args.schemes if s != "raw") or ("turbo4",))
         return 0
     if args.render:
         body = render(args.render, args.labels)
@@ -356,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                str(args.runs), "--tokens", *map(str, args.tokens), "--schemes", *args.schemes]
         if args.ab_prefill:
             cmd.append("--ab-prefill")
+        if args.ab_tiles:
+            cmd.append("--ab-tiles")
         if args.mma_ab and p == args.processes - 1:
             cmd.append("--mma-ab")
         t0 = time.perf_counter()

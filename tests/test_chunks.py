@@ -115,7 +115,7 @@ def test_one_chunk_at_three_offsets_equals_a_fresh_prefill_there(engine, model_d
 def test_chunks_compose_in_any_order_from_one_stored_copy(engine, model_dir):
     loaded = engine.model(str(model_dir))
     for text in (X, A, B):
-        engine.add_chunk(None, text, model=str(model_dir))
+        engine.add_chunk(None, text, model=str(model_dir), scheme="turbo4")
     entries = len(engine.store.ls())
     prefix = prefix_tokens(loaded, None)
     tokens = {t: loaded.prompt.document_tokens(loaded.tokenizer, t) for t in (X, A, B)}

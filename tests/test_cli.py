@@ -87,7 +87,7 @@ def test_save_then_ask_json(cli, model):
     saved = cli("save", "doc", "--model", model, "--prompt", DOC, "--json")
     assert saved.code == 0 and saved.err == ""
     doc = saved.json
-    assert doc["name"] == "doc" and doc["scheme"] == "turbo4" and doc["model"] == model
+    assert doc["name"] == "doc" and doc["scheme"] == "turbo5v4" and doc["model"] == model
     assert doc["tokens"] > 30 and doc["reused_tokens"] == 0 and doc["new_blocks"] == 1
     assert doc["recorded_prefill_seconds"] > 0 and doc["bytes_written"] > 0
 
@@ -186,7 +186,7 @@ def test_ls_info_pin_unpin_rm_json(cli, model):
     entries = cli("ls", "--json").json["entries"]
     assert [e["name"] for e in entries] == ["a-doc", "b-doc"]
     e = entries[1]
-    assert e["location"] == "local" and e["scheme"] == "turbo4" and e["model_ref"].endswith("tiny-qwen2")
+    assert e["location"] == "local" and e["scheme"] == "turbo5v4" and e["model_ref"].endswith("tiny-qwen2")
     assert len(e["model_digest"]) == 64 and e["blocks"] == 1 and not e["pinned"] and e["expires"] is None
     table = cli("ls").out.splitlines()
     assert table[0].split() == ["NAME", "TOKENS", "SIZE", "SCHEME", "MODEL", "USED", "FLAGS"]
@@ -247,7 +247,7 @@ def test_export_import_bundle_between_homes(cli, model, tmp_path):
     other = str(tmp_path / "other-home")
     imported = cli("--home", other, "import", str(bundle), "copy", "--json").json
     assert imported == {"name": "copy", "path": str(bundle), "format": "bundle", "tokens": saved["tokens"],
-                        "scheme": "turbo4", "blocks": 1, "new_blocks": 1, "evicted": [], "warnings": []}
+                        "scheme": "turbo5v4", "blocks": 1, "new_blocks": 1, "evicted": [], "warnings": []}
     info = cli("--home", other, "info", "copy", "--json").json
     assert info["pinned"] is False and info["tokens"] == saved["tokens"]
     after = cli("--home", other, "ask", "copy", "Who pays?", "--max-tokens", "4", "--json").json
@@ -314,7 +314,7 @@ def test_config_show_set_unset(cli, monkeypatch):
     shown = cli("config", "show", "--json").json
     assert shown["home"] == {"value": cli.home, "source": "flag"} and shown["file"].endswith("config.toml")
     settings = {s["key"]: s for s in shown["settings"]}
-    assert settings["store.default_scheme"] == {"key": "store.default_scheme", "value": "turbo4", "source": "default",
+    assert settings["store.default_scheme"] == {"key": "store.default_scheme", "value": "turbo5v4", "source": "default",
                                                "env": "TQSTORE_DEFAULT_SCHEME"}
     assert settings["store.lmdb_budget"]["value"] == 10 * 2**30
 

@@ -16,7 +16,7 @@ from test_cli_s3 import DOC, bucket, tq  # noqa: F401 (fixtures)
 def test_save_push_pull_ask_on_another_home(bucket, tq, tmp_path, kind):
     model = str(write_model_folder(tmp_path / f"tiny-{kind}", kind=kind))
     code, saved = tq("a", "save", "doc", "--model", model, "--prompt", DOC)
-    assert code == 0 and saved["scheme"] == "turbo4"
+    assert code == 0 and saved["scheme"] == "turbo5v4"
     code, on_a = tq("a", "ask", "doc", "Who pays for delays?", "--max-tokens", "6")
     assert code == 0 and on_a["cached_tokens"] == saved["tokens"]
     code, pushed = tq("a", "push", "doc")

@@ -120,7 +120,7 @@ def test_python_warnings_are_one_note_line(tmp_path):
     run = tq(tmp_path / "home", "save", "g", "--model", str(model), "--prompt", DOC)
     assert run.returncode == 0, run.stderr
     assert "note: layer kind RotatingKVCache (sliding window, overwritten in place) of family gemma3_text " \
-        "is stored uncompressed under turbo4" in run.stderr
+        "is stored uncompressed under turbo5v4" in run.stderr
     assert "Warning" not in run.stderr and ".py:" not in run.stderr, run.stderr
 
 

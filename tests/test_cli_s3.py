@@ -69,7 +69,7 @@ def test_remote_listing_info_and_removal(bucket, tq, model):
     _, listed = tq("b", "ls", "--remote")
     assert [(e["name"], e["location"], e["tokens"] > 0) for e in listed["entries"]] == [("doc", "s3", True)]
     _, info = tq("b", "info", "doc", "--remote")
-    assert info["name"] == "doc" and info["location"] == "s3" and info["scheme"] == "turbo4"
+    assert info["name"] == "doc" and info["location"] == "s3" and info["scheme"] == "turbo5v4"
     code, removed = tq("b", "rm", "doc", "--remote")
     assert code == 0 and removed == {"removed": "doc", "location": "s3"}
     assert tq("b", "ls", "--remote")[1] == {"entries": []}

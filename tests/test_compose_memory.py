@@ -45,7 +45,7 @@ def tier_hits(engine: Engine) -> int:
 
 def test_a_document_given_many_times_is_restored_once(engine, model):
     loaded = engine.model(model)
-    engine.add_chunk("a", A, model=model)
+    engine.add_chunk("a", A, model=model, scheme="turbo4")
     before = tier_hits(engine)
     once = composed_caches(engine, loaded, [Document(name="a")], "turbo4", recompute=0)
     one_restore = tier_hits(engine) - before
@@ -61,7 +61,7 @@ def test_the_estimate_follows_the_engines_prefill_step(engine, model):
     # compose_memory kept its own copy of the engine's 512-token step: an engine prefilling in
     # steps of 64 was estimated as if it held 512 rows of scores at once.
     loaded = engine.model(model)
-    engine.add_chunk("a", A, model=model)
+    engine.add_chunk("a", A, model=model, scheme="turbo4")
     context = composed_caches(engine, loaded, [Document(name="a")] * 3, "turbo4", recompute=1.0)
     prefix = len(prefix_tokens(loaded, None))
     chunk = (len(context.tokens) - prefix) // 3

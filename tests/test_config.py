@@ -27,7 +27,7 @@ def test_defaults(tmp_path):
     config = load_config(tmp_path)
     assert config == Config(home=tmp_path)
     assert config.segment_size == 1 << 20
-    assert config.default_scheme == "turbo4"
+    assert config.default_scheme == "turbo5v4"
     assert config.s3_url is None and config.s3_bucket is None and config.s3_prefix == ""
     assert config.lmdb_path == tmp_path / "lmdb"
 

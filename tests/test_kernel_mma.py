@@ -22,7 +22,7 @@ from turboquant.kernels import DEFAULT_TUNING, KernelTuning, host
 from turboquant.kernels import dialects
 from turboquant.kernels import template as tpl
 from turboquant.kernels.cuda import translation_unit
-from turboquant.kernels.mma import MMA_ROWS, MmaPass1, table_copies
+from turboquant.kernels.mma import MAX_TILED_D, MMA_KEY_BITS, MMA_ROWS, MMA_VALUE_BITS, MmaPass1, table_copies
 from turboquant.kernels.reference import build_cache, stored
 
 from kernel_support import emulate, on_demand
@@ -39,12 +39,12 @@ needs_cxx = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 co
 
 
 def mma_variants():
-    keys = [("turbo", b, 0, "") for b in tpl.TURBO_BITS]
+    keys = [("turbo", b, 0, "") for b in MMA_KEY_BITS]
     keys += [("affine", b, g, dt) for b, g, dt in itertools.product(tpl.AFFINE_BITS, tpl.AFFINE_GROUPS,
                                                                     tpl.NATIVE_DTYPES)]
     out = []
     for d in (64, 80, 96, 128, 256):
-        for (kf, kb, kg, kd), vb, shifts, prefetch in itertools.product(keys, tpl.TURBO_BITS, (False, True),
+        for (kf, kb, kg, kd), vb, shifts, prefetch in itertools.product(keys, MMA_VALUE_BITS, (False, True),
                                                                         (0, 1, 2)):
             if kf == "affine" and d % kg:
                 continue
@@ -58,12 +58,14 @@ def mma_variants():
 
 VARIANTS = mma_variants()
 UNSPREAD = [dataclasses.replace(v, spread=False) for v in VARIANTS if v.d == 128 and v.prefetch == 1]
+# two row tiles (a question's rows): head dims up to MAX_TILED_D
+TILED = [dataclasses.replace(v, rmax=2 * MMA_ROWS) for v in VARIANTS if v.d <= MAX_TILED_D]
 
 
 def threadgroup_bytes(v) -> int:
     """Static threadgroup memory the kernel text declares."""
     text = tpl.source(v, "cuda")[1]
-    consts = {"RMAX": MMA_ROWS, "D": v.d, "NW": tpl.THREADS // 32, "MAXSB": tpl.MAX_SHIFT_BLOCKS}
+    consts = {"RMAX": v.rmax, "D": v.d, "NW": tpl.THREADS // 32, "MAXSB": tpl.MAX_SHIFT_BLOCKS}
     size = {"float": 4, "uint32_t": 4, "F4": 16}
     return sum(size[t] * eval(n, {}, consts) for t, n in re.findall(r"TGMEM (\w+) \w+\[([^\]]+)\];", text))
 
@@ -72,7 +74,7 @@ def test_spread_tables_fit_static_threadgroup_memory():
     """CUDA lets a kernel declare 48 KB of static threadgroup memory; the spread pair tables take
     the room that is left (16 KB each at d <= 128), never more."""
     worst = {}
-    for v in VARIANTS:
+    for v in VARIANTS + TILED:
         worst[v.d] = max(worst.get(v.d, 0), threadgroup_bytes(v))
     assert max(worst.values()) <= 48 * 1024, worst
     assert worst[128] > 40 * 1024  # turbo4 at d=128 uses most of it (two 16 KB tables)
@@ -86,33 +88,34 @@ def c_int(expr: str, **names) -> int:
     return eval(expr.replace(" / ", " // "), {}, names)
 
 
-@pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
-def test_warp_merge_is_one_bank_wavefront_per_access_and_writes_out_every_element(d):
+@pytest.mark.parametrize("d,tiles", [(64, 1), (80, 1), (96, 1), (128, 1), (256, 1), (64, 2), (128, 2)])
+def test_warp_merge_is_one_bank_wavefront_per_access_and_writes_out_every_element(d, tiles):
     """The four warps' outputs meet in threadgroup memory in the fragment layout: every store or
     load of a warp touches 32 different banks (the row-major layout took sixteen wavefronts per
-    access), the layout is a bijection onto the buffer, and the write-out reads element (row,
-    dim) from where the lane holding it stored it."""
-    v = dataclasses.replace(VARIANTS[0], d=d)
+    access), the layout is a bijection onto the buffer (each row tile its own 8 * d words), and
+    the write-out reads element (row, dim) from where the lane holding it stored it."""
+    v = dataclasses.replace(VARIANTS[0], d=d, rmax=MMA_ROWS * tiles)
     text = tpl.source(v, "cuda")[1]
     store, load = re.findall(r"const int at = (.*);", text)
     jk_expr, = re.findall(r"const int jk = (.*);", text)
     run_expr, = re.findall(r"const int run = (.*);", text)
     cv = d // 8
     words = set()
-    for j, k in itertools.product(range(d // 16), range(4)):
-        at = [c_int(store, j=j, k=k, lane=lane) for lane in range(32)]
+    for q, j, k in itertools.product(range(tiles), range(d // 16), range(4)):
+        at = [c_int(store, q=q, j=j, k=k, lane=lane, D=d) for lane in range(32)]
         assert len({a % 32 for a in at}) == 32, (j, k)
         words.update(at)
-    assert words == set(range(MMA_ROWS * d))
-    for r, dim in itertools.product(range(MMA_ROWS), range(d)):
+    assert words == set(range(v.rmax * d))
+    for r, dim in itertools.product(range(v.rmax), range(d)):
         run = c_int(run_expr, d=dim, CV=cv)
         jk = c_int(jk_expr, d=dim, run=run, CV=cv, r=r)
-        # the lane (g, c) holding (row 2c + i, dim g * CV + 2j + e) keeps it as element 2e + i of m-tile j
-        j, e, i, g, c = (dim % cv) >> 1, dim & 1, r & 1, dim // cv, r >> 1
-        assert c_int(load, jk=jk, run=run, r=r) == c_int(store, j=j, k=2 * e + i, lane=4 * g + c)
+        # the lane (g, c) holding (row 8q + 2c + i, dim g * CV + 2j + e) keeps it as element 2e + i of
+        # m-tile j of tile q
+        j, e, i, g, c = (dim % cv) >> 1, dim & 1, r & 1, dim // cv, (r & 7) >> 1
+        assert c_int(load, jk=jk, run=run, r=r, D=d) == c_int(store, q=r >> 3, j=j, k=2 * e + i, lane=4 * g + c, D=d)
 
 
-@pytest.mark.parametrize("bits,spread", list(itertools.product(tpl.TURBO_BITS, (True, False))))
+@pytest.mark.parametrize("bits,spread", list(itertools.product(MMA_VALUE_BITS, (True, False))))
 def test_pair_table_fill_stores_every_copy_of_every_entry_once(bits, spread):
     """Each thread stores the copies of the entries whose codes it loaded at the kernel's start:
     every word of a table is stored exactly once, with the pair of its own entry."""
@@ -136,7 +139,7 @@ def test_pair_table_fill_stores_every_copy_of_every_entry_once(bits, spread):
 
 def test_every_variant_generates_cuda_and_refuses_metal():
     names = set()
-    for v in VARIANTS + UNSPREAD:
+    for v in VARIANTS + UNSPREAD + TILED:
         assert v.name not in names
         names.add(v.name)
         header, body = tpl.source(v, "cuda")
@@ -241,6 +244,8 @@ EMULATED = [
     ("turbo8v2", 1, 16, 64, 200, mx.float16, True),
     ("turbo4", 2, 4, 128, 700, mx.float16, 2),
     ("turbo8v3", 1, 9, 96, 333, mx.bfloat16, 2),
+    ("turbo4", 1, 17, 64, 90, mx.float16, None),
+    ("turbo5v4", 2, 12, 128, 140, mx.bfloat16, 0),
 ]
 
 

@@ -25,7 +25,8 @@ ULP = {mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7, mx.float32: 0.0}
 
 
 CASES = [("turbo4", mx.float16, MmaPass1), ("turbo8v3", mx.bfloat16, MmaPass1),
-         ("turbo4", mx.float32, None), ("affine8", mx.float16, None), ("turbo0v4", mx.bfloat16, None)]
+         ("turbo4", mx.float32, None), ("affine8", mx.float16, None), ("turbo0v4", mx.bfloat16, None),
+         ("turbo5v4", mx.float16, MmaPass1), ("auto3.5", mx.float32, None)]
 
 
 # One tensor-core and one CUDA-core case by default; the other layouts with -m slow.
@@ -51,6 +52,8 @@ def test_question_through_the_kernels_matches_f64(monkeypatch, case):
         assert calls[1].tail_dtype
         if pass1 is not None:
             assert isinstance(calls[0], pass1)
+        if pass1 is MmaPass1:  # R * L = 20 rows: two row tiles per threadgroup, K/V read twice (not 3 times)
+            assert calls[0].rmax == 16
         ref = causal64(q, k64, v64, 0.125, mask == "causal")
         rtol = 1e-4 if dtype == mx.float32 else 2e-3
         err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)

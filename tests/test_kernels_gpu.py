@@ -224,6 +224,29 @@ def test_tensor_core_kernel_matches_f64_reference(case):
                tuning=dataclasses.replace(ANY_LENGTH, mma_prefetch=prefetch))
 
 
+# The newer schemes' layer layouts (issue 31): 5-bit TurboQuant keys, float16 row norms, and the
+# key layouts an autoB allocation leaves a layer with; both pass 1 kinds where they apply.
+NEW_LAYOUT_CASES = [
+    ("turbo5v4", "base", 128, 4, mx.float16), ("turbo5v4", "base", 64, 7, mx.bfloat16),
+    ("turbo5v3", "base", 96, 2, mx.float32), ("turbo5v2", "base", 256, 1, mx.float16),
+    ("auto3.5", "base", 128, 1, mx.bfloat16), ("auto3.75", "keys4", 80, 4, mx.float16),
+    ("auto3.75", "keys5", 128, 9, mx.bfloat16), ("auto6", "keys8", 128, 4, mx.bfloat16),
+    ("turbo5v4", "protected", 64, 2, mx.float16),
+]
+
+
+@pytest.mark.parametrize("case", NEW_LAYOUT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-d{c[2]}-R{c[3]}-{str(c[4]).split('.')[-1]}")
+def test_new_scheme_layouts_match_f64_reference(case):
+    scheme, keys, d, R, dtype = case
+    cache = build_cache(scheme, H, d, dtype, max(T_VIEWS), seed=d * 3 + R, keys=keys)
+    q = mx.random.normal((1, H * R, 1, d), key=mx.random.key(d + 3 * R)).astype(dtype)
+    k64, v64 = dequantized(cache)
+    _run_views(cache, q, 1 / math.sqrt(d), T_VIEWS, k64, v64, tuning=dataclasses.replace(ANY_LENGTH, mma=False))
+    half = dtype in (mx.float16, mx.bfloat16) and cache._value_side.format.value == "turbo" and d % 16 == 0
+    if half and kernels.select_backend() == "cuda":
+        _run_views(cache, q, 1 / math.sqrt(d), T_VIEWS, k64, v64, tensor_cores=True, tuning=ANY_LENGTH)
+
+
 @pytest.mark.parametrize("case", [("affinek-turbo", "turbo8v3", 128, 4, mx.float16),
                                   ("calibrated", "turbo4", 64, 7, mx.bfloat16)], ids=_id)
 def test_tensor_core_kernel_long_context(case):
@@ -343,7 +366,8 @@ def test_compiled_modules_serve_the_next_process(tmp_path):
 
 
 @pytest.mark.parametrize("scheme,dtype", [("turbo4", mx.bfloat16), ("turbo8v3", mx.float16), ("affine8", mx.bfloat16),
-                                          ("turbo4", mx.float32)], ids=str)
+                                          ("turbo4", mx.float32), ("turbo5v4", mx.bfloat16), ("auto3.75", mx.float16)],
+                         ids=str)
 def test_question_prefill_matches_f64(scheme, dtype):
     """A 16-token question after 4096 stored rows (the decode kernels with the tokens as query
     rows, the tail causal in pass 2) against float64, and the same through the rows decoded

@@ -122,8 +122,8 @@ def test_a_sliding_window_model_gets_a_receipt_while_its_windows_can_be_trimmed(
 
 
 def test_the_default_scheme_saves_with_a_receipt(engine, model):
-    engine.save("doc", DOC, model=model)  # no scheme: the config's default (turbo4)
-    assert engine.store.get("doc").scheme == "turbo4"
+    engine.save("doc", DOC, model=model)  # no scheme: the config's default (turbo5v4, issue 31)
+    assert engine.store.get("doc").scheme == "turbo5v4"
     receipt = _receipt(engine, "doc")
     assert receipt is not None and receipt.tokens == PROBE_TOKENS
     assert receipt.kl > 0.0 and 0.0 <= receipt.top1 <= 1.0

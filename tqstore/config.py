@@ -71,7 +71,7 @@ class Config:
     # Initial LMDB map size: address space, not disk (the file grows as pages are written);
     # the map is grown on demand past it.
     lmdb_map_size: int = 1 * GiB
-    default_scheme: str = "turbo4"  # docs/quality.md: turbo5v4 is better at equal bits but has no fused GPU kernel yet
+    default_scheme: str = "turbo5v4"  # chosen in docs/quality.md (issue 31)
     s3_url: str | None = None
     s3_endpoint: str | None = None
     s3_region: str | None = None

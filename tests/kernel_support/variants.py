@@ -40,7 +40,7 @@ def _pass1(key, value, **kw):
 
 def _mma(key, vbits, **kw):
     return MmaPass1(d=kw.pop("d", 128), key=key[0], key_bits=key[1], key_group=key[2], key_dtype=key[3],
-                    value="turbo", value_bits=vbits, value_group=0, value_dtype="", rmax=8, **kw)
+                    value="turbo", value_bits=vbits, value_group=0, value_dtype="", rmax=kw.pop("rmax", 8), **kw)
 
 
 def _grid():
@@ -78,6 +78,36 @@ def _grid():
             key, vbits, d=d, spread=spread, q_dtype=q, shifts=shifts)
 
 
+def _wide_and_half_norms():
+    """5-bit TurboQuant keys and float16/bfloat16 row norms (turbo5vN, autoB; added after the
+    fixture's first recording: the rows above keep their digests)."""
+    for kbits, vbits, knorm, vnorm, rmax, q, shifts, d in itertools.product(
+            (3, 5), (2, 4), ("", "float16"), ("float16", "bfloat16"), (1, 8), ("", "float16"), (False, True),
+            (64, 96, 128)):
+        yield lambda kbits=kbits, vbits=vbits, knorm=knorm, vnorm=vnorm, rmax=rmax, q=q, shifts=shifts, d=d: _pass1(
+            ("turbo", kbits, 0, ""), ("turbo", vbits, 0, ""), d=d, rmax=rmax, shifts=shifts, q_dtype=q,
+            key_norm=knorm, value_norm=vnorm)
+    for key, vnorm, d in itertools.product((("affine", 8, 64, "float16"), ("affine", 8, 32, "bfloat16")),
+                                           ("float16", ""), (64, 128)):
+        yield lambda key=key, vnorm=vnorm, d=d: _pass1(key, ("turbo", 4, 0, ""), d=d, rmax=4, shifts=True,
+                                                       value_norm=vnorm)
+    for kbits, vbits, norm, prefetch, q, d in itertools.product((3, 5), (2, 3, 4), ("", "float16"), (0, 1),
+                                                                 ("", "float16", "bfloat16"), (64, 96, 128, 256)):
+        yield lambda kbits=kbits, vbits=vbits, norm=norm, prefetch=prefetch, q=q, d=d: _mma(
+            ("turbo", kbits, 0, ""), vbits, d=d, prefetch=prefetch, q_dtype=q, shifts=True, key_norm=norm,
+            value_norm=norm)
+    for key, norm in itertools.product((("affine", 8, 64, "float16"), ("affine", 8, 128, "bfloat16")),
+                                       ("float16", "bfloat16")):
+        yield lambda key=key, norm=norm: _mma(key, 4, shifts=True, q_dtype="float16", value_norm=norm)
+    # two row tiles per threadgroup (a question's rows)
+    for key, vbits, d, q, shifts in itertools.product(
+            (("turbo", 4, 0, ""), ("turbo", 5, 0, ""), ("turbo", 3, 0, ""), ("affine", 8, 64, "float16"),
+             ("affine", 8, 128, "bfloat16")), (3, 4), (64, 96, 128), ("", "float16", "bfloat16"), (False, True)):
+        yield lambda key=key, vbits=vbits, d=d, q=q, shifts=shifts: _mma(
+            key, vbits, d=d, q_dtype=q, shifts=shifts, rmax=16, **({"key_norm": "float16", "value_norm": "float16"}
+                                                                   if key[1] == 5 else {}))
+
+
 def texts(variant) -> list[str]:
     """Every source text the code builds for `variant`."""
     dialects = ("cuda",) if isinstance(variant, MmaPass1) else ("cuda", "metal")
@@ -91,7 +121,7 @@ def digests() -> dict[str, str]:
     """{variant name: sha256 of its texts}; a name built twice must build the same text (MLX
     caches compiled kernels by name)."""
     result: dict[str, str] = {}
-    for build in _grid():
+    for build in itertools.chain(_grid(), _wide_and_half_norms()):
         try:
             variant = build()
         except ValueError:

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `tqstore serve`, on the CLI's subcommand parser or on parse_args's (each adds
     --home)."""
     parser.add_argument("--model", required=True, help="model folder or Hugging Face repo id to serve")
-    parser.add_argument("--scheme", help="cache scheme (default: the config's default_scheme, turbo4)")
+    parser.add_argument("--scheme", help="cache scheme (default: the config's default_scheme, turbo5v4)")
     parser.add_argument("--adapter-path", help="LoRA adapter folder for the model")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only); any other address needs an "

@@ -49,8 +49,11 @@ Backends: CUDA (`cuda.py`, proven on an H200) when the default device is the GPU
 template per pass (`query.py`, `template.py`, `merge.py`, over the macros of `dialects.py`).
 Layouts: rawk-turbo (native K in f16/bf16/f32, TurboQuant V), affinek-turbo (affine K,
 TurboQuant V), turbo and calibrated (TurboQuant K and V, per-block key means), affine (affine K
-and V, 4 or 8 bits); TurboQuant bits 1-4; any GQA ratio (8 query rows share one read of their KV
-head; larger ratios read it once per 8 rows).
+and V, 4 or 8 bits); TurboQuant bits 1-5 (the tensor-core pass 1: keys 1-5, values 1-4) with
+row norms in float32, float16 (turbo5vN, autoB) or bfloat16, so every per-layer key layout an
+autoB allocation chooses has a kernel; any GQA ratio (8 query rows share one read of their KV
+head; on the tensor cores, with more than 8 rows and d <= 128, 16 rows in two tiles; larger
+ratios and a question's R * L rows read it once per 8 or 16 rows).
 
 The tests' emulator (tests/kernel_support/emulate.py) runs the very same kernel text on the CPU
 (one OS thread per GPU thread), which is how the CPU tests check the kernels' logic;
@@ -143,9 +146,10 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
 
 
 # Query rows per KV head that `fused_prefill` takes: the kernels read the stored K/V once per 8
-# rows, so a chunk's cost grows with R * L where decoding the rows once does not. Measured at 60
-# rows (R = 4, a 15-token question: 8 reads, 3.8x faster than decoding at 64k on the H200); the
-# cap keeps it within 2x of that. Longer chunks decode the rows (turboquant/prefill.py).
+# rows (16 on the tensor cores at d <= 128), so a chunk's cost grows with R * L where decoding the
+# rows once does not. Measured at 60 rows (R = 4, a 15-token question: 8 reads, 3.8x faster than
+# decoding at 64k on the H200); the cap keeps it within 2x of that. Longer chunks decode the rows
+# (turboquant/prefill.py).
 MAX_PREFILL_ROWS = 128
 
 

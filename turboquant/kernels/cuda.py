@@ -92,6 +92,9 @@ def input_types(variant: Pass0 | Pass1 | Pass2) -> dict[str, str]:
             types[n] = variant.key_dtype
         for n in ("v_s", "v_b"):
             types[n] = variant.value_dtype
+        for n, norm in (("k_n", variant.key_norm), ("v_n", variant.value_norm)):
+            if n in types and norm:
+                types[n] = norm
     return {n: types[n] for n in variant.input_names()}
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..rotation import Rotation, RotationKind
 from ..sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
 from .merge import MAX_BLOCKS, Pass2
-from .mma import MMA_ROWS, MmaPass1
+from .mma import MAX_TILED_D, MMA_ROWS, MmaPass1
 from .query import Pass0
 from .template import MAX_SPAN, OUTPUTS1, THREADS, Pass1, rows_bucket
 
@@ -58,7 +58,8 @@ MMA_MIN_TOKENS = 1
 
 
 # The environment variables `KernelTuning.from_env` reads, in its fields' order.
-TUNING_ENV = ("TQSTORE_KERNEL_NS", "TQSTORE_KERNEL_UNROLL", "TQSTORE_KERNEL_THREADGROUPS", "TQSTORE_KERNEL_MMA")
+TUNING_ENV = ("TQSTORE_KERNEL_NS", "TQSTORE_KERNEL_UNROLL", "TQSTORE_KERNEL_THREADGROUPS", "TQSTORE_KERNEL_MMA",
+              "TQSTORE_KERNEL_TILES")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,9 @@ class KernelTuning:
     None: for TurboQuant keys only (with affine keys they measured slower at three threadgroups
     per SM, 64k turbo8v3 100 against 77 us chained). `raw_query`: pass 1 scales the raw query of
     keys without a rotation (False: plain ops scale it first); `fuse_rotation`: pass 1 rotates
-    the raw query of TurboQuant keys under a Hadamard rotation (False: the pass-0 kernel does)."""
+    the raw query of TurboQuant keys under a Hadamard rotation (False: the pass-0 kernel does).
+    `tiles`: row tiles of 8 per tensor-core threadgroup (0: two where a KV head has more than 8
+    query rows and d <= 128, as a question's R * L rows; 1: one, as before, for benchmarks)."""
 
     ns: int = 0
     unroll: int = 0
@@ -86,13 +89,15 @@ class KernelTuning:
     mma_spread: bool | None = None
     raw_query: bool = True
     fuse_rotation: bool = True
+    tiles: int = 0
 
     @staticmethod
     def from_env() -> KernelTuning:
         """The defaults with the environment's settings (read at every call, so a process may
         change them between steps): `TQSTORE_KERNEL_MMA=0` keeps the CUDA-core pass 1,
         `TQSTORE_KERNEL_THREADGROUPS` sets `threadgroups`, and for benchmarks
-        `TQSTORE_KERNEL_NS` / `TQSTORE_KERNEL_UNROLL` set `ns` / `unroll`."""
+        `TQSTORE_KERNEL_NS` / `TQSTORE_KERNEL_UNROLL` / `TQSTORE_KERNEL_TILES` set `ns` / `unroll` /
+        `tiles`."""
         return _tuning_from_env(*(os.environ.get(name) for name in TUNING_ENV))
 
     def target_threadgroups(self, mma: bool = False) -> int:
@@ -109,10 +114,11 @@ class KernelTuning:
 
 
 @functools.lru_cache(maxsize=16)
-def _tuning_from_env(ns: str | None, unroll: str | None, threadgroups: str | None, mma: str | None) -> KernelTuning:
+def _tuning_from_env(ns: str | None, unroll: str | None, threadgroups: str | None, mma: str | None,
+                     tiles: str | None) -> KernelTuning:
     # (one value per distinct environment: a decode step pays the variable lookups only)
     return dataclasses.replace(DEFAULT_TUNING, ns=int(ns or 0), unroll=int(unroll or 0),
-                               threadgroups=int(threadgroups or 0), mma=mma != "0")
+                               threadgroups=int(threadgroups or 0), mma=mma != "0", tiles=int(tiles or 0))
 
 
 DEFAULT_TUNING = KernelTuning()  # the measured defaults, no environment
@@ -142,10 +148,11 @@ def plan_blocks(T: int, tg_rows: int, target: int | None = None, mma: bool = Fal
 
 
 def _side(side) -> tuple[str, int, int, str] | None:
-    """(format, bits, group, dtype name) of a side, None when no kernel reads it."""
+    """(format, bits, group, norm dtype name) of a side, None when no kernel reads it; the norm
+    dtype is "" for float32 norms and for sides without norms."""
     if isinstance(side, TurboSide):
-        # No kernel reads float16 norms yet: such sides attend through the plain-ops path.
-        return None if side.norm_dtype is not None else ("turbo", side.codec.bits, 0, "")
+        norm = "" if side.norm_dtype is None or side.norm_dtype == mx.float32 else DTYPE_NAMES.get(side.norm_dtype)
+        return None if norm is None else ("turbo", side.codec.bits, 0, norm)
     if isinstance(side, AffineSide):
         return "affine", side.codec.bits, side.codec.group_size, ""
     if isinstance(side, NativeSide):
@@ -169,8 +176,8 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
     ks, vs = _side(key_side), _side(value_side)
     if ks is None or vs is None or vs[0] == "native":
         return None
-    kfmt, kbits, kgroup, _ = ks
-    vfmt, vbits, vgroup, _ = vs
+    kfmt, kbits, kgroup, knorm = ks
+    vfmt, vbits, vgroup, vnorm = vs
     try:
         if kfmt == "turbo":
             kref = arrays[f"{key_side.name}_packed"]
@@ -221,34 +228,38 @@ def describe(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array
     q_dtype = DTYPE_NAMES.get(queries.dtype, "") if raw else ""
     if (tensor_cores and tuning.mma and queries.dtype in (mx.float16, mx.bfloat16)
             and T >= tuning.min_mma_tokens()):
-        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, MMA_ROWS, shifts is not None,
-                             tuning.prefetch(), q_dtype, tuning.spread(kfmt))
+        # (two row tiles where the rows need more than one: a question's R * L rows read K/V half as often)
+        rmax = MMA_ROWS if R <= MMA_ROWS or D > MAX_TILED_D or tuning.tiles == 1 else 2 * MMA_ROWS
+        pair = _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts is not None,
+                             tuning.prefetch(), q_dtype, tuning.spread(kfmt), knorm, vnorm)
         if pair is not None:
             return Call(pair[0], pair[1], B, H, R, T, D)
     pair = _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rows_bucket(R),
-                     shifts is not None, tuning.ns, tuning.unroll, q_dtype)
+                     shifts is not None, tuning.ns, tuning.unroll, q_dtype, knorm, vnorm)
     if pair is None:
         return None
     return Call(pair[0], pair[1], B, H, R, T, D)
 
 
 @functools.lru_cache(maxsize=None)
-def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll, q_dtype=""):
+def _variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, vgroup, vdtype, rmax, shifts, ns, unroll, q_dtype="",
+              knorm="", vnorm=""):
     try:
         p1 = Pass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
                    value_bits=vbits, value_group=vgroup, value_dtype=vdtype, rmax=rmax, shifts=shifts, ns=ns,
-                   unroll=unroll, q_dtype=q_dtype)
+                   unroll=unroll, q_dtype=q_dtype, key_norm=knorm, value_norm=vnorm)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=vfmt == "turbo")
 
 
 @functools.lru_cache(maxsize=None)
-def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype="", spread=True):
+def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, prefetch, q_dtype="", spread=True,
+                  knorm="", vnorm=""):
     try:
         p1 = MmaPass1(d=D, key=kfmt, key_bits=kbits, key_group=kgroup, key_dtype=kdtype, value=vfmt,
                       value_bits=vbits, value_group=0, value_dtype="", rmax=rmax, shifts=shifts, prefetch=prefetch,
-                      q_dtype=q_dtype, spread=spread)
+                      q_dtype=q_dtype, spread=spread, key_norm=knorm, value_norm=vnorm)
     except ValueError:
         return None
     return p1, Pass2(d=D, rotate=True)

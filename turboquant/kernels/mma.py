@@ -31,10 +31,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dialects import HEADERS, MARK, fill, section
-from .template import (MAX_SHIFT_BLOCKS, PASS1_FILE, THREADS, Pass1, _scale, check_raw_query, packed_words,
-                       query_setup, query_suffix)
+from .template import (MAX_SHIFT_BLOCKS, PASS1_FILE, THREADS, Pass1, _scale, check_norms, check_raw_query,
+                       norm_load, norm_suffix, packed_words, query_setup, query_suffix)
 
-MMA_ROWS = 8  # query rows of a KV head one threadgroup serves: the MMA's N dimension
+MMA_ROWS = 8  # query rows of one row tile: the MMA's N dimension
+# Row tiles a threadgroup serves (rmax = 8 * tiles): each K/V element a warp decodes feeds every
+# tile's MMAs, so a question's R * L rows read the stored K/V once per 8 * tiles rows. Two tiles
+# hold 64 more accumulator registers a lane and twice the query and merge staging, so they are
+# built for head dims up to 128 (more would pass CUDA's 48 KB of static threadgroup memory).
+MMA_TILES = (1, 2)
+MAX_TILED_D = 128
+MMA_KEY_BITS = (1, 2, 3, 4, 5)  # TurboQuant keys: a pair table of 2^(2 * bits) entries (16 KB at 5 bits)
+MMA_VALUE_BITS = (1, 2, 3, 4)
 MMA_FILE = "pass1_mma.cuh"
 
 
@@ -53,15 +61,16 @@ class MmaPass1(Pass1):
             raise ValueError(f"head dim must be a multiple of 16 in [16, 256], got {self.d}")
         if self.key not in ("turbo", "affine") or self.value != "turbo":
             raise ValueError(f"no tensor-core kernel for {self.key}/{self.value}")
-        if self.rmax != MMA_ROWS:
-            raise ValueError(f"rmax must be {MMA_ROWS}")
-        if self.key == "turbo" and self.key_bits not in (1, 2, 3, 4):
+        if self.rmax not in tuple(MMA_ROWS * t for t in MMA_TILES) or (self.rmax > MMA_ROWS and self.d > MAX_TILED_D):
+            raise ValueError(f"rmax {self.rmax} at d={self.d}")
+        if self.key == "turbo" and self.key_bits not in MMA_KEY_BITS:
             raise ValueError(f"turbo key bits {self.key_bits}")
         if self.key == "affine" and (self.key_bits not in (4, 8) or self.key_dtype not in
                                      ("float16", "bfloat16", "float32") or self.d % self.key_group):
             raise ValueError(f"affine key bits {self.key_bits}, group {self.key_group}, dtype {self.key_dtype!r}")
-        if self.value_bits not in (1, 2, 3, 4):
+        if self.value_bits not in MMA_VALUE_BITS:
             raise ValueError(f"turbo value bits {self.value_bits}")
+        check_norms(self)
         check_raw_query(self)
         if int(self.prefetch) not in (0, 1, 2):
             raise ValueError(f"prefetch depth {self.prefetch}")
@@ -70,7 +79,7 @@ class MmaPass1(Pass1):
     def name(self) -> str:
         k = f"t{self.key_bits}" if self.key == "turbo" else f"a{self.key_bits}g{self.key_group}_{self.key_dtype}"
         return (f"tq_decode1mma_{k}_t{self.value_bits}_d{self.d}_r{self.rmax}_s{int(self.shifts)}"
-                f"_p{int(self.prefetch)}{'' if self.spread else '_c1'}{query_suffix(self)}")
+                f"_p{int(self.prefetch)}{'' if self.spread else '_c1'}{query_suffix(self)}{norm_suffix(self)}")
 
     def render(self, prologue: str) -> str:
         return mma_body(self, prologue)
@@ -108,10 +117,10 @@ def _field(words: str, pos: int, width: int, nwords: int, dest: int = 0) -> str:
 PAIR_TABLE_WORDS = 4096
 
 
-def table_copies(bits: int, d: int, spread: bool) -> int:
+def table_copies(bits: int, d: int, spread: bool, tiles: int = 1) -> int:
     """Copies of a `bits`-bit pair table: with `spread`, as many as fit the word budget (at most
-    32, one per bank), else 1."""
-    words = PAIR_TABLE_WORDS * 128 // max(d, 128)
+    32, one per bank; the budget shrinks with the row tiles, whose staging takes the room), else 1."""
+    words = PAIR_TABLE_WORDS * 128 // max(d, 128) // tiles
     return max(1, min(32, words >> (2 * bits))) if spread else 1
 
 
@@ -198,6 +207,10 @@ def _chunk_loader(x: str, arr: str, chunk_bits: int, bits: int, d: int, index: s
     return "\n".join(lines)
 
 
+def tiles(v: MmaPass1) -> int:
+    return v.rmax // MMA_ROWS
+
+
 def _turbo_side(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
     shared, early, setup_shared, lane_offset = _pair_table(x, bits, copies)
     setup = lane_offset + fill(section(MMA_FILE, "turbo_setup"), X=x)
@@ -209,7 +222,8 @@ def _score_step(s: int, pair) -> str:
     frag = [pair(0, 4 * s), pair(1, 4 * s), pair(0, 4 * s + 2), pair(1, 4 * s + 2)]
     acc = f"sc{s % 2}"  # two accumulator chains (even and odd steps) halve the MMA dependency chain
     return ("  {\n" + "".join(f"    const uint32_t a{i} = {f};\n" for i, f in enumerate(frag))
-            + f"    tq_mma({acc}, a0, a1, a2, a3, qh[{s}][0], qh[{s}][1]);\n  }}")
+            + "#pragma unroll\n    for (int q = 0; q < NQ; ++q) {\n"
+            + f"      tq_mma({acc}[q], a0, a1, a2, a3, qh[q][{s}][0], qh[q][{s}][1]);\n    }}\n  }}")
 
 
 def _scale_load(arr: str, base: str, ts: str, token: str, index: str, dtype: str) -> str:
@@ -257,7 +271,7 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     """Key side: a lane's run of its token's row per n-tile, the k-steps, the score finish."""
     ck = v.d // 4  # dims per lane: k-step s takes run dims 4s..4s+3
     if v.key == "turbo":
-        copies = table_copies(v.key_bits, v.d, v.spread)
+        copies = table_copies(v.key_bits, v.d, v.spread, tiles(v))
         shared, early, setup_shared, setup = _turbo_side("k", v.key_bits, copies)
         dest = 2 + copies.bit_length() - 1
         n = run_words(ck * v.key_bits)
@@ -265,7 +279,7 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
         buf.declare("float", "kn", "[2]")
         for tt in range(2):
             buf.fill.append(_chunk_loader("k", f"@kw@[{tt}]", ck * v.key_bits, v.key_bits, v.d, "c", _ktok(tt)))
-            buf.fill.append(f"@kn@[{tt}] = k_n[knbase + (int64_t){_ktok(tt)} * knts];")
+            buf.fill.append(f"@kn@[{tt}] = {norm_load('k', f'knbase + (int64_t){_ktok(tt)} * knts', v.key_norm)};")
 
         def pair(tt, i):  # two adjacent codes are one 2*bits field: one table lookup
             field = _field(f'kw[{tt}]', i * v.key_bits, 2 * v.key_bits, n, dest)
@@ -326,7 +340,7 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     """Value side: a lane loads dims g*CV.. of its 4 tokens' rows; n-tile j takes run dim j."""
     cv = v.d // 8
     bits = v.value_bits
-    copies = table_copies(bits, v.d, v.spread)
+    copies = table_copies(bits, v.d, v.spread, tiles(v))
     dest = 2 + copies.bit_length() - 1
     shared, early, setup_shared, setup = _turbo_side("v", bits, copies)
     n = run_words(cv * bits)
@@ -335,7 +349,7 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     for k in range(4):
         buf.fill.append(_chunk_loader("v", f"@vw@[{k}]", cv * bits, bits, v.d, "g", _vtok(k)))
     for tt in range(2):
-        buf.fill.append(f"@vn@[{tt}] = v_n[vnbase + (int64_t){_ktok(tt)} * vnts];")
+        buf.fill.append(f"@vn@[{tt}] = {norm_load('v', f'vnbase + (int64_t){_ktok(tt)} * vnts', v.value_norm)};")
 
     def pair(k0, k1, i):  # run dim i of two tokens: their codes side by side index the pair table
         fields = [_field(f'vw[{k0}]', i * bits, bits, n, dest), _field(f'vw[{k1}]', i * bits, bits, n, dest + bits)]
@@ -345,7 +359,8 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
     for j in range(v.d // 16):
         frag = [pair(0, 1, 2 * j), pair(0, 1, 2 * j + 1), pair(2, 3, 2 * j), pair(2, 3, 2 * j + 1)]
         steps.append("  {\n" + "".join(f"    const uint32_t a{i} = {f};\n" for i, f in enumerate(frag))
-                     + f"    tq_mma(o[{j}], a0, a1, a2, a3, pb0, pb1);\n  }}")
+                     + "#pragma unroll\n    for (int q = 0; q < NQ; ++q) {\n"
+                     + f"      tq_mma(o[q][{j}], a0, a1, a2, a3, pb0[q], pb1[q]);\n    }}\n  }}")
     return {"shared": shared, "early": early, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps)}
 
 
@@ -371,6 +386,7 @@ def mma_body(v: MmaPass1, prologue: str) -> str:
         top = f"    const int bb = base + {depth} * NW * 16;\n" + fills[depth]
         copy = "\n".join(buf.copy(prefixes[k], prefixes[k + 1]) for k in range(depth))
     text = fill(section(MMA_FILE, "body"), PROLOGUE=prologue, BLOCK=section(PASS1_FILE, "block"), D=v.d, NT=THREADS,
+                NQ=tiles(v),
                 MAXSB=MAX_SHIFT_BLOCKS,
                 SHARED="\n".join(s for s in shared if s), SETUP_SHARED="\n".join(s for s in setup_shared if s),
                 EARLY="\n".join(x for x in (kp["early"], vp["early"]) if x), KEY_SETUP=kp["setup"], VALUE_SETUP=vp["setup"], DECL=decl, NDECL=ndecl, PRE=pre, TOP=top,

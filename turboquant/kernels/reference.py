@@ -14,11 +14,12 @@ import numpy as np
 
 from ..cache import TurboQuantKVCache
 from ..calibration import CalibrationConfig
-from ..plan import plan_layer
+from ..plan import BASE_KEYS, plan_layer
 from ..schemes import parse_scheme
 from .host import exact_arrays
 
 UNCALIBRATED = CalibrationConfig(center=False, channel_scale=False, rotated_scale=False)
+PROTECTED = "protected"
 
 
 def kv_rows(B: int, H: int, T: int, D: int, seed: int = 0, dtype=mx.float32, outlier: float = 40.0):
@@ -32,13 +33,16 @@ def kv_rows(B: int, H: int, T: int, D: int, seed: int = 0, dtype=mx.float32, out
 
 
 def build_cache(scheme: str, H: int, D: int, dtype, T: int, *, seed: int = 0, tail: int = 0,
-                calibrated: bool = True, B: int = 1) -> TurboQuantKVCache | None:
+                calibrated: bool = True, B: int = 1, keys: str = BASE_KEYS) -> TurboQuantKVCache | None:
     """A compressed cache of T stored rows (plus `tail` raw rows), or None when the scheme keeps
-    this head dim native. `calibrated=False` gives the plain turbo layout (no key means)."""
+    this head dim native. `calibrated=False` gives the plain turbo layout (no key means).
+    `keys`: the layer's key layout as an auto scheme's allocation leaves it (one of the plan's
+    `key_options`), or "protected" (the guard's layout: affine8 keys, values as the scheme says)."""
     kw = {} if calibrated else {"calibration": UNCALIBRATED}
     plan = plan_layer(parse_scheme(scheme), H, D, D, dtype, **kw)
     if plan is None:
         return None
+    plan = plan.protected_plan() if keys == PROTECTED else plan.with_keys(keys)
     cache = TurboQuantKVCache(plan)
     k, v = kv_rows(B, H, T, D, seed=seed, dtype=dtype)
     cache.update_and_fetch(k, v)

@@ -39,7 +39,9 @@ MAX_SPAN = (MAX_SHIFT_BLOCKS - 2) * SHIFT_BLOCK  # tokens per pass-1 block: touc
 KEY_FORMATS = ("native", "affine", "turbo")
 VALUE_FORMATS = ("affine", "turbo")
 NATIVE_DTYPES = ("float16", "bfloat16", "float32")
-TURBO_BITS = (1, 2, 3, 4)
+TURBO_BITS = (1, 2, 3, 4, 5)
+# TurboQuant row norms as stored: "" is float32 (read as is), else converted from their raw bits
+NORM_DTYPES = ("", "float16", "bfloat16")
 AFFINE_BITS = (4, 8)
 AFFINE_GROUPS = (32, 64, 128)
 ROW_BUCKETS = (1, 2, 4, 8)
@@ -102,6 +104,10 @@ class Pass1:
     # keys (d a power of two, a Hadamard rotation) q_k = H(q * pre[h]) * post[h], with the
     # rotation's signs and 1/sqrt(d) folded into pre; q_s = q * cq.
     q_dtype: str = ""
+    # TurboQuant row norms of the key / value side: "" float32, or "float16" / "bfloat16" (the
+    # turbo5vN and autoB schemes store float16 norms); part of the source and the name.
+    key_norm: str = ""
+    value_norm: str = ""
 
     def __post_init__(self):
         check_pass1(self)
@@ -140,7 +146,7 @@ class Pass1:
         ns, g = self.lanes
         return (f"tq_decode1_{side(self.key, self.key_bits, self.key_group, self.key_dtype)}_"
                 f"{side(self.value, self.value_bits, self.value_group, self.value_dtype)}_d{self.d}_r{self.rmax}"
-                f"_n{ns}_u{self.u}_s{int(self.shifts)}{query_suffix(self)}")
+                f"_n{ns}_u{self.u}_s{int(self.shifts)}{query_suffix(self)}{norm_suffix(self)}")
 
     def render(self, prologue: str) -> str:
         """The kernel body after `prologue` (the dialect's thread indices)."""
@@ -181,6 +187,7 @@ def check_pass1(v: Pass1) -> None:
             raise ValueError(f"native side: bits {bits}, dtype {dtype!r}")
     if v.shifts and v.key == "native":
         raise ValueError("native keys carry no key means")
+    check_norms(v)
     check_raw_query(v)
     ns, g = v.lanes
     if g > 32 or v.u < 1:
@@ -192,6 +199,25 @@ def check_raw_query(v: Pass1) -> None:
     (the transform in pass 1 is a Hadamard butterfly)."""
     if v.q_dtype and (v.q_dtype not in NATIVE_DTYPES or (v.key == "turbo" and v.d & (v.d - 1))):
         raise ValueError(f"raw query of dtype {v.q_dtype!r} with {v.key} keys at d={v.d}")
+
+
+def check_norms(v: Pass1) -> None:
+    """Norm widths other than float32 only on TurboQuant sides, of a known dtype."""
+    for fmt, norm in ((v.key, v.key_norm), (v.value, v.value_norm)):
+        if norm not in NORM_DTYPES or (norm and fmt != "turbo"):
+            raise ValueError(f"{fmt} side with norms {norm!r}")
+
+
+def norm_suffix(v: Pass1) -> str:
+    return "".join(f"_{x}n{SHORT[n]}" for x, n in (("k", v.key_norm), ("v", v.value_norm)) if n)
+
+
+def norm_load(x: str, index: str, dtype: str) -> str:
+    """C expression: the float norm of side `x` at element `index` of `x`_n, stored as `dtype`
+    ("" float32; half widths are read as raw bits and converted, the same in every dialect)."""
+    if not dtype:
+        return f"{x}_n[{index}]"
+    return _scale(f"(uint32_t)((const DEV uint16_t*){x}_n)[{index}]", dtype)
 
 
 def query_suffix(v: Pass1) -> str:
@@ -245,17 +271,21 @@ def query_setup(v: Pass1) -> tuple[str, str]:
     return "\n".join(shared), text
 
 
-def _turbo_parts(side: str, bits: int, d: int) -> dict[str, str]:
+def _turbo_parts(side: str, bits: int, d: int, norm: str = "") -> dict[str, str]:
     """Setup / load code of a TurboQuant side (`k` or `v`): per lane, NS sub-chunks of 8 codes;
-    sub-chunk sc starts at bit sc*8*bits of the row's LSB-first bit stream."""
+    sub-chunk sc starts at bit sc*8*bits of the row's LSB-first bit stream. `words` declares the
+    sub-chunk's code words and `codes[i]` is code i's byte offset into the float codebook: at 5
+    bits a sub-chunk is 40 bits from a byte-aligned start, so two words always hold it (codes
+    0-5 in the funnel-shifted low word, 6-7 across its top bits and the next word)."""
     x = side
     pw = packed_words(d, bits)
-    shared = f"TGMEM float s_{x}cb[16];"
-    setup_shared = f"if (tid < 16) {{ s_{x}cb[tid] = {x}_cb[IMIN(tid, {(1 << bits) - 1})]; }}"
+    ncb = max(16, 1 << bits)
+    shared = f"TGMEM float s_{x}cb[{ncb}];"
+    setup_shared = f"if (tid < {ncb}) {{ s_{x}cb[tid] = {x}_cb[IMIN(tid, {(1 << bits) - 1})]; }}"
     setup = fill(section(SIDES_FILE, "turbo_setup"), X=x, CODE_BITS=8 * bits, LAST_WORD=pw - 1)
     # Buffers hold the raw words; shifts happen where the codes are used, so a prefetch is never
     # waited for before the next chunk.
-    if bits == 3:
+    if bits in (3, 5):
         arrays = [("uint32_t", f"{x}c", "[U][NS][2]"), ("float", f"{x}nr", "[U]")]
         load = f"@@P@@{x}c[u][k][0] = p[{x}wi[k]]; @@P@@{x}c[u][k][1] = p[{x}wj[k]];"
         word = f"tq_funnel({x}c[u][k][0], {x}c[u][k][1], {x}sh[k])"
@@ -263,9 +293,15 @@ def _turbo_parts(side: str, bits: int, d: int) -> dict[str, str]:
         arrays = [("uint32_t", f"{x}c", "[U][NS]"), ("float", f"{x}nr", "[U]")]
         load = f"@@P@@{x}c[u][k] = p[{x}wi[k]];"
         word = f"{x}c[u][k]" if bits == 4 else f"({x}c[u][k] >> {x}sh[k])"
-    fill_ = fill(section(SIDES_FILE, "turbo_fill"), X=x, LOAD=load)
+    words = f"      const uint32_t cw = {word};"
+    codes = [_code_offset("cw", i, bits) for i in range(8)]
+    if bits == 5:
+        words += f"\n      const uint32_t ch = (cw >> 30) | (({x}c[u][k][1] >> {x}sh[k]) << 2);"
+        codes[6:] = [_code_offset("ch", i, bits) for i in range(2)]
+    nload = norm_load(x, f"{x}nbase + (int64_t)@@TT@@[u] * {x}nts", norm)
+    fill_ = fill(section(SIDES_FILE, "turbo_fill"), X=x, LOAD=load, NORM=nload)
     return {"shared": shared, "setup_shared": setup_shared, "setup": setup, "arrays": arrays, "fill": fill_,
-            "word": word}
+            "words": words, "codes": codes}
 
 
 def _code_offset(word: str, i: int, bits: int) -> str:
@@ -317,15 +353,15 @@ def _affine_code(x: str, i: int, bits: int) -> str:
 
 def _key_parts(v: Pass1) -> dict[str, str]:
     if v.key == "turbo":
-        p = _turbo_parts("k", v.key_bits, v.d)
+        p = _turbo_parts("k", v.key_bits, v.d, v.key_norm)
         lines = ["    float acc[RMAX];",
                  "#pragma unroll",
                  "    for (int r = 0; r < RMAX; ++r) { acc[r] = 0.0f; }",
                  "#pragma unroll",
                  "    for (int k = 0; k < NS; ++k) {",
-                 f"      const uint32_t cw = {p['word']};"]
+                 p["words"]]
         for i in range(8):
-            lines.append(f"      {{ const float c = CBLOOK(s_kcb, {_code_offset('cw', i, v.key_bits)});")
+            lines.append(f"      {{ const float c = CBLOOK(s_kcb, {p['codes'][i]});")
             lines.append("#pragma unroll")
             lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ acc[r] += q[r][k * 8 + {i}] * c; }} }}")
         lines += ["    }",
@@ -382,14 +418,14 @@ def _key_parts(v: Pass1) -> dict[str, str]:
 
 def _value_parts(v: Pass1) -> dict[str, str]:
     if v.value == "turbo":
-        p = _turbo_parts("v", v.value_bits, v.d)
+        p = _turbo_parts("v", v.value_bits, v.d, v.value_norm)
         lines = ["#pragma unroll",
                  "    for (int r = 0; r < RMAX; ++r) { w[u][r] *= vnr[u]; }",
                  "#pragma unroll",
                  "    for (int k = 0; k < NS; ++k) {",
-                 f"      const uint32_t cw = {p['word']};"]
+                 p["words"]]
         for i in range(8):
-            lines.append(f"      {{ const float c = CBLOOK(s_vcb, {_code_offset('cw', i, v.value_bits)});")
+            lines.append(f"      {{ const float c = CBLOOK(s_vcb, {p['codes'][i]});")
             lines.append("#pragma unroll")
             lines.append(f"        for (int r = 0; r < RMAX; ++r) {{ o[r][k * 8 + {i}] += w[u][r] * c; }} }}")
         lines.append("    }")

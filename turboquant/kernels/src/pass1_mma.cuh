@@ -30,7 +30,8 @@ __device__ __forceinline__ uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint
 //@@ body
 
 constexpr int D = @@D@@;
-constexpr int RMAX = 8;
+constexpr int NQ = @@NQ@@;  // tiles of 8 query rows: every K/V element a warp decodes serves all of them
+constexpr int RMAX = 8 * NQ;
 constexpr int NT = @@NT@@;
 constexpr int NW = NT / 32;
 constexpr int KS = D / 16;
@@ -53,26 +54,36 @@ TGMEM float s_l[NW * RMAX];
 @@SETUP_SHARED@@
 SYNC();
 
-// Query fragments (B operand of the score MMA): row g at dims c*CK + 4s + {0, 1} (b0) and
-// c*CK + 4s + {2, 3} (b1) of k-step s, in fp16.
-uint32_t qh[KS][2];
+// Query fragments (B operand of the score MMA) of tile q: row 8q + g at dims c*CK + 4s + {0, 1}
+// (b0) and c*CK + 4s + {2, 3} (b1) of k-step s, in fp16.
+uint32_t qh[NQ][KS][2];
 #pragma unroll
-for (int s = 0; s < KS; ++s) {
-  const F4 x = s_q4[g * (D / 4) + c * (CK / 4) + s];
-  qh[s][0] = tq_pack_h2(x.x, x.y);
-  qh[s][1] = tq_pack_h2(x.z, x.w);
+for (int q = 0; q < NQ; ++q) {
+#pragma unroll
+  for (int s = 0; s < KS; ++s) {
+    const F4 x = s_q4[(8 * q + g) * (D / 4) + c * (CK / 4) + s];
+    qh[q][s][0] = tq_pack_h2(x.x, x.y);
+    qh[q][s][1] = tq_pack_h2(x.z, x.w);
+  }
 }
 @@KEY_SETUP@@
 @@VALUE_SETUP@@
-// This lane's softmax state: rows 2c and 2c + 1.
-float m[2] = {NEG_INF, NEG_INF};
-float l[2] = {0.0f, 0.0f};
-float o[NM][4];
+// This lane's softmax state: rows 8q + 2c and 8q + 2c + 1 of each tile q.
+float m[NQ][2];
+float l[NQ][2];
+float o[NQ][NM][4];
 #pragma unroll
-for (int j = 0; j < NM; ++j) {
+for (int q = 0; q < NQ; ++q) {
+  m[q][0] = NEG_INF;
+  m[q][1] = NEG_INF;
+  l[q][0] = 0.0f;
+  l[q][1] = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    o[j][i] = 0.0f;
+  for (int j = 0; j < NM; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[q][j][i] = 0.0f;
+    }
   }
 }
 const int src0 = 4 * (2 * c) + (g >> 1);
@@ -88,14 +99,27 @@ for (; base < t_end; base += NW * 16) {
   {
 @@TOP@@
   }
-  // Scores S^T = K Q^T (tokens x rows): sc = (token g, rows 2c, 2c+1), (token g+8, rows 2c, 2c+1).
-  float sc0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  float sc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Scores S^T = K Q^T (tokens x rows) per tile q: sc = (token g, rows 2c, 2c+1), (token g+8,
+  // rows 2c, 2c+1) of the tile; the K fragments are decoded once for every tile.
+  float sc0[NQ][4];
+  float sc1[NQ][4];
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sc0[q][i] = 0.0f;
+      sc1[q][i] = 0.0f;
+    }
+  }
 @@KEY_STEPS@@
+  uint32_t pb0[NQ];
+  uint32_t pb1[NQ];
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {
   float sc[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    sc[i] = sc0[i] + sc1[i];
+    sc[i] = sc0[q][i] + sc1[q][i];
   }
   float pv[2][2];  // [row i][token tt]: probability times the token's value norm
 #pragma unroll
@@ -111,19 +135,19 @@ for (; base < t_end; base += NW * 16) {
     mx = FMAX(mx, SHFL_XOR(mx, 4));
     mx = FMAX(mx, SHFL_XOR(mx, 8));
     mx = FMAX(mx, SHFL_XOR(mx, 16));
-    const float mn = FMAX(m[i], mx);
-    const float alpha = (m[i] == NEG_INF) ? 0.0f : EXP2(m[i] - mn);
+    const float mn = FMAX(m[q][i], mx);
+    const float alpha = (m[q][i] == NEG_INF) ? 0.0f : EXP2(m[q][i] - mn);
     const float p0 = (x[0] == NEG_INF) ? 0.0f : EXP2(x[0] - mn);
     const float p1 = (x[1] == NEG_INF) ? 0.0f : EXP2(x[1] - mn);
-    l[i] = l[i] * alpha + p0 + p1;
+    l[q][i] = l[q][i] * alpha + p0 + p1;
     if (ANY_LANE(alpha != 1.0f)) {
 #pragma unroll
       for (int j = 0; j < NM; ++j) {
-        o[j][i] *= alpha;
-        o[j][2 + i] *= alpha;
+        o[q][j][i] *= alpha;
+        o[q][j][2 + i] *= alpha;
       }
     }
-    m[i] = mn;
+    m[q][i] = mn;
     pv[i][0] = p0 * vn[0];
     pv[i][1] = p1 * vn[1];
   }
@@ -137,8 +161,9 @@ for (; base < t_end; base += NW * 16) {
   const uint32_t y11 = SHFL_IDX_U32(w1, src1);
   const uint32_t x0 = (g & 1) ? y01 : y00;
   const uint32_t x1 = (g & 1) ? y11 : y10;
-  const uint32_t pb0 = (x0 & 0xffffu) | (x1 << 16);
-  const uint32_t pb1 = (x0 >> 16) | (x1 & 0xffff0000u);
+  pb0[q] = (x0 & 0xffffu) | (x1 << 16);
+  pb1[q] = (x0 >> 16) | (x1 & 0xffff0000u);
+  }
   // O^T += V^T P^T (dims x rows): m-tile j holds run dims 2j (index g) and 2j+1 (index g+8) of
   // lane g's run, for tokens 2c, 2c+1 (a0, a1) and 2c+8, 2c+9 (a2, a3).
 @@VALUE_STEPS@@
@@ -148,43 +173,52 @@ for (; base < t_end; base += NW * 16) {
 // Merge the warps: (m, l) per row in threadgroup memory, then each warp adds its scaled outputs
 // in turn (a fixed order, so repeated runs are bit-identical).
 #pragma unroll
-for (int i = 0; i < 2; ++i) {
-  l[i] += SHFL_XOR(l[i], 4);
-  l[i] += SHFL_XOR(l[i], 8);
-  l[i] += SHFL_XOR(l[i], 16);
-  if (g == 0) {
-    s_m[warp * RMAX + 2 * c + i] = m[i];
-    s_l[warp * RMAX + 2 * c + i] = l[i];
+for (int q = 0; q < NQ; ++q) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[q][i] += SHFL_XOR(l[q][i], 4);
+    l[q][i] += SHFL_XOR(l[q][i], 8);
+    l[q][i] += SHFL_XOR(l[q][i], 16);
+    if (g == 0) {
+      s_m[warp * RMAX + 8 * q + 2 * c + i] = m[q][i];
+      s_l[warp * RMAX + 8 * q + 2 * c + i] = l[q][i];
+    }
   }
 }
 SYNC();
-float fac[2];
+float fac[NQ][2];
 #pragma unroll
-for (int i = 0; i < 2; ++i) {
-  float M = NEG_INF;
-  for (int w = 0; w < NW; ++w) {
-    M = FMAX(M, s_m[w * RMAX + 2 * c + i]);
+for (int q = 0; q < NQ; ++q) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float M = NEG_INF;
+    for (int w = 0; w < NW; ++w) {
+      M = FMAX(M, s_m[w * RMAX + 8 * q + 2 * c + i]);
+    }
+    fac[q][i] = (m[q][i] == NEG_INF) ? 0.0f : EXP2(m[q][i] - M);
   }
-  fac[i] = (m[i] == NEG_INF) ? 0.0f : EXP2(m[i] - M);
 }
 // Two rounds: warps 0 and 2 store their scaled outputs, then warps 1 and 3 add theirs, pairs
 // (0, 1) into s_o and (2, 3) into the query staging (dead since the fragments were built); the
 // write-out adds the two (a fixed order, so repeated runs are bit-identical). Fragment element
 // k = 2 * (dim parity) + (row parity) of m-tile j of a lane is word (4j + k) * 32 +
-// (lane ^ (4j + k) % 32): each merge access of a warp is one bank wavefront (the row-major
-// layout took sixteen), and the XOR spreads the write-out's reads.
+// (lane ^ (4j + k) % 32) of its row tile's 8 * D words: each merge access of a warp is one bank
+// wavefront (the row-major layout took sixteen), and the XOR spreads the write-out's reads.
 static_assert(NW == 4, "the merge pairs four warps");
 float* const s_o2 = (float*)s_q4;
 for (int round = 0; round < 2; ++round) {
   if ((warp & 1) == round) {
     float* const dst = (warp & 2) ? s_o2 : s_o;
 #pragma unroll
-    for (int j = 0; j < NM; ++j) {
+    for (int q = 0; q < NQ; ++q) {
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int at = (4 * j + k) * 32 + (lane ^ ((4 * j + k) & 31));
-        const float x = o[j][k] * fac[k & 1];
-        dst[at] = (round == 0) ? x : dst[at] + x;
+      for (int j = 0; j < NM; ++j) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int at = q * 8 * D + (4 * j + k) * 32 + (lane ^ ((4 * j + k) & 31));
+          const float x = o[q][j][k] * fac[q][k & 1];
+          dst[at] = (round == 0) ? x : dst[at] + x;
+        }
       }
     }
   }
@@ -195,7 +229,7 @@ for (int i = tid; i < nrows * D; i += NT) {
   const int d = i - r * D;
   const int run = d / CV;
   const int jk = 4 * ((d - run * CV) >> 1) + 2 * (d & 1) + (r & 1);
-  const int at = jk * 32 + ((4 * run + (r >> 1)) ^ (jk & 31));
+  const int at = (r >> 3) * 8 * D + jk * 32 + ((4 * run + ((r & 7) >> 1)) ^ (jk & 31));
   po[((int64_t)(qrow0 + r) * nblk + blk) * D + d] = s_o[at] + s_o2[at];
 }
 if (tid < nrows) {
@@ -228,4 +262,4 @@ const int64_t kbbase = (int64_t)b * k_b_strides[0] + (int64_t)h * k_b_strides[1]
 const int64_t kbts = k_b_strides[2];
 const int kg0 = (c * CK) / @@GROUP@@;
 //@@ shift_finish
-      y += s_qmu[(2 * c + i) * MAXSB + (base >> 8) - sb0];
+      y += s_qmu[(8 * q + 2 * c + i) * MAXSB + (base >> 8) - sb0];

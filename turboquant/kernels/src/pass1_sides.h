@@ -28,7 +28,7 @@ const int64_t @@X@@nts = @@X@@_n_strides[2];
     for (int k = 0; k < NS; ++k) {
       @@LOAD@@
     }
-    @@P@@@@X@@nr[u] = @@X@@_n[@@X@@nbase + (int64_t)@@TT@@[u] * @@X@@nts];
+    @@P@@@@X@@nr[u] = @@NORM@@;
   }
 
 //@@ affine_setup
