@@ -10,7 +10,11 @@ affine keys would remove:
 
 the expected squared error of a score q . k, with k~ the keys as stored (quantized with the
 layer's real codec and calibration, not a model of it). Key options per layer, cheapest first:
-the base, 4-bit TurboQuant keys (when the base has 3), 8-bit affine keys. The steps that remove
+the base, 4-bit TurboQuant keys (when the base has 3), 5-bit ones (float16 norms), 8-bit affine
+keys. Under 4-bit values (budgets below 4.5 bits) each key option is paired with 2-, 3- and 4-bit
+values, and a layout's error is that of the attention output instead (`output_errors`: the score
+error weighted by the values' spread, plus the values' own error), which puts key and value
+errors in one unit. The steps that remove
 the most error per bit are taken until the next would exceed the budget; the budget counts codes,
 norms, affine scales and biases at the width they are stored in, and the per-block key means and
 calibration scales spread over the tokens the layer holds when it decides (so the budget holds for
