@@ -134,10 +134,12 @@ def plot_positions(by_text: dict[str, list], path: Path, window: int = 32) -> No
     import numpy as np
 
     fig, axes = plt.subplots(1, len(by_text), figsize=(5 * len(by_text), 3.8), squeeze=False, sharey=True)
+    order = list(dict.fromkeys(r.scheme for results in by_text.values() for r in results))  # one colour per scheme
     for ax, (label, results) in zip(axes[0], by_text.items()):
         for r in results:
             smooth = np.convolve(r.kl, np.ones(window) / window, mode="valid")
-            ax.plot(np.arange(smooth.shape[0]) + window // 2, smooth, label=f"{r.scheme} ({r.bits:.2f} b)")
+            ax.plot(np.arange(smooth.shape[0]) + window // 2, smooth, label=f"{r.scheme} ({r.bits:.2f} b)",
+                    color=f"C{order.index(r.scheme) % 10}")
         ax.set_yscale("log")
         ax.set_title(label)
         ax.set_xlabel("continuation position")
@@ -146,7 +148,7 @@ def plot_positions(by_text: dict[str, list], path: Path, window: int = 32) -> No
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=75)
     plt.close(fig)
 
 
@@ -159,7 +161,8 @@ def run_protocol(args, model, tokenizer, command: str) -> int:
     from tqstore.models.blas import active_blas
     from turboquant.quality import evaluate_saved, load_reference, reference, save_reference
 
-    texts = ({args.label or args.text.stem: args.text} if args.text != DEFAULT_TEXT
+    # One text when one is named (--text, or --label with the default text), else all three.
+    texts = ({args.label or args.text.stem: args.text} if args.text != DEFAULT_TEXT or args.label
              else {label: HOME / "corpus" / name for label, name in PROTOCOL_TEXTS.items()})
     runs = experiment_runs(args.experiment, args.schemes)
     store = {} if args.fresh else quality_store.load(args.results)
@@ -168,7 +171,7 @@ def run_protocol(args, model, tokenizer, command: str) -> int:
     for label in sorted(texts, key=lambda t: "held out" not in t):
         path = texts[label]
         todo = [r for r in runs if quality_store.key(getattr(r[0], "name", r[0]), r[1]) not in store.get(label, {})]
-        if not todo:
+        if not todo or args.no_run:
             continue
         tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:])[: args.prefix + args.positions]
         cached = HOME / "quality" / f"{path.stem}-{args.prefix}-{args.positions}-{active_blas()}.npz"
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "quality-protocol.json",
                         help="--protocol: per-(text, scheme) results, kept as they finish and reused by a rerun")
     parser.add_argument("--fresh", action="store_true", help="--protocol: recompute every result")
+    parser.add_argument("--no-run", action="store_true",
+                        help="--protocol: table and plot from --results only (what is missing shows as not run)")
     parser.add_argument("--default-scheme", default="turbo4", help="the row marked (default)")
     parser.add_argument("--protocol", action="store_true",
                         help="issue 31's protocol: 2048 + 512 tokens over three texts, save round trip")
