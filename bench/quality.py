@@ -34,7 +34,8 @@ PEERS = {"mlx-lm-q8": 8, "mlx-lm-q4": 4}  # mlx-lm's own QuantizedKVCache (kv_bi
 # Issue 31's texts: two used while tuning, the third (Python docs) held out from all tuning.
 PROTOCOL_TEXTS = {"devils": "devils_dictionary.txt", "jargon": "jargon_file.txt",
                   "python-docs (held out)": "python_docs_tutorial_howto.txt"}
-PROTOCOL_SCHEMES = ["turbo4", "turbo5v4", "auto5", "auto4", "auto3.5", "auto6"]
+PROTOCOL_SCHEMES = ["turbo4", "turbo5v4", "turbo8v3", "turbo3", "auto3.5", "auto6", "affine8", "mlx-lm-q8",
+                    "mlx-lm-q4"]
 
 
 def mlx_lm_quantized(bits: int):
@@ -54,8 +55,8 @@ def mlx_lm_quantized(bits: int):
 def experiment_runs(name: str, schemes: list[str]):
     from turboquant.calibration import CalibrationConfig
 
-    if name == "schemes":
-        return [(s, "default", {}) for s in schemes]
+    if name == "schemes":  # mlx-lm's own caches by their PEERS names
+        return [(s, "default", {"factory": mlx_lm_quantized(PEERS[s])} if s in PEERS else {}) for s in schemes]
     if name == "peers":
         return [(peer, "mlx-lm QuantizedKVCache", {"factory": mlx_lm_quantized(bits)}) for peer, bits in PEERS.items()]
     if name == "calibration":
@@ -106,21 +107,22 @@ def table(results, command: str) -> str:
     return "\n".join(lines)
 
 
-def protocol_table(by_text: dict[str, list], command: str) -> str:
-    """Scheme rows, one column group per text: bits, KL first 128 / all 512, top-1."""
+def protocol_table(by_text: dict[str, dict], runs: list[tuple[str, str]], note: str, default: str = "") -> str:
+    """Scheme rows, one column group per text: bits, KL first 128 / all 512, top-1 ("not run"
+    where a text has no result for the run). `by_text` maps text -> {(scheme, variant): result}."""
     labels = list(by_text)
-    head = "| scheme | variant | " + " | ".join(f"{t}: bits, KL 128 / 512, top-1" for t in labels) + " |"
-    lines = [head, "|---|---|" + "---|" * len(labels)]
-    first = next(iter(by_text.values()))
-    for i, r in enumerate(first):
-        cells = [f"{rs[i].bits:.2f}, {rs[i].kl_mean(128):.4f} / {rs[i].kl_mean():.4f}, {rs[i].top1:.3f}"
-                 for rs in by_text.values()]
-        lines.append(f"| {r.scheme} | {r.variant} | " + " | ".join(cells) + " |")
-    n = first[0].kl.shape[0]
-    lines += ["", f"2,048 document tokens compressed as at save and restored from a snapshot, then {n} continuation "
-              f"positions. Command: `{command}` (git {git_revision()}, {datetime.date.today()}).",
-              f"Machine: {machine_line()}."]
-    return "\n".join(lines)
+    variants = any(v != "default" for _, v in runs)
+    head = "| scheme | " + ("variant | " if variants else "") + " | ".join(
+        f"{t}: bits, KL 128 / 512, top-1" for t in labels) + " |"
+    lines = [head, "|---|" + ("---|" if variants else "") + "---|" * len(labels)]
+    for scheme, variant in runs:
+        cells = []
+        for results in by_text.values():
+            r = results.get((scheme, variant))
+            cells.append("not run" if r is None else f"{r.bits:.2f}, {r.kl_mean(128):.4f} / {r.kl_mean():.4f}, {r.top1:.3f}")
+        name = f"{scheme} (default)" if scheme == default else scheme
+        lines.append(f"| {name} | " + (f"{variant} | " if variants else "") + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", note])
 
 
 def plot_positions(by_text: dict[str, list], path: Path, window: int = 32) -> None:
@@ -132,10 +134,12 @@ def plot_positions(by_text: dict[str, list], path: Path, window: int = 32) -> No
     import numpy as np
 
     fig, axes = plt.subplots(1, len(by_text), figsize=(5 * len(by_text), 3.8), squeeze=False, sharey=True)
+    order = list(dict.fromkeys(r.scheme for results in by_text.values() for r in results))  # one colour per scheme
     for ax, (label, results) in zip(axes[0], by_text.items()):
         for r in results:
             smooth = np.convolve(r.kl, np.ones(window) / window, mode="valid")
-            ax.plot(np.arange(smooth.shape[0]) + window // 2, smooth, label=f"{r.scheme} ({r.bits:.2f} b)")
+            ax.plot(np.arange(smooth.shape[0]) + window // 2, smooth, label=f"{r.scheme} ({r.bits:.2f} b)",
+                    color=f"C{order.index(r.scheme) % 10}")
         ax.set_yscale("log")
         ax.set_title(label)
         ax.set_xlabel("continuation position")
@@ -144,38 +148,61 @@ def plot_positions(by_text: dict[str, list], path: Path, window: int = 32) -> No
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=75)
     plt.close(fig)
 
 
 def run_protocol(args, model, tokenizer, command: str) -> int:
-    """Issue 31's protocol over PROTOCOL_TEXTS (or --text), references cached per text."""
+    """Issue 31's protocol over PROTOCOL_TEXTS (or --text), references cached per text, each
+    (text, scheme) result kept in --results as it finishes (a rerun skips those it holds)."""
     import mlx.core as mx
 
+    import quality_store
     from tqstore.models.blas import active_blas
     from turboquant.quality import evaluate_saved, load_reference, reference, save_reference
 
-    texts = ({args.label or args.text.stem: args.text} if args.text != DEFAULT_TEXT
+    # One text when one is named (--text, or --label with the default text), else all three.
+    texts = ({args.label or args.text.stem: args.text} if args.text != DEFAULT_TEXT or args.label
              else {label: HOME / "corpus" / name for label, name in PROTOCOL_TEXTS.items()})
     runs = experiment_runs(args.experiment, args.schemes)
-    by_text = {}
-    for label, path in texts.items():
+    store = {} if args.fresh else quality_store.load(args.results)
+    revision = git_revision()
+    # The held-out text first: its figures are the ones the targets are judged on.
+    for label in sorted(texts, key=lambda t: "held out" not in t):
+        path = texts[label]
+        todo = [r for r in runs if quality_store.key(getattr(r[0], "name", r[0]), r[1]) not in store.get(label, {})]
+        if not todo or args.no_run:
+            continue
         tokens = tokenizer.encode(path.read_text(errors="replace")[LICENCE_CHARS:])[: args.prefix + args.positions]
         cached = HOME / "quality" / f"{path.stem}-{args.prefix}-{args.positions}-{active_blas()}.npz"
         if cached.exists():
             ref = load_reference(model, cached, args.chunk)
         else:
-            print(f"{label}: raw prefill of {args.prefix} tokens and the reference continuation")
+            print(f"{label}: raw prefill of {args.prefix} tokens and the reference continuation", flush=True)
             ref = reference(model, mx.array(tokens), args.prefix, args.chunk)
             save_reference(ref, cached)
-        print(f"{label}:")
-        by_text[label] = evaluate_saved(model, ref, runs, args.chunk, progress=print)
-    body = protocol_table(by_text, command)
+        print(f"{label}:", flush=True)
+        for run in todo:
+            (result,) = evaluate_saved(model, ref, [run], args.chunk, progress=lambda m: print(m, flush=True))
+            quality_store.put(args.results, store, label, result, revision)
+    names = [(getattr(s, "name", s), v) for s, v, _ in runs]
+    by_text = {label: {(r["scheme"], r["variant"]): quality_store.as_result(r)
+                       for r in store.get(label, {}).values()} for label in texts}
+    records = [r for label in texts for r in store.get(label, {}).values() if (r["scheme"], r["variant"]) in names]
+    revisions = sorted({r["git"] for r in records})
+    dates = sorted({r["date"] for r in records})
+    note = (f"2,048 document tokens compressed as at save and restored from a snapshot, then {args.positions} "
+            f"continuation positions. Command: `{command}` (rows measured at git {', '.join(revisions)}, "
+            f"{' to '.join(dict.fromkeys([dates[0], dates[-1]])) if dates else 'never'}; per-position KL in "
+            f"`{args.results.relative_to(args.out.parent.parent) if args.results.is_relative_to(args.out.parent.parent) else args.results}`).\n"
+            f"Machine: {machine_line()}.")
+    body = protocol_table(by_text, names, note, default=args.default_scheme)
     print(body)
     if not args.no_write:
-        replace_section(args.out, f"quality-protocol-{args.experiment}" + (f"-{args.label}" if args.label else ""), body)
         suffix = f"-{args.label}" if args.label else ""
-        plot_positions(by_text, args.out.parent / "img" / f"quality_kl_{args.experiment}{suffix}.png")
+        replace_section(args.out, f"quality-protocol-{args.experiment}{suffix}", body)
+        plot_positions({label: [res[n] for n in names if n in res] for label, res in by_text.items()},
+                       args.out.parent / "img" / f"quality_kl_{args.experiment}{suffix}.png")
     return 0
 
 
@@ -194,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "docs" / "quality.md")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--label", default="", help="suffix of the docs section (e.g. another text)")
+    parser.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / "quality-protocol.json",
+                        help="--protocol: per-(text, scheme) results, kept as they finish and reused by a rerun")
+    parser.add_argument("--fresh", action="store_true", help="--protocol: recompute every result")
+    parser.add_argument("--no-run", action="store_true",
+                        help="--protocol: table and plot from --results only (what is missing shows as not run)")
+    parser.add_argument("--default-scheme", default="turbo4", help="the row marked (default)")
     parser.add_argument("--protocol", action="store_true",
                         help="issue 31's protocol: 2048 + 512 tokens over three texts, save round trip")
     args = parser.parse_args(argv[1:])

@@ -2,10 +2,12 @@
 
     python bench/receipts.py --openblas                    # tiny model, and the real one if installed
     python bench/receipts.py --openblas --no-real --runs 3
+    python bench/receipts.py --openblas --schemes turbo4 turbo5v4 auto3.5 --real-schemes turbo4 auto3.5
 
 Saves one document per run into a fresh store (tiny random-weight qwen2: 1,000 tokens; the real
 Qwen2.5-Coder-0.5B in float32: 2,048 tokens of the Devil's Dictionary) and reads the probe's
-seconds from the entry's receipt (tqstore/engine/receipts.py). Writes the table into
+seconds from the entry's receipt (tqstore/engine/receipts.py), one row per model and scheme
+(--real-schemes limits the real model's, whose saves take minutes). Writes the table into
 docs/quality.md.
 """
 
@@ -49,17 +51,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--scheme", help="default: the config's default scheme")
+    parser.add_argument("--schemes", nargs="+", help="default: the config's default scheme")
+    parser.add_argument("--real-schemes", nargs="+", help="the real model's schemes (default: --schemes)")
     parser.add_argument("--no-real", action="store_true", help="the tiny model only")
     parser.add_argument("--openblas", action="store_true", help="preload Debian's OpenBLAS (AVX-512 CPUs)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv[1:])
-    if args.scheme is None:
+    if args.schemes is None:
         from dataclasses import fields
 
         from tqstore.config import Config
 
-        args.scheme = next(f.default for f in fields(Config) if f.name == "default_scheme")
+        args.schemes = [next(f.default for f in fields(Config) if f.name == "default_scheme")]
     if args.openblas:
         use_openblas(argv)
     from model_folder import CORPUS, write_model_folder
@@ -67,21 +70,23 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tqstore-receipts-") as tmp:
         models = [("tiny qwen2 (random weights)", str(write_model_folder(Path(tmp) / "tiny", "qwen2")),
-                   (CORPUS + " ") * 40, 1000)]
+                   (CORPUS + " ") * 40, 1000, args.schemes)]
         if not args.no_real and DEFAULT_MODEL.exists():
             text = DEFAULT_TEXT.read_text(errors="replace")[LICENCE_CHARS:]
-            models.append(("Qwen2.5-Coder-0.5B, float32", str(DEFAULT_MODEL), text, 2048))
-        for label, path, text, n in models:
+            models.append(("Qwen2.5-Coder-0.5B, float32", str(DEFAULT_MODEL), text, 2048,
+                           args.real_schemes or args.schemes))
+        for label, path, text, n, schemes in models:
             text = _first_tokens(path, text, n)
-            runs = [save_once(Path(tmp) / f"home-{label[:4]}-{i}", path, text, args.scheme) for i in range(args.runs)]
-            save = [r[0] for r in runs]
-            probe = [r[1] for r in runs]
-            share = [100 * p / s for p, s in zip(probe, save)]
-            rows.append((label, runs[0][3], _span(save, "{:.2f}"), _span(probe, "{:.2f}"), _span(share, "{:.1f}"),
-                         f"{runs[0][2]:.4f}"))
-            print(rows[-1], flush=True)
-    table = markdown_table(["model", "tokens", "save s", "probe s", "probe % of save", f"receipt KL ({args.scheme})"],
-                           rows)
+            for scheme in schemes:
+                runs = [save_once(Path(tmp) / f"home-{label[:4]}-{scheme}-{i}", path, text, scheme)
+                        for i in range(args.runs)]
+                save = [r[0] for r in runs]
+                probe = [r[1] for r in runs]
+                share = [100 * p / s for p, s in zip(probe, save)]
+                rows.append((label, scheme, runs[0][3], _span(save, "{:.2f}"), _span(probe, "{:.2f}"),
+                             _span(share, "{:.1f}"), _span([r[2] for r in runs], "{:.4f}")))
+                print(rows[-1], flush=True)
+    table = markdown_table(["model", "scheme", "tokens", "save s", "probe s", "probe % of save", "receipt KL"], rows)
     print(table)
     if not args.no_write:
         replace_section(DOC, "quality-receipts", f"{table}\n\n{args.runs} runs each, ranges. {stamp(argv)}")

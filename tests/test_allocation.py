@@ -1,6 +1,6 @@
 """autoB schemes (turboquant/allocation.py): a bit budget spent on wider keys (4 or 5 bits, 8-bit
-affine) where the measured score error says they matter, decided once for all layers, stored
-with the entry."""
+affine) where the measured score error says they matter (and below 4.5 bits on the values' width
+too, by the attention output's error), decided once for all layers, stored with the entry."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
-from turboquant.allocation import LayerMeasure, choose, measure_layer
+from turboquant.allocation import LayerMeasure, choose, measure_layer, output_errors
 from turboquant.plan import AFFINE8_KEYS, BASE_KEYS, TURBO4_KEYS, TURBO5_KEYS
 from turboquant.quality import prefill, stored_bits
 from turboquant.records import Layout
@@ -79,17 +79,49 @@ def test_the_budget_holds_and_the_best_layers_are_upgraded(model, scheme, budget
     assert sorted(upgraded) == sorted(gains[:len(upgraded)])
 
 
-def test_auto3_5_raises_3_bit_keys_where_they_matter(model):
+def test_auto3_5_chooses_key_and_value_widths_by_measured_output_error(model):
     caches = _prefilled(model, "auto3.5")
+    measures = [measure_layer(c) for c in caches]
+    # Under 4-bit values the layouts pair every key option with 2-, 3- and 4-bit values.
+    assert set(measures[0].options) == {k if b == 3 else f"{k}+values{b}"
+                                        for k in caches[0].plan.key_options() for b in (2, 3, 4)}
+    assert all(list(m.bits) == sorted(m.bits) for m in measures)  # option 0 is the cheapest
     for c in caches:
         c.compress()
+    chosen = choose(dict(enumerate(measures)), 3.5)
+    assert [c.allocated for c in caches] == [measures[i].options[chosen[i]] for i in range(len(caches))]
+    assert any(c.allocated != BASE_KEYS for c in caches)
+    assert {c.active.value.bits for c in caches} <= {2, 3, 4}
     snap = snapshot(caches)
-    assert {TURBO4_KEYS, TURBO5_KEYS} & {c.allocated for c in caches} and stored_bits(snap) <= 3.52
+    assert 3.4 <= stored_bits(snap) <= 3.52
     assert {c.layout for c in caches} <= KERNEL_LAYOUTS
     restored = restore(snap)
     assert [c.allocated for c in restored] == [c.allocated for c in caches]
+    assert [c.active.value.bits for c in restored] == [c.active.value.bits for c in caches]
     q = mx.array([[7]])
     assert mx.array_equal(model(q, cache=restored), model(q, cache=caches)).item()
+
+
+def test_output_error_weighs_key_error_by_the_values_spread():
+    # Two heads; head 0's values spread 4 (per channel +-1 over 2 channels... summed: 2), head 1's 0.
+    values = mx.array([[[[1.0, -1.0], [-1.0, 1.0]], [[3.0, 3.0], [3.0, 3.0]]]])  # [1, H=2, T=2, D=2]
+    key_errors = {"base": mx.array([0.5, 7.0]), "keys4": mx.array([0.25, 1.0])}
+    value_errors = {"": mx.array([0.1, 0.2]), "values2": mx.array([0.4, 0.8])}
+    errors = output_errors(key_errors, value_errors, values, ("base", "keys4+values2"))
+    # spread: head 0 sum over channels of E[(v - mean)^2] = 1 + 1 = 2; head 1: 0 (its key error is harmless)
+    assert errors == pytest.approx((0.5 * 2 + 0.1 + 0.2, 0.25 * 2 + 0.4 + 0.8))
+
+
+def test_a_layout_option_names_its_values_and_a_bare_key_option_keeps_the_base():
+    plan = make_prompt_cache(build_model("llama"), "auto3.5")[0].plan
+    assert plan.with_layout("keys4").value is plan.value
+    wide = plan.with_layout("keys4+values2")
+    assert (wide.key.bits, wide.value.bits, wide.value.norm_dtype) == (4, 2, "float16")
+    assert wide.value.turbo_name in plan.codecs()  # every codec an allocation may choose is persisted
+    with pytest.raises(ValueError, match="value option"):
+        plan.with_layout("keys4+values7")
+    assert make_prompt_cache(build_model("llama"), "auto5")[0].plan.layout_options() == \
+        make_prompt_cache(build_model("llama"), "auto5")[0].plan.key_options()
 
 
 def test_the_allocation_survives_a_snapshot_and_decodes_identically(model):

@@ -67,7 +67,7 @@ class TurboQuantKVCache:
         self._query_rows = 0
         self._key_side = None
         self._value_side = None
-        self.allocated: str | None = None  # autoB layers: a plan.key_options() entry, once decided
+        self.allocated: str | None = None  # autoB layers: a plan.layout_options() entry, once decided
         self._steps: dict = {}  # the GPU decode step, prepared once and replayed (kernels/steps.py)
         if plan.group is not None:
             plan.group.join(self)
@@ -203,7 +203,7 @@ class TurboQuantKVCache:
                         self.plan.group.decide()  # every layer of the group at once (allocation.py)
                     self.allocated = self.allocated or BASE_KEYS
                     if self.allocated != BASE_KEYS:
-                        self.active = self.plan.with_keys(self.allocated)
+                        self.active = self.plan.with_layout(self.allocated)
                         self.calibration = self.fit(self.active, raw["keys"], power)
             self._query_power, self._query_rows = None, 0
             self._key_side = self.active.key.side("keys", self.calibration)
@@ -227,6 +227,10 @@ class TurboQuantKVCache:
     def raw_keys(self) -> mx.array:
         """The raw keys held before compression [B, H, offset, D]."""
         return self._tail.view(self.offset)["keys"]
+
+    def raw_values(self) -> mx.array:
+        """The raw values held before compression [B, H, offset, D]."""
+        return self._tail.view(self.offset)["values"]
 
     def query_power(self) -> mx.array | None:
         """Mean squared scaled query per (KV head, channel) observed in prefill, or None."""
@@ -382,7 +386,7 @@ class TurboQuantKVCache:
             cache.active = cache.plan.protected_plan()
         cache.allocated = record.state.get("allocated")
         if cache.allocated is not None:
-            cache.active = cache.plan.with_keys(str(cache.allocated), codecs)
+            cache.active = cache.plan.with_layout(str(cache.allocated), codecs)
         cache._key_side = cache.active.key.side("keys", cache.calibration)
         cache._value_side = cache.active.value.side("values")
         cache.compressed = True

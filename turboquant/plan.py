@@ -27,6 +27,11 @@ PROTECTED_BITS = 8
 # An auto scheme's key options per layer (LayerPlan.key_options), as recorded in snapshots.
 BASE_KEYS, TURBO4_KEYS, TURBO5_KEYS, AFFINE8_KEYS = "base", "keys4", "keys5", "keys8"
 TURBO_KEY_OPTIONS = {TURBO4_KEYS: 4, TURBO5_KEYS: 5}
+# Below 4-bit values (auto budgets under 4.5 bits) the allocation chooses each layer's value
+# width too: an option is then "<key option>+values<b>" ("keys4+values2"); a bare key option
+# keeps the base's values, so every recorded option of an older entry reads as before.
+VALUE_OPTION_BITS = (2, 3, 4)
+VALUES_PREFIX = "values"
 # Measured on Qwen2.5-Coder-0.5B (docs/quality.md): all three parts together are best.
 DEFAULT_CALIBRATION = CalibrationConfig(center=True, channel_scale=True, rotated_scale=True)
 # Noise gain (calibration.noise_gain) above which a TurboQuant-key layer is stored as affine8
@@ -131,10 +136,34 @@ class LayerPlan:
                  if b > self.key.bits and (b < 5 or self.key.norm_dtype is not None)]
         return (BASE_KEYS, *wider, AFFINE8_KEYS)
 
+    def layout_options(self) -> tuple[str, ...]:
+        """Every layout an auto scheme's allocation may give this layer: the key options, each
+        with every value width when the base's TurboQuant values are narrower than 4 bits (auto
+        budgets under 4.5), else with the base's values."""
+        if self.value.format is not Format.TURBO or self.value.bits >= max(VALUE_OPTION_BITS):
+            return self.key_options()
+        return tuple(k if b == self.value.bits else f"{k}+{VALUES_PREFIX}{b}"
+                     for k in self.key_options() for b in VALUE_OPTION_BITS)
+
+    def with_layout(self, option: str, codecs: dict[str, CodecRecord] | None = None) -> "LayerPlan":
+        """This layer with the keys and values of `option` (layout_options, or a bare key option);
+        `codecs` (a restore) supplies the TurboQuant codecs as persisted."""
+        keys, _, values = option.partition("+")
+        plan = self.with_keys(keys, codecs)
+        if not values:
+            return plan
+        if not values.startswith(VALUES_PREFIX) or not values[len(VALUES_PREFIX):].isdigit():
+            raise ValueError(f"unknown value option {values!r}")
+        bits = int(values[len(VALUES_PREFIX):])
+        if bits not in VALUE_OPTION_BITS or self.value.format is not Format.TURBO:
+            raise ValueError(f"value option {values!r} needs TurboQuant values at {VALUE_OPTION_BITS} bits")
+        value = _side_plan(Format.TURBO, bits, self.head_dim_v, self.seed + 1, self.value.norm_dtype)
+        return replace(plan, value=_persisted(value, codecs), guard=None, group=None)
+
     def with_keys(self, option: str, codecs: dict[str, CodecRecord] | None = None) -> "LayerPlan":
         """This layer with the keys of `option` (key_options) and its values unchanged; 8-bit
         affine keys are calibrated in the original basis, as turbo8vN's. `codecs` (a restore)
-        supplies the 4-bit key codec as persisted."""
+        supplies the TurboQuant key codec as persisted."""
         if option == BASE_KEYS:
             return self
         if option == AFFINE8_KEYS:
@@ -143,11 +172,7 @@ class LayerPlan:
                            group=None)
         if option in TURBO_KEY_OPTIONS:
             key = _side_plan(Format.TURBO, TURBO_KEY_OPTIONS[option], self.head_dim_k, self.seed, self.key.norm_dtype)
-            if codecs is not None:
-                if key.turbo_name not in codecs:
-                    raise ValueError(f"layer references codec {key.turbo_name!r}, which the snapshot lacks")
-                key = replace(key, turbo=codec_from_record(codecs[key.turbo_name]))
-            return replace(self, key=key, guard=None, group=None)
+            return replace(self, key=_persisted(key, codecs), guard=None, group=None)
         raise ValueError(f"unknown key option {option!r}")
 
     @property
@@ -184,7 +209,9 @@ class LayerPlan:
         its allocation may choose too)."""
         sides = [self.key, self.value]
         if self.budget is not None:
-            sides += [self.with_keys(option).key for option in self.key_options()]
+            for option in self.layout_options():
+                plan = self.with_layout(option)
+                sides += [plan.key, plan.value]
         return {s.turbo_name: codec_record(s.turbo) for s in sides if s.turbo is not None}
 
     @classmethod
@@ -223,6 +250,15 @@ def _norm_dtype(name: str) -> str:
     if name not in NORM_DTYPES:
         raise ValueError(f"unknown norm dtype {name!r}; known: float32 (default), {', '.join(NORM_DTYPES)}")
     return name
+
+
+def _persisted(side: SidePlan, codecs: dict[str, CodecRecord] | None) -> SidePlan:
+    """A TurboQuant side with its codec as a snapshot persisted it (unchanged without `codecs`)."""
+    if codecs is None:
+        return side
+    if side.turbo_name not in codecs:
+        raise ValueError(f"layer references codec {side.turbo_name!r}, which the snapshot lacks")
+    return replace(side, turbo=codec_from_record(codecs[side.turbo_name]))
 
 
 def _side_plan(fmt: Format, bits: int, d: int, seed: int, norm_dtype: str | None = None) -> SidePlan:

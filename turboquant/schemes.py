@@ -13,7 +13,8 @@
                         AUTO_MIN to AUTO_MAX parses): TurboQuant K and V with float16 row norms,
                         and wider keys (4 or 5 bits, 8-bit affine) in the layers where
                         measurements at compression say they matter most, as many as the budget
-                        pays for (turboquant/allocation.py)
+                        pays for; under 4.5 bits each layer's value width (2 to 4 bits) is
+                        chosen with its keys (turboquant/allocation.py)
 """
 
 from __future__ import annotations
