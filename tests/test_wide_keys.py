@@ -82,7 +82,7 @@ def model():
     return build_model("llama")  # 8 layers, 2 KV heads, head dim 128
 
 
-@pytest.mark.parametrize("scheme", ["turbo5v4", "auto5"])
+@pytest.mark.parametrize("scheme", ["turbo5v4", pytest.param("auto5", marks=pytest.mark.slow)])
 def test_a_saved_entry_restores_bit_exactly_and_decodes_identically(model, scheme):
     caches = make_prompt_cache(model, scheme)
     prefill(model, prompt_tokens(512), caches)  # two whole blocks: the budget's long-context count
