@@ -1,7 +1,8 @@
 """The fused decode kernels on a real GPU (CUDA or Metal) against a float64 reference.
 
-Marked `gpu`: skipped without a GPU backend. On the device machine (no moto there, so without
-the repository's conftest): `python3 -m pytest --noconftest -m gpu tests/test_kernels_gpu.py`.
+Marked `gpu`: skipped without a GPU backend. On the device machine, with only the GPU recipe's
+packages (the conftest imports test-only packages inside its fixtures):
+`python3 -m pytest -m gpu tests/test_kernels_gpu.py`.
 
 Coverage is a covering design rather than the full product (every compile costs device time):
 every layout meets every head dim, every GQA ratio of {1, 2, 4, 7}, every bit width and every

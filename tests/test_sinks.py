@@ -131,7 +131,7 @@ def test_gpt_oss_sinks_reach_the_emulated_kernels(scheme, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3"])
 def test_gpt_oss_sinks_through_the_gpu_kernels(scheme, monkeypatch):
-    """On the device machine: `python3 -m pytest --noconftest -m gpu tests/test_sinks.py`."""
+    """On the device machine: `python3 -m pytest -m gpu tests/test_sinks.py`."""
     before = mx.default_device()
     mx.set_default_device(mx.gpu)
     try:
