@@ -72,6 +72,7 @@ MIN_SAVING_V2 = 0.10  # what format 2 was written with (kept for tests of stores
 MIN_COMPRESS_BYTES = 256
 SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
 THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
+_COPY_CHUNK = 1 << 23  # a GPU group's host copy, split for the threads
 
 __all__ = ["dumps", "dumps_parsed", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
@@ -196,25 +197,44 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
 def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]) -> list[np.ndarray]:
     """Each group's decoded bytes, one numpy buffer per group with its arrays copied in one
     after the other; places every array in its group and records the digests of calibration
-    arrays. The arrays of a block are token slices of its entry's arrays: numpy reads each
-    through a strided view of MLX's buffer (after one evaluation of them all), so every byte is
-    copied once. MLX's `reshape(-1)` of such a slice copies it and the concatenation copies it
-    again (about twice this copy's CPU, and most of a put's, in issue 28's put profile)."""
-    mx.eval([a for members in groups.values() for _, a in members])
-    raws = []
-    for j, ((section, _, dtype), members) in enumerate(groups.items()):
-        unsigned = DTYPES[dtype][2]
+    arrays. The copies run on the format's threads. Where memory is unified (Apple silicon,
+    the CPU) numpy reads each array through a strided view of MLX's buffer, so every byte is
+    copied once (MLX's `reshape(-1)` and concatenation cost about twice this copy's CPU in issue
+    28's put profile). On a GPU the arrays are a live cache's, in CUDA managed memory: a host
+    read would move their pages to the host, for the next decode step to fault back, so each
+    group is first joined on the device (a copy at device speed) and the host reads that, in
+    parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    items = list(groups.items())
+    joined = [mx.concatenate([_unsigned(a, dtype).reshape(-1) for _, a in members]) if on_gpu else None
+              for (_, _, dtype), members in items]
+    mx.eval(joined if on_gpu else [a for _, members in items for _, a in members])
+    raws, copies = [], []
+    for j, ((section, _, dtype), members) in enumerate(items):
         raw = np.empty(sum(a.nbytes for _, a in members), dtype=np.uint8)
         offset = 0
         for entry, a in members:
             entry["group"], entry["offset"] = j, offset
-            src = np.asarray(a if a.dtype == unsigned else a.view(unsigned))
-            np.copyto(raw[offset:offset + a.nbytes].view(src.dtype).reshape(src.shape), src)
-            if section == "calibration":  # the calibration digest (and every later block key) hashes these
-                entry["sha256"] = hashlib.sha256(raw[offset:offset + a.nbytes]).hexdigest()
+            if not on_gpu:
+                src = np.asarray(_unsigned(a, dtype))
+                copies.append((raw[offset:offset + a.nbytes].view(src.dtype).reshape(src.shape), src))
             offset += a.nbytes
+        if on_gpu:
+            src = np.asarray(joined[j]).view(np.uint8)
+            copies += [(raw[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, raw.size, _COPY_CHUNK)]
         raws.append(raw)
+    _map(lambda c: np.copyto(*c), copies, [c[0].nbytes for c in copies])
+    for ((section, _, _), members), raw in zip(items, raws):
+        if section == "calibration":  # the calibration digest (and every later block key) hashes these
+            for entry, a in members:
+                entry["sha256"] = hashlib.sha256(raw[entry["offset"]:entry["offset"] + a.nbytes]).hexdigest()
     return raws
+
+
+def _unsigned(a: mx.array, dtype: str) -> mx.array:
+    """`a` viewed as the unsigned integers of its width (the stored group's type)."""
+    unsigned = DTYPES[dtype][2]
+    return a if a.dtype == unsigned else a.view(unsigned)
 
 
 def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
@@ -651,8 +671,7 @@ def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
     slice of it, and each block's groups are views of it (`ArrayGroup.base`), so the join that
     follows is a slice, not a concatenation. The joined arrays are allocated on the CPU stream
     and written in place (numpy views of MLX's buffers): no extra copy where memory is unified
-    (Apple silicon, the CPU); on CUDA the first use on the device moves each joined array
-    across once. None unless every object is a format 2 or 3 block whose groups hold one
+    (Apple silicon, the CPU); on CUDA they are moved to the device here (`_to_device`). None unless every object is a format 2 or 3 block whose groups hold one
     array per layer (`_plan`) with the same layers, dtype and shape but for tokens per name:
     the caller then builds them one by one (`build`)."""
     plans = [_plan(p.header.layers) if p.header.kind == "block" and p.raws is not None else None for p in parsed]
@@ -669,13 +688,14 @@ def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
                or m[3][:axis] + m[3][axis + 1:] != shape[:axis] + shape[axis + 1:] for m in members):
             return None
     views: list[dict[int, ArrayGroup]] = [{} for _ in parsed]
-    copies = []
+    copies, bases = [], []
     for name, members in names.items():
         _, _, layers, shape, dtype = members[0]
         mx_dtype, _, unsigned = DTYPES[dtype]
         total = sum(m[3][axis] for m in members)
         joined = mx.zeros((len(layers), *shape[:axis], total, *shape[axis + 1:]), dtype=unsigned, stream=mx.cpu)
         mx.eval(joined)
+        bases.append(joined)
         host = np.asarray(joined)  # MLX's own buffer, written below before any view of it is made
         data = joined if mx_dtype == unsigned else joined.view(mx_dtype)
         base, start = Joined(data), 0
@@ -691,6 +711,7 @@ def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
         np.copyto(dest, _aligned(raw, dest.itemsize).reshape(shape))
 
     _map(copy, copies, [c[1].size for c in copies])  # numpy copies release the GIL
+    _to_device(bases)
     out, calibrations = [], []
     for p, plan, groups in zip(parsed, plans, views):
         header, calibration = p.header, {}
@@ -710,6 +731,16 @@ def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
     # Evaluated here: lazy views would be bound to this thread's stream (see _grouped_block).
     mx.eval([g.data for blk in out for g in blk.layers.groups], calibrations)
     return out
+
+
+def _to_device(arrays: list[mx.array]) -> None:
+    """On a GPU, move arrays the host has just written to the device now, by one read there.
+    MLX's CUDA arrays live in managed memory and pages written by the host stay on the host
+    until a kernel faults them across: left to the question's first forward, a 64k entry's
+    pages crossed at about 8 GB/s inside it (issue 28), and a memory-tier entry paid that on
+    its first restore. A streaming read moves them in large runs; elsewhere this does nothing."""
+    if arrays and mx.default_device().type == mx.DeviceType.gpu:
+        mx.eval([mx.max(a.reshape(-1)) for a in arrays])
 
 
 def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
