@@ -8,7 +8,7 @@ Afterwards: no process reported an error, every name that was put and never remo
 each entry holds exactly what the put named in its metadata stored (for a writer's own names,
 its last put), and the home passes every check (harness.check_home).
 
-Short version: 15 seconds. Long version: max(60, --trials) seconds (default 200).
+Short version: 8 seconds. Long version: max(60, --trials) seconds (default 200).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def storm(tmp_path, seconds: float, ledger, scenario: str) -> None:
 
 
 def test_four_writers_four_readers(tmp_path, ledger):
-    storm(tmp_path, 15, ledger, "concurrency (short)")
+    storm(tmp_path, 8, ledger, "concurrency (short)")
 
 
 @pytest.mark.reliability_long
