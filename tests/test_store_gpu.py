@@ -1,8 +1,9 @@
-"""The store on a GPU (issue 28). MLX's CUDA arrays live in managed memory, so a put reads its
+"""The store on CUDA (issue 28). MLX's CUDA arrays live in managed memory, so a put reads its
 groups from a copy joined on the device (a host read of the snapshot's own arrays would move a
 live cache's pages to the host) and the arrays a put or a restore builds on the host are moved
 to the device before anything reads them. Whatever path the bytes take, a put keeps the
-snapshot it was given unchanged and both tiers give it back bit for bit."""
+snapshot it was given unchanged, writes the same objects, and both tiers give it back bit for
+bit. The managed-memory path also runs here on the CPU (forced), against the unified one."""
 
 from __future__ import annotations
 
@@ -11,9 +12,8 @@ import pytest
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import open_store, put, reopen, token_ids
+from tqstore.format import objects as F
 from turboquant.records import Layout
-
-pytestmark = pytest.mark.gpu
 
 
 def raw_bytes(snap) -> list[bytes]:
@@ -21,12 +21,12 @@ def raw_bytes(snap) -> list[bytes]:
     return [np.array(a).tobytes() for a in snap.arrays()]
 
 
-@pytest.mark.parametrize("n_tokens", [600, 1_000])
-def test_a_put_and_its_restores_on_the_gpu_are_bit_exact(tmp_path, n_tokens):
-    store = open_store(tmp_path / "home")
-    snap, tokens = make_snapshot(n_tokens, layouts=[Layout.RAW, Layout.TURBO], seed=5), token_ids(n_tokens)
+def put_and_restore(home, snap, tokens) -> dict[bytes, bytes]:
+    """Put `snap`, check it unchanged and restored bit for bit from both tiers; the objects'
+    stored bytes by key."""
+    store = open_store(home)
     before = raw_bytes(snap)
-    put(store, "e", snap, tokens)
+    manifest = put(store, "e", snap, tokens).manifest
     assert raw_bytes(snap) == before, "the put changed the snapshot it stored"
     from_memory, stats = store.load("e")
     assert stats.tier == "memory"
@@ -35,4 +35,22 @@ def test_a_put_and_its_restores_on_the_gpu_are_bit_exact(tmp_path, n_tokens):
     from_lmdb, stats = store.load("e")
     assert stats.tier == "lmdb"
     assert_same_snapshot(from_lmdb, snap)
+    stored = {ref.key: store._tiers.lmdb.get_object(ref.key) for ref in manifest.objects}
     store.close()
+    return stored
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", [600, 1_000])
+def test_a_put_and_its_restores_on_the_gpu_are_bit_exact(tmp_path, n_tokens):
+    snap = make_snapshot(n_tokens, layouts=[Layout.RAW, Layout.TURBO], seed=5)
+    put_and_restore(tmp_path / "home", snap, token_ids(n_tokens))
+
+
+def test_the_managed_memory_path_writes_the_objects_the_unified_path_writes(tmp_path, monkeypatch):
+    snap, tokens = make_snapshot(600, layouts=[Layout.RAW, Layout.TURBO], seed=5), token_ids(600)
+    unified = put_and_restore(tmp_path / "unified", snap, tokens)
+    monkeypatch.setattr(F, "_managed_memory", lambda: True)
+    managed = put_and_restore(tmp_path / "managed", snap, tokens)
+    assert managed.keys() == unified.keys() and len(unified) > 2
+    assert all(managed[k] == unified[k] for k in unified), "the two paths wrote different bytes"

@@ -200,27 +200,27 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
     arrays. The copies run on the format's threads. Where memory is unified (Apple silicon,
     the CPU) numpy reads each array through a strided view of MLX's buffer, so every byte is
     copied once (MLX's `reshape(-1)` and concatenation cost about twice this copy's CPU in issue
-    28's put profile). On a GPU the arrays are a live cache's, in CUDA managed memory: a host
+    28's put profile). On CUDA the arrays are a live cache's, in managed memory: a host
     read would move their pages to the host, for the next decode step to fault back, so each
     group is first joined on the device (a copy at device speed) and the host reads that, in
     parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
-    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    managed = _managed_memory()
     items = list(groups.items())
-    joined = [mx.concatenate([_unsigned(a, dtype).reshape(-1) for _, a in members]) if on_gpu else None
+    joined = [mx.concatenate([_unsigned(a, dtype).reshape(-1) for _, a in members]) if managed else None
               for (_, _, dtype), members in items]
-    mx.eval(joined if on_gpu else [a for _, members in items for _, a in members])
-    views = iter(() if on_gpu else _host_views([a for _, members in items for _, a in members]))
+    mx.eval(joined if managed else [a for _, members in items for _, a in members])
+    views = iter(() if managed else _host_views([a for _, members in items for _, a in members]))
     raws, copies = [], []
     for j, ((section, _, dtype), members) in enumerate(items):
         raw = np.empty(sum(a.nbytes for _, a in members), dtype=np.uint8)
         offset = 0
         for entry, a in members:
             entry["group"], entry["offset"] = j, offset
-            if not on_gpu:
+            if not managed:
                 src = next(views)
                 copies.append((raw[offset:offset + a.nbytes].view(src.dtype).reshape(src.shape), src))
             offset += a.nbytes
-        if on_gpu:
+        if managed:
             src = np.asarray(joined[j]).view(np.uint8)
             copies += [(raw[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, raw.size, _COPY_CHUNK)]
         raws.append(raw)
@@ -747,13 +747,20 @@ def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
 
 
 def _to_device(arrays: list[mx.array]) -> None:
-    """On a GPU, move arrays the host has just written to the device now, by one read there.
+    """On CUDA, move arrays the host has just written to the device now, by one read there.
     MLX's CUDA arrays live in managed memory and pages written by the host stay on the host
     until a kernel faults them across: left to the question's first forward, a 64k entry's
     pages crossed at about 8 GB/s inside it (issue 28), and a memory-tier entry paid that on
     its first restore. A streaming read moves them in large runs; elsewhere this does nothing."""
-    if arrays and mx.default_device().type == mx.DeviceType.gpu:
+    if arrays and _managed_memory():
         mx.eval([mx.max(a.reshape(-1)) for a in arrays])
+
+
+def _managed_memory() -> bool:
+    """Whether MLX's arrays live in CUDA managed memory (the default device a CUDA GPU), whose
+    pages sit on the host or on the device and move on first touch. On Apple silicon (Metal)
+    and the CPU one memory serves both: nothing moves."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
 
 
 def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
