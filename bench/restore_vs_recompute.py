@@ -334,7 +334,8 @@ def section(results: dict) -> str:
     runs = max((r["run"] for r in results["rows"]), default=0) + 1
     return (f"Through the public Engine, {meta['model']}. Ratios are the cold median over the tier's median "
             f"(above 1: the store answers sooner). Times are median (min-max) of {runs} runs per cell, all cells "
-            f"side by side in one process, after one untimed cold prefill at each length; restore GB/s is stored bytes over the Engine's restore seconds; "
+            f"side by side in one process, after one untimed cold prefill at each length; "
+            f"restore GB/s is stored bytes over the Engine's restore seconds; "
             f"the cold read is data.mdb read sequentially after dropping its pages (the file holds the entry "
             f"plus LMDB's pages). Store homes under {meta['tmp']} ({meta['fs']}).\n\n"
             f"{tables(results['rows'])}\n\n"

@@ -684,9 +684,10 @@ def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
     slice of it, and each block's groups are views of it (`ArrayGroup.base`), so the join that
     follows is a slice, not a concatenation. The joined arrays are allocated on the CPU stream
     and written in place (numpy views of MLX's buffers): no extra copy where memory is unified
-    (Apple silicon, the CPU); on CUDA they are moved to the device here (`_to_device`). None unless every object is a format 2 or 3 block whose groups hold one
-    array per layer (`_plan`) with the same layers, dtype and shape but for tokens per name:
-    the caller then builds them one by one (`build`)."""
+    (Apple silicon, the CPU); on CUDA they are moved to the device here (`_to_device`). None
+    unless every object is a format 2 or 3 block whose groups hold one array per layer
+    (`_plan`) with the same layers, dtype and shape but for tokens per name: the caller then
+    builds them one by one (`build`)."""
     plans = [_plan(p.header.layers) if p.header.kind == "block" and p.raws is not None else None for p in parsed]
     if not parsed or any(plan is None for plan in plans):
         return None
