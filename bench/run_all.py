@@ -1,7 +1,7 @@
 """Run every CPU benchmark and write docs/benchmarks.md (tables, PNG plots, machine, command).
 
-    python bench/run_all.py --quick               # 1k context, three schemes (< 15 min on 2 cores)
-    python bench/run_all.py --openblas            # 1k/4k/8k contexts, five schemes, OpenBLAS prefill
+    python bench/run_all.py --quick               # 1k context, three schemes (the default turbo5v4 among them)
+    python bench/run_all.py --openblas            # 1k/4k/8k contexts, six schemes, OpenBLAS prefill
     python bench/run_all.py --sections bench-storage --storage-runs 3   # some sections only
 
 Timing assertions live nowhere: these are measurements. The GPU decode kernels have their own
@@ -24,8 +24,8 @@ from common import (DEFAULT_MODEL, DEFAULT_TEXT, LocalS3, git_revision, load_rea
 from storage import memcpy_floor  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
-FULL = {"contexts": [1024, 4096, 8192], "schemes": ["raw", "affine8", "turbo0v4", "turbo8v3", "turbo4"]}
-QUICK = {"contexts": [1024], "schemes": ["raw", "turbo8v3", "turbo4"]}
+FULL = {"contexts": [1024, 4096, 8192], "schemes": ["raw", "affine8", "turbo0v4", "turbo8v3", "turbo4", "turbo5v4"]}
+QUICK = {"contexts": [1024], "schemes": ["raw", "turbo8v3", "turbo5v4"]}
 MODEL_SECTIONS = ("bench-ttft", "bench-throughput", "bench-transfer", "bench-compression", "bench-peers")
 SECTIONS = ("bench-setup", *MODEL_SECTIONS, "bench-storage", "bench-blas")
 
