@@ -47,9 +47,14 @@ def tensor_bytes(a: mx.array) -> np.ndarray:
     name = dtype_name(a.dtype)
     if name not in DTYPES:
         raise ValueError(f"dtype {name} cannot be stored (supported: {', '.join(DTYPES)})")
-    unsigned = DTYPES[name][2]
-    view = a if a.dtype == unsigned else a.view(unsigned)
-    return np.ascontiguousarray(np.asarray(view)).reshape(-1).view(np.uint8)
+    return np.ascontiguousarray(np.asarray(unsigned_view(a))).reshape(-1).view(np.uint8)
+
+
+def unsigned_view(a: mx.array) -> mx.array:
+    """`a` viewed as the unsigned integers of its width (a storable dtype): how bytes are typed
+    where bfloat16, which numpy lacks, and NaN payloads must come out bit for bit."""
+    unsigned = DTYPES[dtype_name(a.dtype)][2]
+    return a if a.dtype == unsigned else a.view(unsigned)
 
 
 def tensor_from_bytes(data, dtype: str, shape: tuple[int, ...]) -> mx.array:

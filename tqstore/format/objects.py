@@ -43,7 +43,7 @@ from turboquant.records import TOKEN_AXIS, CodecRecord, LayerRecord, Snapshot
 
 from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, Joined, SharedCodecs, Window,
                                    block_key, digest_calibration)
-from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes
+from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes, unsigned_view
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo, json_value,
@@ -206,12 +206,15 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
     parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
     managed = _managed_memory()
     items = list(groups.items())
-    joined = [mx.concatenate([_unsigned(a, dtype).reshape(-1) for _, a in members]) if managed else None
-              for (_, _, dtype), members in items]
-    mx.eval(joined if managed else [a for _, members in items for _, a in members])
-    views = iter(() if managed else _host_views([a for _, members in items for _, a in members]))
+    if managed:
+        joined = [mx.concatenate([unsigned_view(a).reshape(-1) for _, a in members]) for _, members in items]
+        mx.eval(joined)
+    else:
+        arrays = [a for _, members in items for _, a in members]
+        mx.eval(arrays)
+        views = iter(_host_views(arrays))
     raws, copies = [], []
-    for j, ((section, _, dtype), members) in enumerate(items):
+    for j, (_, members) in enumerate(items):
         raw = np.empty(sum(a.nbytes for _, a in members), dtype=np.uint8)
         offset = 0
         for entry, a in members:
@@ -237,17 +240,11 @@ def _host_views(arrays: list[mx.array]) -> list[np.ndarray]:
     reads every stored dtype but bfloat16 straight from MLX's buffer (about 2 us an array);
     bfloat16 goes through MLX's `view`, a graph node, evaluated for all of them at once: one
     evaluation per `np.asarray` cost about 90 us an array, most of a turbo4 put's CPU here."""
-    bf16 = [a.view(mx.uint16) for a in arrays if a.dtype == mx.bfloat16]
+    bf16 = [unsigned_view(a) for a in arrays if a.dtype == mx.bfloat16]
     mx.eval(bf16)
     viewed = iter(bf16)
     return [np.asarray(next(viewed)) if a.dtype == mx.bfloat16 else np.asarray(a).view(f"u{a.itemsize}")
             for a in arrays]
-
-
-def _unsigned(a: mx.array, dtype: str) -> mx.array:
-    """`a` viewed as the unsigned integers of its width (the stored group's type)."""
-    unsigned = DTYPES[dtype][2]
-    return a if a.dtype == unsigned else a.view(unsigned)
 
 
 def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> tuple[list[dict[str, Any]], list[Any]]:
