@@ -141,8 +141,8 @@ class _Encoder:
                                 f"({exc}): restore the stored prefix first and continue from it") from None
         self.canonical, self.parsed = canonical, {}
         # Each payload's sha256 (the digest its manifest records) is computed on threads while
-        # the next objects are encoded here (hashlib releases the GIL): one thread hashed a 64k
-        # raw entry's 1.6 GB in 1.5-1.7 s on the H200, most of its put.
+        # the next objects are encoded here (hashlib releases the GIL): one thread took 1.3-1.8 s
+        # of a 64k raw entry's 3.0-4.2 s put on the H200 (1.6 GB).
         with ThreadPoolExecutor(max_workers=_HASH_THREADS, thread_name_prefix="tqstore-put-hash") as hasher:
             pending: dict[bytes, tuple[tuple[memoryview, ...], Future]] = {}
             for want in missing:
