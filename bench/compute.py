@@ -5,7 +5,7 @@ storage, and the BLAS under MLX.
     python bench/compute.py --openblas --contexts 4096 --runs 3
 
 Encode: every layer of a context compressed with the MLX-ops reference path and with the numpy
-stages (turboquant/host.py), side by side in each run. Prefill: a 32-token question and its first
+stages (turboquant/codec/numpy_stages.py), side by side in each run. Prefill: a 32-token question and its first
 token over a restored context, raw against each compressed scheme in the same run. The context
 rows are the real model's keys and values of 1024 real tokens, repeated to the context length:
 timings depend on shapes only (quality is docs/quality.md's job), and a 16k real prefill would
@@ -75,7 +75,8 @@ def context_caches(model, rows, scheme: str, n: int, compress: bool = True):
 
 def encode_seconds(model, rows, scheme: str, n: int, on_host: bool) -> tuple[float, float]:
     """(wall, CPU) seconds to compress every layer of an n-token context (calibration fit included)."""
-    from turboquant import TurboQuantKVCache, host
+    from turboquant import TurboQuantKVCache
+    from turboquant.codec import numpy_stages as host
 
     caches = context_caches(model, rows, scheme, n, compress=False)
     saved = host.on_host

@@ -48,14 +48,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # kernel_support: the synthetic caches and their float64 reference
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from turboquant import kernels  # noqa: E402
-from turboquant.kernels import host  # noqa: E402
-from turboquant.kernels.mma import MmaPass1  # noqa: E402
-from turboquant.kernels.reference import attention64, build_cache, dequantized, stored  # noqa: E402
+from turboquant.attention import kernels  # noqa: E402
+from turboquant.attention.kernels import host  # noqa: E402
+from turboquant.attention.kernels.mma import MmaPass1  # noqa: E402
+from kernel_support.synthetic import attention64, build_cache, dequantized, stored  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 SCALE = 1 / math.sqrt(D)
@@ -237,7 +238,7 @@ CANDIDATES = [(ns, u, tgs) for ns, u in ((1, 2), (1, 4), (2, 2), (1, 8)) for tgs
 
 def breakdown(scheme: str, T: int, calls: int) -> str:
     """GPU time per call of the parts: whole attention, q prep + both passes, pass 1, pass 2."""
-    from turboquant.kernels import cuda, metal
+    from turboquant.attention.kernels import cuda, metal
 
     make = cuda.kernel if kernels.select_backend() == "cuda" else metal.kernel
     nl = layers_for(T)
@@ -313,8 +314,8 @@ def mixed_caches(scheme: str, T: int, n: int) -> list:
     """`n` layers' caches of an autoB scheme whose layers cycle through every key layout its
     allocation can give a layer (base, wider TurboQuant keys, 8-bit affine keys): what a model's
     mixed allocation decodes."""
-    from turboquant.plan import plan_layer
-    from turboquant.schemes import parse_scheme
+    from turboquant.codec.plan import plan_layer
+    from turboquant.codec.schemes import parse_scheme
 
     options = plan_layer(parse_scheme(scheme), HKV, D, D, mx.float16).key_options()
     return [build_cache(scheme, HKV, D, mx.float16, T, seed=i, keys=options[i % len(options)]) for i in range(n)]

@@ -81,8 +81,9 @@ def family_row(family: str, tokens: int, wide: bool = True) -> list:
     """[family, raw B/token, fixed bytes, then per scheme B/token, x raw, in memory/at rest/native]."""
     import mlx.core as mx
 
-    from turboquant.integration import compress_caches, make_prompt_cache, snapshot
-    from turboquant.residence import Residence, residence_of
+    from turboquant.adapter.making import compress_caches, make_prompt_cache
+    from turboquant.adapter.snapshots import snapshot
+    from turboquant.adapter.residence import Residence, residence_of
 
     model = build(family, wide)
     prompt = mx.arange(tokens)[None] % 100 + 1

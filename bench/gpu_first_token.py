@@ -58,8 +58,8 @@ def probe(home: Path, max_tokens: int) -> dict:
     from tqstore.config import load_config
     from tqstore.engine.engine import Engine
     from tqstore.store.store import Store
-    from turboquant import kernels
-    from turboquant.kernels import host as khost
+    from turboquant.attention import kernels
+    from turboquant.attention.kernels import host as khost
     phases["imports"] = time.perf_counter() - t
 
     compiling: list[float] = []  # launches that built a new kernel variant (JIT + module load)
@@ -77,7 +77,7 @@ def probe(home: Path, max_tokens: int) -> dict:
     khost.launch = timed_launch
     verdicts: list[float] = []
     if kernels.select_backend() == "metal":
-        from turboquant.kernels import metal
+        from turboquant.attention.kernels import metal
 
         verdict = metal.verdict
 

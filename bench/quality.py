@@ -53,7 +53,7 @@ def mlx_lm_quantized(bits: int):
 
 
 def experiment_runs(name: str, schemes: list[str]):
-    from turboquant.calibration import CalibrationConfig
+    from turboquant.codec.calibration import CalibrationConfig
 
     if name == "schemes":  # mlx-lm's own caches by their PEERS names
         return [(s, "default", {"factory": mlx_lm_quantized(PEERS[s])} if s in PEERS else {}) for s in schemes]

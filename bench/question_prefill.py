@@ -12,19 +12,19 @@ A model with Llama-3.1-8B's shapes (hidden 4096, 32 query / 8 KV heads, head dim
 vocabulary 32,000), N of its layers (default 8), random bf16 weights, built in memory. Per cell
 (T, scheme) the caches get T rows of random K/V (the compressed ones then compressed, as a
 restore leaves them), and the question runs as the Engine runs it: a forward over its first 15
-tokens (a prefill chunk over stored rows: `turboquant/prefill.py` on the compressed caches),
+tokens (a prefill chunk over stored rows: `turboquant/attention/prefill.py` on the compressed caches),
 then one over the last token (the fused decode kernels), to the argmax. The first question of a
 cell is timed alone (what a new context length pays the first time), then `--runs` more (warm:
 median and min-max); the caches are trimmed back after each. With `--ab-prefill` every compressed
 cell runs twice on the same caches: the question through the decode kernels (`fused_prefill`,
 the default) and with `TQSTORE_KERNEL_PREFILL=0` (the stored rows decoded into float32 and
-MLX's SDPA, turboquant/prefill.py), with the largest difference of their last-token logits.
+MLX's SDPA, turboquant/attention/prefill.py), with the largest difference of their last-token logits.
 
 Each run of cells is a fresh process; all processes share one MLX kernel cache folder
 (`MLX_PTX_CACHE_DIR`, empty at the start), so the first process shows what is compiled and the
 second what a later process pays with the compiled modules on disk. After every phase the child
 lists the modules MLX wrote to that folder since the last phase (`custom_kernel_*` are ours, the
-rest MLX's own JIT) and the decode-kernel variants `turboquant.kernels.cuda.kernel` built.
+rest MLX's own JIT) and the decode-kernel variants `turboquant.attention.kernels.cuda.kernel` built.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))  # kernel_support: the synthetic caches and their float64 reference
 
 QUESTION = 16
 MARKER = "bench-question-prefill"
@@ -59,7 +60,7 @@ class Builds:
     """Modules MLX compiled into the cache folder and decode-kernel variants built, per phase."""
 
     def __init__(self, folder: Path):
-        from turboquant.kernels import cuda
+        from turboquant.attention.kernels import cuda
 
         self.folder = folder
         self.seen = self._modules()
@@ -87,7 +88,7 @@ class Builds:
 def fill_caches(model, scheme: str, T: int, seed: int):
     import mlx.core as mx
 
-    from turboquant.integration import compress_caches, make_prompt_cache
+    from turboquant.adapter.making import compress_caches, make_prompt_cache
 
     caches = make_prompt_cache(model, scheme)
     for i, c in enumerate(caches):
@@ -183,9 +184,9 @@ def mma_ab(reps: int = 3) -> list[dict]:
     import mlx.core as mx
 
     from decode import chained
-    from turboquant import kernels
-    from turboquant.kernels import KernelTuning
-    from turboquant.kernels.reference import build_cache, stored
+    from turboquant.attention import kernels
+    from turboquant.attention.kernels import KernelTuning
+    from kernel_support.synthetic import build_cache, stored
 
     rows = []
     for T in (1024, 4096, 16384):
@@ -212,8 +213,8 @@ def breakdown(tokens: list[int], layers: int = 8, calls: int = 64, schemes: tupl
     import mlx.core as mx
 
     from decode import timed
-    from turboquant.kernels import KernelTuning, cuda, fused_prefill, host
-    from turboquant.kernels.reference import build_cache, stored
+    from turboquant.attention.kernels import KernelTuning, cuda, fused_prefill, host
+    from kernel_support.synthetic import build_cache, stored
 
     L, scale = QUESTION - 1, 1 / math.sqrt(128)
     rows = []

@@ -1,5 +1,5 @@
 """The support table of docs/models.md: every mlx-lm family, its layer kinds and what the store
-does with each, asked from the code (`turboquant.integration.layer_kind`) on the tiny configs
+does with each, asked from the code (`turboquant.adapter.integration.layer_kind`) on the tiny configs
 of tests/arch_configs.py, so that the table stays true as mlx-lm and tqstore change.
 
     .venv/bin/python bench/support_table.py          # prints the table and rewrites docs/models.md
@@ -18,8 +18,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import arch_configs  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from turboquant import make_prompt_cache  # noqa: E402
-from turboquant.integration import PREFIX_KINDS, layer_kind  # noqa: E402
-from turboquant.windows import leaves  # noqa: E402
+from turboquant.adapter.snapshots import PREFIX_KINDS, layer_kind  # noqa: E402
+from turboquant.adapter.windows import leaves  # noqa: E402
 
 SCHEME = "turbo4"
 DOC = ROOT / "docs" / "models.md"

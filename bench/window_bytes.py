@@ -6,7 +6,7 @@ and by token (the engine's default now).
 
 Same models and accounting as bench/family_bytes.py (tiny configs widened to heads of 64, fp16
 accounting, layer arrays only). Each family prefills the same tokens under raw and turbo4 with
-the engine's logging (`turboquant.checkpoints.StateCheckpoints`), then is snapshotted twice: with
+the engine's logging (`turboquant.adapter.checkpoints.StateCheckpoints`), then is snapshotted twice: with
 the window rows (by token) and without (whole). Per token is what grows with the tokens; the
 whole windows are a fixed cost per entry (their size is the window's, 16 to 64 rows here).
 """
@@ -32,9 +32,10 @@ def measure(model, scheme: str, tokens: int) -> tuple[tuple[int, int], tuple[int
     """((per-token bytes, fixed bytes) whole, the same by token, window layers, layers)."""
     import mlx.core as mx
 
-    from turboquant.checkpoints import StateCheckpoints, chunk_ends
-    from turboquant.integration import compress_caches, make_prompt_cache, snapshot
-    from turboquant.windows import settle_all, window_layers
+    from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
+    from turboquant.adapter.making import compress_caches, make_prompt_cache
+    from turboquant.adapter.snapshots import snapshot
+    from turboquant.adapter.windows import settle_all, window_layers
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -60,7 +61,7 @@ def family_row(family: str, tokens: int) -> list | None:
     """[family, window layers / layers, then per scheme: B/token whole, by token, ratio; fixed
     bytes whole], or None for a family without window layers."""
     import arch_configs
-    from turboquant.windows import window_layers
+    from turboquant.adapter.windows import window_layers
 
     model = arch_configs.build(family)
     if not window_layers(model.make_cache() if hasattr(model, "make_cache") else []):

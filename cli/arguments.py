@@ -24,7 +24,7 @@ def key_value(text: str) -> tuple[str, str]:
 def scheme_name(name: str | None) -> str | None:
     """The canonical name of a --scheme value (None: not given); BadInput listing the valid ones
     otherwise (exit 1, not a usage error: the list is the help)."""
-    from turboquant.schemes import parse_scheme
+    from turboquant import parse_scheme
 
     if name is None:
         return None

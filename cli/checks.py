@@ -65,7 +65,7 @@ def _available(mx, backend: str) -> bool:
 def attention() -> Check:
     import mlx.core as mx
 
-    from turboquant.kernels import select_backend
+    from turboquant import select_backend
 
     kernel = select_backend()
     gpu = mx.default_device().type == mx.DeviceType.gpu
@@ -102,8 +102,7 @@ def _attention_error(scheme: str, dtype, L: int, kernels: bool) -> float:
     import mlx.core as mx
     import numpy as np
 
-    from turboquant import TurboQuantKVCache, parse_scheme
-    from turboquant.plan import plan_layer
+    from turboquant import TurboQuantKVCache, parse_scheme, plan_layer
 
     H, R, D, T = 2, 4, 128, 300  # two 256-token storage blocks, GQA 4
     rng = np.random.default_rng(len(scheme) * 10 + L)

@@ -3,8 +3,9 @@ with a stand-in kernel factory (the emulator, or a deliberately broken one)."""
 
 import functools
 
-from turboquant import attention, kernels
-from turboquant.kernels import metal
+from turboquant.attention import compressed as attention
+from turboquant.attention import kernels
+from turboquant.attention.kernels import metal
 
 
 def force_backend(monkeypatch, backend, factory, tuning=None):
@@ -14,7 +15,7 @@ def force_backend(monkeypatch, backend, factory, tuning=None):
     if tuning is not None:
         monkeypatch.setattr(attention, "fused_decode", functools.partial(kernels.fused_decode, tuning=tuning))
     if backend == "cuda":
-        import turboquant.kernels.cuda as cuda_mod
+        import turboquant.attention.kernels.cuda as cuda_mod
 
         monkeypatch.setattr(cuda_mod, "kernel", factory)
     else:

@@ -1,7 +1,7 @@
 import mlx.core as mx
 import pytest
 
-from turboquant.affine import AffineCodec, UnsupportedHeadDim, affine_group_size
+from turboquant.codec.affine import AffineCodec, UnsupportedHeadDim, affine_group_size
 
 
 @pytest.mark.parametrize("d, g", [(64, 64), (128, 64), (256, 64), (96, 32), (160, 32), (32, 32)])

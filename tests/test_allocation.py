@@ -1,4 +1,4 @@
-"""autoB schemes (turboquant/allocation.py): a bit budget spent on wider keys (4 or 5 bits, 8-bit
+"""autoB schemes (turboquant/cache/allocation.py): a bit budget spent on wider keys (4 or 5 bits, 8-bit
 affine) where the measured score error says they matter (and below 4.5 bits on the values' width
 too, by the attention output's error), decided once for all layers, stored with the entry."""
 
@@ -9,14 +9,14 @@ import pytest
 
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
-from turboquant.allocation import LayerMeasure, choose, measure_layer, output_errors
-from turboquant.plan import AFFINE8_KEYS, BASE_KEYS, TURBO4_KEYS, TURBO5_KEYS
+from turboquant.cache.allocation import LayerMeasure, choose, measure_layer, output_errors
+from turboquant.codec.plan import AFFINE8_KEYS, BASE_KEYS, TURBO4_KEYS, TURBO5_KEYS
 from turboquant.quality import prefill, stored_bits
 from turboquant.records import Layout
-from turboquant.schemes import SCHEMES
+from turboquant.codec.schemes import SCHEMES
 
 TOKENS = 512
-# The layouts turboquant/kernels runs (with float32 norms; float16 norms and 5-bit keys are the
+# The layouts turboquant/attention/kernels runs (with float32 norms; float16 norms and 5-bit keys are the
 # kernels' next step, docs/quality.md).
 KERNEL_LAYOUTS = {Layout.CALIBRATED, Layout.AFFINEK_TURBO}
 

@@ -11,8 +11,9 @@ import pytest
 
 from arch_configs import NOT_BUILDABLE, build, families
 from tqstore.format import objects as F
-from turboquant.integration import compress_caches, layer_residences, make_prompt_cache, restore, snapshot
-from turboquant.residence import Residence, residence_of
+from turboquant.adapter.making import compress_caches, layer_residences, make_prompt_cache
+from turboquant.adapter.snapshots import restore, snapshot
+from turboquant.adapter.residence import Residence, residence_of
 
 FAMILIES = [f for f in families() if f not in NOT_BUILDABLE]
 CLASSES = {Residence.IN_MEMORY: {"TurboQuantKVCache"}, Residence.AT_REST: {"AtRestKVCache"}}

@@ -20,7 +20,7 @@ from tqstore.format.blocks import BLOCK_SIZE, split_snapshot
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
 from turboquant import make_prompt_cache
-from turboquant.checkpoints import StateCheckpoints
+from turboquant.adapter.checkpoints import StateCheckpoints
 from turboquant.records import Layout, state_boundaries
 
 HYBRIDS = ("qwen3_5", "lfm2", "nemotron_h")

@@ -6,8 +6,8 @@ import pytest
 
 from kv_data import kv_rows
 from turboquant import parse_scheme
-from turboquant.cache import CompressedKeys, TurboQuantKVCache
-from turboquant.plan import plan_layer
+from turboquant.cache.compressed import CompressedKeys, TurboQuantKVCache
+from turboquant.codec.plan import plan_layer
 from turboquant.records import Layout
 
 SCHEMES = ["turbo0v4", "turbo8v3", "turbo3", "affine8", "affine4", "turbo4v2"]
@@ -135,10 +135,10 @@ def test_raw_phase_returns_the_rows_themselves():
 @pytest.mark.parametrize("numpy_stages", [True, False], ids=["cpu", "mlx-ops"])
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo8v3", "turbo0v4", "affine8"])
 def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme, numpy_stages, monkeypatch):
-    """A chunk that fills the open block and starts a raw tail (turboquant/prefill.py): block
+    """A chunk that fills the open block and starts a raw tail (turboquant/attention/prefill.py): block
     means of calibrated keys, the tail's basis and the causal alignment all count, in the numpy
     decode of the CPU and in the MLX ops a GPU runs."""
-    from turboquant import host
+    from turboquant.codec import numpy_stages as host
 
     monkeypatch.setattr(host, "on_host", lambda: numpy_stages)
     H, R, D, L = 2, 3, 64, 220
@@ -159,7 +159,7 @@ def test_prefill_chunk_over_blocks_and_a_raw_tail(scheme, numpy_stages, monkeypa
 @pytest.mark.parametrize("scheme", ["turbo8v3", "turbo4"])
 def test_prefill_chunk_with_centred_keys_and_no_channel_scales(scheme):
     """Block means without channel scales: the means enter the scores' basis unscaled."""
-    from turboquant.calibration import CalibrationConfig
+    from turboquant.codec.calibration import CalibrationConfig
 
     H, R, D, L = 2, 2, 64, 8
     plan = plan_layer(parse_scheme(scheme), H, D, D, mx.float32,

@@ -22,8 +22,8 @@ from tqstore.format.blocks import (BLOCK_SIZE, BlockKey, block_keys, block_spans
                             split_snapshot)
 from tqstore.canonical import tensor_bytes
 from tqstore.format import objects as F
-from turboquant.codec import TurboCodec
-from turboquant.plan import codec_record, codec_name
+from turboquant.codec.turbo import TurboCodec
+from turboquant.codec.plan import codec_record, codec_name
 from turboquant.records import (LayerRecord, Layout, Snapshot, check_record_arrays, join_children, leaf_records,
                                 split_children, state_at)
 

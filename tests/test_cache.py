@@ -3,11 +3,12 @@ import pytest
 
 from kv_data import kv_rows
 from turboquant import parse_scheme
-from turboquant.cache import CompressedKeys, TurboQuantKVCache
-from turboquant.calibration import fit_key_calibration
-from turboquant.integration import protected_layers, restore, snapshot
-from turboquant.plan import plan_layer
-from turboquant.sides import per_token_shifts
+from turboquant.cache.compressed import CompressedKeys, TurboQuantKVCache
+from turboquant.codec.calibration import fit_key_calibration
+from turboquant.adapter.making import protected_layers
+from turboquant.adapter.snapshots import restore, snapshot
+from turboquant.codec.plan import plan_layer
+from turboquant.codec.sides import per_token_shifts
 from turboquant.records import Layout
 
 
@@ -267,8 +268,8 @@ def test_statistics_guard_falls_back_to_position_without_queries(boundary):
 
 def test_noise_gain_predicts_the_measured_score_error():
     """The guard's statistic: std of q . (k - k~) ~ gain * sqrt(D_mse), against a measurement."""
-    from turboquant.calibration import noise_gain
-    from turboquant.codebook import lloyd_max_codebook
+    from turboquant.codec.calibration import noise_gain
+    from turboquant.codec.codebook import lloyd_max_codebook
 
     cache = _guarded_cache(guard=None)
     k, v = kv_rows(1, 2, 256, 64, seed=4)

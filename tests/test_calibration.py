@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 
 from turboquant import TurboCodec
-from turboquant.calibration import (CALIBRATION_TOKENS, CalibrationConfig, KeyCalibration, block_mean,
-                                    fit_key_calibration)
+from turboquant.codec.calibration import (CALIBRATION_TOKENS, CalibrationConfig, KeyCalibration, block_mean,
+                                          fit_key_calibration)
 
 
 def _anisotropic_keys(T=512, H=2, D=64, seed=0):

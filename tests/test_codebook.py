@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from turboquant import lloyd_max_codebook
-from turboquant.codebook import MAX_BITS, compute_codebook
-from turboquant.codebook_table import TABLE
+from turboquant.codec.codebook import MAX_BITS, compute_codebook
+from turboquant.codec.codebook_table import TABLE
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "codebooks.json").read_text())
 
@@ -116,14 +116,14 @@ def _same(shipped, computed):
 
 
 def _shipped(d, bits):
-    from turboquant.codebook import _codebook
+    from turboquant.codec.codebook import _codebook
 
     return _codebook.__wrapped__(d, bits)
 
 
 @pytest.mark.parametrize("d", sorted({d for d, _ in TABLE}))
 def test_shipped_table_is_the_computation_below_5_bits(d):
-    """turboquant/codebook_table.py (tools/codebook_table.py) holds exactly what the iteration
+    """turboquant/codec/codebook_table.py (tools/codebook_table.py) holds exactly what the iteration
     computes; 5 bits (about a second each) for d = 128 only here, every dim in the slow test."""
     for bits in (1, 2, 3, 4, *((5,) if d == 128 else ())):
         _same(_shipped(d, bits), compute_codebook(d, bits))
@@ -142,7 +142,7 @@ def test_table_covers_the_common_head_dims_and_every_bit_width():
 def test_shipped_codebooks_need_no_scipy():
     """A process that meets only common head dims never imports scipy (0.25-1 s of a fresh CLI
     call); another head dim still computes its codebook."""
-    code = ("import sys; from turboquant.codebook import lloyd_max_codebook\n"
+    code = ("import sys; from turboquant.codec.codebook import lloyd_max_codebook\n"
             "for bits in range(1, 6): lloyd_max_codebook(128, bits); lloyd_max_codebook(64, bits)\n"
             "assert 'scipy' not in sys.modules, 'scipy imported'\n"
             "lloyd_max_codebook(100, 3)\n"

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from turboquant import NormMode, TurboCodec, lloyd_max_codebook
-from turboquant.rotation import Rotation
+from turboquant.codec.rotation import Rotation
 
 
 def _gaussian(rows, d, seed=0, dtype=mx.float32):

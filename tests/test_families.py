@@ -10,13 +10,15 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from tiny_models import build_model, prompt_tokens
 from turboquant import parse_scheme
-from turboquant.at_rest import AtRestKVCache
-from turboquant.cache import TurboQuantKVCache
-from turboquant.calibration import CalibrationConfig, fit_key_calibration
-from turboquant.integration import (_checked_fallback, _planned_caches, check_plan, layer_residences, make_prompt_cache, probe_kv_shapes, restore, snapshot)
-from turboquant.plan import plan_layer
-from turboquant.residence import Residence, layers_read_by_model
-from turboquant.rotation import Rotation
+from turboquant.cache.at_rest import AtRestKVCache
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.codec.calibration import CalibrationConfig, fit_key_calibration
+from turboquant.adapter.making import (_checked_fallback, _planned_caches, check_plan, layer_residences,
+                                       make_prompt_cache, probe_kv_shapes)
+from turboquant.adapter.snapshots import restore, snapshot
+from turboquant.codec.plan import plan_layer
+from turboquant.adapter.residence import Residence, layers_read_by_model
+from turboquant.codec.rotation import Rotation
 
 IN, REST, NATIVE = Residence.IN_MEMORY, Residence.AT_REST, Residence.NATIVE
 
@@ -160,7 +162,7 @@ def test_at_rest_layers_export_to_mlx_lm_decoded(models, tmp_path):
 
 
 def test_residences_other_than_in_memory_are_stated_once_per_family(models, monkeypatch):
-    from turboquant import integration
+    from turboquant.adapter import making as integration
 
     monkeypatch.setattr(integration, "_notices", set())
     with pytest.warns(UserWarning) as record:
@@ -199,7 +201,7 @@ def test_at_rest_entries_share_prefix_blocks(tmp_path):
 
 
 def test_at_rest_can_be_forced_without_a_notice(models, monkeypatch):
-    from turboquant import integration
+    from turboquant.adapter import making as integration
 
     monkeypatch.setattr(integration, "_notices", set())
     with warnings.catch_warnings():

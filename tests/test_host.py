@@ -1,12 +1,12 @@
-"""The numpy stages of the codec (turboquant/host.py) against the MLX reference, bit for bit."""
+"""The numpy stages of the codec (turboquant/codec/numpy_stages.py) against the MLX reference, bit for bit."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant import host
-from turboquant.codec import TurboCodec
-from turboquant.packing import SUPPORTED_BITS, pack, unpack
+from turboquant.codec import numpy_stages as host
+from turboquant.codec.turbo import TurboCodec
+from turboquant.codec.packing import SUPPORTED_BITS, pack, unpack
 
 
 @pytest.mark.parametrize("bits", SUPPORTED_BITS)

@@ -6,7 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 
 from tiny_models import build_model, prompt_tokens
 from turboquant import TurboQuantKVCache, make_prompt_cache, restore, snapshot
-from turboquant.integration import compressed_sdpa
+from turboquant.adapter.dispatch import compressed_sdpa
 from turboquant.records import Layout
 
 SCHEMES = ["raw", "affine8", "affine4", "turbo0v4", "turbo0v3", "turbo0v2", "turbo8v4", "turbo8v3", "turbo8v2",

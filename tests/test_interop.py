@@ -14,7 +14,7 @@ from tqstore.errors import MalformedHeader, UnsupportedCache
 from tqstore.exchange.mlx_lm import export_prompt_cache, import_prompt_cache
 from turboquant import make_prompt_cache as tq_make_prompt_cache
 from turboquant import restore, snapshot
-from turboquant.integration import restore_as
+from turboquant.adapter.snapshots import restore_as
 from turboquant.records import LayerRecord, Layout, Snapshot
 
 

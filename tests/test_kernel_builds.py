@@ -8,11 +8,11 @@ tested through the emulator elsewhere; here only which modules a step needs matt
 import mlx.core as mx
 import pytest
 
-from turboquant import kernels
-from turboquant.kernels import cubin_cache, host
-from turboquant.kernels.cuda import translation_unit
-from turboquant.kernels.merge import Pass2
-from turboquant.kernels.reference import build_cache, stored
+from turboquant.attention import kernels
+from turboquant.attention.kernels import cubin_cache, host
+from turboquant.attention.kernels.cuda import translation_unit
+from turboquant.attention.kernels.merge import Pass2
+from kernel_support.synthetic import build_cache, stored
 
 from kernel_backend import force_backend
 
@@ -116,7 +116,7 @@ def test_a_cached_module_is_used_without_compiling(monkeypatch, tmp_path):
 def test_the_metal_self_check_runs_once_per_kernel_variant_not_per_question_length():
     """fused_prefill gives the kernels R * L query rows per KV head: questions of 8 to 30 tokens
     share one pass-1 variant (their rows bucket), so Metal checks that variant once."""
-    from turboquant.kernels import metal
+    from turboquant.attention.kernels import metal
 
     cache = build_cache("turbo4", 2, 64, mx.float16, 300)
     full = stored(cache)

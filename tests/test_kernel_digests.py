@@ -23,11 +23,11 @@ def test_every_kernel_source_file_ships_and_every_section_is_found():
     import tomllib
     from pathlib import Path
 
-    from turboquant.kernels import dialects
+    from turboquant.attention.kernels import dialects
 
     root = Path(__file__).resolve().parents[1]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
-        "turboquant.kernels"]
+        "turboquant.attention.kernels"]
     src = Path(dialects.__file__).with_name("src")
     files = sorted(p.name for p in src.iterdir())
     assert files

@@ -15,12 +15,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.kernels import KernelTuning, host
-from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import PROTECTED, build_cache, stored
-from turboquant.kernels.template import Pass1
-from turboquant.plan import plan_layer
-from turboquant.schemes import parse_scheme
+from turboquant.attention.kernels import KernelTuning, host
+from turboquant.attention.kernels.mma import MmaPass1
+from kernel_support.synthetic import PROTECTED, build_cache, stored
+from turboquant.attention.kernels.template import Pass1
+from turboquant.codec.plan import plan_layer
+from turboquant.codec.schemes import parse_scheme
 
 from kernel_support import emulate, on_demand
 from kernel_support.reference import reference

@@ -1,4 +1,4 @@
-"""The tensor-core pass 1 (`turboquant/kernels/mma.py`) without a GPU: which decode steps it
+"""The tensor-core pass 1 (`turboquant/attention/kernels/mma.py`) without a GPU: which decode steps it
 serves, its CUDA source for every structure, and the kernel itself run on the CPU through the
 emulator (whose `mma.sync` follows the PTX fragment layouts) against a float64 reference.
 
@@ -18,12 +18,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.kernels import DEFAULT_TUNING, KernelTuning, host
-from turboquant.kernels import dialects
-from turboquant.kernels import template as tpl
-from turboquant.kernels.cuda import translation_unit
-from turboquant.kernels.mma import MAX_TILED_D, MMA_KEY_BITS, MMA_ROWS, MMA_VALUE_BITS, MmaPass1, table_copies
-from turboquant.kernels.reference import build_cache, stored
+from turboquant.attention.kernels import DEFAULT_TUNING, KernelTuning, host
+from turboquant.attention.kernels import dialects
+from turboquant.attention.kernels import template as tpl
+from turboquant.attention.kernels.cuda import translation_unit
+from turboquant.attention.kernels.mma import MAX_TILED_D, MMA_KEY_BITS, MMA_ROWS, MMA_VALUE_BITS, MmaPass1, table_copies
+from kernel_support.synthetic import build_cache, stored
 
 from kernel_support import emulate, on_demand
 from kernel_support.reference import reference

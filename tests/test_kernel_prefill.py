@@ -10,9 +10,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.kernels import KernelTuning
-from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import build_cache, dequantized
+from turboquant.attention.kernels import KernelTuning
+from turboquant.attention.kernels.mma import MmaPass1
+from kernel_support.synthetic import build_cache, dequantized
 
 from kernel_backend import force_backend
 from kernel_support import emulate, on_demand
@@ -64,7 +64,7 @@ def test_question_through_the_kernels_matches_f64(monkeypatch, case):
 def test_question_after_a_restore_in_an_open_block(monkeypatch, T, tail):
     """Issue 28/30: a question after a restore whose last block is open (300 rows) kept its rows
     encoded at once, so fewer than L stayed in the tail and it decoded every stored row
-    (turboquant/prefill.py). They now wait in the tail and the kernels take it; a tail longer
+    (turboquant/attention/prefill.py). They now wait in the tail and the kernels take it; a tail longer
     than pass 2 takes (256 rows) joins with plain ops, still causal per row."""
     calls = []
     force_backend(monkeypatch, "cuda", lambda v: calls.append(v) or emulate.kernel(v))
@@ -105,7 +105,7 @@ def test_queries_reaching_into_the_stored_rows_take_the_plain_path(monkeypatch):
 def test_long_chunks_decode_the_rows(monkeypatch):
     """Past MAX_PREFILL_ROWS query rows per KV head (the kernels would read the stored rows once
     per 8 of them) a chunk takes the decoded rows, even with every query in the tail."""
-    from turboquant import kernels
+    from turboquant.attention import kernels
 
     class Picked(Exception):
         """The kernels were chosen; what they compute is the f64 tests' job (emulating these

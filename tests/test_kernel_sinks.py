@@ -13,13 +13,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant import kernels
-from turboquant.kernels import KernelTuning, dialects, host, metal
-from turboquant.kernels import template as tpl
-from turboquant.kernels.cuda import translation_unit
-from turboquant.kernels.merge import Pass2
-from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import build_cache, stored, tail
+from turboquant.attention import kernels
+from turboquant.attention.kernels import KernelTuning, dialects, host, metal
+from turboquant.attention.kernels import template as tpl
+from turboquant.attention.kernels.cuda import translation_unit
+from turboquant.attention.kernels.merge import Pass2
+from turboquant.attention.kernels.mma import MmaPass1
+from kernel_support.synthetic import build_cache, stored, tail
 
 from kernel_backend import force_backend
 from kernel_support import emulate, on_demand

@@ -1,4 +1,4 @@
-"""A layer's decode step prepared once and replayed (`turboquant/kernels/steps.py`), run on the
+"""A layer's decode step prepared once and replayed (`turboquant/attention/kernels/steps.py`), run on the
 CPU through the emulator: each replayed step equals the step built from scratch, bit for bit,
 across new tail rows, a block that fills (new stored rows, key means and buffers) and a trim, and
 the step is rebuilt only when something it holds changes."""
@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant import kernels
-from turboquant.kernels import host
-from turboquant.kernels.reference import build_cache
+from turboquant.attention import kernels
+from turboquant.attention.kernels import host
+from kernel_support.synthetic import build_cache
 
 from kernel_backend import force_backend
 from kernel_support import emulate

@@ -26,10 +26,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant import kernels
-from turboquant.kernels import KernelTuning, host
-from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.reference import attention64, build_cache, dequantized, stored, tail
+from turboquant.attention import kernels
+from turboquant.attention.kernels import KernelTuning, host
+from turboquant.attention.kernels.mma import MmaPass1
+from kernel_support.synthetic import attention64, build_cache, dequantized, stored, tail
 
 from kernel_support.reference import causal64, reference
 
@@ -84,10 +84,10 @@ def _backend_kernel():
     backend = kernels.select_backend()
     assert backend in ("cuda", "metal")
     if backend == "cuda":
-        from turboquant.kernels import cuda
+        from turboquant.attention.kernels import cuda
 
         return cuda.kernel
-    from turboquant.kernels import metal
+    from turboquant.attention.kernels import metal
 
     return metal.kernel
 
@@ -327,7 +327,7 @@ DECODE_STEP = """
 import sys
 import mlx.core as mx
 import numpy as np
-from turboquant.kernels.reference import build_cache
+from kernel_support.synthetic import build_cache
 mx.set_default_device(mx.gpu)
 cache = build_cache("turbo4", 8, 128, mx.bfloat16, 4096, seed=3, tail=40)
 q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(2)).astype(mx.bfloat16)

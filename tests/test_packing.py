@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.packing import pack, packed_width, unpack
+from turboquant.codec.packing import pack, packed_width, unpack
 
 
 def test_golden_vector():

@@ -27,10 +27,10 @@ from tqstore.engine.engine import Engine
 from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE, join_blocks, split_snapshot
 from turboquant import make_prompt_cache, restore, snapshot
-from turboquant.checkpoints import StateCheckpoints
-from turboquant.integration import compress_caches
+from turboquant.adapter.checkpoints import StateCheckpoints
+from turboquant.adapter.making import compress_caches
 from turboquant.records import Layout, leaf_records
-from turboquant.windows import from_rows, leaves, settle_all
+from turboquant.adapter.windows import from_rows, leaves, settle_all
 
 VOCAB = 512  # the folder's tokenizer needs the byte alphabet and more
 # Windows and attention chunks of 64 tokens (each family names the field its own way), so that a

@@ -2,7 +2,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.rotation import Rotation, RotationKind, hadamard_base, orthogonality_error
+from turboquant.codec.rotation import Rotation, RotationKind, hadamard_base, orthogonality_error
 
 DIMS = [64, 72, 80, 96, 128, 256]
 EXPECTED_KIND = {64: RotationKind.HADAMARD, 72: RotationKind.DENSE, 80: RotationKind.HADAMARD_M,

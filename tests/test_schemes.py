@@ -1,7 +1,7 @@
 import pytest
 
 from turboquant import parse_scheme
-from turboquant.schemes import SCHEMES, Format
+from turboquant.codec.schemes import SCHEMES, Format
 
 # docs/turboquant.md ("Schemes" table): bytes per token per KV head at d=128, fp16 activations, f32 norms.
 BYTES_D128 = {"raw": 512, "affine8": 272, "affine4": 144, "turbo0v4": 324, "turbo0v3": 308, "turbo0v2": 292,

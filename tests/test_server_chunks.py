@@ -20,7 +20,7 @@ from tqstore.engine.engine import Engine
 from tqstore.serve.chunking import ChunkSizer
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
 from tqstore.serve.worker import Accepted, Failed, Finished, Job, ModelWorker, SavePolicy
-from turboquant.checkpoints import chunk_ends
+from turboquant.adapter.checkpoints import chunk_ends
 
 
 def _prefill(worker: ModelWorker, tokens: int, seconds, seen: set) -> list[tuple[int, int]]:

@@ -12,8 +12,8 @@ from kernel_support import emulate
 from kv_data import kv_rows
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
-from turboquant.cache import TurboQuantKVCache
-from turboquant.plan import plan_layer
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.codec.plan import plan_layer
 from mlx_lm.models.cache import KVCache
 
 # Both sides compute in float32 over the same decoded rows; they differ in summation order only.
@@ -90,7 +90,8 @@ def test_gpt_oss_decodes_over_compressed_storage_with_sinks(scheme):
 def _fused_against_plain(monkeypatch, scheme: str) -> None:
     """gpt_oss's decode step reaches fused_decode with its sinks in both full-attention layers,
     the kernels answer, and the logits are the plain path's."""
-    from turboquant import attention, kernels
+    from turboquant.attention import compressed as attention
+    from turboquant.attention import kernels
 
     model = build_model("gpt_oss")
     for layer in model.model.layers:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-import turboquant.integration as integration
-import turboquant.residence as residence
+import turboquant.adapter.making as integration
+import turboquant.adapter.residence as residence
 from model_folder import write_model_folder
 from tqstore import Store
 from tqstore.config import load_config

@@ -13,9 +13,9 @@ import pytest
 from kv_data import kv_rows
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
-from turboquant.cache import TurboQuantKVCache
-from turboquant.codebook import lloyd_max_codebook
-from turboquant.plan import LayerPlan, plan_layer
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.codec.codebook import lloyd_max_codebook
+from turboquant.codec.plan import LayerPlan, plan_layer
 from turboquant.quality import prefill, stored_bits
 from turboquant.records import Layout
 

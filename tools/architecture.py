@@ -22,7 +22,15 @@ BEGIN, END = "<!-- module-map:begin -->", "<!-- module-map:end -->"
 
 # Lower numbers are lower layers; a module may import from its own layer and below only.
 # Top-level modules of tqstore/ not listed in PACKAGE_LAYERS are the foundation (layer 0).
+# turboquant's packages sit below all of tqstore, in their own order; its front door
+# (turboquant/__init__.py, the only module tqstore imports besides records) is its top.
 PACKAGE_LAYERS = {
+    "turboquant.records": -7,
+    "turboquant.codec": -6,
+    "turboquant.attention": -5,
+    "turboquant.cache": -4,
+    "turboquant.adapter": -3,
+    "turboquant.quality": -2,
     "turboquant": -1,
     "tqstore.models": 1,
     "tqstore.format": 2,
@@ -35,6 +43,8 @@ PACKAGE_LAYERS = {
 FOUNDATION = 0
 # The package's own __init__ is its public face: `tqstore.Store` reaches up into the store layer.
 FACADES = {"tqstore"}
+# What tqstore and the CLI may import from turboquant: its front door and the plain records.
+TURBOQUANT_FACE = frozenset({"turboquant", "turboquant.records"})
 # (folder, import name) of each top-level package.
 PACKAGES = [("turboquant", "turboquant"), ("tqstore", "tqstore"), ("cli", "tqstore_cli")]
 
@@ -45,7 +55,6 @@ class Module:
     path: Path
     summary: str
     imports: frozenset[str]
-    runtime_imports: frozenset[str]
 
 
 def layer(name: str) -> int:
@@ -68,10 +77,7 @@ def modules() -> dict[str, Module]:
     result = {}
     for name, (path, tree) in found.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        typing_only = _imports(_type_checking_body(tree), package, found)
-        everything = _imports(tree, package, found)
-        result[name] = Module(name, path, _summary(tree), frozenset(everything),
-                              frozenset(everything - typing_only))
+        result[name] = Module(name, path, _summary(tree), frozenset(_imports(tree, package, found)))
     return result
 
 
@@ -81,13 +87,6 @@ def _summary(tree: ast.Module) -> str:
     # The first sentence: a full stop followed by a space and a capital (not `mx.fast.cuda_kernel`).
     sentence = re.match(r"(.+?[.!?])(?=\s+[A-Z`(])", paragraph)
     return sentence.group(1) if sentence else paragraph
-
-
-def _type_checking_body(tree: ast.Module) -> ast.Module:
-    """The statements under `if TYPE_CHECKING:`, which never run."""
-    body = [stmt for node in ast.walk(tree) if isinstance(node, ast.If)
-            and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" for stmt in node.body]
-    return ast.Module(body=body, type_ignores=[])
 
 
 def _imports(tree: ast.Module, package: str, known: dict) -> set[str]:
@@ -127,8 +126,9 @@ def violations(mods: dict[str, Module]) -> list[str]:
 
 
 def cycles(mods: dict[str, Module]) -> list[list[str]]:
-    """Import cycles between modules at run time (imports under `if TYPE_CHECKING:` never run)."""
-    graph = {m.name: {t for t in m.runtime_imports if t != m.name} for m in mods.values()}
+    """Import cycles between modules, counting every import: those inside functions and under
+    `if TYPE_CHECKING:` too, since a cycle hidden there is still two modules that need each other."""
+    graph = {m.name: {t for t in m.imports if t != m.name and t in mods} for m in mods.values()}
     index, low, stack, on_stack, found = {}, {}, [], set(), []
 
     def visit(v: str) -> None:
@@ -157,6 +157,13 @@ def cycles(mods: dict[str, Module]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def face_breaches(mods: dict[str, Module]) -> list[str]:
+    """tqstore and CLI imports of turboquant modules other than its face, one line each."""
+    return [f"{mod.name} imports {target} (use turboquant's front door)" for mod in mods.values()
+            if not mod.name.startswith("turboquant") for target in sorted(mod.imports)
+            if target.startswith("turboquant") and target not in TURBOQUANT_FACE]
 
 
 def module_map(mods: dict[str, Module]) -> str:
@@ -190,7 +197,9 @@ def _folder(mod: Module) -> str:
 
 
 def _layer_name(rank: int) -> str:
-    return {-1: "below tqstore", FOUNDATION: "layer 0, foundation"}.get(rank, f"layer {rank}")
+    if rank < FOUNDATION:
+        return f"turboquant, level {rank - min(PACKAGE_LAYERS.values()) + 1} of {-min(PACKAGE_LAYERS.values())}"
+    return {FOUNDATION: "layer 0, foundation"}.get(rank, f"layer {rank}")
 
 
 def rendered_doc(mods: dict[str, Module]) -> str:
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         DOC.write_text(rendered_doc(mods))
         print(f"wrote {DOC.relative_to(ROOT)}")
-    problems = violations(mods) + [" -> ".join(c) + " (import cycle)" for c in cycles(mods)]
+    problems = violations(mods) + face_breaches(mods) + [" -> ".join(c) + " (import cycle)" for c in cycles(mods)]
     for line in problems:
         print(line)
     return 1 if problems else 0

@@ -1,9 +1,9 @@
-"""Write turboquant/codebook_table.py: the Lloyd-Max codebooks of the common head dims, computed.
+"""Write turboquant/codec/codebook_table.py: the Lloyd-Max codebooks of the common head dims, computed.
 
     python tools/codebook_table.py
 
 Every value is written as Python's repr of the float64, which reads back bit for bit;
-tests/test_codebook.py checks each entry against `turboquant.codebook.compute_codebook`.
+tests/test_codebook.py checks each entry against `turboquant.codec.codebook.compute_codebook`.
 Run it again after any change to the iteration (the test fails until then).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from turboquant.codebook import MAX_BITS, compute_codebook  # noqa: E402
+from turboquant.codec.codebook import MAX_BITS, compute_codebook  # noqa: E402
 
 # Head dims of the model families tqstore runs (and of its tests' tiny models).
 DIMS = (16, 32, 48, 64, 72, 80, 96, 112, 128, 160, 192, 256)
@@ -28,7 +28,7 @@ def _floats(values) -> str:
 
 def render() -> str:
     """The module's text."""
-    lines = ['"""Lloyd-Max codebooks of the common head dims, precomputed (turboquant/codebook.py).',
+    lines = ['"""Lloyd-Max codebooks of the common head dims, precomputed (turboquant/codec/codebook.py).',
              "",
              "Written by `python tools/codebook_table.py`; do not edit. (d, bits) -> (centroids, boundaries,",
              'cell probabilities, D_mse), float64 values as Python reprs (exact)."""',

@@ -155,7 +155,7 @@ def _choice(*allowed: str) -> Callable[[str, object], str]:
 
 
 def _scheme(where: str, raw: object) -> str:
-    from turboquant.schemes import parse_scheme
+    from turboquant import parse_scheme
 
     try:
         return parse_scheme(raw).name

@@ -1,49 +1,61 @@
-"""TurboQuant KV-cache compression on MLX: codec, cache and attention over compressed storage."""
+"""TurboQuant KV-cache compression on MLX: codec, cache and attention over compressed storage.
+
+This module is the package's face: everything tqstore (or any other user) needs, named here and
+loaded on first use. Inside, `codec/` holds how rows become bytes (schemes, plans, codebooks,
+rotations, calibration), `attention/` the attention over compressed storage and its kernels,
+`cache/` the compressed caches, `adapter/` mlx-lm's side (a model's caches, snapshots and
+restores of every layer kind), and `records.py` the plain data between them and a store.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .schemes import SchemeSpec, parse_scheme
-from .records import LayerRecord, Layout, Snapshot
+from turboquant.codec.schemes import SCHEMES, Format, SchemeSpec, parse_scheme
+from turboquant.records import LayerRecord, Layout, Snapshot
 
 if TYPE_CHECKING:
-    from .cache import TurboQuantKVCache
-    from .codebook import Codebook, lloyd_max_codebook
-    from .codec import NormMode, TurboCodec
-    from .integration import install_attention_dispatch, make_prompt_cache, restore, restore_as, snapshot
+    from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
+    from turboquant.adapter.dispatch import compressed_sdpa, install_attention_dispatch
+    from turboquant.adapter.making import codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes
+    from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
+    from turboquant.adapter.snapshots import held_tokens, restore, restore_as, snapshot
+    from turboquant.adapter.verdicts import register as register_verdicts
+    from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
+    from turboquant.attention.kernels import select_backend
+    from turboquant.cache.compressed import TurboQuantKVCache
+    from turboquant.codec.codebook import Codebook, lloyd_max_codebook
+    from turboquant.codec.plan import plan_layer
+    from turboquant.codec.turbo import NormMode, TurboCodec
 
 # Loaded on first use, so the store's byte paths (and `tqstore ls`) start fast: the mlx-lm side
-# (integration.py) imports mlx-lm and transformers (about a second), the codec scipy (a quarter
-# of a second here, over a second on the H200's image).
+# (adapter/) imports mlx-lm and transformers (about a second), the codec scipy (a quarter of a
+# second here, over a second on the H200's image). name -> (module, attribute)
 _LAZY = {
-    "TurboQuantKVCache": "cache", "Codebook": "codebook", "lloyd_max_codebook": "codebook", "NormMode": "codec",
-    "TurboCodec": "codec", "install_attention_dispatch": "integration", "make_prompt_cache": "integration",
-    "restore": "integration", "restore_as": "integration", "snapshot": "integration",
+    **{n: ("adapter.checkpoints", n) for n in ("StateCheckpoints", "chunk_ends")},
+    **{n: ("adapter.dispatch", n) for n in ("compressed_sdpa", "install_attention_dispatch")},
+    **{n: ("adapter.making", n) for n in ("codec_snapshot", "compress_caches", "make_prompt_cache",
+                                          "probe_kv_shapes")},
+    **{n: ("adapter.native", n) for n in ("NATIVE_CLASSES", "NotNative", "compress_snapshot", "native_caches",
+                                          "native_snapshot")},
+    **{n: ("adapter.snapshots", n) for n in ("held_tokens", "restore", "restore_as", "snapshot")},
+    "register_verdicts": ("adapter.verdicts", "register"),
+    **{n: ("adapter.windows", n) for n in ("WINDOW_CLASSES", "WINDOW_MODES", "from_rows", "is_window_record",
+                                           "settle", "settle_all")},
+    "select_backend": ("attention.kernels", "select_backend"),
+    "TurboQuantKVCache": ("cache.compressed", "TurboQuantKVCache"),
+    **{n: ("codec.codebook", n) for n in ("Codebook", "lloyd_max_codebook")},
+    "plan_layer": ("codec.plan", "plan_layer"),
+    **{n: ("codec.turbo", n) for n in ("NormMode", "TurboCodec")},
 }
 
-__all__ = [
-    "Codebook",
-    "LayerRecord",
-    "Layout",
-    "NormMode",
-    "SchemeSpec",
-    "Snapshot",
-    "TurboCodec",
-    "TurboQuantKVCache",
-    "install_attention_dispatch",
-    "lloyd_max_codebook",
-    "make_prompt_cache",
-    "parse_scheme",
-    "restore",
-    "restore_as",
-    "snapshot",
-]
+__all__ = sorted(["SCHEMES", "Format", "LayerRecord", "Layout", "SchemeSpec", "Snapshot", "parse_scheme", *_LAZY])
 
 
 def __getattr__(name: str) -> object:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attribute)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,9 +7,9 @@ import sys
 
 import mlx.core as mx
 
-from .codebook import lloyd_max_codebook
-from .codec import TurboCodec
-from .schemes import SCHEMES
+from turboquant.codec.codebook import lloyd_max_codebook
+from turboquant.codec.turbo import TurboCodec
+from turboquant.codec.schemes import SCHEMES
 
 
 def codebook_table(d: int) -> list[str]:

@@ -18,10 +18,11 @@ from typing import Any, Callable
 import mlx.core as mx
 import numpy as np
 
-from .at_rest import AtRestKVCache
-from .cache import TurboQuantKVCache
-from .integration import make_prompt_cache, restore, restore_as, snapshot
-from .records import Layout, Snapshot
+from turboquant.cache.at_rest import AtRestKVCache
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.adapter.making import make_prompt_cache
+from turboquant.adapter.snapshots import restore, restore_as, snapshot
+from turboquant.records import Layout, Snapshot
 
 NATIVE_BYTES = 2  # ratios are quoted against an fp16 cache
 

@@ -29,8 +29,8 @@ from tqstore.format.blocks import block_keys, calibration_digest, split_snapshot
 from tqstore.exchange.bundle import write_bundle  # noqa: E402
 from tqstore.canonical import tensor_bytes  # noqa: E402
 from tqstore.models.identity import codecs_digest  # noqa: E402
-from turboquant.codec import TurboCodec  # noqa: E402
-from turboquant.plan import codec_name, codec_record  # noqa: E402
+from turboquant.codec.turbo import TurboCodec  # noqa: E402
+from turboquant.codec.plan import codec_name, codec_record  # noqa: E402
 from turboquant.records import LayerRecord, Layout, Snapshot, check_record_arrays  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "format-v1"

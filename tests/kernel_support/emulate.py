@@ -24,10 +24,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from turboquant.kernels.cuda import input_types
-from turboquant.kernels.merge import Pass2
-from turboquant.kernels.query import Pass0
-from turboquant.kernels.template import Pass1, body, output_names
+from turboquant.attention.kernels.cuda import input_types
+from turboquant.attention.kernels.merge import Pass2
+from turboquant.attention.kernels.query import Pass0
+from turboquant.attention.kernels.template import Pass1, body, output_names
 
 # The third dialect: the macros and helpers of the kernel text as plain C++20 (emulator.h, read verbatim).
 HEADER = Path(__file__).with_name("emulator.h").read_text(encoding="utf-8")

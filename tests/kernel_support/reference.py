@@ -1,13 +1,13 @@
 """The float64 reference of the fused decode for the kernel tests (the cache builders and the
-float64 attention it uses stay in `turboquant.kernels.reference`, which bench/decode.py needs)."""
+float64 attention it uses stay in `kernel_support.synthetic`, which bench/decode.py needs)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 
-from turboquant.cache import TurboQuantKVCache
-from turboquant.kernels.reference import attention64, dequantized
+from turboquant.cache.compressed import TurboQuantKVCache
+from kernel_support.synthetic import attention64, dequantized
 
 
 def reference(cache: TurboQuantKVCache, q: mx.array, scale: float, with_tail: bool = True,

@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 from kernel_support import emulate
-from turboquant.kernels import cuda
-from turboquant.kernels.merge import Pass2
-from turboquant.kernels.mma import MmaPass1
-from turboquant.kernels.query import Pass0
-from turboquant.kernels.template import Pass1, source
+from turboquant.attention.kernels import cuda
+from turboquant.attention.kernels.merge import Pass2
+from turboquant.attention.kernels.mma import MmaPass1
+from turboquant.attention.kernels.query import Pass0
+from turboquant.attention.kernels.template import Pass1, source
 
 FIXTURE = Path(__file__).with_name("source_digests.json")
 DTYPES = ("float16", "bfloat16", "float32")

@@ -37,7 +37,7 @@ from tqstore.engine.engine import Engine
 from tqstore.errors import CorruptBlock, FormatVersionTooNew, StoreDamaged
 from tqstore.store.repair import repair_home
 from tqstore.store.tiers.lmdb_pages import PageReader
-from turboquant.schemes import SCHEMES
+from turboquant.codec.schemes import SCHEMES
 from workers import put, snapshot_digest
 
 needs_tmpfs = pytest.mark.skipif(not unshare_works(), reason="no private mount namespace here (unshare -rm)")

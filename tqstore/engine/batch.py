@@ -37,8 +37,7 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import TurboQuantKVCache
-from turboquant.integration import compressed_sdpa, install_attention_dispatch
+from turboquant import TurboQuantKVCache, compressed_sdpa, install_attention_dispatch
 
 from tqstore.engine.engine import AskResult, Engine, Started, own_randomness
 from tqstore.models.loading import LoadedModel

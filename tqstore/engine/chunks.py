@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 
-from turboquant import make_prompt_cache, parse_scheme, restore
-from turboquant.windows import WINDOW_CLASSES, is_window_record, settle
+from turboquant import WINDOW_CLASSES, is_window_record, make_prompt_cache, parse_scheme, restore, settle
 
 from tqstore.engine.compose import (ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description,
                                     window_sizes)
@@ -41,7 +40,7 @@ CHUNK_KEY = "chunk.address"  # metadata: the chunk's content address (hex)
 PREFIX_KEY = "chunk.prefix"  # metadata: how many of the entry's tokens are the prefix
 ROPE_KEY = "chunk.rope"  # metadata: the RoPE the keys were rotated with
 NAME_PREFIX = "chunk-"
-# A chunk keeps every token's row of its sliding-window layers (turboquant.windows), whatever the
+# A chunk keeps every token's row of its sliding-window layers (turboquant.adapter.windows), whatever the
 # engine keeps for other entries: the composed context needs all of them.
 WINDOWS = "token"
 

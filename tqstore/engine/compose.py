@@ -19,7 +19,7 @@ leaves decode untouched. TurboQuant's Hadamard rotation does not commute with Ro
 are decoded first; the composed cache is raw (prefill phase) and is compressed at the first
 decode step like any prefill.
 
-Sliding windows: a chunk entry keeps every token's row of its window layers (turboquant.windows),
+Sliding windows: a chunk entry keeps every token's row of its window layers (turboquant.adapter.windows),
 so a window layer is composed like any other over the whole context; the recompute's attention in
 a window layer sees only the last W keys of each query (mlx-lm's window mask), and the caches keep
 the last W rows of the composed context, as a prefill of it would (chunks.py settles them).

@@ -18,10 +18,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList
 
-from turboquant import TurboQuantKVCache, make_prompt_cache, parse_scheme, restore, snapshot, verdicts
-from turboquant.checkpoints import StateCheckpoints, chunk_ends
-from turboquant.integration import held_tokens
-from turboquant.windows import WINDOW_MODES, settle_all
+from turboquant import (StateCheckpoints, TurboQuantKVCache, WINDOW_MODES, chunk_ends, codec_snapshot, held_tokens,
+                        make_prompt_cache, parse_scheme, register_verdicts, restore, settle_all, snapshot)
 
 from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
@@ -191,7 +189,7 @@ class Engine:
             cache = Path(self.store.config.home) / "cache"
             loaded = load_model(ref, cache_dir=cache, adapter_path=adapter_path, dtype=self.dtype, light=self.light)
             # What a plan's check learns about this model is kept for the next process.
-            verdicts.register(loaded.model, FileVerdicts(cache / "verdicts", loaded.identity.hexdigest))
+            register_verdicts(loaded.model, FileVerdicts(cache / "verdicts", loaded.identity.hexdigest))
             self.registry.remember(loaded)
             self._models[key] = loaded
         return self._models[key]
@@ -221,13 +219,13 @@ class Engine:
         return loaded
 
     def codec_identity(self, loaded: LoadedModel, scheme: str, windows: str | None = None) -> CodecIdentity:
-        """The codec identity of `scheme` on this model (data-independent: fresh caches), its
-        windows kept as `windows` says (default the engine's)."""
+        """The codec identity of `scheme` on this model (data-independent: from the layers' plans,
+        `turboquant.codec_snapshot`), its windows kept as `windows` says (default the engine's)."""
         windows = _window_mode(windows or self.windows)
         key = (loaded.identity.digest, scheme, windows)
         if key not in self._codecs:
-            fresh = make_prompt_cache(loaded.model, scheme)
-            self._codecs[key] = CodecIdentity.from_snapshot(snapshot(fresh, windows=windows), scheme)
+            described = codec_snapshot(loaded.model, scheme, windows=windows)
+            self._codecs[key] = CodecIdentity.from_snapshot(described, scheme)
         return self._codecs[key]
 
     def entry_scheme(self, manifest: Manifest, loaded: LoadedModel) -> tuple[str, str]:
@@ -282,7 +280,7 @@ class Engine:
         Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
         recurrent layers), chunks also end at every block boundary (`at` is the position of the
         first token) and the recurrent states there are kept; window layers' rows are logged
-        into it. Window caches end settled (`turboquant.windows`): a prefill of a prefix and a
+        into it. Window caches end settled (`turboquant.adapter.windows`): a prefill of a prefix and a
         restore of it hold the same arrays."""
         return _finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at,
                                           checkpoints=checkpoints))

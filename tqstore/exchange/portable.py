@@ -160,7 +160,7 @@ def export_mlx_lm(store: Store, name: str, path: str | os.PathLike) -> ExportRes
     """Write entry `name` as a file `mlx_lm.models.cache.load_prompt_cache` reads (entries of
     scheme raw or affine only: mlx-lm has no cache class for TurboQuant layers). The token ids
     go into the file's metadata, so `import_mlx_lm` needs no text for it."""
-    from turboquant.schemes import Format, parse_scheme
+    from turboquant import Format, parse_scheme
 
     from tqstore.exchange.mlx_lm import export_prompt_cache
 
@@ -209,7 +209,7 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
                        "model: pass the exact text the cache was made from (and --system if it had one)")
     _check_layers(snap, loaded.model, path)
     if scheme is not None:
-        from turboquant.schemes import parse_scheme
+        from turboquant import parse_scheme
 
         scheme = parse_scheme(scheme).name
         snap = compress_snapshot(snap, loaded.model, scheme)
@@ -243,7 +243,7 @@ def _file_tokens(metadata: dict[str, str], loaded, text: str | None, system: str
 
 def _check_layers(snap, model, path) -> None:
     """The file's layers are the model's: same count, KV heads and head dims."""
-    from turboquant.integration import probe_kv_shapes
+    from turboquant import probe_kv_shapes
 
     shapes = probe_kv_shapes(model)
     if len(shapes) != len(snap.layers):

@@ -33,8 +33,8 @@ from typing import Iterable, Mapping, Sequence
 import mlx.core as mx
 
 from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
-                                 check_record_arrays, field_boundaries, field_plan, fields_at, join_children, leaf_records,
-                                 list_config, split_children, state_at, state_boundaries, token_span)
+                                check_record_arrays, field_boundaries, field_plan, fields_at, join_children,
+                                leaf_records, list_config, split_children, state_at, state_boundaries, token_span)
 
 from tqstore.canonical import canonical_json, tensor_summary
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from turboquant.schemes import parse_scheme
+from turboquant import parse_scheme
 from turboquant.records import CodecRecord, Snapshot
 
 from tqstore.canonical import canonical_json, dtype_name, tensor_bytes, tensor_summary

@@ -1,4 +1,4 @@
-"""A model's plan verdicts on disk (turboquant.verdicts), one small JSON file per model and code.
+"""A model's plan verdicts on disk (turboquant.adapter.verdicts), one small JSON file per model and code.
 
 Making a model's caches runs the model to learn which layers its code reads itself and whether
 a scheme's plan passes its check; that costs several seconds of every fresh process on a CPU
@@ -40,7 +40,7 @@ def code_fingerprint() -> str:
 
 
 class FileVerdicts:
-    """turboquant.verdicts.VerdictBook kept in `folder`/<model digest>-<code fingerprint>.json."""
+    """turboquant.adapter.verdicts.VerdictBook kept in `folder`/<model digest>-<code fingerprint>.json."""
 
     def __init__(self, folder: Path, model_digest: str) -> None:
         self.path = Path(folder) / f"{model_digest}-{code_fingerprint()}.json"

@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
-from turboquant import make_prompt_cache
-from turboquant.checkpoints import StateCheckpoints
+from turboquant import StateCheckpoints, make_prompt_cache
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.batch import DecodeBatch, Row, batchable, batched_generation

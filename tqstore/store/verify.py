@@ -22,7 +22,7 @@ from tqstore.models.identity import CodecIdentity, codecs_digest
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from turboquant.records import Snapshot
-from turboquant.schemes import SCHEMES, parse_scheme
+from turboquant import SCHEMES, parse_scheme
 
 BAD_CONTENT = (FormatError, IdentityMismatch, TokenMismatch)  # a copy that is not what its key promises
 # (codec digest, scheme, window sha256, shared sha256) found to fit: a restore checks each once

@@ -1,0 +1,403 @@
+"""TurboQuantKVCache: a two-phase compressed KV cache for mlx-lm models.
+
+Prefill (multi-token updates before the first decode step) stores raw rows in the model's
+dtype and returns them, so mlx-lm's own fused attention runs and prefill costs nothing extra.
+The first single-token update (or `compress()`) compresses the whole cache once, fitting key
+calibration from the first 256 tokens (and the queries seen there); from then on
+`update_and_fetch` returns handles that the attention dispatch recognises, and attention reads
+the compressed storage directly.
+
+Rows are compressed in blocks of 256 absolute positions. Calibrated keys store each block
+minus its own mean (scores add q . mean back: exact). Rows added after compression collect raw
+(the "tail", rows [stored, offset), attended exactly) and are encoded at the next update
+after their block is full: a block that starts after compression with its own mean,
+the rest of a block compressed earlier (left open by the prefill, a restore or `compress`) with
+that block's mean. `compress()` compresses the tail too (what `save` does), so a snapshot after
+it holds every row compressed.
+
+The class deliberately has no attribute named `bits`: mlx-lm would route it to its own
+quantized attention.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from turboquant.attention.compressed import MaskLike, causal_mask, compressed_attention
+from turboquant.cache.buffers import TokenBuffers, detach
+from turboquant.codec.calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, noise_gain
+from turboquant.codec.plan import BASE_KEYS, LayerPlan
+from turboquant.codec.schemes import Format
+from turboquant.codec.sides import SHIFT_BLOCK, per_token_shifts
+from turboquant.records import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
+
+BLOCK = SHIFT_BLOCK
+assert BLOCK == BLOCK_TOKENS, "key means are kept per storage block"
+
+
+class CompressedKeys:
+    """Stand-in for the keys array once compressed; carries the cache to the dispatch."""
+
+    def __init__(self, cache: "TurboQuantKVCache", head_dim: int):
+        self.cache = cache
+        self.shape = (cache.batch, cache.plan.n_kv_heads, cache.offset, head_dim)
+        self.dtype = cache.native_dtype
+
+
+class CompressedValues(CompressedKeys):
+    """Stand-in for the values array once compressed."""
+
+
+class TurboQuantKVCache:
+    """One layer's cache under a LayerPlan (mlx-lm cache protocol)."""
+
+    step = 256
+
+    def __init__(self, plan: LayerPlan):
+        self.plan = plan  # as configured (what the codec identity hashes)
+        self.active = plan  # as stored: plan.protected_plan() once the guard protects this layer
+        self.offset = 0
+        self.stored = 0  # rows [0, stored) are compressed; [stored, offset) are raw (the tail)
+        self.compressed = False
+        self.calibration: KeyCalibration | None = None
+        self._store = TokenBuffers(self.step)
+        self._tail = TokenBuffers(self.step)
+        self._shifts: mx.array | None = None  # [H, blocks, D] float32 block means of the keys
+        self._query_power: mx.array | None = None  # sum of q^2 per (KV head, channel), first 256 positions
+        self._query_rows = 0
+        self._key_side = None
+        self._value_side = None
+        self.allocated: str | None = None  # autoB layers: a plan.layout_options() entry, once decided
+        self._steps: dict = {}  # the GPU decode step, prepared once and replayed (kernels/steps.py)
+        if plan.group is not None:
+            plan.group.join(self)
+
+    @property
+    def native_dtype(self) -> mx.Dtype:
+        return getattr(mx, self.plan.dtype)
+
+    @property
+    def batch(self) -> int:
+        for buffers in (self._store, self._tail):
+            if buffers.arrays:
+                return next(iter(buffers.arrays.values())).shape[0]
+        return 1
+
+    @property
+    def centered(self) -> bool:
+        return self.active.calibrated and self.active.calibration.center
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the statistics guard switched this layer to affine8."""
+        return self.active.protected and self.active is not self.plan
+
+    @property
+    def layout(self) -> Layout:
+        """Storage layout now (RAW until compressed)."""
+        if not self.compressed:
+            return Layout.RAW
+        kf, vf = self.active.key.format, self.active.value.format
+        if kf is Format.AFFINE and vf is Format.AFFINE:
+            return Layout.AFFINE
+        if kf is Format.NATIVE:
+            return Layout.RAWK_TURBO
+        if kf is Format.AFFINE:
+            return Layout.AFFINEK_TURBO
+        return Layout.CALIBRATED if self.calibration is not None or self._shifts is not None else Layout.TURBO
+
+    # -- mlx-lm cache protocol -------------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Store new rows; return raw arrays in prefill, handles once compressed."""
+        n = keys.shape[2]
+        if not self.compressed and n > 1:
+            self._tail.write(self.offset, {"keys": keys, "values": values})
+            self.offset += n
+            view = self._tail.view(self.offset)
+            return view["keys"], view["values"]
+        if not self.compressed:
+            self.compress()
+        self._append(keys, values)
+        return CompressedKeys(self, self.plan.head_dim_k), CompressedValues(self, self.plan.head_dim_v)
+
+    def observe_queries(self, queries: mx.array, scale: float = 1.0) -> None:
+        """Record the power of the (scaled) queries at positions < 256 (called by the attention
+        dispatch in prefill, after `update_and_fetch`): it makes the key channel scales
+        query-aware and lets the guard predict the damage quantization would do."""
+        if self.compressed or not self.plan.calibrated:
+            return
+        B, hq, L, D = queries.shape
+        if D != self.plan.head_dim_k or hq % self.plan.n_kv_heads:
+            # Not queries against these keys (MLA attends with projected latents of another
+            # width): calibrate from the keys alone.
+            return
+        first = self.offset - L
+        n = min(L, CALIBRATION_TOKENS - first)
+        if n <= 0:
+            return
+        q = queries[:, :, :n].astype(mx.float32) * scale
+        q = q.reshape(B, self.plan.n_kv_heads, hq // self.plan.n_kv_heads, n, D)
+        power = mx.sum(q * q, axis=(0, 2, 3))
+        self._query_power = power if self._query_power is None else self._query_power + power
+        self._query_rows += B * (hq // self.plan.n_kv_heads) * n
+        mx.eval(self._query_power)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """Same masks as mlx-lm's KVCache."""
+        if window_size is not None or (N > 1 and return_array):
+            T = self.offset + N
+            mask = causal_mask(N, T)
+            if window_size is not None:
+                mask = mask & (mx.arange(T)[None, :] > (T - N + mx.arange(N))[:, None] - window_size)
+            return mask
+        return None if N == 1 else "causal"
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens; trimming to zero starts over (calibration included)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        if self.offset == 0:
+            self._reset()
+        elif self.offset < self.stored:
+            self.stored = self.offset
+            self._tail.clear()
+            if self._shifts is not None:
+                self._shifts = self._shifts[:, : -(-self.stored // BLOCK)]
+        return n
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays holding this cache (what mlx-lm evaluates); see `snapshot` to persist."""
+        record = self.to_record()
+        return [*record.arrays.values(), *record.calibration.values()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the held tokens (offset-sliced, not the spare capacity)."""
+        return self.to_record().nbytes
+
+    # -- compression -----------------------------------------------------------------------
+
+    def compress(self) -> None:
+        """Compress every raw row now: the prefill on first use, the tail afterwards (save)."""
+        if not self.compressed:
+            raw = self._tail.view(self.offset) if self.offset else {}
+            power = None if not self._query_rows else self._query_power / self._query_rows
+            if self.plan.calibrated and raw:
+                self.calibration = self.fit(self.plan, raw["keys"], power)
+                if self.plan.guard is not None and self._guard_trips(raw["keys"], power):
+                    self.active = self.plan.protected_plan()
+                    self.calibration = self.fit(self.active, raw["keys"], power)
+                if self.plan.budget is not None:
+                    if self.allocated is None and self.plan.group is not None:
+                        self.plan.group.decide()  # every layer of the group at once (allocation.py)
+                    self.allocated = self.allocated or BASE_KEYS
+                    if self.allocated != BASE_KEYS:
+                        self.active = self.plan.with_layout(self.allocated)
+                        self.calibration = self.fit(self.active, raw["keys"], power)
+            self._query_power, self._query_rows = None, 0
+            self._key_side = self.active.key.side("keys", self.calibration)
+            self._value_side = self.active.value.side("values")
+            self.compressed = True
+        if self.offset > self.stored:
+            tail = self._tail.view(self.offset - self.stored)
+            self._tail.clear()
+            self._encode(tail["keys"], tail["values"])
+            mx.eval(*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else []))
+
+    def extend(self, keys: mx.array, values: mx.array) -> None:
+        """Append rows and compress everything held now (the encoder behind at-rest layers)."""
+        if self.compressed:
+            self._append(keys, values)
+        else:
+            self._tail.write(self.offset, {"keys": keys, "values": values})
+            self.offset += keys.shape[2]
+        self.compress()
+
+    def raw_keys(self) -> mx.array:
+        """The raw keys held before compression [B, H, offset, D]."""
+        return self._tail.view(self.offset)["keys"]
+
+    def raw_values(self) -> mx.array:
+        """The raw values held before compression [B, H, offset, D]."""
+        return self._tail.view(self.offset)["values"]
+
+    def query_power(self) -> mx.array | None:
+        """Mean squared scaled query per (KV head, channel) observed in prefill, or None."""
+        return None if not self._query_rows else self._query_power / self._query_rows
+
+    @staticmethod
+    def fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
+        rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
+        return fit_key_calibration(keys, rotation, plan.calibration, power)
+
+    def _guard_trips(self, keys: mx.array, power: mx.array | None) -> bool:
+        """Statistics-chosen protection; position-based when no queries were observed."""
+        if power is None:
+            return self.plan.boundary
+        return bool(mx.max(noise_gain(keys, self.calibration, power)).item() > self.plan.guard)
+
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        """New rows go to the raw tail, after the rows of earlier updates up to the last block
+        boundary are encoded.
+
+        Rows that land in a block compressed earlier (one left open by the prefill, a restore or
+        `compress`) wait in the tail too and are encoded once that block is full, with its mean:
+        the same bytes as encoding each at once, but a decode step under about 1k tokens no
+        longer pays an encode of its token per layer (issue 30: 0.11-0.15x raw's tokens/s on
+        the H200). An update's own rows are never encoded by it, so a question or chunk finds
+        all of its rows in the tail, as `fused_prefill` needs; the tail holds at most 255 rows
+        before an update (256 after a decode step)."""
+        boundary = self.offset // BLOCK * BLOCK
+        if boundary > self.stored:
+            full = boundary - self.stored
+            tail = self._tail.view(self.offset - self.stored)
+            self._tail.clear()
+            if self.offset > boundary:
+                self._tail.write(0, {k: v[:, :, full:] for k, v in tail.items()})
+            self._encode(tail["keys"][:, :, :full], tail["values"][:, :, :full])
+        self._tail.write(self.offset - self.stored, {"keys": keys, "values": values})
+        self.offset += keys.shape[2]
+
+    def _encode(self, keys: mx.array, values: mx.array) -> None:
+        """Compress rows starting at position `stored` (block means for new blocks)."""
+        n = keys.shape[2]
+        shift = None
+        if self.centered:
+            self._extend_shifts(keys)
+            shift = per_token_shifts(self._shifts, self.stored + n)[:, :, self.stored:]
+        self._store.write(self.stored, {**self._key_side.encode(keys, shift), **self._value_side.encode(values)})
+        self.stored += n
+
+    def _extend_shifts(self, keys: mx.array) -> None:
+        """Add the means of blocks that start at or after `stored` (earlier blocks keep theirs)."""
+        have = 0 if self._shifts is None else self._shifts.shape[1]
+        first_new = -(-self.stored // BLOCK)
+        end = self.stored + keys.shape[2]
+        blocks = -(-end // BLOCK) - first_new
+        if blocks <= 0:
+            return
+        assert have == first_new, "block means must cover every compressed block"
+        skip = first_new * BLOCK - self.stored
+        rows = keys[:, :, skip:].astype(mx.float32)
+        B, H, n, D = rows.shape
+        padded = mx.pad(rows, [(0, 0), (0, 0), (0, blocks * BLOCK - n), (0, 0)])
+        sums = mx.sum(padded.reshape(B, H, blocks, BLOCK, D), axis=(0, 3))
+        counts = mx.minimum(n - mx.arange(blocks) * BLOCK, BLOCK).astype(mx.float32) * B
+        means = sums / counts[None, :, None]
+        self._shifts = means if self._shifts is None else mx.concatenate([self._shifts, means], axis=1)
+
+    # -- attention ---------------------------------------------------------------------------
+
+    def attention(self, queries: mx.array, scale: float, mask: MaskLike = None,
+                  sinks: mx.array | None = None) -> mx.array:
+        """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail; `sinks`
+        ([Hq] logits) join the softmax normaliser (gpt-oss)."""
+        # The buffers themselves with the counts of rows that count: the decode kernels read them in
+        # place (the plain path slices them).
+        arrays = self._store.arrays if self.stored else {}
+        tail = None
+        if self.offset > self.stored:
+            tail = (self._tail.arrays["keys"], self._tail.arrays["values"])
+        return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
+                                    self._shifts, tail, self.stored, self.offset - self.stored, sinks,
+                                    memo=self._steps)
+
+    def dequantized(self) -> tuple[mx.array, mx.array]:
+        """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""
+        parts_k, parts_v = [], []
+        if self.compressed and self.stored:
+            arrays = self._store.view(self.stored)
+            parts_k.append(self._key_side.decode(arrays, self._shifts).astype(mx.float32))
+            parts_v.append(self._value_side.decode(arrays).astype(mx.float32))
+        if self.offset > self.stored:
+            view = self._tail.view(self.offset - self.stored)
+            parts_k.append(view["keys"])
+            parts_v.append(view["values"])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return (mx.concatenate([p.astype(mx.float32) for p in parts_k], axis=2),
+                mx.concatenate([p.astype(mx.float32) for p in parts_v], axis=2))
+
+    def _reset(self) -> None:
+        self.__init__(self.plan)
+
+    # -- snapshot ----------------------------------------------------------------------------
+
+    def to_record(self) -> LayerRecord:
+        """This layer as a LayerRecord (arrays sliced to what is held; nothing copied).
+
+        Uncompressed: `keys`, `values` (tokens [0, offset)) plus the observed query power.
+        Compressed: the layout's arrays (tokens [0, stored)), `tail_keys`/`tail_values`
+        (tokens [stored, offset)) and `keys_shift` ([1, H, blocks, D], one row per block).
+        """
+        calibration = self.calibration.arrays() if self.calibration else {}
+        state = {"stored": self.stored, "guarded": self.guarded}
+        if self.compressed and self.allocated is not None:
+            state["allocated"] = self.allocated
+        if not self.compressed:
+            arrays = self._tail.view(self.offset) if self.offset else {}
+            if self._query_rows:
+                calibration = {"query_power": self._query_power}
+                state["query_rows"] = self._query_rows
+            return LayerRecord(Layout.RAW, self.offset, arrays, self.plan.meta(), state, calibration)
+        arrays = self._store.view(self.stored) if self.stored else {}
+        if self.offset > self.stored:
+            arrays.update({f"tail_{k}": v for k, v in self._tail.view(self.offset - self.stored).items()})
+        if self._shifts is not None:
+            arrays["keys_shift"] = self._shifts[None]
+        return LayerRecord(self.layout, self.offset, arrays, self.plan.meta(), state, calibration)
+
+    @classmethod
+    def from_record(cls, record: LayerRecord, codecs: dict[str, CodecRecord],
+                    plan: LayerPlan | None = None) -> "TurboQuantKVCache":
+        """Rebuild a layer from its record and the snapshot's codecs (nothing regenerated).
+
+        `plan` replaces the recorded one for an uncompressed (RAW) record: raw rows prefilled
+        once can then be compressed under any scheme.
+        """
+        check_record_arrays(record)
+        if plan is not None and record.layout is not Layout.RAW:
+            raise ValueError("only an uncompressed layer can take another plan")
+        cache = cls(plan or LayerPlan.from_meta(record.config, codecs))
+        cache.offset = record.offset
+        cache.stored = int(record.state.get("stored", 0))
+        arrays = dict(record.arrays)
+        if record.layout is Layout.RAW:
+            if "query_power" in record.calibration:
+                cache._query_power = record.calibration["query_power"]
+                cache._query_rows = int(record.state["query_rows"])
+            if record.offset:
+                cache._tail.adopt(arrays)
+            return cache
+        if record.calibration:
+            cache.calibration = KeyCalibration.from_arrays(record.calibration)
+        if record.state.get("guarded"):
+            cache.active = cache.plan.protected_plan()
+        cache.allocated = record.state.get("allocated")
+        if cache.allocated is not None:
+            cache.active = cache.plan.with_layout(str(cache.allocated), codecs)
+        cache._key_side = cache.active.key.side("keys", cache.calibration)
+        cache._value_side = cache.active.value.side("values")
+        cache.compressed = True
+        if "keys_shift" in arrays:
+            cache._shifts = detach(arrays.pop("keys_shift"))[0]
+        tail = {k[len("tail_"):]: arrays.pop(k) for k in list(arrays) if k.startswith("tail_")}
+        if record.layout is not cache.layout:
+            raise ValueError(f"layer record says {record.layout.value} but its plan and calibration "
+                             f"make it {cache.layout.value}")
+        if arrays:
+            cache._store.adopt(arrays)
+        if tail:
+            cache._tail.adopt(tail)
+        return cache
