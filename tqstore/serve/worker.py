@@ -41,7 +41,10 @@ from turboquant.checkpoints import StateCheckpoints
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.batch import DecodeBatch, Row, batchable, batched_generation
-from tqstore.engine.engine import Engine, Started
+from tqstore.engine.chunks import Document
+from tqstore.engine.defaults import DEFAULT_RECOMPUTE
+from tqstore.engine.engine import Engine
+from tqstore.engine.prefill import Started
 from tqstore.errors import BadInput, TqstoreError
 from tqstore.models.loading import LoadedModel
 from tqstore.serve.chunking import CHUNK_SECONDS, ChunkSizer
@@ -493,14 +496,12 @@ class ModelWorker:
         """A request with the `documents` extension: its documents composed from stored chunks
         (texts not stored yet are stored), then the question (the prompt, or the last user
         message after an optional system message)."""
-        from tqstore.engine.chunks import DEFAULT_RECOMPUTE, Document, composed_caches
-
         system, question = documents_question(request)
         docs = [Document(**{kind: value}) for kind, value in request.documents]
         recompute = DEFAULT_RECOMPUTE if request.recompute is None else request.recompute
         question_tokens = self.loaded.prompt.after_documents_tokens(self.loaded.tokenizer, question)
-        context = composed_caches(self.engine, self.loaded, docs, self.scheme, system=system, recompute=recompute,
-                                  question=question_tokens)
+        context = self.engine.chunks.composed_caches(self.loaded, docs, self.scheme, system=system,
+                                                     recompute=recompute, question=question_tokens)
         prompt = context.tokens + question_tokens
         s = request.sampling
         scanner = StopScanner(s.stop)
