@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from tqstore import Store
-    from tqstore.engine.chunks import ensure_chunk, fill_caches, prefix_tokens
+    from tqstore.engine.chunks import fill_caches, prefix_tokens
     from tqstore.engine.compose import SELECT, SINK_TOKENS, compose, window_sizes
     from tqstore.config import load_config
     from tqstore.engine.engine import Engine
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [(k, order, rng.sample(range(len(pieces)), k)) for k in ks for order in range(args.orders)]
     for scheme in sorted({v.scheme for v in variants}):
         for i in sorted({i for _, _, picked in prompts for i in picked}):
-            info = ensure_chunk(engine, loaded, scheme, prefix, doc_tokens[i], None)[0]
+            info = engine.chunks.ensure_chunk(loaded, scheme, prefix, doc_tokens[i], None)[0]
             print(f"chunk {i} ({scheme}): {'stored' if info.stored else 'reused'}", flush=True)
     rows: dict[tuple[int, str, str], list] = {}
     for k, order, picked in prompts:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k={k} order={order}: {len(prompt)} prompt tokens, full prefill {full_seconds:.2f} s", flush=True)
         for v in variants:
             t0 = time.perf_counter()
-            parts = [ensure_chunk(engine, loaded, v.scheme, prefix, doc_tokens[i], None)[1] for i in picked]
+            parts = [engine.chunks.ensure_chunk(loaded, v.scheme, prefix, doc_tokens[i], None)[1] for i in picked]
             chunk_total = len(prompt) - len(prefix)
             budget = options["sink_tokens"] * (k - 1) / chunk_total if v.budget == "sinks" else v.budget
             chosen = {**options, "select": v.select or options["select"]}

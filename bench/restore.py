@@ -132,7 +132,8 @@ def run_scheme(ctx: Context, scheme: str, loaded, home: Path, s3: LocalS3 | None
     rows = []
 
     def measure(tier_store):
-        engine.store = tier_store
+        engine = Engine(tier_store)  # an Engine's parts hold its store: one engine per open store
+        engine.use_model(loaded)
         ttft, restore_s, tier, n = answer_first_token(engine, loaded, scheme, ctx)
         save.restore_seconds[tier] = restore_s
         rows.append(TierRow(len(ctx.tokens), scheme, tier, restore_s, ttft, ctx.cold_ttft, n))

@@ -47,7 +47,7 @@ def stage_costs(store, manifest) -> dict[str, float]:
     from tqstore.canonical import DTYPES
     from tqstore.format import objects
     from tqstore.format.blocks import SplitSnapshot, join_resident
-    from tqstore.store.verify import check_parsed, decode_parsed, wants_for
+    from tqstore.store.object_checks import check_parsed, decode_parsed, wants_for
 
     lmdb, cost = store._tiers.lmdb, dict.fromkeys(STAGES, 0.0)
     wants, parsed, others = wants_for(manifest, len(manifest.blocks), False), {}, {}

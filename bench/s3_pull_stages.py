@@ -132,7 +132,7 @@ def verification_cpu(manifest, payloads: list[bytes]) -> tuple[float, float, flo
     import hashlib
 
     from tqstore.store import transfer
-    from tqstore.store.verify import decode, wants_for
+    from tqstore.store.object_checks import decode, wants_for
 
     wants = wants_for(manifest, len(manifest.blocks), remote=True)
     check = getattr(transfer._verified, "__wrapped__", transfer._verified)
@@ -156,7 +156,7 @@ def run(tokens: int, runs: int) -> tuple[list[dict], dict]:
     from storage import raw_snapshot
     from tqstore.config import load_config
     from tqstore.store.store import Store
-    from tqstore.store.verify import wants_for
+    from tqstore.store.object_checks import wants_for
 
     scheme = "turbo4"
     model, model_id, codec_id = model_and_identities(scheme)

@@ -15,8 +15,7 @@ from model_folder import write_model_folder
 from tiny_models import build_model
 from turboquant import make_prompt_cache
 from tqstore import Store
-from tqstore.engine.chunks import (Document, chunk_address, composed_caches, ensure_chunk, load_chunk,
-                                   prefix_tokens)
+from tqstore.engine.chunks import Document, chunk_address, prefix_tokens
 from tqstore.engine.compose import (ChunkKV, check_composable, compose, decoded_kv, rope_description, rope_shift,
                                     shift_keys, window_sizes)
 from tqstore.config import load_config
@@ -89,7 +88,7 @@ def test_one_chunk_at_three_offsets_equals_a_fresh_prefill_there(engine, model_d
     codec_error = [norm(d[:, :, P:] - c[:, :, P:]) for d, c in zip(decoded, canonical)]
     for docs in ([Document(name="x"), A, B], [A, Document(name="x"), B], [A, B, Document(name="x")]):
         docs = [Document(text=d) if isinstance(d, str) else d for d in docs]
-        context = composed_caches(engine, loaded, docs, scheme, recompute=0.0)
+        context = engine.chunks.composed_caches(loaded, docs, scheme, recompute=0.0)
         names = [c.name for c in context.chunks]
         at = P + sum(c.tokens for c in context.chunks[:names.index("x")])
         assert context.recomputed == 0 and context.tokens[at:at + len(x)] == x
@@ -103,7 +102,7 @@ def test_one_chunk_at_three_offsets_equals_a_fresh_prefill_there(engine, model_d
             else:  # the shift is a rotation: it moves the codec's error, never adds to it
                 assert norm(moved - expected) <= 1.01 * codec_error[layer] + 1e-4 * norm(expected), layer
     # Everything recomputed: exactly a fresh prefill of the composed prompt.
-    context = composed_caches(engine, loaded, docs, scheme, recompute=1.0)
+    context = engine.chunks.composed_caches(loaded, docs, scheme, recompute=1.0)
     caches = [KVCache() for _ in loaded.model.layers]
     engine.prefill(loaded, caches, context.tokens)
     keys, values = composed_kv(context)
@@ -120,7 +119,7 @@ def test_chunks_compose_in_any_order_from_one_stored_copy(engine, model_dir):
     prefix = prefix_tokens(loaded, None)
     tokens = {t: loaded.prompt.document_tokens(loaded.tokenizer, t) for t in (X, A, B)}
     for order in ([X, A, B], [B, X, A], [A, B, X]):
-        context = composed_caches(engine, loaded, [Document(text=t) for t in order], "turbo4", recompute=0.5)
+        context = engine.chunks.composed_caches(loaded, [Document(text=t) for t in order], "turbo4", recompute=0.5)
         assert context.tokens == prefix + [t for text in order for t in tokens[text]]
         assert not any(c.stored for c in context.chunks) and len(engine.store.ls()) == entries
         assert 0 < context.recomputed <= len(context.tokens) - len(prefix) and context.caches[0].offset == len(context.tokens)
@@ -139,12 +138,12 @@ def test_another_model_codec_or_tokenizer_is_never_served(engine, model_dir, tmp
     assert other_tokenizer.identity.digest != loaded.identity.digest
     for other in (other_weights, other_tokenizer):
         with pytest.raises(IdentityMismatch, match="another model"):
-            composed_caches(engine, other, [Document(name="x")], "turbo4", recompute=0.0)
-        context = composed_caches(engine, other, [Document(text=X)], "turbo4", recompute=0.0)
+            engine.chunks.composed_caches(other, [Document(name="x")], "turbo4", recompute=0.0)
+        context = engine.chunks.composed_caches(other, [Document(text=X)], "turbo4", recompute=0.0)
         assert context.chunks[0].stored and context.chunks[0].name != "x"
     with pytest.raises(IdentityMismatch, match="scheme turbo4"):
-        composed_caches(engine, loaded, [Document(name="x")], "raw", recompute=0.0)
-    context = composed_caches(engine, loaded, [Document(text=X)], "raw", recompute=0.0)
+        engine.chunks.composed_caches(loaded, [Document(name="x")], "raw", recompute=0.0)
+    context = engine.chunks.composed_caches(loaded, [Document(text=X)], "raw", recompute=0.0)
     assert context.chunks[0].stored and engine.store.get(context.chunks[0].name).scheme == "raw"
     codec = engine.codec_identity(loaded, "turbo4").digest
     base = chunk_address(loaded.identity.digest, codec, [1, 2], [3, 4])
@@ -157,7 +156,7 @@ def test_another_model_codec_or_tokenizer_is_never_served(engine, model_dir, tmp
 def test_a_damaged_chunk_is_a_miss_and_prefilled_again(engine, model_dir, tmp_path):
     loaded = engine.model(str(model_dir))
     docs = [Document(text=A), Document(text=X)]
-    before = composed_kv(composed_caches(engine, loaded, docs, "turbo4", recompute=0.0))
+    before = composed_kv(engine.chunks.composed_caches(loaded, docs, "turbo4", recompute=0.0))
     name = engine.store.get(next(e.name for e in engine.store.ls() if e.tokens > 0 and e.name.startswith("chunk-")))
     key = name.blocks[0].key
     path = str(engine.store.tiers.lmdb.path)
@@ -165,7 +164,7 @@ def test_a_damaged_chunk_is_a_miss_and_prefilled_again(engine, model_dir, tmp_pa
     flip_segment_byte(path, key)
     engine = open_engine(tmp_path / "home")
     engine.use_model(loaded)
-    context = composed_caches(engine, loaded, docs, "turbo4", recompute=0.0)
+    context = engine.chunks.composed_caches(loaded, docs, "turbo4", recompute=0.0)
     assert [c.stored for c in context.chunks].count(True) == 1  # the damaged one, prefilled again
     after = composed_kv(context)
     for side_before, side_after in zip(before, after):
@@ -302,7 +301,7 @@ def test_a_sliding_window_family_composes_its_chunks(engine, gemma_dir):
     # One chunk alone, stored raw: the composed caches are the caches of a prefill of it, exactly
     # (the window layers' last 16 rows, settled), and the next logits are equal.
     engine.add_chunk("x", X, model=str(gemma_dir), scheme="raw")
-    context = composed_caches(engine, loaded, [Document(name="x")], "raw", recompute=0.0)
+    context = engine.chunks.composed_caches(loaded, [Document(name="x")], "raw", recompute=0.0)
     caches = make_prompt_cache(loaded.model, "raw")
     engine.prefill(loaded, caches, prefix + x)
     assert sum(type(c) is RotatingKVCache for c in context.caches) == 4
@@ -315,13 +314,13 @@ def test_a_sliding_window_family_composes_its_chunks(engine, gemma_dir):
     # layers the last 16 of them; at recompute 1 it is a prefill of the composed prompt.
     docs = [Document(text=A), Document(name="x"), Document(text=B)]
     for recompute in (0.0, 0.3):
-        context = composed_caches(engine, loaded, docs, "raw", recompute=recompute)
+        context = engine.chunks.composed_caches(loaded, docs, "raw", recompute=recompute)
         assert context.recomputed == round(recompute * (len(context.tokens) - len(prefix)))
         for cache in context.caches:
             assert cache.offset == len(context.tokens)
             if type(cache) is RotatingKVCache:
                 assert cache.keys.shape[2] == 16
-    full = composed_caches(engine, loaded, docs, "raw", recompute=1.0)
+    full = engine.chunks.composed_caches(loaded, docs, "raw", recompute=1.0)
     caches = make_prompt_cache(loaded.model, "raw")
     engine.prefill(loaded, caches, full.tokens)
     for mine, theirs in zip(full.caches, caches):
@@ -330,8 +329,8 @@ def test_a_sliding_window_family_composes_its_chunks(engine, gemma_dir):
     # tokens at that position (RoPE moved per layer, windows within the chunk as in a prefill).
     a = loaded.prompt.document_tokens(loaded.tokenizer, A)
     at = len(prefix) + len(a)
-    first = ensure_chunk(engine, loaded, "raw", prefix, a, None)[1]
-    moved = compose(loaded.model, [first, load_chunk(engine, loaded, engine.store.get("x"), prefix, x)], 0.0)
+    first = engine.chunks.ensure_chunk(loaded, "raw", prefix, a, None)[1]
+    moved = compose(loaded.model, [first, engine.chunks.load_chunk(loaded, engine.store.get("x"), prefix, x)], 0.0)
     reference = fresh_keys(loaded, prefix + x, shift=at - len(prefix))
     for layer, (k, ref) in enumerate(zip(moved.keys, reference)):
         assert mx.allclose(k[:, :, at:], ref[:, :, len(prefix):], atol=1e-4, rtol=1e-4).item(), layer

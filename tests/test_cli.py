@@ -115,10 +115,10 @@ def test_save_then_ask_json(cli, model):
 def test_ask_json_counts_the_model_load_done_before_the_engine_asks(cli, model, monkeypatch):
     """Before: `ask` loaded the model before Engine.ask, whose own load then found it loaded, so
     model_seconds said ~0 and a fresh process's timed phases left the load out."""
-    from tqstore.engine.engine import Engine
+    from tqstore.engine.models import LoadedModels
 
     assert cli("save", "doc", "--model", model, "--prompt", DOC).code == 0
-    load, calls = Engine.model, []
+    load, calls = LoadedModels.model, []
 
     def slow_first_load(self, *args, **kwargs):
         if not calls:
@@ -126,7 +126,7 @@ def test_ask_json_counts_the_model_load_done_before_the_engine_asks(cli, model, 
         calls.append(args)
         return load(self, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "model", slow_first_load)
+    monkeypatch.setattr(LoadedModels, "model", slow_first_load)
     answer = cli("ask", "doc", "Who pays?", "--max-tokens", "1", "--json").json
     assert len(calls) >= 1 and answer["model_seconds"] >= 0.3
 

@@ -97,6 +97,6 @@ def test_the_console_script_keeps_what_a_command_loaded_until_exit(tmp_path, mon
     assert main(["--home", home, "save", "doc", "--model", model, "--prompt", "The seller pays.", "-q"]) == 0
     kept: list[object] = []
     assert main(["--home", home, "ask", "doc", "Who pays?", "--max-tokens", "2", "-q"], keep=kept) == 0
-    assert len(kept) == 1 and [loaded.ref for loaded in kept[0]._models.values()] == [model]
+    assert len(kept) == 1 and [loaded.ref for loaded in kept[0].models._models.values()] == [model]
     assert main(["--home", home, "ls", "-q"], keep=kept) == 0 and len(kept) == 1  # ls opens no Engine
     capsys.readouterr()

@@ -22,7 +22,7 @@ from tiny_models import build_model
 from tqstore import Store
 from tqstore.config import load_config
 from tqstore.engine import compose as compose_module
-from tqstore.engine.chunks import Document, composed_caches, prefix_tokens
+from tqstore.engine.chunks import Document, prefix_tokens
 from tqstore.engine.compose import ChunkKV, compose
 from tqstore.engine.compose_memory import OVERHEAD, ModelShape, composition_bytes
 from tqstore.engine.defaults import PREFILL_CHUNK
@@ -47,11 +47,11 @@ def test_a_document_given_many_times_is_restored_once(engine, model):
     loaded = engine.model(model)
     engine.add_chunk("a", A, model=model, scheme="turbo4")
     before = tier_hits(engine)
-    once = composed_caches(engine, loaded, [Document(name="a")], "turbo4", recompute=0)
+    once = engine.chunks.composed_caches(loaded, [Document(name="a")], "turbo4", recompute=0)
     one_restore = tier_hits(engine) - before
     assert one_restore > 0
     before = tier_hits(engine)
-    many = composed_caches(engine, loaded, [Document(name="a")] * 5, "turbo4", recompute=0)
+    many = engine.chunks.composed_caches(loaded, [Document(name="a")] * 5, "turbo4", recompute=0)
     assert tier_hits(engine) - before == one_restore  # was 5 restores, every one held at once
     chunk = len(once.tokens) - len(prefix_tokens(loaded, None))
     assert len(many.tokens) == len(once.tokens) + 4 * chunk and many.reused == 5 * once.reused == 5 * chunk
@@ -62,7 +62,7 @@ def test_the_estimate_follows_the_engines_prefill_step(engine, model):
     # steps of 64 was estimated as if it held 512 rows of scores at once.
     loaded = engine.model(model)
     engine.add_chunk("a", A, model=model, scheme="turbo4")
-    context = composed_caches(engine, loaded, [Document(name="a")] * 3, "turbo4", recompute=1.0)
+    context = engine.chunks.composed_caches(loaded, [Document(name="a")] * 3, "turbo4", recompute=1.0)
     prefix = len(prefix_tokens(loaded, None))
     chunk = (len(context.tokens) - prefix) // 3
     assert len(context.tokens) > engine.prefill_chunk == 64

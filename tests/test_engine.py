@@ -160,7 +160,7 @@ def test_resaving_a_stored_context_keeps_its_recorded_prefill_time(engine, model
 def test_started_takes_no_token_count_its_caches_contradict():
     """Issue 27: a count that is not what the caches hold (a lookup's, after a shorter restore)
     would prefill the prompt's rest after a hole; Started refuses it."""
-    from tqstore.engine.engine import Started
+    from tqstore.engine.prefill import Started
     from tqstore.errors import CorruptBlock
 
     caches = [KVCache(), KVCache()]

@@ -23,7 +23,7 @@ from tqstore.errors import CorruptBlock
 from tqstore.format.manifest import Manifest
 from tqstore.store.bucket import fetch_objects
 from tqstore.store.packs import Location, Member, manifest_address, plan_packs
-from tqstore.store.verify import Want
+from tqstore.store.object_checks import Want
 
 
 def push_layout_1(store, name: str) -> None:

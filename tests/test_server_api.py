@@ -12,7 +12,8 @@ from tqstore.errors import BadInput, DiskFull, InvalidName, NotFound, TqstoreErr
 from tqstore.serve.metrics import RATE_WINDOW_SECONDS, Metrics, QueueState
 from tqstore.serve.openai_schema import (ApiError, Generation, Sampling, StopScanner, api_error, check_model,
                                 parse_cache_source, parse_generation, parse_pin)
-from tqstore.serve.worker import SavePolicy, completion_tokens
+from tqstore.serve.autosave import SavePolicy
+from tqstore.serve.prompts import completion_tokens
 
 DEFAULTS = Sampling(max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop=())
 

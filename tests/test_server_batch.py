@@ -16,7 +16,9 @@ from tqstore.engine.batch import DecodeBatch, batchable, batched_generation
 from tqstore.engine.engine import Engine
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
-from tqstore.serve.worker import Failed, Finished, ModelWorker, SavePolicy, Text
+from tqstore.serve.autosave import SavePolicy
+from tqstore.serve.jobs import Failed, Finished, Text
+from tqstore.serve.worker import ModelWorker
 from turboquant import TurboQuantKVCache, make_prompt_cache
 
 GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())

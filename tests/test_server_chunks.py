@@ -19,7 +19,9 @@ from model_folder import write_model_folder
 from tqstore.engine.engine import Engine
 from tqstore.serve.chunking import ChunkSizer
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
-from tqstore.serve.worker import Accepted, Failed, Finished, Job, ModelWorker, SavePolicy
+from tqstore.serve.autosave import SavePolicy
+from tqstore.serve.jobs import Accepted, Failed, Finished, Job
+from tqstore.serve.worker import ModelWorker
 from turboquant.adapter.checkpoints import chunk_ends
 
 

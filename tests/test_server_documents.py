@@ -9,7 +9,7 @@ from model_folder import write_model_folder
 from server_process import ServerProcess, request
 from tqstore.errors import BadInput
 from tqstore.serve.openai_schema import ApiError, Generation, Sampling, completion_response, parse_generation
-from tqstore.serve.worker import documents_question
+from tqstore.serve.prompts import documents_question
 
 DEFAULTS = Sampling(max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop=())
 A = "The contract says the seller pays for delays. Clause seven covers delivery and payment. " * 2

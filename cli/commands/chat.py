@@ -44,7 +44,7 @@ def newest_turn(names: list[str], base: str) -> int:
 
 def conversation_base(name: str, metadata: dict[str, str]) -> str:
     """The entry a conversation's turns are numbered after (a turn continues its own base)."""
-    from tqstore.engine.engine import CHAT_PARENT  # set on every saved turn
+    from tqstore.engine.generation import CHAT_PARENT  # set on every saved turn
 
     match = TURN.fullmatch(name)
     if match and CHAT_PARENT in metadata and turn_name(match.group(1), int(match.group(2))) == name:

@@ -40,7 +40,8 @@ import pytest
 from harness import open_store, s3_settings
 from model_folder import write_model_folder
 from server_process import ServerProcess, request
-from tqstore.engine.engine import AskResult, Engine
+from tqstore.engine.engine import Engine
+from tqstore.engine.generation import AskResult
 from tqstore.errors import TqstoreError
 from tqstore.format.blocks import BLOCK_SIZE
 

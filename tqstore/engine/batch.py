@@ -39,7 +39,9 @@ from mlx_lm.models.cache import KVCache
 
 from turboquant import TurboQuantKVCache, compressed_sdpa, install_attention_dispatch
 
-from tqstore.engine.engine import AskResult, Engine, Started, own_randomness
+from tqstore.engine.engine import Engine
+from tqstore.engine.generation import AskResult, own_randomness
+from tqstore.engine.prefill import Started
 from tqstore.models.loading import LoadedModel
 
 # Model families whose attention layers use their cache only through `offset`,

@@ -19,7 +19,7 @@ import hashlib
 import struct
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
@@ -29,12 +29,14 @@ from tqstore.engine.compose import (ChunkKV, Composed, check_composable, compose
                                     window_sizes)
 from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
+from tqstore.engine.generation import Answerer, AskResult
+from tqstore.engine.models import LoadedModels
+from tqstore.engine.prefill import Prefiller
+from tqstore.engine.saving import Saver
 from tqstore.errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
-from tqstore.models.loading import LoadedModel
 from tqstore.format.manifest import Manifest
-
-if TYPE_CHECKING:
-    from tqstore.engine.engine import AskResult, Engine
+from tqstore.models.loading import LoadedModel
+from tqstore.store.store import Store
 
 CHUNK_KEY = "chunk.address"  # metadata: the chunk's content address (hex)
 PREFIX_KEY = "chunk.prefix"  # metadata: how many of the entry's tokens are the prefix
@@ -73,7 +75,7 @@ class ChunkInfo:
 class DocumentsAnswer:
     """An answer over composed documents and what the composition reused."""
 
-    answer: "AskResult"
+    answer: AskResult
     chunks: list[ChunkInfo]
     reused_tokens: int  # chunk tokens served from the store (K/V kept)
     recomputed_tokens: int  # chunk tokens recomputed in the composed context
@@ -98,81 +100,6 @@ def prefix_tokens(loaded: LoadedModel, system: str | None) -> list[int]:
     return loaded.prompt.context_tokens(loaded.tokenizer, "", system)
 
 
-def add_chunk(engine: "Engine", loaded: LoadedModel, text: str, *, name: str | None = None,
-              scheme: str | None = None, system: str | None = None, pin: bool = False) -> ChunkInfo:
-    """Store `text` as a chunk (under `name`, or its content address); a chunk stored already
-    is kept as it is."""
-    if not text.strip():
-        raise BadInput("the document is empty: nothing to store")
-    scheme = parse_scheme(scheme or engine.store.config.default_scheme).name
-    prefix = prefix_tokens(loaded, system)
-    tokens = loaded.prompt.document_tokens(loaded.tokenizer, text)
-    return ensure_chunk(engine, loaded, scheme, prefix, tokens, name, pin)[0]
-
-
-def ensure_chunk(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], tokens: list[int],
-            name: str | None, pin: bool = False) -> tuple[ChunkInfo, ChunkKV | None]:
-    """The chunk entry for these tokens, stored if missing or damaged; with its K/V when it was
-    loaded or computed here."""
-    codec = engine.codec_identity(loaded, scheme, WINDOWS)
-    address = chunk_address(loaded.identity.digest, codec.digest, prefix, tokens)
-    entry = name or NAME_PREFIX + address[:40]
-    try:
-        manifest = engine.store.get(entry)
-    except NotFound:
-        manifest = None
-    if manifest is not None and manifest.metadata.get(CHUNK_KEY) == address:
-        found = load_chunk(engine, loaded, manifest, prefix, tokens)
-        if found is not None:
-            return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0), found
-    elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
-        raise BadInput(f"entry {name!r} exists and is not a document chunk: choose another name")
-    t0 = time.perf_counter()
-    caches = make_prompt_cache(loaded.model, scheme)
-    check_composable(loaded.model, caches)
-    metadata = {CHUNK_KEY: address, PREFIX_KEY: str(len(prefix)), ROPE_KEY: rope_description(loaded.model)}
-    engine.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata, windows=WINDOWS)
-    seconds = time.perf_counter() - t0
-    return ChunkInfo(entry, len(tokens), len(prefix), True, seconds), None
-
-
-def load_chunk(engine: "Engine", loaded: LoadedModel, manifest: Manifest, prefix: list[int],
-          tokens: list[int]) -> ChunkKV | None:
-    """The decoded K/V of a chunk entry, every token's row in every layer; None (a miss) when its
-    objects are damaged or lost, or its window layers were stored without their rows."""
-    if list(manifest.tokens) != prefix + tokens:
-        raise TokenMismatch(f"chunk {manifest.name} holds other tokens than its address says: run `tqstore verify`")
-    if manifest.metadata.get(ROPE_KEY) != rope_description(loaded.model):
-        raise IdentityMismatch(f"chunk {manifest.name} was stored with RoPE {manifest.metadata.get(ROPE_KEY)!r}, "
-                               f"this model uses {rope_description(loaded.model)!r}")
-    try:
-        snap, _ = engine.store.load(manifest.name)
-    except (CorruptBlock, FormatError):
-        return None
-    windows = [r for r in snap.layers if r.config.get("class") in WINDOW_CLASSES]
-    if not all(is_window_record(r) for r in windows):
-        return None
-    caches = restore(snap)
-    pairs = [(r.arrays["keys"], r.arrays["values"]) if is_window_record(r) else decoded_kv(c)
-             for r, c in zip(snap.layers, caches)]
-    return ChunkKV(prefix, tokens, [k for k, _ in pairs], [v for _, v in pairs])
-
-
-def _named(engine: "Engine", loaded: LoadedModel, scheme: str, name: str) -> tuple[Manifest, list[int]]:
-    """A stored chunk by name, checked against this model and codec: its manifest and the chunk
-    tokens (without the prefix it was stored after)."""
-    manifest = engine.store.get(name)
-    if CHUNK_KEY not in manifest.metadata:
-        raise BadInput(f"entry {name!r} is not a document chunk: store it with `tqstore chunk add`")
-    if manifest.model_digest != loaded.identity.digest:
-        raise IdentityMismatch(f"chunk {name!r} was stored with another model or tokenizer ({manifest.model_ref}): "
-                               "store it again with this model")
-    if manifest.codec_digest != engine.codec_identity(loaded, scheme, WINDOWS).digest:
-        raise IdentityMismatch(f"chunk {name!r} was stored with scheme {manifest.scheme}, not {scheme}: pass "
-                               f"--scheme {manifest.scheme} or store it again")
-    return manifest, list(manifest.tokens[int(manifest.metadata[PREFIX_KEY]):])
-
-
 @dataclass
 class ComposedContext:
     """Caches holding `[prefix][documents...]`, ready for the question."""
@@ -186,48 +113,6 @@ class ComposedContext:
     estimated_bytes: int  # the peak memory the composition was estimated to need
 
 
-def composed_caches(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], scheme: str, *,
-                    system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
-                    question: Sequence[int] | None = None) -> ComposedContext:
-    """Caches of `[prefix][doc_1]...[doc_k]` under `scheme` from stored chunks (texts not stored
-    yet are prefilled and stored first); recompute 1 is a plain prefill of the whole. The
-    `question` tokens that follow steer which tokens are recomputed (compose.py).
-
-    Before any chunk is restored or prefilled, the composition's peak memory is estimated
-    (compose_memory.py) and OverMemoryBudget raised when it is over `store.compose_budget`."""
-    if not documents:
-        raise BadInput("no documents given")
-    if not 0.0 <= recompute <= 1.0:
-        raise BadInput(f"recompute is a fraction of the document tokens from 0 to 1, got {recompute}")
-    t0 = time.perf_counter()
-    caches = make_prompt_cache(loaded.model, scheme)
-    check_composable(loaded.model, caches)
-    prefix = prefix_tokens(loaded, system)
-    # A document given many times is restored once: its decoded K/V serve every place it sits
-    # (100 copies of one chunk were 100 restores held at once, issue 27).
-    order = [("name", d.name) if d.name is not None else ("text", d.text) for d in documents]
-    distinct = {key: _chunk_source(engine, loaded, scheme, prefix, *key) for key in dict.fromkeys(order)}
-    chunk_tokens = [len(distinct[key][0]) for key in order]
-    estimate = composition_bytes(ModelShape.of(loaded.model), len(prefix), chunk_tokens,
-                                 [len(tokens) for tokens, _ in distinct.values()],
-                                 question=len(question or ()), recompute=recompute, step=engine.prefill_chunk)
-    check_budget(estimate, engine.store.config.compose_budget_bytes, documents=len(documents),
-                 tokens=len(prefix) + sum(chunk_tokens))
-    found = {key: ensure_chunk(engine, loaded, scheme, prefix, tokens, name)
-             for key, (tokens, name) in distinct.items()}
-    infos = [found[key][0] for key in order]
-    tokens = prefix + [t for key in order for t in distinct[key][0]]
-    if recompute >= 1.0:
-        engine.prefill(loaded, caches, tokens)
-        return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0,
-                               estimate)
-    composed = _compose_chunks(engine, loaded, prefix, found, order, recompute, question, window_sizes(caches))
-    del found  # the chunks' K/V are in `composed` now
-    fill_caches(caches, composed)
-    return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
-                           time.perf_counter() - t0, estimate)
-
-
 def fill_caches(caches: list, composed: Composed) -> None:
     """Put a composition into fresh caches; a sliding-window cache keeps the last rows of the
     composed context, as a prefill of it would. Layer by layer, each composed layer dropped once
@@ -239,45 +124,170 @@ def fill_caches(caches: list, composed: Composed) -> None:
         composed.keys[layer] = composed.values[layer] = None
 
 
-def _chunk_source(engine: "Engine", loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
-                  value: str) -> tuple[list[int], str | None]:
-    """A document's chunk tokens and the entry name to keep it under (None: its address)."""
-    if kind == "text":
-        return loaded.prompt.document_tokens(loaded.tokenizer, value), None
-    manifest, tokens = _named(engine, loaded, scheme, value)
-    same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
-    return tokens, value if same_prefix else None
+class DocumentChunks:
+    """Document chunks of one store: stored (prefilled through `saver`), read back, composed into
+    one context and answered over (through `answerer`)."""
 
+    def __init__(self, store: Store, models: LoadedModels, prefiller: Prefiller, saver: Saver, answerer: Answerer):
+        self.store = store
+        self.models = models
+        self.prefiller = prefiller
+        self.saver = saver
+        self.answerer = answerer
 
-def _compose_chunks(engine: "Engine", loaded: LoadedModel, prefix: list[int],
-                    found: dict[tuple[str, str], tuple[ChunkInfo, ChunkKV | None]], order: list[tuple[str, str]],
-                    recompute: float, question: Sequence[int] | None, windows: list[int | None]) -> Composed:
-    """compose() over the chunks in `order`, reading back those stored just now (each once)."""
-    for key, (info, kv) in found.items():
-        if kv is None:  # stored just now
-            manifest = engine.store.get(info.name)
-            kv = load_chunk(engine, loaded, manifest, prefix, list(manifest.tokens[info.prefix_tokens:]))
-            if kv is None:
-                raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
-            found[key] = (info, kv)
-    return compose(loaded.model, [found[key][1] for key in order], recompute, question=question, windows=windows)
+    def add_chunk(self, loaded: LoadedModel, text: str, *, name: str | None = None, scheme: str | None = None,
+                  system: str | None = None, pin: bool = False) -> ChunkInfo:
+        """Store `text` as a chunk (under `name`, or its content address); a chunk stored already
+        is kept as it is."""
+        if not text.strip():
+            raise BadInput("the document is empty: nothing to store")
+        scheme = parse_scheme(scheme or self.store.config.default_scheme).name
+        prefix = prefix_tokens(loaded, system)
+        tokens = loaded.prompt.document_tokens(loaded.tokenizer, text)
+        return self.ensure_chunk(loaded, scheme, prefix, tokens, name, pin)[0]
 
+    def ensure_chunk(self, loaded: LoadedModel, scheme: str, prefix: list[int], tokens: list[int],
+                     name: str | None, pin: bool = False) -> tuple[ChunkInfo, ChunkKV | None]:
+        """The chunk entry for these tokens, stored if missing or damaged; with its K/V when it was
+        loaded or computed here."""
+        codec = self.models.codec_identity(loaded, scheme, WINDOWS)
+        address = chunk_address(loaded.identity.digest, codec.digest, prefix, tokens)
+        entry = name or NAME_PREFIX + address[:40]
+        try:
+            manifest = self.store.get(entry)
+        except NotFound:
+            manifest = None
+        if manifest is not None and manifest.metadata.get(CHUNK_KEY) == address:
+            found = self.load_chunk(loaded, manifest, prefix, tokens)
+            if found is not None:
+                return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0), found
+        elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
+            raise BadInput(f"entry {name!r} exists and is not a document chunk: choose another name")
+        t0 = time.perf_counter()
+        caches = make_prompt_cache(loaded.model, scheme)
+        check_composable(loaded.model, caches)
+        metadata = {CHUNK_KEY: address, PREFIX_KEY: str(len(prefix)), ROPE_KEY: rope_description(loaded.model)}
+        self.saver.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata,
+                               windows=WINDOWS)
+        seconds = time.perf_counter() - t0
+        return ChunkInfo(entry, len(tokens), len(prefix), True, seconds), None
 
-def ask_documents(engine: "Engine", loaded: LoadedModel, documents: Sequence[Document], question: str, *,
-                  scheme: str | None = None, system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
-                  **options) -> DocumentsAnswer:
-    """Answer `question` over `documents` in the given order, reusing each stored chunk's K/V
-    wherever it sits; `recompute` (0 to 1) is the share of chunk tokens recomputed in context.
-    The scheme is `scheme`, else the first named chunk's, else the store's default."""
-    if scheme is None:
-        named = next((d.name for d in documents if d.name is not None), None)
-        scheme = engine.store.get(named).scheme if named else engine.store.config.default_scheme
-    scheme = parse_scheme(scheme).name
-    question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
-    context = composed_caches(engine, loaded, documents, scheme, system=system, recompute=recompute,
-                              question=question_tokens)
-    answer = engine.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
-                                      context.seconds, **options)
-    prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)
-    return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled, context.seconds,
-                           context.estimated_bytes)
+    def load_chunk(self, loaded: LoadedModel, manifest: Manifest, prefix: list[int],
+                   tokens: list[int]) -> ChunkKV | None:
+        """The decoded K/V of a chunk entry, every token's row in every layer; None (a miss) when its
+        objects are damaged or lost, or its window layers were stored without their rows."""
+        if list(manifest.tokens) != prefix + tokens:
+            raise TokenMismatch(f"chunk {manifest.name} holds other tokens than its address says: "
+                                "run `tqstore verify`")
+        if manifest.metadata.get(ROPE_KEY) != rope_description(loaded.model):
+            raise IdentityMismatch(f"chunk {manifest.name} was stored with RoPE {manifest.metadata.get(ROPE_KEY)!r}, "
+                                   f"this model uses {rope_description(loaded.model)!r}")
+        try:
+            snap, _ = self.store.load(manifest.name)
+        except (CorruptBlock, FormatError):
+            return None
+        windows = [r for r in snap.layers if r.config.get("class") in WINDOW_CLASSES]
+        if not all(is_window_record(r) for r in windows):
+            return None
+        caches = restore(snap)
+        pairs = [(r.arrays["keys"], r.arrays["values"]) if is_window_record(r) else decoded_kv(c)
+                 for r, c in zip(snap.layers, caches)]
+        return ChunkKV(prefix, tokens, [k for k, _ in pairs], [v for _, v in pairs])
+
+    def _named(self, loaded: LoadedModel, scheme: str, name: str) -> tuple[Manifest, list[int]]:
+        """A stored chunk by name, checked against this model and codec: its manifest and the chunk
+        tokens (without the prefix it was stored after)."""
+        manifest = self.store.get(name)
+        if CHUNK_KEY not in manifest.metadata:
+            raise BadInput(f"entry {name!r} is not a document chunk: store it with `tqstore chunk add`")
+        if manifest.model_digest != loaded.identity.digest:
+            raise IdentityMismatch(f"chunk {name!r} was stored with another model or tokenizer "
+                                   f"({manifest.model_ref}): store it again with this model")
+        if manifest.codec_digest != self.models.codec_identity(loaded, scheme, WINDOWS).digest:
+            raise IdentityMismatch(f"chunk {name!r} was stored with scheme {manifest.scheme}, not {scheme}: pass "
+                                   f"--scheme {manifest.scheme} or store it again")
+        return manifest, list(manifest.tokens[int(manifest.metadata[PREFIX_KEY]):])
+
+    def composed_caches(self, loaded: LoadedModel, documents: Sequence[Document], scheme: str, *,
+                        system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
+                        question: Sequence[int] | None = None) -> ComposedContext:
+        """Caches of `[prefix][doc_1]...[doc_k]` under `scheme` from stored chunks (texts not stored
+        yet are prefilled and stored first); recompute 1 is a plain prefill of the whole. The
+        `question` tokens that follow steer which tokens are recomputed (compose.py).
+
+        Before any chunk is restored or prefilled, the composition's peak memory is estimated
+        (compose_memory.py) and OverMemoryBudget raised when it is over `store.compose_budget`."""
+        if not documents:
+            raise BadInput("no documents given")
+        if not 0.0 <= recompute <= 1.0:
+            raise BadInput(f"recompute is a fraction of the document tokens from 0 to 1, got {recompute}")
+        t0 = time.perf_counter()
+        caches = make_prompt_cache(loaded.model, scheme)
+        check_composable(loaded.model, caches)
+        prefix = prefix_tokens(loaded, system)
+        # A document given many times is restored once: its decoded K/V serve every place it sits
+        # (100 copies of one chunk were 100 restores held at once, issue 27).
+        order = [("name", d.name) if d.name is not None else ("text", d.text) for d in documents]
+        distinct = {key: self._chunk_source(loaded, scheme, prefix, *key) for key in dict.fromkeys(order)}
+        chunk_tokens = [len(distinct[key][0]) for key in order]
+        estimate = composition_bytes(ModelShape.of(loaded.model), len(prefix), chunk_tokens,
+                                     [len(tokens) for tokens, _ in distinct.values()],
+                                     question=len(question or ()), recompute=recompute, step=self.prefiller.chunk)
+        check_budget(estimate, self.store.config.compose_budget_bytes, documents=len(documents),
+                     tokens=len(prefix) + sum(chunk_tokens))
+        found = {key: self.ensure_chunk(loaded, scheme, prefix, tokens, name)
+                 for key, (tokens, name) in distinct.items()}
+        infos = [found[key][0] for key in order]
+        tokens = prefix + [t for key in order for t in distinct[key][0]]
+        if recompute >= 1.0:
+            self.prefiller.prefill(loaded, caches, tokens)
+            return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0,
+                                   estimate)
+        composed = self._compose_chunks(loaded, prefix, found, order, recompute, question, window_sizes(caches))
+        del found  # the chunks' K/V are in `composed` now
+        fill_caches(caches, composed)
+        return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
+                               time.perf_counter() - t0, estimate)
+
+    def _chunk_source(self, loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
+                      value: str) -> tuple[list[int], str | None]:
+        """A document's chunk tokens and the entry name to keep it under (None: its address)."""
+        if kind == "text":
+            return loaded.prompt.document_tokens(loaded.tokenizer, value), None
+        manifest, tokens = self._named(loaded, scheme, value)
+        same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
+        return tokens, value if same_prefix else None
+
+    def _compose_chunks(self, loaded: LoadedModel, prefix: list[int],
+                        found: dict[tuple[str, str], tuple[ChunkInfo, ChunkKV | None]], order: list[tuple[str, str]],
+                        recompute: float, question: Sequence[int] | None, windows: list[int | None]) -> Composed:
+        """compose() over the chunks in `order`, reading back those stored just now (each once)."""
+        for key, (info, kv) in found.items():
+            if kv is None:  # stored just now
+                manifest = self.store.get(info.name)
+                kv = self.load_chunk(loaded, manifest, prefix, list(manifest.tokens[info.prefix_tokens:]))
+                if kv is None:
+                    raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: "
+                                       "run `tqstore verify`")
+                found[key] = (info, kv)
+        return compose(loaded.model, [found[key][1] for key in order], recompute, question=question, windows=windows)
+
+    def ask_documents(self, loaded: LoadedModel, documents: Sequence[Document], question: str, *,
+                      scheme: str | None = None, system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
+                      **options) -> DocumentsAnswer:
+        """Answer `question` over `documents` in the given order, reusing each stored chunk's K/V
+        wherever it sits; `recompute` (0 to 1) is the share of chunk tokens recomputed in context.
+        The scheme is `scheme`, else the first named chunk's, else the store's default. Options as
+        `Answerer.generation`."""
+        if scheme is None:
+            named = next((d.name for d in documents if d.name is not None), None)
+            scheme = self.store.get(named).scheme if named else self.store.config.default_scheme
+        scheme = parse_scheme(scheme).name
+        question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
+        context = self.composed_caches(loaded, documents, scheme, system=system, recompute=recompute,
+                                       question=question_tokens)
+        answer = self.answerer.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
+                                                 context.seconds, **options)
+        prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)
+        return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled,
+                               context.seconds, context.estimated_bytes)

@@ -30,7 +30,7 @@ from tqstore.errors import BadInput, ConflictError, IdentityMismatch, NotFound, 
 from tqstore.format.manifest import Manifest
 from tqstore.names import validate_name
 from tqstore.store.publish import Batch, publish
-from tqstore.store.verify import Want, check_digest, decode, wants_for
+from tqstore.store.object_checks import Want, check_digest, decode, wants_for
 
 if TYPE_CHECKING:
     from tqstore.engine.engine import Engine

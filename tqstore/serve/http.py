@@ -45,7 +45,8 @@ from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, StopSc
                                          chunk, completion_response, parse_cache_source, parse_generation, parse_pin,
                                          store_details, usage_chunk)
 from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
-from tqstore.serve.worker import Accepted, Failed, Finished, ModelWorker, QueueFull, Text
+from tqstore.serve.jobs import Accepted, Failed, Finished, QueueFull, Text
+from tqstore.serve.worker import ModelWorker
 
 log = logging.getLogger("tqstore.serve")
 # The largest request head. h11 refuses an unfinished head past this (400), but a whole head that

@@ -24,7 +24,8 @@ from tqstore.serve.http import AUTHORIZED, MAX_HEAD_BYTES, App, Guard
 from tqstore.serve.options import API_KEY_ENV, allowed_hosts, is_loopback, parse_args
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import Sampling
-from tqstore.serve.worker import ModelWorker, SavePolicy
+from tqstore.serve.autosave import SavePolicy
+from tqstore.serve.worker import ModelWorker
 
 log = logging.getLogger("tqstore.serve")
 BACKLOG = 1024  # the listen backlog: a burst of clients connecting at once waits here, not in SYN retries

@@ -13,7 +13,7 @@ from typing import Any
 
 from starlette.types import Receive
 
-from tqstore.serve.worker import Failed, Finished, Job, Text
+from tqstore.serve.jobs import Failed, Finished, Job, Text
 
 
 class ClientGone(Exception):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from tqstore.errors import CorruptBlock, TqstoreError
 from tqstore.store.packs import Location, Span, plan_spans
-from tqstore.store.verify import Want
+from tqstore.store.object_checks import Want
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier

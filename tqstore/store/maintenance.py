@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from tqstore.units import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound, TqstoreError
-from tqstore.store.verify import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
+from tqstore.store.object_checks import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
 from tqstore.store.packs import PACK_TAIL, manifest_address, parse_map, parse_trailer, trailer_length

@@ -7,7 +7,7 @@ the objects the entry needs and an `ObjectSource` that yields the payloads of th
 2. Under the home lock held shared (tierset.py: no gc deletes what is written but not yet
    referenced), plan every object: an LMDB copy is kept unread when it is the very copy the
    source expects (same sha256; the tier checks its segments on every read), else it is read
-   and verified in full (verify.py). A damaged copy is quarantined and written again; a good
+   and verified in full (object_checks.py). A damaged copy is quarantined and written again; a good
    copy of another save (block 0 calibrated differently) is a ConflictError, since the entry's
    later blocks cannot be combined with it. An object already stored is never rewritten.
 3. Write the missing objects the source yields, batch by batch (each batch committed on a
@@ -33,7 +33,7 @@ from tqstore.store.maintenance import enforce_budget
 from tqstore.store.tiers.base import ObjectInfo
 from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet
-from tqstore.store.verify import BAD_CONTENT, Want, decode, quarantine_lmdb
+from tqstore.store.object_checks import BAD_CONTENT, Want, decode, quarantine_lmdb
 
 Digests = Mapping[bytes, tuple[str, int]]  # key -> (sha256, size) of the stored copy
 # key -> (verified payload: bytes, or consecutive buffers that joined are its bytes; its sha256)

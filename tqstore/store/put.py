@@ -35,7 +35,7 @@ from tqstore.store.publish import Batch, Digests, publish
 from tqstore.store.tiers.lmdb import payload_sha256
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet
-from tqstore.store.verify import Want
+from tqstore.store.object_checks import Want
 
 _BATCH_BYTES = 64 << 20  # payloads held at once while writing (LMDB commits about this much per transaction)
 _HASH_THREADS = min(4, os.cpu_count() or 1)  # payload hashes at once, beside the encoding

@@ -1,4 +1,4 @@
-"""Restoring an entry (or a block prefix of it): fetch each object from the fastest tier with a
+"""Restoring an entry (or a block prefix of it): gather each object from the fastest tier with a
 good copy, verify it, promote it, join, evaluate.
 
 Tiers are tried memory -> LMDB -> S3. A copy that fails any check is a miss with a reason and
@@ -37,7 +37,7 @@ from tqstore.store.packs import Location
 from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet, slowest
-from tqstore.store.verify import (BAD_CONTENT, Want, check_parsed, codec_problem, decode, decode_parsed,
+from tqstore.store.object_checks import (BAD_CONTENT, Want, check_parsed, codec_problem, decode, decode_parsed,
                                   quarantine_lmdb, wants_for)
 
 READ_AHEAD = 2  # LMDB objects per reader thread read and verified ahead of the one being built
@@ -46,7 +46,7 @@ READ_AHEAD = 2  # LMDB objects per reader thread read and verified ahead of the 
 @dataclass(frozen=True)
 class RestoreStats:
     """How a restore went: the slowest tier it read from, tokens and bytes restored, seconds
-    (fetch, verification, join and mx.eval), and the misses it recovered from. `tokens` is the
+    (gathering, verification, join and mx.eval), and the misses it recovered from. `tokens` is the
     restored snapshot's length (its `offset`), which is shorter than the lookup's match when a
     block was lost in every tier: callers continue from `tokens`, never from the match."""
 
@@ -59,16 +59,16 @@ class RestoreStats:
 
 
 @dataclass
-class Fetched:
+class Gathered:
     """Verified objects by key with the tier each came from and its bytes, and the misses."""
 
     objects: dict[bytes, tuple[HotObject, str, int]] = field(default_factory=dict)
     misses: list[str] = field(default_factory=list)
 
 
-def fetch(tiers: TierSet, wants: list[Want]) -> Fetched:
+def gather_objects(tiers: TierSet, wants: list[Want]) -> Gathered:
     """Every wanted object from the fastest tier holding a good copy, promoted to faster tiers."""
-    out = Fetched()
+    out = Gathered()
     for want in wants:  # memory: already verified; check it is the object wanted here
         hot = tiers.memory.get(want.key)
         if hot is None:
@@ -129,7 +129,7 @@ def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[Read]:
             yield queued.popleft().result()
 
 
-def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Fetched) -> None:
+def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Gathered) -> None:
     what = f"{want.kind} {want.key.hex()[:12]}"
     if isinstance(found, CorruptBlock):  # the tier quarantined it
         out.misses.append(f"LMDB copy of {what}: {found}")
@@ -152,7 +152,7 @@ def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Fetched) -> None:
         out.misses.append(f"LMDB copy of {what} quarantined: {exc}")
 
 
-def _from_s3(tiers: TierSet, wants: list[Want], out: Fetched) -> None:
+def _from_s3(tiers: TierSet, wants: list[Want], out: Gathered) -> None:
     located = tiers.remote.locate([w.key for w in wants], {w.key: w.sha256 for w in wants if w.sha256})
     promoted = {}
     # A local entry's wants carry no digest: the bucket's copy is checked against the one its manifest records.
@@ -183,7 +183,7 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     """
     start = time.perf_counter()
     wants = wants_for(manifest, n_blocks, remote)
-    got = fetch(tiers, wants)
+    got = gather_objects(tiers, wants)
     lost = [w for w in wants if w.key not in got.objects]
     whole = n_blocks == len(manifest.blocks)
     if lost:
@@ -226,7 +226,7 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
     return snapshot, stats
 
 
-def _build_blocks(got: Fetched, wants: list[Want], n_blocks: int) -> None:
+def _build_blocks(got: Gathered, wants: list[Want], n_blocks: int) -> None:
     """Build the blocks read from LMDB, which `_from_lmdb` checked but left parsed: those of the
     first `n_blocks` together, each name's groups decoded straight into one joined array
     (`build_run`: one copy of each byte, and the join a slice of it); any others one by one."""

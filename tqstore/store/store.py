@@ -9,7 +9,7 @@
 
 The work lives in small modules: put.py (writing), lookup.py (longest prefix), restore.py
 (restore across tiers), transfer.py (push, pull), maintenance.py (eviction, rm, gc, verify),
-verify.py (the checks of an object every one of them applies); format/manifest.py defines the
+object_checks.py (the checks of an object every one of them applies); format/manifest.py defines the
 entry format. docs/tiers.md describes the whole.
 
 One Store per process and home (by real path): `open` returns the open one (the first

@@ -39,7 +39,7 @@ from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifes
 from tqstore.store.publish import Batch, publish
 from tqstore.store.remote_index import Located
 from tqstore.store.tierset import TierSet, check_name
-from tqstore.store.verify import BAD_CONTENT, Want, check_parsed, decode, wants_for
+from tqstore.store.object_checks import BAD_CONTENT, Want, check_parsed, decode, wants_for
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier

@@ -1,5 +1,6 @@
-"""Verifying stored objects: what an object must be (`Want`), the complete check of a payload
-against it (`decode`), and what to do with a copy that fails (`quarantine_lmdb`).
+"""The checks every stored object passes before it is used or kept: what an object must be
+(`Want`), the complete check of a payload against it (`decode`), and what to do with a copy that
+fails (`quarantine_lmdb`).
 
 Both the write paths (put, pull, import: publish.py; push; verify) and the read path (restore)
 check objects with these functions, so a copy is judged by one set of rules wherever it is

@@ -1,0 +1,164 @@
+"""A prompt into caches: its longest stored prefix restored (`Prefiller.start`), the rest run
+through the model in chunks (`Prefiller.prefill_steps`).
+
+Every path that computes a context starts here, so a re-save shares the stored blocks (and
+their calibration) and a question costs only its own tokens. All MLX work runs on the calling
+thread.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList
+
+from turboquant import StateCheckpoints, chunk_ends, held_tokens, make_prompt_cache, restore, settle_all
+
+from tqstore.engine.models import LoadedModels, window_mode
+from tqstore.errors import CorruptBlock
+from tqstore.format.blocks import BLOCK_SIZE
+from tqstore.models.loading import LoadedModel
+from tqstore.store.store import Store
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Started:
+    """Caches holding the first `matched` tokens of a prompt: the longest stored prefix that was
+    actually restored (or composed), or none in fresh caches.
+
+    `matched` is what the caches hold, never what a lookup promised: a restore may fall back to
+    a shorter prefix when a later block is damaged in every tier, and the prompt's rest is then
+    prefilled from there. Built with a count the caches contradict, it raises.
+    """
+
+    caches: list[Any]
+    matched: int
+    tier: str
+    restore_seconds: float
+    recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
+    checkpoints: StateCheckpoints | None = None  # recurrent states at block ends, window rows
+
+    def __post_init__(self) -> None:
+        # Purely recurrent caches count no tokens: their count is the restore's alone.
+        held = held_tokens(self.caches)
+        if held != self.matched and _counts_tokens(self.caches):
+            raise CorruptBlock(f"the restored caches hold {held} tokens, not the {self.matched} the restore "
+                               "returned: run `tqstore verify`, and save the entry again if it names a problem")
+
+
+def _counts_tokens(caches: list[Any]) -> bool:
+    """Whether any layer counts the tokens it holds, as `held_tokens` reads them (attention
+    layers do, recurrent states do not)."""
+    return any(_counts_tokens(c.caches) if isinstance(c, CacheList) else isinstance(getattr(c, "offset", None), int)
+               for c in caches)
+
+
+def _checkpoints(caches: list[Any], windows: str) -> StateCheckpoints | None:
+    return StateCheckpoints.for_caches(caches, BLOCK_SIZE, rows=windows == "token")
+
+
+def logged(checkpoints: StateCheckpoints | None, tokens: int) -> tuple[dict | None, dict | None]:
+    """The recurrent states before `tokens` and the window rows of [0, tokens) a prefill logged."""
+    if checkpoints is None:
+        return None, None
+    return checkpoints.before(tokens), checkpoints.rows(tokens)
+
+
+def finish(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (`prefill_steps`, `saving`, `generation`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def _body(model):
+    """The transformer without its output head: prefill needs no logits (the head over every
+    position costs as much as several layers)."""
+    inner = getattr(model, "model", None)
+    return inner if callable(inner) else model
+
+
+class Prefiller:
+    """Caches for a prompt from the store's longest stored prefix, and prefill of the rest in
+    chunks of `chunk` tokens."""
+
+    def __init__(self, store: Store, models: LoadedModels, chunk: int):
+        self.store = store
+        self.models = models
+        self.chunk = chunk
+
+    def start(self, loaded: LoadedModel, scheme: str, tokens: Sequence[int], windows: str | None = None) -> Started:
+        """Caches holding the longest stored prefix of `tokens` for this model and scheme (among
+        entries keeping their windows as `windows` says, default the engine's)."""
+        windows = window_mode(windows or self.models.windows)
+        codec = self.models.codec_identity(loaded, scheme, windows)
+        match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
+        if match is None:
+            caches = make_prompt_cache(loaded.model, scheme)
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches, windows))
+        # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
+        # (shorter when a block turned out damaged in every tier). Only the latter counts.
+        try:
+            snap, stats = self.store.restore(match)
+        except CorruptBlock as exc:
+            # Nothing before the damage is restorable (its first block, window or codecs are lost
+            # in every tier, and the damaged copies are set aside): the prompt is prefilled from
+            # its first token, as after any miss, so the answer is the one a cold run gives.
+            warnings.warn(f"{exc}; computing the context again instead", RuntimeWarning, stacklevel=2)
+            caches = make_prompt_cache(loaded.model, scheme)
+            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches, windows))
+        caches = restore(snap)
+        share = stats.tokens / max(len(match.manifest.tokens), 1)
+        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE, caches, rows=windows == "token")
+        return Started(caches, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+                       checkpoints)
+
+    def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                at: int = 0, checkpoints: StateCheckpoints | None = None) -> float:
+        """Run `tokens` through the model into `caches` in chunks; returns the seconds spent.
+        Stops between chunks once `cancelled()` is true. With `checkpoints` (a model with
+        recurrent layers), chunks also end at every block boundary (`at` is the position of the
+        first token) and the recurrent states there are kept; window layers' rows are logged
+        into it. Window caches end settled (`turboquant.adapter.windows`): a prefill of a prefix and a
+        restore of it hold the same arrays."""
+        return finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at, checkpoints=checkpoints))
+
+    def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
+                      progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
+                      at: int = 0, checkpoints: StateCheckpoints | None = None,
+                      chunk: Callable[[int], int] | None = None) -> Generator[None, None, float]:
+        """`prefill`, yielding after each chunk so that the caller can take turns with other
+        work; returns the seconds of its own steps. `chunk(position)`, asked before each chunk
+        with the absolute position of its first token, sizes it (default `self.chunk`): the
+        server keeps its chunks short in time and ends them at positions that repeat."""
+        body = _body(loaded.model)
+        seconds, done = 0.0, 0
+        if progress and tokens:
+            progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
+        size = chunk or (lambda position: self.chunk)
+        while done < len(tokens):
+            end = next(chunk_ends(at + done, at + len(tokens), max(1, size(at + done)),
+                                  checkpoints and checkpoints.boundary))
+            if cancelled is not None and cancelled():
+                break
+            t0 = time.perf_counter()
+            mx.eval(body(mx.array(tokens[done:end - at])[None], cache=caches))
+            mx.eval([c.state for c in caches])
+            done = end - at
+            if checkpoints is not None:
+                checkpoints.record(caches, end)
+            seconds += time.perf_counter() - t0
+            if progress:
+                progress(done, len(tokens))
+            yield
+        settle_all(caches)
+        return seconds

@@ -1,0 +1,178 @@
+"""The turns of `tqstore serve`'s model thread: a bounded queue of jobs, up to `max_running` of
+them running, each cycle their own steps then one batched decode step, and parking a job that has
+held its place for HOLD_SECONDS while others wait (worker.py describes the whole).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tqstore.engine.batch import DecodeBatch
+from tqstore.errors import TqstoreError
+from tqstore.serve.chunking import CHUNK_SECONDS
+from tqstore.serve.jobs import Failed, Job, QueueFull, Running, shutting_down
+from tqstore.serve.metrics import Metrics, QueueState
+from tqstore.serve.openai_schema import ApiError, api_error
+
+log = logging.getLogger("tqstore.serve")
+HOLD_SECONDS = 1.0  # model time a job runs for, once admitted, before it yields its place to a waiting one
+
+
+class Scheduler:
+    """The waiting line (at most `capacity` jobs, new or parked) and the running jobs, whose steps
+    the model thread runs in turns (`run`); other threads only `submit` and `stop`."""
+
+    def __init__(self, capacity: int, max_running: int, metrics: Metrics):
+        self.capacity = capacity
+        self.max_running = max_running
+        self.metrics = metrics
+        self.step_seconds = 0.0  # the last decode step's
+        self._batch = DecodeBatch()  # the running rows' shared decode state (model thread only)
+        # What waits for a place among the running: new jobs, and parked ones (started, their
+        # state kept), in the order they began to wait; at most `capacity` of them.
+        self._waiting: deque[Job | Running] = deque()
+        self._arrived = threading.Condition()  # guards _waiting; notified when a job is queued
+        self.stopping = threading.Event()
+        self._running: deque[Running] = deque()  # only the model thread changes it
+        self._job_seconds = 1.0  # moving average, for Retry-After
+
+    def state(self, batching: bool) -> QueueState:
+        """How many jobs wait and run, for /metrics and the health check."""
+        return QueueState(len(self._waiting), self.capacity, len(self._running), batching)
+
+    def submit(self, job: Job) -> Job:
+        """Queue `job`; QueueFull when the line is full, 503 once the server is stopping."""
+        if self.stopping.is_set():
+            raise shutting_down().error
+        with self._arrived:
+            if len(self._waiting) >= self.capacity:
+                wait = self._job_seconds * (len(self._waiting) + 1)
+                raise QueueFull(max(1, min(60, math.ceil(wait))))
+            self._waiting.append(job)
+            self._arrived.notify()
+        return job
+
+    def stop(self) -> None:
+        """Cancel the running jobs and fail the waiting ones; `run` returns at its next turn."""
+        self.stopping.set()
+        for running in list(self._running):
+            running.job.cancel()
+        self.drain()
+
+    def drain(self) -> None:
+        """Fail every waiting job: the server is going away."""
+        with self._arrived:
+            waiting, self._waiting = list(self._waiting), deque()
+        for item in waiting:
+            job = item.job if isinstance(item, Running) else item
+            job.send(shutting_down())
+
+    def run(self, model: Any) -> None:
+        """Run the jobs' steps on this thread, decode steps through `model`, until stopped; then
+        fail what still runs or waits."""
+        while not self.stopping.is_set():
+            self._admit(wait=not self._running)
+            if self._running:
+                self._cycle(model)
+        for running in self._running:  # stopped mid-generation: the server is going away
+            running.job.send(shutting_down())
+        self._running.clear()
+        self.drain()
+
+    def _admit(self, wait: bool) -> None:
+        """Start or resume waiting jobs, longest waiting first, while fewer than `max_running`
+        run; waits a moment for one when `wait` (nothing runs)."""
+        while len(self._running) < self.max_running:
+            with self._arrived:
+                if not self._waiting and wait:
+                    self._arrived.wait(0.2)
+                if not self._waiting:
+                    return
+                item = self._waiting.popleft()
+            wait = False
+            if isinstance(item, Running):  # parked: resumed where it stopped (a cancelled one ends at its next token)
+                self._running.append(item)
+            elif item.cancelled.is_set():
+                self.metrics.count_cancelled()
+            else:
+                self._running.append(Running(item, item.work(item)))
+
+    def _cycle(self, model: Any) -> None:
+        """Steps of the running jobs that do not wait on a Row, least model time first, then one
+        batched decode step over every job that waits on one; then park jobs that have held
+        their place for HOLD_SECONDS while others wait for one.
+
+        The steps fit in CHUNK_SECONDS: the first job runs steps until the time is spent or it
+        waits on a Row (a new request's prefill and its first Row in one cycle), each next job
+        one or more steps if its last step fits in what is left. Once a job reaches its Row in a
+        cycle, the started jobs after it wait: the new row decodes before a long prompt's next
+        chunk (jobs not started yet still start, so requests that arrive together join together)."""
+        others = sorted((r for r in self._running if r.pending is None), key=lambda r: r.seconds)
+        left, ready = CHUNK_SECONDS, False
+        for i, other in enumerate(others):
+            if i and ((ready and other.seconds) or other.job.step_seconds > left):
+                continue
+            while left > 0 and other.pending is None and other in self._running:
+                left -= self._own_step(other)
+            ready = ready or other.pending is not None
+        decoding = [r for r in self._running if r.pending is not None]
+        if decoding:
+            try:
+                spent = self._batch.step(model, [r.pending for r in decoding])
+            except BaseException as e:  # the worker must outlive any one step
+                log.exception("a decode step failed")
+                for running in decoding:
+                    running.job.send(Failed(api_error(e)))
+                    self._end(running)
+                return
+            self.step_seconds = spent
+            self.metrics.decoded(len(decoding), spent)
+            for running in decoding:
+                running.seconds += spent
+                running.held += spent
+                self._advance(running)
+        if self._waiting and not self.stopping.is_set():
+            overdue = [r for r in self._running if r.held >= HOLD_SECONDS][:len(self._waiting)]
+            for running in overdue:
+                self._running.remove(running)
+                self._park(running)
+
+    def _own_step(self, running: Running) -> float:
+        """Run one step of a job that does not wait on a Row (a prefill chunk, say); its model time."""
+        t0 = time.perf_counter()
+        self._advance(running)
+        spent = time.perf_counter() - t0
+        running.job.step_seconds = spent
+        running.seconds += spent
+        running.held += spent
+        return spent
+
+    def _advance(self, running: Running) -> None:
+        """Run a job to its next yield; a job that ends or fails leaves the running ones."""
+        try:
+            running.pending = next(running.steps)
+            return
+        except StopIteration:
+            pass
+        except BaseException as e:  # the worker must outlive any one job
+            if not isinstance(e, (ApiError, TqstoreError)):
+                log.exception("%s job failed", running.job.kind)
+            running.job.send(Failed(api_error(e)))
+        self._end(running)
+
+    def _end(self, running: Running) -> None:
+        if running in self._running:
+            self._running.remove(running)
+        self._job_seconds = 0.8 * self._job_seconds + 0.2 * running.seconds
+
+    def _park(self, running: Running) -> None:
+        """Put a running job at the back of the waiting line, its state kept. It takes the
+        place of the one admitted next, so the line never grows past `capacity`."""
+        running.held = 0.0
+        with self._arrived:
+            self._waiting.append(running)
