@@ -16,6 +16,7 @@ from turboquant.records import LayerRecord, Layout, Snapshot
 
 if TYPE_CHECKING:
     from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
+    from turboquant.adapter.context import Context
     from turboquant.adapter.dispatch import compressed_sdpa, install_attention_dispatch
     from turboquant.adapter.making import codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes
     from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 # second here, over a second on the H200's image). name -> (module, attribute)
 _LAZY = {
     **{n: ("adapter.checkpoints", n) for n in ("StateCheckpoints", "chunk_ends")},
+    "Context": ("adapter.context", "Context"),
     **{n: ("adapter.dispatch", n) for n in ("compressed_sdpa", "install_attention_dispatch")},
     **{n: ("adapter.making", n) for n in ("codec_snapshot", "compress_caches", "make_prompt_cache",
                                           "probe_kv_shapes")},

@@ -125,6 +125,7 @@ class Answerer:
             finish_reason = "stop"
         else:
             sampler = make_sampler(temp=temp, top_p=top_p)
+            context = started.context
             # The prompt's last token runs through mlx-lm's loop (decoding.py): it yields the first logits.
             responses = stream_tokens(loaded.model, loaded.tokenizer, remainder[-1:], max_tokens=max_tokens,
                                       prompt_cache=started.caches,
@@ -133,8 +134,8 @@ class Answerer:
                 t0 = time.perf_counter()
                 response = next(responses, None)
                 generating += time.perf_counter() - t0
-                if log_answer and started.checkpoints is not None:
-                    started.checkpoints.follow(started.caches)
+                if log_answer:
+                    context.stepped()
                 if response is None:
                     break
                 if not tokens:

@@ -14,9 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList
-
-from turboquant import StateCheckpoints, chunk_ends, held_tokens, make_prompt_cache, restore, settle_all
+from turboquant import Context, StateCheckpoints
 
 from tqstore.engine.models import LoadedModels, window_mode
 from tqstore.errors import CorruptBlock
@@ -43,31 +41,25 @@ class Started:
     restore_seconds: float
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
     checkpoints: StateCheckpoints | None = None  # recurrent states at block ends, window rows
+    windows: str = "whole"  # how an entry saved from these caches keeps its window layers
 
     def __post_init__(self) -> None:
         # Purely recurrent caches count no tokens: their count is the restore's alone.
-        held = held_tokens(self.caches)
-        if held != self.matched and _counts_tokens(self.caches):
-            raise CorruptBlock(f"the restored caches hold {held} tokens, not the {self.matched} the restore "
-                               "returned: run `tqstore verify`, and save the entry again if it names a problem")
+        context = self.context
+        if context.tokens != self.matched and context.counts_tokens:
+            raise CorruptBlock(f"the restored caches hold {context.tokens} tokens, not the {self.matched} the "
+                               "restore returned: run `tqstore verify`, and save the entry again if it names a problem")
+
+    @property
+    def context(self) -> Context:
+        """The caches with their checkpoints, as turboquant runs and snapshots them."""
+        return Context(self.caches, self.windows, BLOCK_SIZE, self.checkpoints)
 
 
-def _counts_tokens(caches: list[Any]) -> bool:
-    """Whether any layer counts the tokens it holds, as `held_tokens` reads them (attention
-    layers do, recurrent states do not)."""
-    return any(_counts_tokens(c.caches) if isinstance(c, CacheList) else isinstance(getattr(c, "offset", None), int)
-               for c in caches)
-
-
-def _checkpoints(caches: list[Any], windows: str) -> StateCheckpoints | None:
-    return StateCheckpoints.for_caches(caches, BLOCK_SIZE, rows=windows == "token")
-
-
-def logged(checkpoints: StateCheckpoints | None, tokens: int) -> tuple[dict | None, dict | None]:
-    """The recurrent states before `tokens` and the window rows of [0, tokens) a prefill logged."""
-    if checkpoints is None:
-        return None, None
-    return checkpoints.before(tokens), checkpoints.rows(tokens)
+def opened(context: Context, matched: int = 0, tier: str = "none", seconds: float = 0.0,
+           recorded: float = 0.0) -> Started:
+    """`Started` for an opened `Context`."""
+    return Started(context.caches, matched, tier, seconds, recorded, context.checkpoints, context.windows)
 
 
 def finish(steps: Generator[None, None, Any]) -> Any:
@@ -102,8 +94,7 @@ class Prefiller:
         codec = self.models.codec_identity(loaded, scheme, windows)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
         if match is None:
-            caches = make_prompt_cache(loaded.model, scheme)
-            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches, windows))
+            return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE))
         # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
         # (shorter when a block turned out damaged in every tier). Only the latter counts.
         try:
@@ -113,13 +104,10 @@ class Prefiller:
             # in every tier, and the damaged copies are set aside): the prompt is prefilled from
             # its first token, as after any miss, so the answer is the one a cold run gives.
             warnings.warn(f"{exc}; computing the context again instead", RuntimeWarning, stacklevel=2)
-            caches = make_prompt_cache(loaded.model, scheme)
-            return Started(caches, 0, "none", 0.0, checkpoints=_checkpoints(caches, windows))
-        caches = restore(snap)
+            return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE))
         share = stats.tokens / max(len(match.manifest.tokens), 1)
-        checkpoints = StateCheckpoints.from_snapshot(snap, BLOCK_SIZE, caches, rows=windows == "token")
-        return Started(caches, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
-                       checkpoints)
+        context = Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, restored=snap)
+        return opened(context, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
                 progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
@@ -141,24 +129,23 @@ class Prefiller:
         with the absolute position of its first token, sizes it (default `self.chunk`): the
         server keeps its chunks short in time and ends them at positions that repeat."""
         body = _body(loaded.model)
+        context = Context(caches, "whole", BLOCK_SIZE, checkpoints)
         seconds, done = 0.0, 0
         if progress and tokens:
             progress(0, len(tokens))  # the bar knows its total, and its clock starts, before the first chunk
         size = chunk or (lambda position: self.chunk)
         while done < len(tokens):
-            end = next(chunk_ends(at + done, at + len(tokens), max(1, size(at + done)),
-                                  checkpoints and checkpoints.boundary))
+            end = context.chunk_end(at + done, at + len(tokens), size(at + done))
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
             mx.eval(body(mx.array(tokens[done:end - at])[None], cache=caches))
             mx.eval([c.state for c in caches])
             done = end - at
-            if checkpoints is not None:
-                checkpoints.record(caches, end)
+            context.prefilled(end)
             seconds += time.perf_counter() - t0
             if progress:
                 progress(done, len(tokens))
             yield
-        settle_all(caches)
+        context.settle()
         return seconds

@@ -21,10 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-if TYPE_CHECKING:  # the model stack (mlx, turboquant) loads only where a probe runs: `info`/`ls` never do
+if TYPE_CHECKING:  # the model stack (mlx) loads only where a probe runs: `info`/`ls` never do
     import mlx.core as mx
-
-    from turboquant import Snapshot
 
 PROBE_TOKENS = 32
 KEYS = ("quality.kl", "quality.top1", "quality.tokens", "quality.seconds")
@@ -93,18 +91,15 @@ def logprobs(model, caches: list[Any], tokens: Sequence[int]) -> mx.array:
     return out
 
 
-def reference(model, prefilled: Snapshot, tokens: Sequence[int]) -> tuple[mx.array, float]:
+def reference(model, prefilled: list[Any], tokens: Sequence[int]) -> tuple[mx.array, float]:
     """Log-probabilities of `tokens` (the context's last ones) against the uncompressed caches
-    they were prefilled into (`prefilled`, a snapshot taken before compression: it shares their
-    arrays), and the seconds this took. The caches themselves are left as they are, so the
-    entry is byte-identical to one saved without a receipt."""
-    from turboquant import restore
-
+    they were prefilled into (`prefilled`, a copy taken before compression that shares their
+    arrays: `Context.copy`), and the seconds this took. The caches themselves are left as they
+    are, so the entry is byte-identical to one saved without a receipt."""
     t0 = time.perf_counter()
-    caches = restore(prefilled)
-    for cache in caches:
+    for cache in prefilled:
         cache.trim(len(tokens))
-    out = logprobs(model, caches, tokens)
+    out = logprobs(model, prefilled, tokens)
     return out, time.perf_counter() - t0
 
 

@@ -11,13 +11,14 @@ from typing import Any, Generator, Sequence
 
 import mlx.core as mx
 
-from turboquant import StateCheckpoints, TurboQuantKVCache, held_tokens, parse_scheme, restore, snapshot
+from turboquant import Context, StateCheckpoints, TurboQuantKVCache, held_tokens, parse_scheme, snapshot
 
 from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.models import LoadedModels, window_mode
-from tqstore.engine.prefill import Prefiller, Progress, finish, logged
+from tqstore.engine.prefill import Prefiller, Progress, finish
 from tqstore.errors import BadInput
+from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.models.identity import stored_bytes_at_least
 from tqstore.models.loading import LoadedModel
 from tqstore.store.store import PutResult, Store
@@ -77,20 +78,18 @@ class Saver:
         self.store.check_room(stored_bytes_at_least(self.models.codec_identity(loaded, scheme, windows), new), new)
         seconds = yield from self.prefiller.prefill_steps(loaded, started.caches, tokens[started.matched:], progress,
                                                           at=started.matched, checkpoints=started.checkpoints)
+        context = started.context
         # The quality receipt's reference: the context's last tokens against the caches as prefilled.
-        probe = receipts.probe_length(new, started.caches, bool(started.checkpoints and started.checkpoints.states))
+        probe = receipts.probe_length(new, context.caches, bool(context.checkpoints and context.checkpoints.states))
         if probe:
-            reference, probe_seconds = receipts.reference(loaded.model, snapshot(started.caches), tokens[-probe:])
-        for cache in started.caches:
-            if isinstance(cache, TurboQuantKVCache):
-                cache.compress()
+            reference, probe_seconds = receipts.reference(loaded.model, context.copy(), tokens[-probe:])
         # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
         # a context stored in full keeps the time its entry recorded.
         recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
-        boundaries, rows = logged(started.checkpoints, len(tokens))
-        snap = snapshot(started.caches, tokens=len(tokens), checkpoints=boundaries, rows=rows, windows=windows)
+        snap = context.snapshot(len(tokens))
         if probe:
-            receipt = receipts.measure(loaded.model, restore(snap), tokens[-probe:], reference, probe_seconds)
+            stored = Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, restored=snap).caches
+            receipt = receipts.measure(loaded.model, stored, tokens[-probe:], reference, probe_seconds)
             metadata = {**(metadata or {}), **receipt.metadata()}
         result = self.store.put(name, snap, tokens, model=loaded.identity,
                                 codec=self.models.codec_identity(loaded, scheme, windows), model_ref=str(loaded.path),
@@ -118,7 +117,8 @@ class Saver:
         extra = held - len(tokens)
         if extra < 0:
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
-        boundaries, rows = logged(checkpoints, len(tokens))
+        boundaries, rows = (None, None) if checkpoints is None else (checkpoints.before(len(tokens)),
+                                                                     checkpoints.rows(len(tokens)))
         rows = rows if windows == "token" else None
         # Windows stored by token are cut from their logged rows, not from the cache.
         cut = [c for i, c in enumerate(caches) if i not in (rows or {})]

@@ -1,0 +1,64 @@
+"""`turboquant.Context`: a context's caches and what their prefill logs, opened fresh or from a
+snapshot, and given back as a snapshot (the store's two ways into turboquant, with codec_snapshot)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+import arch_configs
+from turboquant import Context
+
+BLOCK = 8
+
+
+def _prefill(model, context: Context, tokens: list[int], at: int = 0, size: int = 5) -> list[int]:
+    ends, done = [], at
+    while done < at + len(tokens):
+        end = context.chunk_end(done, at + len(tokens), size)
+        model(mx.array(tokens[done - at:end - at])[None], cache=context.caches)
+        context.prefilled(end)
+        ends.append(end)
+        done = end
+    context.settle()
+    return ends
+
+
+def _same(a, b) -> bool:
+    return [(r.layout, r.offset, dict(r.config), dict(r.state)) for r in a.layers] == \
+        [(r.layout, r.offset, dict(r.config), dict(r.state)) for r in b.layers] and \
+        all(x.dtype == y.dtype and mx.array_equal(x, y).item() for x, y in zip(a.arrays(), b.arrays()))
+
+
+def test_a_snapshot_reopens_into_the_same_caches():
+    model = arch_configs.build("llama", vocab_size=128)
+    tokens = list(range(1, 40))
+    context = Context.open(model, "turbo4", block=BLOCK)
+    assert context.counts_tokens and context.tokens == 0
+    _prefill(model, context, tokens)
+    snap = context.snapshot(len(tokens))
+    again = Context.open(model, "turbo4", block=BLOCK, restored=snap)
+    assert again.tokens == len(tokens)
+    assert _same(again.snapshot(len(tokens)), snap)
+
+
+def test_recurrent_states_end_chunks_at_block_ends_and_are_kept_there():
+    model = arch_configs.build("qwen3_5", vocab_size=128)
+    tokens = list(range(1, 30))
+    context = Context.open(model, "raw", block=BLOCK)
+    ends = _prefill(model, context, tokens)
+    assert ends == [5, 8, 13, 16, 21, 24, 29]  # chunks of 5 that also stop at every block end
+    assert sorted(context.checkpoints.before(len(tokens))[next(iter(context.checkpoints.layers))]) == [8, 16, 24]
+    # a prefix of it restored: the states kept at block ends come back with it, so a prefill
+    # continuing from there stores them again
+    prefix = context.snapshot(24, compress=False)
+    reopened = Context.open(model, "raw", block=BLOCK, restored=prefix)
+    assert sorted(next(iter(reopened.checkpoints.layers.values()))) == [8, 16, 24]  # its own end too
+
+
+def test_copy_shares_nothing_it_could_change():
+    model = arch_configs.build("llama", vocab_size=128)
+    context = Context.open(model, "raw", block=BLOCK)
+    _prefill(model, context, list(range(1, 20)))
+    copy = context.copy()
+    model(mx.array([[3, 4]]), cache=copy)
+    assert context.tokens == 19 and copy[0].offset == 21

@@ -1,0 +1,106 @@
+"""One context's caches: what mlx-lm runs, and what a prefill logs so that a prefix of the context
+can be stored and restored (recurrent states at block ends, every token's window rows).
+
+A store hands a `Context` a restored snapshot (or nothing) and gets a snapshot back: between
+the two, the model runs over `caches`, and nothing outside turboquant needs to know which
+layers are compressed, recurrent or windowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from mlx_lm.models.cache import CacheList
+
+from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
+from turboquant.adapter.making import make_prompt_cache
+from turboquant.adapter.snapshots import held_tokens, restore, snapshot
+from turboquant.adapter.windows import WINDOW_MODES, settle_all
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.codec.schemes import SchemeSpec
+from turboquant.records import Snapshot
+
+
+class Context:
+    """A model's caches holding one context, with the checkpoints its prefill keeps.
+
+    `windows` ("whole" or "token") says how the context's window layers will be stored (by
+    token, their every row is logged), `block` the token count a stored prefix is cut at.
+    """
+
+    def __init__(self, caches: list[Any], windows: str, block: int, checkpoints: StateCheckpoints | None):
+        if windows not in WINDOW_MODES:
+            raise ValueError(f"windows must be one of {WINDOW_MODES}, got {windows!r}")
+        self.caches = caches
+        self.windows = windows
+        self.block = block
+        self.checkpoints = checkpoints
+
+    @classmethod
+    def open(cls, model, scheme: str | SchemeSpec, *, windows: str = "whole", block: int = 256,
+             restored: Snapshot | None = None) -> "Context":
+        """Fresh caches of `scheme` for `model`, or caches holding `restored` (a snapshot of this
+        model and scheme, as a store returns it) with the checkpoints it carries."""
+        rows = windows == "token"
+        if restored is None:
+            caches = make_prompt_cache(model, scheme)
+            return cls(caches, windows, block, StateCheckpoints.for_caches(caches, block, rows=rows))
+        caches = restore(restored)
+        return cls(caches, windows, block, StateCheckpoints.from_snapshot(restored, block, caches, rows=rows))
+
+    @property
+    def tokens(self) -> int:
+        """The tokens the caches hold (0 for purely recurrent models, whose states count none)."""
+        return held_tokens(self.caches)
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether any layer counts the tokens it holds (attention layers do, recurrent states do not)."""
+        return _counts(self.caches)
+
+    def chunk_end(self, start: int, stop: int, size: int) -> int:
+        """Where a prefill chunk from position `start` ends: `size` tokens on, never past `stop`,
+        and at the next block end when recurrent states are kept there."""
+        return next(chunk_ends(start, stop, max(1, size), self.checkpoints and self.checkpoints.boundary))
+
+    def prefilled(self, end: int) -> None:
+        """Log what a prefill chunk ending at position `end` leaves to keep (window rows, and
+        recurrent states at a block end)."""
+        if self.checkpoints is not None:
+            self.checkpoints.record(self.caches, end)
+
+    def stepped(self) -> None:
+        """Log what one decode step added (`StateCheckpoints.follow`)."""
+        if self.checkpoints is not None:
+            self.checkpoints.follow(self.caches)
+
+    def settle(self) -> None:
+        """End the window layers settled, so that a prefill of a prefix and a restore of it hold
+        the same arrays."""
+        settle_all(self.caches)
+
+    def compress(self) -> None:
+        """Encode what the compressed layers hold raw (what a snapshot stores)."""
+        for cache in self.caches:
+            if isinstance(cache, TurboQuantKVCache):
+                cache.compress()
+
+    def copy(self) -> list[Any]:
+        """Caches holding what these hold now, sharing their arrays (later updates of either
+        leave the other as it was): a probe can run tokens through them and drop them."""
+        return restore(snapshot(self.caches))
+
+    def snapshot(self, tokens: int, *, compress: bool = True) -> Snapshot:
+        """The context's first `tokens` tokens as plain records (compressed first unless told
+        not to), with the recurrent states and window rows logged before them."""
+        if compress:
+            self.compress()
+        boundaries, rows = (None, None) if self.checkpoints is None else (
+            self.checkpoints.before(tokens), self.checkpoints.rows(tokens))
+        return snapshot(self.caches, tokens=tokens, checkpoints=boundaries, rows=rows, windows=self.windows)
+
+
+def _counts(caches: Iterable[Any]) -> bool:
+    return any(_counts(c.caches) if isinstance(c, CacheList) else isinstance(getattr(c, "offset", None), int)
+               for c in caches)
