@@ -338,7 +338,9 @@ np.save(sys.argv[1], np.array(out.astype(mx.float32)))
 
 def _decode_process(out: Path, folder: Path, **env) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder), PYTHONPATH=str(root), **env)
+    # the repository (turboquant) and tests/ (kernel_support: the synthetic caches)
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder), PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]),
+               **env)
     return subprocess.run([sys.executable, "-c", DECODE_STEP, str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
 
