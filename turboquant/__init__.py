@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from turboquant.adapter.making import codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes
     from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
     from turboquant.adapter.snapshots import held_tokens, restore, restore_as, snapshot
-    from turboquant.adapter.verdicts import register as register_verdicts
     from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
     from turboquant.attention.kernels import select_backend
     from turboquant.cache.compressed import TurboQuantKVCache
@@ -41,7 +40,6 @@ _LAZY = {
     **{n: ("adapter.native", n) for n in ("NATIVE_CLASSES", "NotNative", "compress_snapshot", "native_caches",
                                           "native_snapshot")},
     **{n: ("adapter.snapshots", n) for n in ("held_tokens", "restore", "restore_as", "snapshot")},
-    "register_verdicts": ("adapter.verdicts", "register"),
     **{n: ("adapter.windows", n) for n in ("WINDOW_CLASSES", "WINDOW_MODES", "from_rows", "is_window_record",
                                            "settle", "settle_all")},
     "select_backend": ("attention.kernels", "select_backend"),

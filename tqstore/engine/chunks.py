@@ -222,6 +222,7 @@ class DocumentChunks:
         if not 0.0 <= recompute <= 1.0:
             raise BadInput(f"recompute is a fraction of the document tokens from 0 to 1, got {recompute}")
         t0 = time.perf_counter()
+        self.models.codec_identity(loaded, scheme, WINDOWS)  # first, as every walk: it brings the model's kept verdicts
         caches = make_prompt_cache(loaded.model, scheme)
         check_composable(loaded.model, caches)
         prefix = prefix_tokens(loaded, system)

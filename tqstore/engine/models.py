@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turboquant import WINDOW_MODES, codec_snapshot, register_verdicts
+from turboquant import WINDOW_MODES, codec_snapshot
 
 from tqstore.errors import BadInput, IdentityMismatch, NotFound, TqstoreError
 from tqstore.format.manifest import Manifest
@@ -39,6 +39,7 @@ class LoadedModels:
         self.registry = ModelRegistry(store.config.home)
         self._models: dict[tuple[str, str | None], LoadedModel] = {}
         self._codecs: dict[tuple[bytes, str, str], CodecIdentity] = {}
+        self._verdicts: dict[bytes, FileVerdicts] = {}
 
     def model(self, ref: str, adapter_path: str | None = None) -> LoadedModel:
         """Load (once per process) a model folder or repo id, and remember where it lives."""
@@ -46,8 +47,6 @@ class LoadedModels:
         if key not in self._models:
             cache = Path(self.store.config.home) / "cache"
             loaded = load_model(ref, cache_dir=cache, adapter_path=adapter_path, dtype=self.dtype, light=self.light)
-            # What a plan's check learns about this model is kept for the next process.
-            register_verdicts(loaded.model, FileVerdicts(cache / "verdicts", loaded.identity.hexdigest))
             self.registry.remember(loaded)
             self._models[key] = loaded
         return self._models[key]
@@ -82,7 +81,12 @@ class LoadedModels:
         windows = window_mode(windows or self.windows)
         key = (loaded.identity.digest, scheme, windows)
         if key not in self._codecs:
-            described = codec_snapshot(loaded.model, scheme, windows=windows)
+            # What the plan's check learns about this model is kept for the next process.
+            verdicts = self._verdicts.get(loaded.identity.digest)
+            if verdicts is None:
+                folder = Path(self.store.config.home) / "cache" / "verdicts"
+                verdicts = self._verdicts[loaded.identity.digest] = FileVerdicts(folder, loaded.identity.hexdigest)
+            described = codec_snapshot(loaded.model, scheme, windows=windows, verdicts=verdicts)
             self._codecs[key] = CodecIdentity.from_snapshot(described, scheme)
         return self._codecs[key]
 

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from turboquant.adapter.dispatch import install_attention_dispatch
 from turboquant.adapter.residence import NATIVE_KINDS, Residence, kind_name, layers_read_by_model, residence_of
 from turboquant.adapter.snapshots import restore, snapshot
-from turboquant.adapter.verdicts import book_for
+from turboquant.adapter.verdicts import VerdictBook, book_for, register
 from turboquant.cache.allocation import AllocationGroup
 from turboquant.cache.at_rest import CLASS as AT_REST_CLASS
 from turboquant.cache.at_rest import AtRestKVCache
@@ -100,11 +100,16 @@ def make_prompt_cache(
     return caches
 
 
-def codec_snapshot(model, scheme: str | SchemeSpec = "turbo0v4", *, windows: str = "whole") -> Snapshot:
+def codec_snapshot(model, scheme: str | SchemeSpec = "turbo0v4", *, windows: str = "whole",
+                   verdicts: VerdictBook | None = None) -> Snapshot:
     """The snapshot that fresh `make_prompt_cache(model, scheme)` caches give (no tokens): every
     layer's config and the codecs they use, which is all a codec identity hashes. Compressed
     layers are described by their plans and the others by mlx-lm's own empty caches, so no
-    compressed cache is built. `windows` as `snapshot` takes it."""
+    compressed cache is built. `windows` as `snapshot` takes it. `verdicts`: where what the plan
+    check learns about this model is kept for the next process (consulted for the model from
+    now on, by every function that makes its caches)."""
+    if verdicts is not None:
+        register(model, verdicts)
     spec = parse_scheme(scheme) if isinstance(scheme, str) else scheme
     options = dict(seed=0, protect="stats", calibration=DEFAULT_CALIBRATION, guard=DEFAULT_GUARD)
     layout = _layout(model, spec, options, at_rest=False)
