@@ -79,8 +79,9 @@ def _native_record(cache, tokens: int | None, by_token: bool = False) -> LayerRe
         if cache.keys is not None:
             keys, values = cache.keys_and_values()
             arrays = {"keys": keys, "values": values}
-        return LayerRecord(Layout.CHUNKED, cache.offset, arrays, window_config(cache, by_token),
-                           {"start_position": cache.start_position})
+        *_, offset, _, start_position = cache.state
+        return LayerRecord(Layout.CHUNKED, offset, arrays, window_config(cache, by_token),
+                           {"start_position": start_position})
     if kind is ArraysCache:
         return _state_record(cache, tokens, {})
     if kind is CacheList:
@@ -188,25 +189,22 @@ def _restore_native(record: LayerRecord):
                         else (None, None))
         return RotatingKVCache.from_state((keys, values, record.offset, int(record.config["keep"]),
                                            int(record.config["max_size"]), int(record.state["idx"])))
+    # mlx-lm's classes rebuilt from their own `state` (what its prompt-cache files hold too)
     if record.layout is Layout.RAW and cls in _KV_CLASSES:
-        cache = _KV_CLASSES[cls]()
-        if record.offset:
-            cache.keys, cache.values = detach(record.arrays["keys"]), detach(record.arrays["values"])
-            cache.offset = record.offset
-        return cache
+        if not record.offset:
+            return _KV_CLASSES[cls]()
+        keys, values = detach(record.arrays["keys"]), detach(record.arrays["values"])
+        return _KV_CLASSES[cls].from_state((keys, values, record.offset) if cls == "KVCache" else (keys, values))
     if record.layout is Layout.QUANTIZED:
-        cache = QuantizedKVCache(group_size=int(record.config["group_size"]), bits=int(record.config["bits"]))
-        if record.offset:
-            cache.keys, cache.values = (tuple(detach(record.arrays[f"{side}{s}"]) for s in SIDE_SUFFIXES["affine"])
-                                        for side in ("keys", "values"))
-            cache.offset = record.offset
-        return cache
+        keys, values = ((tuple(detach(record.arrays[f"{side}{s}"]) for s in SIDE_SUFFIXES["affine"])
+                         for side in ("keys", "values")) if record.offset else (None, None))
+        return QuantizedKVCache.from_state((keys, values, record.offset, int(record.config["group_size"]),
+                                            int(record.config["bits"])))
     if record.layout is Layout.CHUNKED:
-        cache = ChunkedKVCache(int(record.config["chunk_size"]))
-        if record.arrays:
-            cache.keys, cache.values = detach(record.arrays["keys"]), detach(record.arrays["values"])
-        cache.offset, cache.start_position = record.offset, int(record.state["start_position"])
-        return cache
+        keys, values = ((detach(record.arrays["keys"]), detach(record.arrays["values"])) if record.arrays
+                        else (None, None))
+        return ChunkedKVCache.from_state((keys, values, record.offset, int(record.config["chunk_size"]),
+                                          int(record.state["start_position"])))
     if record.layout is Layout.STATE:
         cache = ArraysCache(int(record.config["size"]))
         for name, a in state_at(record, record.offset).items():
