@@ -1,5 +1,5 @@
 """The support table of docs/models.md: every mlx-lm family, its layer kinds and what the store
-does with each, asked from the code (`turboquant.adapter.integration.layer_kind`) on the tiny configs
+does with each, asked from the code (`turboquant.adapter.snapshots.layer_kind`) on the tiny configs
 of tests/arch_configs.py, so that the table stays true as mlx-lm and tqstore change.
 
     .venv/bin/python bench/support_table.py          # prints the table and rewrites docs/models.md
