@@ -32,7 +32,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from common import compressed, drop_page_cache, markdown_table, replace_section, stamp  # noqa: E402
-from storage import GEOMETRY, cold_read_floor, kv_model, raw_snapshot, span, use_tree  # noqa: E402
+from storage import cold_read_floor, kv_model, raw_snapshot, span, use_tree  # noqa: E402
 
 STAGES = ("lmdb read (one copy)", "frame + header checks", "xxh3 of stored bytes", "zstd + unshuffle",
           "checks against the manifest", "build_run (MLX alloc + one copy)", "join + eval", "sum of stages")

@@ -10,7 +10,7 @@ import pytest
 from tiny_models import build_model, prompt_tokens
 from turboquant import make_prompt_cache, parse_scheme, restore, snapshot
 from turboquant.cache.allocation import LayerMeasure, choose, measure_layer, output_errors
-from turboquant.codec.plan import AFFINE8_KEYS, BASE_KEYS, TURBO4_KEYS, TURBO5_KEYS
+from turboquant.codec.plan import AFFINE8_KEYS, BASE_KEYS, TURBO5_KEYS
 from turboquant.quality import prefill, stored_bits
 from turboquant.records import Layout
 from turboquant.codec.schemes import SCHEMES

@@ -12,7 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from model_folder import write_model_folder
 from tqstore import Store

@@ -15,7 +15,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from model_folder import write_model_folder
 from server_process import ServerProcess, request
 from test_cli import DOC, clean_env, cli, fails, model  # noqa: F401 (fixtures)
 from tiny_models import build_model
