@@ -2,7 +2,9 @@
 as they run: every call from a tqstore module into a turboquant function, by the front-door name
 it belongs to. The plain data between the two (`turboquant.records`), the scheme grammar
 (`parse_scheme`) and the calls every mlx-lm cache answers (`trim`, `state`, ...) are not
-crossings: they are the shared vocabulary, not turboquant doing the walk's work.
+crossings: they are the shared vocabulary, not turboquant doing the walk's work; nor is what the
+model calls while it runs (its attention, through whichever dispatch a test or the server left
+installed in this process).
 docs/architecture.md lists the same crossings under each walk."""
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def _crossings(run) -> Counter:
         qualname = frame.f_code.co_qualname
         if "." in qualname and qualname.rsplit(".", 1)[1] in CACHE_PROTOCOL:
             return
+        if _inside_the_model(frame.f_back):  # its attention, through whatever dispatch is installed
+            return
         name = f"{callee}.{qualname}"
         seen[FACE.get(name, qualname.split(".")[0])] += 1
 
@@ -46,6 +50,17 @@ def _crossings(run) -> Counter:
     finally:
         sys.setprofile(None)
     return seen
+
+
+def _inside_the_model(frame) -> bool:
+    """Whether `frame` runs inside a model's forward pass: what the model calls (its attention
+    over the caches, through TurboQuant's dispatch or the server's batched one) is the model's
+    work, not a call of the walk."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("mlx_lm.models."):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @pytest.fixture(scope="module")
