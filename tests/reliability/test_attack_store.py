@@ -25,6 +25,7 @@ from harness import HERE, ROOT, TEST_SETTINGS, child_env, cli, open_store
 from model_folder import CHAT_TEMPLATE, write_model_folder
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
+from tqstore.engine.prefill import Prefiller
 from tqstore import durable
 from tqstore.canonical import canonical_json
 from tqstore.errors import DiskFull, IdentityMismatch, MalformedHeader, StoreDamaged
@@ -421,7 +422,13 @@ def test_reads_write_nothing_and_a_refused_save_costs_no_prefill(root, tmp_path,
         engine = Engine(store, prefill_chunk=64)
         assert engine.ask("doc", "Who pays?", max_tokens=2).cached_tokens == len(store.get("doc").tokens)
         prefilled = []
-        monkeypatch.setattr(Engine, "prefill", lambda self, *a, **k: prefilled.append(1) or 0.0)
+
+        def counted_prefill(self, *args, **kwargs):  # what save runs (Prefiller.prefill_steps), counted
+            prefilled.append(1)
+            return 0.0
+            yield
+
+        monkeypatch.setattr(Prefiller, "prefill_steps", counted_prefill)
         with pytest.raises(DiskFull, match="before the prefill"):
             engine.save("big", DOCUMENT + " More text.", model=str(root / "model"), scheme="turbo4")
         assert prefilled == []
