@@ -172,10 +172,14 @@ def module_map(mods: dict[str, Module]) -> str:
     groups: dict[str, list[Module]] = {}
     for mod in mods.values():
         group = mod.name if mod.path.name == "__init__.py" else mod.name.rpartition(".")[0]
+        if layer(mod.name) != layer(group):  # a module on a level of its own (turboquant's records, quality)
+            group = mod.name
         groups.setdefault(group, []).append(mod)
     for group in sorted(groups, key=lambda g: (layer(g), g)):
-        folder = _folder(groups[group][0])
-        lines += [f"### `{folder}` ({_layer_name(layer(group))})", "", "| module | contract |", "|---|---|"]
+        members = groups[group]
+        place = members[0].path.relative_to(ROOT) if members[0].name == group and members[0].path.name != \
+            "__init__.py" else _folder(members[0])
+        lines += [f"### `{place}` ({_layer_name(layer(group))})", "", "| module | contract |", "|---|---|"]
         for mod in sorted(groups[group], key=lambda m: (m.path.name != "__init__.py", m.name)):
             lines.append(f"| `{mod.path.relative_to(ROOT)}` | {mod.summary.replace('|', '/')} |")
         lines.append("")
