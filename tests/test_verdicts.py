@@ -42,7 +42,7 @@ def test_a_second_load_reads_the_verdicts_instead_of_running_the_model(tmp_path,
     home = tmp_path / "home"
     first = _engine(home)
     loaded = first.model(str(model_dir))
-    codec = first.codec_identity(loaded, "turbo4")  # as every walk starts: the book comes with it
+    codec = first.codec_identity(loaded, "turbo4")
     kinds = _kinds(loaded.model, "turbo4")
     first.store.close()
     kept = list((home / "cache" / "verdicts").glob(f"{loaded.identity.hexdigest}-*.json"))
@@ -52,10 +52,27 @@ def test_a_second_load_reads_the_verdicts_instead_of_running_the_model(tmp_path,
     second = _engine(home)  # a new model object: nothing remembered in memory for it
     again = second.model(str(model_dir))
     assert again.model is not loaded.model
-    # the codec's description is the first thing every walk asks of a model: it brings the
-    # kept verdicts, which the caches made after it read too
     assert second.codec_identity(again, "turbo4").digest == codec.digest
     assert _kinds(again.model, "turbo4") == kinds
+    second.store.close()
+
+
+def test_caches_made_before_any_codec_identity_read_the_kept_verdicts(tmp_path, model_dir, monkeypatch):
+    """Every tqstore call that makes a model's caches hands turboquant the model's book, so the
+    order of a process's first calls does not decide whether the model runs (a documents
+    question makes its caches before it asks the codec identity)."""
+    home = tmp_path / "home"
+    first = _engine(home)
+    loaded = first.model(str(model_dir))
+    first.codec_identity(loaded, "turbo4")
+    kinds = _kinds(loaded.model, "turbo4")
+    first.store.close()
+
+    _no_model_runs(monkeypatch)
+    second = _engine(home)
+    again = second.model(str(model_dir))
+    fresh = make_prompt_cache(again.model, "turbo4", verdicts=second.models.verdicts(again))
+    assert [type(c).__name__ for c in fresh] == kinds
     second.store.close()
 
 

@@ -164,7 +164,7 @@ class DocumentChunks:
         elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
             raise BadInput(f"entry {name!r} exists and is not a document chunk: choose another name")
         t0 = time.perf_counter()
-        caches = make_prompt_cache(loaded.model, scheme)
+        caches = make_prompt_cache(loaded.model, scheme, verdicts=self.models.verdicts(loaded))
         check_composable(loaded.model, caches)
         metadata = {CHUNK_KEY: address, PREFIX_KEY: str(len(prefix)), ROPE_KEY: rope_description(loaded.model)}
         self.saver.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata,
@@ -222,8 +222,7 @@ class DocumentChunks:
         if not 0.0 <= recompute <= 1.0:
             raise BadInput(f"recompute is a fraction of the document tokens from 0 to 1, got {recompute}")
         t0 = time.perf_counter()
-        self.models.codec_identity(loaded, scheme, WINDOWS)  # first, as every walk: it brings the model's kept verdicts
-        caches = make_prompt_cache(loaded.model, scheme)
+        caches = make_prompt_cache(loaded.model, scheme, verdicts=self.models.verdicts(loaded))
         check_composable(loaded.model, caches)
         prefix = prefix_tokens(loaded, system)
         # A document given many times is restored once: its decoded K/V serve every place it sits

@@ -81,14 +81,18 @@ class LoadedModels:
         windows = window_mode(windows or self.windows)
         key = (loaded.identity.digest, scheme, windows)
         if key not in self._codecs:
-            # What the plan's check learns about this model is kept for the next process.
-            verdicts = self._verdicts.get(loaded.identity.digest)
-            if verdicts is None:
-                folder = Path(self.store.config.home) / "cache" / "verdicts"
-                verdicts = self._verdicts[loaded.identity.digest] = FileVerdicts(folder, loaded.identity.hexdigest)
-            described = codec_snapshot(loaded.model, scheme, windows=windows, verdicts=verdicts)
+            described = codec_snapshot(loaded.model, scheme, windows=windows, verdicts=self.verdicts(loaded))
             self._codecs[key] = CodecIdentity.from_snapshot(described, scheme)
         return self._codecs[key]
+
+    def verdicts(self, loaded: LoadedModel) -> FileVerdicts:
+        """Where what the plan's check learns about this model is kept for the next process:
+        handed to every turboquant call that makes (or describes) its caches."""
+        book = self._verdicts.get(loaded.identity.digest)
+        if book is None:
+            folder = Path(self.store.config.home) / "cache" / "verdicts"
+            book = self._verdicts[loaded.identity.digest] = FileVerdicts(folder, loaded.identity.hexdigest)
+        return book
 
     def entry_scheme(self, manifest: Manifest, loaded: LoadedModel) -> tuple[str, str]:
         """(scheme, windows) of an entry, once its codec digest agrees with them on this model: a

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
+
 from turboquant import Context, StateCheckpoints
 
 from tqstore.engine.models import LoadedModels, window_mode
@@ -46,8 +47,9 @@ class Started:
     def __post_init__(self) -> None:
         # Purely recurrent caches count no tokens: their count is the restore's alone.
         context = self.context
-        if context.tokens != self.matched and context.counts_tokens:
-            raise CorruptBlock(f"the restored caches hold {context.tokens} tokens, not the {self.matched} the "
+        held = context.tokens
+        if held != self.matched and context.counts_tokens:
+            raise CorruptBlock(f"the restored caches hold {held} tokens, not the {self.matched} the "
                                "restore returned: run `tqstore verify`, and save the entry again if it names a problem")
 
     @property
@@ -93,8 +95,9 @@ class Prefiller:
         windows = window_mode(windows or self.models.windows)
         codec = self.models.codec_identity(loaded, scheme, windows)
         match = self.store.lookup(tokens, model=loaded.identity.digest, codec=codec.digest)
+        verdicts = self.models.verdicts(loaded)
         if match is None:
-            return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE))
+            return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, verdicts=verdicts))
         # The lookup's length is what the tiers seemed to hold; the restore's is what was joined
         # (shorter when a block turned out damaged in every tier). Only the latter counts.
         try:
@@ -104,7 +107,7 @@ class Prefiller:
             # in every tier, and the damaged copies are set aside): the prompt is prefilled from
             # its first token, as after any miss, so the answer is the one a cold run gives.
             warnings.warn(f"{exc}; computing the context again instead", RuntimeWarning, stacklevel=2)
-            return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE))
+            return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, verdicts=verdicts))
         share = stats.tokens / max(len(match.manifest.tokens), 1)
         context = Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, restored=snap)
         return opened(context, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share)

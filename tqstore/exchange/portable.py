@@ -214,7 +214,7 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
         scheme = parse_scheme(scheme).name
         snap = compress_snapshot(snap, loaded.model, scheme)
     else:
-        scheme = _file_scheme(snap, loaded.model, path)
+        scheme = _file_scheme(snap, loaded.model, path, engine.models.verdicts(loaded))
     # An mlx-lm cache file holds its sliding windows as rings: the entry keeps them whole.
     codec = engine.codec_identity(loaded, scheme, "whole")
     result = engine.store.put(name, snap, tokens, model=loaded.identity, codec=codec,
@@ -256,8 +256,9 @@ def _check_layers(snap, model, path) -> None:
                                    f"model has {shape[0]} of dim {shape[1]}: pass the model the cache was made with")
 
 
-def _file_scheme(snap, model, path) -> str:
-    """raw for native layers; affineN when every quantized layer is exactly what that scheme makes."""
+def _file_scheme(snap, model, path, verdicts) -> str:
+    """raw for native layers; affineN when every quantized layer is exactly what that scheme makes
+    (`verdicts`: the model's kept plan verdicts, as every call that makes its caches takes them)."""
     from turboquant import make_prompt_cache
     from turboquant.records import Layout
 
@@ -267,7 +268,7 @@ def _file_scheme(snap, model, path) -> str:
     bits = {r.config.get("key_bits") for r in snap.layers if r.layout is Layout.AFFINE}
     if layouts <= {Layout.AFFINE, Layout.ROTATING} and len(bits) == 1:
         scheme = f"affine{bits.pop()}"
-        fresh = make_prompt_cache(model, scheme)
+        fresh = make_prompt_cache(model, scheme, verdicts=verdicts)
         if all(r.config == c.plan.meta() for r, c in zip(snap.layers, fresh) if r.layout is Layout.AFFINE):
             return scheme
     raise UnsupportedCache(f"{path}: its quantized layers are not what a tqstore scheme makes for this model (bits, "

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Callable
 
 import mlx.core as mx
+
 from turboquant import make_prompt_cache
 
 from tqstore.engine.background import BackgroundWriter
@@ -138,7 +139,8 @@ class ModelWorker:
             return
         if self.max_tokens_limit is None:
             self.max_tokens_limit = context_length(self.loaded.model) or UNKNOWN_CONTEXT_TOKENS
-        self.batching = batchable(self.loaded, make_prompt_cache(self.loaded.model, self.scheme))
+        self.batching = batchable(self.loaded, make_prompt_cache(self.loaded.model, self.scheme,
+                                                                   verdicts=self.engine.models.verdicts(self.loaded)))
         if not self.batching:
             log.info("this model's caches cannot share decode steps: requests decode one at a time, in turns")
         self.ready.set()

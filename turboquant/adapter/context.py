@@ -16,6 +16,7 @@ from mlx_lm.models.cache import CacheList
 from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
 from turboquant.adapter.making import make_prompt_cache
 from turboquant.adapter.snapshots import held_tokens, restore, snapshot
+from turboquant.adapter.verdicts import VerdictBook
 from turboquant.adapter.windows import WINDOW_MODES, settle_all
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec.schemes import SchemeSpec
@@ -39,12 +40,13 @@ class Context:
 
     @classmethod
     def open(cls, model, scheme: str | SchemeSpec, *, windows: str = "whole", block: int = 256,
-             restored: Snapshot | None = None) -> "Context":
+             restored: Snapshot | None = None, verdicts: VerdictBook | None = None) -> "Context":
         """Fresh caches of `scheme` for `model`, or caches holding `restored` (a snapshot of this
-        model and scheme, as a store returns it) with the checkpoints it carries."""
+        model and scheme, as a store returns it) with the checkpoints it carries. `verdicts` as
+        `make_prompt_cache` takes it (fresh caches are the ones a plan check decides)."""
         rows = windows == "token"
         if restored is None:
-            caches = make_prompt_cache(model, scheme)
+            caches = make_prompt_cache(model, scheme, verdicts=verdicts)
             return cls(caches, windows, block, StateCheckpoints.for_caches(caches, block, rows=rows))
         caches = restore(restored)
         return cls(caches, windows, block, StateCheckpoints.from_snapshot(restored, block, caches, rows=rows))

@@ -72,6 +72,7 @@ def make_prompt_cache(
     calibration: CalibrationConfig = DEFAULT_CALIBRATION,
     guard: float = DEFAULT_GUARD,
     at_rest: bool = False,
+    verdicts: VerdictBook | None = None,
 ) -> list[Any]:
     """One cache per layer as the scheme decides; honours `model.make_cache()` (sliding layers).
 
@@ -87,8 +88,10 @@ def make_prompt_cache(
     from its prefill statistics whether to store affine8 instead (falling back to the boundary
     rule without observed queries); "position" makes the first and last two eligible layers
     affine8; "none" protects nothing. `at_rest` compresses every compressible layer at rest only
-    (native attention in memory; for comparisons).
+    (native attention in memory; for comparisons). `verdicts` as `codec_snapshot` takes it.
     """
+    if verdicts is not None:
+        register(model, verdicts)
     if protect not in PROTECTION_MODES:
         raise ValueError(f"protect must be one of {PROTECTION_MODES}, got {protect!r}")
     spec = parse_scheme(scheme) if isinstance(scheme, str) else scheme
