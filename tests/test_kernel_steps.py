@@ -45,3 +45,32 @@ def test_replayed_steps_equal_steps_built_from_scratch(monkeypatch, scheme, dtyp
         # buffers); replayed otherwise, the trim included
         assert rebuilt == (t in (0, 6)), t
     assert cache.stored == 512
+
+
+def test_the_per_side_tables_are_graph_nodes_not_evaluations(monkeypatch):
+    """Every restore makes new sides, so a question after a restore built the kernels' per-side
+    tables (query transform, pass 1's fused pre/post, the inverse value rotation, padded
+    codebooks) for every layer, and each was evaluated as it was made: 10-20 ms of a 15-token
+    question's forward over 8 layers on the H200 (issue 28), which now takes 7-8 ms. They are
+    lazy now, evaluated with the attention call that reads them, and hold the same values."""
+    cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3, tail=20)
+    key_side, value_side = cache._key_side, cache._value_side
+    evaluated = []
+    real = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a, **k: evaluated.append(a) or real(*a, **k))
+    c = 0.125 * host.LOG2E
+    kind, pre, m, post, cq = host._query_transform(key_side, c, 2, 64)
+    fused_pre, fused_post = host._fused_query(key_side, c, 2, 64)
+    rinv = host.inverse_matrix(value_side.codec.rotation)
+    padded = host.unpooled(key_side.codec.centroids)
+    assert evaluated == []
+    monkeypatch.setattr(mx, "eval", real)
+    rotation = key_side.codec.rotation
+    eye = mx.eye(64, dtype=mx.float32)
+    assert kind == "pass0" and np.array_equal(np.array(m), np.array(rotation.forward(eye)))
+    assert np.array_equal(np.array(rinv), np.array(value_side.codec.rotation.inverse(eye)))
+    assert np.array_equal(np.array(cq)[0], np.float32(c))
+    centroids = np.array(key_side.codec.centroids)
+    assert np.array_equal(np.array(padded)[:centroids.size], centroids.reshape(-1))
+    assert np.array_equal(np.array(fused_pre), np.array(pre * rotation.signs.astype(mx.float32) / 8.0))
+    assert fused_post.shape == (2, 64) and (post is None) == bool(np.all(np.array(fused_post) == 1))

@@ -269,16 +269,15 @@ _RINV: dict[int, tuple[Rotation, mx.array]] = {}
 
 
 def inverse_matrix(rotation: Rotation) -> mx.array:
-    """M_inv with inverse(y) = y @ M_inv, exact in float32 (built once, on the CPU)."""
+    """M_inv with inverse(y) = y @ M_inv, exact in float32 (made once per rotation object, lazily:
+    see `_query_transform`)."""
     hit = _RINV.get(id(rotation))
     if hit is not None and hit[0] is rotation:
         return hit[1]
-    with mx.stream(mx.cpu):
-        if rotation.kind is RotationKind.HADAMARD:
-            m = rotation.inverse(mx.eye(rotation.d, dtype=mx.float32))
-        else:
-            m = mx.contiguous(rotation.matrix.astype(mx.float32).T)
-        mx.eval(m)
+    if rotation.kind is RotationKind.HADAMARD:
+        m = rotation.inverse(mx.eye(rotation.d, dtype=mx.float32))
+    else:
+        m = mx.contiguous(rotation.matrix.astype(mx.float32).T)
     _RINV[id(rotation)] = (rotation, m)
     return m
 
@@ -300,7 +299,6 @@ def unpooled(a: mx.array) -> mx.array:
     if hit is not None and hit[0] is a:
         return hit[1]
     padded = mx.concatenate([a.reshape(-1), mx.zeros((MIN_INPUT_ELEMENTS - a.size,), dtype=a.dtype)])
-    mx.eval(padded)
     while len(_PADDED) >= DENSE_KEPT:
         del _PADDED[next(iter(_PADDED))]
     _PADDED[id(a)] = (a, padded)
@@ -335,11 +333,8 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
     if hit is not None and hit[0] is key_side:
         return hit[1]
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
-    with mx.stream(mx.cpu):
-        signs = key_side.codec.rotation.signs.astype(mx.float32)
-        fused = (mx.contiguous(pre * signs / math.sqrt(D)),
-                 mx.ones((H, D), dtype=mx.float32) if post is None else post)
-        mx.eval(*fused)
+    signs = key_side.codec.rotation.signs.astype(mx.float32)
+    fused = (mx.contiguous(pre * signs / math.sqrt(D)), mx.ones((H, D), dtype=mx.float32) if post is None else post)
     _QT[key] = (key_side, fused)
     return fused
 
@@ -348,7 +343,13 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     """Per key side (cached): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
     keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
     and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, D], c) for
-    native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself)."""
+    native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself).
+
+    Built lazily, as graph nodes of the first attention call that needs them, not evaluated
+    here: every restore makes new sides, so a question after a restore makes them for every layer,
+    and evaluating each table as it was made (on the CPU stream, then read by the GPU) cost
+    10-20 ms of a 15-token question's forward over 8 layers on the H200 (issue 28), where the
+    whole forward now takes 7-8 ms."""
     key = (id(key_side), c, H, D)
     hit = _QT.get(key)
     if hit is not None and hit[0] is key_side:
@@ -356,17 +357,15 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     cal = getattr(key_side, "calibration", None)
     chan = None if cal is None or cal.scale is None else cal.scale.astype(mx.float32)
     cq = mx.full((MIN_INPUT_ELEMENTS,), c, dtype=mx.float32)  # kernels read cq[0]
-    with mx.stream(mx.cpu):
-        if isinstance(key_side, TurboSide):
-            pre = mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c
-            m = mx.contiguous(key_side.codec.rotation.forward(mx.eye(D, dtype=mx.float32)))
-            post = key_side._scale()
-            post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
-            result = ("pass0", pre, m, post, cq)
-        else:
-            pre = mx.contiguous(mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c)
-            result = ("scale", pre, None, None, cq)
-        mx.eval(*[a for a in result[1:] if isinstance(a, mx.array)])
+    if isinstance(key_side, TurboSide):
+        pre = mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c
+        m = mx.contiguous(key_side.codec.rotation.forward(mx.eye(D, dtype=mx.float32)))
+        post = key_side._scale()
+        post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
+        result = ("pass0", pre, m, post, cq)
+    else:
+        pre = mx.contiguous(mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c)
+        result = ("scale", pre, None, None, cq)
     _QT[key] = (key_side, result)
     return result
 
