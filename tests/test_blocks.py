@@ -229,6 +229,14 @@ def test_keys_follow_the_documented_byte_layout():
     assert block_keys(tokens, M, C, K)[1] != block_keys(tokens, M, C)[1]
 
 
+def test_keys_take_any_integer_sequence_alike():
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, 2**32, 700)]
+    here = block_keys(tokens, M, C, K)
+    assert block_keys(tuple(tokens), M, C, K) == here
+    assert block_keys(np.array(tokens, dtype=np.uint32), M, C, K) == here
+    assert block_keys([np.int64(t) for t in tokens], M, C, K) == here
+
+
 def test_keys_are_identical_in_another_process():
     tokens = [int(t) for t in np.random.default_rng(3).integers(0, 2**32, 700)]
     here = [k.hex for k in block_keys(tokens, M, C, K)]
@@ -264,6 +272,10 @@ def test_key_inputs_are_validated():
         block_keys([2**32], M, C)
     with pytest.raises(ValueError, match="u32"):
         block_keys([-1], M, C)
+    with pytest.raises(ValueError, match="token id 1180591620717411303424 does not fit in u32"):
+        block_keys([5, 2**70], M, C)
+    with pytest.raises(ValueError, match="token id 4294967301 does not fit"):
+        block_keys(np.array([1, 2**32 + 5, -3]), M, C)
     with pytest.raises(ValueError, match="32 raw bytes"):
         block_keys([1], M.hex().encode(), C)
     with pytest.raises(ValueError):

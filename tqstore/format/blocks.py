@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from turboquant.records import (BLOCK_ARRAYS, BLOCK_TOKENS, TOKEN_AXIS, CodecRecord, LayerRecord, Layout, Snapshot,
                                 check_record_arrays, field_boundaries, field_plan, fields_at, join_children,
@@ -66,7 +67,18 @@ class BlockKey:
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
-    """Token ids as u32 little-endian; ValueError for ids outside 0..2^32-1."""
+    """Token ids as u32 little-endian; ValueError for ids outside 0..2^32-1.
+
+    Converted by numpy where every id fits in int64 (a lookup of a 32k-token prompt converts
+    every token: about 2.7 ms in Python here, 0.4 ms this way)."""
+    try:
+        wide = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    except OverflowError:
+        wide = None  # an id beyond int64: the check below names it
+    if wide is not None:
+        outside = (wide < 0) | (wide > MAX_TOKEN)
+        if not outside.any():
+            return wide.astype("<u4").tobytes()
     ids = [int(t) for t in tokens]
     bad = next((t for t in ids if not 0 <= t <= MAX_TOKEN), None)
     if bad is not None:
@@ -82,6 +94,12 @@ def block_key(
     calibration_digest: bytes | None = None,
 ) -> BlockKey:
     """One block's key. `parent` is None for the first block, which never hashes calibration."""
+    return _key_of(parent, token_bytes(tokens), model_digest, codec_digest, calibration_digest)
+
+
+def _key_of(parent: BlockKey | None, ids: bytes, model_digest: bytes, codec_digest: bytes,
+            calibration_digest: bytes | None) -> BlockKey:
+    """`block_key` of the block whose ids are `ids` (u32 little-endian)."""
     for name, d in (("model", model_digest), ("codec", codec_digest), ("calibration", calibration_digest)):
         if d is not None and (not isinstance(d, bytes) or len(d) != 32):
             raise ValueError(f"the {name} digest must be 32 raw bytes (use .digest, not .hexdigest)")
@@ -90,8 +108,8 @@ def block_key(
     h.update(codec_digest)
     if parent is not None and calibration_digest is not None:
         h.update(calibration_digest)
-    h.update(token_bytes(tokens))
-    h.update(struct.pack("<I", len(tokens)))
+    h.update(ids)
+    h.update(struct.pack("<I", len(ids) // 4))
     return BlockKey(h.digest())
 
 
@@ -109,12 +127,13 @@ def block_keys(
     calibration_digest: bytes | None = None,
     block_size: int = BLOCK_SIZE,
 ) -> list[BlockKey]:
-    """The chained key of every block of `tokens` (none for no tokens)."""
-    tokens = list(tokens)
+    """The chained key of every block of `tokens` (none for no tokens); the ids are converted
+    once for all blocks."""
+    ids = token_bytes(tokens)
     keys: list[BlockKey] = []
-    for start, stop in block_spans(len(tokens), block_size):
-        keys.append(block_key(keys[-1] if keys else None, tokens[start:stop], model_digest, codec_digest,
-                              calibration_digest))
+    for start, stop in block_spans(len(ids) // 4, block_size):
+        keys.append(_key_of(keys[-1] if keys else None, ids[4 * start:4 * stop], model_digest, codec_digest,
+                            calibration_digest))
     return keys
 
 

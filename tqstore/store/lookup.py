@@ -46,7 +46,7 @@ class Match:
 
 def lookup(tiers: TierSet, tokens: Sequence[int], model: bytes, codec: bytes) -> Match | None:
     """The longest stored prefix of `tokens` for this model and codec identity, or None."""
-    query = tuple(int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens))
+    query = tuple(map(int, tokens.tolist() if hasattr(tokens, "tolist") else tokens))
     now = time.time()
     candidates = [(m, False) for m, _ in tiers.local_manifests()[0]]
     if tiers.remote is not None:
