@@ -188,14 +188,32 @@ def timing_compress_and_put(store):
         del store.put
 
 
-def warm_up(loaded, lengths: list[int]) -> None:
-    """One untimed cold prefill at each context length before any cell: the first prefill of a
-    shape pays MLX's builds for it (15.7 s against 0.43 s at 32k in one H200 run), which would
-    land in whichever cell ran first and make the cold column a measure of the run order."""
+def warm_up(root: Path, loaded, lengths: list[int]) -> None:
+    """One untimed cold prefill and one untimed Engine prefill at each context length before any
+    cell: the first prefill of a shape pays MLX's builds for it (15.7 s against 0.43 s at 32k in
+    one H200 run), which would land in whichever cell ran first and make the cold column a
+    measure of the run order. The Engine's chunks are other shapes than mlx-lm's: without its own
+    warm-up the plain prefill of the first scheme at each length paid them (0.42-5.2 s in run 1
+    at 166a8b4, against 0.05-1.4 s afterwards), which skewed the save's prefill ratio."""
+    from tqstore.config import load_config
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
+
     vocab = loaded.model.args.vocab_size
-    for tokens in lengths:
-        seconds = cold_first_token(loaded, [1 + (i * 7919) % (vocab - 2) for i in range(tokens + QUESTION_TOKENS)])
-        say(f"warm-up: a cold prefill of {tokens:,} tokens took {seconds:.3f} s (not counted)")
+    home = root / "warm-up-home"
+    store = Store.open(home, config=load_config(home))
+    try:
+        engine = Engine(store)
+        engine.use_model(loaded)
+        for tokens in lengths:
+            context = [1 + (i * 7919) % (vocab - 2) for i in range(tokens + QUESTION_TOKENS)]
+            seconds = cold_first_token(loaded, context)
+            plain = plain_prefill(engine, loaded, context[:tokens])
+            say(f"warm-up: a cold prefill of {tokens:,} tokens took {seconds:.3f} s, the Engine's plain prefill "
+                f"{plain:.3f} s (neither counted)")
+    finally:
+        store.close()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def one_cell(root: Path, loaded, tokens: int, scheme: str, run: int, rng: random.Random) -> dict:
@@ -334,7 +352,7 @@ def section(results: dict) -> str:
     runs = max((r["run"] for r in results["rows"]), default=0) + 1
     return (f"Through the public Engine, {meta['model']}. Ratios are the cold median over the tier's median "
             f"(above 1: the store answers sooner). Times are median (min-max) of {runs} runs per cell, all cells "
-            f"side by side in one process, after one untimed cold prefill at each length; "
+            f"side by side in one process, after {meta.get('warm_up', 'one untimed cold prefill')} at each length; "
             f"restore GB/s is stored bytes over the Engine's restore seconds; "
             f"the cold read is data.mdb read sequentially after dropping its pages (the file holds the entry "
             f"plus LMDB's pages). Store homes under {meta['tmp']} ({meta['fs']}).\n\n"
@@ -413,6 +431,7 @@ def measure(args, argv: list[str]) -> dict:
         "command": "python " + " ".join([f"bench/{Path(argv[0]).name}", *argv[1:]]),
         "revision": args.revision or git_revision(), "date": time.strftime("%Y-%m-%d"), "machine": machine_line(),
         "tmp": str(args.tmp), "fs": filesystem(args.tmp),
+        "warm_up": "one untimed cold prefill and one untimed Engine prefill",
         "model": (f"a Llama model ({args.layers} layers, hidden {args.hidden}, {args.heads} query / {args.kv_heads} "
                   f"KV heads, head dim {args.head_dim}, MLP {args.mlp}, vocabulary {args.vocab:,}) with random "
                   f"{str(dtype).rsplit('.', 1)[-1]} weights, a context of random token ids and a "
@@ -420,7 +439,7 @@ def measure(args, argv: list[str]) -> dict:
         "rows": []}
     rng = random.Random(0)
     try:
-        warm_up(loaded, args.tokens)
+        warm_up(root, loaded, args.tokens)
         for run in range(args.runs):
             for tokens in args.tokens:
                 for scheme in args.schemes:
