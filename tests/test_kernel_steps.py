@@ -74,3 +74,40 @@ def test_the_per_side_tables_are_graph_nodes_not_evaluations(monkeypatch):
     assert np.array_equal(np.array(padded)[:centroids.size], centroids.reshape(-1))
     assert np.array_equal(np.array(fused_pre), np.array(pre * rotation.signs.astype(mx.float32) / 8.0))
     assert fused_post.shape == (2, 64) and (post is None) == bool(np.all(np.array(fused_post) == 1))
+
+
+def test_a_prepared_step_calls_the_kernel_objects_it_bound(monkeypatch):
+    """A prepared step asks each kernel once for the object to launch (`CachedKernel.bound`: its
+    module made sure of on disk for that dtype signature) and replays call that object itself,
+    with inputs of exactly the dtypes it was bound for (pass 2's partials are pass 1's outputs),
+    never the per-launch signature check of `CachedKernel.__call__`."""
+    bound, checked, launched = [], [], []
+
+    class Bindable:
+        def __init__(self, variant):
+            self.inner = emulate.kernel(variant)
+
+        def __call__(self, **launch):
+            checked.append(launch)
+            return self.inner(**launch)
+
+        def bound(self, input_dtypes, output_dtypes):
+            slot = len(bound)
+            bound.append((list(input_dtypes), list(output_dtypes)))
+
+            def launch(*, inputs, output_dtypes, **rest):
+                launched.append((slot, [a.dtype for a in inputs], list(output_dtypes)))
+                return self.inner(inputs=inputs, output_dtypes=output_dtypes, **rest)
+            return launch
+
+    force_backend(monkeypatch, "cuda", Bindable)
+    cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3, tail=20)
+    for t in range(3):
+        row = mx.random.normal((1, 2, 1, 64), key=mx.random.key(t)).astype(mx.float16)
+        cache.update_and_fetch(row, row)
+        q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(10 + t)).astype(mx.float16)
+        mx.eval(cache.attention(q, 0.125))
+    assert len(bound) == 2 and checked == []
+    assert len(launched) == 6
+    for slot, input_dtypes, output_dtypes in launched:
+        assert (input_dtypes, output_dtypes) == bound[slot]
