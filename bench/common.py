@@ -51,11 +51,17 @@ def machine_line() -> str:
 
 
 def git_revision() -> str:
+    """HEAD's short hash, with "+changes" when tracked files differ from it: a table must not name
+    a commit that is not the code that ran (the device's copy of the tree keeps the .git of the
+    session's first copy, so its HEAD is often older than its files)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{head}+changes" if changed else head
 
 
 def stamp(argv: list[str]) -> str:
