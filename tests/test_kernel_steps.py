@@ -3,6 +3,9 @@ CPU through the emulator: each replayed step equals the step built from scratch,
 across new tail rows, a block that fills (new stored rows, key means and buffers) and a trim, and
 the step is rebuilt only when something it holds changes."""
 
+import gc
+import weakref
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -111,3 +114,22 @@ def test_a_prepared_step_calls_the_kernel_objects_it_bound(monkeypatch):
     assert len(launched) == 6
     for slot, input_dtypes, output_dtypes in launched:
         assert (input_dtypes, output_dtypes) == bound[slot]
+
+
+def test_the_per_side_tables_stay_bounded_and_let_old_sides_go():
+    """Every restore makes new sides, and the tables made for them were kept forever with the side
+    itself: a long-running server grew by every layer's tables (a 64 KB rotation matrix among them
+    at head dim 128) at each restore. The tables are bounded now, oldest first, and a side they
+    dropped is freed."""
+    cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3)
+    c = 0.125 * host.LOG2E
+    first = cache.active.key.side("keys", cache.calibration)
+    host._query_transform(first, c, 2, 64)
+    host._fused_query(first, c, 2, 64)
+    watched = weakref.ref(first)
+    del first
+    for _ in range(host.TABLES_KEPT):
+        host._query_transform(cache.active.key.side("keys", cache.calibration), c, 2, 64)
+    assert len(host._QT) <= host.TABLES_KEPT
+    gc.collect()
+    assert watched() is None

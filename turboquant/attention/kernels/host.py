@@ -265,7 +265,23 @@ def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, pre
     return p1, Pass2(d=D, rotate=True)
 
 
+# Per-object tables, each kept beside the object it was made from (an identity check on every
+# hit) and dropped oldest first past its bound. Every restore makes new sides (and, from LMDB or
+# S3, new rotations), so unbounded tables grew by every layer's tables, and held its side, for
+# each restore of a long-running server (64 KB of rotation matrix a layer at head dim 128).
 _RINV: dict[int, tuple[Rotation, mx.array]] = {}
+_QT: dict[tuple, tuple] = {}
+_DENSE: dict[int, tuple[mx.array, mx.array]] = {}
+_PADDED: dict[int, tuple[mx.array, mx.array]] = {}
+DENSE_KEPT = 128  # key-mean tables and padded codebooks kept (a model's layers, twice over)
+TABLES_KEPT = 512  # query transforms and inverse rotations kept (both of 128 layers' sides, twice)
+
+
+def _keep(table: dict, key, entry: tuple, kept: int) -> None:
+    """Put `entry` (the object, its table...) under `key`, dropping the oldest past `kept`."""
+    while len(table) >= kept:
+        del table[next(iter(table))]
+    table[key] = entry
 
 
 def inverse_matrix(rotation: Rotation) -> mx.array:
@@ -278,16 +294,8 @@ def inverse_matrix(rotation: Rotation) -> mx.array:
         m = rotation.inverse(mx.eye(rotation.d, dtype=mx.float32))
     else:
         m = mx.contiguous(rotation.matrix.astype(mx.float32).T)
-    _RINV[id(rotation)] = (rotation, m)
+    _keep(_RINV, id(rotation), (rotation, m), TABLES_KEPT)
     return m
-
-
-_QT: dict[tuple, tuple] = {}
-_DENSE: dict[int, tuple[mx.array, mx.array]] = {}
-DENSE_KEPT = 128  # key-mean tables kept (a model's layers, twice over)
-
-
-_PADDED: dict[int, tuple[mx.array, mx.array]] = {}
 
 
 def unpooled(a: mx.array) -> mx.array:
@@ -299,9 +307,7 @@ def unpooled(a: mx.array) -> mx.array:
     if hit is not None and hit[0] is a:
         return hit[1]
     padded = mx.concatenate([a.reshape(-1), mx.zeros((MIN_INPUT_ELEMENTS - a.size,), dtype=a.dtype)])
-    while len(_PADDED) >= DENSE_KEPT:
-        del _PADDED[next(iter(_PADDED))]
-    _PADDED[id(a)] = (a, padded)
+    _keep(_PADDED, id(a), (a, padded), DENSE_KEPT)
     return padded
 
 
@@ -312,9 +318,7 @@ def dense_float32(a: mx.array) -> mx.array:
     if hit is not None and hit[0] is a:
         return hit[1]
     dense = mx.contiguous(a.astype(mx.float32))
-    while len(_DENSE) >= DENSE_KEPT:  # oldest first: layers' means from earlier blocks
-        del _DENSE[next(iter(_DENSE))]
-    _DENSE[id(a)] = (a, dense)
+    _keep(_DENSE, id(a), (a, dense), DENSE_KEPT)  # oldest first: layers' means from earlier blocks
     return dense
 
 
@@ -335,7 +339,7 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
     signs = key_side.codec.rotation.signs.astype(mx.float32)
     fused = (mx.contiguous(pre * signs / math.sqrt(D)), mx.ones((H, D), dtype=mx.float32) if post is None else post)
-    _QT[key] = (key_side, fused)
+    _keep(_QT, key, (key_side, fused), TABLES_KEPT)
     return fused
 
 
@@ -366,7 +370,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     else:
         pre = mx.contiguous(mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c)
         result = ("scale", pre, None, None, cq)
-    _QT[key] = (key_side, result)
+    _keep(_QT, key, (key_side, result), TABLES_KEPT)
     return result
 
 
