@@ -50,11 +50,7 @@ def pack(indices: mx.array, bits: int) -> mx.array:
     d = indices.shape[-1]
     lead = indices.shape[:-1]
     n_chunks = -(-d // CHUNK)
-    codes = indices.astype(mx.uint32)
-    if n_chunks * CHUNK != d:
-        pad = [(0, 0)] * (codes.ndim - 1) + [(0, n_chunks * CHUNK - d)]
-        codes = mx.pad(codes, pad)
-    codes = codes.reshape(*lead, n_chunks, CHUNK)
+    codes = _padded(indices.astype(mx.uint32), n_chunks * CHUNK).reshape(*lead, n_chunks, CHUNK)
     word, shift, spill, spill_shift = _layout(bits)
     low = mx.left_shift(codes, shift)
     high = mx.where(spill, mx.right_shift(codes, spill_shift), mx.array(0, mx.uint32))
@@ -69,6 +65,12 @@ def pack(indices: mx.array, bits: int) -> mx.array:
     return out[..., : packed_width(d, bits)]
 
 
+def _padded(a: mx.array, size: int) -> mx.array:
+    """`a` with zeros appended along its last axis up to `size` (whole chunks)."""
+    short = size - a.shape[-1]
+    return a if short == 0 else mx.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, short)])
+
+
 def unpack(words: mx.array, bits: int, d: int) -> mx.array:
     """Unpack uint32 words [..., ceil(d*bits/32)] into codes [..., d] (uint32)."""
     _check_bits(bits)
@@ -77,11 +79,7 @@ def unpack(words: mx.array, bits: int, d: int) -> mx.array:
         raise ValueError(f"expected {width} words per row for d={d}, bits={bits}, got {words.shape[-1]}")
     lead = words.shape[:-1]
     n_chunks = -(-d // CHUNK)
-    words = words.astype(mx.uint32)
-    if n_chunks * bits != width:
-        pad = [(0, 0)] * (words.ndim - 1) + [(0, n_chunks * bits - width)]
-        words = mx.pad(words, pad)
-    words = words.reshape(*lead, n_chunks, bits)
+    words = _padded(words.astype(mx.uint32), n_chunks * bits).reshape(*lead, n_chunks, bits)
     word, shift, spill, spill_shift = _layout(bits)
     low = mx.right_shift(mx.take(words, word, axis=-1), shift)
     next_word = mx.take(words, mx.minimum(word + 1, bits - 1), axis=-1)
