@@ -150,9 +150,9 @@ def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int, gr
     batch = DecodeBatch() if group else DecodeBatch(group_tokens=0)
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None]
-        batch.step(loaded.model, [pending[i] for i in live])
-        tokens += len(live)
-        for i in live:
+        served = {id(r) for r in batch.step(loaded.model, [pending[i] for i in live])}
+        tokens += len(served)
+        for i in (i for i in live if id(pending[i]) in served):
             try:
                 pending[i] = rows[i].send(None)
             except StopIteration:

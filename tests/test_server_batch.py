@@ -104,8 +104,8 @@ def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama,
     batch = DecodeBatch()
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None]
-        batch.step(loaded.model, [pending[i] for i in live])
-        for i in live:
+        served = {id(r) for r in batch.step(loaded.model, [pending[i] for i in live])}
+        for i in (i for i in live if id(pending[i]) in served):
             try:
                 pending[i] = gens[i].send(None)
             except StopIteration as done:
@@ -159,9 +159,9 @@ def _step_all(batch, loaded, gens, absent=lambda step, i: False):
         pending.append(row)
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None and not absent(step, i)]
-        batch.step(loaded.model, [pending[i] for i in live])
+        served = {id(r) for r in batch.step(loaded.model, [pending[i] for i in live])}
         largest = max(largest, len(batch.members))
-        for i in live:
+        for i in (i for i in live if id(pending[i]) in served):
             try:
                 pending[i] = gens[i].send(None)
             except StopIteration as done:
@@ -192,7 +192,8 @@ def test_rows_that_leave_the_group_and_come_back_decode_the_tokens_they_decode_a
                               [batched_generation(engine, loaded, "raw", prompts[1], max_tokens=10)])
     parked = results[1][1]
     for a, b in zip(own, parked):
-        assert a.offset == b.offset == len(prompts[1]) - 1 + 10
+        # the prompt but its last token, the 10 tokens run, and the step run ahead of the last
+        assert a.offset == b.offset == len(prompts[1]) - 1 + 10 + 1
         for x, y in zip(a.keys_and_values(), b.keys_and_values()):
             assert mx.array_equal(x, y)
 
@@ -230,3 +231,68 @@ def test_turbo4_rows_in_a_batch_answer_as_the_engine_does(tmp_path, llama):
         assert result.tokens == alone.tokens
         assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
         assert all(isinstance(c, TurboQuantKVCache) for c in caches)
+
+
+def _first_rows(gens):
+    rows = []
+    for g in gens:
+        row = next(g)
+        while row is None:
+            row = next(g)
+        rows.append(row)
+    return rows
+
+
+def test_a_step_runs_ahead_and_a_joining_row_waits_one_step(tmp_path, llama):
+    """The next step is launched before a step's tokens are read: a row that joins is launched
+    with the others and handed its token at the step after (unless no launched row is stepped),
+    and a row's caches hold one token more than it was handed, as after Engine.generate."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[1:3]]
+    a, b = _first_rows([batched_generation(engine, loaded, "raw", p, max_tokens=8) for p in prompts])
+    batch = DecodeBatch(group_tokens=0)  # every row on its own caches, whose offsets tell the steps run
+    assert batch.step(loaded.model, [a]) == [a]  # nothing launched: a's step runs at once
+    assert a.caches[0].offset == len(prompts[0]) + 1  # its step, and the next one launched
+    a.token = a.drawn
+    assert batch.step(loaded.model, [a, b]) == [a]  # b joins the launch, a is handed the launched token
+    assert b.drawn is None and b.caches[0].offset == len(prompts[1])
+    a.token = a.drawn
+    assert batch.step(loaded.model, [a, b]) == [a, b]
+    assert b.drawn is not None and b.caches[0].offset == len(prompts[1]) + 1
+
+
+@pytest.mark.parametrize("scheme", ["raw", "turbo4"])
+def test_rows_that_sit_out_steps_run_ahead_for_them_answer_as_alone_sampled_too(tmp_path, llama, scheme):
+    """A row that sits out the step launched for it has that step taken back: its token from
+    its caches (or the group's buffers), and its draw from its random sequence, so seeded
+    sampled answers, greedy ones and a compressed row's storage are those of the row alone."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
+    options = [dict(temp=1.0, seed=5 + i) if i % 2 else {} for i in range(4)]
+    gens = [batched_generation(engine, loaded, scheme, p, max_tokens=9, **o) for p, o in zip(prompts, options)]
+    results, _ = _step_all(DecodeBatch(), loaded, gens,
+                           absent=lambda step, i: i in (1, 2) and 2 <= step < 4 or i == 3 and step in (1, 5))
+    for prompt, o, (result, caches) in zip(prompts, options, results):
+        alone = engine.generate(loaded, scheme, prompt, max_tokens=9, **o)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+
+
+def test_settle_hands_back_what_a_step_ran_ahead_for_rows_that_did_not_finish(tmp_path, llama):
+    """With nothing to step (every running request parked, say), the batch takes back the
+    launched step of unfinished rows and hands the group's rows back to their caches: a row
+    holds exactly the tokens it was handed, and keeps nothing of finished rows."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompt = loaded.tokenizer.encode(PROMPTS[2])
+    [row] = _first_rows([batched_generation(engine, loaded, "raw", prompt, max_tokens=8)])
+    batch = DecodeBatch()
+    for _ in range(3):
+        assert batch.step(loaded.model, [row]) == [row]
+        row.token = row.drawn
+    assert row.caches[0].offset == len(prompt) - 1 and batch.members == [row]  # its rows are in the group
+    batch.settle()
+    assert batch.members == [] and batch._launched is None
+    assert all(c.offset == len(prompt) - 1 + 3 for c in row.caches)  # the prompt's last token and two drawn

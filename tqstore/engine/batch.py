@@ -22,9 +22,13 @@ exact zeros): a greedy answer does not depend on what else is in the batch
 (tests/test_server_batch.py). Greedy rows draw with one argmax over the batch; sampled rows each
 draw from their own random sequence.
 
+Steps run one ahead of the tokens handed out (`DecodeBatch`): the device computes a step while
+the host reads the last one and builds the next.
+
 `batched_generation` is `Engine.generation` with its decode handed to the caller: it yields
 `None` after each prefill chunk (as `Engine.generation`) and a `Row` whenever it needs its
-next token, which the caller fills by running `DecodeBatch.step` over every waiting row.
+next token, which the caller fills by running `DecodeBatch.step` over every waiting row (and
+resumes the generations of the rows it served).
 """
 
 from __future__ import annotations
@@ -160,12 +164,30 @@ class Row:
     finished: bool = False  # its generation ended: nothing reads its caches' new rows
 
 
+@dataclass(eq=False)
+class _Launched:
+    """A step whose graph is built and evaluating: its rows in step order and, still lazy, each
+    row's drawn token and log-probabilities."""
+
+    rows: list[Row]
+    tokens: mx.array  # [rows] int32
+    logprobs: mx.array  # [rows, vocabulary]
+
+
 class DecodeBatch:
     """Decode steps over changing sets of rows (one owner: the thread that steps them).
 
     Rows shorter than `group_tokens` form the group: their keys and values live in one buffer
     pair per layer ([group, KV heads, capacity, head dim], row j's at [0, lengths[j]), zeros
-    after) while they stay; the rest attend over their own caches."""
+    after) while they stay; the rest attend over their own caches.
+
+    Steps run one ahead, as mlx-lm's `generate_step` does: a step hands out the tokens of the
+    step launched before it, after launching the next one over the same rows (fed those tokens
+    while they are still being computed), so the device computes a step while the host reads
+    the last one and builds the next. A row's caches therefore hold one token more than it was
+    handed, as after `Engine.generate`. A row that sits out the next step unfinished (parked)
+    has that token taken back; a row that joins waits one step, in the launch, unless no
+    launched row is stepped (then its step runs at once)."""
 
     def __init__(self, group_tokens: int = GROUP_TOKENS):
         self.group_tokens = group_tokens
@@ -173,21 +195,73 @@ class DecodeBatch:
         self.lengths: list[int] = []
         self.keys: list[mx.array | None] = []
         self.values: list[mx.array | None] = []
+        self.seconds = 0.0  # the last step's
+        self._launched: _Launched | None = None
 
-    def step(self, model: Any, rows: Sequence[Row]) -> float:
-        """Run every row's next token through the model in one forward pass and draw each row's
-        next token; returns the seconds taken. The rows come from `batched_generation`, which
-        installed the dispatch. A failed step drops the group's buffers (their rows' answers
-        so far with them) and raises."""
+    def step(self, model: Any, rows: Sequence[Row], keep: Callable[[Row], bool] | None = None) -> list[Row]:
+        """Hand out the next token (`Row.drawn`) of rows in `rows`: those of the step launched
+        before, or of all of them when none of those is among them; launch the next step over
+        `rows` (those `keep` says will step again). Returns the rows served; the seconds taken
+        are in `seconds`. The rows come from `batched_generation`, which installed the
+        dispatch. A failed step drops the group's buffers (their rows' answers so far with
+        them) and the launched step, and raises."""
         t0 = time.perf_counter()
         try:
-            self._step(model, rows)
+            served = self._step(model, rows, keep)
         except BaseException:
             self.__init__(self.group_tokens)
             raise
-        return time.perf_counter() - t0
+        self.seconds = time.perf_counter() - t0
+        return served
 
-    def _step(self, model: Any, rows: Sequence[Row]) -> None:
+    def _step(self, model: Any, rows: Sequence[Row], keep: Callable[[Row], bool] | None) -> list[Row]:
+        launched, self._launched = self._launched, None
+        present = {id(r) for r in rows}
+        at: dict[int, int] = {}
+        if launched is not None:
+            self._take_back([r for r in launched.rows if id(r) not in present and not r.finished])
+            at = {id(r): i for i, r in enumerate(launched.rows) if id(r) in present}
+        if not at:  # nothing launched for these rows: their step runs now
+            launched = self._launch(model, list(rows), {})
+            at = {id(r): i for i, r in enumerate(launched.rows)}
+        following = [r for r in rows if keep is None or keep(r)]
+        if following:
+            self._launched = self._launch(model, following, {id(r): (launched.tokens, i) for r, i in
+                                                             ((r, at.get(id(r))) for r in following) if i is not None})
+        tokens = launched.tokens.tolist()  # waits for the launched step only
+        served = [r for r in rows if id(r) in at]
+        for r in served:
+            i = at[id(r)]
+            r.drawn = tokens[i]
+            if r.logprobs is None:  # the first token's, for the result; later steps' are not kept
+                r.logprobs = launched.logprobs[i]
+        return served
+
+    def settle(self) -> None:
+        """With no row to step: take back the launched step of rows that did not finish and
+        hand members' rows back to their caches, so the batch keeps no finished row's caches."""
+        launched, self._launched = self._launched, None
+        if launched is not None:
+            self._take_back([r for r in launched.rows if not r.finished])
+        self._regroup([])
+
+    def _take_back(self, rows: list[Row]) -> None:
+        """Undo the launched step's token of rows that sit out the next step unfinished: the
+        group's length, or the row's own caches, one token back; its draw taken back."""
+        member = {id(r): j for j, r in enumerate(self.members)}
+        for row in rows:
+            if id(row) in member:
+                self.lengths[member[id(row)]] -= 1
+            else:
+                for cache in row.caches:
+                    cache.trim(1)
+            rewind = getattr(row.sample, "rewind", None)
+            if rewind is not None:
+                rewind()
+
+    def _launch(self, model: Any, rows: list[Row], ahead: dict[int, tuple[mx.array, int]]) -> _Launched:
+        """Build one step over `rows` and start evaluating it. A row's input is its `token`, or,
+        for rows in `ahead`, entry i of a launched step's still lazy tokens."""
         member = {id(r): j for j, r in enumerate(self.members)}
 
         def length(row: Row) -> int:
@@ -207,24 +281,19 @@ class DecodeBatch:
                 mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
         layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask)
                   for layer in range(len(rows[0].caches))]
-        logits = model(mx.array([[r.token] for r in ordered]), cache=layers)[:, -1, :]
+        logits = model(_inputs(ordered, ahead), cache=layers)[:, -1, :]
         self.lengths = [n + 1 for n in self.lengths]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         greedy = [i for i, r in enumerate(ordered) if r.sample is None]
-        drawn = {}
-        if greedy:
-            picked = logprobs if len(greedy) == len(ordered) else logprobs[mx.array(greedy)]
-            drawn["greedy"] = mx.argmax(picked, axis=-1)
-        for i, r in enumerate(ordered):
-            if r.sample is not None:
-                drawn[i] = r.sample(logprobs[i:i + 1])
-        mx.eval(drawn)
-        tokens = dict(zip(greedy, drawn.pop("greedy").tolist())) if greedy else {}
-        tokens.update((i, d.item()) for i, d in drawn.items())
-        for i, r in enumerate(ordered):
-            r.drawn = tokens[i]
-            if r.logprobs is None:  # the first token's, for the result; later steps' are not kept
-                r.logprobs = logprobs[i]
+        if len(greedy) == len(ordered):
+            tokens = mx.argmax(logprobs, axis=-1)
+        else:
+            drawn = [r.sample(logprobs[i:i + 1]).reshape(1) if r.sample is not None else
+                     mx.argmax(logprobs[i:i + 1], axis=-1) for i, r in enumerate(ordered)]
+            tokens = mx.concatenate([d.astype(mx.int32) for d in drawn])
+        launched = _Launched(ordered, tokens.astype(mx.int32), logprobs)
+        mx.async_eval(launched.tokens, launched.logprobs)
+        return launched
 
     def write(self, layer: int, keys: mx.array, values: mx.array, positions: mx.array | None,
               width: int) -> tuple[mx.array, mx.array]:
@@ -286,6 +355,19 @@ class DecodeBatch:
             if end > start:
                 cache.update_and_fetch(self.keys[layer][j:j + 1, :, start:end],
                                        self.values[layer][j:j + 1, :, start:end])
+
+
+def _inputs(rows: list[Row], ahead: dict[int, tuple[mx.array, int]]) -> mx.array:
+    """The step's [rows, 1] input tokens: each row's `token`, or its entry of a launched step."""
+    if not ahead:
+        return mx.array([[r.token] for r in rows], dtype=mx.int32)
+    sources = {id(t): t for t, _ in ahead.values()}
+    if len(sources) == 1 and len(ahead) == len(rows):  # every row continues from one launched step
+        tokens = next(iter(sources.values()))
+        return tokens[mx.array([ahead[id(r)][1] for r in rows])][:, None]
+    pieces = [ahead[id(r)][0][ahead[id(r)][1]:ahead[id(r)][1] + 1] if id(r) in ahead else
+              mx.array([r.token], dtype=mx.int32) for r in rows]
+    return mx.concatenate(pieces)[:, None]
 
 
 def _stacked(pieces: list[mx.array | None], capacity: int) -> mx.array | None:

@@ -49,16 +49,31 @@ class AskResult:
     first_logprobs: mx.array | None = field(default=None, compare=False, repr=False)
 
 
-def own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> Callable[[mx.array], mx.array]:
-    """`sampler` drawing from this generation's own random sequence (from `seed`, or fresh):
-    each draw reseeds MLX's global generator, which generations interleaved on one thread share."""
-    draws = random.Random(seed)
+class OwnRandomness:
+    """A sampler drawing from one generation's own random sequence (from `seed`, or fresh): each
+    draw reseeds MLX's global generator, which generations interleaved on one thread share."""
 
-    def sample(logprobs: mx.array) -> mx.array:
-        mx.random.seed(draws.getrandbits(64))
-        return sampler(logprobs)
+    def __init__(self, sampler: Callable[[mx.array], mx.array], seed: int | None):
+        self.sampler = sampler
+        self._draws = random.Random(seed)
+        self._before: Any = None
 
-    return sample
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._before = self._draws.getstate()
+        mx.random.seed(self._draws.getrandbits(64))
+        return self.sampler(logprobs)
+
+    def rewind(self) -> None:
+        """Take the last draw back, so the next one repeats it: a batched step run ahead for a
+        row that then sat it out (tqstore/engine/batch.py) must not move the row's sequence."""
+        if self._before is not None:
+            self._draws.setstate(self._before)
+            self._before = None
+
+
+def own_randomness(sampler: Callable[[mx.array], mx.array], seed: int | None) -> OwnRandomness:
+    """`sampler` drawing from this generation's own random sequence (`OwnRandomness`)."""
+    return OwnRandomness(sampler, seed)
 
 
 class Answerer:

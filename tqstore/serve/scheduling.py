@@ -121,26 +121,39 @@ class Scheduler:
                 left -= self._own_step(other)
             ready = ready or other.pending is not None
         decoding = [r for r in self._running if r.pending is not None]
+        overdue = self._overdue()
         if decoding:
+            parking = {id(r.pending) for r in overdue}
             try:
-                spent = self._batch.step(model, [r.pending for r in decoding])
+                served = self._batch.step(model, [r.pending for r in decoding], keep=lambda row: id(row) not in parking)
             except BaseException as e:  # the worker must outlive any one step
                 log.exception("a decode step failed")
                 for running in decoding:
                     running.job.send(Failed(api_error(e)))
                     self._end(running)
                 return
-            self.step_seconds = spent
-            self.metrics.decoded(len(decoding), spent)
+            spent = self.step_seconds = self._batch.seconds
+            self.metrics.decoded(len(served), spent)
+            stepped = {id(row) for row in served}
             for running in decoding:
                 running.seconds += spent
                 running.held += spent
-                self._advance(running)
-        if self._waiting and not self.stopping.is_set():
-            overdue = [r for r in self._running if r.held >= HOLD_SECONDS][:len(self._waiting)]
-            for running in overdue:
+                if id(running.pending) in stepped:
+                    self._advance(running)
+        else:
+            self._batch.settle()
+        for running in overdue:
+            if running in self._running:
                 self._running.remove(running)
                 self._park(running)
+
+    def _overdue(self) -> list[Running]:
+        """The running jobs to park after this cycle's decode step: those that will have held
+        their place for HOLD_SECONDS (counting the step, as long as the last one) while others
+        wait. Known before the step, so that it does not run ahead for them (batch.py)."""
+        if not self._waiting or self.stopping.is_set():
+            return []
+        return [r for r in self._running if r.held + self.step_seconds >= HOLD_SECONDS][:len(self._waiting)]
 
     def _own_step(self, running: Running) -> float:
         """Run one step of a job that does not wait on a Row (a prefill chunk, say); its model time."""
