@@ -95,12 +95,7 @@ def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama,
     assert batchable(loaded, make_prompt_cache(loaded.model, "raw"))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
     gens = [batched_generation(engine, loaded, "raw", p, max_tokens=6) for p in prompts]
-    pending, results = [], [None] * len(gens)
-    for g in gens:
-        step = next(g)
-        while step is None:
-            step = next(g)
-        pending.append(step)
+    pending, results = _first_rows(gens), [None] * len(gens)
     batch = DecodeBatch()
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None]
@@ -148,15 +143,21 @@ def test_families_with_windows_do_not_batch(tmp_path):
     assert not batchable(loaded, make_prompt_cache(loaded.model, "raw"))
 
 
-def _step_all(batch, loaded, gens, absent=lambda step, i: False):
-    """Step generators to their end through `batch`; row i sits out the steps where
-    `absent(step, i)`. Their (result, caches), and the largest group seen."""
-    pending, results, largest, step = [], [None] * len(gens), 0, 0
+def _first_rows(gens):
+    """Run batched generations through their prefills to their first Row each."""
+    rows = []
     for g in gens:
         row = next(g)
         while row is None:
             row = next(g)
-        pending.append(row)
+        rows.append(row)
+    return rows
+
+
+def _step_all(batch, loaded, gens, absent=lambda step, i: False):
+    """Step generators to their end through `batch`; row i sits out the steps where
+    `absent(step, i)`. Their (result, caches), and the largest group seen."""
+    pending, results, largest, step = _first_rows(gens), [None] * len(gens), 0, 0
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None and not absent(step, i)]
         served = {id(r) for r in batch.step(loaded.model, [pending[i] for i in live])}
@@ -231,16 +232,6 @@ def test_turbo4_rows_in_a_batch_answer_as_the_engine_does(tmp_path, llama):
         assert result.tokens == alone.tokens
         assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
         assert all(isinstance(c, TurboQuantKVCache) for c in caches)
-
-
-def _first_rows(gens):
-    rows = []
-    for g in gens:
-        row = next(g)
-        while row is None:
-            row = next(g)
-        rows.append(row)
-    return rows
 
 
 def test_a_step_runs_ahead_and_a_joining_row_waits_one_step(tmp_path, llama):
