@@ -226,8 +226,8 @@ class DecodeBatch:
             at = {id(r): i for i, r in enumerate(launched.rows)}
         following = [r for r in rows if keep is None or keep(r)]
         if following:
-            self._launched = self._launch(model, following, {id(r): (launched.tokens, i) for r, i in
-                                                             ((r, at.get(id(r))) for r in following) if i is not None})
+            ahead = {id(r): (launched.tokens, at[id(r)]) for r in following if id(r) in at}
+            self._launched = self._launch(model, following, ahead)
         tokens = launched.tokens.tolist()  # waits for the launched step only
         served = [r for r in rows if id(r) in at]
         for r in served:
