@@ -222,12 +222,11 @@ class DecodeBatch:
             self._take_back([r for r in launched.rows if id(r) not in present and not r.finished])
             at = {id(r): i for i, r in enumerate(launched.rows) if id(r) in present}
         if not at:  # nothing launched for these rows: their step runs now
-            launched = self._launch(model, list(rows), {})
+            launched = self._launch(model, list(rows), None, {})
             at = {id(r): i for i, r in enumerate(launched.rows)}
         following = [r for r in rows if keep is None or keep(r)]
         if following:
-            ahead = {id(r): (launched.tokens, at[id(r)]) for r in following if id(r) in at}
-            self._launched = self._launch(model, following, ahead)
+            self._launched = self._launch(model, following, launched.tokens, at)
         tokens = launched.tokens.tolist()  # waits for the launched step only
         served = [r for r in rows if id(r) in at]
         for r in served:
@@ -259,9 +258,9 @@ class DecodeBatch:
             if rewind is not None:
                 rewind()
 
-    def _launch(self, model: Any, rows: list[Row], ahead: dict[int, tuple[mx.array, int]]) -> _Launched:
+    def _launch(self, model: Any, rows: list[Row], drawn: mx.array | None, at: dict[int, int]) -> _Launched:
         """Build one step over `rows` and start evaluating it. A row's input is its `token`, or,
-        for rows in `ahead`, entry i of a launched step's still lazy tokens."""
+        for a row in `at`, entry at[id(row)] of `drawn` (a launched step's still lazy tokens)."""
         member = {id(r): j for j, r in enumerate(self.members)}
 
         def length(row: Row) -> int:
@@ -281,17 +280,15 @@ class DecodeBatch:
                 mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
         layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask)
                   for layer in range(len(rows[0].caches))]
-        logits = model(_inputs(ordered, ahead), cache=layers)[:, -1, :]
+        logits = model(_inputs(ordered, drawn, at), cache=layers)[:, -1, :]
         self.lengths = [n + 1 for n in self.lengths]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        greedy = [i for i, r in enumerate(ordered) if r.sample is None]
-        if len(greedy) == len(ordered):
-            tokens = mx.argmax(logprobs, axis=-1)
-        else:
-            drawn = [r.sample(logprobs[i:i + 1]).reshape(1) if r.sample is not None else
-                     mx.argmax(logprobs[i:i + 1], axis=-1) for i, r in enumerate(ordered)]
-            tokens = mx.concatenate([d.astype(mx.int32) for d in drawn])
-        launched = _Launched(ordered, tokens.astype(mx.int32), logprobs)
+        tokens = mx.argmax(logprobs, axis=-1).astype(mx.int32)  # greedy rows' draws
+        sampled = [i for i, r in enumerate(ordered) if r.sample is not None]
+        if sampled:
+            draws = [ordered[i].sample(logprobs[i:i + 1]).reshape(1).astype(mx.int32) for i in sampled]
+            tokens[mx.array(sampled)] = mx.concatenate(draws)
+        launched = _Launched(ordered, tokens, logprobs)
         mx.async_eval(launched.tokens, launched.logprobs)
         return launched
 
@@ -357,17 +354,16 @@ class DecodeBatch:
                                        self.values[layer][j:j + 1, :, start:end])
 
 
-def _inputs(rows: list[Row], ahead: dict[int, tuple[mx.array, int]]) -> mx.array:
-    """The step's [rows, 1] input tokens: each row's `token`, or its entry of a launched step."""
-    if not ahead:
+def _inputs(rows: list[Row], drawn: mx.array | None, at: dict[int, int]) -> mx.array:
+    """The step's [rows, 1] input tokens: entry at[id(row)] of `drawn` for a row in `at`, else
+    the row's `token`."""
+    fresh = [r.token for r in rows if id(r) not in at]
+    if drawn is None or len(fresh) == len(rows):
         return mx.array([[r.token] for r in rows], dtype=mx.int32)
-    sources = {id(t): t for t, _ in ahead.values()}
-    if len(sources) == 1 and len(ahead) == len(rows):  # every row continues from one launched step
-        tokens = next(iter(sources.values()))
-        return tokens[mx.array([ahead[id(r)][1] for r in rows])][:, None]
-    pieces = [ahead[id(r)][0][ahead[id(r)][1]:ahead[id(r)][1] + 1] if id(r) in ahead else
-              mx.array([r.token], dtype=mx.int32) for r in rows]
-    return mx.concatenate(pieces)[:, None]
+    source = mx.concatenate([drawn, mx.array(fresh, dtype=mx.int32)]) if fresh else drawn
+    appended = iter(range(drawn.size, drawn.size + len(fresh)))
+    index = [at[id(r)] if id(r) in at else next(appended) for r in rows]
+    return source[mx.array(index)][:, None]
 
 
 def _stacked(pieces: list[mx.array | None], capacity: int) -> mx.array | None:
