@@ -41,7 +41,7 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import TurboQuantKVCache, compressed_sdpa, install_attention_dispatch
+from turboquant import TurboQuantKVCache, attend_rows, compressed_sdpa, install_attention_dispatch, stack_key
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -88,11 +88,14 @@ def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
 
 class StepKeys:
     """What a step's layer returns as its keys (and values): the group's padded buffers and
-    mask, and each other row's own (keys, values, cache)."""
+    mask, each other row's own (keys, values, cache), and whether compressed rows that share a
+    stored layout attend in one call (`stack`)."""
 
-    def __init__(self, group: tuple[mx.array, mx.array, Any] | None, others: list[tuple[Any, Any, Any]]):
+    def __init__(self, group: tuple[mx.array, mx.array, Any] | None, others: list[tuple[Any, Any, Any]],
+                 stack: bool = True):
         self.group = group
         self.others = others
+        self.stack = stack
 
 
 class StepLayer:
@@ -116,7 +119,7 @@ class StepLayer:
         for i, cache in enumerate(self.others, start=g):
             k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
             others.append((k, v, cache))
-        fetched = StepKeys(group, others)
+        fetched = StepKeys(group, others, stack=self.batch.group_tokens > 0)
         return fetched, fetched
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -130,15 +133,33 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     one masked call over the group's buffers and one call per other row."""
     if not isinstance(keys, StepKeys):
         return compressed_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    outs, g = [], 0
+    outs, order, g = [], [], 0
     if keys.group is not None:
         k, v, group_mask = keys.group
         g = k.shape[0]
         outs.append(compressed_sdpa(queries[:g] if keys.others else queries, k, v, cache=None, scale=scale,
                                     mask=group_mask, sinks=sinks))
-    outs += [compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks)
-             for i, (k, v, c) in enumerate(keys.others, start=g)]
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        order += range(g)
+    stacks: dict[Any, list[int]] = {}
+    for i, (k, v, c) in enumerate(keys.others, start=g):
+        key = stack_key(c) if keys.stack and isinstance(c, TurboQuantKVCache) and sinks is None else None
+        if key is None:
+            outs.append(compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks))
+            order.append(i)
+        else:
+            stacks.setdefault(key, []).append(i)
+    for rows in stacks.values():
+        caches = [keys.others[i - g][2] for i in rows]
+        picked = queries[rows[0]:rows[0] + 1] if len(rows) == 1 else queries[mx.array(rows)]
+        outs.append(attend_rows(caches, picked, scale))
+        order += rows
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    if order != sorted(order):  # back to the batch's row order
+        where = [0] * len(order)
+        for at, i in enumerate(order):
+            where[i] = at
+        out = out[mx.array(where)]
+    return out
 
 
 def install_rows_dispatch() -> None:

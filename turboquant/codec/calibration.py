@@ -51,6 +51,7 @@ class KeyCalibration:
 
     scale: mx.array | None = None  # original basis
     rotated_scale: mx.array | None = None  # rotated basis
+    # ([G, H, D] for the rows of a batched decode step, each row its own: turboquant/cache/rows.py)
 
     def arrays(self) -> dict[str, mx.array]:
         """The arrays a snapshot persists, by name."""
@@ -65,19 +66,19 @@ class KeyCalibration:
 
     def keys_in(self, keys: mx.array) -> mx.array:
         """Original-basis transform of (centred) keys [B, H, T, D] before encoding."""
-        return keys if self.scale is None else keys / self.scale[:, None, :]
+        return keys if self.scale is None else keys / self.scale[..., None, :]
 
     def keys_out(self, keys: mx.array) -> mx.array:
         """Inverse of `keys_in`."""
-        return keys if self.scale is None else keys * self.scale[:, None, :]
+        return keys if self.scale is None else keys * self.scale[..., None, :]
 
     def codec_scale(self) -> mx.array | None:
         """Rotated-basis scale shaped to broadcast over [B, H, T, D], or None."""
-        return None if self.rotated_scale is None else self.rotated_scale[:, None, :]
+        return None if self.rotated_scale is None else self.rotated_scale[..., None, :]
 
     def query_in(self, queries: mx.array) -> mx.array:
         """Original-basis query transform; queries grouped by KV head: [B, H, rows, D]."""
-        return queries if self.scale is None else queries * self.scale[:, None, :]
+        return queries if self.scale is None else queries * self.scale[..., None, :]
 
 
 def block_mean(keys: mx.array) -> mx.array:

@@ -33,10 +33,11 @@ def per_token_shifts(shifts: mx.array, T: int) -> mx.array:
 
 
 def shift_scores(q: mx.array, shifts: mx.array | None, T: int) -> mx.array | float:
-    """q . mean of each token's block: [B, H, rows, T] (0 without shifts)."""
+    """q . mean of each token's block: [B, H, rows, T] (0 without shifts). `shifts`: [H, blocks, D]
+    shared by the batch, or [B, H, blocks, D], each row its own."""
     if shifts is None:
         return 0.0
-    per_block = q @ _t(shifts)[None]
+    per_block = q @ _t(shifts if shifts.ndim == 4 else shifts[None])
     return mx.repeat(per_block, SHIFT_BLOCK, axis=-1)[..., :T]
 
 

@@ -1,0 +1,84 @@
+"""Several rows' compressed caches attended in one call (turboquant/cache/rows.py) give each row
+what it gets alone, bit for bit on this CPU: rows of unequal lengths, tails and block means,
+each with its own calibration."""
+
+import mlx.core as mx
+import pytest
+
+from turboquant import parse_scheme
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.cache.rows import attend_rows, stack_key
+from turboquant.codec.plan import plan_layer
+
+H, R, D = 2, 4, 32
+
+
+def _row(scheme: str, prompt: int, steps: int, seed: int, dtype=mx.float32, **plan) -> TurboQuantKVCache:
+    """A cache prefilled with `prompt` rows, compressed by its first decode step, then `steps`
+    more single rows (some crossing a block boundary): its own data, so its own calibration."""
+    cache = TurboQuantKVCache(plan_layer(parse_scheme(scheme), H, D, D, dtype, **plan))
+    key = mx.random.key(seed)
+    k1, k2, k3 = mx.random.split(key, 3)
+    # Channel gains and biases of its own make each row's fitted calibration its own.
+    gain = mx.exp(mx.random.normal((1, H, 1, D), key=k3))
+    bias = 4.0 * mx.random.normal((1, H, 1, D), key=k2)
+    keys = (mx.random.normal((1, H, prompt + steps, D), key=k1) * gain + bias).astype(dtype)
+    values = mx.random.normal((1, H, prompt + steps, D), key=k2).astype(dtype)
+    cache.update_and_fetch(keys[:, :, :prompt], values[:, :, :prompt])
+    queries = mx.random.normal((1, H * R, prompt, D), key=k3).astype(dtype)
+    cache.observe_queries(queries, 0.5)
+    for t in range(prompt, prompt + steps):
+        cache.update_and_fetch(keys[:, :, t:t + 1], values[:, :, t:t + 1])
+    if not steps:
+        cache.compress()  # what a restored, saved entry holds: every row compressed
+    return cache
+
+
+def _alone_and_together(caches: list[TurboQuantKVCache], dtype=mx.float32) -> tuple[mx.array, mx.array]:
+    queries = mx.random.normal((len(caches), H * R, 1, D), key=mx.random.key(99)).astype(dtype)
+    alone = mx.concatenate([c.attention(queries[g:g + 1], D ** -0.5) for g, c in enumerate(caches)])
+    together = attend_rows(caches, queries, D ** -0.5)
+    return alone, together
+
+
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4", "turbo8v3", "turbo0v4", "turbo3"])
+def test_rows_attended_together_match_each_alone_bit_for_bit(scheme):
+    # lengths: a short prompt, one with a tail, one crossing a block, one two blocks long
+    shapes = [(16, 1), (40, 9), (250, 12), (300, 3), (520, 1)]
+    caches = [_row(scheme, prompt, steps, seed) for seed, (prompt, steps) in enumerate(shapes)]
+    assert len({stack_key(c) for c in caches}) == 1
+    if parse_scheme(scheme).calibrated:
+        assert caches[0].calibration is None  # 16 rows: too few to fit one (MIN_ROWS)
+        scales = [c.calibration.scale for c in caches[1:]]
+        assert all(s is not None for s in scales) and not mx.array_equal(scales[0], scales[1]).item()
+    alone, together = _alone_and_together(caches)
+    assert together.shape == alone.shape and together.dtype == alone.dtype
+    assert mx.array_equal(alone, together).item()
+
+
+def test_rows_with_and_without_a_tail_or_a_calibration_match_alone():
+    # 16 prompt rows are too few to fit a calibration (MIN_ROWS); rows compressed whole (as
+    # saved) have no tail; a step past a block's end encodes the block it left open
+    caches = [_row("turbo4", 16, 0, 0), _row("turbo4", 300, 0, 1), _row("turbo4", 255, 1, 2),
+              _row("turbo4", 200, 57, 3), _row("turbo4", 40, 2, 4)]
+    assert caches[0].calibration is None and caches[1].calibration is not None
+    assert caches[0].offset == caches[0].stored and caches[1].offset == caches[1].stored
+    assert (caches[3].stored, caches[3].offset) == (256, 257)
+    alone, together = _alone_and_together(caches)
+    assert mx.array_equal(alone, together).item()
+
+
+def test_bfloat16_rows_keep_their_dtype_and_match_alone():
+    caches = [_row("turbo4", n, 3, seed, mx.bfloat16) for seed, n in enumerate((20, 70, 130))]
+    alone, together = _alone_and_together(caches, mx.bfloat16)
+    assert together.dtype == mx.bfloat16
+    assert mx.array_equal(alone, together).item()
+
+
+def test_rows_that_cannot_share_a_call_have_different_keys():
+    plain, protected = _row("turbo4", 64, 1, 0), _row("turbo4", 64, 1, 1, protected=True)
+    assert stack_key(plain) != stack_key(protected)
+    assert stack_key(plain) != stack_key(_row("turbo5v4", 64, 1, 0))
+    fresh = TurboQuantKVCache(plan_layer(parse_scheme("turbo4"), H, D, D, mx.float32))
+    fresh.update_and_fetch(mx.zeros((1, H, 8, D)), mx.zeros((1, H, 8, D)))
+    assert stack_key(fresh) is None  # still in prefill: attends alone
