@@ -1,13 +1,13 @@
 """Several rows' compressed caches attended in one call (turboquant/cache/rows.py) give each row
 what it gets alone, bit for bit on this CPU: rows of unequal lengths, tails and block means,
-each with its own calibration."""
+each with its own calibration; and a stack kept across steps stays each row's own."""
 
 import mlx.core as mx
 import pytest
 
 from turboquant import parse_scheme
 from turboquant.cache.compressed import TurboQuantKVCache
-from turboquant.cache.rows import attend_rows, stack_key
+from turboquant.cache.rows import RowStack, stack_key
 from turboquant.codec.plan import plan_layer
 
 H, R, D = 2, 4, 32
@@ -34,10 +34,13 @@ def _row(scheme: str, prompt: int, steps: int, seed: int, dtype=mx.float32, **pl
     return cache
 
 
-def _alone_and_together(caches: list[TurboQuantKVCache], dtype=mx.float32) -> tuple[mx.array, mx.array]:
-    queries = mx.random.normal((len(caches), H * R, 1, D), key=mx.random.key(99)).astype(dtype)
+def _alone_and_together(caches: list[TurboQuantKVCache], dtype=mx.float32, stack: RowStack | None = None,
+                        new: tuple[mx.array, mx.array] | None = None, seed: int = 99) -> tuple[mx.array, mx.array]:
+    queries = mx.random.normal((len(caches), H * R, 1, D), key=mx.random.key(seed)).astype(dtype)
     alone = mx.concatenate([c.attention(queries[g:g + 1], D ** -0.5) for g, c in enumerate(caches)])
-    together = attend_rows(caches, queries, D ** -0.5)
+    if new is None:  # a fresh stack copies the rows in and does not read the step's new rows
+        new = (None, None)
+    together = (stack or RowStack()).attend(caches, *new, queries, D ** -0.5)
     return alone, together
 
 
@@ -82,3 +85,31 @@ def test_rows_that_cannot_share_a_call_have_different_keys():
     fresh = TurboQuantKVCache(plan_layer(parse_scheme("turbo4"), H, D, D, mx.float32))
     fresh.update_and_fetch(mx.zeros((1, H, 8, D)), mx.zeros((1, H, 8, D)))
     assert stack_key(fresh) is None  # still in prefill: attends alone
+
+
+def test_a_stack_kept_across_steps_mirrors_its_rows_and_rebuilds_when_one_changes(monkeypatch):
+    """Steps that add one row to each cache are written into the stacked tails (no rebuild), and
+    each row still gets its own answer; a block encoded (a row's tail reaching 256), a step
+    taken back (trim) and a row leaving rebuild the stack from the caches."""
+    builds = []
+    build = RowStack._build
+    monkeypatch.setattr(RowStack, "_build", lambda self, caches: builds.append(len(caches)) or build(self, caches))
+    caches = [_row("turbo4", n, 1, seed) for seed, n in enumerate((20, 250, 60))]
+    stack = RowStack()
+    keys = mx.random.normal((3, H, 12, D), key=mx.random.key(7))
+    values = mx.random.normal((3, H, 12, D), key=mx.random.key(8))
+    for step in range(12):
+        if step == 9:
+            for c in caches:
+                c.trim(1)  # the step before taken back (every row), then stepped again
+        new = (keys[:, :, step:step + 1], values[:, :, step:step + 1])
+        for g, c in enumerate(caches):
+            c.update_and_fetch(new[0][g:g + 1], new[1][g:g + 1])
+        alone, together = _alone_and_together(caches, stack=stack, new=new, seed=step)
+        assert mx.array_equal(alone, together).item(), step
+    # built at the first step, when the 250-token row encoded its block (offset 256 -> 257:
+    # step 5) and after the trim
+    assert builds == [3, 3, 3]
+    assert caches[1].stored == 256
+    alone, together = _alone_and_together(caches[::2], stack=stack)
+    assert mx.array_equal(alone, together).item() and builds == [3, 3, 3, 2]

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
     from turboquant.attention.kernels import select_backend
     from turboquant.cache.compressed import TurboQuantKVCache
-    from turboquant.cache.rows import attend_rows, stack_key
+    from turboquant.cache.rows import RowStack, stack_key
     from turboquant.codec.codebook import Codebook, lloyd_max_codebook
     from turboquant.codec.plan import plan_layer
     from turboquant.codec.turbo import NormMode, TurboCodec
@@ -45,7 +45,7 @@ _LAZY = {
                                            "settle", "settle_all")},
     "select_backend": ("attention.kernels", "select_backend"),
     "TurboQuantKVCache": ("cache.compressed", "TurboQuantKVCache"),
-    **{n: ("cache.rows", n) for n in ("attend_rows", "stack_key")},
+    **{n: ("cache.rows", n) for n in ("RowStack", "stack_key")},
     **{n: ("codec.codebook", n) for n in ("Codebook", "lloyd_max_codebook")},
     "plan_layer": ("codec.plan", "plan_layer"),
     **{n: ("codec.turbo", n) for n in ("NormMode", "TurboCodec")},

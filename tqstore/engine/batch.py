@@ -14,12 +14,16 @@ the output head run batched. Attention runs in one of two forms per row:
   caches hold its prompt throughout and every token again once it leaves. TurboQuant rows stay
   out of the group: dense attention over their raw or decoded rows answered otherwise than `ask`
   (attention over the compressed storage) for the same prompt.
-- Longer rows, and TurboQuant rows, attend one at a time over their own caches, through
-  TurboQuant's dispatch.
+- TurboQuant rows of at most GROUP_TOKENS tokens whose layer shares a stored layout with
+  others' (`stack_key`) attend over their compressed storage together, one call per layer
+  (turboquant's `RowStack`, which keeps their buffers stacked across steps); each row's
+  arithmetic is its own, as alone.
+- Longer rows, and TurboQuant rows with no other of their layout, attend one at a time over
+  their own caches, through TurboQuant's dispatch.
 
-With MLX's bundled BLAS a raw row's arithmetic is its own either way (the padded positions add
+With MLX's bundled BLAS a row's arithmetic is its own either way (the padded positions add
 exact zeros): a greedy answer does not depend on what else is in the batch
-(tests/test_server_batch.py). Greedy rows draw with one argmax over the batch; sampled rows each
+(tests/test_server_batch.py, tests/test_attention_rows.py). Greedy rows draw with one argmax over the batch; sampled rows each
 draw from their own random sequence.
 
 Steps run one ahead of the tokens handed out (`DecodeBatch`): the device computes a step while
@@ -41,7 +45,7 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import TurboQuantKVCache, attend_rows, compressed_sdpa, install_attention_dispatch, stack_key
+from turboquant import RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch, stack_key
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -88,14 +92,15 @@ def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
 
 class StepKeys:
     """What a step's layer returns as its keys (and values): the group's padded buffers and
-    mask, each other row's own (keys, values, cache), and whether compressed rows that share a
-    stored layout attend in one call (`stack`)."""
+    mask, each other row's own (keys, values, cache, stack key: None attends alone), the step's
+    new keys and values of every row, and the layer's `RowStack`s by stack key."""
 
-    def __init__(self, group: tuple[mx.array, mx.array, Any] | None, others: list[tuple[Any, Any, Any]],
-                 stack: bool = True):
+    def __init__(self, group: tuple[mx.array, mx.array, Any] | None, others: list[tuple[Any, Any, Any, Any]],
+                 new: tuple[mx.array, mx.array], stacks: dict[Any, RowStack]):
         self.group = group
         self.others = others
-        self.stack = stack
+        self.new = new
+        self.stacks = stacks
 
 
 class StepLayer:
@@ -118,8 +123,9 @@ class StepLayer:
         others = []
         for i, cache in enumerate(self.others, start=g):
             k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-            others.append((k, v, cache))
-        fetched = StepKeys(group, others, stack=self.batch.group_tokens > 0)
+            stacks = isinstance(cache, TurboQuantKVCache) and cache.offset <= self.batch.group_tokens
+            others.append((k, v, cache, stack_key(cache) if stacks else None))
+        fetched = StepKeys(group, others, (keys, values), self.batch.stacks[self.layer])
         return fetched, fetched
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -130,7 +136,8 @@ class StepLayer:
 
 def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's scaled_dot_product_attention (through TurboQuant's dispatch); in a decode step,
-    one masked call over the group's buffers and one call per other row."""
+    one masked call over the group's buffers, one call per `RowStack` of compressed rows that
+    share a stored layout, and one call per other row."""
     if not isinstance(keys, StepKeys):
         return compressed_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     outs, order, g = [], [], 0
@@ -140,19 +147,24 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
         outs.append(compressed_sdpa(queries[:g] if keys.others else queries, k, v, cache=None, scale=scale,
                                     mask=group_mask, sinks=sinks))
         order += range(g)
-    stacks: dict[Any, list[int]] = {}
-    for i, (k, v, c) in enumerate(keys.others, start=g):
-        key = stack_key(c) if keys.stack and isinstance(c, TurboQuantKVCache) and sinks is None else None
-        if key is None:
+    stacked: dict[Any, list[int]] = {}
+    for i, (_, _, _, key) in enumerate(keys.others, start=g):
+        if key is not None and sinks is None:
+            stacked.setdefault(key, []).append(i)
+    stacked = {key: rows for key, rows in stacked.items() if len(rows) > 1}
+    shared = {i for rows in stacked.values() for i in rows}
+    for i, (k, v, c, _) in enumerate(keys.others, start=g):
+        if i not in shared:
             outs.append(compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks))
             order.append(i)
-        else:
-            stacks.setdefault(key, []).append(i)
-    for rows in stacks.values():
-        caches = [keys.others[i - g][2] for i in rows]
-        picked = queries[rows[0]:rows[0] + 1] if len(rows) == 1 else queries[mx.array(rows)]
-        outs.append(attend_rows(caches, picked, scale))
+    kept = {key: keys.stacks.get(key) or RowStack() for key in stacked}
+    for key, rows in stacked.items():
+        index = mx.array(rows)
+        outs.append(kept[key].attend([keys.others[i - g][2] for i in rows], keys.new[0][index],
+                                     keys.new[1][index], queries[index], scale))
         order += rows
+    keys.stacks.clear()  # stacks no rows used this step go, and their copies with them
+    keys.stacks.update(kept)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     if order != sorted(order):  # back to the batch's row order
         where = [0] * len(order)
@@ -217,6 +229,7 @@ class DecodeBatch:
         self.keys: list[mx.array | None] = []
         self.values: list[mx.array | None] = []
         self.seconds = 0.0  # the last step's
+        self.stacks: list[dict[Any, RowStack]] = []  # per layer: compressed rows stacked across steps
         self._launched: _Launched | None = None
 
     def step(self, model: Any, rows: Sequence[Row], keep: Callable[[Row], bool] | None = None) -> list[Row]:
@@ -264,6 +277,7 @@ class DecodeBatch:
         if launched is not None:
             self._take_back([r for r in launched.rows if not r.finished])
         self._regroup([])
+        self.stacks = []
 
     def _take_back(self, rows: list[Row]) -> None:
         """Undo the launched step's token of rows that sit out the next step unfinished: the
@@ -299,8 +313,10 @@ class DecodeBatch:
             if min(self.lengths) + 1 < width:  # rows of unequal length: hide each row's padding
                 positions = offset[:len(self.members)] if others else offset
                 mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
+        depth = len(rows[0].caches)
+        self.stacks += [{} for _ in range(depth - len(self.stacks))]
         layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask)
-                  for layer in range(len(rows[0].caches))]
+                  for layer in range(depth)]
         logits = model(_inputs(ordered, drawn, at), cache=layers)[:, -1, :]
         self.lengths = [n + 1 for n in self.lengths]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

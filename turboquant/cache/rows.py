@@ -1,16 +1,20 @@
 """Several rows' compressed caches in one decode step's attention (a server's batch).
 
 Each row keeps its own `TurboQuantKVCache` (its own codec sides, calibration, block means and
-raw tail); for the step their buffers are stacked along the batch axis, each row's own
+raw tail); a `RowStack` keeps their buffers stacked along the batch axis, each row's own
 calibration and block means beside the others', and `rows_attention` attends every row over
 its own rows in one set of ops instead of one set per row. Rows whose layers share a stored
-layout (the same plan as stored: `stack_key`) stack; the plain-ops path is what the CPU runs,
-and where the fused GPU kernels apply each row keeps its own kernel calls.
+layout (the same plan as stored: `stack_key`) stack. The plain-ops path is what the CPU runs;
+where the fused GPU kernels apply, each row keeps its own kernel calls.
+
+What a stack costs: a copy of its rows' compressed rows and a raw tail of TAIL_ROWS rows per
+row, per layer (the server stacks rows under 1,024 tokens), and a copy of every row again
+whenever one of them encodes a block (every 256 tokens) or the set of rows changes.
 """
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import mlx.core as mx
 
@@ -21,7 +25,7 @@ from turboquant.codec.calibration import KeyCalibration
 
 
 def stack_key(cache: TurboQuantKVCache) -> Hashable | None:
-    """Caches with equal keys can attend in one `attend_rows` call; None: this one attends alone
+    """Caches with equal keys can share a `RowStack`; None: this one attends alone
     (not compressed yet, nothing stored, or more than one row)."""
     if not cache.compressed or not cache.stored or cache.batch != 1:
         return None
@@ -32,33 +36,76 @@ def stack_key(cache: TurboQuantKVCache) -> Hashable | None:
     return memo[1]
 
 
-def attend_rows(caches: list[TurboQuantKVCache], queries: mx.array, scale: float) -> mx.array:
-    """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's compressed
-    cache, caches of one `stack_key`: [G, Hq, 1, D]."""
-    if len(caches) == 1:
-        return caches[0].attention(queries, scale)
-    if select_backend() is not None:
-        return mx.concatenate([c.attention(queries[g:g + 1], scale) for g, c in enumerate(caches)])
-    first = caches[0]
-    stored = [c.stored for c in caches]
-    tails = [c.offset - c.stored for c in caches]
-    arrays = {name: _stacked([c._store.arrays[name] for c in caches], max(stored))
-              for name in first._store.arrays}
-    tail = None
-    if max(tails):
-        tail = tuple(_stacked([c._tail.arrays.get(name) if n else None for c, n in zip(caches, tails)], max(tails))
-                     for name in ("keys", "values"))
-    shifts = None
-    if first._shifts is not None:
-        shifts = _stacked([c._shifts[None] for c in caches], max(c._shifts.shape[1] for c in caches))
-    key_side = first.active.key.side("keys", _stacked_calibration(caches))
-    return rows_attention(queries, key_side, first._value_side, arrays, stored, shifts, tail, tails, scale)
+TAIL_ROWS = 256  # a row's raw tail holds at most this many rows after a decode step (compressed.py)
 
 
-def _stacked(pieces: list[mx.array | None], n: int) -> mx.array:
+class RowStack:
+    """One layer's rows of one `stack_key`, kept stacked across decode steps.
+
+    The first step over a set of rows (and any step after one of them changed otherwise than by
+    this step's row: a block encoded, a step taken back, rows joining or leaving) copies their
+    buffers in; the steps after that write each row's new key and value into the stacked tails
+    with one scatter, as the rows' own caches do with theirs. The rows' own caches stay the
+    record (what is encoded, trimmed and saved); the stack only mirrors them for attention.
+    """
+
+    def __init__(self):
+        self._held: list[tuple[TurboQuantKVCache, int, int]] = []  # (cache, stored, offset) as stacked
+        self._arrays: dict[str, mx.array] = {}
+        self._tail: tuple[mx.array, mx.array] | None = None
+        self._shifts: mx.array | None = None
+        self._key_side = None
+
+    def attend(self, caches: list[TurboQuantKVCache], keys: mx.array, values: mx.array, queries: mx.array,
+               scale: float) -> mx.array:
+        """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache, after
+        each cache took this step's row (`keys`, `values` [G, H, 1, D], the same rows): [G, Hq, 1, D].
+        The caches share one `stack_key`."""
+        if len(caches) == 1:
+            return caches[0].attention(queries, scale)
+        if select_backend() is not None:
+            return mx.concatenate([c.attention(queries[g:g + 1], scale) for g, c in enumerate(caches)])
+        held = [(c, c.stored, c.offset) for c in caches]
+        if self._follows(held):
+            at = mx.array([offset - 1 - stored for _, stored, offset in held])
+            rows = mx.arange(len(caches))
+            self._tail[0][rows, :, at] = keys[:, :, 0, :]
+            self._tail[1][rows, :, at] = values[:, :, 0, :]
+        else:
+            self._build(caches)
+        self._held = held
+        stored = [c.stored for c in caches]
+        tails = [c.offset - c.stored for c in caches]
+        longest = max(tails)
+        tail = None if not longest else (self._tail[0][:, :, :longest], self._tail[1][:, :, :longest])
+        return rows_attention(queries, self._key_side, caches[0]._value_side, self._arrays, stored, self._shifts,
+                              tail, tails, scale)
+
+    def _follows(self, held: list[tuple[TurboQuantKVCache, int, int]]) -> bool:
+        """Whether each row only took one row into its tail since the last step."""
+        return len(held) == len(self._held) and all(
+            c is was and stored == was_stored and offset == was_offset + 1
+            for (c, stored, offset), (was, was_stored, was_offset) in zip(held, self._held))
+
+    def _build(self, caches: list[TurboQuantKVCache]) -> None:
+        first = caches[0]
+        stored = max(c.stored for c in caches)
+        self._arrays = {name: _stacked([c._store.arrays[name] for c in caches], stored)
+                        for name in first._store.arrays}
+        plan = first.plan
+        self._tail = tuple(_stacked([c._tail.arrays.get(name) if c.offset > c.stored else None for c in caches],
+                                    TAIL_ROWS, mx.zeros((1, plan.n_kv_heads, 0, d), first.native_dtype))
+                           for name, d in (("keys", plan.head_dim_k), ("values", plan.head_dim_v)))
+        self._shifts = None
+        if first._shifts is not None:
+            self._shifts = _stacked([c._shifts[None] for c in caches], max(c._shifts.shape[1] for c in caches))
+        self._key_side = first.active.key.side("keys", _stacked_calibration(caches))
+
+
+def _stacked(pieces: list[mx.array | None], n: int, like: mx.array | None = None) -> mx.array:
     """Rows' buffers [1, H, tokens (or blocks), ...] cut or zero-padded to n along axis 2, as one
-    [rows, H, n, ...] array (None: zeros shaped like the others)."""
-    like = next(p for p in pieces if p is not None)
+    [rows, H, n, ...] array (None: zeros shaped like the others, or like `like`)."""
+    like = next((p for p in pieces if p is not None), like)
 
     def fit(p: mx.array | None) -> mx.array:
         if p is None:
