@@ -48,7 +48,9 @@ from server_process import ServerProcess  # noqa: E402
 
 DOC = ROOT / "docs" / "server.md"
 MARKER = "server_batch"
-FORMS = ("group", "per row")  # the decode steps' attention: DecodeBatch's group, or one call per row
+# The decode steps' attention: DecodeBatch's group (raw rows) and RowStacks (compressed rows), or one
+# call per row.
+FORMS = ("group", "per row")
 
 
 def say(message: str) -> None:
@@ -334,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                                              for kind in ("wall", "cpu")]
                    for scheme in args.schemes for form in FORMS for c in args.concurrency]
     body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `DecodeBatch.step` over rows "
-             "prefilled first; no HTTP, no detokenizing for clients), with the rows attending as one group (what the "
-             "server does under 1,024 tokens) and one call per row (`DecodeBatch(group_tokens=0)`, the form "
-             "before the group), alternating:\n\n"
+             "prefilled first; no HTTP, no detokenizing for clients), with the rows attending together (group: raw "
+             "rows in the group, compressed rows of one stored layout stacked, what the server does under 1,024 "
+             "tokens) and one call per row (`DecodeBatch(group_tokens=0)`, the form before either), "
+             "alternating:\n\n"
              + markdown_table(["scheme", "attention", "rows", "tokens/s (x one row)",
                                "tokens per CPU-second (x one row)"], decode_rows))
     if firsts:
