@@ -217,18 +217,28 @@ def test_prefill_in_chunks_of_any_size_gives_the_same_caches(tmp_path, llama):
             assert mx.array_equal(x, y)
 
 
-def test_turbo4_rows_in_a_batch_answer_as_the_engine_does(tmp_path, llama):
-    """Rows of a compressed scheme decode over their compressed storage, one row at a time, as
-    `ask` does: the group's dense attention over their raw prompt rows gave other answers than
-    `ask` for the same prompt (a reliability trial through the server failed that way)."""
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4"])
+def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch, scheme):
+    """Rows of a compressed scheme attend over their compressed storage, as `ask` does (the
+    group's dense attention over their raw prompt rows gave other answers than `ask` for the
+    same prompt, which a reliability trial through the server caught): rows of one stored
+    layout together in a RowStack, each bit for bit as alone, a prompt past a block's end
+    (its own block means) among them."""
+    import tqstore.engine.batch as batch_module
+
+    stacked = []
+    attend = batch_module.RowStack.attend
+    monkeypatch.setattr(batch_module.RowStack, "attend",
+                        lambda self, caches, *a: stacked.append(len(caches)) or attend(self, caches, *a))
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
-    gens = [batched_generation(engine, loaded, "turbo4", p, max_tokens=6) for p in prompts]
+    prompts.append(loaded.tokenizer.encode(" ".join(PROMPTS) * 2)[:300])
+    gens = [batched_generation(engine, loaded, scheme, p, max_tokens=6) for p in prompts]
     results, grouped = _step_all(DecodeBatch(), loaded, gens)
-    assert grouped == 0
+    assert grouped == 0 and stacked and max(stacked) == len(prompts)
     for prompt, (result, caches) in zip(prompts, results):
-        alone = engine.generate(loaded, "turbo4", prompt, max_tokens=6)
+        alone = engine.generate(loaded, scheme, prompt, max_tokens=6)
         assert result.tokens == alone.tokens
         assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
         assert all(isinstance(c, TurboQuantKVCache) for c in caches)
