@@ -142,8 +142,7 @@ class Prefiller:
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
-            mx.eval(body(mx.array(tokens[done:end - at])[None], cache=caches))
-            mx.eval([c.state for c in caches])
+            mx.eval(body(mx.array(tokens[done:end - at])[None], cache=caches), [c.state for c in caches])
             done = end - at
             context.prefilled(end)
             seconds += time.perf_counter() - t0

@@ -25,9 +25,10 @@ import mlx.core as mx
 
 from turboquant.attention.compressed import MaskLike, causal_mask, compressed_attention
 from turboquant.cache.buffers import TokenBuffers, detach
-from turboquant.codec.calibration import CALIBRATION_TOKENS, KeyCalibration, fit_key_calibration, noise_gain
+from turboquant.codec.calibration import CALIBRATION_TOKENS, KeyCalibration, fitting, noise_gain
 from turboquant.codec.plan import BASE_KEYS, LayerPlan
 from turboquant.codec.schemes import Format
+from turboquant.codec.stages import Stages, run
 from turboquant.codec.sides import SHIFT_BLOCK, per_token_shifts
 from turboquant.records import BLOCK_TOKENS, CodecRecord, LayerRecord, Layout, check_record_arrays
 
@@ -141,7 +142,6 @@ class TurboQuantKVCache:
         power = mx.sum(q * q, axis=(0, 2, 3))
         self._query_power = power if self._query_power is None else self._query_power + power
         self._query_rows += B * (hq // self.plan.n_kv_heads) * n
-        mx.eval(self._query_power)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """Same masks as mlx-lm's KVCache."""
@@ -190,21 +190,27 @@ class TurboQuantKVCache:
 
     def compress(self) -> None:
         """Compress every raw row now: the prefill on first use, the tail afterwards (save)."""
+        run(self.compressing())
+
+    def compressing(self) -> Stages[None]:
+        """`compress` in stages (turboquant/codec/stages.py): it yields the arrays each of its
+        decisions reads, so that `compress_caches` compresses every layer of a model with one
+        evaluation per decision for all of them."""
         if not self.compressed:
             raw = self._tail.view(self.offset) if self.offset else {}
             power = None if not self._query_rows else self._query_power / self._query_rows
             if self.plan.calibrated and raw:
-                self.calibration = self.fit(self.plan, raw["keys"], power)
-                if self.plan.guard is not None and self._guard_trips(raw["keys"], power):
+                self.calibration = yield from self.fitting(self.plan, raw["keys"], power)
+                if self.plan.guard is not None and (yield from self._guard_trips(raw["keys"], power)):
                     self.active = self.plan.protected_plan()
-                    self.calibration = self.fit(self.active, raw["keys"], power)
+                    self.calibration = yield from self.fitting(self.active, raw["keys"], power)
                 if self.plan.budget is not None:
                     if self.allocated is None and self.plan.group is not None:
                         self.plan.group.decide()  # every layer of the group at once (allocation.py)
                     self.allocated = self.allocated or BASE_KEYS
                     if self.allocated != BASE_KEYS:
                         self.active = self.plan.with_layout(self.allocated)
-                        self.calibration = self.fit(self.active, raw["keys"], power)
+                        self.calibration = yield from self.fitting(self.active, raw["keys"], power)
             self._query_power, self._query_rows = None, 0
             self._key_side = self.active.key.side("keys", self.calibration)
             self._value_side = self.active.value.side("values")
@@ -213,7 +219,7 @@ class TurboQuantKVCache:
             tail = self._tail.view(self.offset - self.stored)
             self._tail.clear()
             self._encode(tail["keys"], tail["values"])
-            mx.eval(*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else []))
+            yield [*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else [])]
 
     def extend(self, keys: mx.array, values: mx.array) -> None:
         """Append rows and compress everything held now (the encoder behind at-rest layers)."""
@@ -238,14 +244,21 @@ class TurboQuantKVCache:
 
     @staticmethod
     def fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
-        rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
-        return fit_key_calibration(keys, rotation, plan.calibration, power)
+        """The key calibration `plan` fits to `keys` (and the query power, when observed)."""
+        return run(TurboQuantKVCache.fitting(plan, keys, power))
 
-    def _guard_trips(self, keys: mx.array, power: mx.array | None) -> bool:
+    @staticmethod
+    def fitting(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> Stages[KeyCalibration | None]:
+        rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
+        return fitting(keys, rotation, plan.calibration, power)
+
+    def _guard_trips(self, keys: mx.array, power: mx.array | None) -> Stages[bool]:
         """Statistics-chosen protection; position-based when no queries were observed."""
         if power is None:
             return self.plan.boundary
-        return bool(mx.max(noise_gain(keys, self.calibration, power)).item() > self.plan.guard)
+        gain = mx.max(noise_gain(keys, self.calibration, power))
+        yield [gain]
+        return bool(gain.item() > self.plan.guard)
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         """New rows go to the raw tail, after the rows of earlier updates up to the last block

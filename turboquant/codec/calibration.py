@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from turboquant.codec.rotation import Rotation
+from turboquant.codec.stages import Stages, run
 
 CALIBRATION_TOKENS = 256
 MIN_ROWS = 32
@@ -99,6 +100,13 @@ def fit_key_calibration(
     CALIBRATION_TOKENS tokens only, so the result depends on the first storage block alone.
     Returns None when there are fewer than MIN_ROWS rows or every part comes out flat.
     """
+    return run(fitting(keys, rotation, config, query_power))
+
+
+def fitting(keys: mx.array, rotation: Rotation | None, config: CalibrationConfig,
+            query_power: mx.array | None = None) -> Stages[KeyCalibration | None]:
+    """`fit_key_calibration` in stages (codec/stages.py), so that many layers fit with one
+    evaluation per decision for all of them."""
     if not (config.channel_scale or config.rotated_scale):
         return None
     keys = keys[..., :CALIBRATION_TOKENS, :].astype(mx.float32)
@@ -114,7 +122,7 @@ def fit_key_calibration(
         ratio = mx.sqrt(power) if query_power is None else mx.sqrt(power / mx.maximum(query_power, 1e-12))
         scale = mx.clip(mx.sqrt(_relative(ratio)), *SCALE_CLIP)
         scale = scale / mx.mean(scale, axis=-1, keepdims=True)
-        if _flat(scale):
+        if (yield from _flat(scale)):
             scale = None
         else:
             rows = rows / scale[:, None, :]
@@ -125,12 +133,12 @@ def fit_key_calibration(
         norms = mx.sqrt(mx.sum(rows * rows, axis=-1, keepdims=True))
         sigma = mx.sqrt(mx.var(rotation.forward(rows / mx.maximum(norms, 1e-8)), axis=1))
         rotated_scale = mx.clip(_relative(sigma), *ROTATED_CLIP)
-        if _flat(rotated_scale):
+        if (yield from _flat(rotated_scale)):
             rotated_scale = None
     if scale is None and rotated_scale is None:
         return None
     result = KeyCalibration(scale=scale, rotated_scale=rotated_scale)
-    mx.eval(*result.arrays().values())
+    yield list(result.arrays().values())
     return result
 
 
@@ -160,5 +168,7 @@ def _relative(x: mx.array) -> mx.array:
     return mx.where(mean > 0, x / mx.where(mean > 0, mean, 1.0), 1.0)
 
 
-def _flat(s: mx.array) -> bool:
-    return bool(mx.max(mx.abs(s - 1.0)).item() < FLAT_TOLERANCE)
+def _flat(s: mx.array) -> Stages[bool]:
+    deviation = mx.max(mx.abs(s - 1.0))
+    yield [deviation]
+    return bool(deviation.item() < FLAT_TOLERANCE)

@@ -1,0 +1,65 @@
+"""A model's TurboQuant layers compressed in lockstep (`start_decoding`, turboquant/codec/stages.py):
+the same bytes as each layer compressed on its own, with one evaluation per decision for all
+the layers instead of several per layer (on a GPU each one waited for the device)."""
+
+import mlx.core as mx
+import pytest
+
+from kv_data import kv_rows
+from turboquant import parse_scheme, start_decoding
+from turboquant.adapter.snapshots import snapshot
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.codec import stages
+from turboquant.codec.plan import plan_layer
+
+LAYERS = 6
+
+
+def _layers(scheme: str, tokens: int) -> list[TurboQuantKVCache]:
+    """Prefilled layers, each with its own keys and observed queries; the queries of the odd
+    layers are loud enough for the guard to protect them (affine8 keys)."""
+    caches = []
+    for layer in range(LAYERS):
+        cache = TurboQuantKVCache(plan_layer(parse_scheme(scheme), 2, 64, 64, mx.float32, guard=3.6))
+        k, v = kv_rows(1, 2, tokens, 64, seed=layer)
+        cache.update_and_fetch(k, v)
+        gain = 100.0 if layer % 2 else 0.01
+        cache.observe_queries(mx.random.normal((1, 4, tokens, 64), key=mx.random.key(layer)) * gain, scale=0.125)
+        caches.append(cache)
+    return caches
+
+
+def _counting_evals(monkeypatch) -> list[int]:
+    calls = []
+    real = stages.mx.eval
+    monkeypatch.setattr(stages.mx, "eval", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("scheme, tokens", [("turbo4", 300), ("turbo5v4", 300), ("turbo4", 20)])
+def test_layers_compressed_in_lockstep_store_what_each_stores_alone(monkeypatch, scheme, tokens):
+    alone = _layers(scheme, tokens)
+    together = _layers(scheme, tokens)
+    for cache in alone:
+        cache.compress()
+    calls = _counting_evals(monkeypatch)
+    start_decoding(together)
+    # a calibration's two flatness checks and its scales, the guard's verdict, a protected
+    # layer's refit (two more), the encoded rows: at most 7 evaluations for any number of layers
+    assert 1 <= len(calls) <= 7
+    if tokens >= 32:
+        assert {c.guarded for c in together} == {True, False}
+    a, b = snapshot(alone), snapshot(together)
+    for ra, rb in zip(a.layers, b.layers):
+        assert (ra.layout, ra.offset, ra.state) == (rb.layout, rb.offset, rb.state)
+        for part in ("arrays", "calibration"):
+            x, y = getattr(ra, part), getattr(rb, part)
+            assert set(x) == set(y)
+            assert all(mx.array_equal(x[n], y[n]).item() for n in x), part
+
+
+def test_each_layer_alone_evaluates_at_every_decision(monkeypatch):
+    calls = _counting_evals(monkeypatch)
+    (cache,) = _layers("turbo4", 300)[:1]
+    cache.compress()
+    assert len(calls) >= 3  # what lockstep spares: this many per layer
