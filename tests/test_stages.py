@@ -1,4 +1,4 @@
-"""A model's TurboQuant layers compressed in lockstep (`start_decoding`, turboquant/codec/stages.py):
+"""A model's TurboQuant layers compressed in lockstep (`Context.compress`, turboquant/codec/stages.py):
 the same bytes as each layer compressed on its own, with one evaluation per decision for all
 the layers instead of several per layer (on a GPU each one waited for the device)."""
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 
 from kv_data import kv_rows
-from turboquant import parse_scheme, start_decoding
+from turboquant import Context, parse_scheme
 from turboquant.adapter.snapshots import snapshot
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec import stages
@@ -43,7 +43,7 @@ def test_layers_compressed_in_lockstep_store_what_each_stores_alone(monkeypatch,
     for cache in alone:
         cache.compress()
     calls = _counting_evals(monkeypatch)
-    start_decoding(together)
+    Context(together, "whole", 256, None).compress()
     # a calibration's two flatness checks and its scales, the guard's verdict, a protected
     # layer's refit (two more), the encoded rows: at most 7 evaluations for any number of layers
     assert 1 <= len(calls) <= 7

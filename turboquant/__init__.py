@@ -18,8 +18,7 @@ if TYPE_CHECKING:
     from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
     from turboquant.adapter.context import Context
     from turboquant.adapter.dispatch import compressed_sdpa, install_attention_dispatch
-    from turboquant.adapter.making import (codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes,
-                                           start_decoding)
+    from turboquant.adapter.making import codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes
     from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
     from turboquant.adapter.snapshots import held_tokens, restore, restore_as, snapshot
     from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
@@ -38,7 +37,7 @@ _LAZY = {
     "Context": ("adapter.context", "Context"),
     **{n: ("adapter.dispatch", n) for n in ("compressed_sdpa", "install_attention_dispatch")},
     **{n: ("adapter.making", n) for n in ("codec_snapshot", "compress_caches", "make_prompt_cache",
-                                          "probe_kv_shapes", "start_decoding")},
+                                          "probe_kv_shapes")},
     **{n: ("adapter.native", n) for n in ("NATIVE_CLASSES", "NotNative", "compress_snapshot", "native_caches",
                                           "native_snapshot")},
     **{n: ("adapter.snapshots", n) for n in ("held_tokens", "restore", "restore_as", "snapshot")},

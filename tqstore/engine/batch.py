@@ -45,8 +45,7 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import (RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch, stack_key,
-                        start_decoding)
+from turboquant import RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch, stack_key
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -445,7 +444,7 @@ def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt:
     else:
         tokenizer = loaded.tokenizer
         detokenizer = tokenizer.detokenizer
-        start_decoding(started.caches)  # on its own, not inside a shared step
+        started.context.compress()  # all layers at once, on its own (not one by one inside a shared step)
         row = Row(started.caches, remainder[-1], _sampler(temp, top_p, seed))
         while True:
             yield row

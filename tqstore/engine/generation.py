@@ -12,7 +12,7 @@ from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
-from turboquant import restore, start_decoding
+from turboquant import restore
 
 from tqstore.engine.decoding import stream_tokens
 from tqstore.engine.models import LoadedModels
@@ -141,7 +141,7 @@ class Answerer:
         else:
             sampler = make_sampler(temp=temp, top_p=top_p)
             context = started.context
-            start_decoding(started.caches)
+            context.compress()  # before mlx-lm's loop, all layers at once (not one by one in its first step)
             # The prompt's last token runs through mlx-lm's loop (decoding.py): it yields the first logits.
             responses = stream_tokens(loaded.model, loaded.tokenizer, remainder[-1:], max_tokens=max_tokens,
                                       prompt_cache=started.caches,

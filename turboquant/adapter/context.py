@@ -20,6 +20,7 @@ from turboquant.adapter.verdicts import VerdictBook
 from turboquant.adapter.windows import WINDOW_MODES, settle_all
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec.schemes import SchemeSpec
+from turboquant.codec.stages import run_all
 from turboquant.records import Snapshot
 
 
@@ -83,10 +84,12 @@ class Context:
         settle_all(self.caches)
 
     def compress(self) -> None:
-        """Encode what the compressed layers hold raw (what a snapshot stores)."""
-        for cache in self.caches:
-            if isinstance(cache, TurboQuantKVCache):
-                cache.compress()
+        """Encode what the compressed layers hold raw (what a snapshot stores, and what their
+        first decode step would), every layer in lockstep: one evaluation per decision for all
+        of them (a calibration's checks, the guard's verdict, the encoded rows) instead of about
+        five per layer, each of which waits for whatever the device is running (on a server,
+        the other requests' steps)."""
+        run_all([c.compressing() for c in self.caches if isinstance(c, TurboQuantKVCache)])
 
     def copy(self) -> list[Any]:
         """Caches holding what these hold now, sharing their arrays (later updates of either

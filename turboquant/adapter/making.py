@@ -276,16 +276,9 @@ def layer_residences(model, scheme: str | SchemeSpec) -> list[tuple[str, Residen
 
 
 def compress_caches(caches: list[Any]) -> None:
-    """Compress every compressible cache now (what `save` does before its snapshot)."""
-    start_decoding(caches)
+    """Compress every compressible cache now (what `save` does before its snapshot); the
+    TurboQuant layers in lockstep (`Context.compress`)."""
+    run_all([c.compressing() for c in caches if isinstance(c, TurboQuantKVCache)])
     for cache in caches:
         if isinstance(cache, AtRestKVCache):
             cache.compress()
-
-
-def start_decoding(caches: list[Any]) -> None:
-    """Compress every TurboQuant layer's rows now, as its first decode step would, in lockstep:
-    one evaluation per decision for all the layers (a calibration's checks, the guard's verdict,
-    the encoded rows) instead of about five per layer inside the step, each of which waited for
-    whatever the device was running (a server's other requests' steps)."""
-    run_all([c.compressing() for c in caches if isinstance(c, TurboQuantKVCache)])
