@@ -109,9 +109,10 @@ class StepLayer:
     other row's into its own cache."""
 
     def __init__(self, batch: "DecodeBatch", layer: int, others: list[Any], offset: mx.array,
-                 positions: mx.array | None, width: int | None, mask: mx.array | None):
+                 positions: mx.array | None, width: int | None, mask: mx.array | None, stack_tokens: int):
         self.batch, self.layer, self.others = batch, layer, others
         self.offset, self.positions, self.width, self.mask = offset, positions, width, mask
+        self.stack_tokens = stack_tokens  # compressed rows this long or shorter stack (0: none)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[StepKeys, StepKeys]:
         g = len(self.batch.members)
@@ -123,7 +124,7 @@ class StepLayer:
         others = []
         for i, cache in enumerate(self.others, start=g):
             k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-            stacks = isinstance(cache, TurboQuantKVCache) and cache.offset <= self.batch.group_tokens
+            stacks = isinstance(cache, TurboQuantKVCache) and cache.offset <= self.stack_tokens
             others.append((k, v, cache, stack_key(cache) if stacks else None))
         fetched = StepKeys(group, others, (keys, values), self.batch.stacks[self.layer])
         return fetched, fetched
@@ -315,8 +316,9 @@ class DecodeBatch:
                 mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
         depth = len(rows[0].caches)
         self.stacks += [{} for _ in range(depth - len(self.stacks))]
-        layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask)
-                  for layer in range(depth)]
+        stack_tokens = self.group_tokens if RowStack.applies() else 0
+        layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask,
+                            stack_tokens) for layer in range(depth)]
         logits = model(_inputs(ordered, drawn, at), cache=layers)[:, -1, :]
         self.lengths = [n + 1 for n in self.lengths]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -4,8 +4,8 @@ Each row keeps its own `TurboQuantKVCache` (its own codec sides, calibration, bl
 raw tail); a `RowStack` keeps their buffers stacked along the batch axis, each row's own
 calibration and block means beside the others', and `rows_attention` attends every row over
 its own rows in one set of ops instead of one set per row. Rows whose layers share a stored
-layout (the same plan as stored: `stack_key`) stack. The plain-ops path is what the CPU runs;
-where the fused GPU kernels apply, each row keeps its own kernel calls.
+layout (the same plan as stored: `stack_key`) stack, on the plain-ops path (the CPU,
+`RowStack.applies`); where the fused GPU kernels apply, each row keeps its own kernel calls.
 
 What a stack costs: a copy of its rows' compressed rows and a raw tail of TAIL_ROWS rows per
 row, per layer (the server stacks rows under 1,024 tokens), and a copy of every row again
@@ -56,6 +56,13 @@ class RowStack:
         self._shifts: mx.array | None = None
         self._key_side = None
 
+    @staticmethod
+    def applies() -> bool:
+        """Whether rows stack here: on the plain-ops path (the CPU). Where the fused GPU kernels
+        apply, each row keeps its own kernel calls, which read one row's buffers with one stored
+        length (stacked plain ops measured no faster there: docs/server.md)."""
+        return select_backend() is None
+
     def attend(self, caches: list[TurboQuantKVCache], keys: mx.array, values: mx.array, queries: mx.array,
                scale: float) -> mx.array:
         """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache, after
@@ -63,8 +70,6 @@ class RowStack:
         The caches share one `stack_key`."""
         if len(caches) == 1:
             return caches[0].attention(queries, scale)
-        if select_backend() is not None:
-            return mx.concatenate([c.attention(queries[g:g + 1], scale) for g, c in enumerate(caches)])
         held = [(c, c.stored, c.offset) for c in caches]
         if self._follows(held):
             at = mx.array([offset - 1 - stored for _, stored, offset in held])
