@@ -246,6 +246,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=64, help="tokens per completion (default 64)")
+    parser.add_argument("--ragged", action="store_true",
+                        help="prompts of 16, 19, 22, ... tokens instead of 16 each: the decode steps alone then run "
+                             "rows of unequal length (a masked attention over the group), as the server's rows, which "
+                             "join at different steps, always are")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--long", type=int, default=None,
                         help="the long prompt's tokens (default 1024 tiny, 16384 8b; 0: skip)")
@@ -283,7 +287,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{scheme} server on port {servers[scheme].port}")
         rng = random.Random(0)
         # Short prompts of random ids (none of the first few: special tokens in the tiny tokenizer).
-        prompts = [[rng.randrange(8, vocab - 1) for _ in range(16)] for _ in range(max(args.concurrency))]
+        lengths = [16 + 3 * i if args.ragged else 16 for i in range(max(args.concurrency))]
+        prompts = [[rng.randrange(8, vocab - 1) for _ in range(n)] for n in lengths]
         for server in servers.values():  # warm-up: the first request builds the codec and compiles
             concurrent_rate(server, prompts[:2], 4)
         rates: dict[tuple[str, int, str], list[float]] = {}  # (scheme, concurrency, "wall" | "cpu")
@@ -329,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
             for scheme in args.schemes for c in args.concurrency]
     header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)"]
-    body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of 16-token "
+    prompt_words = "16- to {}-token".format(16 + 3 * (max(args.concurrency) - 1)) if args.ragged else "16-token"
+    body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of {prompt_words} "
             f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
             "run.\n\n" + markdown_table(header, rows))
     decode_rows = [[scheme, form, str(c)] + [cell(decodes[(scheme, form, c, kind)], decodes[(scheme, form, 1, kind)])
