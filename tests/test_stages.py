@@ -6,7 +6,9 @@ import mlx.core as mx
 import pytest
 
 from kv_data import kv_rows
-from turboquant import Context, parse_scheme
+from model_folder import write_model_folder
+from tqstore.engine.engine import Engine
+from turboquant import Context, make_prompt_cache, parse_scheme
 from turboquant.adapter.snapshots import snapshot
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec import stages
@@ -63,3 +65,26 @@ def test_each_layer_alone_evaluates_at_every_decision(monkeypatch):
     (cache,) = _layers("turbo4", 300)[:1]
     cache.compress()
     assert len(calls) >= 3  # what lockstep spares: this many per layer
+
+
+@pytest.mark.parametrize("scheme", ["auto4", "turbo5v4"])
+def test_a_models_layers_compressed_in_lockstep_match_one_by_one(tmp_path, scheme):
+    """Through a tiny llama's own caches: autoB's allocation (decided for every layer by the
+    first one to compress) and the guard give the same layouts and bytes either way."""
+    loaded = Engine.open(tmp_path / "home").model(str(write_model_folder(tmp_path / "m", kind="llama")))
+    tokens = loaded.tokenizer.encode("The contract says the seller pays for every delay. " * 30)[:300]
+    snaps = []
+    for lockstep in (False, True):
+        caches = make_prompt_cache(loaded.model, scheme)
+        loaded.model(mx.array(tokens)[None], cache=caches)
+        mx.eval([c.state for c in caches])
+        if lockstep:
+            Context(caches, "whole", 256, None).compress()
+        else:
+            for cache in caches:
+                cache.compress()
+        snaps.append(snapshot(caches))
+    for ra, rb in zip(*(s.layers for s in snaps)):
+        assert (ra.layout, ra.state) == (rb.layout, rb.state)
+        assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
+        assert all(mx.array_equal(ra.calibration[n], rb.calibration[n]).item() for n in ra.calibration)
