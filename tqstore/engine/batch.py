@@ -23,8 +23,8 @@ the output head run batched. Attention runs in one of two forms per row:
 
 With MLX's bundled BLAS a row's arithmetic is its own either way (the padded positions add
 exact zeros): a greedy answer does not depend on what else is in the batch
-(tests/test_server_batch.py, tests/test_attention_rows.py). Greedy rows draw with one argmax over the batch; sampled rows each
-draw from their own random sequence.
+(tests/test_server_batch.py, tests/test_attention_rows.py). Greedy rows draw with one argmax
+over the batch; sampled rows each draw from their own random sequence.
 
 Steps run one ahead of the tokens handed out (`DecodeBatch`): the device computes a step while
 the host reads the last one and builds the next.
@@ -75,9 +75,9 @@ _CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
 
 def _plain(row: "Row") -> bool:
-    """Whether every layer of the row is a raw attention cache. TurboQuant rows attend one row at
-    a time over their compressed storage, as `ask` does: dense attention over their raw or
-    decoded rows answered otherwise than `ask` for the same prompt."""
+    """Whether every layer of the row is a raw attention cache (a group member). TurboQuant rows
+    attend over their compressed storage (stacked or alone), as `ask` does: dense attention over
+    their raw or decoded rows answered otherwise than `ask` for the same prompt."""
     return all(type(c) is KVCache for c in row.caches)
 
 
