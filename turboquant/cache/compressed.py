@@ -200,17 +200,17 @@ class TurboQuantKVCache:
             raw = self._tail.view(self.offset) if self.offset else {}
             power = None if not self._query_rows else self._query_power / self._query_rows
             if self.plan.calibrated and raw:
-                self.calibration = yield from self.fitting(self.plan, raw["keys"], power)
+                self.calibration = yield from self._fitting(self.plan, raw["keys"], power)
                 if self.plan.guard is not None and (yield from self._guard_trips(raw["keys"], power)):
                     self.active = self.plan.protected_plan()
-                    self.calibration = yield from self.fitting(self.active, raw["keys"], power)
+                    self.calibration = yield from self._fitting(self.active, raw["keys"], power)
                 if self.plan.budget is not None:
                     if self.allocated is None and self.plan.group is not None:
                         self.plan.group.decide()  # every layer of the group at once (allocation.py)
                     self.allocated = self.allocated or BASE_KEYS
                     if self.allocated != BASE_KEYS:
                         self.active = self.plan.with_layout(self.allocated)
-                        self.calibration = yield from self.fitting(self.active, raw["keys"], power)
+                        self.calibration = yield from self._fitting(self.active, raw["keys"], power)
             self._query_power, self._query_rows = None, 0
             self._key_side = self.active.key.side("keys", self.calibration)
             self._value_side = self.active.value.side("values")
@@ -245,10 +245,11 @@ class TurboQuantKVCache:
     @staticmethod
     def fit(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> KeyCalibration | None:
         """The key calibration `plan` fits to `keys` (and the query power, when observed)."""
-        return run(TurboQuantKVCache.fitting(plan, keys, power))
+        return run(TurboQuantKVCache._fitting(plan, keys, power))
 
     @staticmethod
-    def fitting(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> Stages[KeyCalibration | None]:
+    def _fitting(plan: LayerPlan, keys: mx.array, power: mx.array | None) -> Stages[KeyCalibration | None]:
+        """`fit` in stages (codec/stages.py)."""
         rotation = plan.key.turbo.rotation if plan.key.turbo is not None else None
         return fitting(keys, rotation, plan.calibration, power)
 
