@@ -45,7 +45,8 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch, stack_key
+from turboquant import (RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch, ragged_decode,
+                        stack_key)
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -95,7 +96,7 @@ class StepKeys:
     mask, each other row's own (keys, values, cache, stack key: None attends alone), the step's
     new keys and values of every row, and the layer's `RowStack`s by stack key."""
 
-    def __init__(self, group: tuple[mx.array, mx.array, Any] | None, others: list[tuple[Any, Any, Any, Any]],
+    def __init__(self, group: tuple[mx.array, mx.array, Any, Any] | None, others: list[tuple[Any, Any, Any, Any]],
                  new: tuple[mx.array, mx.array], stacks: dict[Any, RowStack]):
         self.group = group
         self.others = others
@@ -109,9 +110,11 @@ class StepLayer:
     other row's into its own cache."""
 
     def __init__(self, batch: "DecodeBatch", layer: int, others: list[Any], offset: mx.array,
-                 positions: mx.array | None, width: int | None, mask: mx.array | None, stack_tokens: int):
+                 positions: mx.array | None, width: int | None, mask: mx.array | None, lengths: mx.array | None,
+                 stack_tokens: int):
         self.batch, self.layer, self.others = batch, layer, others
-        self.offset, self.positions, self.width, self.mask = offset, positions, width, mask
+        self.offset, self.positions, self.width = offset, positions, width
+        self.mask, self.lengths = mask, lengths  # the group's, under the mask: each row's keys, the new one included
         self.stack_tokens = stack_tokens  # compressed rows this long or shorter stack (0: none)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[StepKeys, StepKeys]:
@@ -120,7 +123,7 @@ class StepLayer:
         if g:
             k, v = self.batch.write(self.layer, keys[:g] if self.others else keys,
                                     values[:g] if self.others else values, self.positions, self.width)
-            group = (k, v, self.mask)
+            group = (k, v, self.mask, self.lengths)
         others = []
         for i, cache in enumerate(self.others, start=g):
             k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
@@ -143,10 +146,14 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
         return compressed_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     outs, order, g = [], [], 0
     if keys.group is not None:
-        k, v, group_mask = keys.group
+        k, v, group_mask, lengths = keys.group
         g = k.shape[0]
-        outs.append(compressed_sdpa(queries[:g] if keys.others else queries, k, v, cache=None, scale=scale,
-                                    mask=group_mask, sinks=sinks))
+        q = queries[:g] if keys.others else queries
+        # Rows of unequal length: MLX's CUDA SDPA has no fused one-token kernel under an array
+        # mask (ragged.py), so there one kernel reads each row's own keys (None elsewhere).
+        out = ragged_decode(q, k, v, lengths, scale) if group_mask is not None and sinks is None else None
+        outs.append(out if out is not None else
+                    compressed_sdpa(q, k, v, cache=None, scale=scale, mask=group_mask, sinks=sinks))
         order += range(g)
     stacked: dict[Any, list[int]] = {}
     for i, (_, _, _, key) in enumerate(keys.others, start=g):
@@ -308,16 +315,17 @@ class DecodeBatch:
         ordered = self.members + others
         lengths = self.lengths + [r.caches[0].offset for r in others]
         offset = mx.array(lengths)
-        positions = width = mask = None
+        positions = width = mask = lengths = None
         if self.members:
             width = max(self.lengths) + 1
             if min(self.lengths) + 1 < width:  # rows of unequal length: hide each row's padding
                 positions = offset[:len(self.members)] if others else offset
                 mask = (mx.arange(width)[None, :] <= positions[:, None])[:, None, None, :]
+                lengths = positions + 1
         depth = len(rows[0].caches)
         self.stacks += [{} for _ in range(depth - len(self.stacks))]
         stack_tokens = self.group_tokens if RowStack.applies() else 0
-        layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask,
+        layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask, lengths,
                             stack_tokens) for layer in range(depth)]
         logits = model(_inputs(ordered, drawn, at), cache=layers)[:, -1, :]
         self.lengths = [n + 1 for n in self.lengths]
