@@ -6,7 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.attention.kernels.ragged import ragged_decode, variant
+from turboquant.attention.kernels import ragged_decode
+from turboquant.attention.kernels.ragged import variant
 
 from kernel_backend import force_backend
 from kernel_support import emulate

@@ -22,8 +22,7 @@ if TYPE_CHECKING:
     from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
     from turboquant.adapter.snapshots import held_tokens, restore, restore_as, snapshot
     from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
-    from turboquant.attention.kernels import select_backend
-    from turboquant.attention.kernels.ragged import ragged_decode
+    from turboquant.attention.kernels import ragged_decode, select_backend
     from turboquant.cache.compressed import TurboQuantKVCache
     from turboquant.cache.rows import RowStack, stack_key
     from turboquant.codec.codebook import Codebook, lloyd_max_codebook
@@ -44,8 +43,7 @@ _LAZY = {
     **{n: ("adapter.snapshots", n) for n in ("held_tokens", "restore", "restore_as", "snapshot")},
     **{n: ("adapter.windows", n) for n in ("WINDOW_CLASSES", "WINDOW_MODES", "from_rows", "is_window_record",
                                            "settle", "settle_all")},
-    "select_backend": ("attention.kernels", "select_backend"),
-    "ragged_decode": ("attention.kernels.ragged", "ragged_decode"),
+    **{n: ("attention.kernels", n) for n in ("ragged_decode", "select_backend")},
     "TurboQuantKVCache": ("cache.compressed", "TurboQuantKVCache"),
     **{n: ("cache.rows", n) for n in ("RowStack", "stack_key")},
     **{n: ("codec.codebook", n) for n in ("Codebook", "lloyd_max_codebook")},

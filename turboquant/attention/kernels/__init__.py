@@ -67,10 +67,11 @@ import os
 import mlx.core as mx
 
 from turboquant.attention.kernels import host
-from turboquant.attention.kernels import steps
+from turboquant.attention.kernels import ragged, steps
 from turboquant.attention.kernels.host import DEFAULT_TUNING, KernelTuning, merge_tail
 
-__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "select_backend"]
+__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "ragged_decode",
+           "select_backend"]
 
 
 def select_backend() -> str | None:
@@ -187,3 +188,25 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     if stored is None:
         return None
     return stored[0].reshape(B, Hq, L, D).astype(queries.dtype)
+
+
+def ragged_decode(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array,
+                  scale: float) -> mx.array | None:
+    """Each row's one-token attention over its first `lengths[b]` keys in one CUDA launch
+    (ragged.py says why and what), or None where no kernel applies: not on CUDA, or shapes
+    `ragged.variant` refuses."""
+    if select_backend() != "cuda":
+        return None
+    from turboquant.attention.kernels import cuda
+
+    v = ragged.variant(queries, keys, values, scale)
+    if v is None:
+        return None
+    made = cuda.kernel(v)
+    bound = getattr(made, "bound", None)  # (the tests' CPU emulator hands out no kernel object)
+    dtype = queries.dtype
+    run = made if bound is None else bound([dtype, dtype, dtype, mx.int32], [dtype])
+    lengths = lengths if lengths.dtype == mx.int32 else lengths.astype(mx.int32)
+    B, Hq, _, D = queries.shape
+    return run(inputs=[queries, keys, values, lengths], grid=(B * v.H * v.threads, 1, 1),
+               threadgroup=(v.threads, 1, 1), output_shapes=[(B, Hq, 1, D)], output_dtypes=[dtype])[0]

@@ -7,7 +7,7 @@ KV heads, d=128, bfloat16, 80 keys): 8 chained calls and a sync took 894 us with
 against 154 us without, so every decode step of rows of unequal length paid about 90 us per
 layer. Metal's SDPA reads the mask in its fused kernel, so there the masked call stays.
 
-`ragged_decode(queries, keys, values, lengths, scale)`: softmax(q K^T * scale) V of each row's
+`kernels.ragged_decode(queries, keys, values, lengths, scale)` launches it: softmax(q K^T * scale) V of each row's
 one query token over that row's first `lengths[b]` keys, queries [B, Hq, 1, D], keys and values
 [B, H, T, D] (read in place through their strides: a buffer's token slice costs no copy),
 lengths int32 [B] (each at least 1). Scores, softmax and sums are float32; the output is in
@@ -82,24 +82,3 @@ def variant(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -
     if warps < 1 or R * -(-D // 32) > 64:  # registers: a query and a sum per head and channel
         return None
     return Ragged(D, H, R, warps, dtype, float(scale))
-
-
-def ragged_decode(queries: mx.array, keys: mx.array, values: mx.array, lengths: mx.array,
-                  scale: float) -> mx.array | None:
-    """Each row's one-token attention over its first `lengths[b]` keys (see the module
-    docstring), or None where no kernel applies: not on CUDA, or shapes `variant` refuses."""
-    from turboquant.attention.kernels import cuda, select_backend
-
-    if select_backend() != "cuda":
-        return None
-    v = variant(queries, keys, values, scale)
-    if v is None:
-        return None
-    made = cuda.kernel(v)
-    bound = getattr(made, "bound", None)  # (the tests' CPU emulator hands out no kernel object)
-    dtype = queries.dtype
-    run = made if bound is None else bound([dtype, dtype, dtype, mx.int32], [dtype])
-    lengths = lengths if lengths.dtype == mx.int32 else lengths.astype(mx.int32)
-    B, Hq, _, D = queries.shape
-    return run(inputs=[queries, keys, values, lengths], grid=(B * v.H * v.threads, 1, 1),
-               threadgroup=(v.threads, 1, 1), output_shapes=[(B, Hq, 1, D)], output_dtypes=[dtype])[0]
