@@ -6,12 +6,15 @@ import functools
 from turboquant.attention import compressed as attention
 from turboquant.attention import kernels
 from turboquant.attention.kernels import metal
+from turboquant.cache.mirror import MIRROR_ENV
 
 
 def force_backend(monkeypatch, backend, factory, tuning=None):
     """Route fused_decode to `backend` with `factory` standing in for the GPU kernel; with
-    `tuning` (a KernelTuning), the attention path's calls use that value."""
+    `tuning` (a KernelTuning), the attention path's calls use that value. Short contexts reach
+    the kernels too: no decoded mirror (turboquant/cache/mirror.py) stands in for them."""
     monkeypatch.setattr(kernels, "select_backend", lambda: backend)
+    monkeypatch.setenv(MIRROR_ENV, "0")
     if tuning is not None:
         monkeypatch.setattr(attention, "fused_decode", functools.partial(kernels.fused_decode, tuning=tuning))
     if backend == "cuda":

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
     from turboquant.attention.kernels import ragged_decode, select_backend
     from turboquant.cache.compressed import TurboQuantKVCache
+    from turboquant.cache.mirror import DecodedStack, mirror_tokens
     from turboquant.cache.rows import RowStack, stack_key
     from turboquant.codec.codebook import Codebook, lloyd_max_codebook
     from turboquant.codec.plan import plan_layer
@@ -45,6 +46,7 @@ _LAZY = {
                                            "settle", "settle_all")},
     **{n: ("attention.kernels", n) for n in ("ragged_decode", "select_backend")},
     "TurboQuantKVCache": ("cache.compressed", "TurboQuantKVCache"),
+    **{n: ("cache.mirror", n) for n in ("DecodedStack", "mirror_tokens")},
     **{n: ("cache.rows", n) for n in ("RowStack", "stack_key")},
     **{n: ("codec.codebook", n) for n in ("Codebook", "lloyd_max_codebook")},
     "plan_layer": ("codec.plan", "plan_layer"),

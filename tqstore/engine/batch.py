@@ -15,9 +15,11 @@ the output head run batched. Attention runs in one of two forms per row:
   out of the group: dense attention over their raw or decoded rows answered otherwise than `ask`
   (attention over the compressed storage) for the same prompt.
 - TurboQuant rows of at most GROUP_TOKENS tokens whose layer shares a stored layout with
-  others' (`stack_key`) attend over their compressed storage together, one call per layer
-  (turboquant's `RowStack`, which keeps their buffers stacked across steps); each row's
-  arithmetic is its own, as alone.
+  others' (`stack_key`) attend together, one call per layer, as they attend alone: on the
+  plain-ops path (the CPU) over their compressed storage (turboquant's `RowStack`, each row's
+  arithmetic its own), on CUDA over their decoded mirrors (turboquant's `DecodedStack`: the
+  rows each layer attends over while its context is short, one kernel over each row's own
+  length). Both keep their rows stacked across steps.
 - Longer rows, and TurboQuant rows with no other of their layout, attend one at a time over
   their own caches, through TurboQuant's dispatch.
 
@@ -45,8 +47,8 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import (RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch, ragged_decode,
-                        stack_key)
+from turboquant import (DecodedStack, RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch,
+                        mirror_tokens, ragged_decode, stack_key)
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -94,10 +96,10 @@ def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
 class StepKeys:
     """What a step's layer returns as its keys (and values): the group's padded buffers and
     mask, each other row's own (keys, values, cache, stack key: None attends alone), the step's
-    new keys and values of every row, and the layer's `RowStack`s by stack key."""
+    new keys and values of every row, and the layer's stacks (`RowStack` or `DecodedStack`) by stack key."""
 
     def __init__(self, group: tuple[mx.array, mx.array, Any, Any] | None, others: list[tuple[Any, Any, Any, Any]],
-                 new: tuple[mx.array, mx.array], stacks: dict[Any, RowStack]):
+                 new: tuple[mx.array, mx.array], stacks: dict[Any, RowStack | DecodedStack]):
         self.group = group
         self.others = others
         self.new = new
@@ -165,7 +167,8 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
         if i not in shared:
             outs.append(compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks))
             order.append(i)
-    kept = {key: keys.stacks.get(key) or RowStack() for key in stacked}
+    kind = RowStack if RowStack.applies() else DecodedStack
+    kept = {key: keys.stacks.get(key) if isinstance(keys.stacks.get(key), kind) else kind() for key in stacked}
     for key, rows in stacked.items():
         index = mx.array(rows)
         outs.append(kept[key].attend([keys.others[i - g][2] for i in rows], keys.new[0][index],
@@ -237,7 +240,7 @@ class DecodeBatch:
         self.keys: list[mx.array | None] = []
         self.values: list[mx.array | None] = []
         self.seconds = 0.0  # the last step's
-        self.stacks: list[dict[Any, RowStack]] = []  # per layer: compressed rows stacked across steps
+        self.stacks: list[dict[Any, RowStack | DecodedStack]] = []  # per layer: compressed rows stacked across steps
         self._launched: _Launched | None = None
 
     def step(self, model: Any, rows: Sequence[Row], keep: Callable[[Row], bool] | None = None) -> list[Row]:
@@ -324,7 +327,8 @@ class DecodeBatch:
                 lengths = positions + 1
         depth = len(rows[0].caches)
         self.stacks += [{} for _ in range(depth - len(self.stacks))]
-        stack_tokens = self.group_tokens if RowStack.applies() else 0
+        # (a DecodedStack's rows are the ones with mirrors: 0 where there are none)
+        stack_tokens = self.group_tokens if RowStack.applies() else min(self.group_tokens, mirror_tokens())
         layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask, lengths,
                             stack_tokens) for layer in range(depth)]
         logits = model(_inputs(ordered, drawn, at), cache=layers)[:, -1, :]

@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from turboquant.attention.compressed import MaskLike, causal_mask, compressed_attention
 from turboquant.cache.buffers import TokenBuffers, detach
+from turboquant.cache.mirror import DecodedMirror, mirror_tokens
 from turboquant.codec.calibration import CALIBRATION_TOKENS, KeyCalibration, fitting, noise_gain
 from turboquant.codec.plan import BASE_KEYS, LayerPlan
 from turboquant.codec.schemes import Format
@@ -70,6 +71,7 @@ class TurboQuantKVCache:
         self._value_side = None
         self.allocated: str | None = None  # autoB layers: a plan.layout_options() entry, once decided
         self._steps: dict = {}  # the GPU decode step, prepared once and replayed (kernels/steps.py)
+        self._mirror: DecodedMirror | None = None  # the rows decoded while the context is short (mirror.py)
         if plan.group is not None:
             plan.group.join(self)
 
@@ -160,6 +162,7 @@ class TurboQuantKVCache:
         """Drop the last n tokens; trimming to zero starts over (calibration included)."""
         n = min(self.offset, n)
         self.offset -= n
+        self._mirror = None
         if self.offset == 0:
             self._reset()
         elif self.offset < self.stored:
@@ -316,7 +319,12 @@ class TurboQuantKVCache:
     def attention(self, queries: mx.array, scale: float, mask: MaskLike = None,
                   sinks: mx.array | None = None) -> mx.array:
         """Attention of queries [B, Hq, L, D] over the compressed rows and the raw tail; `sinks`
-        ([Hq] logits) join the softmax normaliser (gpt-oss)."""
+        ([Hq] logits) join the softmax normaliser (gpt-oss). While the context is short enough
+        for a mirror (mirror.py), MLX's fused SDPA over the rows decoded."""
+        if self.offset <= mirror_tokens() and queries.dtype == self.native_dtype:
+            keys, values = self.mirrored_rows()
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
+        self._mirror = None
         # The buffers themselves with the counts of rows that count: the decode kernels read them in
         # place (the plain path slices them).
         arrays = self._store.arrays if self.stored else {}
@@ -326,6 +334,16 @@ class TurboQuantKVCache:
         return compressed_attention(queries, self._key_side, self._value_side, arrays, scale, mask,
                                     self._shifts, tail, self.stored, self.offset - self.stored, sinks,
                                     memo=self._steps)
+
+    def mirrored_rows(self) -> tuple[mx.array, mx.array]:
+        """Keys and values [B, H, offset, D] as attention reads them, decoded into the model's
+        dtype and kept across steps (mirror.py: while the context is short, on CUDA)."""
+        self._mirror = self._mirror or DecodedMirror()
+        return self._mirror.rows(self)
+
+    def tail_rows(self, start: int, end: int) -> dict[str, mx.array]:
+        """The raw tail's rows at positions [start, end) (stored <= start), by name."""
+        return {n: a[:, :, start - self.stored:end - self.stored] for n, a in self._tail.arrays.items()}
 
     def dequantized(self) -> tuple[mx.array, mx.array]:
         """Reconstructed K and V [B, H, T, D] for tests and exports (float32 where decoded)."""

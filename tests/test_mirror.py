@@ -1,0 +1,113 @@
+"""A compressed layer's decoded mirror (turboquant/cache/mirror.py): while the context is short,
+attention on CUDA is MLX's SDPA over the rows decoded. Run here by routing the backend choice
+to "cuda" (the mirror path itself is plain MLX): at every step its rows are exactly the
+storage's decoded rows and the raw tail, across appended tokens, a block encoded, a trim, a
+restore and the length where the fused kernels take over."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from turboquant.attention import kernels
+from turboquant.attention.compressed import compressed_attention
+from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.cache.mirror import MIRROR_ENV, DecodedStack, mirror_tokens
+from kernel_support.synthetic import build_cache, kv_rows
+
+from kernel_backend import force_backend
+from kernel_support import emulate
+
+
+def _decoded_sdpa(cache, q, scale):
+    """SDPA over the storage decoded now, from scratch."""
+    k, v = cache.dequantized()
+    return mx.fast.scaled_dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), scale=scale)
+
+
+def _plain(monkeypatch, cache, q, scale):
+    """The plain-ops path over the compressed storage (the CPU's)."""
+    tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"]) if cache.offset > cache.stored else None
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "select_backend", lambda: None)
+        return compressed_attention(q, cache._key_side, cache._value_side, cache._store.view(cache.stored), scale,
+                                    None, cache._shifts, tail, None, cache.offset - cache.stored)
+
+
+@pytest.mark.parametrize("scheme", ["turbo5v4", "turbo4"])
+def test_the_mirror_follows_the_storage_step_by_step(monkeypatch, scheme):
+    monkeypatch.setattr(kernels, "select_backend", lambda: "cuda")
+    H, D = 2, 64
+    cache = build_cache(scheme, H, D, mx.float32, 300, seed=3)
+    k, v = kv_rows(1, H, 230, D, seed=9, dtype=mx.float32)
+    for t in range(230):  # 300 stored rows, then across the block boundary at 512, with trims
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        if t in (40, 215):
+            cache.trim(3)
+        q = mx.random.normal((1, 4 * H, 1, D), key=mx.random.key(t))
+        out = cache.attention(q, 0.125)
+        assert cache._mirror is not None
+        assert np.array_equal(np.array(out), np.array(_decoded_sdpa(cache, q, 0.125))), t
+        # the same attention as over the compressed storage, up to float32 sums in another order
+        assert np.allclose(np.array(out), np.array(_plain(monkeypatch, cache, q, 0.125)), rtol=1e-4, atol=1e-5), t
+    assert cache.stored == 512 and cache.offset == 524
+
+
+def test_a_restored_layer_and_a_question_read_the_mirror(monkeypatch):
+    monkeypatch.setattr(kernels, "select_backend", lambda: "cuda")
+    H, D = 2, 64
+    cache = build_cache("turbo5v4", H, D, mx.float32, 200, seed=4, tail=70)
+    cache.attention(mx.zeros((1, 4 * H, 1, D)), 0.125)
+    restored = TurboQuantKVCache.from_record(cache.to_record(), cache.plan.codecs())
+    k, v = kv_rows(1, H, 5, D, seed=5, dtype=mx.float32)
+    restored.update_and_fetch(k, v)  # a 5-token question: its rows are the tail's last
+    q = mx.random.normal((1, 4 * H, 5, D), key=mx.random.key(1))
+    out = restored.attention(q, 0.125, mask="causal")
+    dk, dv = restored.dequantized()
+    want = mx.fast.scaled_dot_product_attention(q, dk, dv, scale=0.125, mask="causal")
+    assert np.array_equal(np.array(out), np.array(want))
+
+
+@pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+def test_past_the_threshold_the_kernels_read_the_storage(monkeypatch):
+    assert mirror_tokens() == 0  # the CPU: no mirror
+    force_backend(monkeypatch, "cuda", emulate.kernel)
+    monkeypatch.setenv(MIRROR_ENV, "256")
+    H, D = 2, 64
+    cache = build_cache("turbo5v4", H, D, mx.float32, 250, seed=6)
+    q = mx.random.normal((1, 4 * H, 1, D), key=mx.random.key(2))
+    cache.attention(q, 0.125)
+    assert cache._mirror is not None
+    k, v = kv_rows(1, H, 10, D, seed=7, dtype=mx.float32)
+    for t in range(10):
+        cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+    got = cache.attention(q, 0.125)  # 260 tokens: the fused kernels (emulated) over the storage
+    assert cache._mirror is None
+    assert np.allclose(np.array(got), np.array(_plain(monkeypatch, cache, q, 0.125)), rtol=1e-4, atol=1e-5)
+    monkeypatch.setenv(MIRROR_ENV, "0")
+    assert mirror_tokens() == 0
+
+
+@pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+def test_stacked_mirrors_attend_as_each_row_alone(monkeypatch):
+    """Three rows of other lengths, stacked (the decode batch's form on CUDA, its kernel run by
+    the emulator here): per step, each row's output is its own mirror's SDPA, across steps
+    that only append, a block encoded in one row (stored rows change), a trim and a row leaving."""
+    force_backend(monkeypatch, "cuda", emulate.kernel)
+    monkeypatch.setenv(MIRROR_ENV, "1024")
+    H, D = 2, 64
+    caches = [build_cache("turbo5v4", H, D, mx.float32, n, seed=s) for n, s in ((20, 1), (300, 2), (509, 3))]
+    stack = DecodedStack()
+    k, v = kv_rows(3, H, 8, D, seed=4, dtype=mx.float32)
+    for t in range(8):  # row 3 crosses 512 at t = 3 (its block is encoded at the next update)
+        live = caches if t < 6 else caches[:2]
+        for i, c in enumerate(live):
+            c.update_and_fetch(k[i:i + 1, :, t:t + 1], v[i:i + 1, :, t:t + 1])
+        if t == 4:
+            caches[0].trim(1)
+            caches[0].update_and_fetch(k[:1, :, t:t + 1], v[:1, :, t:t + 1])
+        q = mx.random.normal((len(live), 4 * H, 1, D), key=mx.random.key(t))
+        out = stack.attend(live, k[:len(live), :, t:t + 1], v[:len(live), :, t:t + 1], q, 0.125)
+        for i, c in enumerate(live):
+            alone = c.attention(q[i:i + 1], 0.125)
+            assert np.allclose(np.array(out[i:i + 1]), np.array(alone), rtol=1e-5, atol=1e-6), (t, i)
+    assert caches[2].stored == 512

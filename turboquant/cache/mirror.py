@@ -1,0 +1,128 @@
+"""A compressed layer's rows decoded beside its storage while its context is short, so that its
+attention is MLX's fused SDPA, one op, as a raw cache's is (CUDA).
+
+Why: under about 1k tokens a decode step is bound by the host, not by the bytes it reads, and
+the fused kernels cost a compressed layer two custom-kernel launches and their replay where a
+raw layer costs one SDPA (H200, `bench/host_cost.py`: 43 against 18 us of host time per layer;
+one turbo5v4 stream through the server decoded 0.72x of raw's tokens/s). Reading fewer bytes
+buys nothing at these lengths; the launches are the cost.
+
+What it holds: the layer's first `offset` rows as its attention reads them: the stored rows
+decoded (`TurboQuantKVCache.dequantized`: codes, norms, calibration and block means, in float32)
+and the raw tail as it is, both in the model's dtype. Rounding the decoded rows to that dtype
+(2^-9 relative for bfloat16) is far below what the codec itself changes. The storage stays the
+record: what is encoded, saved and restored; the mirror is rebuilt from it whenever the stored
+rows change (a block encoded, every 256 tokens), after a trim, and after a restore, and it is
+dropped once the context passes `mirror_tokens()` (the fused kernels read the compressed bytes
+from there on, where their bandwidth pays).
+
+What it costs: the memory of a raw cache of up to that many tokens per compressed layer, and one
+decode of the stored rows per block encoded.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+
+from turboquant.attention import kernels
+from turboquant.cache.buffers import TokenBuffers
+
+MIRROR_TOKENS = 1024
+MIRROR_ENV = "TQSTORE_MIRROR_TOKENS"
+
+
+def mirror_tokens() -> int:
+    """Contexts up to this many tokens attend over decoded rows: MIRROR_TOKENS (or
+    `TQSTORE_MIRROR_TOKENS`; 0 turns mirrors off) on CUDA, 0 elsewhere (on the CPU the plain
+    ops read the storage; on Metal the fused kernels were not measured against a mirror)."""
+    if kernels.select_backend() != "cuda":
+        return 0
+    return int(os.environ.get(MIRROR_ENV, MIRROR_TOKENS))
+
+
+class DecodedMirror:
+    """One layer's rows [0, offset) decoded, in the model's dtype, kept across decode steps."""
+
+    def __init__(self):
+        self._buffers = TokenBuffers()
+        self._rows = 0  # rows held
+        self._stored = -1  # the cache's stored rows when they were decoded
+
+    def rows(self, cache: Any) -> tuple[mx.array, mx.array]:
+        """Keys and values [B, H, offset, D] of `cache` (a TurboQuantKVCache, which drops its
+        mirror when it trims) as its attention reads them. A step that only appended rows writes
+        those rows; a change of the stored rows decodes them all again."""
+        if self._stored != cache.stored:
+            keys, values = cache.dequantized()
+            self._buffers.clear()
+            self._buffers.write(0, {"keys": keys.astype(cache.native_dtype),
+                                    "values": values.astype(cache.native_dtype)})
+            self._stored = cache.stored
+        elif self._rows < cache.offset:
+            new = cache.tail_rows(self._rows, cache.offset)
+            self._buffers.write(self._rows, new)
+        self._rows = cache.offset
+        held = self._buffers.view(cache.offset)
+        return held["keys"], held["values"]
+
+
+class DecodedStack:
+    """One layer's short compressed rows of a decode step, their mirrors stacked along the batch
+    axis and attended in one CUDA launch (`kernels.ragged_decode`, each row over its own
+    length), kept across steps as `RowStack` keeps its stacks: a step in which every row only
+    took its one new row writes those rows with one scatter; anything else stacks the rows'
+    mirrors again."""
+
+    def __init__(self):
+        self._held: list[tuple[Any, int, int]] = []  # (cache, stored, offset) as stacked
+        self._keys: mx.array | None = None
+        self._values: mx.array | None = None
+
+    @staticmethod
+    def applies() -> bool:
+        """Whether short compressed rows attend over decoded mirrors here (`mirror_tokens`)."""
+        return mirror_tokens() > 0
+
+    def attend(self, caches: list[Any], keys: mx.array, values: mx.array, queries: mx.array,
+               scale: float) -> mx.array:
+        """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache
+        (TurboQuantKVCache, each no longer than `mirror_tokens()`), after each took this step's
+        row (`keys`, `values` [G, H, 1, D]): [G, Hq, 1, D]."""
+        if len(caches) == 1:
+            return caches[0].attention(queries, scale)
+        held = [(c, c.stored, c.offset) for c in caches]
+        if self._follows(held):
+            rows = mx.arange(len(caches))
+            at = mx.array([offset - 1 for _, _, offset in held])
+            self._keys[rows, :, at] = keys[:, :, 0, :].astype(self._keys.dtype)
+            self._values[rows, :, at] = values[:, :, 0, :].astype(self._values.dtype)
+        else:
+            self._build(caches)
+        self._held = held
+        width = max(offset for _, _, offset in held)
+        lengths = mx.array([offset for _, _, offset in held])
+        out = kernels.ragged_decode(queries, self._keys[:, :, :width], self._values[:, :, :width], lengths, scale)
+        if out is None:  # (a shape the kernel declines: each row alone)
+            out = mx.concatenate([c.attention(queries[i:i + 1], scale) for i, c in enumerate(caches)])
+        return out
+
+    def _follows(self, held: list[tuple[Any, int, int]]) -> bool:
+        """Whether each row only took one row since the last step, within the stack's capacity."""
+        return (self._keys is not None and len(held) == len(self._held)
+                and max(offset for _, _, offset in held) <= self._keys.shape[2]
+                and all(c is was and stored == was_stored and offset == was_offset + 1
+                        for (c, stored, offset), (was, was_stored, was_offset) in zip(held, self._held)))
+
+    def _build(self, caches: list[Any]) -> None:
+        rows = [c.mirrored_rows() for c in caches]
+        step = TokenBuffers().step
+        capacity = -(-(max(c.offset for c in caches) + 1) // step) * step
+
+        def padded(a: mx.array) -> mx.array:
+            return mx.pad(a, [(0, 0), (0, 0), (0, capacity - a.shape[2]), (0, 0)])
+
+        self._keys = mx.concatenate([padded(k) for k, _ in rows])
+        self._values = mx.concatenate([padded(v) for _, v in rows])
