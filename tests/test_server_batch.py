@@ -8,8 +8,11 @@ import threading
 from dataclasses import replace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from kernel_backend import force_backend
+from kernel_support import emulate
 from model_folder import write_model_folder
 from server_process import parse_prometheus
 from tqstore.engine.batch import DecodeBatch, batchable, batched_generation
@@ -20,6 +23,7 @@ from tqstore.serve.autosave import SavePolicy
 from tqstore.serve.jobs import Failed, Finished, Text
 from tqstore.serve.worker import ModelWorker
 from turboquant import TurboQuantKVCache, make_prompt_cache
+from turboquant.cache.mirror import MIRROR_ENV
 
 GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())
 PROMPTS = [f"Who pays for delays {i}? " + "The contract says the seller pays. " * i for i in range(8)]
@@ -242,6 +246,34 @@ def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, 
         assert result.tokens == alone.tokens
         assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
         assert all(isinstance(c, TurboQuantKVCache) for c in caches)
+
+
+@pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
+def test_on_cuda_short_compressed_rows_stack_their_mirrors_and_answer_as_the_engine_does(tmp_path, llama,
+                                                                                         monkeypatch):
+    """On CUDA (routed here, the ragged kernel run by the emulator) compressed rows under 1,024
+    tokens attend over their decoded mirrors, alone and in the server alike: stacked in a
+    DecodedStack, one kernel over each row's own length, they answer what Engine.generate
+    answers over its own mirror (the same values, float32 sums in another order)."""
+    import tqstore.engine.batch as batch_module
+
+    force_backend(monkeypatch, "cuda", emulate.kernel)
+    monkeypatch.setenv(MIRROR_ENV, "1024")
+    stacked = []
+    attend = batch_module.DecodedStack.attend
+    monkeypatch.setattr(batch_module.DecodedStack, "attend",
+                        lambda self, caches, *a: stacked.append(len(caches)) or attend(self, caches, *a))
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
+    gens = [batched_generation(engine, loaded, "turbo5v4", p, max_tokens=5) for p in prompts]
+    results, grouped = _step_all(DecodeBatch(), loaded, gens)
+    assert grouped == 0 and stacked and max(stacked) == len(prompts)
+    for prompt, (result, caches) in zip(prompts, results):
+        alone = engine.generate(loaded, "turbo5v4", prompt, max_tokens=5)
+        assert result.tokens == alone.tokens
+        assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-4)
+        assert all(c._mirror is not None for c in caches)
 
 
 def test_a_step_runs_ahead_and_a_joining_row_waits_one_step(tmp_path, llama):

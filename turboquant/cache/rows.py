@@ -5,7 +5,8 @@ raw tail); a `RowStack` keeps their buffers stacked along the batch axis, each r
 calibration and block means beside the others', and `rows_attention` attends every row over
 its own rows in one set of ops instead of one set per row. Rows whose layers share a stored
 layout (the same plan as stored: `stack_key`) stack, on the plain-ops path (the CPU,
-`RowStack.applies`); where the fused GPU kernels apply, each row keeps its own kernel calls.
+`RowStack.applies`). On CUDA, short rows attend over decoded mirrors instead, stacked by
+`mirror.DecodedStack`; on Metal each row keeps its own kernel calls.
 
 What a stack costs: a copy of its rows' compressed rows and a raw tail of TAIL_ROWS rows per
 row, per layer (the server stacks rows under 1,024 tokens), and a copy of every row again
@@ -18,7 +19,7 @@ from collections.abc import Hashable
 
 import mlx.core as mx
 
-from turboquant.attention.kernels import select_backend
+from turboquant.attention import kernels
 from turboquant.attention.rows import rows_attention
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec.calibration import KeyCalibration
@@ -58,10 +59,10 @@ class RowStack:
 
     @staticmethod
     def applies() -> bool:
-        """Whether rows stack here: on the plain-ops path (the CPU). Where the fused GPU kernels
-        apply, each row keeps its own kernel calls, which read one row's buffers with one stored
-        length (stacked plain ops measured no faster there: docs/server.md)."""
-        return select_backend() is None
+        """Whether rows stack here: on the plain-ops path (the CPU). On a GPU the fused kernels
+        read one row's buffers with one stored length, and stacked plain ops measured no faster
+        than those one row at a time (docs/server.md)."""
+        return kernels.select_backend() is None
 
     def attend(self, caches: list[TurboQuantKVCache], keys: mx.array, values: mx.array, queries: mx.array,
                scale: float) -> mx.array:
