@@ -20,6 +20,7 @@ from turboquant.attention.kernels import template as tpl
 from turboquant.attention.kernels.merge import Pass2
 from turboquant.attention.kernels.query import Pass0
 from turboquant.attention.kernels.cuda import translation_unit
+from turboquant.attention.kernels.ragged import Ragged
 from turboquant.attention.kernels.mma import MmaPass1
 from kernel_support.synthetic import build_cache, stored, tail
 from turboquant.codec.sides import NativeSide
@@ -505,6 +506,7 @@ def test_cuda_sources_compile(tmp_path):
                 picks.append(v)
     picks += [Pass2(d=128, rotate=True, tail_dtype=dt, q_dtype=dt, out_dtype=dt) for dt in ("float16", "bfloat16")]
     picks += [Pass2(d=80, rotate=False, out_dtype="float16")]
+    picks += [Ragged(128, 8, 4, 8, dt, 128 ** -0.5) for dt in tpl.NATIVE_DTYPES] + [Ragged(80, 2, 7, 8, "float16", 0.1)]
     src = tmp_path / "kernels.cu"
     src.write_text("\n".join(translation_unit(v) for v in picks))
     res = subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "k.o")],
