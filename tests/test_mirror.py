@@ -95,19 +95,20 @@ def test_stacked_mirrors_attend_as_each_row_alone(monkeypatch):
     force_backend(monkeypatch, "cuda", emulate.kernel)
     monkeypatch.setenv(MIRROR_ENV, "1024")
     H, D = 2, 64
-    caches = [build_cache("turbo5v4", H, D, mx.float32, n, seed=s) for n, s in ((20, 1), (300, 2), (509, 3))]
+    caches = [build_cache("turbo5v4", H, D, mx.float32, n, seed=s) for n, s in ((20, 1), (100, 2), (253, 3))]
     stack = DecodedStack()
-    k, v = kv_rows(3, H, 8, D, seed=4, dtype=mx.float32)
-    for t in range(8):  # row 3 crosses 512 at t = 3 (its block is encoded at the next update)
-        live = caches if t < 6 else caches[:2]
+    k, v = kv_rows(3, H, 6, D, seed=4, dtype=mx.float32)
+    for t in range(6):  # row 3 fills its open block at t = 2 (encoded at the next update)
+        live = caches if t < 5 else caches[:2]
         for i, c in enumerate(live):
             c.update_and_fetch(k[i:i + 1, :, t:t + 1], v[i:i + 1, :, t:t + 1])
-        if t == 4:
+        if t == 3:
             caches[0].trim(1)
             caches[0].update_and_fetch(k[:1, :, t:t + 1], v[:1, :, t:t + 1])
         q = mx.random.normal((len(live), 4 * H, 1, D), key=mx.random.key(t))
         out = stack.attend(live, k[:len(live), :, t:t + 1], v[:len(live), :, t:t + 1], q, 0.125)
         for i, c in enumerate(live):
             alone = c.attention(q[i:i + 1], 0.125)
-            assert np.allclose(np.array(out[i:i + 1]), np.array(alone), rtol=1e-5, atol=1e-6), (t, i)
-    assert caches[2].stored == 512
+            # float32 sums of up to 256 rows in another order: within n * eps * max|v| (about 1e-4)
+            assert np.abs(np.array(out[i:i + 1]) - np.array(alone)).max() <= 256 * 2 ** -23 * 4, (t, i)
+    assert caches[2].stored == 256
