@@ -249,6 +249,9 @@ def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, 
         assert all(isinstance(c, TurboQuantKVCache) for c in caches)
 
 
+# slow: the emulator runs a thread per lane for every layer's launch (10 s alone, 50 s beside the
+# rest of the suite on 2 cores); tests/test_mirror.py runs the DecodedStack itself by default.
+@pytest.mark.slow
 @pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 def test_on_cuda_short_compressed_rows_stack_their_mirrors_and_answer_as_the_engine_does(tmp_path, llama,
                                                                                          monkeypatch):
