@@ -74,8 +74,17 @@ def test_on_the_gpu_each_row_matches_its_own_attention(dtype):
     1,000 keys in a 1,024-token buffer: every row against its own SDPA in float32."""
     from turboquant.attention.kernels import select_backend
 
-    if select_backend() != "cuda":
-        pytest.skip("needs MLX's CUDA backend")
+    before = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        if select_backend() != "cuda":
+            pytest.skip("needs MLX's CUDA backend")
+        _rows_against_sdpa(dtype)
+    finally:
+        mx.set_default_device(before)
+
+
+def _rows_against_sdpa(dtype):
     B, H, R, D, T = 8, 8, 4, 128, 1024
     q, k, v = _rows(B, H, R, D, T, dtype, seed=5)
     lengths = [1, 2, 31, 32, 33, 257, 700, 1000]
