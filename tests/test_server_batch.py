@@ -222,6 +222,14 @@ def test_prefill_in_chunks_of_any_size_gives_the_same_caches(tmp_path, llama):
             assert mx.array_equal(x, y)
 
 
+def _stack_sizes(monkeypatch, kind) -> list[int]:
+    """How many rows each `kind.attend` call (RowStack or DecodedStack) was given, as they come."""
+    sizes = []
+    attend = kind.attend
+    monkeypatch.setattr(kind, "attend", lambda self, caches, *a: sizes.append(len(caches)) or attend(self, caches, *a))
+    return sizes
+
+
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4"])
 def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch, scheme):
     """Rows of a compressed scheme attend over their compressed storage, as `ask` does (the
@@ -231,10 +239,7 @@ def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, 
     (its own block means) among them."""
     import tqstore.engine.batch as batch_module
 
-    stacked = []
-    attend = batch_module.RowStack.attend
-    monkeypatch.setattr(batch_module.RowStack, "attend",
-                        lambda self, caches, *a: stacked.append(len(caches)) or attend(self, caches, *a))
+    stacked = _stack_sizes(monkeypatch, batch_module.RowStack)
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
@@ -264,10 +269,7 @@ def test_on_cuda_short_compressed_rows_stack_their_mirrors_and_answer_as_the_eng
     force_backend(monkeypatch, "cuda", emulate.kernel)
     monkeypatch.setenv(MIRROR_ENV, "1024")
     monkeypatch.setattr(ragged, "MAX_WARPS", 1)  # the emulator runs an OS thread per lane: fewer lanes
-    stacked = []
-    attend = batch_module.DecodedStack.attend
-    monkeypatch.setattr(batch_module.DecodedStack, "attend",
-                        lambda self, caches, *a: stacked.append(len(caches)) or attend(self, caches, *a))
+    stacked = _stack_sizes(monkeypatch, batch_module.DecodedStack)
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
