@@ -69,6 +69,14 @@ class DecodedMirror:
         return held["keys"], held["values"]
 
 
+def one_step_on(held: list[tuple[Any, int, int]], was: list[tuple[Any, int, int]]) -> bool:
+    """Whether the same rows' (cache, stored, offset) each only took one row since `was`: a
+    stack then writes that row, where anything else copies its rows in again."""
+    return len(held) == len(was) and all(
+        c is c0 and stored == stored0 and offset == offset0 + 1
+        for (c, stored, offset), (c0, stored0, offset0) in zip(held, was))
+
+
 class DecodedStack:
     """One layer's short compressed rows of a decode step, their mirrors stacked along the batch
     axis and attended in one CUDA launch (`kernels.ragged_decode`, each row over its own
@@ -94,7 +102,8 @@ class DecodedStack:
         if len(caches) == 1:
             return caches[0].attention(queries, scale)
         held = [(c, c.stored, c.offset) for c in caches]
-        if self._follows(held):
+        if (self._keys is not None and max(offset for _, _, offset in held) <= self._keys.shape[2]
+                and one_step_on(held, self._held)):
             rows = mx.arange(len(caches))
             at = mx.array([offset - 1 for _, _, offset in held])
             self._keys[rows, :, at] = keys[:, :, 0, :].astype(self._keys.dtype)
@@ -108,13 +117,6 @@ class DecodedStack:
         if out is None:  # (a shape the kernel declines: each row alone)
             out = mx.concatenate([c.attention(queries[i:i + 1], scale) for i, c in enumerate(caches)])
         return out
-
-    def _follows(self, held: list[tuple[Any, int, int]]) -> bool:
-        """Whether each row only took one row since the last step, within the stack's capacity."""
-        return (self._keys is not None and len(held) == len(self._held)
-                and max(offset for _, _, offset in held) <= self._keys.shape[2]
-                and all(c is was and stored == was_stored and offset == was_offset + 1
-                        for (c, stored, offset), (was, was_stored, was_offset) in zip(held, self._held)))
 
     def _build(self, caches: list[Any]) -> None:
         rows = [c.mirrored_rows() for c in caches]

@@ -22,6 +22,7 @@ import mlx.core as mx
 from turboquant.attention import kernels
 from turboquant.attention.rows import rows_attention
 from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.cache.mirror import one_step_on
 from turboquant.codec.calibration import KeyCalibration
 
 
@@ -72,7 +73,7 @@ class RowStack:
         if len(caches) == 1:
             return caches[0].attention(queries, scale)
         held = [(c, c.stored, c.offset) for c in caches]
-        if self._follows(held):
+        if one_step_on(held, self._held):
             at = mx.array([offset - 1 - stored for _, stored, offset in held])
             rows = mx.arange(len(caches))
             self._tail[0][rows, :, at] = keys[:, :, 0, :]
@@ -86,12 +87,6 @@ class RowStack:
         tail = None if not longest else (self._tail[0][:, :, :longest], self._tail[1][:, :, :longest])
         return rows_attention(queries, self._key_side, caches[0]._value_side, self._arrays, stored, self._shifts,
                               tail, tails, scale)
-
-    def _follows(self, held: list[tuple[TurboQuantKVCache, int, int]]) -> bool:
-        """Whether each row only took one row into its tail since the last step."""
-        return len(held) == len(self._held) and all(
-            c is was and stored == was_stored and offset == was_offset + 1
-            for (c, stored, offset), (was, was_stored, was_offset) in zip(held, self._held))
 
     def _build(self, caches: list[TurboQuantKVCache]) -> None:
         first = caches[0]
