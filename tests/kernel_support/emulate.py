@@ -1,10 +1,12 @@
-"""Run the generated kernels on the CPU: one OS thread per GPU thread (a test and debug tool).
+"""Run the generated kernels on the CPU: one fiber per GPU thread (a test and debug tool).
 
 The kernel body is the very text the CUDA and Metal kernels use (`template.body`), compiled as
 C++20 with a third set of dialect macros (`emulator.h`): threadgroup memory becomes function
 statics shared by the threads of the one threadgroup that runs at a time, `SYNC()` a barrier of
 the threadgroup and a SIMD shuffle a barrier of the 32 threads of its SIMD group. Threadgroups run one after
-another. `kernel(variant)` returns a callable with the call signature of an MLX custom kernel,
+another; a threadgroup's threads are fibers on the calling thread (ucontext), each running until it
+waits at a barrier, then the next in turn. The order is fixed, so a missing barrier shows only
+where that order exposes it. `kernel(variant)` returns a callable with the call signature of an MLX custom kernel,
 so `host.launch(kernel, ...)` runs the whole decode (inputs, both passes) on the CPU.
 
 Needs a C++20 compiler (`CXX`, default g++) with `_Float16`; `available()` says whether one works.
@@ -53,15 +55,19 @@ def available() -> bool:
         return False
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "probe.cc"
-        src.write_text("#include <barrier>\nint main() { _Float16 h = 1.5f; std::barrier<> b(1); "
-                       "b.arrive_and_wait(); return (float)h == 1.5f ? 0 : 1; }\n")
+        src.write_text(HEADER + "int main() { _Float16 h = 1.5f; "
+                       "int ran = 0; tq_run_group(2, [&]() { ++ran; SYNC(); ran += ran < 2 ? 100 : 10; }, new char[2 << 16], "
+                       "1 << 16); return (float)h == 1.5f && ran == 22 ? 0 : 1; }\n")
         try:
-            subprocess.run([cxx, "-std=c++20", "-pthread", str(src), "-o", str(Path(tmp) / "probe")],
+            subprocess.run([cxx, "-std=c++20", str(src), "-o", str(Path(tmp) / "probe")],
                            check=True, capture_output=True, timeout=120)
             subprocess.run([str(Path(tmp) / "probe")], check=True, capture_output=True, timeout=30)
         except (OSError, subprocess.SubprocessError):
             return False
     return True
+
+
+STACK_BYTES = 1 << 18  # per GPU thread: its registers and local arrays, as a fiber's stack
 
 
 def translation_unit(variant: Pass0 | Pass1 | Pass2) -> str:
@@ -82,24 +88,12 @@ def translation_unit(variant: Pass0 | Pass1 | Pass2) -> str:
             "for (int k = 0; k < 10; ++k) r[k] = s[i * 10 + k]; return r; }\n"
             f"static void tq_kernel({', '.join(params)}) {{\n{text}\n}}\n"
             "extern \"C\" void tq_run(void** ptrs, const int64_t* strides, int gx, int gy, int nt) {\n"
+            f"  const size_t stack = {STACK_BYTES};\n"
+            "  std::unique_ptr<char[]> stacks(new char[stack * nt]);  // untouched pages cost nothing\n"
             "  for (int by = 0; by < gy; ++by) {\n"
             "    for (int bx = 0; bx < gx; ++bx) {\n"
-            "      std::barrier<> tg(nt);\n"
-            "      std::vector<std::barrier<>*> warps;\n"
-            "      std::vector<std::vector<float>> slots(nt / 32, std::vector<float>(32));\n"
-            "      std::vector<std::vector<uint32_t>> uslots(nt / 32, std::vector<uint32_t>(32 * 6));\n"
-            "      for (int w = 0; w < nt / 32; ++w) warps.push_back(new std::barrier<>(32));\n"
-            "      std::vector<std::thread> threads;\n"
-            "      for (int t = 0; t < nt; ++t) {\n"
-            "        threads.emplace_back([&, t]() {\n"
-            "          tq_tid = t; tq_bx = bx; tq_by = by; tq_tg_bar = &tg;\n"
-            "          tq_warp_bar = warps[t / 32]; tq_warp_slots = slots[t / 32].data();\n"
-            "          tq_warp_u = uslots[t / 32].data();\n"
-            f"          tq_kernel({', '.join(unpack)});\n"
-            "        });\n"
-            "      }\n"
-            "      for (auto& th : threads) th.join();\n"
-            "      for (auto* w : warps) delete w;\n"
+            "      tq_bx = bx; tq_by = by;\n"
+            f"      tq_run_group(nt, [&]() {{ tq_kernel({', '.join(unpack)}); }}, stacks.get(), stack);\n"
             "    }\n"
             "  }\n"
             "}\n")
@@ -118,7 +112,7 @@ def _library(variant: Pass0 | Pass1 | Pass2):
         cc = _BUILD / f"{variant.name}_{digest}.cc"
         cc.write_text(src)
         tmp = so.with_suffix(f".{os.getpid()}.tmp")
-        subprocess.run([compiler(), "-std=c++20", "-O1", "-w", "-pthread", "-shared", "-fPIC", str(cc), "-o",
+        subprocess.run([compiler(), "-std=c++20", "-O1", "-w", "-shared", "-fPIC", str(cc), "-o",
                         str(tmp)], check=True, capture_output=True, timeout=600)
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))

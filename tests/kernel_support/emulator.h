@@ -1,10 +1,16 @@
 
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700  // macOS declares the ucontext calls only under it
+#endif
+#include <ucontext.h>
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <functional>
+#include <memory>
 #include <vector>
 #include <array>
 
@@ -34,10 +40,104 @@ struct tq_bf16 {
   operator float() const { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
 
-static thread_local int tq_tid, tq_bx, tq_by;
-static thread_local std::barrier<>* tq_tg_bar;
-static thread_local std::barrier<>* tq_warp_bar;
-static thread_local float* tq_warp_slots;
+// A threadgroup's GPU threads are fibers on the calling OS thread, switched only at barriers:
+// a barrier costs a few context switches, where OS threads (one per GPU thread) spent most of a
+// test's time waking each other, and starved whenever other work held the cores.
+struct tq_barrier {
+  int count = 0, arrived = 0;
+  unsigned gen = 0;
+  void arrive_and_wait();
+};
+
+struct tq_group {  // the threadgroup that runs now
+  int nt = 0, cur = 0;
+  std::vector<ucontext_t> ctx;
+  std::vector<char> done;
+  ucontext_t main_ctx;
+  tq_barrier tg;
+  std::vector<tq_barrier> warps;
+  std::vector<float> slots;
+  std::vector<uint32_t> uslots;
+  std::function<void()> body;
+};
+
+static tq_group* tq_g;
+static int tq_tid, tq_bx, tq_by;
+static tq_barrier* tq_tg_bar;
+static tq_barrier* tq_warp_bar;
+static float* tq_warp_slots;
+static uint32_t* tq_warp_u;
+
+static void tq_enter(int t) {  // the globals the kernel text reads as its thread's own
+  tq_g->cur = t;
+  tq_tid = t;
+  tq_tg_bar = &tq_g->tg;
+  tq_warp_bar = &tq_g->warps[t / 32];
+  tq_warp_slots = &tq_g->slots[(t / 32) * 32];
+  tq_warp_u = &tq_g->uslots[(t / 32) * 32 * 6];
+}
+
+static int tq_next(int me) {  // the next unfinished fiber after `me`, round robin; `me` when none
+  for (int i = 1; i <= tq_g->nt; ++i) {
+    const int t = (me + i) % tq_g->nt;
+    if (!tq_g->done[t]) return t;
+  }
+  return me;
+}
+
+inline void tq_barrier::arrive_and_wait() {
+  const unsigned mine = gen;
+  if (++arrived == count) {
+    arrived = 0;
+    ++gen;
+    return;
+  }
+  while (gen == mine) {
+    const int me = tq_g->cur, next = tq_next(me);
+    if (next == me) {
+      std::fprintf(stderr, "emulator: thread %d waits at a barrier no other thread can reach\n", me);
+      std::abort();
+    }
+    tq_enter(next);
+    swapcontext(&tq_g->ctx[me], &tq_g->ctx[next]);
+    tq_enter(me);
+  }
+}
+
+static void tq_fiber() {
+  tq_g->body();
+  const int me = tq_g->cur;
+  tq_g->done[me] = 1;
+  const int next = tq_next(me);
+  if (next != me) {
+    tq_enter(next);
+    setcontext(&tq_g->ctx[next]);
+  }
+}  // the last one returns to tq_run_group through uc_link
+
+static void tq_run_group(int nt, const std::function<void()>& body, char* stacks, size_t stack) {
+  tq_group g;
+  g.nt = nt;
+  g.ctx.resize(nt);
+  g.done.assign(nt, 0);
+  g.tg.count = nt;
+  g.warps.resize((nt + 31) / 32);
+  for (auto& w : g.warps) w.count = std::min(32, nt);
+  g.slots.assign(g.warps.size() * 32, 0.0f);
+  g.uslots.assign(g.warps.size() * 32 * 6, 0u);
+  g.body = body;
+  tq_g = &g;
+  for (int t = 0; t < nt; ++t) {
+    getcontext(&g.ctx[t]);
+    g.ctx[t].uc_stack.ss_sp = stacks + (size_t)t * stack;
+    g.ctx[t].uc_stack.ss_size = stack;
+    g.ctx[t].uc_link = &g.main_ctx;
+    makecontext(&g.ctx[t], tq_fiber, 0);
+  }
+  tq_enter(0);
+  swapcontext(&g.main_ctx, &g.ctx[0]);
+  tq_g = nullptr;
+}
 
 static inline float tq_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline uint32_t tq_funnel(uint32_t lo, uint32_t hi, uint32_t sh) {
@@ -55,7 +155,6 @@ static inline void tq_h2(uint32_t w, float& a, float& b) {
   a = (float)h[0];
   b = (float)h[1];
 }
-static thread_local uint32_t* tq_warp_u;
 static inline uint32_t tq_pack_h2(float lo, float hi) {
   _Float16 h[2] = {(_Float16)lo, (_Float16)hi};
   uint32_t w;
