@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
 import os
+import pstats
 import sys
 import tempfile
 import threading
@@ -74,6 +77,95 @@ class Sampler:
         return lines
 
 
+class Timeline:
+    """Wall time of the model thread by part, while `on`: prefill and other own steps, decode
+    steps (graph build, `mx.async_eval`, waiting for the launched tokens) and each served row's
+    resumption (detokenizing, stop checks, sending); the rest is admitting and waiting."""
+
+    def __init__(self, profile: bool = False):
+        import mlx.core as mx
+        from tqstore.engine.batch import DecodeBatch
+        from tqstore.serve.scheduling import Scheduler
+
+        self.on = False
+        self.profile = cProfile.Profile() if profile else None
+        self.reset()
+        self._depth = 0
+        own, advance = Scheduler._own_step, Scheduler._advance
+        step, launch, async_eval, evaluate = DecodeBatch.step, DecodeBatch._launch, mx.async_eval, mx.eval
+        timeline = self
+        self._own = False
+
+        def timed(part, fn):
+            def wrapper(*a, **k):
+                t0 = time.perf_counter()
+                timeline._depth += 1
+                try:
+                    return fn(*a, **k)
+                finally:
+                    timeline._depth -= 1
+                    if timeline.on:
+                        timeline.seconds[part] += time.perf_counter() - t0
+            return wrapper
+
+        def resumed(self_, running):
+            if timeline._depth:  # inside an own step: counted there
+                return advance(self_, running)
+            return timed("rows resumed", advance)(self_, running)
+
+        def stepped(self_, model, rows, keep=None):
+            if timeline.on:
+                timeline.steps += 1
+                timeline.rows += len(rows)
+            return timed("step", step)(self_, model, rows, keep)
+
+        timed_own = timed("own steps", own)
+
+        def own_step(self_, running):
+            timeline._own = True
+            if timeline.on and timeline.profile is not None:
+                timeline.profile.enable()
+            try:
+                return timed_own(self_, running)
+            finally:
+                timeline._own = False
+                if timeline.profile is not None:
+                    timeline.profile.disable()
+
+        Scheduler._own_step = own_step
+        timed_evaluate = timed("own steps: mx.eval", evaluate)
+        mx.eval = lambda *a: timed_evaluate(*a) if timeline._own else evaluate(*a)
+        Scheduler._advance = resumed
+        DecodeBatch.step = stepped
+        DecodeBatch._launch = timed("step: launch", launch)
+        timed_eval = timed("step: async_eval", async_eval)
+        # only a decode step's launch: the prefills' evaluations count as own steps
+        mx.async_eval = lambda *a: timed_eval(*a) if timeline._depth >= 2 else async_eval(*a)
+
+    def reset(self) -> None:
+        self.seconds = collections.Counter()
+        self.steps = self.rows = 0
+
+    def report(self, wall: float) -> list[str]:
+        s = self.seconds
+        parts = {"own steps (prefills): mx.eval": s["own steps: mx.eval"],
+                 "own steps (prefills): the rest": s["own steps"] - s["own steps: mx.eval"],
+                 "step: graph build": s["step: launch"] - s["step: async_eval"],
+                 "step: mx.async_eval": s["step: async_eval"],
+                 "step: wait and bookkeeping": s["step"] - s["step: launch"],
+                 "rows resumed": s["rows resumed"]}
+        parts["admitting, idle"] = wall - sum(parts.values())
+        lines = [f"{wall * 1e3:.0f} ms of bursts, {self.steps} decode steps, {self.rows / max(self.steps, 1):.2f} rows per step"]
+        lines += [f"  {100 * v / wall:5.1f}% {v * 1e3 / max(self.steps, 1):7.3f} ms/step  {k}" for k, v in parts.items()]
+        if self.profile is not None:
+            out = io.StringIO()
+            pstats.Stats(self.profile, stream=out).sort_stats("cumulative").print_stats(40)
+            pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(20)
+            lines.append("own steps, cProfile:\n" + out.getvalue())
+            self.profile = cProfile.Profile()
+        return lines
+
+
 def _where(frame, line: int) -> str:
     return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{line})"
 
@@ -116,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ragged", action="store_true", help="prompts of 16, 19, 22, ... tokens, not all 16")
     parser.add_argument("--interval", type=float, default=0.0005)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--timeline", action="store_true",
+                        help="no sampler: the bursts' wall time by part of the model thread's turns")
+    parser.add_argument("--profile-own", action="store_true", help="with --timeline: cProfile the own steps")
     parser.add_argument("--openblas", action="store_true")
     parser.add_argument("--blas-threads", type=int, default=None)
     argv = sys.argv if argv is None else argv
@@ -139,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         from tqstore.serve.worker import ModelWorker
 
         store = Store.open(config=load_config(None))
+        timeline = Timeline(args.profile_own) if args.timeline else None
         for scheme in args.schemes:
             worker = ModelWorker(Engine(store), str(folder), scheme=scheme, max_running=args.streams,
                                  policy=SavePolicy(False))
@@ -146,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             worker.ready.wait()
             if worker.load_error is not None:
                 raise worker.load_error
-            sampler = Sampler(worker._thread, args.interval)
+            sampler = None if args.timeline else Sampler(worker._thread, args.interval)
             prompts = [[(7 * i + j) % (vocab - 10) + 5 for j in range(16 + (3 * i if args.ragged else 0))]
                        for i in range(args.streams)]
             for _ in range(2):  # warm: builds and first shapes
@@ -157,6 +253,19 @@ def main(argv: list[str] | None = None) -> int:
             # A thread holding the GIL gives it up only in blocking C calls or after the switch
             # interval (5 ms by default): without a short one the samples land mostly where MLX
             # waits and miss the Python that builds the graphs.
+            if timeline is not None:
+                for streams in (1, args.streams):
+                    timeline.reset()
+                    timeline.on, wall = True, 0.0
+                    for _ in range(args.bursts):
+                        t0 = time.perf_counter()
+                        rate = burst(worker, prompts[:streams], args.tokens)
+                        wall += time.perf_counter() - t0
+                        print(f"{scheme} {streams} streams: {rate:.1f} tok/s", flush=True)
+                    timeline.on = False
+                    print(f"{scheme}, {streams} streams: " + "\n".join(timeline.report(wall)), flush=True)
+                worker.stop()
+                continue
             switch = sys.getswitchinterval()
             sys.setswitchinterval(args.interval / 5)
             sampler.on.set()

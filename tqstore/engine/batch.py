@@ -39,7 +39,6 @@ resumes the generations of the rows it served).
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Sequence
@@ -47,8 +46,8 @@ from typing import Any, Callable, Generator, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import (DecodedStack, RowStack, TurboQuantKVCache, compressed_sdpa, install_attention_dispatch,
-                        mirror_tokens, ragged_decode, stack_key)
+from turboquant import (AttentionHook, DecodedStack, RowStack, TurboQuantKVCache, compressed_sdpa,
+                        install_attention_dispatch, mirror_tokens, ragged_decode, stack_key)
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -185,14 +184,14 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     return out
 
 
+_ROWS_HOOK = AttentionHook(compressed_sdpa, rows_sdpa)
+
+
 def install_rows_dispatch() -> None:
     """Point every loaded mlx_lm.models module's attention at `rows_sdpa` (idempotent; after
     TurboQuant's dispatch, which `rows_sdpa` calls)."""
     install_attention_dispatch()
-    for name, module in list(sys.modules.items()):
-        if (name.startswith("mlx_lm.models.")
-                and getattr(module, "scaled_dot_product_attention", None) is compressed_sdpa):
-            module.scaled_dot_product_attention = rows_sdpa
+    _ROWS_HOOK.install()
 
 
 @dataclass(eq=False)
