@@ -4,9 +4,7 @@ the host's graph build, `mx.async_eval` and the wait for the device.
 
     python bench/batch_rows.py            # the H200 (random bfloat16 weights, bench/server_batch.py's model)
 
-Matmuls (MLX's, and turboquant's few-rows kernel where it applies): 20 chained calls then a
-sync, median of 30 runs, us per call. Steps (with MLX's projections, then with the few-rows
-kernel's, `tqstore serve`'s on CUDA): 40 steps run as
+Matmuls: 20 chained calls then a sync, median of 30 runs, us per call. Steps: 40 steps run as
 the server runs them (the next step built and launched before the last one's tokens are read),
 per step the median host build, async_eval and wait, in ms; then the same steps each evaluated
 alone (build, eval and sync in a row) for the device's time with nothing overlapped.
@@ -15,7 +13,6 @@ alone (build, eval and sync in a row) for the device's time with nothing overlap
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import tempfile
@@ -35,22 +32,16 @@ SHAPES = {"q, o (4096 x 4096)": (4096, 4096), "k, v (4096 x 1024)": (4096, 1024)
 
 
 def matmul_table(dtype) -> list[str]:
-    """MLX's matmul, and where it applies turboquant's few-rows kernel ("few")."""
-    from turboquant.attention.kernels import rows_matmul
-
-    lines = ["| weight | form | " + " | ".join(f"M={m}" for m in ROWS) + " |", "|---|---|" + "---|" * len(ROWS)]
-    for (name, (k, n)), form in itertools.product(SHAPES.items(), ("mlx", "few")):
+    lines = ["| weight | " + " | ".join(f"M={m}" for m in ROWS) + " |", "|---|" + "---|" * len(ROWS)]
+    for name, (k, n) in SHAPES.items():
         w = mx.random.normal((n, k), key=mx.random.key(1)).astype(dtype) * 0.01
         cells = []
         for m in ROWS:
             x = mx.random.normal((m, k), key=mx.random.key(2)).astype(dtype)
             mx.eval(w, x)
-            if form == "few" and rows_matmul(x, w) is None:
-                cells.append("-")
-                continue
 
-            def chain(x=x, w=w, form=form):
-                return [x @ w.T if form == "mlx" else rows_matmul(x, w) for _ in range(20)]
+            def chain(x=x, w=w):
+                return [x @ w.T for _ in range(20)]
 
             for _ in range(3):
                 mx.eval(chain())
@@ -60,14 +51,15 @@ def matmul_table(dtype) -> list[str]:
                 mx.eval(chain())
                 times.append(time.perf_counter() - t0)
             cells.append(f"{1e6 * statistics.median(times) / 20:.0f}")
-        lines.append(f"| {name} | {form} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
-def step_table(model, vocab: int, label: str) -> list[str]:
+def step_table(model, vocab: int) -> list[str]:
     from mlx_lm.models.cache import make_prompt_cache
 
-    lines = []
+    lines = ["| rows | pipelined: build / async_eval / wait ms | alone: build / eval ms | tokens/s pipelined |",
+             "|---|---|---|---|"]
     for m in (1, 2, 4, 8):
         caches = make_prompt_cache(model)
         prompt = mx.array([[(5 + 7 * r + j) % (vocab - 10) + 5 for j in range(16)] for r in range(m)])
@@ -101,7 +93,7 @@ def step_table(model, vocab: int, label: str) -> list[str]:
             alone_eval.append(time.perf_counter() - t1)
             token = nxt[:, None]
         med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-        lines.append(f"| {label} | {m} | {med(build):.2f} / {med(launch):.2f} / {med(wait):.2f} | "
+        lines.append(f"| {m} | {med(build):.2f} / {med(launch):.2f} / {med(wait):.2f} | "
                      f"{med(alone_build):.2f} / {med(alone_eval):.2f} | {rate:.0f} |")
     return lines
 
@@ -117,17 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.utils import load_model
     from server_batch import write_model
 
-    from turboquant import select_backend, use_few_rows_matmul
-
     with tempfile.TemporaryDirectory() as root:
         folder, vocab, described = write_model(argparse.Namespace(model="8b", layers=args.layers), Path(root))
         print(described, flush=True)
         model, _ = load_model(folder)
-        print("| projections | rows | pipelined: build / async_eval / wait ms | alone: build / eval ms | "
-              "tokens/s pipelined |\n|---|---|---|---|---|", flush=True)
-        print("\n".join(step_table(model, vocab, "mlx")), flush=True)
-        if use_few_rows_matmul(model) if select_backend() == "cuda" else 0:
-            print("\n".join(step_table(model, vocab, "few-rows kernel")), flush=True)
+        print("\n".join(step_table(model, vocab)), flush=True)
     return 0
 
 

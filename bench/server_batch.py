@@ -139,9 +139,8 @@ def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int, gr
     together until every row has its `max_tokens` (or its end-of-sequence token). `group`
     False: every row attends over its own caches, one call per row (the form before the
     group, kept for rows of 1,024 tokens and more)."""
-    from tqstore.engine.batch import DecodeBatch, batched_generation, few_rows_projections
+    from tqstore.engine.batch import DecodeBatch, batched_generation
 
-    few_rows_projections(loaded)  # as the server's worker does once it loaded the model
     rows = [batched_generation(engine, loaded, scheme, p, max_tokens=max_tokens) for p in prompts]
     pending = []
     for row in rows:

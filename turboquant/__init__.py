@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
     from turboquant.adapter.context import Context
     from turboquant.adapter.dispatch import AttentionHook, compressed_sdpa, install_attention_dispatch
-    from turboquant.adapter.few_rows import FewRowsLinear, use_few_rows_matmul
     from turboquant.adapter.making import codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes
     from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
     from turboquant.adapter.snapshots import held_tokens, restore, restore_as, snapshot
@@ -38,7 +37,6 @@ _LAZY = {
     **{n: ("adapter.checkpoints", n) for n in ("StateCheckpoints", "chunk_ends")},
     "Context": ("adapter.context", "Context"),
     **{n: ("adapter.dispatch", n) for n in ("AttentionHook", "compressed_sdpa", "install_attention_dispatch")},
-    **{n: ("adapter.few_rows", n) for n in ("FewRowsLinear", "use_few_rows_matmul")},
     **{n: ("adapter.making", n) for n in ("codec_snapshot", "compress_caches", "make_prompt_cache",
                                           "probe_kv_shapes")},
     **{n: ("adapter.native", n) for n in ("NATIVE_CLASSES", "NotNative", "compress_snapshot", "native_caches",

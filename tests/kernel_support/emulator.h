@@ -169,19 +169,6 @@ static inline uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint32_t s2, uint
   std::memcpy(&bb, &bv, 2);
   return tq_pack_h2((float)c0 * (float)s + (float)bb, (float)c1 * (float)s + (float)bb);
 }
-static inline void tq_wide_bf16(U4 u, float* f) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = tq_as_float(w[i] << 16);
-    f[2 * i + 1] = tq_as_float(w[i] & 0xffff0000u);
-  }
-}
-static inline void tq_wide_f16(U4 u, float* f) {
-  tq_h2(u.x, f[0], f[1]);
-  tq_h2(u.y, f[2], f[3]);
-  tq_h2(u.z, f[4], f[5]);
-  tq_h2(u.w, f[6], f[7]);
-}
 #define PAIRLOOK(tbl, off) (*(const uint32_t*)((const char*)(tbl) + (off)))
 static inline float tq_h2f(uint32_t w, int hi) {
   const uint16_t v = (uint16_t)(hi ? (w >> 16) : (w & 0xffffu));

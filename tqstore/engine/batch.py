@@ -47,8 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from turboquant import (AttentionHook, DecodedStack, RowStack, TurboQuantKVCache, compressed_sdpa,
-                        install_attention_dispatch, mirror_tokens, ragged_decode, select_backend, stack_key,
-                        use_few_rows_matmul)
+                        install_attention_dispatch, mirror_tokens, ragged_decode, stack_key)
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -69,15 +68,6 @@ def batchable(loaded: LoadedModel, caches: Sequence[Any]) -> bool:
     sliding windows, no recurrent states)."""
     family = getattr(getattr(loaded.model, "args", None), "model_type", None)
     return family in BATCHED_FAMILIES and all(type(c) in _ROW_CACHES for c in caches)
-
-
-def few_rows_projections(loaded: LoadedModel) -> None:
-    """On CUDA, the model's plain Linear layers multiply a step's 2-8 rows with turboquant's
-    few-rows kernel (each weight row read once): MLX's matmul of 2-16 rows cost 1.1-3.3x its
-    one-row kernel on the H200, so a batched step's device time was 2.2 ms against 0.8 ms for
-    one row (bench/batch_rows.py). Elsewhere nothing changes."""
-    if select_backend() == "cuda":
-        use_few_rows_matmul(loaded.model)
 
 
 # Rows this long or longer attend over their own caches: padding others to them would cost more

@@ -37,7 +37,7 @@ import mlx.core as mx
 from turboquant import make_prompt_cache
 
 from tqstore.engine.background import BackgroundWriter
-from tqstore.engine.batch import Row, batchable, batched_generation, few_rows_projections
+from tqstore.engine.batch import Row, batchable, batched_generation
 from tqstore.engine.chunks import Document
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.engine.engine import Engine
@@ -143,8 +143,6 @@ class ModelWorker:
                                                                    verdicts=self.engine.models.verdicts(self.loaded)))
         if not self.batching:
             log.info("this model's caches cannot share decode steps: requests decode one at a time, in turns")
-        else:
-            few_rows_projections(self.loaded)
         self.ready.set()
         self._scheduler.run(self.loaded.model)
 

@@ -62,16 +62,15 @@ The tests' emulator (tests/kernel_support/emulate.py) runs the very same kernel 
 
 from __future__ import annotations
 
-import functools
 import os
 
 import mlx.core as mx
 
 from turboquant.attention.kernels import host
-from turboquant.attention.kernels import few_rows, ragged, steps
+from turboquant.attention.kernels import ragged, steps
 from turboquant.attention.kernels.host import DEFAULT_TUNING, KernelTuning, merge_tail
 
-__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "ragged_decode", "rows_matmul",
+__all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "ragged_decode",
            "select_backend"]
 
 
@@ -211,34 +210,3 @@ def ragged_decode(queries: mx.array, keys: mx.array, values: mx.array, lengths: 
     B, Hq, _, D = queries.shape
     return run(inputs=[queries, keys, values, lengths], grid=(B * v.H * v.threads, 1, 1),
                threadgroup=(v.threads, 1, 1), output_shapes=[(B, Hq, 1, D)], output_dtypes=[dtype])[0]
-
-
-@functools.lru_cache(maxsize=256)
-def _dims(m: int, n: int, k: int) -> mx.array:
-    """A launch's sizes as the kernel reads them (one small array per shape, made once)."""
-    dims = mx.array([m, n, k], dtype=mx.int32)
-    mx.eval(dims)
-    return dims
-
-
-def rows_matmul(x: mx.array, weight: mx.array) -> mx.array | None:
-    """x @ weight.T for at most few_rows.MMAX rows of x in one CUDA launch that reads each weight row
-    once (few_rows.py says why), or None where no kernel applies: not on CUDA, or operands
-    `few_rows.variant` refuses."""
-    if select_backend() != "cuda":
-        return None
-    from turboquant.attention.kernels import cuda
-
-    v = few_rows.variant(x, weight)
-    if v is None:
-        return None
-    made = cuda.kernel(v)
-    bound = getattr(made, "bound", None)  # (the tests' CPU emulator hands out no kernel object)
-    run = made if bound is None else bound([x.dtype, x.dtype, mx.int32], [x.dtype])
-    K, N = x.shape[-1], weight.shape[0]
-    M = x.size // K
-    groups = -(-N // v.rows_per_threadgroup())
-    y = run(inputs=[mx.contiguous(x.reshape(M, K)), mx.contiguous(weight), _dims(M, N, K)],
-            grid=(groups * v.threads, 1, 1), threadgroup=(v.threads, 1, 1), output_shapes=[(M, N)],
-            output_dtypes=[x.dtype])[0]
-    return y.reshape(*x.shape[:-1], N)

@@ -21,7 +21,6 @@ from turboquant.attention.kernels.dialects import section
 from turboquant.attention.kernels.merge import Pass2
 from turboquant.attention.kernels.query import Pass0
 from turboquant.attention.kernels.ragged import Ragged
-from turboquant.attention.kernels.few_rows import RowsMatmul
 from turboquant.attention.kernels.template import Pass1, output_names, source
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, "uint32": mx.uint32,
@@ -34,7 +33,7 @@ class CachedKernel:
     module is in MLX's cache folder (`cubin_cache.ensure`), then launches it; called like the
     kernel object (keyword arguments)."""
 
-    def __init__(self, variant: Pass0 | Pass1 | Pass2 | Ragged | RowsMatmul):
+    def __init__(self, variant: Pass0 | Pass1 | Pass2 | Ragged):
         self.name = variant.name
         self.header, self.body = source(variant, "cuda")
         self.input_names = variant.input_names()
@@ -88,13 +87,13 @@ def _warn_once(message: str) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(variant: Pass0 | Pass1 | Pass2 | Ragged | RowsMatmul) -> CachedKernel:
+def kernel(variant: Pass0 | Pass1 | Pass2 | Ragged) -> CachedKernel:
     return CachedKernel(variant)
 
 
-def input_types(variant: Pass0 | Pass1 | Pass2 | Ragged | RowsMatmul) -> dict[str, str]:
+def input_types(variant: Pass0 | Pass1 | Pass2 | Ragged) -> dict[str, str]:
     """Element type of every input (what MLX would put in the signature)."""
-    if isinstance(variant, (Ragged, RowsMatmul)):
+    if isinstance(variant, Ragged):
         return variant.input_types()
     types = {n: "float32" for n in variant.input_names()}
     types["params"] = "int32"

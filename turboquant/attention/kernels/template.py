@@ -32,7 +32,6 @@ from turboquant.attention.kernels.dialects import (DIALECTS, HEADERS, PROLOGUE, 
 from turboquant.attention.kernels.merge import OUTPUTS2, Pass2, pass2_body
 from turboquant.attention.kernels.query import Pass0, pass0_body
 from turboquant.attention.kernels.ragged import Ragged
-from turboquant.attention.kernels.few_rows import RowsMatmul
 
 THREADS = 128  # pass 1 threadgroup size (4 SIMD groups)
 MAX_SHIFT_BLOCKS = 18  # 256-token key-mean blocks one pass-1 block may touch
@@ -495,20 +494,20 @@ def pass1_body(v: Pass1, prologue: str) -> str:
     return body
 
 
-def body(v: Pass0 | Pass1 | Pass2 | Ragged | RowsMatmul, prologue: str) -> str:
+def body(v: Pass0 | Pass1 | Pass2 | Ragged, prologue: str) -> str:
     if isinstance(v, Pass0):
         return pass0_body(v, prologue)
-    return v.render(prologue) if isinstance(v, (Pass1, Ragged, RowsMatmul)) else pass2_body(v, prologue)
+    return v.render(prologue) if isinstance(v, (Pass1, Ragged)) else pass2_body(v, prologue)
 
 
-def source(v: Pass0 | Pass1 | Pass2 | Ragged | RowsMatmul, dialect: str) -> tuple[str, str]:
+def source(v: Pass0 | Pass1 | Pass2 | Ragged, dialect: str) -> tuple[str, str]:
     if dialect not in DIALECTS:
         raise ValueError(f"dialect must be one of {DIALECTS}")
-    header = v.header(dialect) if isinstance(v, (Pass1, RowsMatmul)) else HEADERS[dialect]
+    header = v.header(dialect) if isinstance(v, Pass1) else HEADERS[dialect]
     return header, body(v, PROLOGUE[dialect])
 
 
-def output_names(v: Pass0 | Pass1 | Pass2 | Ragged | RowsMatmul) -> list[str]:
-    if isinstance(v, (Pass0, Ragged, RowsMatmul)):
+def output_names(v: Pass0 | Pass1 | Pass2 | Ragged) -> list[str]:
+    if isinstance(v, (Pass0, Ragged)):
         return v.output_names()
     return OUTPUTS1 if isinstance(v, Pass1) else OUTPUTS2
