@@ -5,6 +5,14 @@ sampler thread reads the model thread's Python stack every `--interval` seconds.
     python bench/server_probe.py --model 8b --schemes raw turbo5v4      # GPU
     python bench/server_probe.py --openblas --blas-threads 1            # CPU, the tiny llama
 
+    python bench/server_probe.py --model 8b --timeline --profile-own   # GPU: wall time by part
+
+With `--timeline` there is no sampler: the model thread's methods are timed instead, and the
+bursts' wall time (1 stream, then `--streams`) is split into the prefill steps (their
+`mx.eval`, the rest), the decode steps (graph build, `mx.async_eval`, the wait for the last
+step's tokens), the served rows' resumption and what is left (admitting, idle);
+`--profile-own` adds a cProfile of the prefill steps. Otherwise:
+
 Per scheme: one stream alone (tokens/s), then `--bursts` bursts of `--streams` streams; the
 samples taken during the bursts are summed per frame, inclusive (the frame is on the stack) and
 self (the innermost Python frame, by its current line: time in a C call is the line that made
