@@ -11,7 +11,8 @@ With `--timeline` there is no sampler: the model thread's methods are timed inst
 bursts' wall time (1 stream, then `--streams`) is split into the prefill steps (their
 `mx.eval`, the rest), the decode steps (graph build, `mx.async_eval`, the wait for the last
 step's tokens), the served rows' resumption and what is left (admitting, idle);
-`--profile-own` adds a cProfile of the prefill steps. Otherwise:
+`--profile-own` adds a cProfile of the prefill steps, `--profile-steps` one of the decode steps.
+Otherwise:
 
 Per scheme: one stream alone (tokens/s), then `--bursts` bursts of `--streams` streams; the
 samples taken during the bursts are summed per frame, inclusive (the frame is on the stack) and
@@ -90,13 +91,14 @@ class Timeline:
     steps (graph build, `mx.async_eval`, waiting for the launched tokens) and each served row's
     resumption (detokenizing, stop checks, sending); the rest is admitting and waiting."""
 
-    def __init__(self, profile: bool = False):
+    def __init__(self, profile: bool = False, profile_steps: bool = False):
         import mlx.core as mx
         from tqstore.engine.batch import DecodeBatch
         from tqstore.serve.scheduling import Scheduler
 
         self.on = False
         self.profile = cProfile.Profile() if profile else None
+        self.step_profile = cProfile.Profile() if profile_steps else None
         self.reset()
         self._depth = 0
         own, advance = Scheduler._own_step, Scheduler._advance
@@ -121,11 +123,20 @@ class Timeline:
                 return advance(self_, running)
             return timed("rows resumed", advance)(self_, running)
 
+        timed_step = timed("step", step)
+
         def stepped(self_, model, rows, keep=None):
+            profiling = timeline.on and timeline.step_profile is not None
             if timeline.on:
                 timeline.steps += 1
                 timeline.rows += len(rows)
-            return timed("step", step)(self_, model, rows, keep)
+            if profiling:
+                timeline.step_profile.enable()
+            try:
+                return timed_step(self_, model, rows, keep)
+            finally:
+                if profiling:
+                    timeline.step_profile.disable()
 
         timed_own = timed("own steps", own)
 
@@ -171,6 +182,12 @@ class Timeline:
             pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(20)
             lines.append("own steps, cProfile:\n" + out.getvalue())
             self.profile = cProfile.Profile()
+        if self.step_profile is not None:
+            out = io.StringIO()
+            pstats.Stats(self.step_profile, stream=out).sort_stats("cumulative").print_stats(45)
+            pstats.Stats(self.step_profile, stream=out).sort_stats("tottime").print_stats(25)
+            lines.append("decode steps, cProfile:\n" + out.getvalue())
+            self.step_profile = cProfile.Profile()
         return lines
 
 
@@ -219,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeline", action="store_true",
                         help="no sampler: the bursts' wall time by part of the model thread's turns")
     parser.add_argument("--profile-own", action="store_true", help="with --timeline: cProfile the own steps")
+    parser.add_argument("--profile-steps", action="store_true", help="with --timeline: cProfile the decode steps")
     parser.add_argument("--openblas", action="store_true")
     parser.add_argument("--blas-threads", type=int, default=None)
     argv = sys.argv if argv is None else argv
@@ -242,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         from tqstore.serve.worker import ModelWorker
 
         store = Store.open(config=load_config(None))
-        timeline = Timeline(args.profile_own) if args.timeline else None
+        timeline = Timeline(args.profile_own, args.profile_steps) if args.timeline else None
         for scheme in args.schemes:
             worker = ModelWorker(Engine(store), str(folder), scheme=scheme, max_running=args.streams,
                                  policy=SavePolicy(False))
