@@ -25,6 +25,8 @@ sys.path.insert(1, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
+from common import evaluated_seconds  # noqa: E402
+
 ROWS = (1, 2, 4, 8, 16)
 SHAPES = {"q, o (4096 x 4096)": (4096, 4096), "k, v (4096 x 1024)": (4096, 1024),
           "gate, up (4096 x 14336)": (4096, 14336), "down (14336 x 4096)": (14336, 4096),
@@ -43,13 +45,7 @@ def matmul_table(dtype) -> list[str]:
             def chain(x=x, w=w):
                 return [x @ w.T for _ in range(20)]
 
-            for _ in range(3):
-                mx.eval(chain())
-            times = []
-            for _ in range(30):
-                t0 = time.perf_counter()
-                mx.eval(chain())
-                times.append(time.perf_counter() - t0)
+            times = evaluated_seconds(chain, runs=30, warm=3)
             cells.append(f"{1e6 * statistics.median(times) / 20:.0f}")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines

@@ -167,6 +167,21 @@ def family_arguments(doc: str, tokens: int, argv: list[str] | None):
     return parser.parse_args(argv[1:])
 
 
+def evaluated_seconds(build, runs: int, warm: int) -> list[float]:
+    """Wall seconds of `runs` rounds of building a graph with `build()` and evaluating it (after
+    `warm` untimed rounds): for device micro-benchmarks."""
+    import mlx.core as mx
+
+    for _ in range(warm):
+        mx.eval(build())
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        mx.eval(build())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

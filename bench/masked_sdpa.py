@@ -16,9 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 
+from common import evaluated_seconds  # noqa: E402
 from turboquant.attention.kernels import ragged_decode  # noqa: E402
 
 B, HQ, H, D, SCALE = 8, 32, 8, 128, 128 ** -0.5
@@ -50,13 +52,7 @@ def main() -> None:
                     x = attend(form, x, k, v, masks, lengths)
                 return x
 
-            for _ in range(5):
-                mx.eval(chain())
-            times = []
-            for _ in range(50):
-                t0 = time.perf_counter()
-                mx.eval(chain())
-                times.append(time.perf_counter() - t0)
+            times = evaluated_seconds(chain, runs=50, warm=5)
             t0 = time.perf_counter()
             built = [chain() for _ in range(20)]
             build = (time.perf_counter() - t0) / 160

@@ -177,18 +177,19 @@ class Timeline:
         lines = [f"{wall * 1e3:.0f} ms of bursts, {self.steps} decode steps, {self.rows / max(self.steps, 1):.2f} rows per step"]
         lines += [f"  {100 * v / wall:5.1f}% {v * 1e3 / max(self.steps, 1):7.3f} ms/step  {k}" for k, v in parts.items()]
         if self.profile is not None:
-            out = io.StringIO()
-            pstats.Stats(self.profile, stream=out).sort_stats("cumulative").print_stats(40)
-            pstats.Stats(self.profile, stream=out).sort_stats("tottime").print_stats(20)
-            lines.append("own steps, cProfile:\n" + out.getvalue())
+            lines.append(_profile_text("own steps", self.profile))
             self.profile = cProfile.Profile()
         if self.step_profile is not None:
-            out = io.StringIO()
-            pstats.Stats(self.step_profile, stream=out).sort_stats("cumulative").print_stats(45)
-            pstats.Stats(self.step_profile, stream=out).sort_stats("tottime").print_stats(25)
-            lines.append("decode steps, cProfile:\n" + out.getvalue())
+            lines.append(_profile_text("decode steps", self.step_profile))
             self.step_profile = cProfile.Profile()
         return lines
+
+
+def _profile_text(title: str, profile: cProfile.Profile) -> str:
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(25)
+    return f"{title}, cProfile:\n" + out.getvalue()
 
 
 def _where(frame, line: int) -> str:
