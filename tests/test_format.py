@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapshot, make_layer, make_snapshot
 from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
-from tqstore.format import tables
+from tqstore.format import runs, tables
 from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
                                    split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
@@ -130,6 +130,42 @@ def test_dumps_parsed_is_dumps_and_its_blocks_build_together(layouts, dtype):
     window = F.loads(F.dumps(split.window, F.Provenance(M, C, cal, key=keys[-1])), expect=F.Expect("window"))
     shared = F.loads(F.dumps(split.shared, F.Provenance(codec=C)), expect=F.Expect("shared"))
     assert_same_snapshot(join_blocks(SplitSnapshot(blocks, window, shared)), snap)
+
+
+def test_a_blank_array_holds_what_is_written_through_numpy():
+    """`runs.blank` memory is MLX's own buffer: what numpy writes there is what MLX reads."""
+    for dtype, np_dtype in ((mx.uint8, np.uint8), (mx.uint16, np.uint16), (mx.uint32, np.uint32), (mx.uint64, np.uint64)):
+        a = runs.blank((3, 700, 5), dtype)
+        assert (a.dtype, a.shape) == (dtype, (3, 700, 5))
+        want = np.arange(a.size, dtype=np_dtype).reshape(a.shape)
+        np.asarray(a)[...] = want
+        assert np.array_equal(np.asarray(a + 0), want)  # read back by an MLX kernel
+
+
+@pytest.mark.parametrize("layouts", UNIFORM, ids=lambda ls: ls[0].value)
+def test_a_run_placed_from_threads_in_any_order_joins_into_the_snapshot(layouts):
+    """A `Run` is allocated from the blocks' headers before any bytes are copied; blocks are placed
+    from several threads in any order; the blocks it makes are views of one joined array per
+    name, and their join is the snapshot, bit for bit (calibration arrays of block 0 included)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    T = 1100
+    snap, tokens = make_snapshot(T, layouts=layouts, seed=4), tokens_for(T)
+    split, cal = split_snapshot(snap), calibration_digest(snap)
+    keys = block_keys(tokens, M, C, cal)
+    parsed = [F.dumps_parsed(blk, F.Provenance(M, C, cal, tuple(tokens[blk.start:blk.start + blk.n_tokens]),
+                                              parent=keys[blk.index - 1] if blk.index else None))[1]
+              for blk in split.blocks]
+    run = runs.Run.allocate([parsed[0].header] * (len(parsed) - 1) + [parsed[-1].header])
+    assert run is not None and all(run.fits(b, p.header) for b, p in enumerate(parsed))
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda b: run.place(b, parsed[b].header, parsed[b].raws), reversed(range(len(parsed)))))
+    blocks = run.blocks([(b, p.header, p.raws) for b, p in enumerate(parsed)])
+    assert all(g.base is h.base for g, h in zip(blocks[0].layers.groups, blocks[-1].layers.groups))
+    window = F.loads(F.dumps(split.window, F.Provenance(M, C, cal, key=keys[-1])), expect=F.Expect("window"))
+    shared = F.loads(F.dumps(split.shared, F.Provenance(codec=C)), expect=F.Expect("shared"))
+    assert_same_snapshot(join_blocks(SplitSnapshot(blocks, window, shared)), snap)
+    assert not run.fits(1, parsed[-1].header), "the last block holds fewer tokens than the slices of block 1"
 
 
 @pytest.mark.parametrize("layouts", (UNIFORM[0], CUTTABLE), ids=("grouped", "heterogeneous"))

@@ -25,7 +25,7 @@ from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, T
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from tqstore.store.tiers.memory import HotObject
 from turboquant import make_prompt_cache, restore, snapshot
-from turboquant.records import Layout
+from turboquant.records import TOKEN_AXIS, Layout
 
 MODEL = ModelIdentity("weights-a", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
 OTHER_MODEL = ModelIdentity("weights-b", {"num_hidden_layers": 2}, None, None, None, "float16", "synthetic")
@@ -453,6 +453,46 @@ def test_a_corrupt_lmdb_object_is_a_miss_and_quarantined(store):
     restored, stats = store.restore(match)
     assert_same_snapshot(restored, join_blocks(split_snapshot(snap), 1))
     assert [p.kind for p in store.verify("a")] == ["missing"]
+    store.close()
+
+
+def test_a_restore_from_lmdb_decodes_its_blocks_into_one_run(store):
+    """Every block read from LMDB is copied, on the thread that read and checked it, into its
+    token slice of one joined array per name (`LmdbReads`, `runs.Run`): the blocks the memory
+    tier keeps are consecutive views of those arrays, and the join was a slice of them."""
+    snap, tokens = make_snapshot(1200, layouts=[Layout.TURBO, Layout.RAW], seed=4), token_ids(1200)
+    m = put(store, "e", snap, tokens).manifest
+    store = reopen(store)
+    restored, stats = store.load("e")
+    assert_same_snapshot(restored, snap)
+    assert stats.objects == {"lmdb": 7} and stats.misses == ()
+    groups = [store._tiers.memory.get(ref.key).obj.layers.groups for ref in m.blocks]
+    for k, first in enumerate(groups[0]):
+        column = [g[k] for g in groups]
+        assert all(g.base is first.base and g.name == first.name for g in column)
+        assert [g.start for g in column] == [0] + [g.stop for g in column[:-1]]
+        assert column[-1].stop == first.base.data.shape[TOKEN_AXIS + 1] == 1200
+    store.close()
+
+
+def test_a_block_that_does_not_fit_the_run_is_never_placed(store):
+    """A middle block whose groups differ from the first block's (here: the same tokens, keys and
+    identity, bfloat16 arrays where the entry holds float16) is not copied into the run
+    allocated from the first and last blocks: it is read again on its own, and the join then
+    finds it does not belong to the entry."""
+    tokens = token_ids(1200)
+    snap = make_snapshot(1200, layouts=PLAIN)
+    m = put(store, "e", snap, tokens).manifest
+    other = open_store(store.home.parent / "other")
+    put(other, "e", make_snapshot(1200, mx.bfloat16, layouts=PLAIN), tokens)
+    stranger = lmdb_tier(other).get_object(m.blocks[2].key)
+    other.close()
+    tier = lmdb_tier(store)
+    tier.delete_objects([m.blocks[2].key])
+    tier.put_object(m.blocks[2].key, stranger)
+    store = reopen(store)
+    with pytest.raises(CorruptBlock, match="do not fit together"):
+        store.load("e")
     store.close()
 
 

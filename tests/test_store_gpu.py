@@ -12,7 +12,7 @@ import pytest
 
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import open_store, put, reopen, token_ids
-from tqstore.format import objects as F
+from tqstore.format import runs
 from turboquant.records import Layout
 
 
@@ -50,7 +50,7 @@ def test_a_put_and_its_restores_on_the_gpu_are_bit_exact(tmp_path, n_tokens):
 def test_the_managed_memory_path_writes_the_objects_the_unified_path_writes(tmp_path, monkeypatch):
     snap, tokens = make_snapshot(600, layouts=[Layout.RAW, Layout.TURBO], seed=5), token_ids(600)
     unified = put_and_restore(tmp_path / "unified", snap, tokens)
-    monkeypatch.setattr(F, "_managed_memory", lambda: True)
+    monkeypatch.setattr(runs, "managed_memory", lambda: True)
     managed = put_and_restore(tmp_path / "managed", snap, tokens)
     assert managed.keys() == unified.keys() and len(unified) > 2
     assert all(managed[k] == unified[k] for k in unified), "the two paths wrote different bytes"

@@ -12,6 +12,7 @@ import mlx.core as mx
 import pytest
 from moto.server import ThreadedMotoServer
 
+from lmdb_damage import flip_segment_byte
 from test_blocks import assert_same_snapshot, make_snapshot
 from test_store import CODEC, MODEL, PLAIN, decode_logits, open_store, put, stored_model_entry, token_ids
 from tqstore.format.blocks import join_blocks, split_snapshot
@@ -225,6 +226,25 @@ def test_a_lost_local_object_is_fetched_from_the_bucket_and_promoted(s3, tmp_pat
     assert_same_snapshot(restored, snap)
     assert stats.tier == "s3" and stats.objects == {"lmdb": 4, "s3": 1}
     assert store._tiers.lmdb.has_object(key) and store.verify() == []
+    store.close()
+
+
+def test_a_block_damaged_in_lmdb_comes_from_the_bucket_beside_blocks_decoded_in_place(s3, tmp_path):
+    """The blocks LMDB holds intact are decoded into one run; the damaged one in the middle is
+    quarantined and fetched from the bucket, and the join takes it in its place."""
+    snap, tokens = make_snapshot(1200, layouts=PLAIN), token_ids(1200)
+    store = s3_store(tmp_path / "a", s3)
+    put(store, "a", snap, tokens)
+    store.push("a")
+    key = store.get("a").blocks[2].key
+    path = str(store._tiers.lmdb.path)
+    store.close()
+    flip_segment_byte(path, key)
+    store = s3_store(tmp_path / "a", s3)
+    restored, stats = store.load("a")
+    assert_same_snapshot(restored, snap)
+    assert stats.objects == {"lmdb": 6, "s3": 1}
+    assert any(key.hex()[:12] in m and "quarantined" in m for m in stats.misses)
     store.close()
 
 

@@ -213,9 +213,11 @@ def _groups(v: Any, tensors: dict[str, TensorInfo]) -> tuple[GroupInfo, ...]:
 
 
 def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tuple[LayerInfo, ...],
-               codecs: Mapping[str, CodecInfo]) -> None:
+               codecs: Mapping[str, CodecInfo], *, block_layers_checked: bool = False) -> None:
     """The rules of an object's kind over its typed header (MalformedHeader): which layers and
-    codecs it holds, its tokens, its calibration digest, and a block's place and key."""
+    codecs it holds, its tokens, its calibration digest, and a block's place and key. With
+    `block_layers_checked`, a block's layer records were checked against its block record
+    already (`check_block_layers`: tables.py does so once per distinct table)."""
     indices = [li.index for li in layers]
     if kind in ("snapshot", "window") and indices != list(range(len(layers))):
         raise MalformedHeader(f"a {kind} lists layers 0..n-1 in order, got {indices[:8]}")
@@ -233,11 +235,26 @@ def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tup
             raise MalformedHeader("the calibration digest does not match the calibration arrays")
     if block is None:
         return
-    if indices != sorted(set(indices)):
-        raise MalformedHeader(f"block layers must be in increasing index order, got {indices[:8]}")
     if not (0 < block.n_tokens <= block.block_size and block.start == block.index * block.block_size):
         raise MalformedHeader(f"block {block.index} of size {block.block_size} cannot start at token {block.start} "
                               f"and hold {block.n_tokens} tokens")
+    if not block_layers_checked:
+        check_block_layers(block, layers)
+    if None in (prov.model, prov.codec, prov.tokens, prov.key) or len(prov.tokens) != block.n_tokens \
+            or (block.index == 0) != (prov.parent is None):
+        raise MalformedHeader(f"block {block.index} needs model and codec digests, its {block.n_tokens} tokens, its "
+                              "key and (after block 0) its parent key")
+    if block_key(prov.parent, prov.tokens, prov.model, prov.codec, prov.calibration) != prov.key:
+        raise MalformedHeader(f"block {block.index}'s key does not match its parent, identity and tokens")
+
+
+def check_block_layers(block: BlockInfo, layers: tuple[LayerInfo, ...]) -> None:
+    """A block's layer records against its block record (MalformedHeader): increasing indices,
+    per-token layers of the block's tokens, calibration only in block 0. They depend on the
+    records, the block's token count and whether it is block 0, nothing else."""
+    indices = [li.index for li in layers]
+    if indices != sorted(set(indices)):
+        raise MalformedHeader(f"block layers must be in increasing index order, got {indices[:8]}")
     for li in layers:
         if li.layout in (WHOLE_LAYOUTS - {Layout.STATE, Layout.LIST, Layout.FIELDS}) or li.offset != block.n_tokens \
                 or (li.layout in (Layout.LIST, Layout.FIELDS) and not in_block_form(li, block.n_tokens)) \
@@ -245,12 +262,6 @@ def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tup
             raise MalformedHeader(f"block {block.index}: layer {li.index} is {li.layout.value} with {li.offset} tokens"
                                   f"{' and calibration' if li.calibration else ''}; a block holds per-token layers of "
                                   f"{block.n_tokens} tokens, calibration only in block 0")
-    if None in (prov.model, prov.codec, prov.tokens, prov.key) or len(prov.tokens) != block.n_tokens \
-            or (block.index == 0) != (prov.parent is None):
-        raise MalformedHeader(f"block {block.index} needs model and codec digests, its {block.n_tokens} tokens, its "
-                              "key and (after block 0) its parent key")
-    if block_key(prov.parent, prov.tokens, prov.model, prov.codec, prov.calibration) != prov.key:
-        raise MalformedHeader(f"block {block.index}'s key does not match its parent, identity and tokens")
 
 
 _LAYERS_CACHE: OrderedDict[tuple[str, int], tuple[LayerInfo, ...]] = OrderedDict()

@@ -30,7 +30,6 @@ import hashlib
 import os
 import json
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -39,15 +38,17 @@ import numpy as np
 import xxhash
 import zstandard
 
-from turboquant.records import TOKEN_AXIS, CodecRecord, LayerRecord, Snapshot
+from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
-from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, Joined, SharedCodecs, Window,
+from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, SharedCodecs, Window,
                                    block_key, digest_calibration)
 from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes, unsigned_view
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
 from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Header, LayerInfo, Provenance, TensorInfo, json_value,
                      codec_tensor, layer_tensor, parse_header)
+from tqstore.format import runs
+from tqstore.format.runs import Run, aligned, plan_of
 from tqstore.format.tables import Groups, encode_header, read_header
 from tqstore.format.versions import check_version
 from tqstore.models.identity import FORMAT_VERSION
@@ -204,7 +205,7 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
     read would move their pages to the host, for the next decode step to fault back, so each
     group is first joined on the device (a copy at device speed) and the host reads that, in
     parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
-    managed = _managed_memory()
+    managed = runs.managed_memory()
     items = list(groups.items())
     if managed:
         joined = [mx.concatenate([unsigned_view(a).reshape(-1) for _, a in members]) for _, members in items]
@@ -319,7 +320,7 @@ def build(parsed: Parsed) -> tuple[Header, Obj]:
         arrays = {name: _decode(name, info, stored) for name, (info, stored) in parsed.tensors.items()}
         mx.eval(*arrays.values())
         return header, _build(header, arrays)
-    held = [mx.array(_aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, parsed.raws)]
+    held = [mx.array(aligned(raw, DTYPES[g.dtype][2].size)) for g, raw in zip(header.groups, parsed.raws)]
     mx.eval(held)
     grouped = _grouped_block(header, held) if header.kind == "block" else None
     if grouped is not None:
@@ -561,7 +562,7 @@ def _check_expect(header: Header, expect: Expect) -> None:
         raise IdentityMismatch(f"{what} was encoded with another codec (codec identity {_short(p.codec)}, expected "
                                f"{_short(expect.codec)}): the scheme, layer configuration, codebooks, rotations or "
                                "format version differ; save the cache again with this scheme")
-    if expect.tokens is not None:
+    if expect.tokens is not None and (p.tokens is None or p.tokens != tuple(expect.tokens)):
         want = [int(t) for t in expect.tokens]
         if p.tokens is None or list(p.tokens) != want:
             raise TokenMismatch(_token_difference(what, p.tokens, want))
@@ -626,146 +627,27 @@ def _views(header: Header, held: list[mx.array]) -> dict[str, mx.array]:
     return arrays
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """How the arrays of a block's layers lie in its groups: per group its array name, the
-    layers it holds one array each of (in order), their shape and dtype; and the layer shells
-    (shared by every block with these layer records when there is no calibration)."""
-
-    groups: tuple[tuple[int, str, tuple[int, ...], tuple[int, ...], str], ...]
-    calibrated: bool
-    shells: dict[int, LayerRecord] | None
-
-
-_PLANS: dict[int, tuple[tuple[LayerInfo, ...], _Plan | None]] = {}
-_PLANS_LOCK = threading.Lock()
-
-
-def _plan(layers: tuple[LayerInfo, ...]) -> _Plan | None:
-    """The grouping of `layers`, or None when some group does not hold arrays of one name and
-    shape, one per layer in layer order (as dumps writes them). Memoized by the layer records'
-    identity: a header's records are shared by every object with the same tables (tables.py,
-    header.py), so a restore works out each distinct grouping once, not once per block."""
-    with _PLANS_LOCK:
-        found = _PLANS.get(id(layers))
-    if found is not None and found[0] is layers:
-        return found[1]
-    members: dict[int, list[tuple[int, str, TensorInfo]]] = {}
-    for li in layers:
-        for n, t in li.arrays.items():
-            members.setdefault(t.group, []).append((li.index, n, t))
-    calibrated = any(li.calibration for li in layers)
-    plan: _Plan | None = None
-    if not {t.group for li in layers for t in li.calibration.values()} & set(members):
-        groups = []
-        for j, found_ in sorted(members.items()):
-            (_, name, first), size = found_[0], found_[0][2].nbytes
-            if any(n != name or t.shape != first.shape or t.offset != k * size for k, (_, n, t) in enumerate(found_)):
-                break
-            groups.append((j, name, tuple(i for i, _, _ in found_), first.shape, first.dtype))
-        else:
-            shells = None if calibrated else {
-                li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state))
-                for li in layers}
-            plan = _Plan(tuple(groups), calibrated, shells)
-    with _PLANS_LOCK:
-        if len(_PLANS) >= 256:
-            _PLANS.clear()
-        _PLANS[id(layers)] = (layers, plan)
-    return plan
-
-
 def build_run(parsed: Sequence[Parsed]) -> list[Block] | None:
     """Consecutive blocks of one entry, parsed, built with each array name's groups decoded
-    straight into one joined array: every block's bytes are copied once, into their token
-    slice of it, and each block's groups are views of it (`ArrayGroup.base`), so the join that
-    follows is a slice, not a concatenation. The joined arrays are allocated on the CPU stream
-    and written in place (numpy views of MLX's buffers): no extra copy where memory is unified
-    (Apple silicon, the CPU); on CUDA they are moved to the device here (`_to_device`). None
-    unless every object is a format 2 or 3 block whose groups hold one array per layer
-    (`_plan`) with the same layers, dtype and shape but for tokens per name: the caller then
-    builds them one by one (`build`)."""
-    plans = [_plan(p.header.layers) if p.header.kind == "block" and p.raws is not None else None for p in parsed]
-    if not parsed or any(plan is None for plan in plans):
+    straight into one joined array (`runs.Run`): every block's bytes are copied once, into
+    their token slice of it, and each block's groups are views of it, so the join that follows
+    is a slice, not a concatenation. None unless every object is a format 2 or 3 block whose
+    groups hold one array per layer (`runs.plan_of`) with the same layers, dtype and shape but
+    for tokens per name: the caller then builds them one by one (`build`)."""
+    if not parsed or any(p.raws is None for p in parsed):
         return None
-    names: dict[str, list[tuple[int, int, tuple[int, ...], tuple[int, ...], str]]] = {}
-    for b, plan in enumerate(plans):
-        for j, name, layers, shape, dtype in plan.groups:
-            names.setdefault(name, []).append((b, j, layers, shape, dtype))
-    axis = TOKEN_AXIS  # of each array's shape; of a group's data it is TOKEN_AXIS + 1
-    for members in names.values():
-        _, _, layers, shape, dtype = members[0]
-        if any(m[2] != layers or m[4] != dtype or len(m[3]) != len(shape) or len(shape) <= axis
-               or m[3][:axis] + m[3][axis + 1:] != shape[:axis] + shape[axis + 1:] for m in members):
-            return None
-    views: list[dict[int, ArrayGroup]] = [{} for _ in parsed]
-    copies, bases = [], []
-    for name, members in names.items():
-        _, _, layers, shape, dtype = members[0]
-        mx_dtype, _, unsigned = DTYPES[dtype]
-        total = sum(m[3][axis] for m in members)
-        joined = mx.zeros((len(layers), *shape[:axis], total, *shape[axis + 1:]), dtype=unsigned, stream=mx.cpu)
-        mx.eval(joined)
-        bases.append(joined)
-        host = np.asarray(joined)  # MLX's own buffer, written below before any view of it is made
-        data = joined if mx_dtype == unsigned else joined.view(mx_dtype)
-        base, start = Joined(data), 0
-        for b, j, _, part, _ in members:
-            stop = start + part[axis]
-            where = (slice(None),) * (axis + 1) + (slice(start, stop),)
-            copies.append((host[where], parsed[b].raws[j], (len(layers), *part)))
-            views[b][j] = ArrayGroup(name, layers, data[where], base, start, stop)
-            start = stop
-
-    def copy(item: tuple[np.ndarray, np.ndarray, tuple[int, ...]]) -> None:
-        dest, raw, shape = item
-        np.copyto(dest, _aligned(raw, dest.itemsize).reshape(shape))
-
-    _map(copy, copies, [c[1].size for c in copies])  # numpy copies release the GIL
-    _to_device(bases)
-    out, calibrations = [], []
-    for p, plan, groups in zip(parsed, plans, views):
-        header, calibration = p.header, {}
-        for li in header.layers:
-            for n, info in li.calibration.items():
-                mx_dtype, _, unsigned = DTYPES[info.dtype]
-                raw = p.raws[info.group][info.offset:info.offset + info.nbytes]
-                a = mx.array(_aligned(raw, unsigned.size)).reshape(info.shape)
-                calibration[(li.index, n)] = a if mx_dtype == unsigned else a.view(mx_dtype)
-                calibrations.append(calibration[(li.index, n)])
-        shells = plan.shells or {
-            li.index: LayerRecord(li.layout, li.offset, dict.fromkeys(li.arrays), dict(li.config), dict(li.state),
-                                  {n: calibration[(li.index, n)] for n in li.calibration}) for li in header.layers}
-        b = header.block
-        out.append(Block(b.index, b.start, b.n_tokens,
-                         GroupedLayers(shells, tuple(groups[j] for j, *_ in plan.groups)), b.block_size))
-    # Evaluated here: lazy views would be bound to this thread's stream (see _grouped_block).
-    mx.eval([g.data for blk in out for g in blk.layers.groups], calibrations)
-    return out
-
-
-def _to_device(arrays: list[mx.array]) -> None:
-    """On CUDA, move arrays the host has just written to the device now, by one read there.
-    MLX's CUDA arrays live in managed memory and pages written by the host stay on the host
-    until a kernel faults them across: left to the question's first forward, a 64k entry's
-    pages crossed at about 8 GB/s inside it (issue 28), and a memory-tier entry paid that on
-    its first restore. A streaming read moves them in large runs; elsewhere this does nothing."""
-    if arrays and _managed_memory():
-        mx.eval([mx.max(a.reshape(-1)) for a in arrays])
-
-
-def _managed_memory() -> bool:
-    """Whether MLX's arrays live in CUDA managed memory (the default device a CUDA GPU), whose
-    pages sit on the host or on the device and move on first touch. On Apple silicon (Metal)
-    and the CPU one memory serves both: nothing moves."""
-    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    run = Run.allocate([p.header for p in parsed])
+    if run is None:
+        return None
+    _map(lambda b: run.place(b, parsed[b].header, parsed[b].raws), range(len(parsed)), [sum(r.size for r in p.raws) for p in parsed])
+    return run.blocks([(b, p.header, p.raws) for b, p in enumerate(parsed)])
 
 
 def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
     """A block whose layers hold their arrays as `ArrayGroup`s (one per group), when every group
     holds arrays of one name and shape, one per layer in layer order (as dumps writes them);
     else None. Calibration arrays (block 0 only) stay arrays of their own."""
-    plan = _plan(header.layers)
+    plan = plan_of(header.layers)
     if plan is None:
         return None
     groups = []
@@ -784,14 +666,6 @@ def _grouped_block(header: Header, held: list[mx.array]) -> Block | None:
     mx.eval([g.data for g in groups], list(calibration.values()))
     b = header.block
     return Block(b.index, b.start, b.n_tokens, GroupedLayers(shells, tuple(groups)), b.block_size)
-
-
-def _aligned(raw: np.ndarray, itemsize: int) -> np.ndarray:
-    """A group's decoded bytes as unsigned items of `itemsize` (copied only when a stored
-    group does not start on an item boundary: safetensors offsets need not be aligned)."""
-    if raw.ctypes.data % itemsize:
-        raw = raw.copy()
-    return raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[itemsize])
 
 
 def _map(fn, items, sizes: list[int]) -> list:

@@ -28,7 +28,7 @@ from tqstore.canonical import DTYPES, canonical_json
 from tqstore.errors import MalformedHeader, TruncatedData
 from tqstore.format.blocks import BlockKey
 from tqstore.format.header import (ENCODINGS, KINDS, MAX_ELEMENTS, BlockInfo, CodecInfo, GroupInfo, Header, LayerInfo,
-                                   Provenance, TensorInfo, check_kind, check_layer, json_value, scalars_ok)
+                                   Provenance, TensorInfo, check_block_layers, check_kind, check_layer, json_value, scalars_ok)
 
 ALIGN = 64  # every group starts at a multiple of 64 bytes from the object's start
 MAX_DIMS = 8
@@ -181,13 +181,35 @@ def read_header(header: memoryview, payload_nbytes: int, object_nbytes: int | No
     elif (b_index, b_start, b_tokens, b_size) != (0, 0, 0, 0):
         raise MalformedHeader(f"a {kind} has no block record")
     layouts = _layouts(header[ends[2]:], kind, block, groups.infos, (n_layers, n_arrays, n_codecs, n_digests))
-    check_kind(kind, prov, block, layouts.layers, layouts.codecs)
+    check_kind(kind, prov, block, layouts.layers, layouts.codecs, block_layers_checked=True)
     return Header(3, kind, prov, block, layouts.layers, layouts.codecs, payload_nbytes, groups.infos), groups
 
 
 def _groups(g: np.ndarray, header_nbytes: int, payload_nbytes: int, object_nbytes: int) -> Groups:
     """The group table, checked in one vectorized pass: known dtypes and encodings, zero
-    reserved fields, groups laid one after the other at aligned offsets up to the object's end."""
+    reserved fields, groups laid one after the other at aligned offsets up to the object's end.
+    The checks cover everything but the digests, which the blocks of an entry alone differ in:
+    they run once per distinct rest of the table (and the object's sizes)."""
+    key = (g.view(np.uint8).reshape(len(g), GROUP.itemsize)[:, :_DIGEST_AT].tobytes(), header_nbytes,
+           payload_nbytes, object_nbytes)
+    with _LOCK:
+        found = _GROUPS.get(key)
+    if found is None:
+        found = _checked_groups(g, header_nbytes, payload_nbytes, object_nbytes)
+        with _LOCK:
+            if len(_GROUPS) >= _CACHE_SIZE:
+                _GROUPS.clear()
+            _GROUPS[key] = found
+    return Groups(*found, tuple(bytes(x) for x in g["xxh3"]))
+
+
+_DIGEST_AT = GROUP.fields["xxh3"][1]  # the digest is each record's last field
+_GROUPS: dict[tuple, tuple[tuple[GroupInfo, ...], np.ndarray, np.ndarray]] = {}  # a memo of `_checked_groups`
+
+
+def _checked_groups(g: np.ndarray, header_nbytes: int, payload_nbytes: int, object_nbytes: int
+                    ) -> tuple[tuple[GroupInfo, ...], np.ndarray, np.ndarray]:
+    """`_groups`' checks; each group's info, offset and stored length (read-only arrays)."""
     if len(g) and (g["dtype"].max() >= len(DTYPE_CODES) or g["encoding"].max() >= len(ENCODINGS)
                    or g["zero"].any() or g["zero2"].any()):
         raise MalformedHeader("a group has an unknown dtype or encoding, or a reserved field that is not 0")
@@ -214,7 +236,9 @@ def _groups(g: np.ndarray, header_nbytes: int, payload_nbytes: int, object_nbyte
         raise TruncatedData(f"object truncated to {object_nbytes} bytes; its groups end at byte {end}")
     infos = tuple(GroupInfo(DTYPE_CODES[d], ENCODINGS[e], int(n), "") for d, e, n in
                   zip(g["dtype"].tolist(), g["encoding"].tolist(), nbytes.tolist()))
-    return Groups(infos, offsets.astype(np.int64), stored, tuple(bytes(x) for x in g["xxh3"]))
+    offsets = offsets.astype(np.int64)
+    offsets.flags.writeable = stored.flags.writeable = False  # shared by every object with this table
+    return infos, offsets, stored
 
 
 _CACHE: OrderedDict[bytes, Layouts] = OrderedDict()
@@ -235,6 +259,8 @@ def _layouts(tables: memoryview, kind: str, block: BlockInfo | None, groups: tup
             _CACHE.move_to_end(key)
             return found
     found = _validate(tables, kind, groups, counts)
+    if block is not None:
+        check_block_layers(block, found.layers)  # what it checks is in the key: once per key
     with _LOCK:
         _CACHE[key] = found
         if len(_CACHE) > _CACHE_SIZE:

@@ -17,11 +17,7 @@ arrays already in place: no decode, no copy, no transfer to the device.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -31,17 +27,15 @@ from turboquant.records import Snapshot
 from tqstore.errors import ConflictError, CorruptBlock, TqstoreError
 from tqstore.format.blocks import SplitSnapshot, join_resident
 from tqstore.format.manifest import Manifest
-from tqstore.format.objects import Parsed, build as build_object, build_run, parse as parse_object
+from tqstore.format.objects import Parsed, build as build_object, build_run
+from tqstore.format.runs import Run
 from tqstore.store.bucket import fetch_objects
+from tqstore.store.lmdb_reads import LmdbReads, Placed, Read
 from tqstore.store.packs import Location
-from tqstore.store.tiers.lmdb import LmdbTier
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet, slowest
 from tqstore.store.object_checks import (BAD_CONTENT, Want, check_parsed, codec_problem, decode, decode_parsed,
                                   quarantine_lmdb, wants_for)
-
-READ_AHEAD = 2  # LMDB objects per reader thread read and verified ahead of the one being built
-
 
 @dataclass(frozen=True)
 class RestoreStats:
@@ -60,10 +54,12 @@ class RestoreStats:
 
 @dataclass
 class Gathered:
-    """Verified objects by key with the tier each came from and its bytes, and the misses."""
+    """Verified objects by key with the tier each came from and its bytes, and the misses.
+    Blocks read from LMDB are left parsed or placed, for `_build_blocks`."""
 
     objects: dict[bytes, tuple[HotObject, str, int]] = field(default_factory=dict)
     misses: list[str] = field(default_factory=list)
+    run: Run | None = None  # the joined arrays LMDB blocks were decoded into (`Placed` objects)
 
 
 def gather_objects(tiers: TierSet, wants: list[Want]) -> Gathered:
@@ -80,8 +76,11 @@ def gather_objects(tiers: TierSet, wants: list[Want]) -> Gathered:
             tiers.memory.drop([want.key])
             out.misses.append(f"memory copy of {want.kind} {want.key.hex()[:12]} dropped: {problem}")
     pending = [w for w in wants if w.key not in out.objects]
-    for want, found in zip(pending, _read_ahead(tiers.lmdb, pending)):
+    blocks = [w for w in wants if w.kind == "block"]
+    reads = LmdbReads(tiers.lmdb, pending, len(blocks) if pending[:len(blocks)] == blocks else 0)
+    for want, found in zip(pending, reads):
         _from_lmdb(tiers, want, found, out)
+    out.run = reads.run
     pending = [w for w in pending if w.key not in out.objects]
     if pending and tiers.s3 is not None:
         _from_s3(tiers, pending, out)
@@ -89,44 +88,6 @@ def gather_objects(tiers: TierSet, wants: list[Want]) -> Gathered:
         tiers.counters.hit(tier)
     tiers.counters.miss(sum(1 for w in wants if w.key not in out.objects))
     return out
-
-
-Read = tuple[Parsed | TqstoreError, str, int] | None | CorruptBlock
-
-
-def _read_ahead(lmdb: LmdbTier, wants: list[Want]) -> Iterator[Read]:
-    """Each wanted LMDB object, in order: None (absent), CorruptBlock (the tier quarantined it),
-    or (the object parsed and checked in full, or why it is not the object wanted; the digest it
-    was recorded with; its stored bytes). Threads, one per core, stay READ_AHEAD objects per
-    thread ahead of the caller: each copies one object out of LMDB once and checks every byte
-    against the object's own digests (format 3: one xxh3 pass, not the tier's sha256 as
-    well), decoding as it goes; LMDB copies, hashing and zstd release the GIL. No MLX off the
-    caller's thread: the caller builds the arrays (`decode_parsed`)."""
-    def read(want: Want) -> Read:
-        try:
-            found = lmdb.read_unhashed(want.key)
-        except CorruptBlock as exc:
-            return exc
-        if found is None:
-            return None
-        payload, digest = found
-        try:
-            return parse_object(payload, expect=want.expect), digest, len(payload)
-        except BAD_CONTENT as exc:
-            return exc, digest, len(payload)
-
-    if len(wants) < 2:
-        yield from map(read, wants)
-        return
-    workers = os.cpu_count() or 1
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tqstore-read") as pool:
-        ahead = READ_AHEAD * workers
-        queued = deque(pool.submit(read, w) for w in wants[:ahead])
-        for want in wants[ahead:]:
-            yield queued.popleft().result()
-            queued.append(pool.submit(read, want))
-        while queued:
-            yield queued.popleft().result()
 
 
 def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Gathered) -> None:
@@ -140,7 +101,7 @@ def _from_lmdb(tiers: TierSet, want: Want, found: Read, out: Gathered) -> None:
     try:
         if isinstance(parsed, TqstoreError):
             raise parsed
-        if want.kind == "block" and parsed.raws is not None:  # checked now, built with the others (_build_blocks)
+        if want.kind == "block" and (isinstance(parsed, Placed) or parsed.raws is not None):  # built with the others (_build_blocks)
             check_parsed(parsed, want)
             out.objects[want.key] = (HotObject(parsed, "block", parsed.header.provenance, digest, 0), "lmdb", nbytes)
         else:
@@ -227,14 +188,20 @@ def restore_entry(tiers: TierSet, manifest: Manifest, n_blocks: int, *, remote: 
 
 
 def _build_blocks(got: Gathered, wants: list[Want], n_blocks: int) -> None:
-    """Build the blocks read from LMDB, which `_from_lmdb` checked but left parsed: those of the
-    first `n_blocks` together, each name's groups decoded straight into one joined array
+    """Build the blocks read from LMDB, which `_from_lmdb` checked but left placed or parsed:
+    the placed ones as views of the run they were decoded into; those parsed of the first
+    `n_blocks` together, each name's groups decoded straight into one joined array
     (`build_run`: one copy of each byte, and the join a slice of it); any others one by one."""
-    parsed = [w for w in wants if w.key in got.objects and isinstance(got.objects[w.key][0].obj, Parsed)]
+    left = [w for w in wants if w.key in got.objects and isinstance(got.objects[w.key][0].obj, Parsed | Placed)]
+    placed = [w for w in left if isinstance(got.objects[w.key][0].obj, Placed)]
+    built = {}
+    if placed:
+        items = [(p.index, p.header, p.raws) for p in (got.objects[w.key][0].obj for w in placed)]
+        built = dict(zip((w.key for w in placed), got.run.blocks(items)))
     first = {w.key for w in wants[:n_blocks]}
-    run = [w for w in parsed if w.key in first]
-    built = dict(zip((w.key for w in run), build_run([got.objects[w.key][0].obj for w in run]) or ()))
-    for want in parsed:
+    run = [w for w in left if w.key in first and w.key not in built]
+    built.update(zip((w.key for w in run), build_run([got.objects[w.key][0].obj for w in run]) or ()))
+    for want in left:
         hot, tier, nbytes = got.objects[want.key]
         block = built.get(want.key) or build_object(hot.obj)[1]
         got.objects[want.key] = (dataclasses.replace(hot, obj=block, nbytes=decoded_nbytes(block)), tier, nbytes)

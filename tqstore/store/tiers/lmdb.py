@@ -34,6 +34,7 @@ import numpy as np
 from tqstore.config import Config
 from tqstore.units import MiB
 from tqstore.errors import CorruptBlock, FormatVersionTooNew, TqstoreError
+from tqstore.madvise import WILLNEED, advise
 from tqstore.names import validate_name
 from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts, check_key
 from tqstore.store.tiers.lmdb_env import LmdbEnv, check_data_file, lmdb_failure
@@ -42,7 +43,7 @@ from tqstore.store.tiers.lmdb_records import (
 )
 from tqstore.store.tiers.lmdb_layout import (
     BATCH_KEYS, DB_NAMES, HEADER, SCHEMA_VERSION, TIME, Problem, copy, delete_segments, key_batch,
-    header_info, load_object, orphan_batch, read_object, write_object,
+    header_info, load_object, orphan_batch, read_object, segments, write_object,
 )
 
 # A write transaction keeps its dirty pages in RAM until commit: batch put_objects by bytes.
@@ -185,13 +186,30 @@ class LmdbTier:
         """`get_object` with the hex sha256 the payload was just verified against."""
         return self._checked_read(key, lambda txn, key: load_object(txn, self._env.dbs, key, keep=True))
 
-    def read_unhashed(self, key: bytes) -> tuple[np.ndarray, str] | None:
-        """The payload of `key` copied once into a numpy buffer, with the sha256 recorded when it
-        was written, or None; the segments are checked (count, lengths) but not hashed: for
-        callers that check every byte against the object's own digests (object format 3; a
-        format 1 or 2 object is then checked against its frame's digest). A payload that fails
-        these checks is quarantined and raises CorruptBlock."""
-        return self._checked_read(key, lambda txn, key: read_object(txn, self._env.dbs, key))
+    def read_unhashed(self, key: bytes, into: Callable[[int], np.ndarray] | None = None
+                      ) -> tuple[np.ndarray, str] | None:
+        """The payload of `key` copied once into a numpy buffer (a new one, or `into(size)`: one
+        the caller reuses), with the sha256 recorded when it was written, or None; the segments
+        are checked (count, lengths) but not hashed: for callers that check every byte against
+        the object's own digests (object format 3; a format 1 or 2 object is then checked
+        against its frame's digest). A payload that fails these checks is quarantined and
+        raises CorruptBlock."""
+        return self._checked_read(key, lambda txn, key: read_object(txn, self._env.dbs, key, into))
+
+    def read_soon(self, keys: Iterable[bytes]) -> None:
+        """Ask the kernel to start reading the payloads of `keys` into the page cache (madvise
+        WILLNEED over LMDB's map), without waiting: reads of them that follow find their pages
+        there, and the disk streams while the reader checks and decodes what it already has.
+        Absent or damaged objects are left to the reads."""
+        keys = [check_key(k) for k in keys]
+
+        def advise_all(txn) -> None:
+            for key in keys:
+                found = segments(txn, self._env.dbs, key)[1]
+                for part in found if isinstance(found, list) else ():
+                    advise(part, WILLNEED)
+
+        self._env.read(advise_all)
 
     def _checked_read(self, key: bytes, read) -> tuple[object, str] | None:
         key = check_key(key)

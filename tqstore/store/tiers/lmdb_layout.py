@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import lmdb
@@ -89,7 +89,7 @@ def load_object(
 ) -> tuple[bytes | None, Problem | None, bytes | None]:
     """(payload if `keep`, the problem if it fails its checks, raw header) of `key`; all None
     if absent. Checks the header, every segment's presence and length, and the sha256."""
-    raw, found = _segments(txn, dbs, key)
+    raw, found = segments(txn, dbs, key)
     if not isinstance(found, list):
         return None, found, raw
     digest = HEADER.unpack(raw)[1]
@@ -102,15 +102,18 @@ def load_object(
     return (b"".join(found) if keep else None), None, raw
 
 
-def read_object(txn: lmdb.Transaction, dbs: dict, key: bytes) -> tuple[np.ndarray | None, Problem | None, bytes | None]:
+def read_object(txn: lmdb.Transaction, dbs: dict, key: bytes, into: Callable[[int], np.ndarray] | None = None
+                ) -> tuple[np.ndarray | None, Problem | None, bytes | None]:
     """`load_object` without the sha256: (payload, problem, raw header), the payload copied once
-    from LMDB's pages (buffers valid inside `txn`) into a new numpy buffer. For readers whose
-    object format checks every byte against digests of its own (object format 3); checks the
-    header and every segment's presence and length."""
-    raw, found = _segments(txn, dbs, key)
+    from LMDB's pages (buffers valid inside `txn`) into a new numpy buffer, or into `into(size)`
+    (a buffer of `size` bytes the caller reuses). For readers whose object format checks every
+    byte against digests of its own (object format 3); checks the header and every segment's
+    presence and length."""
+    raw, found = segments(txn, dbs, key)
     if not isinstance(found, list):
         return None, found, raw
-    out = np.empty(HEADER.unpack(raw)[2], np.uint8)
+    size = HEADER.unpack(raw)[2]
+    out = np.empty(size, np.uint8) if into is None else into(size)
     at = 0
     for part in found:  # numpy copies without the GIL
         out[at:at + len(part)] = np.frombuffer(part, np.uint8)
@@ -118,7 +121,7 @@ def read_object(txn: lmdb.Transaction, dbs: dict, key: bytes) -> tuple[np.ndarra
     return out, None, raw
 
 
-def _segments(txn: lmdb.Transaction, dbs: dict, key: bytes) -> tuple[bytes | None, list[memoryview] | Problem | None]:
+def segments(txn: lmdb.Transaction, dbs: dict, key: bytes) -> tuple[bytes | None, list[memoryview] | Problem | None]:
     """(raw header, every segment of `key` as a buffer valid inside `txn`, or the problem with
     the header or a segment's presence or length); (None, None) if absent."""
     raw = copy(txn.get(key, db=dbs[b"objects"]))
