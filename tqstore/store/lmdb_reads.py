@@ -66,8 +66,10 @@ class LmdbReads:
         self._scratch = threading.local()
 
     def __iter__(self) -> Iterator[Read]:
-        streaming = threading.Thread(target=self._lmdb.read_soon, args=([w.key for w in self._wants],),
-                                     name="tqstore-read-soon", daemon=True)
+        keys = [w.key for w in self._wants]
+        if self._n:  # the run's last block is read first, beside its first
+            keys.insert(1, keys.pop(self._n - 1))
+        streaming = threading.Thread(target=self._lmdb.read_soon, args=(keys,), name="tqstore-read-soon", daemon=True)
         streaming.start()
         try:
             yield from self._reads()
