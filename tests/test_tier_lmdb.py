@@ -79,6 +79,21 @@ def test_missing_object(tier):
     assert not tier.has_object(key("nope"))
 
 
+def test_read_soon_takes_present_absent_and_many_keys_and_releases_the_map_between_batches(tier, monkeypatch):
+    """`read_soon` only advises the kernel: absent keys are skipped, objects read after it are
+    the ones stored, and its read transactions are short (a batch of objects each), so a map
+    resize is never held up for a whole entry's worth of reads."""
+    stored = {key(i): payload(i, 3 * PER_SEG + i) for i in range(20)}
+    tier.put_objects(stored)
+    opened = []
+    real = tier._env.read
+    monkeypatch.setattr(tier._env, "read", lambda fn: (opened.append(1), real(fn))[1])
+    tier.read_soon([key("absent"), *stored])
+    assert len(opened) == 3  # 21 keys, 8 a transaction
+    monkeypatch.undo()
+    assert all(bytes(tier.read_unhashed(k)[0]) == data for k, data in stored.items())
+
+
 def test_existing_objects_are_never_rewritten(tier):
     assert tier.put_object(key(1), b"first")
     created = tier.object_info(key(1)).created

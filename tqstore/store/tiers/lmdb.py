@@ -18,6 +18,7 @@ through LMDB's own locking. The map grows on demand; users never see MapFullErro
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import json
 import os
@@ -48,9 +49,11 @@ from tqstore.store.tiers.lmdb_layout import (
 
 # A write transaction keeps its dirty pages in RAM until commit: batch put_objects by bytes.
 _TXN_BYTES = 64 * MiB
+_READ_SOON_KEYS = 8  # objects per read transaction of `read_soon`
 
 _REGISTRY: dict[str, LmdbTier] = {}  # realpath -> this process's one open tier for it
 _REGISTRY_LOCK = threading.Lock()
+
 
 
 @dataclass(frozen=True)
@@ -203,13 +206,14 @@ class LmdbTier:
         Absent or damaged objects are left to the reads."""
         keys = [check_key(k) for k in keys]
 
-        def advise_all(txn) -> None:
-            for key in keys:
+        def advise_all(batch: list[bytes], txn) -> None:
+            for key in batch:
                 found = segments(txn, self._env.dbs, key)[1]
                 for part in found if isinstance(found, list) else ():
                     advise(part, WILLNEED)
 
-        self._env.read(advise_all)
+        for at in range(0, len(keys), _READ_SOON_KEYS):  # short transactions: a map resize waits for none long
+            self._env.read(functools.partial(advise_all, keys[at:at + _READ_SOON_KEYS]))
 
     def _checked_read(self, key: bytes, read) -> tuple[object, str] | None:
         key = check_key(key)
