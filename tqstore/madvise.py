@@ -1,5 +1,5 @@
 """Advice to the kernel about memory ranges (madvise(2)) where the platform has it: pages to read
-ahead, to back with huge pages, to populate before they are written. Advice only: where the
+ahead, memory to back with huge pages. Advice only: where the
 call or the advice is missing it does nothing, and the code it speeds up works the same."""
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import numpy as np
 
 WILLNEED = 3  # read these file-backed pages ahead (Linux and macOS)
 HUGEPAGE = 14  # back this anonymous memory with transparent huge pages (Linux)
-POPULATE_WRITE = 23  # fault these pages in, writable, now (Linux 5.14+)
-_LINUX_ONLY = frozenset({HUGEPAGE, POPULATE_WRITE})
 PAGE = 4096
 HUGE_PAGE = 2 << 20
 
@@ -22,7 +20,7 @@ def advise(buffer: np.ndarray | memoryview, advice: int, page: int = PAGE) -> bo
     """Give `advice` for the whole `page`-sized pages inside `buffer` (numpy array or buffer);
     whether the kernel took it. Releases the GIL for the call (ctypes does)."""
     madvise = _madvise()
-    if madvise is None or (advice in _LINUX_ONLY and not sys.platform.startswith("linux")):
+    if madvise is None or (advice == HUGEPAGE and not sys.platform.startswith("linux")):
         return False
     view = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, np.uint8)
     start = -(-view.ctypes.data // page) * page
