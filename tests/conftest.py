@@ -4,12 +4,17 @@ import mlx.core as mx
 import pytest
 
 from ledger import WORKER_KEY, Ledger, WorkerCounts
+from tqstore.errors import ConfigError
+from tqstore.models.blas import active_blas, openblas_environment
 
 # Keep every test on one backend; the GPU kernels have their own marked tests.
 mx.set_default_device(mx.cpu)
-# One BLAS for every process a test starts (the CLI would otherwise restart itself on OpenBLAS,
-# whose logits differ in the last bits): tests that want OpenBLAS ask for it with --blas.
-os.environ["TQSTORE_BLAS"] = "bundled"
+# One BLAS for every process a test starts: the one this process runs on (the two libraries' logits
+# differ in the last bits, and a CLI child would otherwise pick its own). Tests that want
+# another ask for it with --blas.
+os.environ["TQSTORE_BLAS"] = active_blas()
+# Set to "bundled" to keep xdist's workers on MLX's bundled BLAS (see `pytest_configure`).
+TEST_BLAS_ENV = "TQSTORE_TEST_BLAS"
 
 
 # The reliability suite's options live here: pytest reads options only from the conftests it
@@ -20,6 +25,9 @@ def pytest_addoption(parser) -> None:
                     help="scale of the long reliability storms (default 200 or TQSTORE_TRIALS): crash SIGKILLs in "
                          "all; corruption random positions per class N/50; fuzz examples 10N per target; "
                          "concurrency seconds max(60, N); churn cycles max(500, N)")
+    parser.addoption("--exact-blas", action="store_true",
+                     help="run only the tests marked exact_blas, on the bundled BLAS, where the run without "
+                          "this flag left them out (its workers ran on OpenBLAS); else none")
     group.addoption("--reliability-report", metavar="FILE", default=None,
                     help="write every scenario's trial and outcome counts to FILE (JSON)")
 
@@ -28,9 +36,36 @@ def pytest_configure(config) -> None:
     config._reliability_ledger = Ledger()  # filled through tests/reliability's `ledger` fixture
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(WorkerCounts(config._reliability_ledger))
+    _workers_on_openblas(config)
 
 
-def pytest_sessionfinish(session) -> None:
+def _workers_on_openblas(config) -> None:
+    """xdist's controller, before it starts the workers: they start on OpenBLAS where it is
+    installed (`apt-get install libopenblas0-pthread`), one thread each. The tiny models' forwards
+    run 10-15x faster there than on the bundled BLAS, which took most of the suite's time; every
+    process a worker starts inherits the same library. A single process (`-n 0`) keeps the BLAS
+    it was started with."""
+    if not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput"):
+        return
+    env = _openblas_for_workers()
+    if env is not None and not config.getoption("--exact-blas"):
+        os.environ.update(env)
+
+
+def _openblas_for_workers() -> dict[str, str] | None:
+    """The environment that starts xdist's workers on OpenBLAS, or None where they stay on the
+    bundled BLAS: OpenBLAS not installed, or `TQSTORE_TEST_BLAS=bundled`."""
+    if os.environ.get(TEST_BLAS_ENV, "openblas") != "openblas":
+        return None
+    try:
+        return {**openblas_environment(), "OPENBLAS_NUM_THREADS": "1"}
+    except ConfigError:
+        return None
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if session.config.getoption("--exact-blas") and exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
+        session.exitstatus = pytest.ExitCode.OK  # nothing was left out for it to run
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: the controller prints the sum
         workeroutput[WORKER_KEY] = session.config._reliability_ledger.plain()
@@ -46,6 +81,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
+    _leave_out_exact_blas_on_openblas(config, items)
+
+
+def _leave_out_exact_blas_on_openblas(config, items) -> None:
+    """On OpenBLAS, leave out the tests marked exact_blas: its rows change in the last bits with
+    the batch size (a row decoded alone or in a batch of 8, a prefix prefilled in other chunks),
+    where MLX's bundled BLAS computes each row alike. The README's second pytest command runs
+    them with `TQSTORE_TEST_BLAS=bundled`."""
+    if config.getoption("--exact-blas"):
+        # (the second command: the first ran these itself unless its workers were on OpenBLAS)
+        ran_already = _openblas_for_workers() is None
+        wanted = (lambda exact: False) if ran_already else (lambda exact: exact)
+    elif active_blas() == "openblas":
+        wanted = (lambda exact: not exact)
+    else:
+        return
+    kept = [item for item in items if wanted(item.get_closest_marker("exact_blas") is not None)]
+    if len(kept) < len(items):
+        left = set(kept)
+        config.hook.pytest_deselected(items=[item for item in items if item not in left])
+        items[:] = kept
 
 
 def pytest_ignore_collect(collection_path, config):

@@ -44,6 +44,7 @@ def _alone_and_together(caches: list[TurboQuantKVCache], dtype=mx.float32, stack
     return alone, together
 
 
+@pytest.mark.exact_blas
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4", "turbo8v3", "turbo0v4", "turbo3"])
 def test_rows_attended_together_match_each_alone_bit_for_bit(scheme):
     # lengths: a short prompt, one with a tail, one crossing a block, one two blocks long

@@ -15,8 +15,8 @@ import pytest
 
 from model_folder import write_model_folder
 
-# The conftest pins bundled for this process; these children must not pick OpenBLAS themselves.
-PINNED_BLAS = {"TQSTORE_BLAS": "bundled"}
+# The conftest pins this process's BLAS; these children must not pick another themselves.
+PINNED_BLAS = {"TQSTORE_BLAS": os.environ["TQSTORE_BLAS"]}
 DOC = "The contract says the seller pays for delays. Clause seven covers delivery, payment and penalties."
 
 

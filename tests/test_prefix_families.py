@@ -104,6 +104,7 @@ def test_a_branching_document_reuses_the_shared_blocks(engine, folder):
     assert result.reused_tokens == 2 * BLOCK_SIZE
 
 
+@pytest.mark.exact_blas
 def test_a_restored_prefix_equals_a_prefill_of_it(engine, folder):
     """Restoring the first k blocks of a longer entry gives the caches the engine's prefill of
     those k blocks holds, and the next logits; continuing both gives the same again."""
@@ -128,6 +129,7 @@ def test_a_restored_prefix_equals_a_prefill_of_it(engine, folder):
         assert mx.array_equal(loaded.model(step, cache=started.caches), loaded.model(step, cache=fresh))
 
 
+@pytest.mark.exact_blas
 @pytest.mark.parametrize("family", sorted(NO_FOLDER))
 def test_blocks_restore_any_prefix_of_a_family_without_a_folder(engine, family):
     """The same check without a folder: the engine's prefill, the snapshot with the logged rows

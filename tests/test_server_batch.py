@@ -89,6 +89,7 @@ def test_greedy_raw_answers_are_the_same_alone_and_in_a_batch_of_eight(tmp_path,
     assert single[0][0].text == batched[3][0].text
 
 
+@pytest.mark.exact_blas
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama, family):
     """decode_step itself, on rows whose caches hold 3 to 60 tokens: the same tokens and the
@@ -176,6 +177,7 @@ def _step_all(batch, loaded, gens, absent=lambda step, i: False):
     return results, largest
 
 
+@pytest.mark.exact_blas
 def test_rows_that_leave_the_group_and_come_back_decode_the_tokens_they_decode_alone(tmp_path, llama):
     """Rows parked for some steps (their new rows go back to their own caches and are copied in
     again when they return) and rows that grow past the group's length limit (they go on over
@@ -204,6 +206,7 @@ def test_rows_that_leave_the_group_and_come_back_decode_the_tokens_they_decode_a
             assert mx.array_equal(x, y)
 
 
+@pytest.mark.exact_blas
 def test_prefill_in_chunks_of_any_size_gives_the_same_caches(tmp_path, llama):
     """The server sizes prefill chunks by time (`chunk`): caches filled in chunks of 7, then
     growing, are bit for bit those of the engine's own chunks."""
@@ -230,6 +233,7 @@ def _stack_sizes(monkeypatch, kind) -> list[int]:
     return sizes
 
 
+@pytest.mark.exact_blas
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4"])
 def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch, scheme):
     """Rows of a compressed scheme attend over their compressed storage, as `ask` does (the
@@ -302,6 +306,7 @@ def test_a_step_runs_ahead_and_a_joining_row_waits_one_step(tmp_path, llama):
     assert b.drawn is not None and b.caches[0].offset == len(prompts[1]) + 1
 
 
+@pytest.mark.exact_blas
 @pytest.mark.parametrize("scheme", ["raw", "turbo4"])
 def test_rows_that_sit_out_steps_run_ahead_for_them_answer_as_alone_sampled_too(tmp_path, llama, scheme):
     """A row that sits out the step launched for it has that step taken back: its token from
