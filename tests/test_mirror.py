@@ -112,3 +112,38 @@ def test_stacked_mirrors_attend_as_each_row_alone(monkeypatch):
             # float32 sums of up to 256 rows in another order: within n * eps * max|v| (about 1e-4)
             assert np.abs(np.array(out[i:i + 1]) - np.array(alone)).max() <= 256 * 2 ** -23 * 4, (t, i)
     assert caches[2].stored == 256
+
+
+@pytest.mark.parametrize("scheme", ["turbo5v4", "turbo4"])
+def test_rows_the_mirror_alone_takes_reach_the_record_bit_exactly(monkeypatch, scheme):
+    """While the mirror is current a decode step writes its row there alone (one write, as a raw
+    cache's); a snapshot, a trim, a block encoded and the mirror's drop past the threshold each
+    settle those rows into the tail: the records equal those of a cache that never mirrored."""
+    H, D = 2, 64
+    mirrored = build_cache(scheme, H, D, mx.float32, 300, seed=11)
+    plain = build_cache(scheme, H, D, mx.float32, 300, seed=11)
+    k, v = kv_rows(1, H, 230, D, seed=12, dtype=mx.float32)
+    monkeypatch.setenv(MIRROR_ENV, "520")
+    for t in range(230):  # across the block boundary at 512 and the threshold at 520
+        for cache, backend in ((mirrored, "cuda"), (plain, None)):
+            monkeypatch.setattr(kernels, "select_backend", lambda b=backend: b)
+            cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
+            if t in (40, 150):
+                cache.trim(3)
+            if backend == "cuda":
+                # (past the threshold the plain path stands in for the fused kernels: both drop the mirror)
+                monkeypatch.setattr(kernels, "select_backend", lambda: "cuda" if cache.offset <= 520 else None)
+                cache.attention(mx.zeros((1, 4 * H, 1, D)), 0.125)
+        if t == 100:
+            assert mirrored._mirror_only == 100 - 40  # every row since the trim, none in the tail
+            _assert_same_record(mirrored, plain)
+            assert mirrored._mirror_only == 0
+    assert mirrored._mirror is None and mirrored.offset == plain.offset == 524
+    _assert_same_record(mirrored, plain)
+
+
+def _assert_same_record(a, b):
+    ra, rb = a.to_record(), b.to_record()
+    assert ra.offset == rb.offset and ra.arrays.keys() == rb.arrays.keys()
+    for name in ra.arrays:
+        assert np.array_equal(np.array(ra.arrays[name]), np.array(rb.arrays[name])), name

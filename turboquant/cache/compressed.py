@@ -63,7 +63,8 @@ class TurboQuantKVCache:
         self.compressed = False
         self.calibration: KeyCalibration | None = None
         self._store = TokenBuffers(self.step)
-        self._tail = TokenBuffers(self.step)
+        self._tail_buffers = TokenBuffers(self.step)
+        self._mirror_only = 0  # the newest rows, held by the mirror alone until the tail is read
         self._shifts: mx.array | None = None  # [H, blocks, D] float32 block means of the keys
         self._query_power: mx.array | None = None  # sum of q^2 per (KV head, channel), first 256 positions
         self._query_rows = 0
@@ -81,10 +82,27 @@ class TurboQuantKVCache:
 
     @property
     def batch(self) -> int:
-        for buffers in (self._store, self._tail):
-            if buffers.arrays:
-                return next(iter(buffers.arrays.values())).shape[0]
+        # (the buffers as they are: settling the tail here would cost a decode step its writes)
+        for arrays in (self._store.arrays, self._tail_buffers.arrays, self._mirror.arrays if self._mirror else {}):
+            if arrays:
+                return next(iter(arrays.values())).shape[0]
         return 1
+
+    @property
+    def _tail(self) -> TokenBuffers:
+        """The raw rows [stored, offset), with any that only the decoded mirror holds written in
+        first: while the mirror is current a decode step writes its row there alone, one write
+        a step as a raw cache's (mirror.py), and whatever reads the tail settles it."""
+        if self._mirror_only:
+            start, self._mirror_only = self.offset - self._mirror_only, 0
+            self._tail_buffers.write(start - self.stored, self._mirror.rows_between(start, self.offset))
+        return self._tail_buffers
+
+    def _drop_mirror(self) -> None:
+        """Let go of the decoded mirror, its rows settled into the tail first."""
+        if self._mirror_only:
+            self._tail  # noqa: B018 (settles)
+        self._mirror = None
 
     @property
     def centered(self) -> bool:
@@ -162,7 +180,8 @@ class TurboQuantKVCache:
         """Drop the last n tokens; trimming to zero starts over (calibration included)."""
         n = min(self.offset, n)
         self.offset -= n
-        self._mirror = None
+        self._mirror_only = max(0, self._mirror_only - n)  # (the newest rows go first)
+        self._drop_mirror()
         if self.offset == 0:
             self._reset()
         elif self.offset < self.stored:
@@ -283,7 +302,10 @@ class TurboQuantKVCache:
             if self.offset > boundary:
                 self._tail.write(0, {k: v[:, :, full:] for k, v in tail.items()})
             self._encode(tail["keys"][:, :, :full], tail["values"][:, :, :full])
-        self._tail.write(self.offset - self.stored, {"keys": keys, "values": values})
+        if self._mirror is not None and self._mirror.appends(self, keys, values):
+            self._mirror_only += keys.shape[2]
+        else:
+            self._tail.write(self.offset - self.stored, {"keys": keys, "values": values})
         self.offset += keys.shape[2]
 
     def _encode(self, keys: mx.array, values: mx.array) -> None:
@@ -324,7 +346,7 @@ class TurboQuantKVCache:
         if self.offset <= mirror_tokens() and queries.dtype == self.native_dtype:
             keys, values = self.mirrored_rows()
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
-        self._mirror = None
+        self._drop_mirror()
         # The buffers themselves with the counts of rows that count: the decode kernels read them in
         # place (the plain path slices them).
         arrays = self._store.arrays if self.stored else {}

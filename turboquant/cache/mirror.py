@@ -51,6 +51,27 @@ class DecodedMirror:
         self._rows = 0  # rows held
         self._stored = -1  # the cache's stored rows when they were decoded
 
+    @property
+    def arrays(self) -> dict[str, mx.array]:
+        """The buffers (keys, values), with spare capacity past the rows held."""
+        return self._buffers.arrays
+
+    def appends(self, cache: Any, keys: mx.array, values: mx.array) -> bool:
+        """Write `cache`'s next rows here, where its tail would take them, when this mirror holds
+        exactly its rows and their dtype (then the rows are the tail's bit for bit, and the
+        cache's tail takes them from here only when read); False: nothing written."""
+        held = self._buffers.arrays
+        if not (held and self._stored == cache.stored and self._rows == cache.offset
+                and keys.dtype == held["keys"].dtype and values.dtype == held["values"].dtype):
+            return False
+        self._buffers.write(self._rows, {"keys": keys, "values": values})
+        self._rows += keys.shape[2]
+        return True
+
+    def rows_between(self, start: int, end: int) -> dict[str, mx.array]:
+        """The rows at positions [start, end) as held (raw tail rows, never decoded ones)."""
+        return {n: a[:, :, start:end] for n, a in self._buffers.arrays.items()}
+
     def rows(self, cache: Any) -> tuple[mx.array, mx.array]:
         """Keys and values [B, H, offset, D] of `cache` (a TurboQuantKVCache, which drops its
         mirror when it trims) as its attention reads them. A step that only appended rows writes

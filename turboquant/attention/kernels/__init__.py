@@ -62,12 +62,12 @@ The tests' emulator (tests/kernel_support/emulate.py) runs the very same kernel 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
 
-from turboquant.attention.kernels import host
-from turboquant.attention.kernels import ragged, steps
+from turboquant.attention.kernels import host, ragged, steps
 from turboquant.attention.kernels.host import DEFAULT_TUNING, KernelTuning, merge_tail
 
 __all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "ragged_decode",
@@ -78,8 +78,14 @@ def select_backend() -> str | None:
     """"cuda", "metal" or None (plain ops) for the current default device."""
     if os.environ.get("TQSTORE_KERNELS", "1") == "0":
         return None
+    return _backend(mx.default_device().type)
+
+
+@functools.lru_cache(maxsize=4)
+def _backend(device_type: mx.DeviceType) -> str | None:
+    # (once per device type: every attention call of every layer asks, twice a decode step)
     try:
-        if mx.default_device().type != mx.DeviceType.gpu:
+        if device_type != mx.DeviceType.gpu:
             return None
         if mx.cuda.is_available():
             return "cuda"
