@@ -1,10 +1,11 @@
 """What one decode step over stored rows is made of, compressed against raw: the MLX operations
-its graph holds (by primitive), the host's time to build it against the whole step, and where the
-build's Python time goes (issues 28, 30, 31: a turbo5v4 step costs about 2 ms more than raw's on
-the H200 while its attention kernels are within 1.15x of SDPA).
+its graph holds (by primitive), the host's time to build it (unprofiled) against its evaluation,
+the step's time when steps are pipelined as mlx-lm's `generate_step` runs them (the figure that
+sets tokens/s), and where the build's Python time goes under cProfile (issues 28, 30, 31).
 
-    python bench/step_graph.py --tokens 512 16384 --schemes raw turbo5v4 --steps 50
+    python bench/step_graph.py --tokens 16 512 4096 16384 --schemes raw turbo5v4 turbo4 --steps 50
 
+The schemes alternate within each round, so every ratio to raw compares steps run side by side.
 The model is bench/question_prefill.py's (Llama-3.1-8B's shapes, --layers of them, random
 weights) with its caches filled the same way; each step is one token's forward to the argmax, the
 rows appended as a decode stream appends them (a trim would drop a short context's decoded
@@ -46,33 +47,102 @@ def primitives(out) -> collections.Counter:
     return collections.Counter(re.findall(r'label\s*=\s*"([A-Za-z][A-Za-z0-9_]*)', text))
 
 
-def cell(model, scheme: str, tokens: int, steps: int, profile_rows: int) -> str:
+def sync_steps(model, caches, token, steps: int) -> tuple[list[float], list[float]]:
+    """Per step, unprofiled: (seconds building the graph, seconds evaluating it)."""
     import mlx.core as mx
 
-    caches = fill_caches(model, scheme, tokens, seed=tokens)
-    token = mx.array([[17]])
-    for _ in range(5):  # warm: kernels built, buffers sized
-        mx.eval(step(model, caches, token))
-    counts = primitives(step(model, caches, token))
-    build = total = 0.0
+    builds, evals = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = step(model, caches, token)
+        t1 = time.perf_counter()
+        mx.eval(out)
+        builds.append(t1 - t0)
+        evals.append(time.perf_counter() - t1)
+    return builds, evals
+
+
+def pipelined_steps(model, caches, token, steps: int) -> float:
+    """Seconds per step when each step's graph is built while the GPU runs the one before, as
+    mlx-lm's `generate_step` runs them (the next token is the previous step's output)."""
+    import mlx.core as mx
+
+    y = step(model, caches, token)
+    mx.async_eval(y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        nxt = step(model, caches, y.reshape(1, 1))
+        mx.async_eval(nxt)
+        y.item()
+        y = nxt
+    y.item()
+    return (time.perf_counter() - t0) / steps
+
+
+def profiled(model, caches, token, steps: int, profile_rows: int) -> tuple[float, str]:
+    """(mean build seconds with cProfile on, the profile's top rows by own time)."""
+    import mlx.core as mx
+
+    build = 0.0
     profiler = cProfile.Profile()
     for _ in range(steps):
         t0 = time.perf_counter()
         profiler.enable()
         out = step(model, caches, token)
         profiler.disable()
-        t1 = time.perf_counter()
+        build += time.perf_counter() - t0
         mx.eval(out)
-        t2 = time.perf_counter()
-        build, total = build + t1 - t0, total + t2 - t0
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(profile_rows)
-    top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
-    ops = ", ".join(f"{name} {n}" for name, n in counts.most_common())
+    return build / steps, "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def context(model, schemes: list[str], tokens: int, steps: int, rounds: int, profile_rows: int) -> str:
+    """One context length: every scheme's caches filled, then `rounds` rounds in which each
+    scheme in turn runs `steps` synchronous and `steps` pipelined steps (side by side, so each
+    ratio to raw is within one round)."""
+    import mlx.core as mx
+
+    token = mx.array([[17]])
+    caches = {s: fill_caches(model, s, tokens, seed=tokens) for s in schemes}
+    counts = {}
+    for s, c in caches.items():
+        for _ in range(5):  # warm: kernels built, buffers sized
+            mx.eval(step(model, c, token))
+        counts[s] = primitives(step(model, c, token))
+    rows = {s: {"build": [], "eval": [], "pipe": []} for s in schemes}
+    for _ in range(rounds):
+        for s in schemes:
+            builds, evals = sync_steps(model, caches[s], token, steps)
+            rows[s]["build"].append(median(builds))
+            rows[s]["eval"].append(median(evals))
+            rows[s]["pipe"].append(pipelined_steps(model, caches[s], token, steps))
+    lines = [f"## {tokens} tokens: {rounds} rounds of {steps} steps per scheme (ms; min-max over rounds)", "",
+             "| scheme | operations | graph build (median step) | eval + wait | pipelined step | pipelined x raw |",
+             "|---|---|---|---|---|---|"]
+    base = rows.get("raw", {}).get("pipe")
+    for s in schemes:
+        r = rows[s]
+        span = lambda xs: f"{1e3 * min(xs):.2f}-{1e3 * max(xs):.2f}"
+        ratio = ("-" if base is None else
+                 f"{min(b / p for b, p in zip(base, r['pipe'])):.2f}-{max(b / p for b, p in zip(base, r['pipe'])):.2f}x")
+        lines.append(f"| {s} | {sum(counts[s].values())} | {span(r['build'])} | {span(r['eval'])} | {span(r['pipe'])} "
+                     f"| {ratio} |")
+    lines.append("")
+    for s in schemes:
+        ops = ", ".join(f"{name} {n}" for name, n in counts[s].most_common())
+        lines.append(f"{s} operations: {ops}")
+    if profile_rows:
+        for s in schemes:
+            build, top = profiled(model, caches[s], token, steps, profile_rows)
+            lines += ["", f"### {s}: graph build {1e3 * build:.3f} ms with cProfile on", top]
     del caches
     mx.clear_cache()
-    return (f"## {scheme} at {tokens} tokens\nstep {1e3 * total / steps:.3f} ms, of which graph build "
-            f"{1e3 * build / steps:.3f} ms (cProfile on); {sum(counts.values())} operations: {ops}\n{top}\n")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+", default=["raw", "turbo5v4"])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile-rows", type=int, default=25, help="0: no profile")
     args = parser.parse_args(argv)
     import mlx.core as mx
     from mlx_lm.models import llama
@@ -90,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     model.set_dtype(mx.bfloat16 if mx.default_device().type == mx.DeviceType.gpu else mx.float32)
     mx.eval(model.parameters())
     for tokens in args.tokens:
-        for scheme in args.schemes:
-            print(cell(model, scheme, tokens, args.steps, args.profile_rows), flush=True)
+        print(context(model, args.schemes, tokens, args.steps, args.rounds, args.profile_rows), flush=True)
     return 0
 
 
