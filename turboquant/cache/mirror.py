@@ -17,7 +17,10 @@ dropped once the context passes `mirror_tokens()` (the fused kernels read the co
 from there on, where their bandwidth pays).
 
 What it costs: the memory of a raw cache of up to that many tokens per compressed layer, and one
-decode of the stored rows per block encoded.
+decode of the stored rows per block encoded. A decode step writes its new row once, here (as a raw
+cache writes its own): while the mirror holds exactly the cache's rows the row goes to the mirror
+alone, and the cache's tail copies such rows from it only when something reads the tail (a block
+encoded, a snapshot, a trim, the mirror dropped).
 """
 
 from __future__ import annotations
