@@ -81,23 +81,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-    _leave_out_exact_blas_on_openblas(config, items)
+    _split_exact_blas(config, items)
 
 
-def _leave_out_exact_blas_on_openblas(config, items) -> None:
-    """On OpenBLAS, leave out the tests marked exact_blas: its rows change in the last bits with
-    the batch size (a row decoded alone or in a batch of 8, a prefix prefilled in other chunks),
-    where MLX's bundled BLAS computes each row alike. The README's second pytest command runs
-    them with `TQSTORE_TEST_BLAS=bundled`."""
+def _split_exact_blas(config, items) -> None:
+    """The tests marked exact_blas run where rows do not depend on the batch: OpenBLAS's change
+    in the last bits with the batch size (a row decoded alone or in a batch of 8, a prefix
+    prefilled in other chunks), MLX's bundled BLAS computes each row alike. So a process on
+    OpenBLAS leaves them out, and `--exact-blas` (the README's second pytest command, whose
+    workers stay on the bundled BLAS) runs only them, or none where the first command's workers
+    were not on OpenBLAS and so ran them already."""
     if config.getoption("--exact-blas"):
-        # (the second command: the first ran these itself unless its workers were on OpenBLAS)
-        ran_already = _openblas_for_workers() is None
-        wanted = (lambda exact: False) if ran_already else (lambda exact: exact)
+        left_out_before = _openblas_for_workers() is not None
+        kept = [item for item in items if left_out_before and item.get_closest_marker("exact_blas") is not None]
     elif active_blas() == "openblas":
-        wanted = (lambda exact: not exact)
+        kept = [item for item in items if item.get_closest_marker("exact_blas") is None]
     else:
         return
-    kept = [item for item in items if wanted(item.get_closest_marker("exact_blas") is not None)]
     if len(kept) < len(items):
         left = set(kept)
         config.hook.pytest_deselected(items=[item for item in items if item not in left])

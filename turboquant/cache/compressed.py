@@ -90,18 +90,21 @@ class TurboQuantKVCache:
 
     @property
     def _tail(self) -> TokenBuffers:
-        """The raw rows [stored, offset), with any that only the decoded mirror holds written in
-        first: while the mirror is current a decode step writes its row there alone, one write
-        a step as a raw cache's (mirror.py), and whatever reads the tail settles it."""
+        """The raw rows [stored, offset), settled first (`_settle_tail`)."""
+        self._settle_tail()
+        return self._tail_buffers
+
+    def _settle_tail(self) -> None:
+        """Write into the tail the newest rows that only the decoded mirror holds: while the
+        mirror is current a decode step writes its row there alone, one write a step as a raw
+        cache's (mirror.py), and whatever reads the tail settles them first."""
         if self._mirror_only:
             start, self._mirror_only = self.offset - self._mirror_only, 0
             self._tail_buffers.write(start - self.stored, self._mirror.rows_between(start, self.offset))
-        return self._tail_buffers
 
     def _drop_mirror(self) -> None:
         """Let go of the decoded mirror, its rows settled into the tail first."""
-        if self._mirror_only:
-            self._tail  # noqa: B018 (settles)
+        self._settle_tail()
         self._mirror = None
 
     @property
