@@ -6,6 +6,7 @@ sets tokens/s), and where the build's Python time goes under cProfile (issues 28
     python bench/step_graph.py --tokens 16 512 4096 16384 --schemes raw turbo5v4 turbo4 --steps 50
 
 The schemes alternate within each round, so every ratio to raw compares steps run side by side.
+`--tree DIR` measures another checkout's turboquant (run it and this tree in alternate processes).
 The model is bench/question_prefill.py's (Llama-3.1-8B's shapes, --layers of them, random
 weights) with its caches filled the same way; each step is one token's forward to the argmax, the
 rows appended as a decode stream appends them (a trim would drop a short context's decoded
@@ -20,6 +21,7 @@ import cProfile
 import io
 import pstats
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -28,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from question_prefill import fill_caches, llama_config  # noqa: E402
+from storage import span, use_tree  # noqa: E402
 
 
 def step(model, caches, token):
@@ -97,10 +100,6 @@ def profiled(model, caches, token, steps: int, profile_rows: int) -> tuple[float
     return build / steps, "\n".join(line for line in text.getvalue().splitlines() if line.strip())
 
 
-def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 def context(model, schemes: list[str], tokens: int, steps: int, rounds: int, profile_rows: int) -> str:
     """One context length: every scheme's caches filled, then `rounds` rounds in which each
     scheme in turn runs `steps` synchronous and `steps` pipelined steps (side by side, so each
@@ -118,18 +117,16 @@ def context(model, schemes: list[str], tokens: int, steps: int, rounds: int, pro
     for _ in range(rounds):
         for s in schemes:
             builds, evals = sync_steps(model, caches[s], token, steps)
-            rows[s]["build"].append(median(builds))
-            rows[s]["eval"].append(median(evals))
-            rows[s]["pipe"].append(pipelined_steps(model, caches[s], token, steps))
+            rows[s]["build"].append(1e3 * statistics.median(builds))
+            rows[s]["eval"].append(1e3 * statistics.median(evals))
+            rows[s]["pipe"].append(1e3 * pipelined_steps(model, caches[s], token, steps))
     lines = [f"## {tokens} tokens: {rounds} rounds of {steps} steps per scheme (ms; min-max over rounds)", "",
              "| scheme | operations | graph build (median step) | eval + wait | pipelined step | pipelined x raw |",
              "|---|---|---|---|---|---|"]
     base = rows.get("raw", {}).get("pipe")
     for s in schemes:
         r = rows[s]
-        span = lambda xs: f"{1e3 * min(xs):.2f}-{1e3 * max(xs):.2f}"
-        ratio = ("-" if base is None else
-                 f"{min(b / p for b, p in zip(base, r['pipe'])):.2f}-{max(b / p for b, p in zip(base, r['pipe'])):.2f}x")
+        ratio = "-" if base is None else span([b / p for b, p in zip(base, r["pipe"])]) + "x"
         lines.append(f"| {s} | {sum(counts[s].values())} | {span(r['build'])} | {span(r['eval'])} | {span(r['pipe'])} "
                      f"| {ratio} |")
     lines.append("")
@@ -153,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile-rows", type=int, default=25, help="0: no profile")
+    parser.add_argument("--tree", type=Path, default=None,
+                        help="measure the tqstore and turboquant of another checkout (a baseline; PYTHONPATH does "
+                             "not reach past this repository's root, which the bench's imports put first)")
     args = parser.parse_args(argv)
+    use_tree(args.tree)
     import mlx.core as mx
     from mlx_lm.models import llama
 
