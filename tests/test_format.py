@@ -142,6 +142,18 @@ def test_a_blank_array_holds_what_is_written_through_numpy():
         assert np.array_equal(np.asarray(a + 0), want)  # read back by an MLX kernel
 
 
+def test_blank_arrays_past_two_gib_are_allocated_one_by_one():
+    """A run of more than 2 GiB (a raw 64k-token entry of 8 layers of an 8B model) cannot be one
+    MLX allocation of bytes (dimensions are int32: `mx.load` raised IndexError "stoi" and the
+    put failed); each array gets its own. Only the pages written here are touched."""
+    specs = [((2, 2**29 + 64), mx.uint8), ((2**29 + 32,), mx.uint16)]
+    arrays = runs.blank_arrays(specs)
+    assert [(a.shape, a.dtype) for a in arrays] == specs
+    for a, value in zip(arrays, (7, 65535)):
+        np.asarray(a).reshape(-1)[-1] = value
+        assert a.reshape(-1)[-1].item() == value
+
+
 @pytest.mark.parametrize("layouts", UNIFORM, ids=lambda ls: ls[0].value)
 def test_a_run_placed_from_threads_in_any_order_joins_into_the_snapshot(layouts):
     """A `Run` is allocated from the blocks' headers before any bytes are copied; blocks are placed

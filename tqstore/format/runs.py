@@ -183,11 +183,15 @@ def _by_name(plan: Plan) -> dict[str, tuple]:
 def blank_arrays(specs: Sequence[tuple[tuple[int, ...], mx.Dtype]]) -> list[mx.array]:
     """Evaluated CPU-stream arrays of these shapes and unsigned dtypes whose memory nobody has
     written: their contents are undefined until the caller writes them through `np.asarray`.
-    They are views of one allocation (`blank`), each at a 64-byte aligned offset."""
+    They are views of one allocation (`blank`), each at a 64-byte aligned offset, where that
+    allocation's bytes can be one MLX dimension (int32: under 2 GiB); larger runs (a raw
+    64k-token entry of an 8B model's 8 layers) get one allocation per array."""
     offsets, size = [], 0
     for shape, dtype in specs:
         offsets.append(size)
         size += -(-math.prod(shape) * dtype.size // 64) * 64
+    if size > MAX_DIM:
+        return [blank(shape, dtype) for shape, dtype in specs]
     buffer = blank((max(size, 1),), mx.uint8)
     arrays = [buffer[o:o + math.prod(shape) * dtype.size].view(dtype).reshape(shape)
               for o, (shape, dtype) in zip(offsets, specs)]
@@ -245,6 +249,7 @@ class _HeaderOnly(io.RawIOBase):
         return n
 
 
+MAX_DIM = 2**31 - 1  # MLX's dimensions are int32: larger shapes fail (`mx.load` raises IndexError "stoi")
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -263,7 +268,7 @@ def to_device(arrays: list[mx.array]) -> None:
     pages crossed at about 8 GB/s inside it (issue 28), and a memory-tier entry paid that on
     its first restore. A streaming read moves them in large runs; elsewhere this does nothing."""
     if arrays and managed_memory():
-        mx.eval([mx.max(a.reshape(-1)) for a in arrays])
+        mx.eval([mx.max(a) for a in arrays])  # no flat reshape: an array may pass int32 elements
 
 
 def managed_memory() -> bool:
