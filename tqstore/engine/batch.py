@@ -457,7 +457,7 @@ def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt:
     else:
         tokenizer = loaded.tokenizer
         detokenizer = tokenizer.detokenizer
-        started.context.compress()  # all layers at once, on its own (not one by one inside a shared step)
+        started.context.start_decoding()  # all layers at once, on its own (not one by one inside a shared step)
         row = Row(started.caches, remainder[-1], _sampler(temp, top_p, seed))
         while True:
             yield row

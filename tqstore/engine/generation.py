@@ -141,7 +141,7 @@ class Answerer:
         else:
             sampler = make_sampler(temp=temp, top_p=top_p)
             context = started.context
-            context.compress()  # before mlx-lm's loop, all layers at once (not one by one in its first step)
+            context.start_decoding()  # before mlx-lm's loop, all layers at once (not one by one in its first step)
             # The prompt's last token runs through mlx-lm's loop (decoding.py): it yields the first logits.
             responses = stream_tokens(loaded.model, loaded.tokenizer, remainder[-1:], max_tokens=max_tokens,
                                       prompt_cache=started.caches,
