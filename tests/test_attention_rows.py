@@ -34,14 +34,33 @@ def _row(scheme: str, prompt: int, steps: int, seed: int, dtype=mx.float32, **pl
     return cache
 
 
-def _alone_and_together(caches: list[TurboQuantKVCache], dtype=mx.float32, stack: RowStack | None = None,
-                        new: tuple[mx.array, mx.array] | None = None, seed: int = 99) -> tuple[mx.array, mx.array]:
+def _alone_and_together(twins: list[TurboQuantKVCache], caches: list[TurboQuantKVCache], dtype=mx.float32,
+                        stack: RowStack | None = None, new: tuple[mx.array, mx.array] | None = None,
+                        seed: int = 99) -> tuple[mx.array, mx.array]:
+    """Each row's attention after it takes this step's row (`new`, random by default): alone, each
+    twin cache taking its row and attending on its own; together, one stack's call over
+    `caches` (the twins' equals), which adds their rows itself."""
+    if new is None:
+        k1, k2 = mx.random.split(mx.random.key(seed + 1000))
+        new = tuple(mx.random.normal((len(caches), H, 1, D), key=k).astype(dtype) for k in (k1, k2))
     queries = mx.random.normal((len(caches), H * R, 1, D), key=mx.random.key(seed)).astype(dtype)
-    alone = mx.concatenate([c.attention(queries[g:g + 1], D ** -0.5) for g, c in enumerate(caches)])
-    if new is None:  # a fresh stack copies the rows in and does not read the step's new rows
-        new = (None, None)
+    alone = []
+    for g, c in enumerate(twins):
+        c.update_and_fetch(new[0][g:g + 1], new[1][g:g + 1])
+        alone.append(c.attention(queries[g:g + 1], D ** -0.5))
     together = (stack or RowStack()).attend(caches, *new, queries, D ** -0.5)
-    return alone, together
+    return mx.concatenate(alone), together
+
+
+def _same_records(twins: list[TurboQuantKVCache], caches: list[TurboQuantKVCache]) -> bool:
+    """Whether each cache holds what its twin does (offsets and every record array, bit for bit):
+    rows a stack held for a cache reach its record exactly."""
+    for a, b in zip(twins, caches):
+        ra, rb = a.to_record(), b.to_record()
+        if (ra.offset, sorted(ra.arrays)) != (rb.offset, sorted(rb.arrays)) or not all(
+                mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays):
+            return False
+    return True
 
 
 @pytest.mark.exact_blas
@@ -50,31 +69,35 @@ def test_rows_attended_together_match_each_alone_bit_for_bit(scheme):
     # lengths: a short prompt, one with a tail, one crossing a block, one two blocks long
     shapes = [(16, 1), (40, 9), (250, 12), (300, 3), (520, 1)]
     caches = [_row(scheme, prompt, steps, seed) for seed, (prompt, steps) in enumerate(shapes)]
+    twins = [_row(scheme, prompt, steps, seed) for seed, (prompt, steps) in enumerate(shapes)]
     assert len({stack_key(c) for c in caches}) == 1
     if parse_scheme(scheme).calibrated:
         assert caches[0].calibration is None  # 16 rows: too few to fit one (MIN_ROWS)
         scales = [c.calibration.scale for c in caches[1:]]
         assert all(s is not None for s in scales) and not mx.array_equal(scales[0], scales[1]).item()
-    alone, together = _alone_and_together(caches)
+    alone, together = _alone_and_together(twins, caches)
     assert together.shape == alone.shape and together.dtype == alone.dtype
     assert mx.array_equal(alone, together).item()
+    assert _same_records(twins, caches)
 
 
 def test_rows_with_and_without_a_tail_or_a_calibration_match_alone():
     # 16 prompt rows are too few to fit a calibration (MIN_ROWS); rows compressed whole (as
     # saved) have no tail; a step past a block's end encodes the block it left open
-    caches = [_row("turbo4", 16, 0, 0), _row("turbo4", 300, 0, 1), _row("turbo4", 255, 1, 2),
-              _row("turbo4", 200, 57, 3), _row("turbo4", 40, 2, 4)]
+    shapes = [(16, 0, 0), (300, 0, 1), (255, 1, 2), (200, 57, 3), (40, 2, 4)]
+    caches, twins = ([_row("turbo4", *shape) for shape in shapes] for _ in range(2))
     assert caches[0].calibration is None and caches[1].calibration is not None
     assert caches[0].offset == caches[0].stored and caches[1].offset == caches[1].stored
     assert (caches[3].stored, caches[3].offset) == (256, 257)
-    alone, together = _alone_and_together(caches)
+    alone, together = _alone_and_together(twins, caches)
     assert mx.array_equal(alone, together).item()
+    assert _same_records(twins, caches)
 
 
 def test_bfloat16_rows_keep_their_dtype_and_match_alone():
-    caches = [_row("turbo4", n, 3, seed, mx.bfloat16) for seed, n in enumerate((20, 70, 130))]
-    alone, together = _alone_and_together(caches, mx.bfloat16)
+    caches, twins = ([_row("turbo4", n, 3, seed, mx.bfloat16) for seed, n in enumerate((20, 70, 130))]
+                     for _ in range(2))
+    alone, together = _alone_and_together(twins, caches, mx.bfloat16)
     assert together.dtype == mx.bfloat16
     assert mx.array_equal(alone, together).item()
 
@@ -88,29 +111,31 @@ def test_rows_that_cannot_share_a_call_have_different_keys():
     assert stack_key(fresh) is None  # still in prefill: attends alone
 
 
-def test_a_stack_kept_across_steps_mirrors_its_rows_and_rebuilds_when_one_changes(monkeypatch):
-    """Steps that add one row to each cache are written into the stacked tails (no rebuild), and
-    each row still gets its own answer; a block encoded (a row's tail reaching 256), a step
-    taken back (trim) and a row leaving rebuild the stack from the caches."""
+def test_a_stack_kept_across_steps_holds_its_rows_and_rebuilds_when_one_changes(monkeypatch):
+    """Steps that add one row to each cache are written into the stacked tails alone (no
+    rebuild; the caches only count them), and each row still gets its own answer; a block
+    encoded (a row's tail reaching 256), a step taken back (trim) and a row leaving rebuild the
+    stack from the caches, which then hold every row they were lent, bit for bit."""
     builds = []
     build = RowStack._build
     monkeypatch.setattr(RowStack, "_build", lambda self, caches: builds.append(len(caches)) or build(self, caches))
-    caches = [_row("turbo4", n, 1, seed) for seed, n in enumerate((20, 250, 60))]
+    caches, twins = ([_row("turbo4", n, 1, seed) for seed, n in enumerate((20, 250, 60))] for _ in range(2))
     stack = RowStack()
     keys = mx.random.normal((3, H, 12, D), key=mx.random.key(7))
     values = mx.random.normal((3, H, 12, D), key=mx.random.key(8))
     for step in range(12):
         if step == 9:
-            for c in caches:
+            for c in caches + twins:
                 c.trim(1)  # the step before taken back (every row), then stepped again
         new = (keys[:, :, step:step + 1], values[:, :, step:step + 1])
-        for g, c in enumerate(caches):
-            c.update_and_fetch(new[0][g:g + 1], new[1][g:g + 1])
-        alone, together = _alone_and_together(caches, stack=stack, new=new, seed=step)
+        alone, together = _alone_and_together(twins, caches, stack=stack, new=new, seed=step)
         assert mx.array_equal(alone, together).item(), step
+        if step in (3, 8):
+            assert all(c._lent for c in caches) and _same_records(twins, caches)
     # built at the first step, when the 250-token row encoded its block (offset 256 -> 257:
     # step 5) and after the trim
     assert builds == [3, 3, 3]
     assert caches[1].stored == 256
-    alone, together = _alone_and_together(caches[::2], stack=stack)
+    alone, together = _alone_and_together(twins[::2], caches[::2], stack=stack)
     assert mx.array_equal(alone, together).item() and builds == [3, 3, 3, 2]
+    assert _same_records(twins, caches)

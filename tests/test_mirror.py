@@ -95,28 +95,37 @@ def test_past_the_threshold_the_kernels_read_the_storage(monkeypatch):
 @pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 def test_stacked_mirrors_attend_as_each_row_alone(monkeypatch):
     """Three rows of other lengths, stacked (the decode batch's form on CUDA, its kernel run by
-    the emulator here): per step, each row's output is its own mirror's SDPA, across steps
-    that only append, a block encoded in one row (stored rows change), a trim and a row leaving."""
+    the emulator here): per step the stack adds each row's new row (held by the stack alone
+    while the rows only step, the caches counting it) and each row's output is what its twin
+    cache, stepped on its own, attends to: across steps that only append, a block encoded in
+    one row (stored rows change), a trim and a row leaving. The caches end holding their
+    twins' records bit for bit."""
     force_backend(monkeypatch, "cuda", emulate.kernel)
     monkeypatch.setenv(MIRROR_ENV, "1024")
     H, D = 2, 64
-    caches = [build_cache("turbo5v4", H, D, mx.float32, n, seed=s) for n, s in ((20, 1), (100, 2), (253, 3))]
+    shapes = ((20, 1), (100, 2), (253, 3))
+    caches, twins = ([build_cache("turbo5v4", H, D, mx.float32, n, seed=s) for n, s in shapes] for _ in range(2))
     stack = DecodedStack()
     k, v = kv_rows(3, H, 6, D, seed=4, dtype=mx.float32)
+    lent = []
     for t in range(6):  # row 3 fills its open block at t = 2 (encoded at the next update)
-        live = caches if t < 5 else caches[:2]
-        for i, c in enumerate(live):
-            c.update_and_fetch(k[i:i + 1, :, t:t + 1], v[i:i + 1, :, t:t + 1])
+        live = slice(0, 3 if t < 5 else 2)
         if t == 3:
-            caches[0].trim(1)
-            caches[0].update_and_fetch(k[:1, :, t:t + 1], v[:1, :, t:t + 1])
-        q = mx.random.normal((len(live), 4 * H, 1, D), key=mx.random.key(t))
-        out = stack.attend(live, k[:len(live), :, t:t + 1], v[:len(live), :, t:t + 1], q, 0.125)
-        for i, c in enumerate(live):
+            for c in (caches[0], twins[0]):
+                c.trim(1)
+        q = mx.random.normal((len(caches[live]), 4 * H, 1, D), key=mx.random.key(t))
+        out = stack.attend(caches[live], k[live, :, t:t + 1], v[live, :, t:t + 1], q, 0.125)
+        lent.append([c._lent for c in caches])
+        for i, c in enumerate(twins[live]):
+            c.update_and_fetch(k[i:i + 1, :, t:t + 1], v[i:i + 1, :, t:t + 1])
             alone = c.attention(q[i:i + 1], 0.125)
             # float32 sums of up to 256 rows in another order: within n * eps * max|v| (about 1e-4)
             assert np.abs(np.array(out[i:i + 1]) - np.array(alone)).max() <= 256 * 2 ** -23 * 4, (t, i)
     assert caches[2].stored == 256
+    assert lent[1] == [1, 1, 1] and lent[2] == [2, 2, 2]  # held by the stack alone between rebuilds
+    for a, b in zip(caches, twins):
+        ra, rb = a.to_record(), b.to_record()
+        assert ra.offset == rb.offset and all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
 
 
 @pytest.mark.parametrize("scheme", ["turbo5v4", "turbo4"])

@@ -19,7 +19,10 @@ the output head run batched. Attention runs in one of two forms per row:
   plain-ops path (the CPU) over their compressed storage (turboquant's `RowStack`, each row's
   arithmetic its own), on CUDA over their decoded mirrors (turboquant's `DecodedStack`: the
   rows each layer attends over while its context is short, one kernel over each row's own
-  length). Both keep their rows stacked across steps.
+  length). Both keep their rows stacked across steps and add each step's new rows themselves:
+  while no row changed otherwise, one scatter into the stack is the rows' only write and their
+  caches only count the row (`TurboQuantKVCache.lend`), as the group's buffers hold raw rows;
+  a cache takes its rows back when anything reads its tail.
 - Longer rows, and TurboQuant rows with no other of their layout, attend one at a time over
   their own caches, through TurboQuant's dispatch.
 
@@ -127,9 +130,13 @@ class StepLayer:
             group = (k, v, self.mask, self.lengths)
         others = []
         for i, cache in enumerate(self.others, start=g):
-            k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-            stacks = isinstance(cache, TurboQuantKVCache) and cache.offset <= self.stack_tokens
-            others.append((k, v, cache, stack_key(cache) if stacks else None))
+            key = stack_key(cache) if isinstance(cache, TurboQuantKVCache) and \
+                cache.offset < self.stack_tokens else None
+            if key is None:
+                k, v = cache.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+            else:  # its row goes in with its stack's (rows_sdpa: the stack, or the cache if alone)
+                k = v = None
+            others.append((k, v, cache, key))
         fetched = StepKeys(group, others, (keys, values), self.batch.stacks[self.layer])
         return fetched, fetched
 
@@ -164,6 +171,8 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     shared = {i for rows in stacked.values() for i in rows}
     for i, (k, v, c, _) in enumerate(keys.others, start=g):
         if i not in shared:
+            if k is None:  # a row that would have stacked, alone this step
+                k, v = c.update_and_fetch(keys.new[0][i:i + 1], keys.new[1][i:i + 1])
             outs.append(compressed_sdpa(queries[i:i + 1], k, v, cache=c, scale=scale, mask=mask, sinks=sinks))
             order.append(i)
     kind = RowStack if RowStack.applies() else DecodedStack

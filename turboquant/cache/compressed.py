@@ -21,6 +21,8 @@ quantized attention.
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 
 from turboquant.attention.compressed import MaskLike, causal_mask, compressed_attention
@@ -65,6 +67,8 @@ class TurboQuantKVCache:
         self._store = TokenBuffers(self.step)
         self._tail_buffers = TokenBuffers(self.step)
         self._mirror_only = 0  # the newest rows, held by the mirror alone until the tail is read
+        self._lent = 0  # the newest rows of all, held by `_lender` (a decode batch's stack) alone
+        self._lender: Any = None
         self._shifts: mx.array | None = None  # [H, blocks, D] float32 block means of the keys
         self._query_power: mx.array | None = None  # sum of q^2 per (KV head, channel), first 256 positions
         self._query_rows = 0
@@ -95,12 +99,39 @@ class TurboQuantKVCache:
         return self._tail_buffers
 
     def _settle_tail(self) -> None:
-        """Write into the tail the newest rows that only the decoded mirror holds: while the
-        mirror is current a decode step writes its row there alone, one write a step as a raw
-        cache's (mirror.py), and whatever reads the tail settles them first."""
+        """Write into the tail the newest rows that only the decoded mirror holds, then those
+        only a lender holds: while the mirror is current a decode step writes its row there
+        alone, one write a step as a raw cache's (mirror.py); in a decode batch's stack the
+        stack's one scatter is the only write (`lend`). Whatever reads the tail settles them first."""
+        end = self.offset - self._lent
         if self._mirror_only:
-            start, self._mirror_only = self.offset - self._mirror_only, 0
-            self._tail_buffers.write(start - self.stored, self._mirror.rows_between(start, self.offset))
+            start, self._mirror_only = end - self._mirror_only, 0
+            self._tail_buffers.write(start - self.stored, self._mirror.rows_between(start, end))
+        if self._lent:
+            rows = self._lender.lent_rows(self, end, self.offset)
+            self._lent, self._lender = 0, None
+            self._tail_buffers.write(end - self.stored, rows)
+
+    def lendable(self) -> bool:
+        """Whether this cache's next row may be held by a lender alone (`lend`): it is compressed
+        and that row's update would encode nothing (no full block waits in the tail)."""
+        return self.compressed and self.offset // BLOCK * BLOCK <= self.stored
+
+    def lend(self, lender: Any) -> None:
+        """Count one new row that `lender` holds (a decode batch's stack, which wrote it with the
+        other rows' in one scatter) instead of writing it here: `lender.lent_rows(self, start,
+        end)` gives such rows back when something reads the tail. Only while `lendable`; rows
+        lent to another lender are settled first."""
+        if self._lender is not None and self._lender is not lender:
+            self._settle_tail()
+        self._lender = lender
+        self._lent += 1
+        self.offset += 1
+
+    def settle_from(self, lender: Any) -> None:
+        """Take back the rows `lender` holds for this cache (before it changes its buffers)."""
+        if self._lender is lender:
+            self._settle_tail()
 
     def _drop_mirror(self) -> None:
         """Let go of the decoded mirror, its rows settled into the tail first."""
@@ -183,7 +214,10 @@ class TurboQuantKVCache:
         """Drop the last n tokens; trimming to zero starts over (calibration included)."""
         n = min(self.offset, n)
         self.offset -= n
-        self._mirror_only = max(0, self._mirror_only - n)  # (the newest rows go first)
+        lent = min(n, self._lent)  # (the newest rows go first)
+        self._lent -= lent
+        self._lender = self._lender if self._lent else None
+        self._mirror_only = max(0, self._mirror_only - (n - lent))
         self._drop_mirror()
         if self.offset == 0:
             self._reset()

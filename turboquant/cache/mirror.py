@@ -93,23 +93,46 @@ class DecodedMirror:
         return held["keys"], held["values"]
 
 
-def one_step_on(held: list[tuple[Any, int, int]], was: list[tuple[Any, int, int]]) -> bool:
-    """Whether the same rows' (cache, stored, offset) each only took one row since `was`: a
-    stack then writes that row, where anything else copies its rows in again."""
-    return len(held) == len(was) and all(
-        c is c0 and stored == stored0 and offset == offset0 + 1
-        for (c, stored, offset), (c0, stored0, offset0) in zip(held, was))
+def lends(caches: list[Any], was: list[tuple[Any, int, int]]) -> bool:
+    """Whether a stack that held `was` ((cache, stored, offset) after its last step) may take
+    this step's rows of `caches` alone (`TurboQuantKVCache.lend`): the same caches in the same
+    order, none changed since, and none encoding a block with this row."""
+    return len(caches) == len(was) and all(
+        c is c0 and c.stored == stored and c.offset == offset and c.lendable()
+        for c, (c0, stored, offset) in zip(caches, was))
 
 
-class DecodedStack:
-    """One layer's short compressed rows of a decode step, their mirrors stacked along the batch
-    axis and attended in one CUDA launch (`kernels.ragged_decode`, each row over its own
-    length), kept across steps as `RowStack` keeps its stacks: a step in which every row only
-    took its one new row writes those rows with one scatter; anything else stacks the rows'
-    mirrors again."""
+class HeldRows:
+    """What a decode batch's stack shares: the caches it holds (cache, stored, offset, as of its
+    last step), lending them their rows, and settling them before it changes its buffers."""
 
     def __init__(self):
-        self._held: list[tuple[Any, int, int]] = []  # (cache, stored, offset) as stacked
+        self._held: list[tuple[Any, int, int]] = []
+
+    def _index(self, cache: Any) -> int:
+        return next(i for i, (c, _, _) in enumerate(self._held) if c is cache)
+
+    def _settle(self) -> None:
+        """Every held cache takes back the rows lent to it here."""
+        for c, _, _ in self._held:
+            c.settle_from(self)
+
+    def _lend(self, caches: list[Any]) -> None:
+        for c in caches:
+            c.lend(self)
+        self._held = [(c, c.stored, c.offset) for c in caches]
+
+
+class DecodedStack(HeldRows):
+    """One layer's short compressed rows of a decode step, their mirrors stacked along the batch
+    axis and attended in one CUDA launch (`kernels.ragged_decode`, each row over its own
+    length), kept across steps: a step in which no row changed otherwise writes the rows' new
+    rows here with one scatter, their caches only counting them (`TurboQuantKVCache.lend`, as
+    a raw decode batch's group holds its rows); anything else gives each cache its row and
+    stacks their mirrors again."""
+
+    def __init__(self):
+        super().__init__()
         self._keys: mx.array | None = None
         self._values: mx.array | None = None
 
@@ -121,26 +144,36 @@ class DecodedStack:
     def attend(self, caches: list[Any], keys: mx.array, values: mx.array, queries: mx.array,
                scale: float) -> mx.array:
         """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache
-        (TurboQuantKVCache, each no longer than `mirror_tokens()`), after each took this step's
-        row (`keys`, `values` [G, H, 1, D]): [G, Hq, 1, D]."""
-        if len(caches) == 1:
-            return caches[0].attention(queries, scale)
-        held = [(c, c.stored, c.offset) for c in caches]
-        if (self._keys is not None and max(offset for _, _, offset in held) <= self._keys.shape[2]
-                and one_step_on(held, self._held)):
+        (TurboQuantKVCache, each no longer than `mirror_tokens()` with this step's row) and this
+        step's row (`keys`, `values` [G, H, 1, D]), which this call adds to the caches:
+        [G, Hq, 1, D]."""
+        if (self._keys is not None and keys.dtype == self._keys.dtype and values.dtype == self._values.dtype
+                and lends(caches, self._held) and max(c.offset for c in caches) < self._keys.shape[2]):
             rows = mx.arange(len(caches))
-            at = mx.array([offset - 1 for _, _, offset in held])
-            self._keys[rows, :, at] = keys[:, :, 0, :].astype(self._keys.dtype)
-            self._values[rows, :, at] = values[:, :, 0, :].astype(self._values.dtype)
+            at = mx.array([c.offset for c in caches])
+            self._keys[rows, :, at] = keys[:, :, 0, :]
+            self._values[rows, :, at] = values[:, :, 0, :]
+            self._lend(caches)
         else:
+            self._settle()
+            for i, c in enumerate(caches):
+                c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+            if len(caches) == 1:
+                self._held, self._keys, self._values = [], None, None
+                return caches[0].attention(queries, scale)
             self._build(caches)
-        self._held = held
-        width = max(offset for _, _, offset in held)
-        lengths = mx.array([offset for _, _, offset in held])
+            self._held = [(c, c.stored, c.offset) for c in caches]
+        width = max(c.offset for c in caches)
+        lengths = mx.array([c.offset for c in caches])
         out = kernels.ragged_decode(queries, self._keys[:, :, :width], self._values[:, :, :width], lengths, scale)
         if out is None:  # (a shape the kernel declines: each row alone)
             out = mx.concatenate([c.attention(queries[i:i + 1], scale) for i, c in enumerate(caches)])
         return out
+
+    def lent_rows(self, cache: Any, start: int, end: int) -> dict[str, mx.array]:
+        """The rows at positions [start, end) of `cache`, lent to it here."""
+        i = self._index(cache)
+        return {"keys": self._keys[i:i + 1, :, start:end], "values": self._values[i:i + 1, :, start:end]}
 
     def _build(self, caches: list[Any]) -> None:
         rows = [c.mirrored_rows() for c in caches]

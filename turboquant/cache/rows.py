@@ -22,7 +22,7 @@ import mlx.core as mx
 from turboquant.attention import kernels
 from turboquant.attention.rows import rows_attention
 from turboquant.cache.compressed import TurboQuantKVCache
-from turboquant.cache.mirror import one_step_on
+from turboquant.cache.mirror import HeldRows, lends
 from turboquant.codec.calibration import KeyCalibration
 
 
@@ -41,18 +41,20 @@ def stack_key(cache: TurboQuantKVCache) -> Hashable | None:
 TAIL_ROWS = 256  # a row's raw tail holds at most this many rows after a decode step (compressed.py)
 
 
-class RowStack:
+class RowStack(HeldRows):
     """One layer's rows of one `stack_key`, kept stacked across decode steps.
 
     The first step over a set of rows (and any step after one of them changed otherwise than by
-    this step's row: a block encoded, a step taken back, rows joining or leaving) copies their
-    buffers in; the steps after that write each row's new key and value into the stacked tails
-    with one scatter, as the rows' own caches do with theirs. The rows' own caches stay the
-    record (what is encoded, trimmed and saved); the stack only mirrors them for attention.
+    this step's row: a block encoded, a step taken back, rows joining or leaving) gives each
+    cache its row and copies their buffers in; the steps after that write the rows' new keys and
+    values into the stacked tails with one scatter, their caches only counting them
+    (`TurboQuantKVCache.lend`, as a raw decode batch's group holds its rows). The rows' own
+    caches stay the record (what is encoded, trimmed and saved): they take their lent rows back
+    whenever something reads their tails.
     """
 
     def __init__(self):
-        self._held: list[tuple[TurboQuantKVCache, int, int]] = []  # (cache, stored, offset) as stacked
+        super().__init__()
         self._arrays: dict[str, mx.array] = {}
         self._tail: tuple[mx.array, mx.array] | None = None
         self._shifts: mx.array | None = None
@@ -67,26 +69,37 @@ class RowStack:
 
     def attend(self, caches: list[TurboQuantKVCache], keys: mx.array, values: mx.array, queries: mx.array,
                scale: float) -> mx.array:
-        """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache, after
-        each cache took this step's row (`keys`, `values` [G, H, 1, D], the same rows): [G, Hq, 1, D].
-        The caches share one `stack_key`."""
-        if len(caches) == 1:
-            return caches[0].attention(queries, scale)
-        held = [(c, c.stored, c.offset) for c in caches]
-        if one_step_on(held, self._held):
-            at = mx.array([offset - 1 - stored for _, stored, offset in held])
+        """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache and
+        this step's row (`keys`, `values` [G, H, 1, D]), which this call adds to the caches:
+        [G, Hq, 1, D]. The caches share one `stack_key`."""
+        if (self._tail is not None and keys.dtype == self._tail[0].dtype and values.dtype == self._tail[1].dtype
+                and lends(caches, self._held)):
+            at = mx.array([c.offset - c.stored for c in caches])
             rows = mx.arange(len(caches))
             self._tail[0][rows, :, at] = keys[:, :, 0, :]
             self._tail[1][rows, :, at] = values[:, :, 0, :]
+            self._lend(caches)
         else:
+            self._settle()
+            for i, c in enumerate(caches):
+                c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+            if len(caches) == 1:
+                self._held, self._tail = [], None
+                return caches[0].attention(queries, scale)
             self._build(caches)
-        self._held = held
+            self._held = [(c, c.stored, c.offset) for c in caches]
         stored = [c.stored for c in caches]
         tails = [c.offset - c.stored for c in caches]
         longest = max(tails)
         tail = None if not longest else (self._tail[0][:, :, :longest], self._tail[1][:, :, :longest])
         return rows_attention(queries, self._key_side, caches[0]._value_side, self._arrays, stored, self._shifts,
                               tail, tails, scale)
+
+    def lent_rows(self, cache: TurboQuantKVCache, start: int, end: int) -> dict[str, mx.array]:
+        """The rows at positions [start, end) of `cache` (all in its tail), lent to it here."""
+        i, at = self._index(cache), cache.stored
+        return {"keys": self._tail[0][i:i + 1, :, start - at:end - at],
+                "values": self._tail[1][i:i + 1, :, start - at:end - at]}
 
     def _build(self, caches: list[TurboQuantKVCache]) -> None:
         first = caches[0]
