@@ -45,6 +45,9 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's tqstore, not the one installed: run from a baseline checkout, the bench
+# measures that tree (on 2026-12-06 a "baseline" call measured the installed tree instead).
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from common import drop_page_cache, machine_line, markdown_table, git_revision, replace_section  # noqa: E402
 
