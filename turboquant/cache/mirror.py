@@ -103,33 +103,57 @@ def lends(caches: list[Any], was: list[tuple[Any, int, int]]) -> bool:
 
 
 class HeldRows:
-    """What a decode batch's stack shares: the caches it holds (cache, stored, offset, as of its
-    last step), lending them their rows, and settling them before it changes its buffers."""
+    """What a decode batch's stacks share: one buffer pair [rows, H, capacity, D] (`_buffers`)
+    holding each cache's newest rows from `_origin(cache)` on, kept across steps, and the caches
+    as of the last step (cache, stored, offset). A step in which no cache changed otherwise
+    writes the new rows into the buffers with one scatter and lends them to the caches
+    (`TurboQuantKVCache.lend`: they only count them); anything else gives each cache its row,
+    after the caches took back what was lent here, and builds the buffers again (`_build`)."""
 
     def __init__(self):
         self._held: list[tuple[Any, int, int]] = []
 
-    def _index(self, cache: Any) -> int:
-        return next(i for i, (c, _, _) in enumerate(self._held) if c is cache)
+    def _buffers(self) -> tuple[mx.array, mx.array] | None:
+        raise NotImplementedError
 
-    def _settle(self) -> None:
-        """Every held cache takes back the rows lent to it here."""
-        for c, _, _ in self._held:
-            c.settle_from(self)
+    def _origin(self, cache: Any) -> int:
+        """The position of the cache's first row in the buffers."""
+        raise NotImplementedError
 
-    def _lend(self, caches: list[Any]) -> None:
-        for c in caches:
-            c.lend(self)
+    def _build(self, caches: list[Any]) -> None:
+        raise NotImplementedError
+
+    def add_rows(self, caches: list[Any], keys: mx.array, values: mx.array) -> None:
+        """Add this step's row of each cache (`keys`, `values` [G, H, 1, D])."""
+        held = self._buffers()
+        at = [c.offset - self._origin(c) for c in caches]
+        if (held is not None and (keys.dtype, values.dtype) == (held[0].dtype, held[1].dtype)
+                and lends(caches, self._held) and max(at) < held[0].shape[2]):
+            rows, at = mx.arange(len(caches)), mx.array(at)
+            held[0][rows, :, at] = keys[:, :, 0, :]
+            held[1][rows, :, at] = values[:, :, 0, :]
+            for c in caches:
+                c.lend(self)
+        else:
+            for c, _, _ in self._held:  # before the buffers change
+                c.settle_from(self)
+            for i, c in enumerate(caches):
+                c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+            self._build(caches)
         self._held = [(c, c.stored, c.offset) for c in caches]
+
+    def lent_rows(self, cache: Any, start: int, end: int) -> dict[str, mx.array]:
+        """The rows at positions [start, end) of `cache`, lent to it here."""
+        i = next(i for i, (c, _, _) in enumerate(self._held) if c is cache)
+        keys, values = self._buffers()
+        a, b = start - self._origin(cache), end - self._origin(cache)
+        return {"keys": keys[i:i + 1, :, a:b], "values": values[i:i + 1, :, a:b]}
 
 
 class DecodedStack(HeldRows):
     """One layer's short compressed rows of a decode step, their mirrors stacked along the batch
     axis and attended in one CUDA launch (`kernels.ragged_decode`, each row over its own
-    length), kept across steps: a step in which no row changed otherwise writes the rows' new
-    rows here with one scatter, their caches only counting them (`TurboQuantKVCache.lend`, as
-    a raw decode batch's group holds its rows); anything else gives each cache its row and
-    stacks their mirrors again."""
+    length), kept across steps (`HeldRows`)."""
 
     def __init__(self):
         super().__init__()
@@ -147,22 +171,7 @@ class DecodedStack(HeldRows):
         (TurboQuantKVCache, each no longer than `mirror_tokens()` with this step's row) and this
         step's row (`keys`, `values` [G, H, 1, D]), which this call adds to the caches:
         [G, Hq, 1, D]."""
-        if (self._keys is not None and keys.dtype == self._keys.dtype and values.dtype == self._values.dtype
-                and lends(caches, self._held) and max(c.offset for c in caches) < self._keys.shape[2]):
-            rows = mx.arange(len(caches))
-            at = mx.array([c.offset for c in caches])
-            self._keys[rows, :, at] = keys[:, :, 0, :]
-            self._values[rows, :, at] = values[:, :, 0, :]
-            self._lend(caches)
-        else:
-            self._settle()
-            for i, c in enumerate(caches):
-                c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-            if len(caches) == 1:
-                self._held, self._keys, self._values = [], None, None
-                return caches[0].attention(queries, scale)
-            self._build(caches)
-            self._held = [(c, c.stored, c.offset) for c in caches]
+        self.add_rows(caches, keys, values)
         width = max(c.offset for c in caches)
         lengths = mx.array([c.offset for c in caches])
         out = kernels.ragged_decode(queries, self._keys[:, :, :width], self._values[:, :, :width], lengths, scale)
@@ -170,10 +179,11 @@ class DecodedStack(HeldRows):
             out = mx.concatenate([c.attention(queries[i:i + 1], scale) for i, c in enumerate(caches)])
         return out
 
-    def lent_rows(self, cache: Any, start: int, end: int) -> dict[str, mx.array]:
-        """The rows at positions [start, end) of `cache`, lent to it here."""
-        i = self._index(cache)
-        return {"keys": self._keys[i:i + 1, :, start:end], "values": self._values[i:i + 1, :, start:end]}
+    def _buffers(self) -> tuple[mx.array, mx.array] | None:
+        return None if self._keys is None else (self._keys, self._values)
+
+    def _origin(self, cache: Any) -> int:
+        return 0
 
     def _build(self, caches: list[Any]) -> None:
         rows = [c.mirrored_rows() for c in caches]

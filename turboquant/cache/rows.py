@@ -22,7 +22,7 @@ import mlx.core as mx
 from turboquant.attention import kernels
 from turboquant.attention.rows import rows_attention
 from turboquant.cache.compressed import TurboQuantKVCache
-from turboquant.cache.mirror import HeldRows, lends
+from turboquant.cache.mirror import HeldRows
 from turboquant.codec.calibration import KeyCalibration
 
 
@@ -72,22 +72,7 @@ class RowStack(HeldRows):
         """Attention of one query token per row (queries [G, Hq, 1, D]) over each row's cache and
         this step's row (`keys`, `values` [G, H, 1, D]), which this call adds to the caches:
         [G, Hq, 1, D]. The caches share one `stack_key`."""
-        if (self._tail is not None and keys.dtype == self._tail[0].dtype and values.dtype == self._tail[1].dtype
-                and lends(caches, self._held)):
-            at = mx.array([c.offset - c.stored for c in caches])
-            rows = mx.arange(len(caches))
-            self._tail[0][rows, :, at] = keys[:, :, 0, :]
-            self._tail[1][rows, :, at] = values[:, :, 0, :]
-            self._lend(caches)
-        else:
-            self._settle()
-            for i, c in enumerate(caches):
-                c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-            if len(caches) == 1:
-                self._held, self._tail = [], None
-                return caches[0].attention(queries, scale)
-            self._build(caches)
-            self._held = [(c, c.stored, c.offset) for c in caches]
+        self.add_rows(caches, keys, values)
         stored = [c.stored for c in caches]
         tails = [c.offset - c.stored for c in caches]
         longest = max(tails)
@@ -95,11 +80,11 @@ class RowStack(HeldRows):
         return rows_attention(queries, self._key_side, caches[0]._value_side, self._arrays, stored, self._shifts,
                               tail, tails, scale)
 
-    def lent_rows(self, cache: TurboQuantKVCache, start: int, end: int) -> dict[str, mx.array]:
-        """The rows at positions [start, end) of `cache` (all in its tail), lent to it here."""
-        i, at = self._index(cache), cache.stored
-        return {"keys": self._tail[0][i:i + 1, :, start - at:end - at],
-                "values": self._tail[1][i:i + 1, :, start - at:end - at]}
+    def _buffers(self) -> tuple[mx.array, mx.array] | None:
+        return self._tail
+
+    def _origin(self, cache: TurboQuantKVCache) -> int:
+        return cache.stored  # the stacked tails
 
     def _build(self, caches: list[TurboQuantKVCache]) -> None:
         first = caches[0]
