@@ -18,6 +18,8 @@ from model_folder import write_model_folder
 from server_process import parse_prometheus
 from tqstore.engine.batch import DecodeBatch, batchable, batched_generation
 from tqstore.engine.engine import Engine
+from tqstore.engine.prefill import PrefillRow, finish
+from tqstore.engine.shared_prefill import prefill_rows
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
 from tqstore.serve.autosave import SavePolicy
@@ -87,6 +89,20 @@ def test_greedy_raw_answers_are_the_same_alone_and_in_a_batch_of_eight(tmp_path,
         assert gen.text == streamed == alone.text and gen.completion_tokens == len(alone.tokens) == 12
     single, _ = _serve(engine, llama, "raw", [_request(PROMPTS[3])], max_running=1)
     assert single[0][0].text == batched[3][0].text
+
+
+def test_short_requests_that_arrive_together_prefill_in_one_pass(tmp_path, llama):
+    """Eight short prompts queued together start together: one shared prefill pass of all eight
+    (the metric), then decode steps of eight rows, each answer the one it gets alone."""
+    engine = Engine.open(tmp_path / "home")
+    prompts = [f"Who pays {i}?" for i in range(8)]
+    batched, samples = _serve(engine, llama, "raw", [_request(p) for p in prompts])
+    assert samples["tqstore_prefill_batch_size_count"] == 1 and samples["tqstore_prefill_batch_size_sum"] == 8
+    assert samples['tqstore_batch_size_bucket{le="4.0"}'] == 0  # no step ran fewer than all eight rows
+    loaded = engine.model(str(llama))
+    for prompt, (gen, streamed) in zip(prompts, batched):
+        alone = engine.generate(loaded, "raw", loaded.tokenizer.encode(prompt), max_tokens=GREEDY.max_tokens)
+        assert gen.text == streamed == alone.text
 
 
 @pytest.mark.exact_blas
@@ -285,6 +301,50 @@ def test_on_cuda_short_compressed_rows_stack_their_mirrors_and_answer_as_the_eng
         assert result.tokens == alone.tokens
         assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-4)
         assert all(c._mirror is not None for c in caches)
+
+
+@pytest.mark.exact_blas
+@pytest.mark.parametrize("scheme", ["raw", "turbo4", "turbo5v4"])
+def test_prompts_prefilled_in_one_pass_answer_as_alone(tmp_path, llama, scheme):
+    """Short prompts of unequal length, fresh and after a restored stored prefix, run their
+    prefills in one forward pass (`prefill_rows`, right-padded), then decode together: the same
+    tokens and, bit for bit, the same first log-probabilities as each one alone, and caches
+    holding exactly their own tokens (the padding reaches none)."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    stored = loaded.tokenizer.encode(" ".join(PROMPTS))[:300]
+    engine.save_tokens("prefix", loaded, stored, scheme=scheme)
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:5]] + [stored + loaded.tokenizer.encode(PROMPTS[2])]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    gens = [batched_generation(engine, loaded, scheme, p, max_tokens=6, share=512) for p in prompts]
+    rows = [next(g) for g in gens]
+    assert all(isinstance(r, PrefillRow) for r in rows)
+    assert [r.caches[0].offset for r in rows] == [0] * 5 + [len(stored)]  # the last one restored its prefix
+    seconds = prefill_rows(loaded.model, rows)
+    assert all(r.seconds == seconds > 0 for r in rows)
+    for prompt, row in zip(prompts, rows):
+        started = finish(engine.prompt_steps(loaded, scheme, prompt))[0]  # its prefill alone
+        for a, b in zip(row.caches, started.caches):
+            assert a.offset == b.offset == len(prompt) - 1
+            for x, y in zip(a.state, b.state):
+                assert mx.array_equal(x, y)
+    results, _ = _step_all(DecodeBatch(), loaded, gens)
+    for prompt, (result, _) in zip(prompts, results):
+        alone = engine.generate(loaded, scheme, prompt, max_tokens=6)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+        assert result.prefill_seconds == seconds and result.cached_tokens == alone.cached_tokens
+
+
+def test_a_prompt_longer_than_the_share_prefills_on_its_own(tmp_path, llama):
+    """Only prefills of at most `share` tokens are handed out; a longer one runs its own chunks."""
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompt = loaded.tokenizer.encode(PROMPTS[6])
+    first = next(batched_generation(engine, loaded, "raw", prompt, max_tokens=2, share=len(prompt) - 2))
+    assert first is None  # its first chunk ran
+    row = next(batched_generation(engine, loaded, "raw", prompt, max_tokens=2, share=len(prompt) - 1))
+    assert isinstance(row, PrefillRow) and row.tokens == prompt[:-1]
 
 
 def test_a_step_runs_ahead_and_a_joining_row_waits_one_step(tmp_path, llama):

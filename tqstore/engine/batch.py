@@ -54,7 +54,8 @@ from turboquant import (AttentionHook, DecodedStack, RowStack, TurboQuantKVCache
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
-from tqstore.engine.prefill import Started
+from tqstore.engine.prefill import PrefillRow, Started
+from tqstore.engine.shared_prefill import ChunkKeys
 from tqstore.models.loading import LoadedModel
 
 # Model families whose attention layers use their cache only through `offset`,
@@ -149,7 +150,10 @@ class StepLayer:
 def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     """mlx-lm's scaled_dot_product_attention (through TurboQuant's dispatch); in a decode step,
     one masked call over the group's buffers, one call per `RowStack` of compressed rows that
-    share a stored layout, and one call per other row."""
+    share a stored layout, and one call per other row; in a shared prefill, one call per row
+    (shared_prefill.py)."""
+    if isinstance(keys, ChunkKeys):
+        return keys.attend(queries, scale, sinks)
     if not isinstance(keys, StepKeys):
         return compressed_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     outs, order, g = [], [], 0
@@ -449,17 +453,19 @@ def batched_generation(engine: Engine, loaded: LoadedModel, scheme: str, prompt:
                        max_tokens: int = 256, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
                        stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
                        started: Started | None = None, step_seconds: Callable[[], float] | None = None,
-                       chunk: Callable[[int], int] | None = None
-                       ) -> Generator[Row | None, None, tuple[AskResult, list[Any]]]:
+                       chunk: Callable[[int], int] | None = None, share: int = 0
+                       ) -> Generator[Row | PrefillRow | None, None, tuple[AskResult, list[Any]]]:
     """`Engine.generation` whose tokens come from shared decode steps: it yields None after each
     prefill chunk and its `Row` whenever it needs a token (the caller runs `DecodeBatch.step` over the
     waiting rows, then resumes it). Stops, token cap, EOS and text are mlx-lm's
     `stream_generate`'s. `step_seconds()` says how long the last step took (the generation's
-    decode time counts the steps it took part in); `chunk(position)` sizes each prefill chunk."""
+    decode time counts the steps it took part in); `chunk(position)` sizes each prefill chunk. A
+    prefill of at most `share` tokens is yielded as a `PrefillRow` instead, for the caller to run
+    with other rows' (`prefill_rows`)."""
     install_rows_dispatch()  # model modules imported since the last request get it too
     started, remainder, prefill, halted = yield from engine.prompt_steps(loaded, scheme, prompt, seed=seed, stop=stop,
                                                                          on_start=on_start, started=started,
-                                                                         chunk=chunk)
+                                                                         chunk=chunk, share=share)
     pieces, tokens, finish, generating, first_token, first_logprobs = [], [], None, 0.0, 0.0, None
     if halted():
         finish = "stop"

@@ -16,7 +16,7 @@ from turboquant import restore
 
 from tqstore.engine.decoding import stream_tokens
 from tqstore.engine.models import LoadedModels
-from tqstore.engine.prefill import Prefiller, Started, finish
+from tqstore.engine.prefill import PrefillRow, Prefiller, Started, finish
 from tqstore.engine.saving import Saver
 from tqstore.errors import BadInput
 from tqstore.models.loading import LoadedModel
@@ -175,12 +175,13 @@ class Answerer:
     def prompt_steps(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, seed: int | None = None,
                      stop: Callable[[str], bool] | None = None, on_start: Callable[[Started], None] | None = None,
                      started: Started | None = None, windows: str | None = None,
-                     chunk: Callable[[int], int] | None = None
-                     ) -> Generator[None, None, tuple[Started, list[int], float, Callable[[], bool]]]:
+                     chunk: Callable[[int], int] | None = None, share: int = 0
+                     ) -> Generator[PrefillRow | None, None, tuple[Started, list[int], float, Callable[[], bool]]]:
         """What a generation does before its first token (options as `generation`): the seed
         checked, the stored prefix restored, all but the prompt's last token prefilled (yielding
-        after each chunk). Returns (started, the prompt's tokens after the restored prefix,
-        prefill seconds, whether `stop` says to end)."""
+        after each chunk). A prefill of at most `share` tokens is yielded instead, as one
+        `PrefillRow` that the caller runs (with others') before resuming. Returns (started, the
+        prompt's tokens after the restored prefix, prefill seconds, whether `stop` says to end)."""
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
         started = started if started is not None else self.prefiller.start(loaded, scheme, prompt[:-1], windows)
@@ -188,6 +189,10 @@ class Answerer:
             on_start(started)
         remainder = list(prompt[started.matched:])
         halted = (lambda: stop("")) if stop is not None else (lambda: False)
+        if 0 < len(remainder) - 1 <= share and not halted():
+            row = PrefillRow(started.caches, remainder[:-1])
+            yield row
+            return started, remainder, row.seconds, halted
         prefill = yield from self.prefiller.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
                                                           at=started.matched, checkpoints=started.checkpoints,
                                                           chunk=chunk)

@@ -1,5 +1,6 @@
 """A prompt into caches: its longest stored prefix restored (`Prefiller.start`), the rest run
-through the model in chunks (`Prefiller.prefill_steps`).
+through the model in chunks (`Prefiller.prefill_steps`), or handed out as a `PrefillRow` for
+a caller that runs several prompts' prefills in one pass (the server: tqstore/engine/batch.py).
 
 Every path that computes a context starts here, so a re-save shares the stored blocks (and
 their calibration) and a question costs only its own tokens. All MLX work runs on the calling
@@ -58,6 +59,17 @@ class Started:
         return Context(self.caches, self.windows, BLOCK_SIZE, self.checkpoints)
 
 
+@dataclass(eq=False)
+class PrefillRow:
+    """A short prefill handed to the caller, to run with other generations' in one forward pass
+    (`tqstore.engine.batch.prefill_rows`): `tokens` into `caches`; the caller sets `seconds`,
+    the pass's time."""
+
+    caches: list[Any]
+    tokens: list[int]
+    seconds: float = 0.0
+
+
 def opened(context: Context, matched: int = 0, tier: str = "none", seconds: float = 0.0,
            recorded: float = 0.0) -> Started:
     """`Started` for an opened `Context`."""
@@ -73,7 +85,7 @@ def finish(steps: Generator[None, None, Any]) -> Any:
             return done.value
 
 
-def _body(model):
+def body(model):
     """The transformer without its output head: prefill needs no logits (the head over every
     position costs as much as several layers)."""
     inner = getattr(model, "model", None)
@@ -131,7 +143,7 @@ class Prefiller:
         work; returns the seconds of its own steps. `chunk(position)`, asked before each chunk
         with the absolute position of its first token, sizes it (default `self.chunk`): the
         server keeps its chunks short in time and ends them at positions that repeat."""
-        body = _body(loaded.model)
+        forward = body(loaded.model)
         context = Context(caches, "whole", BLOCK_SIZE, checkpoints)
         seconds, done = 0.0, 0
         if progress and tokens:
@@ -142,7 +154,7 @@ class Prefiller:
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
-            mx.eval(body(mx.array(tokens[done:end - at])[None], cache=caches), [c.state for c in caches])
+            mx.eval(forward(mx.array(tokens[done:end - at])[None], cache=caches), [c.state for c in caches])
             done = end - at
             context.prefilled(end)
             seconds += time.perf_counter() - t0

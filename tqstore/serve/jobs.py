@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tqstore.engine.batch import Row
+from tqstore.engine.prefill import PrefillRow
 from tqstore.serve.openai_schema import ApiError
 
 
@@ -53,7 +54,7 @@ class Job:
     """One unit of model work and the channel back to the HTTP handler waiting for it."""
 
     kind: str  # "generate" or "save"
-    work: Callable[[Job], Iterator[Row | None]]  # a generator: it yields where the worker may switch jobs
+    work: Callable[[Job], Iterator[Row | PrefillRow | None]]  # a generator: it yields where the worker may switch jobs
     sink: Sink  # takes the job's events, on the worker's thread: it must not block
     cancelled: threading.Event = field(default_factory=threading.Event)
     step_seconds: float = 0.0  # model time of its last own step (a prefill chunk, say)
@@ -69,14 +70,19 @@ class Job:
 
 @dataclass(eq=False)
 class Running:
-    """A job the worker has started: its remaining steps, the decode row it waits on (None: it
-    waits for a step of its own) and the model time it has used."""
+    """A job the worker has started: its remaining steps, the decode row or shared prefill it
+    waits on (None: it waits for a step of its own) and the model time it has used."""
 
     job: Job
-    steps: Iterator[Row | None]
-    pending: Row | None = None
+    steps: Iterator[Row | PrefillRow | None]
+    pending: Row | PrefillRow | None = None
     seconds: float = 0.0
     held: float = 0.0  # model time since it was last admitted
+
+    def charge(self, seconds: float) -> None:
+        """Count `seconds` of model time spent on this job (its share of a pass counts whole)."""
+        self.seconds += seconds
+        self.held += seconds
 
 
 class QueueFull(Exception):

@@ -68,6 +68,9 @@ class Metrics:
         self.batch_size = Histogram("tqstore_batch_size", "Generations in each batched decode step.",
                                     buckets=BATCH_BUCKETS, registry=self.registry)
         self.step_seconds = seconds("tqstore_decode_step_seconds", "Seconds per batched decode step.")
+        self.prefill_batch = Histogram("tqstore_prefill_batch_size",
+                                       "Requests whose prompts ran in each shared prefill pass.",
+                                       buckets=BATCH_BUCKETS, registry=self.registry)
         self._decoded: deque[tuple[float, int]] = deque()  # (when, tokens) of recent decode steps
         self._decoded_lock = threading.Lock()
         for api in APIS:  # listed at 0 before the first of each
@@ -101,6 +104,10 @@ class Metrics:
             self._decoded.append((now, rows))
             while self._decoded and self._decoded[0][0] < now - RATE_WINDOW_SECONDS:
                 self._decoded.popleft()
+
+    def prefilled_together(self, rows: int) -> None:
+        """One forward pass over the short prefills of `rows` requests."""
+        self.prefill_batch.observe(rows)
 
     def tokens_per_second(self) -> float:
         """Tokens decoded in batched steps over the last RATE_WINDOW_SECONDS, per second."""

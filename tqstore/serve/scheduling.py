@@ -12,7 +12,9 @@ import time
 from collections import deque
 from typing import Any
 
-from tqstore.engine.batch import DecodeBatch
+from tqstore.engine.batch import DecodeBatch, Row
+from tqstore.engine.prefill import PrefillRow
+from tqstore.engine.shared_prefill import prefill_rows
 from tqstore.errors import TqstoreError
 from tqstore.serve.chunking import CHUNK_SECONDS
 from tqstore.serve.jobs import Failed, Job, QueueFull, Running, shutting_down
@@ -104,14 +106,18 @@ class Scheduler:
 
     def _cycle(self, model: Any) -> None:
         """Steps of the running jobs that do not wait on a Row, least model time first, then one
-        batched decode step over every job that waits on one; then park jobs that have held
-        their place for HOLD_SECONDS while others wait for one.
+        forward pass over the short prefills they handed out (`PrefillRow`: requests that arrive
+        together start together, in one pass), then one batched decode step over every job that
+        waits on a Row; then park jobs that have held their place for HOLD_SECONDS while others
+        wait for one.
 
         The steps fit in CHUNK_SECONDS: the first job runs steps until the time is spent or it
         waits on a Row (a new request's prefill and its first Row in one cycle), each next job
-        one or more steps if its last step fits in what is left. Once a job reaches its Row in a
-        cycle, the started jobs after it wait: the new row decodes before a long prompt's next
-        chunk (jobs not started yet still start, so requests that arrive together join together)."""
+        one or more steps if its last step fits in what is left. A new request's first step
+        restores its stored prefix and, when the rest is short, hands it out without running it.
+        Once a job reaches its Row (or PrefillRow) in a cycle, the started jobs after it wait:
+        the new row decodes before a long prompt's next chunk (jobs not started yet still start,
+        so requests that arrive together join together)."""
         others = sorted((r for r in self._running if r.pending is None), key=lambda r: r.seconds)
         left, ready = CHUNK_SECONDS, False
         for i, other in enumerate(others):
@@ -120,24 +126,23 @@ class Scheduler:
             while left > 0 and other.pending is None and other in self._running:
                 left -= self._own_step(other)
             ready = ready or other.pending is not None
-        decoding = [r for r in self._running if r.pending is not None]
+        prefilling = [r for r in self._running if isinstance(r.pending, PrefillRow)]
+        if prefilling:
+            self._prefill(model, prefilling)
+        decoding = [r for r in self._running if isinstance(r.pending, Row)]
         overdue = self._overdue()
         if decoding:
             parking = {id(r.pending) for r in overdue}
             try:
                 served = self._batch.step(model, [r.pending for r in decoding], keep=lambda row: id(row) not in parking)
             except BaseException as e:  # the worker must outlive any one step
-                log.exception("a decode step failed")
-                for running in decoding:
-                    running.job.send(Failed(api_error(e)))
-                    self._end(running)
+                self._fail(decoding, e, "a decode step")
                 return
             spent = self.step_seconds = self._batch.seconds
             self.metrics.decoded(len(served), spent)
             stepped = {id(row) for row in served}
             for running in decoding:
-                running.seconds += spent
-                running.held += spent
+                running.charge(spent)
                 if id(running.pending) in stepped:
                     self._advance(running)
         else:
@@ -146,6 +151,27 @@ class Scheduler:
             if running in self._running:
                 self._running.remove(running)
                 self._park(running)
+
+    def _prefill(self, model: Any, prefilling: list[Running]) -> None:
+        """Run the short prefills the jobs wait on in one forward pass, then each job on to its
+        first Row (joining this cycle's decode step)."""
+        try:
+            spent = prefill_rows(model, [r.pending for r in prefilling])
+        except BaseException as e:  # the worker must outlive any one pass
+            self._fail(prefilling, e, "a shared prefill")
+            return
+        self.metrics.prefilled_together(len(prefilling))
+        for running in prefilling:
+            running.charge(spent)
+            self._advance(running)
+
+    def _fail(self, jobs: list[Running], error: BaseException, what: str) -> None:
+        """`what`, a pass shared by `jobs`, raised `error` (called where it was caught): each of
+        them fails with it and leaves the running ones."""
+        log.exception("%s failed", what)
+        for running in jobs:
+            running.job.send(Failed(api_error(error)))
+            self._end(running)
 
     def _overdue(self) -> list[Running]:
         """The running jobs to park after this cycle's decode step: those that will have held
@@ -161,8 +187,7 @@ class Scheduler:
         self._advance(running)
         spent = time.perf_counter() - t0
         running.job.step_seconds = spent
-        running.seconds += spent
-        running.held += spent
+        running.charge(spent)
         return spent
 
     def _advance(self, running: Running) -> None:

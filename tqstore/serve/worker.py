@@ -41,7 +41,7 @@ from tqstore.engine.batch import Row, batchable, batched_generation
 from tqstore.engine.chunks import Document
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.engine.engine import Engine
-from tqstore.engine.prefill import Started
+from tqstore.engine.prefill import PrefillRow, Started
 from tqstore.errors import BadInput
 from tqstore.models.loading import LoadedModel
 from tqstore.serve.autosave import SavePolicy, autosave
@@ -148,11 +148,13 @@ class ModelWorker:
 
     # -- the jobs' model work -----------------------------------------------------------------
 
-    def _generation(self, job: Job, prompt: list[int], **options) -> Iterator[Row | None]:
+    def _generation(self, job: Job, prompt: list[int], **options) -> Iterator[Row | PrefillRow | None]:
         """The engine's generation of `prompt`: decoding in shared steps when the model batches."""
         if self.batching:
+            # A prefill that fits one chunk of the current size runs in the cycle's shared pass.
             return batched_generation(self.engine, self.loaded, self.scheme, prompt,
-                                      step_seconds=lambda: self._scheduler.step_seconds, chunk=self._chunks(job), **options)
+                                      step_seconds=lambda: self._scheduler.step_seconds, chunk=self._chunks(job),
+                                      share=self._sizer.pick(), **options)
         return self.engine.generation(self.loaded, self.scheme, prompt, **options)
 
     def _chunks(self, job: Job) -> Callable[[int], int]:
@@ -169,7 +171,7 @@ class ModelWorker:
 
         return size
 
-    def _generate(self, job: Job, request: GenerationRequest) -> Iterator[Row | None]:
+    def _generate(self, job: Job, request: GenerationRequest) -> Iterator[Row | PrefillRow | None]:
         if request.documents:
             yield from self._generate_documents(job, request)
             return
@@ -206,7 +208,7 @@ class ModelWorker:
         autosave(self.engine, self.policy, self.metrics, self.writer, self.loaded, self.scheme, prompt, result, caches,
                  starts[0].checkpoints if starts else None)
 
-    def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[Row | None]:
+    def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[Row | PrefillRow | None]:
         """A request with the `documents` extension: its documents composed from stored chunks
         (texts not stored yet are stored), then the question (the prompt, or the last user
         message after an optional system message)."""
