@@ -309,7 +309,8 @@ def test_prompts_prefilled_in_one_pass_answer_as_alone(tmp_path, llama, scheme):
     """Short prompts of unequal length, fresh and after a restored stored prefix, run their
     prefills in one forward pass (`prefill_rows`, right-padded), then decode together: the same
     tokens and, bit for bit, the same first log-probabilities as each one alone, and caches
-    holding exactly their own tokens (the padding reaches none)."""
+    holding exactly their own tokens (the padding reaches none), fresh compressed layers encoded
+    as each row's own start of decoding encodes them."""
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
     stored = loaded.tokenizer.encode(" ".join(PROMPTS))[:300]
@@ -324,7 +325,9 @@ def test_prompts_prefilled_in_one_pass_answer_as_alone(tmp_path, llama, scheme):
     assert all(r.seconds == seconds > 0 for r in rows)
     for prompt, row in zip(prompts, rows):
         started = finish(engine.prompt_steps(loaded, scheme, prompt))[0]  # its prefill alone
+        started.context.start_decoding()  # (the shared pass encodes fresh layers, in lockstep)
         for a, b in zip(row.caches, started.caches):
+            assert getattr(a, "compressed", None) == getattr(b, "compressed", None)
             assert a.offset == b.offset == len(prompt) - 1
             for x, y in zip(a.state, b.state):
                 assert mx.array_equal(x, y)
