@@ -182,7 +182,7 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
     kind = RowStack if RowStack.applies() else DecodedStack
     kept = {key: keys.stacks.get(key) if isinstance(keys.stacks.get(key), kind) else kind() for key in stacked}
     for key, rows in stacked.items():
-        index = mx.array(rows)
+        index = _index(rows)
         outs.append(kept[key].attend([keys.others[i - g][2] for i in rows], keys.new[0][index],
                                      keys.new[1][index], queries[index], scale))
         order += rows
@@ -195,6 +195,14 @@ def rows_sdpa(queries, keys, values, cache, scale: float, mask, sinks=None):
             where[i] = at
         out = out[mx.array(where)]
     return out
+
+
+def _index(rows: list[int]) -> slice | mx.array:
+    """What picks the step's `rows` (ascending) out of its arrays: a slice when they are
+    consecutive (every row of a batch of one scheme: no gather to launch), else their indices."""
+    if rows[-1] - rows[0] == len(rows) - 1:
+        return slice(rows[0], rows[-1] + 1)
+    return mx.array(rows)
 
 
 _ROWS_HOOK = AttentionHook(compressed_sdpa, rows_sdpa)

@@ -29,11 +29,13 @@ from turboquant.codec.calibration import KeyCalibration
 def stack_key(cache: TurboQuantKVCache) -> Hashable | None:
     """Caches with equal keys can share a `RowStack`; None: this one attends alone
     (not compressed yet, nothing stored, or more than one row)."""
-    if not cache.compressed or not cache.stored or cache.batch != 1:
+    if not cache.compressed or not cache.stored:
         return None
     memo = cache.__dict__.get("_stack_key")
     if memo is None or memo[0] is not cache.active:
-        memo = (cache.active, tuple(sorted(cache.active.meta().items())))
+        # (a cache's batch is its arrays' and never changes once it stores rows: a decode
+        # step asks every layer of every row, and `batch` looks through its buffers)
+        memo = (cache.active, tuple(sorted(cache.active.meta().items())) if cache.batch == 1 else None)
         cache.__dict__["_stack_key"] = memo
     return memo[1]
 
