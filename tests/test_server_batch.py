@@ -23,7 +23,7 @@ from tqstore.engine.shared_prefill import prefill_rows
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
 from tqstore.serve.autosave import SavePolicy
-from tqstore.serve.jobs import Failed, Finished, Text
+from tqstore.serve.jobs import Accepted, Failed, Finished, Text
 from tqstore.serve.worker import ModelWorker
 from turboquant import TurboQuantKVCache, make_prompt_cache
 from turboquant.cache.mirror import MIRROR_ENV
@@ -103,6 +103,40 @@ def test_short_requests_that_arrive_together_prefill_in_one_pass(tmp_path, llama
     for prompt, (gen, streamed) in zip(prompts, batched):
         alone = engine.generate(loaded, "raw", loaded.tokenizer.encode(prompt), max_tokens=GREEDY.max_tokens)
         assert gen.text == streamed == alone.text
+
+
+def test_a_failed_shared_prefill_fails_its_requests_and_the_worker_serves_on(tmp_path, llama, monkeypatch):
+    """A shared prefill pass that raises fails every request in it (a 500 in the API's shape,
+    nothing half-answered) and the model thread goes on: the next request is answered."""
+    import tqstore.serve.scheduling as scheduling
+
+    real, calls = scheduling.prefill_rows, []
+
+    def broken_once(model, rows):
+        calls.append(len(rows))
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return real(model, rows)
+
+    monkeypatch.setattr(scheduling, "prefill_rows", broken_once)
+    engine = Engine.open(tmp_path / "home")
+    worker = ModelWorker(engine, str(llama), scheme="raw", max_running=8, policy=SavePolicy(enabled=False),
+                         metrics=Metrics())
+    failed = [Collect() for _ in range(3)]
+    for i, sink in enumerate(failed):
+        worker.generate(_request(f"Who pays {i}?"), sink)
+    worker.start()
+    try:
+        for sink in failed:
+            assert sink.done.wait(120)
+            assert [type(e) for e in sink.events] == [Accepted, Failed]  # accepted, then no text
+            assert sink.events[-1].error.status == 500
+        after = Collect()
+        worker.generate(_request("Who pays 7?"), after)
+        gen, _ = after.result()
+    finally:
+        worker.stop()
+    assert calls == [3, 1] and gen.completion_tokens == GREEDY.max_tokens
 
 
 @pytest.mark.exact_blas
