@@ -373,6 +373,25 @@ def test_prompts_prefilled_in_one_pass_answer_as_alone(tmp_path, llama, scheme):
         assert result.prefill_seconds == seconds and result.cached_tokens == alone.cached_tokens
 
 
+@pytest.mark.exact_blas
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_every_batched_family_prefills_in_one_pass_as_alone(tmp_path, family):
+    """The other families the server batches (their attention reads the cache's offset for RoPE
+    and asks it for the mask, as llama's does): prompts of unequal length prefilled in one pass
+    decode the tokens and first log-probabilities they decode alone."""
+    folder = write_model_folder(tmp_path / family, kind=family)
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(folder))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
+    gens = [batched_generation(engine, loaded, "raw", p, max_tokens=4, share=512) for p in prompts]
+    prefill_rows(loaded.model, [next(g) for g in gens])
+    results, _ = _step_all(DecodeBatch(), loaded, gens)
+    for prompt, (result, _) in zip(prompts, results):
+        alone = engine.generate(loaded, "raw", prompt, max_tokens=4)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+
+
 def test_a_prompt_longer_than_the_share_prefills_on_its_own(tmp_path, llama):
     """Only prefills of at most `share` tokens are handed out; a longer one runs its own chunks."""
     engine = Engine.open(tmp_path / "home")
