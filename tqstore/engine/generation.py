@@ -180,7 +180,9 @@ class Answerer:
         """What a generation does before its first token (options as `generation`): the seed
         checked, the stored prefix restored, all but the prompt's last token prefilled (yielding
         after each chunk). A prefill of at most `share` tokens is yielded instead, as one
-        `PrefillRow` that the caller runs (with others') before resuming. Returns (started, the
+        `PrefillRow` that the caller runs (with others') before resuming; only for models whose
+        layers are all plain attention caches (`batch.batchable`), whose prefill keeps no
+        checkpoints and settles no windows. Returns (started, the
         prompt's tokens after the restored prefix, prefill seconds, whether `stop` says to end)."""
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")

@@ -1,6 +1,6 @@
 """A prompt into caches: its longest stored prefix restored (`Prefiller.start`), the rest run
 through the model in chunks (`Prefiller.prefill_steps`), or handed out as a `PrefillRow` for
-a caller that runs several prompts' prefills in one pass (the server: tqstore/engine/batch.py).
+a caller that runs several prompts' prefills in one pass (the server: shared_prefill.py).
 
 Every path that computes a context starts here, so a re-save shares the stored blocks (and
 their calibration) and a question costs only its own tokens. All MLX work runs on the calling
@@ -62,8 +62,8 @@ class Started:
 @dataclass(eq=False)
 class PrefillRow:
     """A short prefill handed to the caller, to run with other generations' in one forward pass
-    (`tqstore.engine.batch.prefill_rows`): `tokens` into `caches`; the caller sets `seconds`,
-    the pass's time."""
+    (`tqstore.engine.shared_prefill.prefill_rows`): `tokens` into `caches`; the caller sets
+    `seconds`, the pass's time."""
 
     caches: list[Any]
     tokens: list[int]
