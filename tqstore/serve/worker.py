@@ -9,10 +9,12 @@ MLX work (loading, tokenizing, prefill, decode, compress, store) happens only on
 thread; the HTTP layer submits jobs and gets each job's events (Accepted, Text, Finished,
 Failed) through the job's `sink`, called on the worker's thread. Up to `max_running` jobs run at
 once. A job is a generator: it yields None after a step of its own (a prefill chunk, a token of
-a family that cannot batch) and a `Row` when it waits for its next token from a shared decode
-step (tqstore/engine/batch.py). Each cycle of the worker runs steps of the jobs not waiting on a
-Row, least model time first, while they fit in CHUNK_SECONDS, then one batched decode step over
-every job waiting on a Row (joining and leaving between steps), so a long prompt's prefill
+a family that cannot batch), a `PrefillRow` when its prompt's short prefill waits for a shared
+pass (tqstore/engine/shared_prefill.py), and a `Row` when it waits for its next token from a
+shared decode step (tqstore/engine/batch.py). Each cycle of the worker runs steps of the jobs
+waiting on neither, least model time first, while they fit in CHUNK_SECONDS, then one forward
+pass over the waiting short prefills, then one batched decode step over every job waiting on a
+Row (joining and leaving between steps), so a long prompt's prefill
 chunks (sized by chunking.py) interleave with the running decode, and a new request's prefill
 and first token go before a long one's next chunk. A running job that has
 had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
