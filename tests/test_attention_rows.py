@@ -111,6 +111,19 @@ def test_rows_that_cannot_share_a_call_have_different_keys():
     assert stack_key(fresh) is None  # still in prefill: attends alone
 
 
+def test_a_cache_trimmed_to_nothing_and_refilled_with_two_rows_stacks_no_more():
+    """stack_key remembers a cache's batch; a trim to zero starts the cache over, and the same
+    cache refilled with a batch of two rows attends alone."""
+    cache = _row("turbo4", 64, 1, 0)
+    assert stack_key(cache) is not None
+    cache.trim(cache.offset)
+    rows = mx.random.normal((2, H, 300, D))
+    cache.update_and_fetch(rows, rows)
+    cache.compress()
+    assert cache.batch == 2 and cache.stored
+    assert stack_key(cache) is None
+
+
 def test_a_stack_kept_across_steps_holds_its_rows_and_rebuilds_when_one_changes(monkeypatch):
     """Steps that add one row to each cache are written into the stacked tails alone (no
     rebuild; the caches only count them), and each row still gets its own answer; a block

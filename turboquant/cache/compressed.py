@@ -77,6 +77,7 @@ class TurboQuantKVCache:
         self.allocated: str | None = None  # autoB layers: a plan.layout_options() entry, once decided
         self._steps: dict = {}  # the GPU decode step, prepared once and replayed (kernels/steps.py)
         self._mirror: DecodedMirror | None = None  # the rows decoded while the context is short (mirror.py)
+        self.stack_memo: tuple[Any, Any] | None = None  # (active plan, key): rows.stack_key's, dropped on a reset
         if plan.group is not None:
             plan.group.join(self)
 

@@ -31,12 +31,12 @@ def stack_key(cache: TurboQuantKVCache) -> Hashable | None:
     (not compressed yet, nothing stored, or more than one row)."""
     if not cache.compressed or not cache.stored:
         return None
-    memo = cache.__dict__.get("_stack_key")
+    memo = cache.stack_memo
     if memo is None or memo[0] is not cache.active:
-        # (a cache's batch is its arrays' and never changes once it stores rows: a decode
-        # step asks every layer of every row, and `batch` looks through its buffers)
+        # (a cache's batch is its arrays' and never changes until a trim to zero resets it: a
+        # decode step asks every layer of every row, and `batch` looks through its buffers)
         memo = (cache.active, tuple(sorted(cache.active.meta().items())) if cache.batch == 1 else None)
-        cache.__dict__["_stack_key"] = memo
+        cache.stack_memo = memo
     return memo[1]
 
 
