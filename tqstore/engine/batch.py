@@ -55,7 +55,7 @@ from turboquant import (AttentionHook, DecodedStack, RowStack, TurboQuantKVCache
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
 from tqstore.engine.prefill import PrefillRow, Started
-from tqstore.engine.shared_prefill import ChunkKeys
+from tqstore.engine.shared_prefill import ROW_CACHES, ChunkKeys
 from tqstore.models.loading import LoadedModel
 
 # Model families whose attention layers use their cache only through `offset`,
@@ -63,7 +63,6 @@ from tqstore.models.loading import LoadedModel
 # `create_attention_mask`), so that per-row attention is theirs exactly; each is tested
 # (tests/test_server_batch.py; mistral runs mlx-lm's llama module). Others decode alone.
 BATCHED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-_ROW_CACHES = (KVCache, TurboQuantKVCache)
 
 
 def batchable(loaded: LoadedModel, caches: Sequence[Any]) -> bool:
@@ -71,7 +70,7 @@ def batchable(loaded: LoadedModel, caches: Sequence[Any]) -> bool:
     BATCHED_FAMILIES whose every layer is a plain (raw or TurboQuant) attention cache (no
     sliding windows, no recurrent states)."""
     family = getattr(getattr(loaded.model, "args", None), "model_type", None)
-    return family in BATCHED_FAMILIES and all(type(c) in _ROW_CACHES for c in caches)
+    return family in BATCHED_FAMILIES and all(type(c) in ROW_CACHES for c in caches)
 
 
 # Rows this long or longer attend over their own caches: padding others to them would cost more

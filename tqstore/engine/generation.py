@@ -182,8 +182,8 @@ class Answerer:
         after each chunk). A prefill of at most `share` tokens is yielded instead, as one
         `PrefillRow` that the caller runs (with others') before resuming; only for models whose
         layers are all plain attention caches (`batch.batchable`), whose prefill keeps no
-        checkpoints and settles no windows. Returns (started, the
-        prompt's tokens after the restored prefix, prefill seconds, whether `stop` says to end)."""
+        checkpoints and settles no windows. Returns (started, the prompt's tokens after the
+        restored prefix, prefill seconds, whether `stop` says to end)."""
         if seed is not None and not 0 <= seed <= MAX_SEED:
             raise BadInput(f"the seed {seed} is out of range: use an integer from 0 to {MAX_SEED} (2**64 - 1)")
         started = started if started is not None else self.prefiller.start(loaded, scheme, prompt[:-1], windows)

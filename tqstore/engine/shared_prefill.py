@@ -23,7 +23,8 @@ from turboquant import TurboQuantKVCache, compress_caches, compressed_sdpa
 
 from tqstore.engine.prefill import PrefillRow, body
 
-_ROW_CACHES = (KVCache, TurboQuantKVCache)
+# The caches a row may hold (batch.py's `batchable` asks the same of a model's layers).
+ROW_CACHES = (KVCache, TurboQuantKVCache)
 
 
 class ChunkKeys:
@@ -70,7 +71,7 @@ def prefill_rows(model: Any, rows: Sequence[PrefillRow]) -> float:
     them. The rows' layers must be plain attention caches (raw or TurboQuant: `batch.batchable`),
     which `rows_sdpa` attends per row."""
     t0 = time.perf_counter()
-    if any(type(c) not in _ROW_CACHES for row in rows for c in row.caches):
+    if any(type(c) not in ROW_CACHES for row in rows for c in row.caches):
         raise ValueError("a shared prefill takes only plain attention caches (raw or TurboQuant)")
     lengths = [len(row.tokens) for row in rows]
     width = max(lengths)

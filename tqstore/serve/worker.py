@@ -14,10 +14,9 @@ pass (tqstore/engine/shared_prefill.py), and a `Row` when it waits for its next 
 shared decode step (tqstore/engine/batch.py). Each cycle of the worker runs steps of the jobs
 waiting on neither, least model time first, while they fit in CHUNK_SECONDS, then one forward
 pass over the waiting short prefills, then one batched decode step over every job waiting on a
-Row (joining and leaving between steps), so a long prompt's prefill
-chunks (sized by chunking.py) interleave with the running decode, and a new request's prefill
-and first token go before a long one's next chunk. A running job that has
-had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
+Row (joining and leaving between steps), so a long prompt's prefill chunks (sized by
+chunking.py) interleave with the running decode, and a new request's prefill and first token
+go before a long one's next chunk. A running job that has had HOLD_SECONDS of model time while others wait is parked: it keeps its state and goes to the
 back of the line, and the job that waited longest takes its place, so no request waits for the
 running ones to end. A client that goes away cancels its job: a queued job is skipped, a
 running one stops at its next token (the engine's `stop` callback). After a response is

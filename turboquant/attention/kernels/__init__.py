@@ -67,8 +67,7 @@ import os
 
 import mlx.core as mx
 
-from turboquant.attention.kernels import host
-from turboquant.attention.kernels import ragged, steps
+from turboquant.attention.kernels import host, ragged, steps
 from turboquant.attention.kernels.host import DEFAULT_TUNING, KernelTuning, merge_tail
 
 __all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "ragged_decode",
