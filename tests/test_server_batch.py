@@ -13,6 +13,7 @@ import pytest
 
 from kernel_backend import force_backend
 from kernel_support import emulate
+from turboquant.attention import kernels
 from turboquant.attention.kernels import ragged
 from model_folder import write_model_folder
 from server_process import parse_prometheus
@@ -210,10 +211,10 @@ def _first_rows(gens):
     return rows
 
 
-def _step_all(batch, loaded, gens, absent=lambda step, i: False):
-    """Step generators to their end through `batch`; row i sits out the steps where
-    `absent(step, i)`. Their (result, caches), and the largest group seen."""
-    pending, results, largest, step = _first_rows(gens), [None] * len(gens), 0, 0
+def _step_all(batch, loaded, gens, absent=lambda step, i: False, first=None):
+    """Step generators to their end through `batch` (from their `first` rows, if taken); row i
+    sits out the steps where `absent(step, i)`. Their (result, caches), and the largest group seen."""
+    pending, results, largest, step = first or _first_rows(gens), [None] * len(gens), 0, 0
     while any(p is not None for p in pending):
         live = [i for i, p in enumerate(pending) if p is not None and not absent(step, i)]
         served = {id(r) for r in batch.step(loaded.model, [pending[i] for i in live])}
@@ -312,29 +313,78 @@ def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, 
 # rest of the suite on 2 cores); tests/test_mirror.py runs the DecodedStack itself by default.
 @pytest.mark.slow
 @pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
-def test_on_cuda_short_compressed_rows_stack_their_mirrors_and_answer_as_the_engine_does(tmp_path, llama,
-                                                                                         monkeypatch):
+def test_on_cuda_short_compressed_rows_join_the_group_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch):
     """On CUDA (routed here, the ragged kernel run by the emulator) compressed rows under 1,024
-    tokens attend over their decoded mirrors, alone and in the server alike: stacked in a
-    DecodedStack, one kernel over each row's own length, they answer what Engine.generate
-    answers over its own mirror (the same values, float32 sums in another order)."""
-    import tqstore.engine.batch as batch_module
-
+    tokens attend over their decoded mirrors, alone and in the server alike: in the group, one
+    kernel over each row's own length, they answer what Engine.generate answers over its own
+    mirror (the same values, float32 sums in another order)."""
     force_backend(monkeypatch, "cuda", emulate.kernel)
     monkeypatch.setenv(MIRROR_ENV, "1024")
     monkeypatch.setattr(ragged, "MAX_WARPS", 1)  # the emulator runs an OS thread per lane: fewer lanes
-    stacked = _stack_sizes(monkeypatch, batch_module.DecodedStack)
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
     prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
     gens = [batched_generation(engine, loaded, "turbo5v4", p, max_tokens=4) for p in prompts]
     results, grouped = _step_all(DecodeBatch(), loaded, gens)
-    assert grouped == 0 and stacked and max(stacked) == len(prompts)
+    assert grouped == len(prompts)
     for prompt, (result, caches) in zip(prompts, results):
         alone = engine.generate(loaded, "turbo5v4", prompt, max_tokens=4)
         assert result.tokens == alone.tokens
         assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-4)
         assert all(c._mirror is not None for c in caches)
+
+
+def _on_cuda_without_kernels(monkeypatch) -> None:
+    """Route the backend choice to CUDA (decoded mirrors on) with the ragged kernel declining
+    every shape, so each attention is MLX's SDPA here: the group's masked call, a stack's rows
+    one by one (`DecodedStack`'s fallback), each layer alone over its mirror."""
+    monkeypatch.setattr(kernels, "select_backend", lambda: "cuda")
+    monkeypatch.setenv(MIRROR_ENV, "1024")
+    monkeypatch.setattr(ragged, "variant", lambda *args: None)
+
+
+@pytest.mark.exact_blas
+def test_on_cuda_compressed_rows_on_their_mirrors_join_the_group(tmp_path, llama, monkeypatch):
+    """On CUDA a TurboQuant row whose layers read their decoded mirrors joins the raw rows'
+    group (its caches untouched while it stays, as a raw member's): rows of unequal length,
+    raw and compressed, answer bit for bit what Engine.generate answers over its mirrors. A row
+    leaves before the step whose update encodes a block and comes back after it; a row that
+    leaves for good (past the group's limit) ends with the records, bit for bit, of the same
+    generation decoded on its own caches throughout."""
+    import tqstore.engine.batch as batch_module
+
+    _on_cuda_without_kernels(monkeypatch)
+    given_back = []
+    real_give_back = batch_module.DecodeBatch._give_back
+
+    def give_back(self, j, row):
+        given_back.append((id(row), self.lengths[j]))
+        real_give_back(self, j, row)
+
+    monkeypatch.setattr(batch_module.DecodeBatch, "_give_back", give_back)
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    long = loaded.tokenizer.encode(" ".join(PROMPTS) * 2)[:250]
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]] + [long]
+    schemes = ["turbo4", "raw", "turbo5v4", "turbo4"]
+    gens = [batched_generation(engine, loaded, s, p, max_tokens=16) for s, p in zip(schemes, prompts)]
+    rows = _first_rows(gens)
+    long_row = id(rows[3])
+    results, largest = _step_all(DecodeBatch(group_tokens=262), loaded, gens, first=rows)
+    assert largest == 4
+    # the long row: out for the step at 256 (it encodes rows [249, 256)), back at 257, out for good at 262
+    assert [n for r, n in given_back if r == long_row] == [256, 262]
+    for scheme, prompt, (result, caches) in zip(schemes, prompts, results):
+        alone = engine.generate(loaded, scheme, prompt, max_tokens=16)
+        assert result.tokens == alone.tokens
+        assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
+    [(_, own)], _ = _step_all(DecodeBatch(group_tokens=0), loaded,
+                              [batched_generation(engine, loaded, "turbo4", long, max_tokens=16)])
+    for a, b in zip(own, results[3][1]):
+        assert a.offset == b.offset == len(long) - 1 + 16 + 1 and a.stored == b.stored == 256
+        ra, rb = a.to_record(), b.to_record()
+        assert ra.arrays.keys() == rb.arrays.keys()
+        assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
 
 
 @pytest.mark.exact_blas

@@ -11,18 +11,23 @@ the output head run batched. Attention runs in one of two forms per row:
   runs one attention call over the rows' longest length, a mask hiding each row's padding. A
   row's rows are copied in when it joins and its new rows handed back to its own caches
   (`update_and_fetch`) when it leaves unfinished (parked, or grown to GROUP_TOKENS), so its own
-  caches hold its prompt throughout and every token again once it leaves. TurboQuant rows stay
-  out of the group: dense attention over their raw or decoded rows answered otherwise than `ask`
+  caches hold its prompt throughout and every token again once it leaves.
+- On CUDA, TurboQuant rows join the group too while each layer attends alone over its decoded
+  mirror (turboquant's `DecodedMirror`: the stored rows decoded and the raw tail, which is
+  what the group copies in) and the step's row would encode no block
+  (`TurboQuantKVCache.reads_mirror`): the group's rows are then the very rows the layer reads
+  alone, and its caches are untouched, as a raw member's, until the row leaves, before the
+  step whose update encodes a block. Without a mirror (the CPU, Metal, longer contexts) they
+  stay out: dense attention over their raw or decoded rows answered otherwise than `ask`
   (attention over the compressed storage) for the same prompt.
-- TurboQuant rows of at most GROUP_TOKENS tokens whose layer shares a stored layout with
+- Other TurboQuant rows of at most GROUP_TOKENS tokens whose layer shares a stored layout with
   others' (`stack_key`) attend together, one call per layer, as they attend alone: on the
   plain-ops path (the CPU) over their compressed storage (turboquant's `RowStack`, each row's
-  arithmetic its own), on CUDA over their decoded mirrors (turboquant's `DecodedStack`: the
-  rows each layer attends over while its context is short, one kernel over each row's own
-  length). Both keep their rows stacked across steps and add each step's new rows themselves:
-  while no row changed otherwise, one scatter into the stack is the rows' only write and their
-  caches only count the row (`TurboQuantKVCache.lend`), as the group's buffers hold raw rows;
-  a cache takes its rows back when anything reads its tail.
+  arithmetic its own), on CUDA over their decoded mirrors (turboquant's `DecodedStack`, one
+  kernel over each row's own length). Both keep their rows stacked across steps and add each
+  step's new rows themselves: while no row changed otherwise, one scatter into the stack is
+  the rows' only write and their caches only count the row (`TurboQuantKVCache.lend`); a
+  cache takes its rows back when anything reads its tail.
 - Longer rows, and TurboQuant rows with no other of their layout, attend one at a time over
   their own caches, through TurboQuant's dispatch.
 
@@ -79,19 +84,22 @@ GROUP_TOKENS = 1024
 _CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
 
-def _plain(row: "Row") -> bool:
-    """Whether every layer of the row is a raw attention cache (a group member). TurboQuant rows
-    attend over their compressed storage (stacked or alone), as `ask` does: dense attention over
-    their raw or decoded rows answered otherwise than `ask` for the same prompt."""
-    return all(type(c) is KVCache for c in row.caches)
+def _groups(row: "Row", length: int, group_tokens: int) -> bool:
+    """Whether the row's next step, at `length` rows, runs in the group: shorter than
+    `group_tokens`, and every layer a raw cache or a TurboQuant cache that reads its decoded
+    mirror in that step and encodes no block (`reads_mirror`: the group's rows are then the
+    rows it reads alone). TurboQuant attention over the compressed storage itself (the CPU,
+    Metal, longer contexts) answers otherwise than dense attention over the same rows decoded."""
+    return length < group_tokens and all(
+        type(c) is KVCache or isinstance(c, TurboQuantKVCache) and c.reads_mirror(length) for c in row.caches)
 
 
 def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
-    """The keys and values a cache holds, [1, H, offset, D], in its model's dtype: a raw cache's
-    own arrays; a TurboQuant cache's raw rows as they are and its compressed rows decoded."""
+    """The keys and values a group member's cache holds, [1, H, offset, D]: a raw cache's own
+    arrays; a TurboQuant cache's decoded mirror (the rows its attention reads, kept current for
+    the rows given back when the member leaves)."""
     if isinstance(cache, TurboQuantKVCache):
-        keys, values = cache.dequantized()
-        return keys.astype(cache.native_dtype), values.astype(cache.native_dtype)
+        return cache.mirrored_rows()
     return cache.keys_and_values()
 
 
@@ -240,9 +248,10 @@ class _Launched:
 class DecodeBatch:
     """Decode steps over changing sets of rows (one owner: the thread that steps them).
 
-    Rows shorter than `group_tokens` form the group: their keys and values live in one buffer
-    pair per layer ([group, KV heads, capacity, head dim], row j's at [0, lengths[j]), zeros
-    after) while they stay; the rest attend over their own caches.
+    Rows shorter than `group_tokens` whose layers are raw or read their decoded mirrors
+    (`_groups`) form the group: their keys and values live in one buffer pair per layer
+    ([group, KV heads, capacity, head dim], row j's at [0, lengths[j]), zeros after) while they
+    stay; the rest attend over their own caches.
 
     Steps run one ahead, as mlx-lm's `generate_step` does: a step hands out the tokens of the
     step launched before it, after launching the next one over the same rows (fed those tokens
@@ -331,7 +340,7 @@ class DecodeBatch:
         def length(row: Row) -> int:
             return self.lengths[member[id(row)]] if id(row) in member else row.caches[0].offset
 
-        self._regroup([r for r in rows if _plain(r) and length(r) < self.group_tokens])
+        self._regroup([r for r in rows if _groups(r, length(r), self.group_tokens)])
         grouped = {id(r) for r in self.members}
         others = [r for r in rows if id(r) not in grouped]
         ordered = self.members + others

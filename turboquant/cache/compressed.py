@@ -118,6 +118,12 @@ class TurboQuantKVCache:
         and that row's update would encode nothing (no full block waits in the tail)."""
         return self.compressed and self.offset // BLOCK * BLOCK <= self.stored
 
+    def reads_mirror(self, length: int) -> bool:
+        """Whether a decode step at `length` rows (its offset, or the rows a decode batch holds
+        for it) attends over the decoded mirror (mirror.py) and its update encodes no block: the
+        rows it reads are then the stored rows decoded and every later row raw, as given."""
+        return self.compressed and length + 1 <= mirror_tokens() and length // BLOCK * BLOCK <= self.stored
+
     def lend(self, lender: Any) -> None:
         """Count one new row that `lender` holds (a decode batch's stack, which wrote it with the
         other rows' in one scatter) instead of writing it here: `lender.lent_rows(self, start,
