@@ -64,21 +64,39 @@ def test_copy_shares_nothing_it_could_change():
     assert context.tokens == 19 and copy[0].offset == 21
 
 
-def test_start_decoding_compresses_a_fresh_prefill_and_leaves_a_restored_question_raw():
-    """Before the first decode step: a fresh prefill's layers are compressed, every row stored;
-    a restored context's question rows stay raw in the tail, as a decode step's rows do until
-    their block fills (encoding them cost a restored entry's first token 12-26 ms on an H100)."""
+def test_start_decoding_compresses_a_block_defers_less_and_leaves_a_restored_question_raw():
+    """Before the first decode step: a fresh prefill of a block (256 tokens) or more is
+    compressed, every row stored; a shorter one decodes raw until a block is held and compresses
+    at the update that finds it held, its calibration from the prefill's queries alone (the
+    decode's never reach a batched row's cache); a restored context's question rows stay raw in
+    the tail, as a decode step's rows do until their block fills (encoding them cost a restored
+    entry's first token 12-26 ms on an H100)."""
     from turboquant import TurboQuantKVCache
 
     model = arch_configs.build("llama", vocab_size=128)
+    long = Context.open(model, "turbo4", block=BLOCK)
+    _prefill(model, long, [i % 120 + 1 for i in range(300)], size=64)
+    long.start_decoding()
+    layers = [c for c in long.caches if isinstance(c, TurboQuantKVCache)]
+    assert layers and all(c.compressed and c.stored == c.offset == 300 for c in layers)
+
     tokens = list(range(1, 40))
     fresh = Context.open(model, "turbo4", block=BLOCK)
     _prefill(model, fresh, tokens)
     fresh.start_decoding()
     layers = [c for c in fresh.caches if isinstance(c, TurboQuantKVCache)]
-    assert layers and all(c.compressed and c.stored == c.offset == len(tokens) for c in layers)
+    power = [(c._query_power, c._query_rows) for c in layers]
+    assert all(not c.compressed and c.offset == len(tokens) for c in layers)
+    for t in range(256 - len(tokens)):
+        model(mx.array([[t % 120 + 1]]), cache=fresh.caches)
+    assert all(not c.compressed and c.offset == 256 for c in layers)
+    assert all(c._query_rows == rows and mx.array_equal(c._query_power, p) for c, (p, rows) in zip(layers, power))
+    model(mx.array([[7]]), cache=fresh.caches)
+    assert all(c.compressed and c.stored == 256 and c.offset == 257 for c in layers)
 
-    restored = Context.open(model, "turbo4", block=BLOCK, restored=fresh.snapshot(len(tokens)))
+    prefix = Context.open(model, "turbo4", block=BLOCK)
+    _prefill(model, prefix, tokens)
+    restored = Context.open(model, "turbo4", block=BLOCK, restored=prefix.snapshot(len(tokens)))
     model(mx.array([[50, 51, 52]]), cache=restored.caches)
     restored.start_decoding()
     layers = [c for c in restored.caches if isinstance(c, TurboQuantKVCache)]

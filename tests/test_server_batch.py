@@ -27,7 +27,7 @@ from tqstore.serve.autosave import SavePolicy
 from tqstore.serve.jobs import Accepted, Failed, Finished, Text
 from tqstore.serve.worker import ModelWorker
 from turboquant import TurboQuantKVCache, make_prompt_cache
-from turboquant.cache.mirror import MIRROR_ENV
+from turboquant.cache.mirror import MIRROR_ENV, mirror_tokens
 
 GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())
 PROMPTS = [f"Who pays for delays {i}? " + "The contract says the seller pays. " * i for i in range(8)]
@@ -286,27 +286,30 @@ def _stack_sizes(monkeypatch, kind) -> list[int]:
 
 @pytest.mark.exact_blas
 @pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4"])
-def test_compressed_rows_attend_stacked_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch, scheme):
-    """Rows of a compressed scheme attend over their compressed storage, as `ask` does (the
-    group's dense attention over their raw prompt rows gave other answers than `ask` for the
-    same prompt, which a reliability trial through the server caught): rows of one stored
-    layout together in a RowStack, each bit for bit as alone, a prompt past a block's end
-    (its own block means) among them."""
+def test_compressed_rows_attend_stacked_or_grouped_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch,
+                                                                               scheme):
+    """Rows of a compressed scheme attend as `ask` does. Past a block (256 tokens) they are
+    compressed and attend over their compressed storage (the group's dense attention over their
+    decoded rows gave other answers than `ask` for the same prompt, which a reliability trial
+    through the server caught): rows of one stored layout together in a RowStack, prompts past
+    a block's end (their own block means) among them. Shorter ones decode raw until a block is
+    held (`TurboQuantKVCache.defer`), as alone, and so join the raw rows' group. Each answers
+    bit for bit as alone."""
     import tqstore.engine.batch as batch_module
 
     stacked = _stack_sizes(monkeypatch, batch_module.RowStack)
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]]
-    prompts.append(loaded.tokenizer.encode(" ".join(PROMPTS) * 2)[:300])
+    long = loaded.tokenizer.encode(" ".join(PROMPTS) * 2)
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:4]] + [long[:n] for n in (258, 270, 300)]
     gens = [batched_generation(engine, loaded, scheme, p, max_tokens=6) for p in prompts]
     results, grouped = _step_all(DecodeBatch(), loaded, gens)
-    assert grouped == 0 and stacked and max(stacked) == len(prompts)
+    assert grouped == 4 and stacked and max(stacked) == 3
     for prompt, (result, caches) in zip(prompts, results):
         alone = engine.generate(loaded, scheme, prompt, max_tokens=6)
         assert result.tokens == alone.tokens
         assert mx.array_equal(result.first_logprobs, alone.first_logprobs)
-        assert all(isinstance(c, TurboQuantKVCache) for c in caches)
+        assert all(isinstance(c, TurboQuantKVCache) and c.compressed == (len(prompt) > 256) for c in caches)
 
 
 # slow: the emulator runs a thread per lane for every layer's launch (10 s alone, 50 s beside the
@@ -346,9 +349,10 @@ def _on_cuda_without_kernels(monkeypatch) -> None:
 @pytest.mark.exact_blas
 def test_on_cuda_compressed_rows_on_their_mirrors_join_the_group(tmp_path, llama, monkeypatch):
     """On CUDA a TurboQuant row whose layers read their decoded mirrors joins the raw rows'
-    group (its caches untouched while it stays, as a raw member's): rows of unequal length,
-    raw and compressed, answer bit for bit what Engine.generate answers over its mirrors. A row
-    leaves before the step whose update encodes a block and comes back after it; a row that
+    group (its caches untouched while it stays, as a raw member's), as rows shorter than a block
+    (raw until one is held) do everywhere: rows of unequal length, raw and compressed, answer
+    bit for bit what Engine.generate answers alone. A row leaves before the step that
+    compresses it (its first block held) and comes back after it, on its mirror; a row that
     leaves for good (past the group's limit) ends with the records, bit for bit, of the same
     generation decoded on its own caches throughout."""
     import tqstore.engine.batch as batch_module
@@ -372,7 +376,7 @@ def test_on_cuda_compressed_rows_on_their_mirrors_join_the_group(tmp_path, llama
     long_row = id(rows[3])
     results, largest = _step_all(DecodeBatch(group_tokens=262), loaded, gens, first=rows)
     assert largest == 4
-    # the long row: out for the step at 256 (it encodes rows [249, 256)), back at 257, out for good at 262
+    # the long row: out for the step at 256 (it compresses rows [0, 256)), back at 257, out for good at 262
     assert [n for r, n in given_back if r == long_row] == [256, 262]
     for scheme, prompt, (result, caches) in zip(schemes, prompts, results):
         alone = engine.generate(loaded, scheme, prompt, max_tokens=16)
@@ -385,6 +389,38 @@ def test_on_cuda_compressed_rows_on_their_mirrors_join_the_group(tmp_path, llama
         ra, rb = a.to_record(), b.to_record()
         assert ra.arrays.keys() == rb.arrays.keys()
         assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
+
+
+@pytest.fixture
+def on_gpu():
+    before = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4"])
+def test_on_the_gpu_compressed_rows_join_the_group_and_answer_as_alone(tmp_path, llama, on_gpu, scheme):
+    """On a GPU with decoded mirrors (CUDA), short compressed rows of unequal length decode in
+    the group, one ragged kernel over each row's own length, and answer the tokens
+    Engine.generate answers alone, first log-probabilities within float32 sums in another
+    order; one row compresses at its first full block (out of the group for that step) and
+    comes back on its mirror."""
+    if not mirror_tokens():
+        pytest.skip("no decoded mirrors on this backend (CUDA only)")
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:5]]
+    prompts.append(loaded.tokenizer.encode(" ".join(PROMPTS) * 2)[:250])
+    gens = [batched_generation(engine, loaded, scheme, p, max_tokens=12) for p in prompts]
+    results, grouped = _step_all(DecodeBatch(), loaded, gens)
+    assert grouped == len(prompts)
+    for prompt, (result, caches) in zip(prompts, results):
+        alone = engine.generate(loaded, scheme, prompt, max_tokens=12)
+        assert result.tokens == alone.tokens
+        assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-4)
+    assert all(c.compressed and c.stored == 256 for c in results[-1][1])
 
 
 @pytest.mark.exact_blas

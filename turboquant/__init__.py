@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
     from turboquant.adapter.context import Context
     from turboquant.adapter.dispatch import AttentionHook, compressed_sdpa, install_attention_dispatch
-    from turboquant.adapter.making import codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes
+    from turboquant.adapter.making import (codec_snapshot, compress_caches, make_prompt_cache, probe_kv_shapes,
+                                           start_decoding)
     from turboquant.adapter.native import NATIVE_CLASSES, NotNative, compress_snapshot, native_caches, native_snapshot
     from turboquant.adapter.snapshots import held_tokens, restore, restore_as, snapshot
     from turboquant.adapter.windows import WINDOW_CLASSES, WINDOW_MODES, from_rows, is_window_record, settle, settle_all
@@ -38,7 +39,7 @@ _LAZY = {
     "Context": ("adapter.context", "Context"),
     **{n: ("adapter.dispatch", n) for n in ("AttentionHook", "compressed_sdpa", "install_attention_dispatch")},
     **{n: ("adapter.making", n) for n in ("codec_snapshot", "compress_caches", "make_prompt_cache",
-                                          "probe_kv_shapes")},
+                                          "probe_kv_shapes", "start_decoding")},
     **{n: ("adapter.native", n) for n in ("NATIVE_CLASSES", "NotNative", "compress_snapshot", "native_caches",
                                           "native_snapshot")},
     **{n: ("adapter.snapshots", n) for n in ("held_tokens", "restore", "restore_as", "snapshot")},

@@ -12,14 +12,16 @@ the output head run batched. Attention runs in one of two forms per row:
   row's rows are copied in when it joins and its new rows handed back to its own caches
   (`update_and_fetch`) when it leaves unfinished (parked, or grown to GROUP_TOKENS), so its own
   caches hold its prompt throughout and every token again once it leaves.
-- On CUDA, TurboQuant rows join the group too while each layer attends alone over its decoded
-  mirror (turboquant's `DecodedMirror`: the stored rows decoded and the raw tail, which is
-  what the group copies in) and the step's row would encode no block
-  (`TurboQuantKVCache.reads_mirror`): the group's rows are then the very rows the layer reads
-  alone, and its caches are untouched, as a raw member's, until the row leaves, before the
-  step whose update encodes a block. Without a mirror (the CPU, Metal, longer contexts) they
-  stay out: dense attention over their raw or decoded rows answered otherwise than `ask`
-  (attention over the compressed storage) for the same prompt.
+- TurboQuant rows join the group too while every layer's step attends with dense SDPA over
+  rows it holds as arrays and encodes nothing (`TurboQuantKVCache.dense_step`): before the
+  cache compresses (a context under a block decodes raw until one fills, on every backend),
+  and on CUDA while it attends over its decoded mirror (turboquant's `DecodedMirror`: the
+  stored rows decoded and the raw tail) and its update encodes no block. The group's rows are
+  then the very rows the layer reads alone, and its caches are untouched, as a raw member's,
+  until the row leaves, before the step whose update compresses or encodes a block. Otherwise
+  (the CPU and Metal past the first block, longer contexts) they stay out: dense attention over
+  their decoded rows answered otherwise than `ask` (attention over the compressed storage) for
+  the same prompt.
 - Other TurboQuant rows of at most GROUP_TOKENS tokens whose layer shares a stored layout with
   others' (`stack_key`) attend together, one call per layer, as they attend alone: on the
   plain-ops path (the CPU) over their compressed storage (turboquant's `RowStack`, each row's
@@ -55,7 +57,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from turboquant import (AttentionHook, DecodedStack, RowStack, TurboQuantKVCache, compressed_sdpa,
-                        install_attention_dispatch, mirror_tokens, ragged_decode, stack_key)
+                        install_attention_dispatch, mirror_tokens, ragged_decode, stack_key, start_decoding)
 
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult, own_randomness
@@ -86,20 +88,21 @@ _CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
 def _groups(row: "Row", length: int, group_tokens: int) -> bool:
     """Whether the row's next step, at `length` rows, runs in the group: shorter than
-    `group_tokens`, and every layer a raw cache or a TurboQuant cache that reads its decoded
-    mirror in that step and encodes no block (`reads_mirror`: the group's rows are then the
-    rows it reads alone). TurboQuant attention over the compressed storage itself (the CPU,
-    Metal, longer contexts) answers otherwise than dense attention over the same rows decoded."""
+    `group_tokens`, and every layer a raw cache or a TurboQuant cache whose step attends with
+    dense SDPA over rows held as arrays and encodes nothing (`dense_step`: its raw rows before
+    it compresses, or its decoded mirror): the group's rows are then the rows it reads alone.
+    TurboQuant attention over the compressed storage itself (the CPU, Metal, longer contexts)
+    answers otherwise than dense attention over the same rows decoded."""
     return length < group_tokens and all(
-        type(c) is KVCache or isinstance(c, TurboQuantKVCache) and c.reads_mirror(length) for c in row.caches)
+        type(c) is KVCache or isinstance(c, TurboQuantKVCache) and c.dense_step(length) for c in row.caches)
 
 
 def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
     """The keys and values a group member's cache holds, [1, H, offset, D]: a raw cache's own
-    arrays; a TurboQuant cache's decoded mirror (the rows its attention reads, kept current for
-    the rows given back when the member leaves)."""
+    arrays; a TurboQuant cache's raw rows before it compresses, else its decoded mirror (the
+    rows its attention reads, kept current for the rows given back when the member leaves)."""
     if isinstance(cache, TurboQuantKVCache):
-        return cache.mirrored_rows()
+        return cache.mirrored_rows() if cache.compressed else (cache.raw_keys(), cache.raw_values())
     return cache.keys_and_values()
 
 
@@ -248,7 +251,7 @@ class _Launched:
 class DecodeBatch:
     """Decode steps over changing sets of rows (one owner: the thread that steps them).
 
-    Rows shorter than `group_tokens` whose layers are raw or read their decoded mirrors
+    Rows shorter than `group_tokens` whose layers are raw or attend over rows held as arrays
     (`_groups`) form the group: their keys and values live in one buffer pair per layer
     ([group, KV heads, capacity, head dim], row j's at [0, lengths[j]), zeros after) while they
     stay; the rest attend over their own caches.
@@ -343,6 +346,9 @@ class DecodeBatch:
         self._regroup([r for r in rows if _groups(r, length(r), self.group_tokens)])
         grouped = {id(r) for r in self.members}
         others = [r for r in rows if id(r) not in grouped]
+        # TurboQuant rows whose step compresses them (a block held): all in lockstep, before the
+        # step, rather than each layer on its own inside it
+        start_decoding([c for r in others for c in r.caches if isinstance(c, TurboQuantKVCache) and not c.compressed])
         ordered = self.members + others
         lengths = self.lengths + [r.caches[0].offset for r in others]
         offset = mx.array(lengths)

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from turboquant import TurboQuantKVCache, compress_caches, compressed_sdpa
+from turboquant import TurboQuantKVCache, compressed_sdpa, start_decoding
 
 from tqstore.engine.prefill import PrefillRow, body
 
@@ -66,8 +66,8 @@ class ChunkLayer:
 
 def prefill_rows(model: Any, rows: Sequence[PrefillRow]) -> float:
     """Run every row's tokens into its caches in one forward pass, then compress the TurboQuant
-    layers the pass left raw (fresh prompts'), every row's in lockstep, as each row's
-    `Context.start_decoding` would on its own; sets each row's `seconds` (the whole) and returns
+    layers the pass left raw that hold a block or more (fresh prompts'), every row's in
+    lockstep, as each row's `Context.start_decoding` would on its own; sets each row's `seconds` (the whole) and returns
     them. The rows' layers must be plain attention caches (raw or TurboQuant: `batch.batchable`),
     which `rows_sdpa` attends per row."""
     t0 = time.perf_counter()
@@ -85,7 +85,7 @@ def prefill_rows(model: Any, rows: Sequence[PrefillRow]) -> float:
     # One evaluation per decision of the encoding for all rows: one row's start_decoding took
     # 12 ms on an H100 (three waits, each behind the other requests' steps in flight), paid
     # one row after another.
-    compress_caches([c for row in rows for c in row.caches if isinstance(c, TurboQuantKVCache) and not c.compressed])
+    start_decoding([c for row in rows for c in row.caches])
     seconds = time.perf_counter() - t0
     for row in rows:
         row.seconds = seconds

@@ -14,7 +14,7 @@ from typing import Any
 from mlx_lm.models.cache import CacheList
 
 from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
-from turboquant.adapter.making import make_prompt_cache
+from turboquant.adapter.making import make_prompt_cache, start_decoding
 from turboquant.adapter.snapshots import held_tokens, restore, snapshot
 from turboquant.adapter.verdicts import VerdictBook
 from turboquant.adapter.windows import WINDOW_MODES, settle_all
@@ -92,13 +92,14 @@ class Context:
         run_all([c.compressing() for c in self.caches if isinstance(c, TurboQuantKVCache)])
 
     def start_decoding(self) -> None:
-        """Compress the layers a prefill left raw, every layer in lockstep (`compress`), as each
-        one's first decode step would do on its own. Layers already compressed (restored ones)
-        are left as they are: their newest rows (a question's) wait raw in the tail until their
-        block fills, as a decode step's rows do. Encoding them here cost the first token of a
-        restored turbo4 entry 12-26 ms on an H100 (raw's whole rest is 1-2 ms) and encoded
+        """Compress the layers a prefill left raw that hold a block or more, every layer in
+        lockstep (`making.start_decoding`), as each one's first decode step would do on its own;
+        a shorter context decodes raw until a block fills. Layers already compressed (restored
+        ones) are left as they are: their newest rows (a question's) wait raw in the tail until
+        their block fills, as a decode step's rows do. Encoding them here cost the first token
+        of a restored turbo4 entry 12-26 ms on an H100 (raw's whole rest is 1-2 ms) and encoded
         rows that decoding itself never encodes early."""
-        run_all([c.compressing() for c in self.caches if isinstance(c, TurboQuantKVCache) and not c.compressed])
+        start_decoding(self.caches)
 
     def copy(self) -> list[Any]:
         """Caches holding what these hold now, sharing their arrays (later updates of either

@@ -19,7 +19,7 @@ from turboquant.adapter.verdicts import VerdictBook, book_for, register
 from turboquant.cache.allocation import AllocationGroup
 from turboquant.cache.at_rest import CLASS as AT_REST_CLASS
 from turboquant.cache.at_rest import AtRestKVCache
-from turboquant.cache.compressed import TurboQuantKVCache
+from turboquant.cache.compressed import BLOCK, TurboQuantKVCache
 from turboquant.codec.calibration import CalibrationConfig
 from turboquant.codec.plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, LayerPlan, plan_layer
 from turboquant.codec.schemes import Format, SchemeSpec, parse_scheme
@@ -273,6 +273,19 @@ def layer_residences(model, scheme: str | SchemeSpec) -> list[tuple[str, Residen
         warnings.simplefilter("ignore")
         caches = make_prompt_cache(model, scheme)
     return [(kind_name(c), residence_of(c)) for c in caches]
+
+
+def start_decoding(caches: list[Any]) -> None:
+    """Compress the TurboQuant layers a prefill left raw that hold a block or more, all in
+    lockstep (one evaluation per decision for all of them), as each one's first decode step
+    would on its own; shorter ones decode raw until a block is held (`TurboQuantKVCache.defer`).
+    Layers already compressed (restored ones) keep their newest rows raw in the tail until their
+    block fills, as a decode step's rows wait."""
+    fresh = [c for c in caches if isinstance(c, TurboQuantKVCache) and not c.compressed]
+    for cache in fresh:
+        if cache.offset < BLOCK:
+            cache.defer()
+    run_all([c.compressing() for c in fresh if c.offset >= BLOCK])
 
 
 def compress_caches(caches: list[Any]) -> None:

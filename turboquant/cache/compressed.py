@@ -5,7 +5,12 @@ dtype and returns them, so mlx-lm's own fused attention runs and prefill costs n
 The first single-token update (or `compress()`) compresses the whole cache once, fitting key
 calibration from the first 256 tokens (and the queries seen there); from then on
 `update_and_fetch` returns handles that the attention dispatch recognises, and attention reads
-the compressed storage directly.
+the compressed storage directly. A cache told to `defer` (tqstore's decoding, through
+`start_decoding`, for a context shorter than a block) decodes raw until a block is held and
+compresses then: storage is written block by block, so there is nothing to encode before, and
+compressing a few rows cost a short request more than its decoding (issue 30: on an H100 the
+compression of 8 fresh 16-token turbo4 requests took 160-235 ms, their 64 decode steps about
+300).
 
 Rows are compressed in blocks of 256 absolute positions. Calibrated keys store each block
 minus its own mean (scores add q . mean back: exact). Rows added after compression collect raw
@@ -72,6 +77,7 @@ class TurboQuantKVCache:
         self._shifts: mx.array | None = None  # [H, blocks, D] float32 block means of the keys
         self._query_power: mx.array | None = None  # sum of q^2 per (KV head, channel), first 256 positions
         self._query_rows = 0
+        self._deferred = False  # decoding raw until a block is held (`defer`)
         self._key_side = None
         self._value_side = None
         self.allocated: str | None = None  # autoB layers: a plan.layout_options() entry, once decided
@@ -118,11 +124,22 @@ class TurboQuantKVCache:
         and that row's update would encode nothing (no full block waits in the tail)."""
         return self.compressed and self.offset // BLOCK * BLOCK <= self.stored
 
-    def reads_mirror(self, length: int) -> bool:
+    def defer(self) -> None:
+        """Decode raw until a block is held, then compress (at the update that finds it held), where
+        an uncompressed cache compresses at its first single-token update. For a context shorter
+        than a block (`start_decoding`). Its decode steps' queries do not count towards the
+        calibration, as they never did once a cache compressed at its first step."""
+        self._deferred = True
+
+    def dense_step(self, length: int) -> bool:
         """Whether a decode step at `length` rows (its offset, or the rows a decode batch holds
-        for it) attends over the decoded mirror (mirror.py) and its update encodes no block: the
-        rows it reads are then the stored rows decoded and every later row raw, as given."""
-        return self.compressed and length + 1 <= mirror_tokens() and length // BLOCK * BLOCK <= self.stored
+        for it) attends with MLX's SDPA over its rows held as arrays and its update encodes
+        nothing: deferred under a block (every row raw), or over the decoded mirror (mirror.py:
+        the stored rows decoded, every later row raw, as given). A decode batch may then hold
+        those rows for it."""
+        if not self.compressed:
+            return self._deferred and length < BLOCK
+        return length + 1 <= mirror_tokens() and length // BLOCK * BLOCK <= self.stored
 
     def lend(self, lender: Any) -> None:
         """Count one new row that `lender` holds (a decode batch's stack, which wrote it with the
@@ -171,9 +188,10 @@ class TurboQuantKVCache:
     # -- mlx-lm cache protocol -------------------------------------------------------------
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        """Store new rows; return raw arrays in prefill, handles once compressed."""
+        """Store new rows; return raw arrays in prefill (and in decoding until a block is held),
+        handles once compressed."""
         n = keys.shape[2]
-        if not self.compressed and n > 1:
+        if not self.compressed and (n > 1 or self._deferred and self.offset < BLOCK):
             self._tail.write(self.offset, {"keys": keys, "values": values})
             self.offset += n
             view = self._tail.view(self.offset)
@@ -186,8 +204,10 @@ class TurboQuantKVCache:
     def observe_queries(self, queries: mx.array, scale: float = 1.0) -> None:
         """Record the power of the (scaled) queries at positions < 256 (called by the attention
         dispatch in prefill, after `update_and_fetch`): it makes the key channel scales
-        query-aware and lets the guard predict the damage quantization would do."""
-        if self.compressed or not self.plan.calibrated:
+        query-aware and lets the guard predict the damage quantization would do. A deferred
+        cache's (`defer`) decode queries do not count: in a decode batch a short row's queries
+        never reach its cache, so counting them would make its calibration depend on the batch."""
+        if self.compressed or self._deferred or not self.plan.calibrated:
             return
         B, hq, L, D = queries.shape
         if D != self.plan.head_dim_k or hq % self.plan.n_kv_heads:
