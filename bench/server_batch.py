@@ -48,8 +48,8 @@ from server_process import ServerProcess  # noqa: E402
 
 DOC = ROOT / "docs" / "server.md"
 MARKER = "server_batch"
-# The decode steps' attention: DecodeBatch's group (raw rows) and RowStacks (compressed rows), or one
-# call per row.
+# The decode steps' attention: DecodeBatch's group (raw rows, TurboQuant rows under a block or on their
+# CUDA mirrors) and RowStacks (other compressed rows), or one call per row.
 FORMS = ("group", "per row")
 
 
@@ -246,8 +246,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--tokens", type=int, default=64, help="tokens per completion (default 64)")
+    parser.add_argument("--prompt-tokens", type=int, default=16,
+                        help="tokens of each short prompt (default 16; 300 puts TurboQuant rows past their first "
+                             "256-token block: compressed from the start, where shorter ones decode raw until a "
+                             "block is held)")
     parser.add_argument("--ragged", action="store_true",
-                        help="prompts of 16, 19, 22, ... tokens instead of 16 each: the decode steps alone then run "
+                        help="prompts of 16, 19, 22, ... tokens (from --prompt-tokens) instead of 16 each: the decode steps alone then run "
                              "rows of unequal length (a masked attention over the group), as the server's rows, which "
                              "join at different steps, always are")
     parser.add_argument("--runs", type=int, default=3)
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{scheme} server on port {servers[scheme].port}")
         rng = random.Random(0)
         # Short prompts of random ids (none of the first few: special tokens in the tiny tokenizer).
-        lengths = [16 + 3 * i if args.ragged else 16 for i in range(max(args.concurrency))]
+        lengths = [args.prompt_tokens + (3 * i if args.ragged else 0) for i in range(max(args.concurrency))]
         prompts = [[rng.randrange(8, vocab - 1) for _ in range(n)] for n in lengths]
         for server in servers.values():  # warm-up: the first request builds the codec and compiles
             concurrent_rate(server, prompts[:2], 4)
@@ -334,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
             for scheme in args.schemes for c in args.concurrency]
     header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)"]
-    prompt_words = "16- to {}-token".format(16 + 3 * (max(args.concurrency) - 1)) if args.ragged else "16-token"
+    first = args.prompt_tokens
+    prompt_words = f"{first}- to {first + 3 * (max(args.concurrency) - 1)}-token" if args.ragged else f"{first}-token"
     body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of {prompt_words} "
             f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
             "run.\n\n" + markdown_table(header, rows))
@@ -342,9 +347,9 @@ def main(argv: list[str] | None = None) -> int:
                                              for kind in ("wall", "cpu")]
                    for scheme in args.schemes for form in FORMS for c in args.concurrency]
     body += ("\n\nThe decode steps alone, in one process (tqstore/engine/batch.py's `DecodeBatch.step` over rows "
-             "prefilled first; no HTTP, no detokenizing for clients), with the rows attending together (group: raw "
-             "rows in the group, compressed rows of one stored layout stacked, what the server does under 1,024 "
-             "tokens) and one call per row (`DecodeBatch(group_tokens=0)`, the form before either), "
+             "prefilled first; no HTTP, no detokenizing for clients), with the rows attending together (group: what "
+             "the server does under 1,024 tokens: raw rows, TurboQuant rows under a block and, on CUDA, those on "
+             "their decoded mirrors in the group, other compressed rows of one stored layout stacked) and one call per row (`DecodeBatch(group_tokens=0)`, the form before either), "
              "alternating:\n\n"
              + markdown_table(["scheme", "attention", "rows", "tokens/s (x one row)",
                                "tokens per CPU-second (x one row)"], decode_rows))
