@@ -400,13 +400,14 @@ def on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4"])
+@pytest.mark.parametrize("scheme", ["raw", "turbo4", "turbo5v4"])
 def test_on_the_gpu_compressed_rows_join_the_group_and_answer_as_alone(tmp_path, llama, on_gpu, scheme):
     """On a GPU with decoded mirrors (CUDA), short compressed rows of unequal length decode in
     the group, one ragged kernel over each row's own length, and answer the tokens
-    Engine.generate answers alone, first log-probabilities within float32 sums in another
-    order; one row compresses at its first full block (out of the group for that step) and
-    comes back on its mirror."""
+    Engine.generate answers alone, as raw rows do; one row compresses at its first full block
+    (out of the group for that step) and comes back on its mirror. First log-probabilities
+    agree to 1e-2, raw's as compressed ones': MLX's CUDA float32 matmuls depend on the batch
+    (8 rows against 1 moved them by about 1e-3 on an H100)."""
     if not mirror_tokens():
         pytest.skip("no decoded mirrors on this backend (CUDA only)")
     engine = Engine.open(tmp_path / "home")
@@ -419,8 +420,8 @@ def test_on_the_gpu_compressed_rows_join_the_group_and_answer_as_alone(tmp_path,
     for prompt, (result, caches) in zip(prompts, results):
         alone = engine.generate(loaded, scheme, prompt, max_tokens=12)
         assert result.tokens == alone.tokens
-        assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-4)
-    assert all(c.compressed and c.stored == 256 for c in results[-1][1])
+        assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-2)
+    assert scheme == "raw" or all(c.compressed and c.stored == 256 for c in results[-1][1])
 
 
 @pytest.mark.exact_blas

@@ -86,15 +86,15 @@ GROUP_TOKENS = 1024
 _CAPACITY_STEP = 256  # the shared buffers grow by this many positions
 
 
-def _groups(row: "Row", length: int, group_tokens: int) -> bool:
+def _groups(row: "Row", length: int, group_tokens: int, mirror: int) -> bool:
     """Whether the row's next step, at `length` rows, runs in the group: shorter than
     `group_tokens`, and every layer a raw cache or a TurboQuant cache whose step attends with
     dense SDPA over rows held as arrays and encodes nothing (`dense_step`: its raw rows before
     it compresses, or its decoded mirror): the group's rows are then the rows it reads alone.
     TurboQuant attention over the compressed storage itself (the CPU, Metal, longer contexts)
-    answers otherwise than dense attention over the same rows decoded."""
+    answers otherwise than dense attention over the same rows decoded. `mirror`: `mirror_tokens()`."""
     return length < group_tokens and all(
-        type(c) is KVCache or isinstance(c, TurboQuantKVCache) and c.dense_step(length) for c in row.caches)
+        type(c) is KVCache or isinstance(c, TurboQuantKVCache) and c.dense_step(length, mirror) for c in row.caches)
 
 
 def _held_rows(cache: Any) -> tuple[mx.array, mx.array]:
@@ -343,7 +343,8 @@ class DecodeBatch:
         def length(row: Row) -> int:
             return self.lengths[member[id(row)]] if id(row) in member else row.caches[0].offset
 
-        self._regroup([r for r in rows if _groups(r, length(r), self.group_tokens)])
+        mirror = mirror_tokens()  # (once a step: it reads the environment)
+        self._regroup([r for r in rows if _groups(r, length(r), self.group_tokens, mirror)])
         grouped = {id(r) for r in self.members}
         others = [r for r in rows if id(r) not in grouped]
         # TurboQuant rows whose step compresses them (a block held): all in lockstep, before the
@@ -362,7 +363,7 @@ class DecodeBatch:
         depth = len(rows[0].caches)
         self.stacks += [{} for _ in range(depth - len(self.stacks))]
         # (a DecodedStack's rows are the ones with mirrors: 0 where there are none)
-        stack_tokens = self.group_tokens if RowStack.applies() else min(self.group_tokens, mirror_tokens())
+        stack_tokens = self.group_tokens if RowStack.applies() else min(self.group_tokens, mirror)
         layers = [StepLayer(self, layer, [r.caches[layer] for r in others], offset, positions, width, mask, lengths,
                             stack_tokens) for layer in range(depth)]
         logits = model(_inputs(ordered, drawn, at), cache=layers)[:, -1, :]

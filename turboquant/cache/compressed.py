@@ -131,15 +131,17 @@ class TurboQuantKVCache:
         calibration, as they never did once a cache compressed at its first step."""
         self._deferred = True
 
-    def dense_step(self, length: int) -> bool:
+    def dense_step(self, length: int, mirror: int | None = None) -> bool:
         """Whether a decode step at `length` rows (its offset, or the rows a decode batch holds
         for it) attends with MLX's SDPA over its rows held as arrays and its update encodes
         nothing: deferred under a block (every row raw), or over the decoded mirror (mirror.py:
         the stored rows decoded, every later row raw, as given). A decode batch may then hold
-        those rows for it."""
+        those rows for it. `mirror`: `mirror_tokens()`, read here if not given (a caller asking
+        every layer of several rows reads it once: it looks at the environment)."""
         if not self.compressed:
             return self._deferred and length < BLOCK
-        return length + 1 <= mirror_tokens() and length // BLOCK * BLOCK <= self.stored
+        mirror = mirror_tokens() if mirror is None else mirror
+        return length + 1 <= mirror and length // BLOCK * BLOCK <= self.stored
 
     def lend(self, lender: Any) -> None:
         """Count one new row that `lender` holds (a decode batch's stack, which wrote it with the
