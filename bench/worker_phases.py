@@ -9,7 +9,8 @@ prompts, and wall time summed per phase of the scheduler, per burst.
 The phases are nested, not exclusive: `DecodeBatch.step` holds `_launch` (building a step's graph
 and starting it) and `_regroup` (rows joining or leaving the group); "shared prefill" holds
 `prefill_rows` (the forward pass of the short prompts that arrived together and their
-`start_decoding`). A first burst of 8 and one of 1 warm up shapes and kernels, untimed.
+`start_decoding`); "admitting jobs" includes the wait for the next burst's requests while
+nothing runs. A first burst of 8 and one of 1 warm up shapes and kernels, untimed.
 """
 
 from __future__ import annotations
