@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 import tempfile
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT), str(ROOT / "tests")]
 
 import server_batch  # noqa: E402
-from common import stamp  # noqa: E402
+from common import stamp, use_openblas  # noqa: E402
 
 
 class Phases:
@@ -82,7 +83,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of the model thread")
+    parser.add_argument("--openblas", action="store_true", help="run on Debian's OpenBLAS, as `tqstore serve` does")
+    parser.add_argument("--blas-threads", type=int, default=None, help="OPENBLAS_NUM_THREADS (1 on a shared CPU)")
     args = parser.parse_args(argv[1:])
+    if args.blas_threads is not None and os.environ.get("OPENBLAS_NUM_THREADS") != str(args.blas_threads):
+        os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read when OpenBLAS loads: start again
+        os.execv(sys.executable, [sys.executable, *argv])
+    if args.openblas:
+        use_openblas(argv)
 
     import tqstore.engine.batch as batch
     import tqstore.serve.scheduling as scheduling
