@@ -66,10 +66,10 @@ class ChunkLayer:
 
 def prefill_rows(model: Any, rows: Sequence[PrefillRow]) -> float:
     """Run every row's tokens into its caches in one forward pass, then compress the TurboQuant
-    layers the pass left raw that hold a block or more (fresh prompts'), every row's in
-    lockstep, as each row's `Context.start_decoding` would on its own; sets each row's `seconds` (the whole) and returns
-    them. The rows' layers must be plain attention caches (raw or TurboQuant: `batch.batchable`),
-    which `rows_sdpa` attends per row."""
+    layers the pass left raw that hold a block or more (fresh prompts'; shorter ones defer),
+    every row's in lockstep, as each row's `Context.start_decoding` would on its own; sets each
+    row's `seconds` (the whole) and returns them. The rows' layers must be plain attention
+    caches (raw or TurboQuant: `batch.batchable`), which `rows_sdpa` attends per row."""
     t0 = time.perf_counter()
     if any(type(c) not in ROW_CACHES for row in rows for c in row.caches):
         raise ValueError("a shared prefill takes only plain attention caches (raw or TurboQuant)")
