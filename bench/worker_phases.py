@@ -20,6 +20,7 @@ import cProfile
 import io
 import os
 import pstats
+import random
 import sys
 import tempfile
 import threading
@@ -82,6 +83,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--bursts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompts of this many random token ids, as bench/server_batch.py sends them (default: "
+                             "12-word text prompts)")
     parser.add_argument("--profile", action="store_true", help="also print a cProfile of the model thread")
     parser.add_argument("--openblas", action="store_true", help="run on Debian's OpenBLAS, as `tqstore serve` does")
     parser.add_argument("--blas-threads", type=int, default=None, help="OPENBLAS_NUM_THREADS (1 on a shared CPU)")
@@ -129,11 +133,18 @@ def main(argv: list[str]) -> int:
                          policy=SavePolicy(enabled=False), metrics=Metrics())
     worker.start()
 
+    rng = random.Random(0)
+
+    def prompt(seed: int, i: int) -> str | tuple[int, ...]:
+        if args.prompt_tokens:  # (none of the first few ids: special tokens in the tiny tokenizer)
+            return tuple(rng.randrange(8, vocab - 1) for _ in range(args.prompt_tokens))
+        return " ".join(f"w{(seed * 31 + i * 7 + j) % 97}" for j in range(12))
+
     def burst(n: int, seed: int) -> float:
         sinks, t0 = [], time.perf_counter()
         for i in range(n):
-            words = " ".join(f"w{(seed * 31 + i * 7 + j) % 97}" for j in range(12))
-            request = GenerationRequest(chat=False, model=None, stream=True, include_usage=False, prompt=words,
+            request = GenerationRequest(chat=False, model=None, stream=True, include_usage=False,
+                                        prompt=prompt(seed, i),
                                         sampling=Sampling(max_tokens=args.tokens, temperature=0.0, top_p=1.0,
                                                           seed=None, stop=()))
             sinks.append(Collect())
@@ -151,8 +162,9 @@ def main(argv: list[str]) -> int:
     finally:
         worker.stop()
     print(stamp(argv))
+    prompts = f"{args.prompt_tokens}-token" if args.prompt_tokens else "12-word"
     print(f"model: {described}; scheme {args.scheme}; bursts of {args.concurrency} {args.tokens}-token greedy "
-          f"completions of 12-word prompts")
+          f"completions of {prompts} prompts")
     print(f"tokens/s per burst: {[round(r) for r in rates]}")
     print("| phase | ms per burst | calls per burst |\n|---|---|---|")
     for label in sorted(phases.seconds, key=lambda k: -phases.seconds[k]):
