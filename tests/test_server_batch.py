@@ -318,15 +318,17 @@ def test_compressed_rows_attend_stacked_or_grouped_and_answer_as_the_engine_does
 @pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 def test_on_cuda_short_compressed_rows_join_the_group_and_answer_as_the_engine_does(tmp_path, llama, monkeypatch):
     """On CUDA (routed here, the ragged kernel run by the emulator) compressed rows under 1,024
-    tokens attend over their decoded mirrors, alone and in the server alike: in the group, one
-    kernel over each row's own length, they answer what Engine.generate answers over its own
-    mirror (the same values, float32 sums in another order)."""
+    tokens attend over their decoded mirrors, alone and in the server alike, and rows under a
+    block (256 tokens) over their raw rows: all of them in the group, one kernel over each
+    row's own length, answering what Engine.generate answers on its own (the same values,
+    float32 sums in another order)."""
     force_backend(monkeypatch, "cuda", emulate.kernel)
     monkeypatch.setenv(MIRROR_ENV, "1024")
     monkeypatch.setattr(ragged, "MAX_WARPS", 1)  # the emulator runs an OS thread per lane: fewer lanes
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(llama))
-    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:3]]
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:2]]
+    prompts.append(loaded.tokenizer.encode(" ".join(PROMPTS) * 2)[:260])
     gens = [batched_generation(engine, loaded, "turbo5v4", p, max_tokens=4) for p in prompts]
     results, grouped = _step_all(DecodeBatch(), loaded, gens)
     assert grouped == len(prompts)
@@ -334,7 +336,8 @@ def test_on_cuda_short_compressed_rows_join_the_group_and_answer_as_the_engine_d
         alone = engine.generate(loaded, "turbo5v4", prompt, max_tokens=4)
         assert result.tokens == alone.tokens
         assert np.allclose(np.array(result.first_logprobs), np.array(alone.first_logprobs), atol=1e-4)
-        assert all(c._mirror is not None for c in caches)
+        long = len(prompt) > 256
+        assert all(c.compressed == long and (c._mirror is not None) == long for c in caches)
 
 
 def _on_cuda_without_kernels(monkeypatch) -> None:
