@@ -26,6 +26,16 @@ def use_openblas(argv: list[str]) -> None:
         sys.exit(f"--openblas: {e}")
 
 
+def choose_blas(argv: list[str], openblas: bool, threads: int | None) -> None:
+    """Run this script with `threads` OpenBLAS threads (read when OpenBLAS loads, so the script
+    starts again with OPENBLAS_NUM_THREADS set) and on Debian's OpenBLAS if `openblas`."""
+    if threads is not None and os.environ.get("OPENBLAS_NUM_THREADS") != str(threads):
+        os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+        os.execv(sys.executable, [sys.executable, *argv])
+    if openblas:
+        use_openblas(argv)
+
+
 def blas_name() -> str:
     from tqstore.models.blas import active_blas
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(1, str(ROOT))
 sys.path.insert(2, str(ROOT / "tests"))
 
-from common import markdown_table, replace_section, stamp, use_openblas  # noqa: E402
+from common import choose_blas, markdown_table, replace_section, stamp  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 DOC = ROOT / "docs" / "server.md"
@@ -273,11 +273,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv if argv is None else argv
     args = parse(argv)
-    if args.blas_threads is not None and os.environ.get("OPENBLAS_NUM_THREADS") != str(args.blas_threads):
-        os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read when OpenBLAS loads: start again
-        os.execv(sys.executable, [sys.executable, *argv])
-    if args.openblas:
-        use_openblas(argv)
+    choose_blas(argv, args.openblas, args.blas_threads)
     args.concurrency = sorted({1, *args.concurrency})  # the ratios are against one alone
     long_tokens = args.long if args.long is not None else (1024 if args.model == "tiny" else 16384)
     root = Path(tempfile.mkdtemp(prefix="tqstore-server-batch-"))

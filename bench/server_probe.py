@@ -9,7 +9,8 @@ sampler thread reads the model thread's Python stack every `--interval` seconds.
 
 With `--timeline` there is no sampler: the model thread's methods are timed instead, and the
 bursts' wall time (1 stream, then `--streams`) is split into the prefill steps (their
-`mx.eval`, the rest), the decode steps (graph build, `mx.async_eval`, the wait for the last
+`mx.eval`, the rest), the shared prefill of requests that arrived together (`prefill_rows`,
+their start of decoding included, and each job on to its first row), the decode steps (graph build, `mx.async_eval`, the wait for the last
 step's tokens), the served rows' resumption and what is left (admitting, idle);
 `--profile-own` adds a cProfile of the prefill steps, `--profile-steps` one of the decode steps.
 Otherwise:
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(1, str(ROOT))
 sys.path.insert(2, str(ROOT / "tests"))
 
-from common import use_openblas  # noqa: E402
+from common import choose_blas  # noqa: E402
 
 
 class Sampler:
@@ -87,8 +88,8 @@ class Sampler:
 
 
 class Timeline:
-    """Wall time of the model thread by part, while `on`: prefill and other own steps, decode
-    steps (graph build, `mx.async_eval`, waiting for the launched tokens) and each served row's
+    """Wall time of the model thread by part, while `on`: prefill and other own steps, shared
+    prefill passes, decode steps (graph build, `mx.async_eval`, waiting for the launched tokens) and each served row's
     resumption (detokenizing, stop checks, sending); the rest is admitting and waiting."""
 
     def __init__(self, profile: bool = False, profile_steps: bool = False):
@@ -101,7 +102,7 @@ class Timeline:
         self.step_profile = cProfile.Profile() if profile_steps else None
         self.reset()
         self._depth = 0
-        own, advance = Scheduler._own_step, Scheduler._advance
+        own, advance, shared = Scheduler._own_step, Scheduler._advance, Scheduler._prefill
         step, launch, async_eval, evaluate = DecodeBatch.step, DecodeBatch._launch, mx.async_eval, mx.eval
         timeline = self
         self._own = False
@@ -152,6 +153,7 @@ class Timeline:
                     timeline.profile.disable()
 
         Scheduler._own_step = own_step
+        Scheduler._prefill = timed("shared prefill", shared)
         timed_evaluate = timed("own steps: mx.eval", evaluate)
         mx.eval = lambda *a: timed_evaluate(*a) if timeline._own else evaluate(*a)
         Scheduler._advance = resumed
@@ -169,6 +171,7 @@ class Timeline:
         s = self.seconds
         parts = {"own steps (prefills): mx.eval": s["own steps: mx.eval"],
                  "own steps (prefills): the rest": s["own steps"] - s["own steps: mx.eval"],
+                 "shared prefill (and each job to its first row)": s["shared prefill"],
                  "step: graph build": s["step: launch"] - s["step: async_eval"],
                  "step: mx.async_eval": s["step: async_eval"],
                  "step: wait and bookkeeping": s["step"] - s["step: launch"],
@@ -242,11 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blas-threads", type=int, default=None)
     argv = sys.argv if argv is None else argv
     args = parser.parse_args(argv[1:])
-    if args.blas_threads is not None and os.environ.get("OPENBLAS_NUM_THREADS") != str(args.blas_threads):
-        os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read when OpenBLAS loads: start again
-        os.execv(sys.executable, [sys.executable, *argv])
-    if args.openblas:
-        use_openblas(argv)
+    choose_blas(argv, args.openblas, args.blas_threads)
 
     from server_batch import write_model
 
