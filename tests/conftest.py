@@ -127,3 +127,12 @@ def _has_gpu() -> bool:
 # A real S3 server (moto) for the tier and store tests: `s3` fixture, one server per session (the
 # module imports moto only inside the fixture, so this conftest loads without the test extra).
 from s3_server import moto_server, s3  # noqa: E402, F401
+
+
+@pytest.fixture
+def on_gpu():
+    """The GPU as MLX's default device for one test (this file makes it the CPU for the rest)."""
+    before = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    yield
+    mx.set_default_device(before)

@@ -394,14 +394,6 @@ def test_on_cuda_compressed_rows_on_their_mirrors_join_the_group(tmp_path, llama
         assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
 
 
-@pytest.fixture
-def on_gpu():
-    before = mx.default_device()
-    mx.set_default_device(mx.gpu)
-    yield
-    mx.set_default_device(before)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("scheme", ["raw", "turbo4", "turbo5v4"])
 def test_on_the_gpu_compressed_rows_join_the_group_and_answer_as_alone(tmp_path, llama, on_gpu, scheme):

@@ -7,6 +7,7 @@ bit. The managed-memory path also runs here on the CPU (forced), against the uni
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -42,7 +43,8 @@ def put_and_restore(home, snap, tokens) -> dict[bytes, bytes]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_tokens", [600, 1_000])
-def test_a_put_and_its_restores_on_the_gpu_are_bit_exact(tmp_path, n_tokens):
+def test_a_put_and_its_restores_on_the_gpu_are_bit_exact(tmp_path, n_tokens, on_gpu):
+    assert runs.managed_memory() or not mx.cuda.is_available(), "the put would not take the managed-memory path"
     snap = make_snapshot(n_tokens, layouts=[Layout.RAW, Layout.TURBO], seed=5)
     put_and_restore(tmp_path / "home", snap, token_ids(n_tokens))
 
