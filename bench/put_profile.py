@@ -42,6 +42,8 @@ from common import markdown_table  # noqa: E402
 STAGES = (
     ("tqstore.store.put", "split_snapshot", "split into blocks"),
     ("tqstore.format.objects", "_group_bytes", "group bytes out of MLX"),
+    ("tqstore.format.objects", "_blocks_bytes", "group bytes out of MLX"),
+    ("tqstore.format.objects", "encode_tables", "header encode"),
     ("tqstore.format.objects", "encode_header", "header encode"),
     ("tqstore.format.objects", "read_header", "header read-back"),
     ("tqstore.format.objects", "_map", "xxh3 (+ zstd) of groups"),
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [("stored MB", lambda r: (r[2] / 1e6, r[2] / 1e6)), ("load average", lambda r: (r[7], r[7])),
              ("put", lambda r: (r[3], r[4])), ("floor: plain synced LMDB put", lambda r: (r[5], r[6])),
              ("put / floor (x)", lambda r: (r[5] / r[3], r[6] / r[4]))]
-    lines += [(k, lambda r, k=k: r[8][k]) for _, _, k in STAGES]
+    lines += [(k, lambda r, k=k: r[8][k]) for k in dict.fromkeys(k for _, _, k in STAGES)]
     for label, get in lines:
         row = [label]
         for scheme in snaps:

@@ -6,6 +6,7 @@ require one of tqstore's own errors or the original data, nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import io
@@ -30,7 +31,7 @@ from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.exchange.bundle import read_bundle
-from tqstore.canonical import DTYPES as STORED_DTYPES, tensor_bytes
+from tqstore.canonical import DTYPES as STORED_DTYPES, tensor_bytes, unsigned_view
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import LayerRecord, Layout, Snapshot
@@ -131,6 +132,45 @@ def test_dumps_parsed_is_dumps_and_its_blocks_build_together(layouts, dtype):
     shared = F.loads(F.dumps(split.shared, F.Provenance(codec=C)), expect=F.Expect("shared"))
     assert_same_snapshot(join_blocks(SplitSnapshot(blocks, window, shared)), snap)
 
+
+
+@pytest.mark.parametrize("managed", (False, True), ids=("unified", "managed"))
+@pytest.mark.parametrize("layouts", UNIFORM + (CUTTABLE,), ids=lambda ls: "-".join(x.value for x in ls))
+@pytest.mark.parametrize("dtype", (mx.bfloat16, mx.float32), ids=("bfloat16", "float32"))
+def test_objects_encoded_together_are_each_objects_own_bytes(layouts, dtype, managed, monkeypatch):
+    """A put encodes its objects together (`dumps_objects`: the tables of one block layout
+    encoded once, each array name's bytes of all those blocks copied in one call, on the host
+    or, with managed memory as on CUDA, joined by MLX first), and each object comes out exactly
+    as `dumps_parsed` makes it alone: its bytes, its parsed groups and header. Among them a
+    calibrated block 0, the partial last block, a block whose arrays lie in buffers of their
+    own (not slices of the snapshot's), the window and the shared codecs."""
+    T = 1300
+    snap, tokens = make_snapshot(T, dtype, layouts, seed=4), tokens_for(T)
+    split, cal = split_snapshot(snap), calibration_digest(snap)
+    keys = block_keys(tokens, M, C, cal)
+    blocks, blocks_bytes = list(split.blocks), F._blocks_bytes
+    own = blocks[2]
+    blocks[2] = Block(own.index, own.start, own.n_tokens,
+                      {i: dataclasses.replace(r, arrays={n: mx.array(np.array(unsigned_view(a))).view(a.dtype)
+                                                         for n, a in r.arrays.items()})
+                       for i, r in own.layers.items()}, own.block_size)
+    objs = [*blocks, split.window, split.shared]
+    provs = [F.Provenance(M, C, cal, tuple(tokens[b.start:b.start + b.n_tokens]),
+                          parent=keys[b.index - 1] if b.index else None) for b in blocks]
+    provs += [F.Provenance(M, C, cal, key=keys[-1]), F.Provenance(codec=C)]
+    alone = [F.dumps_parsed(obj, prov) for obj, prov in zip(objs, provs)]
+    monkeypatch.setattr(runs, "managed_memory", lambda: managed)
+    stacked = []
+    monkeypatch.setattr(F, "_blocks_bytes", lambda blks, *a: stacked.append(len(blks)) or blocks_bytes(blks, *a))
+    together = list(F.dumps_objects(objs, provs))
+    if layouts is not CUTTABLE:
+        assert max(stacked) >= 3, f"full blocks were not encoded together: {stacked}"
+    assert sorted(k for k, _, _ in together) == list(range(len(objs)))
+    for k, parts, parsed in together:
+        want_parts, want = alone[k]
+        assert b"".join(parts) == b"".join(want_parts), f"object {k} differs"
+        assert [bytes(r) for r in parsed.raws] == [bytes(r) for r in want.raws]
+        assert parsed.header == want.header
 
 def test_a_blank_array_holds_what_is_written_through_numpy():
     """`runs.blank` memory is MLX's own buffer: what numpy writes there is what MLX reads."""

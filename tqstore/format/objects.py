@@ -31,7 +31,7 @@ import os
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -49,7 +49,7 @@ from tqstore.format.header import (BlockInfo, CodecInfo, Expect, GroupInfo, Head
                      codec_tensor, layer_tensor, parse_header)
 from tqstore.format import runs
 from tqstore.format.runs import Run, aligned, plan_of
-from tqstore.format.tables import Groups, encode_header, read_header
+from tqstore.format.tables import Groups, Tables, encode_header, encode_tables, read_header
 from tqstore.format.versions import check_version
 from tqstore.models.identity import FORMAT_VERSION
 
@@ -71,11 +71,15 @@ PACKED_DTYPES = frozenset({"uint8", "uint16", "uint32", "uint64"})
 MIN_SAVING = 0.50
 MIN_SAVING_V2 = 0.10  # what format 2 was written with (kept for tests of stores that hold it)
 MIN_COMPRESS_BYTES = 256
-SAMPLE_BYTES = 1 << 18  # tensors over two samples choose their encoding on their first 256 KiB
+# Groups choose their encoding on their first 4 KiB: a turbo4 8k put tried zstd and shuffle+zstd on
+# 230 whole groups of 12-48 KiB (norms, scales, biases, shifts), 27 ms of zstd, to store each raw; a
+# group that halves (zeros, constants) shows it in any sample.
+SAMPLE_BYTES = 1 << 12
+SAMPLE_BYTES_V2 = 1 << 18  # what format 2 was written with
 THREADED_BYTES = 1 << 20  # groups this large are encoded and hashed on the format's threads
 _COPY_CHUNK = 1 << 23  # a GPU group's host copy, split for the threads
 
-__all__ = ["dumps", "dumps_parsed", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
+__all__ = ["dumps", "dumps_parsed", "dumps_objects", "loads", "load", "inspect", "OBJECT_VERSION", "Expect", "Provenance", "Header", "LayerInfo", "TensorInfo", "CodecInfo",
            "BlockInfo", "MAGIC", "READABLE_VERSIONS", "FORMAT_VERSION"]
 
 Obj = Snapshot | Block | Window | SharedCodecs
@@ -103,31 +107,101 @@ def dumps_parsed(obj: Obj, provenance: Provenance = Provenance()) -> tuple[tuple
     return tuple(memoryview(p).cast("B") for p in parts), Parsed(header, raws)
 
 
+def dumps_objects(objs: Sequence[Obj], provenances: Sequence[Provenance]
+                  ) -> Iterator[tuple[int, tuple[memoryview, ...], "Parsed"]]:
+    """`dumps_parsed` of several objects of one entry, as (index, parts, parsed) in the order
+    they are made, each object's bytes exactly its own `dumps_parsed`'s, with work that grows
+    with the bytes and the layers, not with the blocks times their arrays: blocks of one layout
+    (the same layers, configs, states, array names, dtypes and shapes, no calibration) share
+    their header's tables, encoded once, and each of their arrays is copied into the blocks'
+    groups in one call for all of them. A turbo4 8k entry holds 4,170 arrays in 34 objects;
+    one object at a time, each array cost its own copy and header records."""
+    classes: dict[tuple, list[int]] = {}
+    memo: dict[int, tuple] = {}
+    for k, obj in enumerate(objs):
+        signature = _signature(obj, memo)
+        if signature is None:
+            yield k, *dumps_parsed(obj, provenances[k])
+        else:
+            classes.setdefault(signature, []).append(k)
+    for members in classes.values():
+        blocks = [objs[k] for k in members]
+        kind, header_layers, header_codecs, groups = _layout(blocks[0])
+        sizes = _place(groups)
+        tables = encode_tables(header_layers, header_codecs)
+        names: list[list[tuple[int, str]]] = [[] for _ in groups]
+        for li in header_layers:  # in layer order: each group's arrays as stored
+            for n, e in li["arrays"].items():
+                names[e["group"]].append((li["index"], n))
+        joined = _blocks_bytes(blocks, names, sizes)
+        for t, (k, blk) in enumerate(zip(members, blocks)):
+            raws = [g[t] for g in joined]
+            prov = _complete(kind, blk, header_layers, provenances[k])
+            info = BlockInfo(blk.index, blk.start, blk.n_tokens, blk.block_size)
+            data, header = _dump3(kind, prov, info, header_layers, header_codecs, groups, raws, tables)
+            yield k, tuple(memoryview(p).cast("B") for p in data), Parsed(header, raws)
+
+
+def _signature(obj: Obj, memo: dict[int, tuple]) -> tuple | None:
+    """What the header tables and group layout of a block follow from (its layers' layouts,
+    offsets, configs, states and arrays' names, dtypes and shapes); None for other objects and
+    for a block with calibration (whose digests are its own). `memo` holds the scalar maps seen
+    (by id: the blocks of a split share each layer's config)."""
+    if not isinstance(obj, Block):
+        return None
+    layers = sorted(obj.layers.items())
+    if any(r.calibration for _, r in layers):
+        return None
+
+    def scalars(m: Mapping) -> tuple:
+        found = memo.get(id(m))
+        if found is None or found[0] is not m:
+            found = memo[id(m)] = m, tuple((k, type(v), repr(v)) for k, v in sorted(m.items()))  # 1, 1.0, -0.0 apart
+        return found[1]
+
+    return obj.n_tokens, obj.block_size, tuple(
+        (i, r.layout, r.offset, scalars(r.config), scalars(r.state),
+         tuple((n, a.dtype, tuple(a.shape)) for n, a in sorted(r.arrays.items()))) for i, r in layers)
+
+
+def _blocks_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], sizes: list[int]) -> list[np.ndarray]:
+    """Each group's decoded bytes for blocks of one layout, as one [blocks, group bytes] buffer
+    per group; `names` gives each group's arrays (layer, name) in their stored order. Where
+    memory is unified numpy stacks each name's arrays of all blocks into their place in one
+    call, reading MLX's buffers in place (a copy per block and array cost 70-120 ms of Python
+    for a turbo4 8k entry's 4,170 arrays); on CUDA MLX joins each group for all blocks on the
+    device and the host copies it out in parallel (`_group_bytes` says why)."""
+    k = len(blocks)
+    bufs = [np.empty((k, size), dtype=np.uint8) for size in sizes]
+    if runs.managed_memory():
+        joined = [mx.concatenate([mx.stack([unsigned_view(b.layers[i].arrays[n]) for b in blocks]).reshape(k, -1)
+                                  for i, n in group], axis=1) for group in names]
+        mx.eval(joined)
+        copies = []
+        for buf, j in zip(bufs, joined):
+            dst, src = buf.reshape(-1), np.asarray(j).view(np.uint8).reshape(-1)
+            copies += [(dst[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, dst.size, _COPY_CHUNK)]
+        _map(lambda c: np.copyto(*c), copies, [c[0].nbytes for c in copies])
+        return bufs
+    arrays = [b.layers[i].arrays[n] for group in names for i, n in group for b in blocks]
+    mx.eval(arrays)
+    views = iter(_host_views(arrays))
+    for buf, group in zip(bufs, names):
+        at = 0
+        for _ in group:
+            mine = [next(views) for _ in blocks]
+            nbytes = mine[0].nbytes
+            np.stack(mine, out=np.reshape(buf[:, at:at + nbytes].view(mine[0].dtype), (k, *mine[0].shape), copy=False))
+            at += nbytes
+    return bufs
+
+
 def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header, list[np.ndarray]]:
     """The bytes of `obj` as consecutive buffers, its header as read back, and each group's
     decoded bytes."""
     if version not in (2, 3):
         raise ValueError(f"this tqstore writes object formats 2 and 3, not {version}")
-    kind, layers, codecs = _parts(obj)
-    _check_names(layers, codecs)
-    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]] = {}
-
-    def put(section: str, name: str, a: mx.array) -> dict[str, Any]:
-        dtype = dtype_name(a.dtype)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype} cannot be stored (supported: {', '.join(DTYPES)})")
-        entry = {"dtype": dtype, "shape": list(a.shape), "group": 0, "offset": 0}
-        groups.setdefault((section, name, dtype), []).append((entry, a))
-        return entry
-
-    header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
-                      "state": dict(r.state),
-                      "arrays": {n: put("layer", n, a) for n, a in sorted(r.arrays.items())},
-                      "calibration": {n: put("calibration", n, a) for n, a in sorted(r.calibration.items())}}
-                     for i, r in layers]
-    header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
-                            "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
-                     for name, c in sorted(codecs.items())}
+    kind, header_layers, header_codecs, groups = _layout(obj)
     raws = _group_bytes(groups)
     prov = _complete(kind, obj, header_layers, provenance)
     block = BlockInfo(obj.index, obj.start, obj.n_tokens, obj.block_size) if kind == "block" else None
@@ -165,10 +239,37 @@ def _dump(obj: Obj, provenance: Provenance, version: int) -> tuple[list, Header,
     return [frame, *parts], parsed, raws
 
 
+def _layout(obj: Obj) -> tuple[str, list[dict], dict, dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]]:
+    """The kind of `obj`, its layers' and codecs' header records (format 2's), and its arrays by
+    group (section, name, dtype), in the order the groups and their arrays are stored."""
+    kind, layers, codecs = _parts(obj)
+    _check_names(layers, codecs)
+    groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]] = {}
+
+    def put(section: str, name: str, a: mx.array) -> dict[str, Any]:
+        dtype = dtype_name(a.dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype} cannot be stored (supported: {', '.join(DTYPES)})")
+        entry = {"dtype": dtype, "shape": list(a.shape), "group": 0, "offset": 0}
+        groups.setdefault((section, name, dtype), []).append((entry, a))
+        return entry
+
+    header_layers = [{"index": i, "layout": r.layout.value, "offset": r.offset, "config": dict(r.config),
+                      "state": dict(r.state),
+                      "arrays": {n: put("layer", n, a) for n, a in sorted(r.arrays.items())},
+                      "calibration": {n: put("calibration", n, a) for n, a in sorted(r.calibration.items())}}
+                     for i, r in layers]
+    header_codecs = {name: {"rotation_kind": c.rotation_kind, "norm_mode": c.norm_mode,
+                            "arrays": {n: put("codec", n, a) for n, a in sorted(c.arrays.items())}}
+                     for name, c in sorted(codecs.items())}
+    return kind, header_layers, header_codecs, groups
+
+
 def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: list[dict], header_codecs: dict,
-           groups: dict, raws: list[np.ndarray]) -> tuple[list, Header]:
+           groups: dict, raws: list[np.ndarray], tables: Tables | None = None) -> tuple[list, Header]:
     """Format 3: the frame, the binary header, then each group at an aligned offset (as
-    consecutive buffers: zero padding, and each group's stored bytes as they lie)."""
+    consecutive buffers: zero padding, and each group's stored bytes as they lie). `tables`:
+    the header's tables, where the caller encoded them once for several objects."""
     dtypes = [key[2] for key in groups]
 
     def pack(j: int) -> tuple[str, Any, bytes]:
@@ -181,7 +282,7 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
     records = [{"dtype": key[2], "encoding": enc, "offset": 0, "stored": len(part), "nbytes": int(raw.size),
                 "xxh3": digest} for key, raw, (enc, part, digest) in zip(groups, raws, done)]
     try:
-        head = encode_header(kind, prov, block, header_layers, header_codecs, records)
+        head = encode_header(kind, prov, block, tables or encode_tables(header_layers, header_codecs), records)
         size = len(head)
         end = records[-1]["offset"] + records[-1]["stored"] if records else FRAME_SIZE + size
         parsed = read_header(memoryview(head), end - FRAME_SIZE, None)[0]  # what is written must read back
@@ -207,6 +308,7 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
     parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
     managed = runs.managed_memory()
     items = list(groups.items())
+    sizes = _place(groups)
     if managed:
         joined = [mx.concatenate([unsigned_view(a).reshape(-1) for _, a in members]) for _, members in items]
         mx.eval(joined)
@@ -215,15 +317,12 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
         mx.eval(arrays)
         views = iter(_host_views(arrays))
     raws, copies = [], []
-    for j, (_, members) in enumerate(items):
-        raw = np.empty(sum(a.nbytes for _, a in members), dtype=np.uint8)
-        offset = 0
+    for j, ((_, members), size) in enumerate(zip(items, sizes)):
+        raw = np.empty(size, dtype=np.uint8)
         for entry, a in members:
-            entry["group"], entry["offset"] = j, offset
             if not managed:
-                src = next(views)
-                copies.append((raw[offset:offset + a.nbytes].view(src.dtype).reshape(src.shape), src))
-            offset += a.nbytes
+                src, at = next(views), entry["offset"]
+                copies.append((raw[at:at + a.nbytes].view(src.dtype).reshape(src.shape), src))
         if managed:
             src = np.asarray(joined[j]).view(np.uint8)
             copies += [(raw[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, raw.size, _COPY_CHUNK)]
@@ -234,6 +333,19 @@ def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], m
             for entry, a in members:
                 entry["sha256"] = hashlib.sha256(raw[entry["offset"]:entry["offset"] + a.nbytes]).hexdigest()
     return raws
+
+
+def _place(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]) -> list[int]:
+    """Place every array in its group (each header entry's group and offset, the arrays one
+    after the other); each group's bytes."""
+    sizes = []
+    for j, members in enumerate(groups.values()):
+        offset = 0
+        for entry, a in members:
+            entry["group"], entry["offset"] = j, offset
+            offset += a.nbytes
+        sizes.append(offset)
+    return sizes
 
 
 def _host_views(arrays: list[mx.array]) -> list[np.ndarray]:
@@ -254,7 +366,7 @@ def _pack(groups: dict[tuple[str, str, str], list], raws: list[np.ndarray]) -> t
 
     def pack(j: int) -> tuple[dict, Any]:
         dtype, raw = dtypes[j], raws[j]
-        encoding, packed = _encode(raw, DTYPES[dtype][0].size, MIN_SAVING_V2)
+        encoding, packed = _encode(raw, DTYPES[dtype][0].size, MIN_SAVING_V2, SAMPLE_BYTES_V2)
         record = {"dtype": dtype, "encoding": encoding, "nbytes": int(raw.size),
                   "sha256": hashlib.sha256(raw).hexdigest()}
         return record, raw.data if packed is None else packed
@@ -375,15 +487,16 @@ def _complete(kind: str, obj: Obj, header_layers: list[dict], prov: Provenance) 
     return dataclasses.replace(prov, calibration=calibration, key=key)
 
 
-def _encode(raw: np.ndarray, itemsize: int, min_saving: float = MIN_SAVING) -> tuple[str, bytes | None]:
+def _encode(raw: np.ndarray, itemsize: int, min_saving: float = MIN_SAVING,
+            sample_bytes: int = SAMPLE_BYTES) -> tuple[str, bytes | None]:
     """(encoding, stored bytes) of one group, or ("raw", None) to store it as it is: the
-    smallest of raw, zstd and zstd over byte planes, chosen on a sample of the first 256 KiB
+    smallest of raw, zstd and zstd over byte planes, chosen on a sample of its first `sample_bytes`
     (a sample that cannot win decides raw, and the rest is not compressed), zstd kept only
     where it saves `min_saving` of the bytes."""
     if raw.size < MIN_COMPRESS_BYTES:
         return "raw", None
     zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL)  # one per call: compressors are not thread-safe
-    sample = raw[:SAMPLE_BYTES - SAMPLE_BYTES % itemsize]
+    sample = raw[:sample_bytes - sample_bytes % itemsize]
     candidates = ["zstd"] + (["shuffle-zstd"] if itemsize > 1 else [])
     tried = {enc: _compress(zstd, sample, itemsize, enc) for enc in candidates}
     best = min(candidates, key=lambda enc: len(tried[enc]))

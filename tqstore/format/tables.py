@@ -2,12 +2,13 @@
 (docs/format.md gives the bytes). Pure numpy and struct: no MLX, so a reader thread parses and
 checks objects while the caller's thread builds arrays.
 
-`encode_header` writes the header of an object whose groups are already encoded; `read_header`
-checks a header and types it as format 2's `Header` (plus each group's place in the object and
-its digest). The per-object parts (frame, identity, tokens, the group table) are checked on
-every read in a few vectorized passes; the layer, array and codec tables, which the blocks of an
-entry repeat byte for byte, are validated once per distinct table (memoized by their bytes),
-with the same rules as format 2's JSON header (header.py).
+`encode_tables` writes the tables that the blocks of an entry repeat (once per block layout in
+a put), `encode_header` the header of an object whose groups are already encoded, around them;
+`read_header` checks a header and types it as format 2's `Header` (plus each group's place in
+the object and its digest). The per-object parts (frame, identity, tokens, the group table) are
+checked on every read in a few vectorized passes; the layer, array and codec tables are
+validated once per distinct table (memoized by their bytes), with the same rules as format 2's
+JSON header (header.py).
 """
 
 from __future__ import annotations
@@ -66,12 +67,23 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, layers: Sequence[Mapping[str, Any]],
-                  codecs: Mapping[str, Mapping[str, Any]], groups: Sequence[dict[str, Any]]) -> bytes:
-    """The header bytes of an object. `layers` and `codecs` are format 2's header records
-    (arrays with dtype, shape, group, offset; calibration arrays with sha256 too); `groups` one
-    record per group: dtype, encoding, stored, nbytes, xxh3 (16 bytes); each record's "offset"
-    in the object is set here (groups follow the header at aligned offsets)."""
+@dataclass(frozen=True)
+class Tables:
+    """The encoded layer, array and codec tables of an object, with the calibration digests and
+    the dictionary: the part of a header that the blocks of an entry repeat byte for byte, so a
+    put encodes it once per distinct block layout (`encode_tables`)."""
+
+    n_layers: int
+    n_arrays: int
+    n_codecs: int
+    n_digests: int
+    dictionary_nbytes: int
+    data: bytes  # layer, array and codec records, digests, dictionary: the header after its group table
+
+
+def encode_tables(layers: Sequence[Mapping[str, Any]], codecs: Mapping[str, Mapping[str, Any]]) -> Tables:
+    """The tables of an object's header. `layers` and `codecs` are format 2's header records
+    (arrays with dtype, shape, group, offset; calibration arrays with sha256 too)."""
     words: dict[bytes, int] = {}
 
     def ref(value: Any) -> int:
@@ -103,9 +115,19 @@ def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, layers: 
         for n, t in c["arrays"].items():
             add(k, 2, n, t)
     dictionary = b"[" + b",".join(words) + b"]"
+    data = b"".join([np.array(layer_rows, dtype=LAYER).tobytes(), np.array(array_rows, dtype=ARRAY).tobytes(),
+                     np.array(codec_rows, dtype=CODEC).tobytes(), b"".join(digests), dictionary])
+    return Tables(len(layer_rows), len(array_rows), len(codec_rows), len(digests), len(dictionary), data)
+
+
+def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, tables: Tables,
+                  groups: Sequence[dict[str, Any]]) -> bytes:
+    """The header bytes of an object whose groups are already encoded: its fixed part, tokens,
+    group table and `tables`. `groups` holds one record per group: dtype, encoding, stored,
+    nbytes, xxh3 (16 bytes); each record's "offset" in the object is set here (groups follow
+    the header at aligned offsets)."""
     tokens = prov.tokens
-    size = HEAD.size + 4 * len(tokens or ()) + GROUP.itemsize * len(groups) + LAYER.itemsize * len(layer_rows) \
-        + ARRAY.itemsize * len(array_rows) + CODEC.itemsize * len(codec_rows) + 32 * len(digests) + len(dictionary)
+    size = HEAD.size + 4 * len(tokens or ()) + GROUP.itemsize * len(groups) + len(tables.data)
     at = align(64 + size)
     for g in groups:
         g["offset"], at = at, align(at + g["stored"])
@@ -113,15 +135,12 @@ def encode_header(kind: str, prov: Provenance, block: BlockInfo | None, layers: 
                    g["nbytes"], g["xxh3"]) for g in groups]
     flags = sum(1 << j for j, f in enumerate(_FLAGS) if getattr(prov, f) is not None)
     b = block or BlockInfo(0, 0, 0, 0)
-    head = HEAD.pack(KINDS.index(kind), flags, 0, NONE if tokens is None else len(tokens), len(layer_rows),
-                     len(array_rows), len(codec_rows), len(digests), len(dictionary),
+    head = HEAD.pack(KINDS.index(kind), flags, 0, NONE if tokens is None else len(tokens), tables.n_layers,
+                     tables.n_arrays, tables.n_codecs, tables.n_digests, tables.dictionary_nbytes,
                      b.index, b.start, b.n_tokens, b.block_size,
                      *(_raw(getattr(prov, f)) for f in _FLAGS))
-    parts = [head, np.asarray(tokens or (), dtype="<u4").tobytes(),
-             np.array(group_rows, dtype=GROUP).tobytes(), np.array(layer_rows, dtype=LAYER).tobytes(),
-             np.array(array_rows, dtype=ARRAY).tobytes(), np.array(codec_rows, dtype=CODEC).tobytes(),
-             b"".join(digests), dictionary]
-    return b"".join(parts)
+    return b"".join([head, np.asarray(tokens or (), dtype="<u4").tobytes(),
+                     np.array(group_rows, dtype=GROUP).tobytes(), tables.data])
 
 
 @functools.lru_cache(maxsize=4096)

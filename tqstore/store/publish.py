@@ -151,7 +151,8 @@ def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSourc
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tqstore-publish") as writer:
         writing: tuple[Batch, Future] | None = None
-        for batch in source.payloads(missing, kept):
+        batches = source.payloads(missing, kept)
+        for batch in batches:
             left -= batch.keys()
             if writing is not None:
                 writing[1].result()
@@ -160,7 +161,11 @@ def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSourc
             if left:
                 writing = (batch, writer.submit(write, batch))
             else:
-                finish(batch)
+                last = writer.submit(finish, batch)
+                for extra in batches:  # the source's work after its last batch runs beside the commit
+                    raise RuntimeError(f"the {source.action} source gave objects it was not asked for: "
+                                       f"{sorted(k.hex()[:12] for k in extra)}")
+                last.result()
                 return made[0] if made else None
         if writing is not None:
             writing[1].result()

@@ -28,7 +28,7 @@ from tqstore.format.blocks import (SplitSnapshot, block_keys, calibration_digest
                                    split_snapshot)
 from tqstore.format.header import Provenance
 from tqstore.format.manifest import Manifest, ObjectRef, window_key
-from tqstore.format.objects import Parsed, build as build_object, build_run, dumps_parsed as dump_object
+from tqstore.format.objects import Parsed, build as build_object, build_run, dumps_objects
 from tqstore.models.identity import CodecIdentity, ModelIdentity, codecs_digest
 from tqstore.names import validate_name
 from tqstore.store.publish import Batch, Digests, publish
@@ -93,7 +93,7 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
         )
 
     published = publish(tiers, name, wants, source, build)
-    source.build_written()
+    source.build_written()  # none left to build unless the publish wrote nothing
     canonical = [(w.key, source.canonical[w.key], "put") for w in wants]
     result, kept = join_resident(SplitSnapshot([h.obj for _, h, _ in canonical[:-2]], canonical[-2][1].obj,
                                                canonical[-1][1].obj, bs))
@@ -134,26 +134,28 @@ class _Encoder:
         canonical = {w.key: (kept[w.key] or self.memory[w.key]) if w.key in kept else self.memory.get(w.key, mine)
                      for w, mine in zip(self.wants, self.ours)}
         objs = [canonical[w.key].obj for w in self.wants]
-        try:
-            join_blocks(SplitSnapshot(objs[:-2], objs[-2], objs[-1], self.block_size))
-        except ValueError as exc:
-            raise ConflictError(f"the stored objects this entry shares with an earlier save do not fit this snapshot "
-                                f"({exc}): restore the stored prefix first and continue from it") from None
+        if any(canonical[w.key] is not mine for w, mine in zip(self.wants, self.ours)):
+            # Our own split joins by construction; a stored or memory copy may not.
+            try:
+                join_blocks(SplitSnapshot(objs[:-2], objs[-2], objs[-1], self.block_size))
+            except ValueError as exc:
+                raise ConflictError(f"the stored objects this entry shares with an earlier save do not fit this "
+                                    f"snapshot ({exc}): restore the stored prefix first and continue from it") from None
         self.canonical, self.parsed = canonical, {}
         # Each payload's sha256 (the digest its manifest records) is computed on threads while
         # the next objects are encoded here (hashlib releases the GIL): one thread took 1.3-1.8 s
         # of a 64k raw entry's 3.0-4.2 s put on the H200 (1.6 GB).
         with ThreadPoolExecutor(max_workers=_HASH_THREADS, thread_name_prefix="tqstore-put-hash") as hasher:
-            pending: dict[bytes, tuple[tuple[memoryview, ...], Future]] = {}
-            for want in missing:
-                hot = canonical[want.key]
-                parts, self.parsed[want.key] = dump_object(hot.obj, hot.provenance)
-                pending[want.key] = (parts, hasher.submit(lambda p: payload_sha256(p).hex(), parts))
-                if sum(len(part) for p, _ in pending.values() for part in p) >= _BATCH_BYTES:
-                    yield self._hashed(pending)
-                    pending = {}
-            if pending:
-                yield self._hashed(pending)
+            for chunk in _chunks(missing, [canonical[w.key].nbytes for w in missing]):
+                hots = [canonical[w.key] for w in chunk]
+                pending: dict[bytes, tuple[tuple[memoryview, ...], Future]] = {}
+                for k, parts, parsed in dumps_objects([h.obj for h in hots], [h.provenance for h in hots]):
+                    self.parsed[chunk[k].key] = parsed
+                    pending[chunk[k].key] = (parts, hasher.submit(lambda p: payload_sha256(p).hex(), parts))
+                yield self._hashed({w.key: pending[w.key] for w in chunk})
+        # resumed once the last batch is handed to the writer: the written objects are built
+        # while it commits
+        self.build_written()
 
     def build_written(self) -> None:
         """The objects written, as a restore decodes them, for the memory tier and the join: the
@@ -173,6 +175,20 @@ class _Encoder:
             batch[key] = (payload, digest.result())
             self.canonical[key] = dataclasses.replace(self.canonical[key], sha256=batch[key][1])
         return batch
+
+
+def _chunks(wants: list[Want], nbytes: list[int]) -> Iterator[list[Want]]:
+    """Consecutive wants of about `_BATCH_BYTES` decoded bytes each: encoded together, written
+    while the next chunk is encoded."""
+    chunk, held = [], 0
+    for want, n in zip(wants, nbytes):
+        chunk.append(want)
+        held += n
+        if held >= _BATCH_BYTES:
+            yield chunk
+            chunk, held = [], 0
+    if chunk:
+        yield chunk
 
 
 def _hot(obj: object, kind: str, provenance: Provenance = Provenance()) -> HotObject:
