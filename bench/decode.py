@@ -24,9 +24,9 @@ caches too.
 `--model` (issue 30): tokens/s of one decode stream through mlx-lm's `generate_step` (what
 `Engine.generate` runs) on N layers of Llama-3.1-8B's shapes with random bf16 weights, after
 contexts of 16 tokens to 64k: every scheme's caches (`make_prompt_cache`) hold the same context of
-random K/V rows (compressed caches then compressed, as a restore or the first decode step leaves
-them), and per run the schemes take turns on the same context; the caches are trimmed back after
-each run.
+random K/V rows, left as the Engine leaves a context before its first decode step
+(`start_decoding`: compressed from a block of 256 rows up, raw below until a block is held), and
+per run the schemes take turns on the same context; the caches are trimmed back after each run.
 
 Needs an MLX GPU backend (CUDA or Metal).
 """

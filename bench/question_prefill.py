@@ -86,17 +86,19 @@ class Builds:
 
 
 def fill_caches(model, scheme: str, T: int, seed: int):
+    """`model`'s caches under `scheme` holding T random K/V rows, as the Engine leaves a context
+    before its first decode step (`start_decoding`: TurboQuant layers compressed from a block of
+    256 rows up, shorter ones decoding raw until they hold one)."""
     import mlx.core as mx
 
-    from turboquant.adapter.making import compress_caches, make_prompt_cache
+    from turboquant.adapter.making import make_prompt_cache, start_decoding
 
     caches = make_prompt_cache(model, scheme)
     for i, c in enumerate(caches):
         k = mx.random.normal((1, 8, T, 128), key=mx.random.key(seed + 2 * i)).astype(mx.bfloat16)
         v = mx.random.normal((1, 8, T, 128), key=mx.random.key(seed + 2 * i + 1)).astype(mx.bfloat16)
         c.update_and_fetch(k, v)
-    if scheme != "raw":
-        compress_caches(caches)
+    start_decoding(caches)
     mx.eval([c.state for c in caches])
     return caches
 
