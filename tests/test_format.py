@@ -148,7 +148,7 @@ def test_objects_encoded_together_are_each_objects_own_bytes(layouts, dtype, man
     snap, tokens = make_snapshot(T, dtype, layouts, seed=4), tokens_for(T)
     split, cal = split_snapshot(snap), calibration_digest(snap)
     keys = block_keys(tokens, M, C, cal)
-    blocks, blocks_bytes = list(split.blocks), F._blocks_bytes
+    blocks = list(split.blocks)
     own = blocks[2]
     blocks[2] = Block(own.index, own.start, own.n_tokens,
                       {i: dataclasses.replace(r, arrays={n: mx.array(np.array(unsigned_view(a))).view(a.dtype)
@@ -160,12 +160,21 @@ def test_objects_encoded_together_are_each_objects_own_bytes(layouts, dtype, man
     provs += [F.Provenance(M, C, cal, key=keys[-1]), F.Provenance(codec=C)]
     alone = [F.dumps_parsed(obj, prov) for obj, prov in zip(objs, provs)]
     monkeypatch.setattr(runs, "managed_memory", lambda: managed)
-    stacked = []
-    monkeypatch.setattr(F, "_blocks_bytes", lambda blks, *a: stacked.append(len(blks)) or blocks_bytes(blks, *a))
+    stacked = {"_blocks_bytes": [], "_cut_bytes": []}
+    for name in stacked:
+        inner = getattr(F, name)
+        monkeypatch.setattr(F, name, lambda blks, *a, name=name, inner=inner: stacked[name].append(len(blks))
+                            or inner(blks, *a))
     together = list(F.dumps_objects(objs, provs))
     if layouts is not CUTTABLE:
-        assert max(stacked) >= 3, f"full blocks were not encoded together: {stacked}"
+        assert max(stacked["_cut_bytes"]) >= 3, f"full blocks were not encoded from the snapshot together: {stacked}"
+        assert stacked["_blocks_bytes"] == [1], stacked  # the block with buffers of its own
     assert sorted(k for k, _, _ in together) == list(range(len(objs)))
+    # blocks 1 and 3 alone: one layout whose windows do not follow each other (a slice per block)
+    apart = [(k, parts, parsed) for k, parts, parsed in F.dumps_objects([objs[1], objs[3]], [provs[1], provs[3]])]
+    together += [((1, 3)[k], parts, parsed) for k, parts, parsed in apart]
+    if layouts is not CUTTABLE:
+        assert stacked["_cut_bytes"][-1] == 2, stacked
     for k, parts, parsed in together:
         want_parts, want = alone[k]
         assert b"".join(parts) == b"".join(want_parts), f"object {k} differs"

@@ -40,8 +40,8 @@ import zstandard
 
 from turboquant.records import CodecRecord, LayerRecord, Snapshot
 
-from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, GroupedLayers, SharedCodecs, Window,
-                                   block_key, digest_calibration)
+from tqstore.format.blocks import (ArrayGroup, Block, BlockKey, CutLayers, GroupedLayers, SharedCodecs, Window,
+                                   block_key, cut_state, digest_calibration)
 from tqstore.canonical import DTYPES, canonical_json, dtype_name, tensor_from_bytes, unsigned_view
 from tqstore.errors import (BadMagic, ChecksumMismatch, IdentityMismatch, MalformedHeader,
                      TokenMismatch, TruncatedData)
@@ -114,8 +114,9 @@ def dumps_objects(objs: Sequence[Obj], provenances: Sequence[Provenance]
     with the bytes and the layers, not with the blocks times their arrays: blocks of one layout
     (the same layers, configs, states, array names, dtypes and shapes, no calibration) share
     their header's tables, encoded once, and each of their arrays is copied into the blocks'
-    groups in one call for all of them. A turbo4 8k entry holds 4,170 arrays in 34 objects;
-    one object at a time, each array cost its own copy and header records."""
+    groups at once: for the blocks of `split_snapshot` from the snapshot's own arrays, one
+    strided copy per array name and layer (`_cut_bytes`). A turbo4 8k entry holds 4,170 arrays
+    in 34 objects; one object at a time, each array cost its own slice, copy and header records."""
     classes: dict[tuple, list[int]] = {}
     memo: dict[int, tuple] = {}
     for k, obj in enumerate(objs):
@@ -124,7 +125,7 @@ def dumps_objects(objs: Sequence[Obj], provenances: Sequence[Provenance]
             yield k, *dumps_parsed(obj, provenances[k])
         else:
             classes.setdefault(signature, []).append(k)
-    for members in classes.values():
+    for signature, members in classes.items():
         blocks = [objs[k] for k in members]
         kind, header_layers, header_codecs, groups = _layout(blocks[0])
         sizes = _place(groups)
@@ -133,7 +134,7 @@ def dumps_objects(objs: Sequence[Obj], provenances: Sequence[Provenance]
         for li in header_layers:  # in layer order: each group's arrays as stored
             for n, e in li["arrays"].items():
                 names[e["group"]].append((li["index"], n))
-        joined = _blocks_bytes(blocks, names, sizes)
+        joined = (_cut_bytes if signature[0] == "cut" else _blocks_bytes)(blocks, names, sizes)
         for t, (k, blk) in enumerate(zip(members, blocks)):
             raws = [g[t] for g in joined]
             prov = _complete(kind, blk, header_layers, provenances[k])
@@ -149,6 +150,15 @@ def _signature(obj: Obj, memo: dict[int, tuple]) -> tuple | None:
     (by id: the blocks of a split share each layer's config)."""
     if not isinstance(obj, Block):
         return None
+    cut = obj.layers
+    if isinstance(cut, CutLayers) and not cut.others:
+        # A cut's layouts, configs, names and dtypes are its source's: what else differs is
+        # each layer's state and windows.
+        if cut.with_calibration and any(cut.source[i].calibration for i in cut.order):
+            return None
+        return "cut", id(cut.source), obj.n_tokens, obj.block_size, tuple(
+            (i, tuple(cut_state(cut.source[i], cut.start, cut.stop).items()),
+             tuple((n, hi - lo) for n, (lo, hi) in cut.windows(i).items())) for i in cut.order)
     layers = sorted(obj.layers.items())
     if any(r.calibration for _, r in layers):
         return None
@@ -166,33 +176,75 @@ def _signature(obj: Obj, memo: dict[int, tuple]) -> tuple | None:
 
 def _blocks_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], sizes: list[int]) -> list[np.ndarray]:
     """Each group's decoded bytes for blocks of one layout, as one [blocks, group bytes] buffer
-    per group; `names` gives each group's arrays (layer, name) in their stored order. Where
-    memory is unified numpy stacks each name's arrays of all blocks into their place in one
-    call, reading MLX's buffers in place (a copy per block and array cost 70-120 ms of Python
-    for a turbo4 8k entry's 4,170 arrays); on CUDA MLX joins each group for all blocks on the
-    device and the host copies it out in parallel (`_group_bytes` says why)."""
-    k = len(blocks)
-    bufs = [np.empty((k, size), dtype=np.uint8) for size in sizes]
+    per group, read from each block's own arrays; `names` gives each group's arrays (layer,
+    name) in their stored order."""
     if runs.managed_memory():
-        joined = [mx.concatenate([mx.stack([unsigned_view(b.layers[i].arrays[n]) for b in blocks]).reshape(k, -1)
-                                  for i, n in group], axis=1) for group in names]
-        mx.eval(joined)
-        copies = []
-        for buf, j in zip(bufs, joined):
-            dst, src = buf.reshape(-1), np.asarray(j).view(np.uint8).reshape(-1)
-            copies += [(dst[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, dst.size, _COPY_CHUNK)]
-        _map(lambda c: np.copyto(*c), copies, [c[0].nbytes for c in copies])
-        return bufs
+        return _filled(len(blocks), names, sizes, True, lambda i, n: (
+            None, [unsigned_view(b.layers[i].arrays[n]) for b in blocks]))
     arrays = [b.layers[i].arrays[n] for group in names for i, n in group for b in blocks]
     mx.eval(arrays)
     views = iter(_host_views(arrays))
-    for buf, group in zip(bufs, names):
-        at = 0
-        for _ in group:
-            mine = [next(views) for _ in blocks]
-            nbytes = mine[0].nbytes
-            np.stack(mine, out=np.reshape(buf[:, at:at + nbytes].view(mine[0].dtype), (k, *mine[0].shape), copy=False))
-            at += nbytes
+    each = {(i, n): [next(views) for _ in blocks] for group in names for i, n in group}
+    return _filled(len(blocks), names, sizes, False, lambda i, n: (None, each[(i, n)]))
+
+
+def _cut_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], sizes: list[int]) -> list[np.ndarray]:
+    """`_blocks_bytes` of blocks cut from one snapshot (`CutLayers`, one signature), read from
+    the snapshot's arrays through each block's windows: where the blocks' windows of an array
+    follow each other (full blocks), one reshape of the array's span for all of them, else a
+    slice per block."""
+    k, cuts = len(blocks), [b.layers for b in blocks]
+    source, managed = cuts[0].source, runs.managed_memory()
+    wanted = list(dict.fromkeys((i, n) for group in names for i, n in group))
+    if managed:
+        views = {key: unsigned_view(source[key[0]].arrays[key[1]]) for key in wanted}
+    else:
+        arrays = [source[i].arrays[n] for i, n in wanted]
+        mx.eval(arrays)
+        views = dict(zip(wanted, _host_views(arrays)))
+
+    def spans(i: int, n: str) -> tuple[Any, list | None]:
+        a, windows = views[(i, n)], [c.windows(i)[n] for c in cuts]
+        lo, step = windows[0][0], windows[0][1] - windows[0][0]
+        if all(w == (lo + t * step, lo + (t + 1) * step) for t, w in enumerate(windows)):
+            part, shape = a[:, :, lo:lo + k * step], (*a.shape[:2], k, step, *a.shape[3:])
+            return (mx.moveaxis(part.reshape(shape), 2, 0) if managed
+                    else np.moveaxis(np.reshape(part, shape, copy=False), 2, 0)), None
+        return None, [a[:, :, w[0]:w[1]] for w in windows]
+
+    return _filled(k, names, sizes, managed, spans)
+
+
+def _filled(k: int, names: list[list[tuple[int, str]]], sizes: list[int], managed: bool, spans) -> list[np.ndarray]:
+    """One [k, group bytes] buffer per group, each array's bytes for the k blocks given by
+    `spans(layer, name)`: ([k, *shape] for all of them, None) or (None, one array per block),
+    numpy arrays where memory is unified (copied in place, on the format's threads), MLX arrays
+    with managed memory (CUDA: each group joined on the device, then copied out by the host in
+    parallel, `_group_bytes` says why)."""
+    bufs = [np.empty((k, size), dtype=np.uint8) for size in sizes]
+    copies = []
+    if managed:
+        joined = []
+        for group in names:
+            parts = []
+            for i, n in group:
+                stacked, each = spans(i, n)
+                parts.append((stacked if stacked is not None else mx.stack(each)).reshape(k, -1))
+            joined.append(mx.concatenate(parts, axis=1))
+        mx.eval(joined)
+        for buf, j in zip(bufs, joined):
+            dst, src = buf.reshape(-1), np.asarray(j).view(np.uint8).reshape(-1)
+            copies += [(dst[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, dst.size, _COPY_CHUNK)]
+    else:
+        for buf, group in zip(bufs, names):
+            at = 0
+            for i, n in group:
+                stacked, each = spans(i, n)
+                first = stacked[0] if stacked is not None else each[0]
+                dst = np.reshape(buf[:, at:at + first.nbytes].view(first.dtype), (k, *first.shape), copy=False)
+                copies += [(dst, stacked)] if stacked is not None else list(zip(dst, each))
+                at += first.nbytes
+    _map(lambda c: np.copyto(*c), copies, [c[0].nbytes for c in copies])
     return bufs
 
 
