@@ -7,8 +7,8 @@ and, right after it, the same number of bytes go through the plain LMDB put that
 (bench/storage.py `lmdb_put_floor`); the two alternate run by run. Each stage of the put is
 timed where it runs (wall seconds and that thread's CPU seconds, so the stages on the hash and
 writer threads show beside the main thread's): cutting the snapshot into blocks, copying each
-group's bytes out of MLX, the header's encoding and read-back, the groups' xxh3, the payloads'
-SHA-256 (hash thread), the LMDB writes (the tier's copies into LMDB's pages) and the commits
+group's bytes out of MLX, the header's encoding and read-back, the groups' zstd trials, the
+payloads' SHA-256 (hash thread), the LMDB writes (the tier's copies into LMDB's pages) and the commits
 (a write's wall less its copies: the queue, the commit and its fsync), building the written
 blocks' MLX arrays and the join. The process's CPU seconds and the load average are printed
 with each run: on a loaded machine wall seconds stretch, CPU seconds much less.
@@ -43,10 +43,11 @@ STAGES = (
     ("tqstore.store.put", "split_snapshot", "split into blocks"),
     ("tqstore.format.objects", "_group_bytes", "group bytes out of MLX"),
     ("tqstore.format.objects", "_blocks_bytes", "group bytes out of MLX"),
+    ("tqstore.format.objects", "_cut_bytes", "group bytes out of MLX"),
     ("tqstore.format.objects", "encode_tables", "header encode"),
     ("tqstore.format.objects", "encode_header", "header encode"),
     ("tqstore.format.objects", "read_header", "header read-back"),
-    ("tqstore.format.objects", "_map", "xxh3 (+ zstd) of groups"),
+    ("tqstore.format.objects", "_encode", "zstd trials"),
     ("tqstore.store.put", "payload_sha256", "SHA-256 of payloads"),
     ("tqstore.store.tiers.lmdb.LmdbTier", "_put_batch", "LMDB writes (copies)"),
     ("tqstore.store.tiers.lmdb_env.LmdbEnv", "write", "LMDB write jobs (wall)"),
