@@ -26,13 +26,14 @@ from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapsho
 from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
 from tqstore.format import runs, tables
-from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
+from tqstore.format.blocks import (Block, BlockKey, CutLayers, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
                                    split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.exchange.bundle import read_bundle
 from tqstore.canonical import DTYPES as STORED_DTYPES, tensor_bytes, unsigned_view
 from tqstore.models.identity import CodecIdentity, ModelIdentity
+from tqstore.store.tiers.memory import decoded_nbytes
 from turboquant import make_prompt_cache, restore, snapshot
 from turboquant.records import LayerRecord, Layout, Snapshot
 
@@ -158,7 +159,7 @@ def test_objects_encoded_together_are_each_objects_own_bytes(layouts, dtype, man
     provs = [F.Provenance(M, C, cal, tuple(tokens[b.start:b.start + b.n_tokens]),
                           parent=keys[b.index - 1] if b.index else None) for b in blocks]
     provs += [F.Provenance(M, C, cal, key=keys[-1]), F.Provenance(codec=C)]
-    alone = [F.dumps_parsed(obj, prov) for obj, prov in zip(objs, provs)]
+    sizes = [decoded_nbytes(obj) for obj in objs]
     monkeypatch.setattr(runs, "managed_memory", lambda: managed)
     stacked = {"_blocks_bytes": [], "_cut_bytes": []}
     for name in stacked:
@@ -169,6 +170,10 @@ def test_objects_encoded_together_are_each_objects_own_bytes(layouts, dtype, man
     if layouts is not CUTTABLE:
         assert max(stacked["_cut_bytes"]) >= 3, f"full blocks were not encoded from the snapshot together: {stacked}"
         assert stacked["_blocks_bytes"] == [1], stacked  # the block with buffers of its own
+        # their sizes and encoding made no record (no MLX slice) of a block but the first of its layout
+        assert [b.layers._records is None for b in blocks[3:5]] == [True, True]
+    alone = [F.dumps_parsed(obj, prov) for obj, prov in zip(objs, provs)]
+    assert sizes[:-2] == [sum(r.nbytes for r in b.layers.values()) for b in blocks]
     assert sorted(k for k, _, _ in together) == list(range(len(objs)))
     # blocks 1 and 3 alone: one layout whose windows do not follow each other (a slice per block)
     apart = [(k, parts, parsed) for k, parts, parsed in F.dumps_objects([objs[1], objs[3]], [provs[1], provs[3]])]

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tqstore.format.blocks import Block, GroupedLayers, Joined, SharedCodecs, Window
+from tqstore.format.blocks import Block, CutLayers, GroupedLayers, Joined, SharedCodecs, Window
 from tqstore.format.objects import Provenance
 
 Decoded = Block | Window | SharedCodecs
@@ -61,7 +61,7 @@ def decoded_nbytes(obj: Decoded) -> int:
     """Bytes of the arrays of a decoded object."""
     if isinstance(obj, SharedCodecs):
         return sum(a.nbytes for c in obj.codecs.values() for a in c.arrays.values())
-    if isinstance(obj.layers, GroupedLayers):
+    if isinstance(obj.layers, (GroupedLayers, CutLayers)):
         return obj.layers.nbytes  # without building a record per layer
     layers = obj.layers.values() if isinstance(obj, Block) else obj.layers
     return sum(r.nbytes for r in layers)
