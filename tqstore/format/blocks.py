@@ -165,7 +165,7 @@ class Block:
     index: int
     start: int
     n_tokens: int
-    layers: dict[int, LayerRecord]
+    layers: Mapping[int, LayerRecord]  # a dict, or GroupedLayers (decoded) and CutLayers (split) building records lazily
     block_size: int = BLOCK_SIZE
 
 

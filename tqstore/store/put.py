@@ -93,7 +93,6 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
         )
 
     published = publish(tiers, name, wants, source, build)
-    source.build_written()  # none left to build unless the publish wrote nothing
     canonical = [(w.key, source.canonical[w.key], "put") for w in wants]
     result, kept = join_resident(SplitSnapshot([h.obj for _, h, _ in canonical[:-2]], canonical[-2][1].obj,
                                                canonical[-1][1].obj, bs))
