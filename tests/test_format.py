@@ -26,7 +26,7 @@ from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapsho
 from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
 from tqstore.format import runs, tables
-from tqstore.format.blocks import (Block, BlockKey, CutLayers, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
+from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
                                    split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
