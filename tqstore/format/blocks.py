@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import struct
+from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
@@ -165,7 +166,7 @@ class Block:
     index: int
     start: int
     n_tokens: int
-    layers: Mapping[int, LayerRecord]  # a dict, or GroupedLayers (decoded) and CutLayers (split) building records lazily
+    layers: Mapping[int, LayerRecord]  # a dict, or LazyLayers: GroupedLayers (decoded), CutLayers (split)
     block_size: int = BLOCK_SIZE
 
 
@@ -203,7 +204,27 @@ def layer_view(data: mx.array, k: int) -> mx.array:
     return data[k:k + 1].squeeze(0)
 
 
-class GroupedLayers(Mapping[int, LayerRecord]):
+class LazyLayers(Mapping[int, LayerRecord]):
+    """A block's layers whose records are built on first access (`records`); iterating and
+    counting them builds none."""
+
+    order: Sequence[int]  # the layer indices, in order
+
+    def __getitem__(self, index: int) -> LayerRecord:
+        return self.records()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    @abstractmethod
+    def records(self) -> dict[int, LayerRecord]:
+        """Every layer as a plain record (built once)."""
+
+
+class GroupedLayers(LazyLayers):
     """A decoded block's layers whose arrays all lie in `ArrayGroup`s. The records (their
     arrays views of the groups) are built on first access, so a restore that joins by groups
     builds none of them.
@@ -213,17 +234,8 @@ class GroupedLayers(Mapping[int, LayerRecord]):
     """
 
     def __init__(self, shells: dict[int, LayerRecord], groups: tuple[ArrayGroup, ...]) -> None:
-        self.shells, self.groups = shells, groups
+        self.shells, self.groups, self.order = shells, groups, tuple(shells)
         self._records: dict[int, LayerRecord] | None = None
-
-    def __getitem__(self, index: int) -> LayerRecord:
-        return self.records()[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.shells)
-
-    def __len__(self) -> int:
-        return len(self.shells)
 
     @property
     def nbytes(self) -> int:
@@ -240,7 +252,6 @@ class GroupedLayers(Mapping[int, LayerRecord]):
         return sum(a.nbytes for s in self.shells.values() for a in s.calibration.values())
 
     def records(self) -> dict[int, LayerRecord]:
-        """Every layer as a plain record (built once)."""
         if self._records is None:
             arrays = {i: dict(s.arrays) for i, s in self.shells.items()}
             for g in self.groups:
@@ -468,7 +479,7 @@ def cut_state(r: LayerRecord, start: int, stop: int) -> dict:
     return state
 
 
-class CutLayers(Mapping[int, LayerRecord]):
+class CutLayers(LazyLayers):
     """The layers of a block of `split_snapshot`: the per-token ones as cuts of the snapshot's
     records (`_cut`), built on first access, the others (recurrent states, lists, fields) as
     given. A put encodes such blocks from the snapshot's own arrays and each block's windows
@@ -492,15 +503,6 @@ class CutLayers(Mapping[int, LayerRecord]):
                                                        self._spans.get(index))
         return found
 
-    def __getitem__(self, index: int) -> LayerRecord:
-        return self.records()[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.order)
-
-    def __len__(self) -> int:
-        return len(self.order)
-
     @property
     def cuts(self) -> tuple[int, ...]:
         """The layers that are cuts of the snapshot's records."""
@@ -520,7 +522,6 @@ class CutLayers(Mapping[int, LayerRecord]):
         return total
 
     def records(self) -> dict[int, LayerRecord]:
-        """Every layer as a plain record (built once)."""
         if self._records is None:
             self._records = {i: self.others[i] if i in self.others
                              else _cut(self.source[i], self.start, self.stop, self.with_calibration)

@@ -179,14 +179,21 @@ def _blocks_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], s
     """Each group's decoded bytes for blocks of one layout, as one [blocks, group bytes] buffer
     per group, read from each block's own arrays; `names` gives each group's arrays (layer,
     name) in their stored order."""
+    spans = _per_block(names, lambda key: [b.layers[key[0]].arrays[key[1]] for b in blocks])
+    return _filled(len(blocks), names, sizes, spans)
+
+
+def _per_block(keys: list[list[Any]], arrays_of) -> Any:
+    """`_filled`'s `spans` for arrays given one per block (`arrays_of(key)`): MLX arrays with
+    managed memory, elsewhere numpy views of them, evaluated together."""
     if runs.managed_memory():
-        return _filled(len(blocks), names, sizes, True, lambda i, n: (
-            None, [unsigned_view(b.layers[i].arrays[n]) for b in blocks]))
-    arrays = [b.layers[i].arrays[n] for group in names for i, n in group for b in blocks]
+        return lambda key: (None, [unsigned_view(a) for a in arrays_of(key)])
+    flat = [key for group in keys for key in group]
+    arrays = [a for key in flat for a in arrays_of(key)]
     mx.eval(arrays)
     views = iter(_host_views(arrays))
-    each = {(i, n): [next(views) for _ in blocks] for group in names for i, n in group}
-    return _filled(len(blocks), names, sizes, False, lambda i, n: (None, each[(i, n)]))
+    each = {key: [next(views) for _ in arrays_of(key)] for key in flat}
+    return lambda key: (None, each[key])
 
 
 def _cut_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], sizes: list[int]) -> list[np.ndarray]:
@@ -204,8 +211,9 @@ def _cut_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], size
         mx.eval(arrays)
         views = dict(zip(wanted, _host_views(arrays)))
 
-    def spans(i: int, n: str) -> tuple[Any, list | None]:
-        a, windows = views[(i, n)], [c.windows(i)[n] for c in cuts]
+    def spans(key: tuple[int, str]) -> tuple[Any, list | None]:
+        (i, n), a = key, views[key]
+        windows = [c.windows(i)[n] for c in cuts]
         lo, step = windows[0][0], windows[0][1] - windows[0][0]
         if all(w == (lo + t * step, lo + (t + 1) * step) for t, w in enumerate(windows)):
             part, shape = a[:, :, lo:lo + k * step], (*a.shape[:2], k, step, *a.shape[3:])
@@ -213,23 +221,27 @@ def _cut_bytes(blocks: Sequence[Block], names: list[list[tuple[int, str]]], size
                     else np.moveaxis(np.reshape(part, shape, copy=False), 2, 0)), None
         return None, [a[:, :, w[0]:w[1]] for w in windows]
 
-    return _filled(k, names, sizes, managed, spans)
+    return _filled(k, names, sizes, spans)
 
 
-def _filled(k: int, names: list[list[tuple[int, str]]], sizes: list[int], managed: bool, spans) -> list[np.ndarray]:
-    """One [k, group bytes] buffer per group, each array's bytes for the k blocks given by
-    `spans(layer, name)`: ([k, *shape] for all of them, None) or (None, one array per block),
-    numpy arrays where memory is unified (copied in place, on the format's threads), MLX arrays
-    with managed memory (CUDA: each group joined on the device, then copied out by the host in
-    parallel, `_group_bytes` says why)."""
+def _filled(k: int, keys: list[list[Any]], sizes: list[int], spans) -> list[np.ndarray]:
+    """One [k, group bytes] buffer per group, its arrays (`keys`, in their stored order) one
+    after the other, each array's bytes for the k blocks given by `spans(key)`: ([k, *shape] for
+    all of them, None) or (None, one array per block). Where memory is unified (Apple silicon,
+    the CPU) these are numpy views of MLX's buffers, copied in place on the format's threads, so
+    every byte is copied once (MLX's `reshape(-1)` and concatenation cost about twice this copy's
+    CPU in issue 28's put profile). On CUDA they are MLX arrays of a live cache, in managed
+    memory: a host read would move their pages to the host, for the next decode step to fault
+    back, so each group is joined on the device (a copy at device speed) and the host copies
+    that out in parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
     bufs = [np.empty((k, size), dtype=np.uint8) for size in sizes]
     copies = []
-    if managed:
+    if runs.managed_memory():
         joined = []
-        for group in names:
+        for group in keys:
             parts = []
-            for i, n in group:
-                stacked, each = spans(i, n)
+            for key in group:
+                stacked, each = spans(key)
                 parts.append((stacked if stacked is not None else mx.stack(each)).reshape(k, -1))
             joined.append(mx.concatenate(parts, axis=1))
         mx.eval(joined)
@@ -237,10 +249,10 @@ def _filled(k: int, names: list[list[tuple[int, str]]], sizes: list[int], manage
             dst, src = buf.reshape(-1), np.asarray(j).view(np.uint8).reshape(-1)
             copies += [(dst[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, dst.size, _COPY_CHUNK)]
     else:
-        for buf, group in zip(bufs, names):
+        for buf, group in zip(bufs, keys):
             at = 0
-            for i, n in group:
-                stacked, each = spans(i, n)
+            for key in group:
+                stacked, each = spans(key)
                 first = stacked[0] if stacked is not None else each[0]
                 dst = np.reshape(buf[:, at:at + first.nbytes].view(first.dtype), (k, *first.shape), copy=False)
                 copies += [(dst, stacked)] if stacked is not None else list(zip(dst, each))
@@ -351,36 +363,13 @@ def _dump3(kind: str, prov: Provenance, block: BlockInfo | None, header_layers: 
 
 def _group_bytes(groups: dict[tuple[str, str, str], list[tuple[dict[str, Any], mx.array]]]) -> list[np.ndarray]:
     """Each group's decoded bytes, one numpy buffer per group with its arrays copied in one
-    after the other; places every array in its group and records the digests of calibration
-    arrays. The copies run on the format's threads. Where memory is unified (Apple silicon,
-    the CPU) numpy reads each array through a strided view of MLX's buffer, so every byte is
-    copied once (MLX's `reshape(-1)` and concatenation cost about twice this copy's CPU in issue
-    28's put profile). On CUDA the arrays are a live cache's, in managed memory: a host
-    read would move their pages to the host, for the next decode step to fault back, so each
-    group is first joined on the device (a copy at device speed) and the host reads that, in
-    parallel (one thread moved device pages at 2 GB/s on the H200, eight at 11 GB/s)."""
-    managed = runs.managed_memory()
+    after the other (`_filled`); places every array in its group and records the digests of
+    calibration arrays."""
     items = list(groups.items())
     sizes = _place(groups)
-    if managed:
-        joined = [mx.concatenate([unsigned_view(a).reshape(-1) for _, a in members]) for _, members in items]
-        mx.eval(joined)
-    else:
-        arrays = [a for _, members in items for _, a in members]
-        mx.eval(arrays)
-        views = iter(_host_views(arrays))
-    raws, copies = [], []
-    for j, ((_, members), size) in enumerate(zip(items, sizes)):
-        raw = np.empty(size, dtype=np.uint8)
-        for entry, a in members:
-            if not managed:
-                src, at = next(views), entry["offset"]
-                copies.append((raw[at:at + a.nbytes].view(src.dtype).reshape(src.shape), src))
-        if managed:
-            src = np.asarray(joined[j]).view(np.uint8)
-            copies += [(raw[at:at + _COPY_CHUNK], src[at:at + _COPY_CHUNK]) for at in range(0, raw.size, _COPY_CHUNK)]
-        raws.append(raw)
-    _map(lambda c: np.copyto(*c), copies, [c[0].nbytes for c in copies])
+    keys = [[(j, m) for m in range(len(members))] for j, (_, members) in enumerate(items)]
+    spans = _per_block(keys, lambda key: [items[key[0]][1][key[1]][1]])
+    raws = [buf[0] for buf in _filled(1, keys, sizes, spans)]
     for ((section, _, _), members), raw in zip(items, raws):
         if section == "calibration":  # the calibration digest (and every later block key) hashes these
             for entry, a in members:
