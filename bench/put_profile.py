@@ -14,7 +14,8 @@ blocks' MLX arrays and the join. The process's CPU seconds and the load average 
 with each run: on a loaded machine wall seconds stretch, CPU seconds much less.
 
 `--profile` adds cProfile's top functions of the last put (main thread, by own time); `--write`
-puts the table into docs/benchmarks.md (section bench-put-profile).
+puts the table into docs/benchmarks.md (section bench-put-profile); `--batch-mib N` sets the put's
+batch size (each batch is a synced commit, the next encoded meanwhile).
 `--tree DIR` measures another checkout's tqstore (a baseline) with this script's floor.
 """
 
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="cProfile of the last put of each scheme")
     parser.add_argument("--tree", type=Path, help="measure another checkout's tqstore (a baseline)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    parser.add_argument("--batch-mib", type=int, help="the put's batch size (tqstore.store.put._BATCH_BYTES), for "
+                        "trying batches that commit while the next is encoded (default: the put's own)")
     args = parser.parse_args(argv)
     storage.use_tree(args.tree)
 
@@ -119,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     from tqstore.store.store import Store
     from turboquant import make_prompt_cache, snapshot
 
+    if args.batch_mib is not None:
+        import tqstore.store.put
+
+        tqstore.store.put._BATCH_BYTES = args.batch_mib << 20
     timer = Timer()
     install(timer)
     model = storage.kv_model()
