@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -204,13 +205,18 @@ class TierSet:
 
     def where(self, key: bytes) -> str | None:
         """The fastest tier believed to hold `key`, or None."""
-        if self.memory.has(key):
-            return "memory"
-        if self.lmdb.has_object(key):
-            return "lmdb"
-        if self.remote is not None and self.remote.has(key):
-            return "s3"
-        return None
+        return self.where_all([key])[0]
+
+    def where_all(self, keys: Sequence[bytes]) -> list[str | None]:
+        """`where` of each key; LMDB is asked once, for the keys memory lacks."""
+        found: list[str | None] = ["memory" if self.memory.has(k) else None for k in keys]
+        rest = [i for i, tier in enumerate(found) if tier is None]
+        for i, held in zip(rest, self.lmdb.has_objects([keys[i] for i in rest]) if rest else ()):
+            if held:
+                found[i] = "lmdb"
+            elif self.remote is not None and self.remote.has(keys[i]):
+                found[i] = "s3"
+        return found
 
 
 def not_found(name: str, tiers: "TierSet") -> NotFound:

@@ -228,8 +228,14 @@ class LmdbTier:
 
     def has_object(self, key: bytes) -> bool:
         """Whether `key` is in the index (without reading or verifying its payload)."""
-        key = check_key(key)
-        return self._env.read(lambda txn: txn.get(key, db=self._env.dbs[b"objects"]) is not None)
+        return self.has_objects([key])[0]
+
+    def has_objects(self, keys: Sequence[bytes]) -> list[bool]:
+        """`has_object` of each key, in one read transaction (a lookup asks for every block of
+        an entry: 258 transactions cost 4 ms at 64k tokens on the 2-core CPU)."""
+        keys = [check_key(k) for k in keys]
+        objects = self._env.dbs[b"objects"]
+        return self._env.read(lambda txn: [txn.get(k, db=objects) is not None for k in keys])
 
     def object_info(self, key: bytes) -> ObjectInfo | None:
         """The index entry of `key`, or None."""
