@@ -126,6 +126,22 @@ def test_a_manifest_edited_without_its_digest_is_refused(edit):
         Manifest.from_bytes(canonical_json(doc))
 
 
+def test_the_same_manifest_in_other_bytes_parses_the_same():
+    """The digest is read off the bytes `seal` wrote (their hash without the digest member);
+    bytes in any other form are re-encoded and checked as before."""
+    m = make_manifest()
+    doc = json.loads(m.to_bytes())
+    digest = doc.pop("digest")
+    forms = {"indented": json.dumps({**doc, "digest": digest}, indent=1).encode(),
+             "digest first": json.dumps({"digest": digest, **doc}, separators=(",", ":")).encode(),
+             "keys reversed": json.dumps(dict(reversed(list({**doc, "digest": digest}.items())))).encode()}
+    for form, data in forms.items():
+        assert data != m.to_bytes() and Manifest.from_bytes(data) == m, form
+    edited = json.dumps({**doc, "digest": digest, "pinned": not doc["pinned"]}, indent=1).encode()
+    with pytest.raises(MalformedHeader, match="digest does not match"):
+        Manifest.from_bytes(edited)
+
+
 def test_version_1_manifests_without_a_digest_stay_readable():
     m = make_manifest()
     doc = json.loads(m.to_bytes())

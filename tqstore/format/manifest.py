@@ -164,7 +164,7 @@ class Manifest:
         if not is_valid_name(name):
             raise MalformedHeader(f"manifest name {name!r:.60} is not a valid entry name")
         where = f"manifest {name}"
-        if version >= 2 and _digest(doc["digest"], f"{where}: digest").hex() != content_digest(doc):
+        if version >= 2 and _digest(doc["digest"], f"{where}: digest").hex() != _sealed_digest(data, doc):
             raise MalformedHeader(f"{where}: its digest does not match its content (the manifest was edited or "
                                   f"damaged): run `tqstore repair` (or `tqstore rm {name}`), then pull or save the "
                                   "entry again")
@@ -209,6 +209,23 @@ class Manifest:
 def content_digest(doc: Mapping[str, Any]) -> str:
     """Hex sha256 of the canonical JSON of a manifest document without its "digest" member."""
     return hashlib.sha256(canonical_json({k: v for k, v in doc.items() if k != "digest"})).hexdigest()
+
+
+def _sealed_digest(data: bytes, doc: Mapping[str, Any]) -> str:
+    """`content_digest(doc)` for `doc` parsed from `data`, read off the bytes where they are the
+    ones `seal` wrote: without their top-level digest member they hash to it. Re-encoding the
+    document cost 5.7 ms of a 64k-token manifest's 16 ms parse on the 2-core CPU. Bytes in any
+    other form (re-indented, the member elsewhere or twice) are re-encoded as before."""
+    data = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+    member = b',"digest":"' + doc["digest"].encode() + b'"'  # (checked as 64 hex digits before)
+    at = data.find(member)
+    if at > 0 and data.find(member, at + 1) < 0:
+        view = memoryview(data)
+        rest = hashlib.sha256(view[:at])
+        rest.update(view[at + len(member):])
+        if rest.hexdigest() == doc["digest"]:
+            return doc["digest"]
+    return content_digest(doc)
 
 
 def seal(doc: dict[str, Any]) -> bytes:
