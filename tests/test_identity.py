@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -119,6 +120,20 @@ def test_cosmetic_config_fields_keep_the_identity(tmp_path):
     d = ModelIdentity.from_path(write_model(tmp_path / "d", {**wrapped, "text_config": {**CONFIG, **cosmetic}}),
                                 tmp_path / "cache", kv_dtype="bfloat16")
     assert c.digest == d.digest
+
+
+def test_an_identity_works_out_its_digest_once(tmp_path, monkeypatch):
+    """The engine asks for the model's and the codec's digest on every request; an identity is
+    immutable, so its canonical JSON is encoded once. A replaced identity has its own digest."""
+    a = ModelIdentity.from_path(write_model(tmp_path / "a"), tmp_path / "cache")
+    codec = CodecIdentity.from_snapshot(snapshot(make_prompt_cache(build_model("llama"), "turbo4")), "turbo4")
+    first = (a.digest, codec.digest)
+    calls = []
+    monkeypatch.setattr(ModelIdentity, "fields", lambda self: calls.append(self) or {})
+    monkeypatch.setattr(CodecIdentity, "fields", lambda self: calls.append(self) or {})
+    assert (a.digest, codec.digest, a.hexdigest) == (*first, first[0].hex()) and calls == []
+    other = dataclasses.replace(codec, scheme="turbo3")
+    assert other.digest != codec.digest and calls == [other]
 
 
 def test_a_spelled_out_default_is_another_identity(tmp_path):

@@ -10,6 +10,7 @@ changed when a digest does not match.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -76,9 +77,11 @@ class _Digestible:
     def fields(self) -> dict[str, Any]:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self) if f.compare}
 
-    @property
+    @functools.cached_property
     def digest(self) -> bytes:
-        """32 raw bytes (what block keys chain)."""
+        """32 raw bytes (what block keys chain), worked out once per identity: the engine asks for
+        the model's and the codec's on every request (about 1 ms of a 4k first token on an H100
+        host, more with more layers), and an identity's fields are never changed once made."""
         return hashlib.sha256(canonical_json(self.fields())).digest()
 
     @property
