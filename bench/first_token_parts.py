@@ -1,0 +1,133 @@
+"""A first token from the memory tier, asked again and again, split into its parts (issues 28, 31).
+
+    python bench/first_token_parts.py --tokens 4096 16384 --schemes raw turbo4 turbo5v4     # GPU
+    python bench/first_token_parts.py --layers 8 --hidden 256 --mlp 512 --heads 4 --kv-heads 2 \
+        --head-dim 64 --tokens 1024 --schemes raw turbo4                                     # CPU
+
+bench/restore_vs_recompute.py times one first token per fresh store, right after its save; this
+asks the same question of one saved context `--runs` times in a row (after `--warm` untimed
+asks), as a server answering questions about one document does, and splits each answer's wall
+time as that bench does: the store's restore, the question's forward (all but its last token),
+the first-token step, and the rest (the lookup, building the caches, Python between them).
+Medians over the runs, and each scheme's median wall time over raw's. The model is
+restore_vs_recompute's: Llama-3.1-8B's shapes by default (random weights, bf16 on a GPU, float32
+on the CPU), nothing downloaded. `--profile` prints cProfile's top functions of 3 more asks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
+from common import markdown_table, print_and_write  # noqa: E402
+from restore_vs_recompute import QUESTION_TOKENS, write_model  # noqa: E402
+
+MARKER = "bench-first-token-parts"
+PARTS = ("wall", "restore", "question", "step", "rest")
+
+
+def ask(engine, loaded, scheme: str, prompt: list[int]) -> dict[str, float]:
+    """One `generate(..., max_tokens=1)` from memory: its wall seconds and their parts."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    t0 = time.perf_counter()
+    answer = engine.generate(loaded, scheme, prompt, max_tokens=1)
+    wall = time.perf_counter() - t0
+    if answer.tier != "memory":
+        raise RuntimeError(f"expected a restore from memory, got {answer.tier!r}")
+    parts = {"wall": wall, "restore": answer.restore_seconds, "question": answer.prefill_seconds,
+             "step": answer.generation_seconds}
+    parts["rest"] = wall - parts["restore"] - parts["question"] - parts["step"]
+    return parts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4", "turbo5v4"])
+    parser.add_argument("--runs", type=int, default=8)
+    parser.add_argument("--warm", type=int, default=2, help="untimed asks first (kernel builds, caches)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--mlp", type=int, default=14336)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--profile", action="store_true", help="cProfile's top functions of 3 more asks per cell")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    args = parser.parse_args(argv)
+
+    import mlx.core as mx
+
+    from tqstore.config import load_config
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
+
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    shape = SimpleNamespace(**{k: getattr(args, k) for k in ("layers", "hidden", "mlp", "heads", "kv_heads",
+                                                            "head_dim", "vocab")})
+    root = Path(tempfile.mkdtemp(prefix="tqstore-first-token-parts-"))
+    rows, medians = [], {}
+    try:
+        write_model(root / "model", shape, mx.bfloat16 if gpu else mx.float32)
+        rng = random.Random(0)
+        for tokens in args.tokens:
+            context = [rng.randrange(1, args.vocab - 1) for _ in range(tokens)]
+            prompt = context + [rng.randrange(1, args.vocab - 1) for _ in range(QUESTION_TOKENS)]
+            for scheme in args.schemes:
+                home = root / f"home-{tokens}-{scheme}"
+                store = Store.open(home, config=load_config(home))
+                try:
+                    engine = Engine(store)
+                    loaded = engine.model(str(root / "model"))
+                    engine.save_tokens("ctx", loaded, context, scheme=scheme)
+                    for _ in range(args.warm):
+                        ask(engine, loaded, scheme, prompt)
+                    runs = [ask(engine, loaded, scheme, prompt) for _ in range(args.runs)]
+                    if args.profile:
+                        profiler = cProfile.Profile()
+                        profiler.enable()
+                        for _ in range(3):
+                            engine.generate(loaded, scheme, prompt, max_tokens=1)
+                        profiler.disable()
+                        out = io.StringIO()
+                        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+                        print(f"-- {tokens} {scheme}\n" + out.getvalue(), flush=True)
+                finally:
+                    store.close()
+                    shutil.rmtree(home, ignore_errors=True)
+                medians[(tokens, scheme)] = {p: statistics.median(r[p] for r in runs) * 1e3 for p in PARTS}
+                wall = [r["wall"] * 1e3 for r in runs]
+                raw = medians.get((tokens, "raw"))
+                ratio = f"{medians[(tokens, scheme)]['wall'] / raw['wall']:.2f}x" if raw else "-"
+                rows.append([f"{tokens:,}", scheme, f"{medians[(tokens, scheme)]['wall']:.1f} ({min(wall):.1f}-"
+                             f"{max(wall):.1f})", ratio] + [f"{medians[(tokens, scheme)][p]:.1f}" for p in PARTS[1:]])
+                print(f"{tokens} {scheme}: " + ", ".join(f"{p} {medians[(tokens, scheme)][p]:.1f} ms" for p in PARTS),
+                      flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    body = (f"{args.layers} layers (hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, head dim "
+            f"{args.head_dim}), a {QUESTION_TOKENS}-token question asked {args.runs} times after {args.warm} "
+            f"untimed; medians (ms), wall as median (min-max); 'x raw' is the median wall over raw's:\n\n"
+            + markdown_table(["tokens", "scheme", "first token", "x raw", "restore", "question forward",
+                              "first-token step", "rest"], rows))
+    return print_and_write(MARKER, body, args.write, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
