@@ -27,13 +27,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from common import markdown_table, print_and_write  # noqa: E402
-from restore_vs_recompute import QUESTION_TOKENS, write_model  # noqa: E402
+from restore_vs_recompute import QUESTION_TOKENS, model_arguments, write_model  # noqa: E402
 
 MARKER = "bench-first-token-parts"
 PARTS = ("wall", "restore", "question", "step", "rest")
@@ -61,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemes", nargs="+", default=["raw", "turbo4", "turbo5v4"])
     parser.add_argument("--runs", type=int, default=8)
     parser.add_argument("--warm", type=int, default=2, help="untimed asks first (kernel builds, caches)")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--mlp", type=int, default=14336)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=32000)
+    model_arguments(parser)
     parser.add_argument("--profile", action="store_true", help="cProfile's top functions of 3 more asks per cell")
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -79,12 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     from tqstore.store.store import Store
 
     gpu = mx.default_device().type == mx.DeviceType.gpu
-    shape = SimpleNamespace(**{k: getattr(args, k) for k in ("layers", "hidden", "mlp", "heads", "kv_heads",
-                                                            "head_dim", "vocab")})
     root = Path(tempfile.mkdtemp(prefix="tqstore-first-token-parts-"))
     rows, medians = [], {}
     try:
-        write_model(root / "model", shape, mx.bfloat16 if gpu else mx.float32)
+        write_model(root / "model", args, mx.bfloat16 if gpu else mx.float32)
         rng = random.Random(0)
         for tokens in args.tokens:
             context = [rng.randrange(1, args.vocab - 1) for _ in range(tokens)]

@@ -386,11 +386,8 @@ def filesystem(path: Path) -> str:
 
 # -- main -----------------------------------------------------------------------------------
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
-    parser.add_argument("--schemes", nargs="+", default=["turbo4", "raw"])
-    parser.add_argument("--runs", type=int, default=3)
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's shape flags (`llama_config`, `write_model`): Llama-3.1-8B's, 8 layers, by default."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--mlp", type=int, default=14336)
@@ -398,6 +395,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=32000)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    parser.add_argument("--schemes", nargs="+", default=["turbo4", "raw"])
+    parser.add_argument("--runs", type=int, default=3)
+    model_arguments(parser)
     parser.add_argument("--memory-limit-gb", type=float, default=100.0,
                         help="mx.set_memory_limit on a GPU (the H200 has about 139 GiB)")
     parser.add_argument("--tmp", type=Path, default=Path(tempfile.gettempdir()),

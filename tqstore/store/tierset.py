@@ -203,12 +203,9 @@ class TierSet:
             if tier != "memory":
                 self.memory.put(key, hot)
 
-    def where(self, key: bytes) -> str | None:
-        """The fastest tier believed to hold `key`, or None."""
-        return self.where_all([key])[0]
-
     def where_all(self, keys: Sequence[bytes]) -> list[str | None]:
-        """`where` of each key; LMDB is asked once, for the keys memory lacks."""
+        """The fastest tier believed to hold each key, or None; LMDB is asked once, for the keys
+        memory lacks."""
         found: list[str | None] = ["memory" if self.memory.has(k) else None for k in keys]
         rest = [i for i, tier in enumerate(found) if tier is None]
         for i, held in zip(rest, self.lmdb.has_objects([keys[i] for i in rest]) if rest else ()):
