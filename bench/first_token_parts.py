@@ -9,7 +9,8 @@ asks the same question of one saved context `--runs` times in a row (after `--wa
 asks), as a server answering questions about one document does, and splits each answer's wall
 time as that bench does: the store's restore, the question's forward (all but its last token),
 the first-token step, and the rest (the lookup, building the caches, Python between them).
-Medians over the runs, and each scheme's median wall time over raw's. The model is
+Medians over the runs, and each scheme's median wall time over raw's; `--tree DIR` measures
+another checkout (a baseline, side by side). The model is
 restore_vs_recompute's: Llama-3.1-8B's shapes by default (random weights, bf16 on a GPU, float32
 on the CPU), nothing downloaded. `--profile` prints cProfile's top functions of 3 more asks.
 """
@@ -33,6 +34,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from common import markdown_table, print_and_write  # noqa: E402
 from restore_vs_recompute import QUESTION_TOKENS, model_arguments, write_model  # noqa: E402
+from storage import use_tree  # noqa: E402
 
 MARKER = "bench-first-token-parts"
 PARTS = ("wall", "restore", "question", "step", "rest")
@@ -62,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warm", type=int, default=2, help="untimed asks first (kernel builds, caches)")
     model_arguments(parser)
     parser.add_argument("--profile", action="store_true", help="cProfile's top functions of 3 more asks per cell")
+    parser.add_argument("--tree", type=Path, help="measure another checkout's tqstore and turboquant (a baseline)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args(argv)
+    use_tree(args.tree)
 
     import mlx.core as mx
 
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    body = (f"{args.layers} layers (hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, head dim "
+    tree = f"the tree at {args.tree}; " if args.tree else ""
+    body = (f"{tree}{args.layers} layers (hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, head dim "
             f"{args.head_dim}), a {QUESTION_TOKENS}-token question asked {args.runs} times after {args.warm} "
             f"untimed; medians (ms), wall as median (min-max); 'x raw' is the median wall over raw's:\n\n"
             + markdown_table(["tokens", "scheme", "first token", "x raw", "restore", "question forward",

@@ -58,10 +58,11 @@ def test_the_per_side_tables_are_graph_nodes_not_evaluations(monkeypatch):
     lazy now, evaluated with the attention call that reads them, and hold the same values."""
     cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3, tail=20)
     key_side, value_side = cache._key_side, cache._value_side
+    c = 0.125 * host.LOG2E
+    host._constant(c, (host.MIN_INPUT_ELEMENTS,))  # (made and evaluated once per process, not per side)
     evaluated = []
     real = mx.eval
     monkeypatch.setattr(mx, "eval", lambda *a, **k: evaluated.append(a) or real(*a, **k))
-    c = 0.125 * host.LOG2E
     kind, pre, m, post, cq = host._query_transform(key_side, c, 2, 64)
     fused_pre, fused_post = host._fused_query(key_side, c, 2, 64)
     rinv = host.inverse_matrix(value_side.codec.rotation)
@@ -114,6 +115,22 @@ def test_a_prepared_step_calls_the_kernel_objects_it_bound(monkeypatch):
     assert len(launched) == 6
     for slot, input_dtypes, output_dtypes in launched:
         assert (input_dtypes, output_dtypes) == bound[slot]
+
+
+def test_sides_of_one_codec_share_its_tables():
+    """The rotation matrix and the fused query's signs depend on the codec alone, but were made
+    for each side: every layer of every restore made them again (a restore from memory now
+    reuses its codecs). Sides of one codec share them; what the calibration sets stays per side."""
+    cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3)
+    other = build_cache("turbo4", 2, 64, mx.float16, 256, seed=5)
+    c = 0.125 * host.LOG2E
+    first = cache._key_side
+    second = cache.active.key.side("keys", other.calibration)
+    assert second.codec is first.codec
+    _, pre1, m1, post1, _ = host._query_transform(first, c, 2, 64)
+    _, pre2, m2, post2, _ = host._query_transform(second, c, 2, 64)
+    assert m1 is m2 and host._fused_query(first, c, 2, 64)[0] is not host._fused_query(second, c, 2, 64)[0]
+    assert not np.array_equal(np.array(pre1), np.array(pre2)) and not np.array_equal(np.array(post1), np.array(post2))
 
 
 def test_the_per_side_tables_stay_bounded_and_let_old_sides_go():

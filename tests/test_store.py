@@ -611,3 +611,24 @@ def test_restored_entry_decodes_like_the_original(store):
     for a, b in zip(expected, decode_logits(model, restore(restored), prompt[-1:])):
         assert mx.array_equal(a, b).item()
     store.close()
+
+
+def test_restores_from_memory_share_their_codecs(store):
+    """Each restore rebuilt every layer's TurboQuant codec from the stored records, so the GPU
+    kernels' tables made from a codec (its rotation as a matrix, padded codebooks) were made again
+    by every layer of every question asked of a stored context. The memory tier keeps the
+    entry's codec records, and one codec object now serves all layers and restores of them."""
+    model, prompt, _, snap, model_id, codec_id = stored_model_entry()
+    tokens = prompt[:-1].tolist()
+    store.put("tiny", snap, tokens, model=model_id, codec=codec_id, model_ref="tiny-llama", prefill_seconds=0.1)
+    store = reopen(store)
+    match = store.lookup(tokens, model=model_id.digest, codec=codec_id.digest)
+    sides = []
+    for tier in ("lmdb", "memory", "memory"):
+        restored, stats = store.restore(match)
+        assert stats.tier == tier
+        sides.append([(c._key_side, c._value_side) for c in restore(restored)])
+    codecs = {id(side.codec) for layers in sides[1:] for pair in layers for side in pair}
+    assert len(codecs) == len(snap.codecs) == 2  # keys' and values' codecs, whatever the layer or restore
+    assert sides[1][0][0] is not sides[2][0][0]  # (sides stay per restore: their calibrations are)
+    store.close()

@@ -9,6 +9,7 @@ out flat) live in the cache and its snapshot, not here.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -56,10 +57,23 @@ def codec_record(codec: TurboCodec) -> CodecRecord:
     return CodecRecord(rotation_kind=codec.rotation.kind.value, norm_mode=codec.norm_mode.value, arrays=arrays)
 
 
+# The codec rebuilt from each persisted record, for as long as the record lives (an explicit
+# registry). The memory tier keeps an entry's codec records, so every restore from it, and every
+# layer of one restore, gets the same codec object, and the kernels' tables made from a codec
+# (rotation matrices, padded codebooks; attention/kernels/host.py) are made once, not again by
+# each layer of each restore (a question's forward on the GPU paid their launches every time).
+_FROM_RECORD: weakref.WeakKeyDictionary[CodecRecord, TurboCodec] = weakref.WeakKeyDictionary()
+
+
 def codec_from_record(record: CodecRecord) -> TurboCodec:
-    a = record.arrays
-    rotation = Rotation.from_arrays(record.rotation_kind, a.get("signs"), a.get("matrix"))
-    return TurboCodec.from_arrays(a["centroids"], a["boundaries"], rotation, record.norm_mode)
+    """The codec a persisted record describes (one object per record; nothing regenerated)."""
+    codec = _FROM_RECORD.get(record)
+    if codec is None:
+        a = record.arrays
+        rotation = Rotation.from_arrays(record.rotation_kind, a.get("signs"), a.get("matrix"))
+        codec = _FROM_RECORD[record] = TurboCodec.from_arrays(a["centroids"], a["boundaries"], rotation,
+                                                              record.norm_mode)
+    return codec
 
 
 @dataclass(frozen=True, eq=False)

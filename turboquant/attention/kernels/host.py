@@ -271,9 +271,10 @@ def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, pre
 # each restore of a long-running server (64 KB of rotation matrix a layer at head dim 128).
 _RINV: dict[int, tuple[Rotation, mx.array]] = {}
 _QT: dict[tuple, tuple] = {}
+_CODEC: dict[int, tuple] = {}
 _DENSE: dict[int, tuple[mx.array, mx.array]] = {}
 _PADDED: dict[int, tuple[mx.array, mx.array]] = {}
-DENSE_KEPT = 128  # key-mean tables and padded codebooks kept (a model's layers, twice over)
+DENSE_KEPT = 128  # key-mean tables, padded codebooks and codec tables kept (a model's layers, twice over)
 TABLES_KEPT = 512  # query transforms and inverse rotations kept (both of 128 layers' sides, twice)
 
 
@@ -337,10 +338,34 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
     if hit is not None and hit[0] is key_side:
         return hit[1]
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
-    signs = key_side.codec.rotation.signs.astype(mx.float32)
-    fused = (mx.contiguous(pre * signs / math.sqrt(D)), mx.ones((H, D), dtype=mx.float32) if post is None else post)
+    signs = _codec_tables(key_side.codec)[1]
+    fused = (mx.contiguous(pre * signs), _constant(1.0, (H, D)) if post is None else post)
     _keep(_QT, key, (key_side, fused), TABLES_KEPT)
     return fused
+
+
+def _codec_tables(codec) -> tuple[mx.array, mx.array | None]:
+    """Per TurboQuant codec (cached, lazily like `_query_transform`): its rotation as an exact
+    float32 matrix M [D, D], and for a Sylvester Hadamard rotation its signs over sqrt(d), which
+    pass 1's fused query folds into pre. A restore from memory reuses its codecs
+    (`codec_from_record`), so these are made once per entry, not per layer and restore."""
+    hit = _CODEC.get(id(codec))
+    if hit is not None and hit[0] is codec:
+        return hit[1]
+    rotation, d = codec.rotation, codec.d
+    m = mx.contiguous(rotation.forward(mx.eye(d, dtype=mx.float32)))
+    signs = None if rotation.kind is not RotationKind.HADAMARD else rotation.signs.astype(mx.float32) / math.sqrt(d)
+    _keep(_CODEC, id(codec), (codec, (m, signs)), DENSE_KEPT)
+    return m, signs
+
+
+@functools.lru_cache(maxsize=64)
+def _constant(value: float, shape: tuple[int, ...]) -> mx.array:
+    """A float32 array of one value, made and evaluated once per (value, shape): the softmax
+    scale's tables of uncalibrated keys, the same for every layer and restore."""
+    a = mx.full(shape, value, dtype=mx.float32)
+    mx.eval(a)
+    return a
 
 
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
@@ -350,8 +375,8 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself).
 
     Built lazily, as graph nodes of the first attention call that needs them, not evaluated
-    here: every restore makes new sides, so a question after a restore makes them for every layer,
-    and evaluating each table as it was made (on the CPU stream, then read by the GPU) cost
+    here: every restore makes new sides (with new calibrations), so a question after a restore
+    makes pre and post for every layer (M is the codec's, `_codec_tables`), and evaluating each table as it was made (on the CPU stream, then read by the GPU) cost
     10-20 ms of a 15-token question's forward over 8 layers on the H200 (issue 28), where the
     whole forward now takes 7-8 ms."""
     key = (id(key_side), c, H, D)
@@ -360,15 +385,13 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
         return hit[1]
     cal = getattr(key_side, "calibration", None)
     chan = None if cal is None or cal.scale is None else cal.scale.astype(mx.float32)
-    cq = mx.full((MIN_INPUT_ELEMENTS,), c, dtype=mx.float32)  # kernels read cq[0]
+    cq = _constant(c, (MIN_INPUT_ELEMENTS,))  # kernels read cq[0]
+    pre = _constant(c, (H, D)) if chan is None else mx.contiguous(chan * c)
     if isinstance(key_side, TurboSide):
-        pre = mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c
-        m = mx.contiguous(key_side.codec.rotation.forward(mx.eye(D, dtype=mx.float32)))
         post = key_side._scale()
         post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
-        result = ("pass0", pre, m, post, cq)
+        result = ("pass0", pre, _codec_tables(key_side.codec)[0], post, cq)
     else:
-        pre = mx.contiguous(mx.full((H, D), c, dtype=mx.float32) if chan is None else chan * c)
         result = ("scale", pre, None, None, cq)
     _keep(_QT, key, (key_side, result), TABLES_KEPT)
     return result
