@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tree = f"the tree at {args.tree}; " if args.tree else ""
-    body = (f"{tree}{args.layers} layers (hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, head dim "
-            f"{args.head_dim}), a {QUESTION_TOKENS}-token question asked {args.runs} times after {args.warm} "
+    body = (f"{tree}{args.layers} layers (hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, "
+            f"head dim {args.head_dim}), a {QUESTION_TOKENS}-token question asked {args.runs} times after {args.warm} "
             f"untimed; medians (ms), wall as median (min-max); 'x raw' is the median wall over raw's:\n\n"
             + markdown_table(["tokens", "scheme", "first token", "x raw", "to the token", "x raw", "restore",
                               "question forward", "first-token step", "rest"], rows))

@@ -339,14 +339,14 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
         return hit[1]
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
     signs = _codec_tables(key_side.codec)[1]
-    fused = (mx.contiguous(pre * signs), _constant(1.0, (H, D)) if post is None else post)
+    fused = (mx.contiguous(pre * signs / math.sqrt(D)), _constant(1.0, (H, D)) if post is None else post)
     _keep(_QT, key, (key_side, fused), TABLES_KEPT)
     return fused
 
 
 def _codec_tables(codec) -> tuple[mx.array, mx.array | None]:
     """Per TurboQuant codec (cached, lazily like `_query_transform`): its rotation as an exact
-    float32 matrix M [D, D], and for a Sylvester Hadamard rotation its signs over sqrt(d), which
+    float32 matrix M [D, D], and for a Sylvester Hadamard rotation its signs in float32, which
     pass 1's fused query folds into pre. A restore from memory reuses its codecs
     (`codec_from_record`), so these are made once per entry, not per layer and restore."""
     hit = _CODEC.get(id(codec))
@@ -354,7 +354,7 @@ def _codec_tables(codec) -> tuple[mx.array, mx.array | None]:
         return hit[1]
     rotation, d = codec.rotation, codec.d
     m = mx.contiguous(rotation.forward(mx.eye(d, dtype=mx.float32)))
-    signs = None if rotation.kind is not RotationKind.HADAMARD else rotation.signs.astype(mx.float32) / math.sqrt(d)
+    signs = None if rotation.kind is not RotationKind.HADAMARD else rotation.signs.astype(mx.float32)
     _keep(_CODEC, id(codec), (codec, (m, signs)), DENSE_KEPT)
     return m, signs
 
@@ -376,9 +376,10 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
 
     Built lazily, as graph nodes of the first attention call that needs them, not evaluated
     here: every restore makes new sides (with new calibrations), so a question after a restore
-    makes pre and post for every layer (M is the codec's, `_codec_tables`), and evaluating each table as it was made (on the CPU stream, then read by the GPU) cost
-    10-20 ms of a 15-token question's forward over 8 layers on the H200 (issue 28), where the
-    whole forward now takes 7-8 ms."""
+    makes pre and post for every layer (M is the codec's, `_codec_tables`), and evaluating each
+    table as it was made (on the CPU stream, then read by the GPU) cost 10-20 ms of a 15-token
+    question's forward over 8 layers on the H200 (issue 28), where the whole forward now takes
+    7-8 ms."""
     key = (id(key_side), c, H, D)
     hit = _QT.get(key)
     if hit is not None and hit[0] is key_side:
