@@ -4,6 +4,7 @@ across new tail rows, a block that fills (new stored rows, key means and buffers
 the step is rebuilt only when something it holds changes."""
 
 import gc
+import math
 import weakref
 
 import mlx.core as mx
@@ -131,6 +132,18 @@ def test_sides_of_one_codec_share_its_tables():
     _, pre2, m2, post2, _ = host._query_transform(second, c, 2, 64)
     assert m1 is m2 and host._fused_query(first, c, 2, 64)[0] is not host._fused_query(second, c, 2, 64)[0]
     assert not np.array_equal(np.array(pre1), np.array(pre2)) and not np.array_equal(np.array(post1), np.array(post2))
+
+
+def test_the_fused_query_divides_by_sqrt_d_as_before_at_head_dim_128():
+    """The fused query's pre is (pre * signs) / sqrt(d), bit for bit: folding 1/sqrt(d) into the
+    codec's sign table (6bcc133) changed about 40% of its values by an ulp at d = 128, where
+    sqrt(d) is not a power of two."""
+    cache = build_cache("turbo4", 2, 128, mx.float16, 256, seed=3)
+    c = 0.088 * host.LOG2E
+    _, pre, _, _, _ = host._query_transform(cache._key_side, c, 2, 128)
+    fused_pre, _ = host._fused_query(cache._key_side, c, 2, 128)
+    signs = cache._key_side.codec.rotation.signs.astype(mx.float32)
+    assert np.array_equal(np.array(fused_pre), np.array(pre * signs / math.sqrt(128)))
 
 
 def test_the_per_side_tables_stay_bounded_and_let_old_sides_go():
