@@ -5,7 +5,7 @@ by Nsight Compute, beside the ask's wall time (issues 28, 31).
 
 Each scheme runs in its own process under `ncu --profile-from-start off`, which profiles only
 between the process's cudaProfilerStart and cudaProfilerStop: the asks `bench/first_token_parts.py`
-times (the same model, context and question), after its untimed warm asks, not the save. ncu
+times (the same model, a context of the same length), after its untimed warm asks, not the save. ncu
 replays each kernel alone with the caches flushed, so its durations are each kernel's device
 time from cold caches (an upper bound of what the ask's kernels cost together) and the asks'
 wall time under it means nothing: compare the schemes' kernel counts and summed device time, and
