@@ -119,9 +119,9 @@ def test_a_prepared_step_calls_the_kernel_objects_it_bound(monkeypatch):
 
 
 def test_sides_of_one_codec_share_its_tables():
-    """The rotation matrix and the fused query's signs depend on the codec alone, but were made
-    for each side: every layer of every restore made them again (a restore from memory now
-    reuses its codecs). Sides of one codec share them; what the calibration sets stays per side."""
+    """The rotation matrix depends on the codec alone, but was made for each side: every layer
+    of every restore made it again (a restore from memory now reuses its codecs). Sides of one
+    codec share it; what the calibration sets stays per side."""
     cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3)
     other = build_cache("turbo4", 2, 64, mx.float16, 256, seed=5)
     c = 0.125 * host.LOG2E

@@ -269,13 +269,13 @@ def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, pre
 # hit) and dropped oldest first past its bound. Every restore makes new sides (and, from LMDB or
 # S3, new rotations), so unbounded tables grew by every layer's tables, and held its side, for
 # each restore of a long-running server (64 KB of rotation matrix a layer at head dim 128).
+_RFWD: dict[int, tuple[Rotation, mx.array]] = {}
 _RINV: dict[int, tuple[Rotation, mx.array]] = {}
 _QT: dict[tuple, tuple] = {}
-_CODEC: dict[int, tuple] = {}
 _DENSE: dict[int, tuple[mx.array, mx.array]] = {}
 _PADDED: dict[int, tuple[mx.array, mx.array]] = {}
-DENSE_KEPT = 128  # key-mean tables, padded codebooks and codec tables kept (a model's layers, twice over)
-TABLES_KEPT = 512  # query transforms and inverse rotations kept (both of 128 layers' sides, twice)
+DENSE_KEPT = 128  # key-mean tables and padded codebooks kept (a model's layers, twice over)
+TABLES_KEPT = 512  # query transforms and rotation matrices kept (both of 128 layers' sides, twice)
 
 
 def _keep(table: dict, key, entry: tuple, kept: int) -> None:
@@ -285,18 +285,31 @@ def _keep(table: dict, key, entry: tuple, kept: int) -> None:
     table[key] = entry
 
 
+def _made_once(table: dict, obj, kept: int, make: Callable[[], mx.array]) -> mx.array:
+    """The table made from `obj` (`make()`), kept beside it under its id and made again only
+    for another object."""
+    hit = table.get(id(obj))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    made = make()
+    _keep(table, id(obj), (obj, made), kept)
+    return made
+
+
+def forward_matrix(rotation: Rotation) -> mx.array:
+    """M with forward(x) = x @ M, exact in float32 (made once per rotation object, lazily: see
+    `_query_transform`). A restore from memory reuses its codecs (`codec_from_record`), so this
+    is made once per entry, not per layer and restore."""
+    return _made_once(_RFWD, rotation, TABLES_KEPT,
+                      lambda: mx.contiguous(rotation.forward(mx.eye(rotation.d, dtype=mx.float32))))
+
+
 def inverse_matrix(rotation: Rotation) -> mx.array:
     """M_inv with inverse(y) = y @ M_inv, exact in float32 (made once per rotation object, lazily:
     see `_query_transform`)."""
-    hit = _RINV.get(id(rotation))
-    if hit is not None and hit[0] is rotation:
-        return hit[1]
     if rotation.kind is RotationKind.HADAMARD:
-        m = rotation.inverse(mx.eye(rotation.d, dtype=mx.float32))
-    else:
-        m = mx.contiguous(rotation.matrix.astype(mx.float32).T)
-    _keep(_RINV, id(rotation), (rotation, m), TABLES_KEPT)
-    return m
+        return _made_once(_RINV, rotation, TABLES_KEPT, lambda: rotation.inverse(mx.eye(rotation.d, dtype=mx.float32)))
+    return _made_once(_RINV, rotation, TABLES_KEPT, lambda: mx.contiguous(rotation.matrix.astype(mx.float32).T))
 
 
 def unpooled(a: mx.array) -> mx.array:
@@ -304,23 +317,15 @@ def unpooled(a: mx.array) -> mx.array:
     made once per array object; kernels index only its first `a.size` elements."""
     if a.size >= MIN_INPUT_ELEMENTS:
         return a
-    hit = _PADDED.get(id(a))
-    if hit is not None and hit[0] is a:
-        return hit[1]
-    padded = mx.concatenate([a.reshape(-1), mx.zeros((MIN_INPUT_ELEMENTS - a.size,), dtype=a.dtype)])
-    _keep(_PADDED, id(a), (a, padded), DENSE_KEPT)
-    return padded
+    return _made_once(_PADDED, a, DENSE_KEPT, lambda: mx.concatenate(
+        [a.reshape(-1), mx.zeros((MIN_INPUT_ELEMENTS - a.size,), dtype=a.dtype)]))
 
 
 def dense_float32(a: mx.array) -> mx.array:
     """`a` as a dense float32 array, made once per array object (the key means change only when
-    a block is added): no copy op in every decode step's graph."""
-    hit = _DENSE.get(id(a))
-    if hit is not None and hit[0] is a:
-        return hit[1]
-    dense = mx.contiguous(a.astype(mx.float32))
-    _keep(_DENSE, id(a), (a, dense), DENSE_KEPT)  # oldest first: layers' means from earlier blocks
-    return dense
+    a block is added): no copy op in every decode step's graph. Oldest first out: layers' means
+    from earlier blocks."""
+    return _made_once(_DENSE, a, DENSE_KEPT, lambda: mx.contiguous(a.astype(mx.float32)))
 
 
 def fused_rotation(key_side) -> bool:
@@ -338,25 +343,10 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
     if hit is not None and hit[0] is key_side:
         return hit[1]
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
-    signs = _codec_tables(key_side.codec)[1]
+    signs = key_side.codec.rotation.signs.astype(mx.float32)
     fused = (mx.contiguous(pre * signs / math.sqrt(D)), _constant(1.0, (H, D)) if post is None else post)
     _keep(_QT, key, (key_side, fused), TABLES_KEPT)
     return fused
-
-
-def _codec_tables(codec) -> tuple[mx.array, mx.array | None]:
-    """Per TurboQuant codec (cached, lazily like `_query_transform`): its rotation as an exact
-    float32 matrix M [D, D], and for a Sylvester Hadamard rotation its signs in float32, which
-    pass 1's fused query folds into pre. A restore from memory reuses its codecs
-    (`codec_from_record`), so these are made once per entry, not per layer and restore."""
-    hit = _CODEC.get(id(codec))
-    if hit is not None and hit[0] is codec:
-        return hit[1]
-    rotation, d = codec.rotation, codec.d
-    m = mx.contiguous(rotation.forward(mx.eye(d, dtype=mx.float32)))
-    signs = None if rotation.kind is not RotationKind.HADAMARD else rotation.signs.astype(mx.float32)
-    _keep(_CODEC, id(codec), (codec, (m, signs)), DENSE_KEPT)
-    return m, signs
 
 
 @functools.lru_cache(maxsize=64)
@@ -376,7 +366,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
 
     Built lazily, as graph nodes of the first attention call that needs them, not evaluated
     here: every restore makes new sides (with new calibrations), so a question after a restore
-    makes pre and post for every layer (M is the codec's, `_codec_tables`), and evaluating each
+    makes pre and post for every layer (M is the codec's rotation's, `forward_matrix`), and evaluating each
     table as it was made (on the CPU stream, then read by the GPU) cost 10-20 ms of a 15-token
     question's forward over 8 layers on the H200 (issue 28), where the whole forward now takes
     7-8 ms."""
@@ -391,7 +381,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     if isinstance(key_side, TurboSide):
         post = key_side._scale()
         post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
-        result = ("pass0", pre, _codec_tables(key_side.codec)[0], post, cq)
+        result = ("pass0", pre, forward_matrix(key_side.codec.rotation), post, cq)
     else:
         result = ("scale", pre, None, None, cq)
     _keep(_QT, key, (key_side, result), TABLES_KEPT)
