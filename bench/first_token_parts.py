@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import io
 import pstats
 import random
@@ -29,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,6 +60,35 @@ def ask(engine, loaded, scheme: str, prompt: list[int]) -> dict[str, float]:
     return parts
 
 
+def context_and_prompt(rng: random.Random, tokens: int, vocab: int) -> tuple[list[int], list[int]]:
+    """`tokens` random context tokens, and the prompt: the context and a QUESTION_TOKENS-token question."""
+    context = [rng.randrange(1, vocab - 1) for _ in range(tokens)]
+    return context, context + [rng.randrange(1, vocab - 1) for _ in range(QUESTION_TOKENS)]
+
+
+@contextlib.contextmanager
+def saved(root: Path, scheme: str, context: list[int], prompt: list[int], warm: int) -> Iterator[tuple]:
+    """(engine, loaded model) over a fresh store under `root` holding `context` saved under
+    `scheme` (the model at root/model), after `warm` untimed asks of `prompt`; the store is
+    closed and removed after."""
+    from tqstore.config import load_config
+    from tqstore.engine.engine import Engine
+    from tqstore.store.store import Store
+
+    home = root / f"home-{len(context)}-{scheme}"
+    store = Store.open(home, config=load_config(home))
+    try:
+        engine = Engine(store)
+        loaded = engine.model(str(root / "model"))
+        engine.save_tokens("ctx", loaded, context, scheme=scheme)
+        for _ in range(warm):
+            ask(engine, loaded, scheme, prompt)
+        yield engine, loaded
+    finally:
+        store.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
@@ -73,10 +104,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import mlx.core as mx
 
-    from tqstore.config import load_config
-    from tqstore.engine.engine import Engine
-    from tqstore.store.store import Store
-
     gpu = mx.default_device().type == mx.DeviceType.gpu
     root = Path(tempfile.mkdtemp(prefix="tqstore-first-token-parts-"))
     rows, medians = [], {}
@@ -84,17 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         write_model(root / "model", args, mx.bfloat16 if gpu else mx.float32)
         rng = random.Random(0)
         for tokens in args.tokens:
-            context = [rng.randrange(1, args.vocab - 1) for _ in range(tokens)]
-            prompt = context + [rng.randrange(1, args.vocab - 1) for _ in range(QUESTION_TOKENS)]
+            context, prompt = context_and_prompt(rng, tokens, args.vocab)
             for scheme in args.schemes:
-                home = root / f"home-{tokens}-{scheme}"
-                store = Store.open(home, config=load_config(home))
-                try:
-                    engine = Engine(store)
-                    loaded = engine.model(str(root / "model"))
-                    engine.save_tokens("ctx", loaded, context, scheme=scheme)
-                    for _ in range(args.warm):
-                        ask(engine, loaded, scheme, prompt)
+                with saved(root, scheme, context, prompt, args.warm) as (engine, loaded):
                     runs = [ask(engine, loaded, scheme, prompt) for _ in range(args.runs)]
                     if args.profile:
                         profiler = cProfile.Profile()
@@ -105,9 +124,6 @@ def main(argv: list[str] | None = None) -> int:
                         out = io.StringIO()
                         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
                         print(f"-- {tokens} {scheme}\n" + out.getvalue(), flush=True)
-                finally:
-                    store.close()
-                    shutil.rmtree(home, ignore_errors=True)
                 medians[(tokens, scheme)] = {p: statistics.median(r[p] for r in runs) * 1e3 for p in PARTS}
                 wall = [r["wall"] * 1e3 for r in runs]
                 raw = medians.get((tokens, "raw"))

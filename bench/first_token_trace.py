@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from common import markdown_table, print_and_write  # noqa: E402
-from first_token_parts import ask  # noqa: E402
+from first_token_parts import ask, context_and_prompt, saved  # noqa: E402
 from restore_vs_recompute import QUESTION_TOKENS, model_arguments, write_model  # noqa: E402
 from storage import use_tree  # noqa: E402
 
@@ -58,32 +58,17 @@ def child(args) -> int:
     """Save the context, ask `--warm` times, then `--runs` asks between the profiler's start and stop."""
     import mlx.core as mx
 
-    from tqstore.config import load_config
-    from tqstore.engine.engine import Engine
-    from tqstore.store.store import Store
-
     root = Path(tempfile.mkdtemp(prefix="tqstore-first-token-trace-"))
     try:
         write_model(root / "model", args, mx.bfloat16)
-        rng = random.Random(0)
-        context = [rng.randrange(1, args.vocab - 1) for _ in range(args.tokens[0])]
-        prompt = context + [rng.randrange(1, args.vocab - 1) for _ in range(QUESTION_TOKENS)]
-        home = root / "home"
-        store = Store.open(home, config=load_config(home))
-        try:
-            engine = Engine(store)
-            loaded = engine.model(str(root / "model"))
-            engine.save_tokens("ctx", loaded, context, scheme=args.child)
-            for _ in range(args.warm):
-                ask(engine, loaded, args.child, prompt)
+        context, prompt = context_and_prompt(random.Random(0), args.tokens[0], args.vocab)
+        with saved(root, args.child, context, prompt, args.warm) as (engine, loaded):
             runtime = cudart()
             mx.synchronize()
             runtime.cudaProfilerStart()
             walls = [ask(engine, loaded, args.child, prompt)["wall"] for _ in range(args.runs)]
             mx.synchronize()
             runtime.cudaProfilerStop()
-        finally:
-            store.close()
         print(f"wall under ncu (not a timing): {statistics.median(walls) * 1e3:.1f} ms", file=sys.stderr)
     finally:
         shutil.rmtree(root, ignore_errors=True)
