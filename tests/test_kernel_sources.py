@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from turboquant.attention import kernels
-from turboquant.attention.kernels import KernelTuning, host, metal
+from turboquant.attention.kernels import KernelTuning, host, metal, steps
 from turboquant.attention.kernels import dialects, merge
 from turboquant.attention.kernels import template as tpl
 from turboquant.attention.kernels.merge import Pass2
@@ -200,6 +200,7 @@ def test_hook_merges_the_tail_exactly(monkeypatch):
     for mask in (None, "causal"):
         calls.clear()
         cache._steps.clear()  # (a kept step replays its kernels: test_kernel_steps.py)
+        steps.TEMPLATES.clear()  # (and so does the process's template of the same call shape)
         out = cache.attention(q, 0.125, mask)
         assert len(calls) == 2 and out.dtype == mx.float16  # pass 1 (rotates the query), pass 2
         assert isinstance(calls[0], MmaPass1)  # fp16 activations on CUDA: the tensor-core pass 1

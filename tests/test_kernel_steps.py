@@ -3,16 +3,18 @@ CPU through the emulator: each replayed step equals the step built from scratch,
 across new tail rows, a block that fills (new stored rows, key means and buffers) and a trim, and
 the step is rebuilt only when something it holds changes."""
 
+import dataclasses
 import gc
 import math
 import weakref
+from collections import OrderedDict
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from turboquant.attention import kernels
-from turboquant.attention.kernels import host
+from turboquant.attention.kernels import host, steps
+from turboquant.cache.compressed import TurboQuantKVCache
 from kernel_support.synthetic import build_cache
 
 from kernel_backend import force_backend
@@ -21,11 +23,28 @@ from kernel_support import emulate
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 
 
+def _from_scratch(q, cache, scale=0.125, causal=0):
+    """(out, lse) of the cache's rows built from scratch (`host.describe`, `host.launch`), no
+    template or prepared step involved."""
+    rows_q = q.reshape(q.shape[0], -1, 1, q.shape[-1])
+    tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
+    call = host.describe(rows_q, cache._key_side, cache._value_side, cache._store.arrays, cache._shifts,
+                         tensor_cores=True, rows=cache.stored)
+    return host.launch(emulate.kernel, call, rows_q, cache._key_side, cache._value_side, cache._store.arrays, scale,
+                       cache._shifts, tail=tail, tail_rows=cache.offset - cache.stored, out_dtype=q.dtype,
+                       causal=causal)
+
+
+def _bits(a):
+    return np.array(a.astype(mx.float32))
+
+
 # turbo4 (the default scheme) by default; turbo8v3 at bfloat16 with -m slow (the replay is the same code).
 @pytest.mark.parametrize("scheme, dtype", [("turbo4", mx.float16),
                                            pytest.param("turbo8v3", mx.bfloat16, marks=pytest.mark.slow)], ids=str)
 def test_replayed_steps_equal_steps_built_from_scratch(monkeypatch, scheme, dtype):
     force_backend(monkeypatch, "cuda", emulate.kernel)
+    monkeypatch.setattr(steps, "TEMPLATES", OrderedDict())
     described = []
     describe = host.describe
     monkeypatch.setattr(host, "describe", lambda *a, **k: described.append(1) or describe(*a, **k))
@@ -37,18 +56,55 @@ def test_replayed_steps_equal_steps_built_from_scratch(monkeypatch, scheme, dtyp
         cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
         if t == 9:
             cache.trim(2)
-        tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
-        args = (q, cache._key_side, cache._value_side, cache._store.arrays, 0.125, cache._shifts, tail, cache.stored,
-                cache.offset - cache.stored)
-        fresh = kernels.fused_decode(*args)
         before = len(described)
+        step = cache._steps.get("decode")
         replayed = cache.attention(q, 0.125)
-        assert np.array_equal(np.array(replayed.astype(mx.float32)), np.array(fresh[0].astype(mx.float32))), t
         rebuilt = len(described) > before
+        assert np.array_equal(_bits(replayed), _bits(_from_scratch(q, cache)[0])), t
         # built at the first step and once the rows up to 512 were encoded (t = 6: new rows, means,
         # buffers); replayed otherwise, the trim included
         assert rebuilt == (t in (0, 6)), t
+        assert (cache._steps["decode"] is not step) == (t in (0, 6)), t
     assert cache.stored == 512
+
+
+def test_a_question_after_a_restore_replays_the_process_template(monkeypatch):
+    """Every restore makes new caches and sides, so a question after it and its first decode step
+    found nothing prepared and built both calls from scratch, every layer, every restore (about
+    70 us of host time a layer and call more than a raw layer's on the CPU). Calls of a shape seen
+    before now come from the process's template: no `describe`, the per-side tables made once,
+    and the first step takes the inputs its question filled in. The results are the calls built
+    from scratch, bit for bit."""
+    force_backend(monkeypatch, "cuda", emulate.kernel)
+    monkeypatch.setattr(steps, "TEMPLATES", OrderedDict())
+    calls = {"describe": 0, "pass1_inputs": 0}
+    for name in calls:
+        real = getattr(host, name)
+        monkeypatch.setattr(host, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(*a, **k))
+    H, D, L = 2, 64, 5
+    cache = build_cache("turbo4", H, D, mx.float16, 256, seed=3, tail=20)
+    record, codecs = cache.to_record(), cache.plan.codecs()
+    seen = []
+    for restore in range(3):
+        restored = TurboQuantKVCache.from_record(record, codecs)
+        rows = mx.random.normal((1, H, L + 1, D), key=mx.random.key(restore)).astype(mx.float16)
+        restored.update_and_fetch(rows[:, :, :L], rows[:, :, :L])
+        question = mx.random.normal((1, 4 * H, L, D), key=mx.random.key(20 + restore)).astype(mx.float16)
+        answer = restored.attention(question, 0.125, mask="causal")
+        expected = _from_scratch(question, restored, causal=L)[0].reshape(question.shape)
+        assert np.array_equal(_bits(answer), _bits(expected)), restore
+        restored.update_and_fetch(rows[:, :, L:], rows[:, :, L:])
+        q = mx.random.normal((1, 4 * H, 1, D), key=mx.random.key(40 + restore)).astype(mx.float16)
+        assert np.array_equal(_bits(restored.attention(q, 0.125)), _bits(_from_scratch(q, restored)[0])), restore
+        seen.append(dict(calls))
+        for name in calls:
+            calls[name] = 0
+    # Each restore's references describe twice and fill pass 1's inputs twice on their own; the
+    # first restore builds both templates (a describe and pass 1's inputs each), and every
+    # restore fills its question's inputs once, which its decode step takes over.
+    assert seen[0] == {"describe": 2 + 2, "pass1_inputs": 2 + 2 + 1}
+    assert seen[1] == seen[2] == {"describe": 2, "pass1_inputs": 2 + 1}
 
 
 def test_the_per_side_tables_are_graph_nodes_not_evaluations(monkeypatch):
@@ -147,19 +203,41 @@ def test_the_fused_query_divides_by_sqrt_d_as_before_at_head_dim_128():
 
 
 def test_the_per_side_tables_stay_bounded_and_let_old_sides_go():
-    """Every restore makes new sides, and the tables made for them were kept forever with the side
-    itself: a long-running server grew by every layer's tables (a 64 KB rotation matrix among them
-    at head dim 128) at each restore. The tables are bounded now, oldest first, and a side they
-    dropped is freed."""
+    """Every restore from LMDB or S3 makes new calibrations, and the tables made for them were kept
+    forever with their side: a long-running server grew by every layer's tables (a 64 KB rotation
+    matrix among them at head dim 128) at each restore. The tables are bounded now, oldest first,
+    and what they dropped is freed."""
     cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3)
     c = 0.125 * host.LOG2E
-    first = cache.active.key.side("keys", cache.calibration)
+    first = cache.active.key.side("keys", dataclasses.replace(cache.calibration))
     host._query_transform(first, c, 2, 64)
     host._fused_query(first, c, 2, 64)
-    watched = weakref.ref(first)
+    watched, calibration = weakref.ref(first), weakref.ref(first.calibration)
     del first
     for _ in range(host.TABLES_KEPT):
-        host._query_transform(cache.active.key.side("keys", cache.calibration), c, 2, 64)
+        host._query_transform(cache.active.key.side("keys", dataclasses.replace(cache.calibration)), c, 2, 64)
     assert len(host._QT) <= host.TABLES_KEPT
     gc.collect()
-    assert watched() is None
+    assert watched() is None and calibration() is None
+
+
+def test_restores_share_their_calibration_and_its_query_tables():
+    """A restore made a new calibration for every layer (a float32 copy of the stored arrays), so
+    the query tables made from it (pre, post, the fused query's pre: graph nodes for the device)
+    were made again by each layer of each restore. Restores of the same stored arrays (the
+    memory tier hands out the same ones) now share the calibration and its tables; other
+    arrays get their own."""
+    cache = build_cache("turbo4", 2, 64, mx.float16, 256, seed=3)
+    other = build_cache("turbo4", 2, 64, mx.float16, 256, seed=5)
+    record, codecs = cache.to_record(), cache.plan.codecs()
+    a, b = (TurboQuantKVCache.from_record(record, codecs) for _ in range(2))
+    c = TurboQuantKVCache.from_record(other.to_record(), codecs)
+    assert a._key_side is not b._key_side and a._key_side.calibration is b._key_side.calibration
+    assert c._key_side.calibration is not a._key_side.calibration
+    scale = 0.125 * host.LOG2E
+    assert host._fused_query(a._key_side, scale, 2, 64) is host._fused_query(b._key_side, scale, 2, 64)
+    assert host._query_transform(a._key_side, scale, 2, 64) is host._query_transform(b._key_side, scale, 2, 64)
+    assert host._fused_query(c._key_side, scale, 2, 64) is not host._fused_query(a._key_side, scale, 2, 64)
+    stored = cache.calibration.arrays()
+    assert all(np.array_equal(np.array(v), np.array(stored[k]))
+               for k, v in a._key_side.calibration.arrays().items())

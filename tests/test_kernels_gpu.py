@@ -30,6 +30,7 @@ from turboquant.attention import kernels
 from turboquant.attention.kernels import KernelTuning, host
 from turboquant.attention.kernels.mma import MmaPass1
 from turboquant.cache.mirror import MIRROR_ENV
+from turboquant.cache.compressed import TurboQuantKVCache
 from kernel_support.synthetic import attention64, build_cache, dequantized, stored, tail
 
 from kernel_support.reference import causal64, reference
@@ -417,6 +418,22 @@ def test_question_over_a_long_tail_matches_f64(stored_rows, tail_rows):
     assert np.all(np.abs(got - ref) <= 2 * 2.0**-7 * np.abs(ref) + RTOL_MMA * np.abs(ref).max())
 
 
+def _from_scratch(q, cache, scale, causal=0):
+    """The cache's attention for queries [B, Hq, L, D] built from scratch (`host.describe`,
+    `host.launch`): no template or prepared step involved."""
+    from turboquant.attention.kernels import cuda
+
+    B, Hq, L, D = q.shape
+    rows_q = q.reshape(B, Hq * L, 1, D)
+    tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
+    call = host.describe(rows_q, cache._key_side, cache._value_side, cache._store.arrays, cache._shifts,
+                         tensor_cores=True, rows=cache.stored)
+    out = host.launch(cuda.kernel, call, rows_q, cache._key_side, cache._value_side, cache._store.arrays, scale,
+                      cache._shifts, tail=tail, tail_rows=cache.offset - cache.stored, out_dtype=q.dtype,
+                      causal=causal)[0]
+    return out.reshape(q.shape)
+
+
 def test_replayed_decode_steps_equal_fresh_ones():
     """The cache's kept decode step (kernels/steps.py) replays the same kernels on the GPU: every
     step equals the one built from scratch, across the block that fills at 4352 rows."""
@@ -425,8 +442,23 @@ def test_replayed_decode_steps_equal_fresh_ones():
     for t in range(10):
         cache.update_and_fetch(k[:, :, t:t + 1], v[:, :, t:t + 1])
         q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(40 + t)).astype(mx.bfloat16)
-        tail_buffers = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
-        fresh = kernels.fused_decode(q, cache._key_side, cache._value_side, cache._store.arrays, 0.088, cache._shifts,
-                                     tail_buffers, cache.stored, cache.offset - cache.stored)[0]
-        assert mx.array_equal(cache.attention(q, 0.088), fresh).item(), t
+        assert mx.array_equal(cache.attention(q, 0.088), _from_scratch(q, cache, 0.088)).item(), t
     assert cache.stored == 4352
+
+
+def test_questions_after_restores_equal_ones_built_from_scratch():
+    """A question after a restore and its first decode step come from the process's templates
+    (kernels/steps.py) with the restore's own buffers filled in: on the GPU, each equals the
+    call built from scratch, restore after restore."""
+    cache = build_cache("turbo4", 8, 128, mx.bfloat16, 4096, seed=33, tail=20)
+    record, codecs = cache.to_record(), cache.plan.codecs()
+    for restore in range(3):
+        restored = TurboQuantKVCache.from_record(record, codecs)
+        k = mx.random.normal((1, 8, 17, 128), key=mx.random.key(restore)).astype(mx.bfloat16)
+        restored.update_and_fetch(k[:, :, :16], k[:, :, :16])
+        q = mx.random.normal((1, 32, 16, 128), key=mx.random.key(50 + restore)).astype(mx.bfloat16)
+        got = restored.attention(q, 0.088, "causal")
+        assert mx.array_equal(got, _from_scratch(q, restored, 0.088, causal=16)).item(), restore
+        restored.update_and_fetch(k[:, :, 16:], k[:, :, 16:])
+        q1 = mx.random.normal((1, 32, 1, 128), key=mx.random.key(70 + restore)).astype(mx.bfloat16)
+        assert mx.array_equal(restored.attention(q1, 0.088), _from_scratch(q1, restored, 0.088)).item(), restore

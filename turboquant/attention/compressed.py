@@ -72,8 +72,8 @@ def compressed_attention(
     arrays / the tail are buffers of which only the first `rows` / `tail_rows` tokens count
     (None: all). `sinks` ([Hq] logits, gpt-oss): one more score per query head that joins the
     softmax normaliser and mixes no value, as in mx.fast.scaled_dot_product_attention.
-    `memo`: a dict owned with the buffers, where a GPU decode step is kept and replayed
-    (`kernels.fused_decode`).
+    `memo`: a dict owned with the buffers, where a GPU call (a decode step, a question) is kept
+    and replayed (`kernels.fused_decode`).
     """
     B, Hq, L, D = queries.shape
     some = next(iter(arrays.values())) if arrays else tail[0]
@@ -91,7 +91,8 @@ def compressed_attention(
     if L > 1 and arrays and sinks is None:
         # A question or a prefill chunk: the decode kernels with its tokens as more query rows
         # (None on the CPU, or when a mask must reach into the stored rows).
-        fused = fused_prefill(queries, key_side, value_side, arrays, scale, mask, shifts, tail, rows, tail_rows)
+        fused = fused_prefill(queries, key_side, value_side, arrays, scale, mask, shifts, tail, rows, tail_rows,
+                              memo=memo)
         if fused is not None:
             return fused
     if rows is not None:

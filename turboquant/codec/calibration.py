@@ -19,6 +19,7 @@ are what bring symmetric 4-bit keys from collapse to the quality of per-channel 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -31,6 +32,14 @@ MIN_ROWS = 32
 FLAT_TOLERANCE = 0.1
 ROTATED_CLIP = (0.25, 4.0)
 SCALE_CLIP = (1 / 64, 64.0)
+
+# Calibrations made from persisted arrays, by the arrays' identities (checked on every hit). A
+# restore from the memory tier hands out the same calibration arrays each time, so every restore
+# gets the same calibration object, and the kernels' query tables made from it (the scale and
+# rotated-scale tables of attention/kernels/host.py) are made once, not by each layer of each
+# restore. Bounded: the calibrations of 512 layers ([H, D] float32 each) stay alive at most.
+FROM_ARRAYS_KEPT = 512
+_FROM_ARRAYS: OrderedDict[tuple, tuple[dict, "KeyCalibration"]] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -60,10 +69,19 @@ class KeyCalibration:
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, mx.array]) -> "KeyCalibration":
+        """The calibration of persisted arrays: one object per set of array objects (`_FROM_ARRAYS`)."""
         unknown = set(arrays) - {"scale", "rotated_scale"}
         if unknown:
             raise ValueError(f"unknown calibration arrays: {sorted(unknown)}")
-        return cls(**{k: v.astype(mx.float32) for k, v in arrays.items()})
+        key = tuple(sorted((k, id(v)) for k, v in arrays.items()))
+        hit = _FROM_ARRAYS.get(key)
+        if hit is not None and all(hit[0][k] is v for k, v in arrays.items()):
+            return hit[1]
+        made = cls(**{k: v.astype(mx.float32) for k, v in arrays.items()})
+        while len(_FROM_ARRAYS) >= FROM_ARRAYS_KEPT:
+            _FROM_ARRAYS.popitem(last=False)
+        _FROM_ARRAYS[key] = (dict(arrays), made)
+        return made
 
     def keys_in(self, keys: mx.array) -> mx.array:
         """Original-basis transform of (centred) keys [B, H, T, D] before encoding."""

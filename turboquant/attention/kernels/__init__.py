@@ -115,24 +115,19 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
     if backend is None or not host.check_sinks(sinks, queries):
         return None
     tuning = host.resolve(tuning)
-    replay = (queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks, tuning, causal)
-    if memo is not None and backend == "cuda":
-        hit = steps.replay(memo, *replay)
+    if backend == "cuda":
+        from turboquant.attention.kernels import cuda
+
+        # (without a memo, the call is prepared from the process's template all the same)
+        hit = steps.run({} if memo is None else memo, cuda.kernel, queries, key_side, value_side, arrays, scale,
+                        shifts, tail, rows, tail_rows, sinks, tuning, causal)
         if hit is not None:
             return hit
     call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=backend == "cuda", rows=rows,
                          tuning=tuning)
     if call is None:
         return None
-
     if backend == "cuda":
-        from turboquant.attention.kernels import cuda
-
-        if memo is not None:
-            steps.prepare(memo, cuda.kernel, call, *replay)
-            hit = steps.replay(memo, *replay)
-            if hit is not None:
-                return hit
         return host.launch(cuda.kernel, call, queries, key_side, value_side, arrays, scale, shifts, tail=tail,
                            tail_rows=tail_rows, out_dtype=queries.dtype, sinks=sinks, tuning=tuning,
                            causal=causal)
@@ -164,7 +159,7 @@ MAX_PREFILL_ROWS = 128
 def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.array], scale: float,
                   mask, shifts: mx.array | None, tail: tuple[mx.array, mx.array] | None,
                   rows: int | None = None, tail_rows: int | None = None,
-                  tuning: KernelTuning | None = None) -> mx.array | None:
+                  tuning: KernelTuning | None = None, memo: dict | None = None) -> mx.array | None:
     """Attention of L > 1 queries [B, Hq, L, D] (a question or a prefill chunk) over the stored
     rows and the raw tail through the decode kernels, or None (the caller decodes the rows,
     turboquant/attention/prefill.py): the out in the queries' dtype.
@@ -177,7 +172,8 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     array or another string, when the tail holds fewer than L rows (some queries are stored:
     they would need a mask inside the stored rows), beyond `MAX_PREFILL_ROWS` query rows per KV
     head (a long chunk: decoding the rows once costs less), when no kernel applies (the CPU), or with
-    `TQSTORE_KERNEL_PREFILL=0` (benchmarks: the decoded rows against the kernels)."""
+    `TQSTORE_KERNEL_PREFILL=0` (benchmarks: the decoded rows against the kernels). `memo`: as
+    `fused_decode`'s (the decode step after a question takes the inputs the question filled in)."""
     B, Hq, L, D = queries.shape
     if not (mask is None or mask == "causal") or os.environ.get("TQSTORE_KERNEL_PREFILL", "1") == "0":
         return None
@@ -190,7 +186,7 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     # (one query row per token; on CUDA pass 2 attends over the tail, causal per row)
     rows_q = queries.reshape(B, Hq * L, 1, D)
     stored = fused_decode(rows_q, key_side, value_side, arrays, scale, shifts, tail if n else None, rows, n,
-                          tuning=tuning, causal=L if mask == "causal" else 0)
+                          tuning=tuning, causal=L if mask == "causal" else 0, memo=memo)
     if stored is None:
         return None
     return stored[0].reshape(B, Hq, L, D).astype(queries.dtype)

@@ -266,9 +266,9 @@ def _mma_variants(D, kfmt, kbits, kgroup, kdtype, vfmt, vbits, rmax, shifts, pre
 
 
 # Per-object tables, each kept beside the object it was made from (an identity check on every
-# hit) and dropped oldest first past its bound. Every restore makes new sides (and, from LMDB or
-# S3, new rotations), so unbounded tables grew by every layer's tables, and held its side, for
-# each restore of a long-running server (64 KB of rotation matrix a layer at head dim 128).
+# hit) and dropped oldest first past its bound. Every restore from LMDB or S3 makes new codecs and
+# calibrations, so unbounded tables grew by every layer's tables, and held what they were made
+# from, for each restore of a long-running server (64 KB of rotation matrix a layer at head dim 128).
 _RFWD: dict[int, tuple[Rotation, mx.array]] = {}
 _RINV: dict[int, tuple[Rotation, mx.array]] = {}
 _QT: dict[tuple, tuple] = {}
@@ -338,15 +338,28 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
     """(pre [H, D], post [H, D]) of a pass 1 that rotates the raw query itself:
     q_k = H(q * pre[h]) * post[h] with H the unnormalised Sylvester butterfly, so pre folds the
     rotation's signs and 1/sqrt(d) into pass 0's pre (cached)."""
-    key = ("fused", id(key_side), c, H, D)
+    made_from = _made_from(key_side)
+    key = ("fused", *map(id, made_from), c, H, D)
     hit = _QT.get(key)
-    if hit is not None and hit[0] is key_side:
+    if hit is not None and _same(hit[0], made_from):
         return hit[1]
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
     signs = key_side.codec.rotation.signs.astype(mx.float32)
     fused = (mx.contiguous(pre * signs / math.sqrt(D)), _constant(1.0, (H, D)) if post is None else post)
-    _keep(_QT, key, (key_side, fused), TABLES_KEPT)
+    _keep(_QT, key, (made_from, fused), TABLES_KEPT)
     return fused
+
+
+def _made_from(key_side) -> tuple:
+    """What a key side's query tables are made from: its kind, codec and calibration. Every
+    restore makes new sides, but a restore from memory shares its codecs (`codec_from_record`)
+    and calibrations (`KeyCalibration.from_arrays`), so its tables are made once per entry, not
+    by each layer of each restore."""
+    return (type(key_side), getattr(key_side, "codec", None), getattr(key_side, "calibration", None))
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return all(x is y for x, y in zip(a, b))
 
 
 @functools.lru_cache(maxsize=64)
@@ -359,22 +372,23 @@ def _constant(value: float, shape: tuple[int, ...]) -> mx.array:
 
 
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
-    """Per key side (cached): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
+    """Per key side's codec and calibration (cached, `_made_from`): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
     keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
     and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, D], c) for
     native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself).
 
     Built lazily, as graph nodes of the first attention call that needs them, not evaluated
-    here: every restore makes new sides (with new calibrations), so a question after a restore
-    makes pre and post for every layer (M is the codec's rotation's, `forward_matrix`), and evaluating each
+    here: a restore from LMDB or S3 makes new calibrations, so a question after it makes pre and
+    post for every layer (M is the codec's rotation's, `forward_matrix`), and evaluating each
     table as it was made (on the CPU stream, then read by the GPU) cost 10-20 ms of a 15-token
     question's forward over 8 layers on the H200 (issue 28), where the whole forward now takes
     7-8 ms."""
-    key = (id(key_side), c, H, D)
+    made_from = _made_from(key_side)
+    key = (*map(id, made_from), c, H, D)
     hit = _QT.get(key)
-    if hit is not None and hit[0] is key_side:
+    if hit is not None and _same(hit[0], made_from):
         return hit[1]
-    cal = getattr(key_side, "calibration", None)
+    cal = made_from[2]
     chan = None if cal is None or cal.scale is None else cal.scale.astype(mx.float32)
     cq = _constant(c, (MIN_INPUT_ELEMENTS,))  # kernels read cq[0]
     pre = _constant(c, (H, D)) if chan is None else mx.contiguous(chan * c)
@@ -384,7 +398,7 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
         result = ("pass0", pre, forward_matrix(key_side.codec.rotation), post, cq)
     else:
         result = ("scale", pre, None, None, cq)
-    _keep(_QT, key, (key_side, result), TABLES_KEPT)
+    _keep(_QT, key, (made_from, result), TABLES_KEPT)
     return result
 
 
@@ -468,13 +482,28 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
     rows = call.B * call.H * call.R
     params = params_array(*sizes, tail_rows, causal)
     if p1.q_dtype:
-        _, pre, _, _, cq = _query_transform(key_side, scale * LOG2E, call.H, call.D)
-        inputs = {"params": params, "q_raw": queries, "pre": pre, "cq": cq}
-        if p1.key == "turbo":
-            inputs["pre"], inputs["post"] = _fused_query(key_side, scale * LOG2E, call.H, call.D)
+        inputs = pass1_inputs(p1, call.H, call.D, params, queries, key_side, value_side, arrays, scale, shifts)
     else:
         qk, qs = query_inputs(make_kernel, params, queries, key_side, scale, call)
-        inputs = {"params": params, "q_k": qk, "q_s": qs}
+        inputs = {"params": params, "q_k": qk, "q_s": qs,
+                  **pass1_inputs(p1, call.H, call.D, params, None, key_side, value_side, arrays, scale, shifts)}
+    return dict(inputs=[inputs[n] for n in p1.input_names()],
+                grid=(THREADS * nblk, call.B * call.H * NG, 1), threadgroup=(THREADS, 1, 1),
+                output_shapes=[(rows, nblk, call.D), (rows, nblk), (rows, nblk)],
+                output_dtypes=[mx.float32] * len(OUTPUTS1))
+
+
+def pass1_inputs(p1: Pass1, H: int, D: int, params: mx.array, queries: mx.array | None, key_side, value_side,
+                 arrays: dict[str, mx.array], scale: float, shifts: mx.array | None) -> dict[str, mx.array]:
+    """Pass 1's inputs by name: the stored rows' buffers, the sides' tables (made once per side,
+    `_query_transform`) and, where pass 1 reads the raw query (`queries` given, `p1.q_dtype`),
+    the query and its transform's tables. Without a raw query the caller adds q_k and q_s."""
+    inputs = {"params": params}
+    if queries is not None:
+        _, pre, _, _, cq = _query_transform(key_side, scale * LOG2E, H, D)
+        inputs.update(q_raw=queries, pre=pre, cq=cq)
+        if p1.key == "turbo":
+            inputs["pre"], inputs["post"] = _fused_query(key_side, scale * LOG2E, H, D)
     if shifts is not None:
         inputs["mu"] = dense_float32(shifts)
     k, v = key_side.name, value_side.name
@@ -488,10 +517,7 @@ def pass1_args(make_kernel, call: Call, queries: mx.array, key_side, value_side,
         inputs.update(v_p=arrays[f"{v}_packed"], v_n=arrays[f"{v}_norms"], v_cb=unpooled(value_side.codec.centroids))
     else:
         inputs.update(v_w=arrays[f"{v}_w"], v_s=arrays[f"{v}_scales"], v_b=arrays[f"{v}_biases"])
-    return dict(inputs=[inputs[n] for n in p1.input_names()],
-                grid=(THREADS * nblk, call.B * call.H * NG, 1), threadgroup=(THREADS, 1, 1),
-                output_shapes=[(rows, nblk, call.D), (rows, nblk), (rows, nblk)],
-                output_dtypes=[mx.float32] * len(OUTPUTS1))
+    return inputs
 
 
 def tail_pass2(call: Call, queries: mx.array, tail: tuple[mx.array, mx.array] | None,
@@ -539,6 +565,19 @@ def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.ar
     or the sinks. The outputs have their final shapes, out [B, Hq, 1, D] and lse [B, Hq, 1]."""
     p2 = p2 or call.pass2
     rows = call.B * call.H * call.R
+    ins = pass2_inputs(p2, value_side, params, po, pm, pl, queries, cq, tail, sinks)
+    Hq = call.H * call.R
+    out_dtype = DTYPES[p2.out_dtype] if p2.out_dtype else mx.float32
+    return dict(inputs=[ins[n] for n in p2.input_names()], grid=(p2.threads * rows, 1, 1),
+                threadgroup=(p2.threads, 1, 1), output_shapes=[(call.B, Hq, 1, call.D), (call.B, Hq, 1)],
+                output_dtypes=[out_dtype, mx.float32])
+
+
+def pass2_inputs(p2: Pass2, value_side, params: mx.array, po: mx.array, pm: mx.array, pl: mx.array,
+                 queries: mx.array | None, cq: mx.array | None, tail: tuple[mx.array, mx.array] | None,
+                 sinks: mx.array | None) -> dict[str, mx.array]:
+    """Pass 2's inputs by name: pass 1's partials, the inverse value rotation, and the query and
+    the raw tail or the sinks where `p2` takes them."""
     ins = {"params": params, "po": po, "pm": pm, "pl": pl}
     if p2.rotate:
         ins["rinv"] = inverse_matrix(value_side.codec.rotation)
@@ -546,11 +585,7 @@ def pass2_args(call: Call, value_side, params: mx.array, po: mx.array, pm: mx.ar
         ins.update(tq=queries, cq=cq, t_k=tail[0], t_v=tail[1])
     if p2.sinks:
         ins["sinks"] = sink_input(sinks)
-    Hq = call.H * call.R
-    out_dtype = DTYPES[p2.out_dtype] if p2.out_dtype else mx.float32
-    return dict(inputs=[ins[n] for n in p2.input_names()], grid=(p2.threads * rows, 1, 1),
-                threadgroup=(p2.threads, 1, 1), output_shapes=[(call.B, Hq, 1, call.D), (call.B, Hq, 1)],
-                output_dtypes=[out_dtype, mx.float32])
+    return ins
 
 
 def launch(make_kernel: KernelFactory, call: Call, queries: mx.array, key_side, value_side,

@@ -1,37 +1,68 @@
-"""A layer's decode step prepared once and replayed (CUDA): the kernels, their inputs and launch
+"""A layer's attention call prepared once and replayed (CUDA): the kernels, their inputs and launch
 shapes are the same from one token to the next until the stored rows, a buffer or the query's
-shape changes, so a step only swaps in its query and its sizes.
+shape changes, so a decode step only swaps in its query and its sizes.
 
-Measured on the H200 (issue 30): building the two kernel calls from scratch (`host.describe`,
-`pass1_args`, `pass2_args`: variant lookups, per-side tables, the input dicts) cost about 45 us
-of Python per layer and step against 2 us for mlx-lm's SDPA; a step of 8 layers of an 8B model
-then waited on the host. The replay holds only what the key proves unchanged: the memo lives on
-the cache that owns the buffers (`TurboQuantKVCache`), never in a module-level table, so no
-buffer outlives its cache.
+Two levels, because a call's cost has two parts:
+
+- `Template`, kept per process (`TEMPLATES`) under a key of values only (shapes, dtypes, the
+  sides' layouts, sizes, tuning): which kernels run and how they are launched, what
+  `host.describe`, `host.pass1_sizes` and the variant lookups work out. Every restore makes new
+  caches and sides, so a question after a restore, and its first decode step, found nothing
+  prepared and built both calls from scratch: about 70 us of host time per layer and call more
+  than a raw layer's on this CPU (8 layers, stubbed kernels), where the H100 measured the 4k
+  first token 1.26-1.32x raw's with the same device time (docs/benchmarks.md). A template holds
+  no arrays, so it keeps nothing of a cache alive.
+- `Step`, kept in a dict the cache owns beside its buffers (`memo`): a template with this
+  cache's arrays filled in (buffers, per-side tables), checked by identity, so a decode step
+  costs a lookup, two array swaps and two launches. Measured on the H200 (issue 30): building
+  the two kernel calls from scratch cost about 45 us of Python per layer and step against 2 us
+  for mlx-lm's SDPA.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from turboquant.attention.kernels import host
 
+# Templates kept per process: a model's layers share one per call shape (their layouts agree),
+# so this bounds the shapes, not the layers (question and decode, for several stored lengths,
+# schemes and models at once), dropped oldest first.
+TEMPLATES_KEPT = 256
+TEMPLATES: OrderedDict[tuple, Template | None] = OrderedDict()
 
-@dataclass
-class Step:
-    """One layer's prepared decode step. `key` holds the values it was built for, `refs` the
-    objects (compared by identity: the cache's buffers, sides, key means, tail, sinks)."""
 
-    key: tuple
-    refs: tuple
+@dataclass(frozen=True)
+class Template:
+    """What a call of one shape launches: the kernels bound to their dtypes, the input names of
+    each pass, the launch keywords besides the inputs, and the sizes `params` carries."""
+
     sizes: tuple  # `host.pass1_sizes`: params before the tail rows and causal count
     tail_cap: int  # the most tail rows pass 2 takes (0: no tail)
     kernels: tuple  # (pass 1, pass 2) callables
-    inputs: tuple  # (pass 1 inputs, pass 2 inputs) with placeholders for the per-step entries
-    slots: tuple  # (pass-1 params, pass-1 query, pass-2 query or -1)
+    p1: object  # the pass-1 variant (`host.pass1_inputs` reads its layout)
+    p2: object  # the pass-2 variant (`host.pass2_inputs`)
+    names: tuple  # (pass-1 input names, pass-2 input names)
     launch: tuple  # (pass-1 keywords, pass-2 keywords) besides the inputs
+    H: int
+    D: int
+
+
+@dataclass
+class Step:
+    """One layer's prepared call: `template` with the inputs of the objects in `refs` (compared
+    by identity: the cache's buffers, sides, key means, tail, sinks) in place, placeholders for
+    the per-step entries at `slots`."""
+
+    key: tuple
+    refs: tuple
+    template: Template
+    named: tuple  # (pass-1 inputs by name, pass-2 inputs by name), as filled
+    inputs: tuple  # (pass 1 inputs, pass 2 inputs)
+    slots: tuple  # (pass-1 params, pass-1 query, pass-2 query or -1)
 
 
 def _key(queries, scale, rows, tail, tuning, causal) -> tuple:
@@ -43,6 +74,49 @@ def _refs(key_side, value_side, arrays, shifts, tail, sinks) -> tuple:
     return (key_side, value_side, *arrays.values(), shifts, *(tail or (None, None)), sinks)
 
 
+def _side_key(side) -> tuple:
+    """What of a side decides the kernels: its storage (`host._side`), names, head dim, rotation."""
+    codec = getattr(side, "codec", None)
+    rotation = getattr(codec, "rotation", None)
+    return (side.name, host._side(side), getattr(codec, "d", None), None if rotation is None else rotation.kind)
+
+
+def _shape_key(key: tuple, key_side, value_side, arrays, shifts, tail, sinks) -> tuple:
+    """The template's key: the step key and everything else `host.describe` and the launch read,
+    as values."""
+    return (key, _side_key(key_side), _side_key(value_side),
+            tuple((n, a.shape, a.dtype) for n, a in arrays.items()),
+            None if shifts is None else (shifts.shape, shifts.dtype),
+            None if tail is None else (tail[1].shape, tail[1].dtype),
+            None if sinks is None else (sinks.shape, sinks.dtype))
+
+
+def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks,
+        tuning, causal) -> tuple[mx.array, mx.array] | None:
+    """(out, lse) through the step kept in `memo`, made from the process's template for this
+    call's shape when it does not fit (one is built the first time, `host.describe`); None when
+    no prepared call applies (the caller launches from scratch, `host.launch`)."""
+    call = (queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks, tuning, causal)
+    hit = replay(memo, *call)
+    if hit is not None:
+        return hit
+    key = _key(queries, scale, rows, tail, tuning, causal)
+    shape = (make_kernel, *_shape_key(key, key_side, value_side, arrays, shifts, tail, sinks))
+    if shape in TEMPLATES:
+        template = TEMPLATES[shape]
+    else:
+        template = _template(make_kernel, queries, key_side, value_side, arrays, scale, shifts, tail, rows,
+                             tail_rows, sinks, tuning, causal)
+        while len(TEMPLATES) >= TEMPLATES_KEPT:
+            TEMPLATES.popitem(last=False)
+        TEMPLATES[shape] = template
+    if template is None:
+        return None
+    memo["decode"] = _fill(template, key, queries, key_side, value_side, arrays, scale, shifts, tail, sinks,
+                           memo.get("decode"))
+    return replay(memo, *call)
+
+
 def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks,
            tuning, causal) -> tuple[mx.array, mx.array] | None:
     """(out, lse) through the step kept in `memo`, or None when it does not fit this call."""
@@ -52,31 +126,34 @@ def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tai
     refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
     if len(refs) != len(step.refs) or any(a is not b for a, b in zip(refs, step.refs)):
         return None
+    t = step.template
     n = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
-    if tail is not None and not 0 < n <= min(step.tail_cap, tail[0].shape[2]):
+    if tail is not None and not 0 < n <= min(t.tail_cap, tail[0].shape[2]):
         return None
-    params = host.params_array(*step.sizes, n, causal if tail is not None else 0)
+    params = host.params_array(*t.sizes, n, causal if tail is not None else 0)
     in1, in2 = (list(x) for x in step.inputs)
     i_params, i_q, i_tq = step.slots
     in1[i_params], in1[i_q] = params, queries
-    k1, k2 = step.kernels
-    po, pm, pl = k1(inputs=in1, **step.launch[0])
+    k1, k2 = t.kernels
+    po, pm, pl = k1(inputs=in1, **t.launch[0])
     in2[0:4] = [params, po, pm, pl]
     if i_tq >= 0:
         in2[i_tq] = queries
-    return tuple(k2(inputs=in2, **step.launch[1]))
+    return tuple(k2(inputs=in2, **t.launch[1]))
 
 
-def prepare(memo: dict, make_kernel, call: host.Call, queries, key_side, value_side, arrays, scale, shifts, tail,
-            rows, tail_rows, sinks, tuning, causal) -> None:
-    """Keep this call's step in `memo` when it can be replayed: pass 1 reads the raw query (no
-    pass-0 kernel or query ops), and a tail, if any, is attended in pass 2."""
-    if not call.pass1.q_dtype:
-        return
+def _template(make_kernel, queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks,
+              tuning, causal) -> Template | None:
+    """The template of this call's shape, or None when its call cannot be replayed: pass 1 must
+    read the raw query (no pass-0 kernel or query ops), and a tail, if any, be attended in
+    pass 2."""
+    call = host.describe(queries, key_side, value_side, arrays, shifts, tensor_cores=True, rows=rows, tuning=tuning)
+    if call is None or not call.pass1.q_dtype:
+        return None
     dtype = "" if queries.dtype == mx.float32 else host.DTYPE_NAMES.get(queries.dtype, "")  # as `host.launch`
     p2 = host.tail_pass2(call, queries, tail, tail_rows, dtype) if tail is not None else None
     if tail is not None and p2 is None:
-        return
+        return None
     if p2 is None and dtype:
         p2 = host.pass2_variant(call.D, call.pass2.rotate, "", "", dtype)
     if sinks is not None:
@@ -86,23 +163,40 @@ def prepare(memo: dict, make_kernel, call: host.Call, queries, key_side, value_s
     args1 = host.pass1_args(make_kernel, call, queries, key_side, value_side, arrays, scale, shifts, None, n,
                             tuning, causal if tail is not None else 0)
     if args1 is None:
-        return
-    names1 = call.pass1.input_names()
+        return None
     cq = host.query_scale(key_side, scale, call)
-    po = pm = pl = args1["inputs"][0]  # placeholders: replaced every step
+    po = pm = pl = args1["inputs"][0]  # placeholders: pass 1's outputs at every launch
     args2 = host.pass2_args(call, value_side, args1["inputs"][0], po, pm, pl, p2, queries, cq, tail, sinks)
-    names2 = p2.input_names()
-    sizes = host.pass1_sizes(call, shifts, None, tuning)
-    memo["decode"] = Step(
-        key=_key(queries, scale, rows, tail, tuning, causal),
-        refs=_refs(key_side, value_side, arrays, shifts, tail, sinks),
-        sizes=sizes, tail_cap=p2.threads if tail is not None else 0,
-        kernels=(_direct(make_kernel(call.pass1), [a.dtype for a in args1["inputs"]], args1["output_dtypes"]),
-                 _direct(make_kernel(p2), [a.dtype for a in args2["inputs"][:1]] + list(args1["output_dtypes"])
-                         + [a.dtype for a in args2["inputs"][4:]], args2["output_dtypes"])),
-        inputs=(tuple(args1.pop("inputs")), tuple(args2.pop("inputs"))),
-        slots=(names1.index("params"), names1.index("q_raw"), names2.index("tq") if "tq" in names2 else -1),
-        launch=(args1, args2))
+    in1, in2 = args1.pop("inputs"), args2.pop("inputs")
+    return Template(
+        sizes=host.pass1_sizes(call, shifts, None, tuning), tail_cap=p2.threads if tail is not None else 0,
+        kernels=(_direct(make_kernel(call.pass1), [a.dtype for a in in1], args1["output_dtypes"]),
+                 _direct(make_kernel(p2), [a.dtype for a in in2[:1]] + list(args1["output_dtypes"])
+                         + [a.dtype for a in in2[4:]], args2["output_dtypes"])),
+        p1=call.pass1, p2=p2, names=(tuple(call.pass1.input_names()), tuple(p2.input_names())),
+        launch=(args1, args2), H=call.H, D=call.D)
+
+
+def _fill(template: Template, key: tuple, queries, key_side, value_side, arrays, scale, shifts, tail, sinks,
+          before: Step | None) -> Step:
+    """`template` with these objects' inputs in place (`host.pass1_inputs`, `host.pass2_inputs`),
+    or with those of `before` where it was filled from the same objects (a question's step
+    before the first decode step: only the query's shape changed)."""
+    refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
+    if before is not None and len(refs) == len(before.refs) and all(a is b for a, b in zip(refs, before.refs)):
+        ins1, ins2 = before.named
+    else:
+        placeholder = host.params_array(*template.sizes, 0, 0)
+        ins1 = host.pass1_inputs(template.p1, template.H, template.D, placeholder, queries, key_side, value_side,
+                                 arrays, scale, shifts)
+        ins2 = host.pass2_inputs(template.p2, value_side, placeholder, placeholder, placeholder, placeholder,
+                                 queries, ins1["cq"], tail, sinks)
+    names1, names2 = template.names
+    if not (set(names1) <= ins1.keys() and set(names2) <= ins2.keys()):
+        return _fill(template, key, queries, key_side, value_side, arrays, scale, shifts, tail, sinks, None)
+    return Step(key=key, refs=refs, template=template, named=(ins1, ins2),
+                inputs=(tuple(ins1[n] for n in names1), tuple(ins2[n] for n in names2)),
+                slots=(names1.index("params"), names1.index("q_raw"), names2.index("tq") if "tq" in names2 else -1))
 
 
 def _direct(kernel, input_dtypes: list, output_dtypes: list):
