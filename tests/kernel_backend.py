@@ -2,7 +2,6 @@
 with a stand-in kernel factory (the emulator, or a deliberately broken one)."""
 
 import functools
-from collections import OrderedDict
 
 from turboquant.attention import compressed as attention
 from turboquant.attention import kernels
@@ -17,7 +16,7 @@ def force_backend(monkeypatch, backend, factory, tuning=None):
     process's call templates (kernels/steps.py) start empty and go with the test: they hold the
     factory's kernels."""
     monkeypatch.setattr(kernels, "select_backend", lambda: backend)
-    monkeypatch.setattr(steps, "TEMPLATES", OrderedDict())
+    monkeypatch.setattr(steps, "TEMPLATES", {})
     monkeypatch.setenv(MIRROR_ENV, "0")
     if tuning is not None:
         monkeypatch.setattr(attention, "fused_decode", functools.partial(kernels.fused_decode, tuning=tuning))

@@ -7,7 +7,6 @@ import dataclasses
 import gc
 import math
 import weakref
-from collections import OrderedDict
 
 import mlx.core as mx
 import numpy as np
@@ -19,20 +18,13 @@ from kernel_support.synthetic import build_cache
 
 from kernel_backend import force_backend
 from kernel_support import emulate
+from kernel_support.reference import from_scratch
 
 pytestmark = pytest.mark.skipif(not emulate.available(), reason="needs a C++20 compiler for the emulator")
 
 
 def _from_scratch(q, cache, scale=0.125, causal=0):
-    """(out, lse) of the cache's rows built from scratch (`host.describe`, `host.launch`), no
-    template or prepared step involved."""
-    rows_q = q.reshape(q.shape[0], -1, 1, q.shape[-1])
-    tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
-    call = host.describe(rows_q, cache._key_side, cache._value_side, cache._store.arrays, cache._shifts,
-                         tensor_cores=True, rows=cache.stored)
-    return host.launch(emulate.kernel, call, rows_q, cache._key_side, cache._value_side, cache._store.arrays, scale,
-                       cache._shifts, tail=tail, tail_rows=cache.offset - cache.stored, out_dtype=q.dtype,
-                       causal=causal)
+    return from_scratch(emulate.kernel, q, cache, scale, causal)
 
 
 def _bits(a):
@@ -44,7 +36,7 @@ def _bits(a):
                                            pytest.param("turbo8v3", mx.bfloat16, marks=pytest.mark.slow)], ids=str)
 def test_replayed_steps_equal_steps_built_from_scratch(monkeypatch, scheme, dtype):
     force_backend(monkeypatch, "cuda", emulate.kernel)
-    monkeypatch.setattr(steps, "TEMPLATES", OrderedDict())
+    monkeypatch.setattr(steps, "TEMPLATES", {})
     described = []
     describe = host.describe
     monkeypatch.setattr(host, "describe", lambda *a, **k: described.append(1) or describe(*a, **k))
@@ -76,7 +68,7 @@ def test_a_question_after_a_restore_replays_the_process_template(monkeypatch):
     and the first step takes the inputs its question filled in. The results are the calls built
     from scratch, bit for bit."""
     force_backend(monkeypatch, "cuda", emulate.kernel)
-    monkeypatch.setattr(steps, "TEMPLATES", OrderedDict())
+    monkeypatch.setattr(steps, "TEMPLATES", {})
     calls = {"describe": 0, "pass1_inputs": 0}
     for name in calls:
         real = getattr(host, name)
@@ -92,7 +84,7 @@ def test_a_question_after_a_restore_replays_the_process_template(monkeypatch):
         restored.update_and_fetch(rows[:, :, :L], rows[:, :, :L])
         question = mx.random.normal((1, 4 * H, L, D), key=mx.random.key(20 + restore)).astype(mx.float16)
         answer = restored.attention(question, 0.125, mask="causal")
-        expected = _from_scratch(question, restored, causal=L)[0].reshape(question.shape)
+        expected = _from_scratch(question, restored, causal=L)[0]
         assert np.array_equal(_bits(answer), _bits(expected)), restore
         restored.update_and_fetch(rows[:, :, L:], rows[:, :, L:])
         q = mx.random.normal((1, 4 * H, 1, D), key=mx.random.key(40 + restore)).astype(mx.float16)

@@ -33,7 +33,7 @@ from turboquant.cache.mirror import MIRROR_ENV
 from turboquant.cache.compressed import TurboQuantKVCache
 from kernel_support.synthetic import attention64, build_cache, dequantized, stored, tail
 
-from kernel_support.reference import causal64, reference
+from kernel_support.reference import causal64, from_scratch, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -419,19 +419,9 @@ def test_question_over_a_long_tail_matches_f64(stored_rows, tail_rows):
 
 
 def _from_scratch(q, cache, scale, causal=0):
-    """The cache's attention for queries [B, Hq, L, D] built from scratch (`host.describe`,
-    `host.launch`): no template or prepared step involved."""
     from turboquant.attention.kernels import cuda
 
-    B, Hq, L, D = q.shape
-    rows_q = q.reshape(B, Hq * L, 1, D)
-    tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
-    call = host.describe(rows_q, cache._key_side, cache._value_side, cache._store.arrays, cache._shifts,
-                         tensor_cores=True, rows=cache.stored)
-    out = host.launch(cuda.kernel, call, rows_q, cache._key_side, cache._value_side, cache._store.arrays, scale,
-                      cache._shifts, tail=tail, tail_rows=cache.offset - cache.stored, out_dtype=q.dtype,
-                      causal=causal)[0]
-    return out.reshape(q.shape)
+    return from_scratch(cuda.kernel, q, cache, scale, causal)[0]
 
 
 def test_replayed_decode_steps_equal_fresh_ones():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from turboquant.attention.kernels import host
 from turboquant.cache.compressed import TurboQuantKVCache
 from kernel_support.synthetic import attention64, dequantized
 
@@ -33,3 +34,18 @@ def causal64(q: mx.array, k: np.ndarray, v: np.ndarray, scale: float, causal: bo
     p = np.exp(s - s.max(-1, keepdims=True))
     return (p / p.sum(-1, keepdims=True)) @ v
 
+
+
+def from_scratch(make_kernel, q: mx.array, cache: TurboQuantKVCache, scale: float, causal: int = 0):
+    """(out [B, Hq, L, D], lse) of the cache's attention for queries [B, Hq, L, D] through the
+    kernels of `make_kernel`, built from scratch (`host.describe`, `host.launch`: no template or
+    prepared step involved); `causal`: L > 1, the queries are the tail's last L rows."""
+    B, Hq, L, D = q.shape
+    rows_q = q.reshape(B, Hq * L, 1, D)
+    tail = (cache._tail.arrays["keys"], cache._tail.arrays["values"])
+    call = host.describe(rows_q, cache._key_side, cache._value_side, cache._store.arrays, cache._shifts,
+                         tensor_cores=True, rows=cache.stored)
+    out, lse = host.launch(make_kernel, call, rows_q, cache._key_side, cache._value_side, cache._store.arrays,
+                           scale, cache._shifts, tail=tail, tail_rows=cache.offset - cache.stored, out_dtype=q.dtype,
+                           causal=causal)
+    return out.reshape(q.shape), lse

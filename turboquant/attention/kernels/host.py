@@ -278,7 +278,7 @@ DENSE_KEPT = 128  # key-mean tables and padded codebooks kept (a model's layers,
 TABLES_KEPT = 512  # query transforms and rotation matrices kept (both of 128 layers' sides, twice)
 
 
-def _keep(table: dict, key, entry: tuple, kept: int) -> None:
+def _keep(table: dict, key, entry, kept: int) -> None:
     """Put `entry` (the object, its table...) under `key`, dropping the oldest past `kept`."""
     while len(table) >= kept:
         del table[next(iter(table))]
@@ -372,8 +372,8 @@ def _constant(value: float, shape: tuple[int, ...]) -> mx.array:
 
 
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
-    """Per key side's codec and calibration (cached, `_made_from`): ("pass0", pre [H, D], M [D, D], post [H, D] | None, c) for TurboQuant
-    keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
+    """Per key side's codec and calibration (cached, `_made_from`): ("pass0", pre [H, D], M [D, D],
+    post [H, D] | None, c) for TurboQuant keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
     and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, D], c) for
     native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself).
 

@@ -21,7 +21,6 @@ Two levels, because a call's cost has two parts:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -32,7 +31,8 @@ from turboquant.attention.kernels import host
 # so this bounds the shapes, not the layers (question and decode, for several stored lengths,
 # schemes and models at once), dropped oldest first.
 TEMPLATES_KEPT = 256
-TEMPLATES: OrderedDict[tuple, Template | None] = OrderedDict()
+TEMPLATES: dict[tuple, Template | None] = {}
+_UNSEEN = object()
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,11 @@ def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, s
         return hit
     key = _key(queries, scale, rows, tail, tuning, causal)
     shape = (make_kernel, *_shape_key(key, key_side, value_side, arrays, shifts, tail, sinks))
-    if shape in TEMPLATES:
-        template = TEMPLATES[shape]
-    else:
+    template = TEMPLATES.get(shape, _UNSEEN)
+    if template is _UNSEEN:
         template = _template(make_kernel, queries, key_side, value_side, arrays, scale, shifts, tail, rows,
                              tail_rows, sinks, tuning, causal)
-        while len(TEMPLATES) >= TEMPLATES_KEPT:
-            TEMPLATES.popitem(last=False)
-        TEMPLATES[shape] = template
+        host._keep(TEMPLATES, shape, template, TEMPLATES_KEPT)
     if template is None:
         return None
     memo["decode"] = _fill(template, key, queries, key_side, value_side, arrays, scale, shifts, tail, sinks,
@@ -183,7 +180,9 @@ def _fill(template: Template, key: tuple, queries, key_side, value_side, arrays,
     or with those of `before` where it was filled from the same objects (a question's step
     before the first decode step: only the query's shape changed)."""
     refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
-    if before is not None and len(refs) == len(before.refs) and all(a is b for a, b in zip(refs, before.refs)):
+    names1, names2 = template.names
+    if (before is not None and len(refs) == len(before.refs) and all(a is b for a, b in zip(refs, before.refs))
+            and set(names1) <= before.named[0].keys() and set(names2) <= before.named[1].keys()):
         ins1, ins2 = before.named
     else:
         placeholder = host.params_array(*template.sizes, 0, 0)
@@ -191,9 +190,6 @@ def _fill(template: Template, key: tuple, queries, key_side, value_side, arrays,
                                  arrays, scale, shifts)
         ins2 = host.pass2_inputs(template.p2, value_side, placeholder, placeholder, placeholder, placeholder,
                                  queries, ins1["cq"], tail, sinks)
-    names1, names2 = template.names
-    if not (set(names1) <= ins1.keys() and set(names2) <= ins2.keys()):
-        return _fill(template, key, queries, key_side, value_side, arrays, scale, shifts, tail, sinks, None)
     return Step(key=key, refs=refs, template=template, named=(ins1, ins2),
                 inputs=(tuple(ins1[n] for n in names1), tuple(ins2[n] for n in names2)),
                 slots=(names1.index("params"), names1.index("q_raw"), names2.index("tq") if "tq" in names2 else -1))
