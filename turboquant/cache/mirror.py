@@ -25,13 +25,13 @@ encoded, a snapshot, a trim, the mirror dropped).
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import mlx.core as mx
 
 from turboquant.attention import kernels
 from turboquant.cache.buffers import TokenBuffers
+from turboquant.environment import setting
 
 MIRROR_TOKENS = 1024
 MIRROR_ENV = "TQSTORE_MIRROR_TOKENS"
@@ -43,7 +43,8 @@ def mirror_tokens() -> int:
     ops read the storage; on Metal the fused kernels were not measured against a mirror)."""
     if kernels.select_backend() != "cuda":
         return 0
-    return int(os.environ.get(MIRROR_ENV, MIRROR_TOKENS))
+    value = setting(MIRROR_ENV)
+    return MIRROR_TOKENS if value is None else int(value)
 
 
 class DecodedMirror:

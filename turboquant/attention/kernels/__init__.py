@@ -63,12 +63,12 @@ The tests' emulator (tests/kernel_support/emulate.py) runs the very same kernel 
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
-from turboquant.attention.kernels import host, ragged, steps
+from turboquant.attention.kernels import cuda, host, ragged, steps
 from turboquant.attention.kernels.host import DEFAULT_TUNING, KernelTuning, merge_tail
+from turboquant.environment import setting
 
 __all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "merge_tail", "ragged_decode",
            "select_backend"]
@@ -76,7 +76,7 @@ __all__ = ["DEFAULT_TUNING", "KernelTuning", "fused_decode", "fused_prefill", "m
 
 def select_backend() -> str | None:
     """"cuda", "metal" or None (plain ops) for the current default device."""
-    if os.environ.get("TQSTORE_KERNELS", "1") == "0":
+    if setting("TQSTORE_KERNELS", "1") == "0":
         return None
     return _backend(mx.default_device().type)
 
@@ -116,8 +116,6 @@ def fused_decode(queries: mx.array, key_side, value_side, arrays: dict[str, mx.a
         return None
     tuning = host.resolve(tuning)
     if backend == "cuda":
-        from turboquant.attention.kernels import cuda
-
         # (without a memo, the call is prepared from the process's template all the same)
         hit = steps.run({} if memo is None else memo, cuda.kernel, queries, key_side, value_side, arrays, scale,
                         shifts, tail, rows, tail_rows, sinks, tuning, causal)
@@ -175,7 +173,7 @@ def fused_prefill(queries: mx.array, key_side, value_side, arrays: dict[str, mx.
     `TQSTORE_KERNEL_PREFILL=0` (benchmarks: the decoded rows against the kernels). `memo`: as
     `fused_decode`'s (the decode step after a question takes the inputs the question filled in)."""
     B, Hq, L, D = queries.shape
-    if not (mask is None or mask == "causal") or os.environ.get("TQSTORE_KERNEL_PREFILL", "1") == "0":
+    if not (mask is None or mask == "causal") or setting("TQSTORE_KERNEL_PREFILL", "1") == "0":
         return None
     H = next(iter(arrays.values())).shape[1]
     if H == 0 or Hq % H or Hq // H * L > MAX_PREFILL_ROWS:
@@ -199,8 +197,6 @@ def ragged_decode(queries: mx.array, keys: mx.array, values: mx.array, lengths: 
     `ragged.variant` refuses."""
     if select_backend() != "cuda":
         return None
-    from turboquant.attention.kernels import cuda
-
     v = ragged.variant(queries, keys, values, scale)
     if v is None:
         return None

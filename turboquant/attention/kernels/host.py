@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
+import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from turboquant.codec.rotation import Rotation, RotationKind
 from turboquant.codec.sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
+from turboquant.environment import setting
 from turboquant.attention.kernels.merge import MAX_BLOCKS, Pass2
 from turboquant.attention.kernels.mma import MAX_TILED_D, MMA_ROWS, MmaPass1
 from turboquant.attention.kernels.query import Pass0
@@ -98,7 +99,7 @@ class KernelTuning:
         `TQSTORE_KERNEL_THREADGROUPS` sets `threadgroups`, and for benchmarks
         `TQSTORE_KERNEL_NS` / `TQSTORE_KERNEL_UNROLL` / `TQSTORE_KERNEL_TILES` set `ns` / `unroll` /
         `tiles`."""
-        return _tuning_from_env(*(os.environ.get(name) for name in TUNING_ENV))
+        return _tuning_from_env(*map(setting, TUNING_ENV))
 
     def target_threadgroups(self, mma: bool = False) -> int:
         return self.threadgroups or (MMA_TARGET_THREADGROUPS if mma else TARGET_THREADGROUPS)
@@ -359,7 +360,7 @@ def _made_from(key_side) -> tuple:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return all(x is y for x, y in zip(a, b))
+    return all(map(operator.is_, a, b))
 
 
 @functools.lru_cache(maxsize=64)

@@ -21,6 +21,7 @@ Two levels, because a call's cost has two parts:
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -46,6 +47,8 @@ class Template:
     p1: object  # the pass-1 variant (`host.pass1_inputs` reads its layout)
     p2: object  # the pass-2 variant (`host.pass2_inputs`)
     names: tuple  # (pass-1 input names, pass-2 input names)
+    picks: tuple  # (pass-1, pass-2) `operator.itemgetter`s of those names: the inputs in order
+    slots: tuple  # (pass-1 params, pass-1 query, pass-2 query or -1): what a step swaps in
     launch: tuple  # (pass-1 keywords, pass-2 keywords) besides the inputs
     H: int
     D: int
@@ -55,14 +58,13 @@ class Template:
 class Step:
     """One layer's prepared call: `template` with the inputs of the objects in `refs` (compared
     by identity: the cache's buffers, sides, key means, tail, sinks) in place, placeholders for
-    the per-step entries at `slots`."""
+    the per-step entries at the template's `slots`."""
 
     key: tuple
     refs: tuple
     template: Template
     named: tuple  # (pass-1 inputs by name, pass-2 inputs by name), as filled
     inputs: tuple  # (pass 1 inputs, pass 2 inputs)
-    slots: tuple  # (pass-1 params, pass-1 query, pass-2 query or -1)
 
 
 def _key(queries, scale, rows, tail, tuning, causal) -> tuple:
@@ -72,6 +74,11 @@ def _key(queries, scale, rows, tail, tuning, causal) -> tuple:
 
 def _refs(key_side, value_side, arrays, shifts, tail, sinks) -> tuple:
     return (key_side, value_side, *arrays.values(), shifts, *(tail or (None, None)), sinks)
+
+
+def _same(refs: tuple, kept: tuple) -> bool:
+    """Whether `refs` are the objects `kept` holds, one by one (identity, compared in C)."""
+    return len(refs) == len(kept) and all(map(operator.is_, refs, kept))
 
 
 def _side_key(side) -> tuple:
@@ -120,8 +127,7 @@ def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tai
     step = memo.get("decode")
     if step is None or step.key != _key(queries, scale, rows, tail, tuning, causal):
         return None
-    refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
-    if len(refs) != len(step.refs) or any(a is not b for a, b in zip(refs, step.refs)):
+    if not _same(_refs(key_side, value_side, arrays, shifts, tail, sinks), step.refs):
         return None
     t = step.template
     n = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
@@ -129,7 +135,7 @@ def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tai
         return None
     params = host.params_array(*t.sizes, n, causal if tail is not None else 0)
     in1, in2 = (list(x) for x in step.inputs)
-    i_params, i_q, i_tq = step.slots
+    i_params, i_q, i_tq = t.slots
     in1[i_params], in1[i_q] = params, queries
     k1, k2 = t.kernels
     po, pm, pl = k1(inputs=in1, **t.launch[0])
@@ -165,12 +171,14 @@ def _template(make_kernel, queries, key_side, value_side, arrays, scale, shifts,
     po = pm = pl = args1["inputs"][0]  # placeholders: pass 1's outputs at every launch
     args2 = host.pass2_args(call, value_side, args1["inputs"][0], po, pm, pl, p2, queries, cq, tail, sinks)
     in1, in2 = args1.pop("inputs"), args2.pop("inputs")
+    names = (tuple(call.pass1.input_names()), tuple(p2.input_names()))
     return Template(
         sizes=host.pass1_sizes(call, shifts, None, tuning), tail_cap=p2.threads if tail is not None else 0,
         kernels=(_direct(make_kernel(call.pass1), [a.dtype for a in in1], args1["output_dtypes"]),
                  _direct(make_kernel(p2), [a.dtype for a in in2[:1]] + list(args1["output_dtypes"])
                          + [a.dtype for a in in2[4:]], args2["output_dtypes"])),
-        p1=call.pass1, p2=p2, names=(tuple(call.pass1.input_names()), tuple(p2.input_names())),
+        p1=call.pass1, p2=p2, names=names, picks=tuple(operator.itemgetter(*n) for n in names),
+        slots=(names[0].index("params"), names[0].index("q_raw"), names[1].index("tq") if "tq" in names[1] else -1),
         launch=(args1, args2), H=call.H, D=call.D)
 
 
@@ -181,7 +189,7 @@ def _fill(template: Template, key: tuple, queries, key_side, value_side, arrays,
     before the first decode step: only the query's shape changed)."""
     refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
     names1, names2 = template.names
-    if (before is not None and len(refs) == len(before.refs) and all(a is b for a, b in zip(refs, before.refs))
+    if (before is not None and _same(refs, before.refs)
             and set(names1) <= before.named[0].keys() and set(names2) <= before.named[1].keys()):
         ins1, ins2 = before.named
     else:
@@ -190,9 +198,8 @@ def _fill(template: Template, key: tuple, queries, key_side, value_side, arrays,
                                  arrays, scale, shifts)
         ins2 = host.pass2_inputs(template.p2, value_side, placeholder, placeholder, placeholder, placeholder,
                                  queries, ins1["cq"], tail, sinks)
-    return Step(key=key, refs=refs, template=template, named=(ins1, ins2),
-                inputs=(tuple(ins1[n] for n in names1), tuple(ins2[n] for n in names2)),
-                slots=(names1.index("params"), names1.index("q_raw"), names2.index("tq") if "tq" in names2 else -1))
+    pick1, pick2 = template.picks
+    return Step(key=key, refs=refs, template=template, named=(ins1, ins2), inputs=(pick1(ins1), pick2(ins2)))
 
 
 def _direct(kernel, input_dtypes: list, output_dtypes: list):
