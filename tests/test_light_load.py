@@ -162,6 +162,37 @@ def test_stream_tokens_matches_mlx_lm_stream_generate(tmp_path):
             assert a.offset == b.offset and all(mx.array_equal(x, y).item() for x, y in zip(a.state, b.state))
 
 
+def test_the_first_token_goes_out_before_the_second_step_is_built(tmp_path):
+    """mlx-lm builds the second step before it hands out the first token: on a fast GPU, where
+    building a step (host work) takes longer than computing it, every first token waited on
+    that work, and a one-token answer never used the step. The first token goes out first now;
+    the caches still end holding every token handed out, a one-token answer's included (a chat
+    turn stores prompt + answer), as mlx-lm's do."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = write_model_folder(tmp_path / "m", "qwen2")
+    (model, tokenizer), (_, fast) = both(path, tmp_path)
+    fast.eos_token_ids = set()
+    prompt = tokenizer.encode("The contract says the seller pays. Who pays?")
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return model(*args, **kwargs)
+
+    for max_tokens in (1, 4):
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        calls.clear()
+        steps = stream_tokens(counted, fast, prompt[-1:], max_tokens=max_tokens, prompt_cache=cache,
+                              sampler=lambda logprobs: mx.argmax(logprobs, axis=-1))
+        next(steps)
+        assert len(calls) == 1, max_tokens  # the prompt's last token only
+        rest = list(steps)
+        assert len(rest) == max_tokens - 1 and len(calls) == max_tokens + 1
+        assert all(c.offset == len(prompt) + max_tokens for c in cache)
+
+
 def test_a_fresh_ask_imports_no_transformers_once_the_tokenizer_is_recorded(tmp_path):
     """The console script's `ask` after a `save` (which records the tokenizer) imports neither
     transformers nor mlx-lm's package __init__, and answers as an mlx-lm load does."""

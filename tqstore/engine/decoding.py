@@ -5,7 +5,8 @@ transformers (a second of a fresh process's start here, two on the H200).
 The same computation in the same order: the prompt's tokens but the last prefilled in steps,
 then each step runs the model on the previous token and samples from the log-probabilities,
 one step ahead of the token handed out (mlx-lm evaluates the next token asynchronously while
-the caller handles this one, so the caches hold one token more than was yielded), end of
+the caller handles this one, so the caches hold one token more than was yielded; here the
+first token goes out before the second step is built, see `_steps`), end of
 sequence and the length limit as mlx-lm reports them, text through the tokenizer's streaming
 detokenizer. tests/test_light_load.py compares tokens, log-probabilities, text and caches with
 mlx-lm's.
@@ -49,9 +50,10 @@ def stream_tokens(model: Any, tokenizer: Any, prompt: list[int], *, max_tokens: 
     detokenizer = tokenizer.detokenizer
     stream = _generation_stream()
     token, logprobs, n = None, None, 0
-    with _wired_limit(stream):
-        for n, (token, logprobs) in enumerate(_steps(mx.array(prompt), model, stream, max_tokens, prompt_cache,
-                                                    sampler)):
+    steps = _steps(mx.array(prompt), model, stream, max_tokens, prompt_cache, sampler)
+    # (closed when this generator ends, after its last Step went out: see `_steps`)
+    with _wired_limit(stream), contextlib.closing(steps):
+        for n, (token, logprobs) in enumerate(steps):
             if token in tokenizer.eos_token_ids:
                 break
             detokenizer.add_token(token)
@@ -81,20 +83,33 @@ def _steps(prompt: mx.array, model: Any, stream: Any, max_tokens: int, cache: li
             mx.clear_cache()
         y, logprobs = step(prompt)
         mx.async_eval(y, logprobs)
-        n = 0
-        while True:
-            if n != max_tokens:
-                next_y, next_logprobs = step(y)
-                mx.async_eval(next_y, next_logprobs)
-            if n == 0:
-                mx.eval(y)
-            if n == max_tokens:
-                break
-            yield y.item(), logprobs
-            if n % 256 == 0:
-                mx.clear_cache()
-            y, logprobs = next_y, next_logprobs
-            n += 1
+        n, ahead, handed = 0, None, False
+        try:
+            while True:
+                # Each step is built while the device computes the one before, as in mlx-lm,
+                # except the second: the first token goes out before it is built. Building a
+                # step is host work that can outlast its device time on a fast GPU (compressed
+                # caches' most of all), and the first token waited on it.
+                if n != max_tokens and n > 0:
+                    ahead = step(y)
+                    mx.async_eval(*ahead)
+                if n == max_tokens:
+                    break
+                token, handed = y.item(), True
+                yield token, logprobs
+                if n == 0:
+                    ahead = step(y)
+                    mx.async_eval(*ahead)
+                if n % 256 == 0:
+                    mx.clear_cache()
+                (y, logprobs), ahead = ahead, None
+                n += 1
+        finally:
+            if handed and n == 0 and ahead is None:
+                # Closed after the first token (a one-token answer, an end of sequence): the
+                # step is run anyway, so that the caches hold the token, as mlx-lm's do and
+                # as a caller storing prompt + answer needs.
+                mx.async_eval(*step(y))
 
 
 @contextlib.contextmanager
