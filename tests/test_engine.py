@@ -171,3 +171,37 @@ def test_started_takes_no_token_count_its_caches_contradict():
         Started(caches, 565, "lmdb", 0.0)
     with pytest.raises(CorruptBlock, match="hold 0 tokens, not the 3"):
         Started([KVCache()], 3, "none", 0.0)
+
+
+def test_an_answers_last_prompt_chunk_is_queued_and_the_answer_unchanged(engine, model_dir, monkeypatch):
+    """The prompt's last prefill chunk before its last token is queued (`mx.async_eval`), so the
+    first token's step is built while the device runs it; earlier chunks, and a save's, are
+    waited for. The tokens are those of a run that waits for every chunk."""
+    from tqstore.engine import prefill as prefill_module
+
+    loaded = engine.model(str(model_dir))
+    prompt = loaded.tokenizer.encode(DOCUMENT)[:150]
+    waited = engine.generate(loaded, "turbo4", prompt, max_tokens=4)
+    calls = []
+
+    class Recorded:
+        """The prefill module's `mx`, its evaluations recorded."""
+
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        def eval(self, *a):
+            calls.append("eval")
+            return mx.eval(*a)
+
+        def async_eval(self, *a):
+            calls.append("async")
+            return mx.async_eval(*a)
+
+    monkeypatch.setattr(prefill_module, "mx", Recorded())
+    queued = engine.generate(loaded, "turbo4", prompt, max_tokens=4)
+    assert calls == ["eval", "eval", "async"]  # 149 tokens in chunks of 64
+    assert queued.tokens == waited.tokens and mx.array_equal(queued.first_logprobs, waited.first_logprobs).item()
+    calls.clear()
+    engine.save("doc", DOCUMENT, model=str(model_dir), scheme="turbo4")
+    assert calls and "async" not in calls

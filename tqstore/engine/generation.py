@@ -36,7 +36,7 @@ class AskResult:
     cached_tokens: int  # prompt tokens restored from the store
     tier: str  # memory, lmdb, s3 or none
     restore_seconds: float
-    prefill_seconds: float  # this ask's remainder
+    prefill_seconds: float  # this ask's remainder (its last chunk's device time counts in generation_seconds)
     recorded_prefill_seconds: float  # what the stored context cost to compute
     generation_seconds: float
     finish_reason: str | None
@@ -195,9 +195,10 @@ class Answerer:
             row = PrefillRow(started.caches, remainder[:-1])
             yield row
             return started, remainder, row.seconds, halted
+        # (the last chunk queued: the prompt's last token is built while the device runs it)
         prefill = yield from self.prefiller.prefill_steps(loaded, started.caches, remainder[:-1], cancelled=halted,
                                                           at=started.matched, checkpoints=started.checkpoints,
-                                                          chunk=chunk)
+                                                          chunk=chunk, queue_last=True)
         return started, remainder, prefill, halted
 
     def generate_composed(self, loaded: LoadedModel, scheme: str, caches: list[Any], context: Sequence[int],

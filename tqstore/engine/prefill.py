@@ -138,11 +138,19 @@ class Prefiller:
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
                       progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,
                       at: int = 0, checkpoints: StateCheckpoints | None = None,
-                      chunk: Callable[[int], int] | None = None) -> Generator[None, None, float]:
+                      chunk: Callable[[int], int] | None = None,
+                      queue_last: bool = False) -> Generator[None, None, float]:
         """`prefill`, yielding after each chunk so that the caller can take turns with other
         work; returns the seconds of its own steps. `chunk(position)`, asked before each chunk
         with the absolute position of its first token, sizes it (default `self.chunk`): the
-        server keeps its chunks short in time and ends them at positions that repeat."""
+        server keeps its chunks short in time and ends them at positions that repeat.
+
+        `queue_last`: the last chunk is queued (`mx.async_eval`), not waited for, so a caller
+        that runs the next token at once (the prompt's last, which yields the first token)
+        builds that step while the device computes the chunk; the chunk's device time then
+        counts in the caller's step, not in the seconds returned. Building a step is host work
+        that a fast GPU otherwise waits for: on an H100 a 4k turbo4 first token's step took
+        about 1 ms to build against 2.3 ms to run (bench/graph_build.py)."""
         forward = body(loaded.model)
         context = Context(caches, "whole", BLOCK_SIZE, checkpoints)
         seconds, done = 0.0, 0
@@ -154,7 +162,11 @@ class Prefiller:
             if cancelled is not None and cancelled():
                 break
             t0 = time.perf_counter()
-            mx.eval(forward(mx.array(tokens[done:end - at])[None], cache=caches), [c.state for c in caches])
+            computed = (forward(mx.array(tokens[done:end - at])[None], cache=caches), [c.state for c in caches])
+            if queue_last and end - at == len(tokens):
+                mx.async_eval(computed)
+            else:
+                mx.eval(computed)
             done = end - at
             context.prefilled(end)
             seconds += time.perf_counter() - t0
