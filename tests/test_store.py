@@ -623,12 +623,18 @@ def test_restores_from_memory_share_their_codecs(store):
     store.put("tiny", snap, tokens, model=model_id, codec=codec_id, model_ref="tiny-llama", prefill_seconds=0.1)
     store = reopen(store)
     match = store.lookup(tokens, model=model_id.digest, codec=codec_id.digest)
-    sides = []
+    sides, plans = [], []
     for tier in ("lmdb", "memory", "memory"):
         restored, stats = store.restore(match)
         assert stats.tier == tier
-        sides.append([(c._key_side, c._value_side) for c in restore(restored)])
+        caches = restore(restored)
+        sides.append([(c._key_side, c._value_side) for c in caches])
+        plans.append([c.plan for c in caches])
     codecs = {id(side.codec) for layers in sides[1:] for pair in layers for side in pair}
     assert len(codecs) == len(snap.codecs) == 2  # keys' and values' codecs, whatever the layer or restore
     assert sides[1][0][0] is not sides[2][0][0]  # (sides stay per restore: their calibrations are)
+    # Plans too: rebuilt from the records by every layer of every restore before, now one per
+    # layer's scalars and codec records (layers alike share theirs).
+    assert all(a is b for a, b in zip(plans[1], plans[2]))
+    assert [p.meta() for p in plans[0]] == [p.meta() for p in plans[2]] == [c.plan.meta() for c in restore(snap)]
     store.close()

@@ -9,6 +9,7 @@ out flat) live in the cache and its snapshot, not here.
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -63,6 +64,14 @@ def codec_record(codec: TurboCodec) -> CodecRecord:
 # (rotation matrices, padded codebooks; attention/kernels/host.py) are made once, not again by
 # each layer of each restore (a question's forward on the GPU paid their launches every time).
 _FROM_RECORD: weakref.WeakKeyDictionary[CodecRecord, TurboCodec] = weakref.WeakKeyDictionary()
+
+
+# Plans rebuilt from persisted scalars, by those scalars, beside the codec records they were
+# built with. Every restore rebuilt every layer's plan (about 10 us a layer here); a restore
+# from memory hands its layers the same records each time (the memory tier keeps them), so its
+# plans are built once per entry. Plans are frozen, and a restored plan has no allocation group.
+FROM_META_KEPT = 512
+_FROM_META: dict[tuple, tuple[tuple, "LayerPlan"]] = {}
 
 
 def codec_from_record(record: CodecRecord) -> TurboCodec:
@@ -230,8 +239,21 @@ class LayerPlan:
 
     @classmethod
     def from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":
-        """Rebuild a plan from persisted scalars and codec arrays (nothing regenerated)."""
+        """Rebuild a plan from persisted scalars and codec arrays (nothing regenerated); one
+        object per scalars and codec records (`_FROM_META`)."""
+        key = tuple(meta.items())
+        records = tuple(codecs.get(meta.get(f"{prefix}_codec")) for prefix in ("key", "value"))
+        hit = _FROM_META.get(key)
+        if hit is not None and all(map(operator.is_, hit[0], records)):
+            return hit[1]
+        plan = cls._from_meta(meta, codecs)
+        while len(_FROM_META) >= FROM_META_KEPT:
+            del _FROM_META[next(iter(_FROM_META))]
+        _FROM_META[key] = (records, plan)
+        return plan
 
+    @classmethod
+    def _from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":
         def side(prefix: str) -> SidePlan:
             fmt = Format(meta[f"{prefix}_format"])
             bits = int(meta[f"{prefix}_bits"])
