@@ -5,13 +5,15 @@
         --head-dim 64 --tokens 1024 --schemes raw turbo4                                     # CPU
 
 bench/restore_vs_recompute.py times one first token per fresh store, right after its save; this
-asks the same question of one saved context `--runs` times in a row (after `--warm` untimed
-asks), as a server answering questions about one document does, and splits each answer's wall
+asks the same question of one saved context `--runs` times (after `--warm` untimed asks), as
+a server answering questions about one document does, the schemes taking turns ask by ask
+(`interleaved`), and splits each answer's wall
 time as that bench does: the store's restore, the question's forward (all but its last token),
 the first-token step, and the rest (the lookup, building the caches, Python between them).
 "To the token" is the answer's own `first_token_seconds`: restore, question and the wait for
 the token, without the rest, and without what the step does after handing the token out.
-Medians over the runs, and each scheme's median wall time over raw's; `--tree DIR` measures
+Medians over the runs, and the median (min-max) over the rounds of each ask's time over raw's
+ask of the same round; `--tree DIR` measures
 another checkout (a baseline, side by side). The model is
 restore_vs_recompute's: Llama-3.1-8B's shapes by default (random weights, bf16 on a GPU, float32
 on the CPU), nothing downloaded. `--profile` prints cProfile's top functions of 3 more asks.
@@ -89,6 +91,38 @@ def saved(root: Path, scheme: str, context: list[int], prompt: list[int], warm: 
         shutil.rmtree(home, ignore_errors=True)
 
 
+def interleaved(root: Path, schemes: list[str], context: list[int], prompt: list[int], warm: int, runs: int,
+                profile: bool) -> dict[str, list[dict[str, float]]]:
+    """Each scheme's asks, made in rounds of one ask per scheme (the order rotating from round
+    to round), so that an ask's ratio to raw's compares asks made next to each other in time:
+    on the GPU machines one process's cells drifted apart by up to 1.5x in every part, restore
+    and raw included, which per-scheme blocks of asks turned into ratios."""
+    with contextlib.ExitStack() as stack:
+        opened = {s: stack.enter_context(saved(root, s, context, prompt, warm)) for s in schemes}
+        made: dict[str, list[dict[str, float]]] = {s: [] for s in schemes}
+        for i in range(runs):
+            turn = i % len(schemes)
+            for scheme in schemes[turn:] + schemes[:turn]:
+                made[scheme].append(ask(*opened[scheme], scheme, prompt))
+        if profile:
+            for scheme, (engine, loaded) in opened.items():
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(3):
+                    engine.generate(loaded, scheme, prompt, max_tokens=1)
+                profiler.disable()
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+                print(f"-- {len(context)} {scheme}\n" + out.getvalue(), flush=True)
+    return made
+
+
+def _ratios(mine: list[dict[str, float]], raw: list[dict[str, float]], part: str) -> str:
+    """Median (min-max) over the rounds of `part` of this scheme's ask over raw's."""
+    ratios = [m[part] / r[part] for m, r in zip(mine, raw)]
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384])
@@ -112,34 +146,24 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(0)
         for tokens in args.tokens:
             context, prompt = context_and_prompt(rng, tokens, args.vocab)
+            runs = interleaved(root, args.schemes, context, prompt, args.warm, args.runs, args.profile)
             for scheme in args.schemes:
-                with saved(root, scheme, context, prompt, args.warm) as (engine, loaded):
-                    runs = [ask(engine, loaded, scheme, prompt) for _ in range(args.runs)]
-                    if args.profile:
-                        profiler = cProfile.Profile()
-                        profiler.enable()
-                        for _ in range(3):
-                            engine.generate(loaded, scheme, prompt, max_tokens=1)
-                        profiler.disable()
-                        out = io.StringIO()
-                        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
-                        print(f"-- {tokens} {scheme}\n" + out.getvalue(), flush=True)
-                medians[(tokens, scheme)] = {p: statistics.median(r[p] for r in runs) * 1e3 for p in PARTS}
-                wall = [r["wall"] * 1e3 for r in runs]
-                raw = medians.get((tokens, "raw"))
-                mine = medians[(tokens, scheme)]
-                ratio = f"{mine['wall'] / raw['wall']:.2f}x" if raw else "-"
-                first = f"{mine['first'] / raw['first']:.2f}x" if raw else "-"
+                mine = medians[(tokens, scheme)] = {p: statistics.median(r[p] for r in runs[scheme]) * 1e3
+                                                    for p in PARTS}
+                wall = [r["wall"] * 1e3 for r in runs[scheme]]
+                ratio = first = "-"
+                if "raw" in runs:
+                    ratio, first = (_ratios(runs[scheme], runs["raw"], p) for p in ("wall", "first"))
                 rows.append([f"{tokens:,}", scheme, f"{mine['wall']:.1f} ({min(wall):.1f}-{max(wall):.1f})", ratio,
                              f"{mine['first']:.1f}", first] + [f"{mine[p]:.1f}" for p in PARTS[2:]])
-                print(f"{tokens} {scheme}: " + ", ".join(f"{p} {medians[(tokens, scheme)][p]:.1f} ms" for p in PARTS),
-                      flush=True)
+                print(f"{tokens} {scheme}: " + ", ".join(f"{p} {mine[p]:.1f} ms" for p in PARTS), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     tree = f"the tree at {args.tree}; " if args.tree else ""
     body = (f"{tree}{args.layers} layers (hidden {args.hidden}, {args.heads} query / {args.kv_heads} KV heads, "
-            f"head dim {args.head_dim}), a {QUESTION_TOKENS}-token question asked {args.runs} times after {args.warm} "
-            f"untimed; medians (ms), wall as median (min-max); 'x raw' is the median wall over raw's:\n\n"
+            f"head dim {args.head_dim}), a {QUESTION_TOKENS}-token question asked {args.runs} times per scheme after "
+            f"{args.warm} untimed, the schemes in turn; medians (ms), wall as median (min-max); 'x raw' is the median "
+            f"(min-max) over the rounds of each ask's time over raw's ask of the same round:\n\n"
             + markdown_table(["tokens", "scheme", "first token", "x raw", "to the token", "x raw", "restore",
                               "question forward", "first-token step", "rest"], rows))
     return print_and_write(MARKER, body, args.write, argv)
