@@ -26,6 +26,7 @@ BEGIN, END = "<!-- module-map:begin -->", "<!-- module-map:end -->"
 # (turboquant/__init__.py, the only module tqstore imports besides records) is its top.
 PACKAGE_LAYERS = {
     "turboquant.records": -7,
+    "turboquant.environment": -7,
     "turboquant.codec": -6,
     "turboquant.attention": -5,
     "turboquant.cache": -4,
