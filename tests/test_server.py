@@ -221,13 +221,22 @@ def test_metrics_are_prometheus_text_and_count_what_happened(server, client):
     prompt = CONTEXT + "Metrics count this."
     client.completions.create(model="tiny-qwen2", prompt=prompt, max_tokens=2)
     client.completions.create(model="tiny-qwen2", prompt=prompt, max_tokens=2)
-    status, headers, text = request(server, "GET", "/metrics")
-    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
-    after = parse_prometheus(text)
 
     def delta(key):
         return after.get(key, 0) - before.get(key, 0)
 
+    # A response goes out before its autosave is decided (on the model thread) and stored (on
+    # the writer thread), so the counts arrive after it; on a loaded machine /metrics read at once
+    # still lacked the second request's "covered" (or the first's put).
+    deadline = time.monotonic() + 60
+    while True:
+        status, headers, text = request(server, "GET", "/metrics")
+        after = parse_prometheus(text)
+        settled = delta('tqstore_autosaves_total{outcome="covered"}') and delta("tqstore_autosave_seconds_count")
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert status == 200 and headers["Content-Type"].startswith("text/plain; version=0.0.4")
     assert delta('tqstore_http_requests_total{endpoint="/v1/completions",method="POST",status="200"}') == 2
     assert delta('tqstore_http_requests_total{endpoint="/v1/models",method="GET",status="401"}') == 1
     assert delta('tqstore_prefix_hits_total{api="openai",tier="none"}') == 1
