@@ -9,7 +9,9 @@ sooner than the host can describe them, the build is the first token's wait (doc
 the H100's 4k turbo4 asks launched as many kernels as raw's, with the same device time, yet
 answered 1.26-1.32x later). Each run restores the saved context from the memory tier into new
 caches, builds the question's forward (timed), evaluates it (timed), builds the first step
-(timed) and evaluates it (timed); medians over `--runs` after three untimed.
+(timed) and evaluates it (timed); medians over `--runs` after three untimed, the schemes taking
+turns ask by ask, and each compressed scheme's builds over raw's in the same round (median, min
+to max).
 
 On a GPU the model has Llama-3.1-8B's shapes (8 layers, random bf16 weights). On the CPU
 (`--gpu` absent) the model is small (float32) and the CUDA path is forced with each kernel
@@ -21,6 +23,7 @@ and nothing of its kernels, is what the build columns time; the eval columns the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import random
 import shutil
@@ -65,29 +68,47 @@ def force_cuda_path() -> None:
     cuda.kernel = functools.lru_cache(maxsize=None)(ZeroKernel)
 
 
-def build_times(engine, loaded, prompt: list[int], context: int, runs: int) -> dict[str, list[float]]:
-    """Seconds to build and to evaluate the question's forward and the first step, per run."""
+PARTS = ("question build", "question eval", "step build", "step eval")
+
+
+def one_ask(engine, loaded, question) -> tuple[float, ...]:
+    """Seconds to build and to evaluate the question's forward and the first step after one
+    restore from memory (`PARTS`)."""
     import mlx.core as mx
 
-    question = mx.array(prompt[context:])[None]
-    times: dict[str, list[float]] = {"question build": [], "question eval": [], "step build": [], "step eval": []}
-    for i in range(runs + 3):
-        caches, _, _ = engine.prompt_cache("ctx")
-        mx.eval([c.state for c in caches])
-        t0 = time.perf_counter()
-        logits = loaded.model(question, cache=caches)
-        t1 = time.perf_counter()
-        token = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(token)
-        t2 = time.perf_counter()
-        step = loaded.model(token[None], cache=caches)
-        t3 = time.perf_counter()
-        mx.eval(step)
-        t4 = time.perf_counter()
-        if i >= 3:
-            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                times[name].append(seconds)
-    return times
+    caches, _, _ = engine.prompt_cache("ctx")
+    mx.eval([c.state for c in caches])
+    t0 = time.perf_counter()
+    logits = loaded.model(question, cache=caches)
+    t1 = time.perf_counter()
+    token = mx.argmax(logits[:, -1], axis=-1)
+    mx.eval(token)
+    t2 = time.perf_counter()
+    step = loaded.model(token[None], cache=caches)
+    t3 = time.perf_counter()
+    mx.eval(step)
+    t4 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3
+
+
+def interleaved_times(root: Path, schemes: list[str], context: list[int], prompt: list[int], runs: int
+                      ) -> dict[str, list[tuple[float, ...]]]:
+    """Each scheme's `one_ask` times, in rounds of one ask per scheme (the order rotating), after
+    three untimed rounds: the host's speed drifts between a process's cells (docs/benchmarks.md),
+    so a build over raw's is taken within a round."""
+    import mlx.core as mx
+
+    question = mx.array(prompt[len(context):])[None]
+    with contextlib.ExitStack() as stack:
+        opened = {s: stack.enter_context(saved(root, s, context, prompt, 1)) for s in schemes}
+        made: dict[str, list[tuple[float, ...]]] = {s: [] for s in schemes}
+        for i in range(runs + 3):
+            turn = i % len(schemes)
+            for scheme in schemes[turn:] + schemes[:turn]:
+                seconds = one_ask(*opened[scheme], question)
+                if i >= 3:
+                    made[scheme].append(seconds)
+    return made
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,11 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         write_model(root / "model", args, mx.bfloat16 if args.gpu else mx.float32)
         context, prompt = context_and_prompt(random.Random(0), args.tokens, args.vocab)
-        for scheme in args.schemes:
-            with saved(root, scheme, context, prompt, 1) as (engine, loaded):
-                times = build_times(engine, loaded, prompt, len(context), args.runs)
-            print(f"{args.tokens} {scheme}: " + ", ".join(
-                f"{name} {statistics.median(t) * 1e3:.3f} ms" for name, t in times.items()), flush=True)
+        made = interleaved_times(root, args.schemes, context, prompt, args.runs)
+        for scheme, asks in made.items():
+            line = ", ".join(f"{name} {statistics.median(a[k] for a in asks) * 1e3:.3f} ms"
+                             for k, name in enumerate(PARTS))
+            if "raw" in made and scheme != "raw":
+                for k in (0, 2):  # the builds over raw's, round by round
+                    over = [(a[k] - r[k]) * 1e3 for a, r in zip(asks, made["raw"])]
+                    line += (f", {PARTS[k]} over raw {statistics.median(over):.3f} ms "
+                             f"({min(over):.3f} to {max(over):.3f})")
+            print(f"{args.tokens} {scheme}: {line}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
