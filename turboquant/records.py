@@ -213,13 +213,16 @@ def in_block_form(record: "LayerRecord", n_tokens: int) -> bool:
 def token_span(record: "LayerRecord", name: str) -> tuple[int, int] | None:
     """Tokens [start, end) that array `name` of `record` covers along axis 2; None for arrays
     that are not per token (ring buffers, and per-block arrays whose axis 2 counts blocks)."""
-    if record.layout in WHOLE_LAYOUTS or name in BLOCK_ARRAYS:
+    return _span(record.layout, name, int(record.state.get("stored", 0)), record.offset)
+
+
+def _span(layout: Layout, name: str, stored: int, offset: int) -> tuple[int, int] | None:
+    if layout in WHOLE_LAYOUTS or name in BLOCK_ARRAYS:
         return None
-    stored = int(record.state.get("stored", 0))
-    if record.layout in (Layout.RAW, Layout.QUANTIZED):
-        return (0, record.offset)
+    if layout in (Layout.RAW, Layout.QUANTIZED):
+        return (0, offset)
     if name in TAIL_ARRAYS:
-        return (stored, record.offset)
+        return (stored, offset)
     return (0, stored)
 
 
@@ -244,7 +247,7 @@ def check_record_arrays(record: "LayerRecord") -> None:
         raise ValueError(f"a {record.layout.value} layer with {record.offset} tokens ({stored} compressed) "
                          f"needs arrays {sorted(expected)}, got {sorted(record.arrays)}")
     for name, array in record.arrays.items():
-        span = token_span(record, name)
+        span = _span(record.layout, name, stored, record.offset)
         if span is not None and array.shape[TOKEN_AXIS] != span[1] - span[0]:
             raise ValueError(f"array {name} holds {array.shape[TOKEN_AXIS]} tokens, expected {span[1] - span[0]}")
     if "keys_shift" in record.arrays and record.arrays["keys_shift"].shape[TOKEN_AXIS] != -(-stored // BLOCK_TOKENS):

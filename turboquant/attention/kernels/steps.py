@@ -103,11 +103,12 @@ def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, s
     """(out, lse) through the step kept in `memo`, made from the process's template for this
     call's shape when it does not fit (one is built the first time, `host.describe`); None when
     no prepared call applies (the caller launches from scratch, `host.launch`)."""
-    call = (queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks, tuning, causal)
-    hit = replay(memo, *call)
-    if hit is not None:
-        return hit
     key = _key(queries, scale, rows, tail, tuning, causal)
+    refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
+    step = memo.get("decode")
+    if step is not None and step.key == key and _same(refs, step.refs):
+        # (None: the tail outgrew pass 2, which filling the template again would not change)
+        return _launch(step, queries, tail, tail_rows, causal)
     shape = (make_kernel, *_shape_key(key, key_side, value_side, arrays, shifts, tail, sinks))
     template = TEMPLATES.get(shape, _UNSEEN)
     if template is _UNSEEN:
@@ -116,9 +117,9 @@ def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, s
         host._keep(TEMPLATES, shape, template, TEMPLATES_KEPT)
     if template is None:
         return None
-    memo["decode"] = _fill(template, key, queries, key_side, value_side, arrays, scale, shifts, tail, sinks,
-                           memo.get("decode"))
-    return replay(memo, *call)
+    step = memo["decode"] = _fill(template, key, refs, queries, key_side, value_side, arrays, scale, shifts, tail,
+                                  sinks, step)
+    return _launch(step, queries, tail, tail_rows, causal)
 
 
 def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks,
@@ -129,6 +130,12 @@ def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tai
         return None
     if not _same(_refs(key_side, value_side, arrays, shifts, tail, sinks), step.refs):
         return None
+    return _launch(step, queries, tail, tail_rows, causal)
+
+
+def _launch(step: Step, queries, tail, tail_rows, causal) -> tuple[mx.array, mx.array] | None:
+    """(out, lse) of `step` with this call's query and sizes swapped in, or None when the tail
+    holds more rows than its pass 2 takes."""
     t = step.template
     n = 0 if tail is None else (tail[0].shape[2] if tail_rows is None else tail_rows)
     if tail is not None and not 0 < n <= min(t.tail_cap, tail[0].shape[2]):
@@ -182,12 +189,11 @@ def _template(make_kernel, queries, key_side, value_side, arrays, scale, shifts,
         launch=(args1, args2), H=call.H, D=call.D)
 
 
-def _fill(template: Template, key: tuple, queries, key_side, value_side, arrays, scale, shifts, tail, sinks,
-          before: Step | None) -> Step:
+def _fill(template: Template, key: tuple, refs: tuple, queries, key_side, value_side, arrays, scale, shifts, tail,
+          sinks, before: Step | None) -> Step:
     """`template` with these objects' inputs in place (`host.pass1_inputs`, `host.pass2_inputs`),
     or with those of `before` where it was filled from the same objects (a question's step
     before the first decode step: only the query's shape changed)."""
-    refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
     names1, names2 = template.names
     if (before is not None and _same(refs, before.refs)
             and set(names1) <= before.named[0].keys() and set(names2) <= before.named[1].keys()):
