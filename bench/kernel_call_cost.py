@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gpu:
         force_cuda_path()
     from tests.kernel_support.synthetic import build_cache
-    from turboquant.attention.kernels import steps
+    from turboquant.attention.kernels import cuda, steps
 
     dtype = mx.bfloat16 if args.gpu else mx.float32
     H, D, Hq, L = 8, 128, 32, 16
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     call = (q1, cache._key_side, cache._value_side, cache._store.arrays, scale, cache._shifts,
             (cache._tail.arrays["keys"], cache._tail.arrays["values"]), cache.stored, cache.offset - cache.stored,
             None, steps.host.resolve(None), 0)
-    add("prepared step replayed (both launches)", lambda: steps.replay(cache._steps, *call))
+    add("prepared step replayed (both launches)", lambda: steps.run(cache._steps, cuda.kernel, *call))
     add("layer attention, decode step (memo warm)", lambda: cache.attention(q1, scale))
 
     def question_cold():

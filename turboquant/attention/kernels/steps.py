@@ -122,17 +122,6 @@ def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, s
     return _launch(step, queries, tail, tail_rows, causal)
 
 
-def replay(memo: dict, queries, key_side, value_side, arrays, scale, shifts, tail, rows, tail_rows, sinks,
-           tuning, causal) -> tuple[mx.array, mx.array] | None:
-    """(out, lse) through the step kept in `memo`, or None when it does not fit this call."""
-    step = memo.get("decode")
-    if step is None or step.key != _key(queries, scale, rows, tail, tuning, causal):
-        return None
-    if not _same(_refs(key_side, value_side, arrays, shifts, tail, sinks), step.refs):
-        return None
-    return _launch(step, queries, tail, tail_rows, causal)
-
-
 def _launch(step: Step, queries, tail, tail_rows, causal) -> tuple[mx.array, mx.array] | None:
     """(out, lse) of `step` with this call's query and sizes swapped in, or None when the tail
     holds more rows than its pass 2 takes."""
