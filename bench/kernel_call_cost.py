@@ -15,7 +15,9 @@ tiny `mx.fast.cuda_kernel` (two inputs, a one-line body: the launch's fixed cost
 pass 2 alone with the prepared step's inputs; the prepared step replayed (both launches); the
 layer's attention call as the model makes it for a decode step (memo warm) and for a 16-token
 question, warm and with the cache's prepared steps dropped first (what a question after a
-restore pays: template found, inputs filled).
+restore pays: template found, inputs filled). On a GPU a second column times the launch:
+`mx.async_eval` of 64 built calls at once, per call (the host's work at evaluation: kernel
+arguments, graph nodes), which the build column leaves out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from graph_build import force_cuda_path  # noqa: E402
 
 TINY_SOURCE = "uint i = threadIdx.x; out[i] = a[i] + b[i];"
+LAUNCHED = 64  # built calls launched together per round (`launch_cost`)
 
 
 def per_call(fn, calls: int, rounds: int) -> float:
@@ -46,6 +49,25 @@ def per_call(fn, calls: int, rounds: int) -> float:
         times.append((time.perf_counter() - t0) / calls * 1e6)
         del kept
     return statistics.median(times)
+
+
+def launch_cost(fn, calls: int, rounds: int) -> float:
+    """Median over `rounds` of the host microseconds per call that `mx.async_eval` takes to
+    launch `calls` built calls of `fn` together (the device finishes them after it returns; the
+    wait is not timed). On a GPU this is the host's launch work per call: arguments, graph
+    nodes, dependency tracking, which the build columns do not include."""
+    import mlx.core as mx
+
+    times = []
+    for _ in range(rounds + 1):
+        built = [fn() for _ in range(calls)]
+        arrays = [a for out in built for a in (out if isinstance(out, (list, tuple)) else [out])]
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.async_eval(arrays)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+        mx.synchronize()
+    return statistics.median(times[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, float]] = []
 
     def add(name: str, fn) -> None:
-        rows.append((name, per_call(fn, args.calls, args.rounds)))
+        launch = launch_cost(fn, LAUNCHED, args.rounds) if args.gpu else None
+        rows.append((name, per_call(fn, args.calls, args.rounds), launch))
 
     add("plain op (q + 1)", lambda: q1 + 1)
     add("MLX SDPA over raw K/V (decode)", lambda: mx.fast.scaled_dot_product_attention(q1, k, v, scale=scale))
@@ -114,11 +137,11 @@ def main(argv: list[str] | None = None) -> int:
 
     device = str(mx.default_device()) + (" (kernels real)" if args.gpu else " (kernels stubbed)")
     print(f"{args.tokens}-token {args.scheme} layer, {device}, {args.calls} calls x {args.rounds} rounds, "
-          "median us per call (host, nothing evaluated)")
-    print("| call | us |")
-    print("|---|---|")
-    for name, us in rows:
-        print(f"| {name} | {us:.1f} |")
+          f"median host us per call: built (nothing evaluated); launched ({LAUNCHED} built calls, mx.async_eval, GPU)")
+    print("| call | built, us | launched, us |")
+    print("|---|---|---|")
+    for name, us, launch in rows:
+        print(f"| {name} | {us:.1f} | {'-' if launch is None else f'{launch:.1f}'} |")
     return 0
 
 
