@@ -17,7 +17,8 @@ import functools
 import os
 
 _DATA = getattr(os.environ, "_data", None)
-_ENCODED = os.name == "posix" and isinstance(_DATA, dict)
+# (only where that dict holds encoded names, as CPython's has on POSIX since 3.2)
+_ENCODED = os.name == "posix" and isinstance(_DATA, dict) and all(isinstance(k, bytes) for k in _DATA)
 
 
 def setting(name: str, default: str | None = None) -> str | None:
