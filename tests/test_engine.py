@@ -205,3 +205,26 @@ def test_an_answers_last_prompt_chunk_is_queued_and_the_answer_unchanged(engine,
     calls.clear()
     engine.save("doc", DOCUMENT, model=str(model_dir), scheme="turbo4")
     assert calls and "async" not in calls
+
+
+def test_an_autosaved_prompt_records_what_computing_it_cost(engine, model_dir):
+    """The server's autosave records what computing the prompt cost: its prefill and the step
+    of its last token, which also waits for the prefill's last chunk now that it is queued (the
+    prefill seconds alone would leave that chunk's device time out)."""
+    from tqstore.engine.background import BackgroundWriter
+    from tqstore.serve.autosave import SavePolicy, autosave
+    from tqstore.serve.metrics import Metrics
+
+    loaded = engine.model(str(model_dir))
+    prompt = loaded.tokenizer.encode(DOCUMENT)[:300]
+    result, caches = engine.generate_with_caches(loaded, "turbo4", prompt, max_tokens=2)
+    writer = BackgroundWriter()
+    try:
+        autosave(engine, SavePolicy(min_tokens=64), Metrics(), writer, loaded, "turbo4", prompt, result, caches)
+        assert writer.wait_for(prompt, timeout=60)
+    finally:
+        writer.close(60)
+    spent = result.first_token_seconds - result.restore_seconds
+    assert spent > result.prefill_seconds > 0
+    stored = engine.store.get(SavePolicy.name_for(loaded.identity.digest, "turbo4", prompt[:-1]))
+    assert stored.prefill_seconds == pytest.approx(spent * (len(prompt) - 1) / len(prompt))

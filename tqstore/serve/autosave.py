@@ -59,8 +59,11 @@ def autosave(engine: Engine, policy: SavePolicy, metrics: Metrics, writer: Backg
         return
     name = policy.name_for(loaded.identity.digest, scheme, stored)
     computed = len(prompt) - result.cached_tokens
-    # Prefill cost is close to linear at these lengths: scale the measured part to the whole.
-    recorded = result.prefill_seconds * len(stored) / computed if computed else 0.0
+    # What the computed tokens cost: their prefill and the step of the last one, which also waits
+    # for the prefill's last chunk (queued, not waited for: `Prefiller.prefill_steps`). Prefill
+    # cost is close to linear at these lengths: scale it to the whole stored prompt.
+    spent = result.first_token_seconds - result.restore_seconds if result.tokens else result.prefill_seconds
+    recorded = spent * len(stored) / computed if computed else 0.0
     try:
         future = engine.store_caches(name, loaded, scheme, caches, stored, prefill_seconds=recorded, ttl=policy.ttl,
                                      metadata={"tqstore.saved_by": "serve"}, checkpoints=checkpoints, writer=writer)
