@@ -27,6 +27,7 @@ BEGIN, END = "<!-- module-map:begin -->", "<!-- module-map:end -->"
 PACKAGE_LAYERS = {
     "turboquant.records": -7,
     "turboquant.environment": -7,
+    "turboquant.memo": -7,
     "turboquant.codec": -6,
     "turboquant.attention": -5,
     "turboquant.cache": -4,

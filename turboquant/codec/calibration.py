@@ -19,13 +19,13 @@ are what bring symmetric 4-bit keys from collapse to the quality of per-channel 
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from turboquant.codec.rotation import Rotation
 from turboquant.codec.stages import Stages, run
+from turboquant.memo import once
 
 CALIBRATION_TOKENS = 256
 MIN_ROWS = 32
@@ -39,7 +39,7 @@ SCALE_CLIP = (1 / 64, 64.0)
 # rotated-scale tables of attention/kernels/host.py) are made once, not by each layer of each
 # restore. Bounded: the calibrations of 512 layers ([H, D] float32 each) stay alive at most.
 FROM_ARRAYS_KEPT = 512
-_FROM_ARRAYS: OrderedDict[tuple, tuple[dict, "KeyCalibration"]] = OrderedDict()
+_FROM_ARRAYS: dict[tuple, tuple[tuple, "KeyCalibration"]] = {}
 
 
 @dataclass(frozen=True)
@@ -73,15 +73,10 @@ class KeyCalibration:
         unknown = set(arrays) - {"scale", "rotated_scale"}
         if unknown:
             raise ValueError(f"unknown calibration arrays: {sorted(unknown)}")
-        key = tuple(sorted((k, id(v)) for k, v in arrays.items()))
-        hit = _FROM_ARRAYS.get(key)
-        if hit is not None and all(hit[0][k] is v for k, v in arrays.items()):
-            return hit[1]
-        made = cls(**{k: v.astype(mx.float32) for k, v in arrays.items()})
-        while len(_FROM_ARRAYS) >= FROM_ARRAYS_KEPT:
-            _FROM_ARRAYS.popitem(last=False)
-        _FROM_ARRAYS[key] = (dict(arrays), made)
-        return made
+        names = sorted(arrays)
+        sources = tuple(arrays[n] for n in names)
+        return once(_FROM_ARRAYS, tuple(zip(names, map(id, sources))), sources, FROM_ARRAYS_KEPT,
+                    lambda: cls(**{k: v.astype(mx.float32) for k, v in arrays.items()}))
 
     def keys_in(self, keys: mx.array) -> mx.array:
         """Original-basis transform of (centred) keys [B, H, T, D] before encoding."""

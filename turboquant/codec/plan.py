@@ -9,7 +9,6 @@ out flat) live in the cache and its snapshot, not here.
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,6 +22,7 @@ from turboquant.codec.turbo import NormMode, TurboCodec
 from turboquant.codec.rotation import Rotation
 from turboquant.codec.schemes import NORM_BYTES, Format, SchemeSpec, side_bytes
 from turboquant.codec.sides import AffineSide, NativeSide, TurboSide
+from turboquant.memo import once
 from turboquant.records import CodecRecord, Scalar
 
 PROTECTED_BITS = 8
@@ -241,16 +241,8 @@ class LayerPlan:
     def from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":
         """Rebuild a plan from persisted scalars and codec arrays (nothing regenerated); one
         object per scalars and codec records (`_FROM_META`)."""
-        key = tuple(meta.items())
         records = tuple(codecs.get(meta.get(f"{prefix}_codec")) for prefix in ("key", "value"))
-        hit = _FROM_META.get(key)
-        if hit is not None and all(map(operator.is_, hit[0], records)):
-            return hit[1]
-        plan = cls._from_meta(meta, codecs)
-        while len(_FROM_META) >= FROM_META_KEPT:
-            del _FROM_META[next(iter(_FROM_META))]
-        _FROM_META[key] = (records, plan)
-        return plan
+        return once(_FROM_META, tuple(meta.items()), records, FROM_META_KEPT, cls._from_meta, meta, codecs)
 
     @classmethod
     def _from_meta(cls, meta: dict[str, Scalar], codecs: dict[str, CodecRecord]) -> "LayerPlan":

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +16,7 @@ import mlx.core as mx
 from turboquant.codec.rotation import Rotation, RotationKind
 from turboquant.codec.sides import SHIFT_BLOCK, AffineSide, NativeSide, TurboSide
 from turboquant.environment import setting
+from turboquant.memo import once
 from turboquant.attention.kernels.merge import MAX_BLOCKS, Pass2
 from turboquant.attention.kernels.mma import MAX_TILED_D, MMA_ROWS, MmaPass1
 from turboquant.attention.kernels.query import Pass0
@@ -279,22 +279,10 @@ DENSE_KEPT = 128  # key-mean tables and padded codebooks kept (a model's layers,
 TABLES_KEPT = 512  # query transforms and rotation matrices kept (both of 128 layers' sides, twice)
 
 
-def _keep(table: dict, key, entry, kept: int) -> None:
-    """Put `entry` (the object, its table...) under `key`, dropping the oldest past `kept`."""
-    while len(table) >= kept:
-        del table[next(iter(table))]
-    table[key] = entry
-
-
 def _made_once(table: dict, obj, kept: int, make: Callable[[], mx.array]) -> mx.array:
     """The table made from `obj` (`make()`), kept beside it under its id and made again only
     for another object."""
-    hit = table.get(id(obj))
-    if hit is not None and hit[0] is obj:
-        return hit[1]
-    made = make()
-    _keep(table, id(obj), (obj, made), kept)
-    return made
+    return once(table, id(obj), (obj,), kept, make)
 
 
 def forward_matrix(rotation: Rotation) -> mx.array:
@@ -339,16 +327,14 @@ def _fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array
     """(pre [H, D], post [H, D]) of a pass 1 that rotates the raw query itself:
     q_k = H(q * pre[h]) * post[h] with H the unnormalised Sylvester butterfly, so pre folds the
     rotation's signs and 1/sqrt(d) into pass 0's pre (cached)."""
-    made_from = _made_from(key_side)
-    key = ("fused", *map(id, made_from), c, H, D)
-    hit = _QT.get(key)
-    if hit is not None and _same(hit[0], made_from):
-        return hit[1]
+    sources = _made_from(key_side)
+    return once(_QT, ("fused", *map(id, sources), c, H, D), sources, TABLES_KEPT, _make_fused_query, key_side, c, H, D)
+
+
+def _make_fused_query(key_side, c: float, H: int, D: int) -> tuple[mx.array, mx.array]:
     _, pre, _, post, _ = _query_transform(key_side, c, H, D)
     signs = key_side.codec.rotation.signs.astype(mx.float32)
-    fused = (mx.contiguous(pre * signs / math.sqrt(D)), _constant(1.0, (H, D)) if post is None else post)
-    _keep(_QT, key, (made_from, fused), TABLES_KEPT)
-    return fused
+    return mx.contiguous(pre * signs / math.sqrt(D)), _constant(1.0, (H, D)) if post is None else post
 
 
 def _made_from(key_side) -> tuple:
@@ -357,10 +343,6 @@ def _made_from(key_side) -> tuple:
     and calibrations (`KeyCalibration.from_arrays`), so its tables are made once per entry, not
     by each layer of each restore."""
     return (type(key_side), getattr(key_side, "codec", None), getattr(key_side, "calibration", None))
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return all(map(operator.is_, a, b))
 
 
 @functools.lru_cache(maxsize=64)
@@ -373,9 +355,10 @@ def _constant(value: float, shape: tuple[int, ...]) -> mx.array:
 
 
 def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
-    """Per key side's codec and calibration (cached, `_made_from`): ("pass0", pre [H, D], M [D, D],
-    post [H, D] | None, c) for TurboQuant keys, where q_k = ((q * pre[h]) @ M) * post[h] with M the rotation as an exact float32 matrix
-    and pre folding the scale, log2(e) and the channel calibration; ("scale", pre [H, D], c) for
+    """Per key side's codec and calibration (cached, `_made_from`): ("pass0", pre [H, D],
+    M [D, D], post [H, D] | None, c) for TurboQuant keys, where q_k = ((q * pre[h]) @ M) * post[h]
+    with M the rotation as an exact float32 matrix and pre folding the scale, log2(e) and the
+    channel calibration; ("scale", pre [H, D], c) for
     native and affine keys (q_k = q * pre, which pass 1 applies to the raw query itself).
 
     Built lazily, as graph nodes of the first attention call that needs them, not evaluated
@@ -384,23 +367,20 @@ def _query_transform(key_side, c: float, H: int, D: int) -> tuple:
     table as it was made (on the CPU stream, then read by the GPU) cost 10-20 ms of a 15-token
     question's forward over 8 layers on the H200 (issue 28), where the whole forward now takes
     7-8 ms."""
-    made_from = _made_from(key_side)
-    key = (*map(id, made_from), c, H, D)
-    hit = _QT.get(key)
-    if hit is not None and _same(hit[0], made_from):
-        return hit[1]
-    cal = made_from[2]
+    sources = _made_from(key_side)
+    return once(_QT, (*map(id, sources), c, H, D), sources, TABLES_KEPT, _make_query_transform, key_side, c, H, D)
+
+
+def _make_query_transform(key_side, c: float, H: int, D: int) -> tuple:
+    cal = getattr(key_side, "calibration", None)
     chan = None if cal is None or cal.scale is None else cal.scale.astype(mx.float32)
     cq = _constant(c, (MIN_INPUT_ELEMENTS,))  # kernels read cq[0]
     pre = _constant(c, (H, D)) if chan is None else mx.contiguous(chan * c)
     if isinstance(key_side, TurboSide):
         post = key_side._scale()
         post = None if post is None else mx.contiguous(post.reshape(H, D).astype(mx.float32))
-        result = ("pass0", pre, forward_matrix(key_side.codec.rotation), post, cq)
-    else:
-        result = ("scale", pre, None, None, cq)
-    _keep(_QT, key, (made_from, result), TABLES_KEPT)
-    return result
+        return ("pass0", pre, forward_matrix(key_side.codec.rotation), post, cq)
+    return ("scale", pre, None, None, cq)
 
 
 def query_inputs(make_kernel, params: mx.array, queries: mx.array, key_side, scale: float,

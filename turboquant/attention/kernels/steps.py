@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from turboquant.attention.kernels import host
+from turboquant.memo import keep, same
 
 # Templates kept per process: a model's layers share one per call shape (their layouts agree),
 # so this bounds the shapes, not the layers (question and decode, for several stored lengths,
@@ -76,11 +77,6 @@ def _refs(key_side, value_side, arrays, shifts, tail, sinks) -> tuple:
     return (key_side, value_side, *arrays.values(), shifts, *(tail or (None, None)), sinks)
 
 
-def _same(refs: tuple, kept: tuple) -> bool:
-    """Whether `refs` are the objects `kept` holds, one by one (identity, compared in C)."""
-    return len(refs) == len(kept) and all(map(operator.is_, refs, kept))
-
-
 def _side_key(side) -> tuple:
     """What of a side decides the kernels: its storage (`host._side`), names, head dim, rotation."""
     codec = getattr(side, "codec", None)
@@ -106,7 +102,7 @@ def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, s
     key = _key(queries, scale, rows, tail, tuning, causal)
     refs = _refs(key_side, value_side, arrays, shifts, tail, sinks)
     step = memo.get("decode")
-    if step is not None and step.key == key and _same(refs, step.refs):
+    if step is not None and step.key == key and same(refs, step.refs):
         # (None: the tail outgrew pass 2, which filling the template again would not change)
         return _launch(step, queries, tail, tail_rows, causal)
     shape = (make_kernel, *_shape_key(key, key_side, value_side, arrays, shifts, tail, sinks))
@@ -114,7 +110,7 @@ def run(memo: dict, make_kernel, queries, key_side, value_side, arrays, scale, s
     if template is _UNSEEN:
         template = _template(make_kernel, queries, key_side, value_side, arrays, scale, shifts, tail, rows,
                              tail_rows, sinks, tuning, causal)
-        host._keep(TEMPLATES, shape, template, TEMPLATES_KEPT)
+        keep(TEMPLATES, shape, template, TEMPLATES_KEPT)
     if template is None:
         return None
     step = memo["decode"] = _fill(template, key, refs, queries, key_side, value_side, arrays, scale, shifts, tail,
@@ -184,7 +180,7 @@ def _fill(template: Template, key: tuple, refs: tuple, queries, key_side, value_
     or with those of `before` where it was filled from the same objects (a question's step
     before the first decode step: only the query's shape changed)."""
     names1, names2 = template.names
-    if (before is not None and _same(refs, before.refs)
+    if (before is not None and same(refs, before.refs)
             and set(names1) <= before.named[0].keys() and set(names2) <= before.named[1].keys()):
         ins1, ins2 = before.named
     else:
