@@ -7,7 +7,7 @@
 bench/restore_vs_recompute.py times one first token per fresh store, right after its save; this
 asks the same question of one saved context `--runs` times (after `--warm` untimed asks), as
 a server answering questions about one document does, the schemes taking turns ask by ask
-(`interleaved`), and splits each answer's wall
+(`in_turns`), and splits each answer's wall
 time as that bench does: the store's restore, the question's forward (all but its last token),
 the first-token step, and the rest (the lookup, building the caches, Python between them).
 "To the token" is the answer's own `first_token_seconds`: restore, question and the wait for
@@ -91,30 +91,40 @@ def saved(root: Path, scheme: str, context: list[int], prompt: list[int], warm: 
         shutil.rmtree(home, ignore_errors=True)
 
 
-def interleaved(root: Path, schemes: list[str], context: list[int], prompt: list[int], warm: int, runs: int,
-                profile: bool) -> dict[str, list[dict[str, float]]]:
-    """Each scheme's asks, made in rounds of one ask per scheme (the order rotating from round
-    to round), so that an ask's ratio to raw's compares asks made next to each other in time:
-    on the GPU machines one process's cells drifted apart by up to 1.5x in every part, restore
-    and raw included, which per-scheme blocks of asks turned into ratios."""
+@contextlib.contextmanager
+def all_saved(root: Path, schemes: list[str], context: list[int], prompt: list[int], warm: int
+              ) -> Iterator[dict[str, tuple]]:
+    """`saved` for every scheme at once: {scheme: (engine, loaded model)}."""
     with contextlib.ExitStack() as stack:
-        opened = {s: stack.enter_context(saved(root, s, context, prompt, warm)) for s in schemes}
-        made: dict[str, list[dict[str, float]]] = {s: [] for s in schemes}
-        for i in range(runs):
-            turn = i % len(schemes)
-            for scheme in schemes[turn:] + schemes[:turn]:
-                made[scheme].append(ask(*opened[scheme], scheme, prompt))
-        if profile:
-            for scheme, (engine, loaded) in opened.items():
-                profiler = cProfile.Profile()
-                profiler.enable()
-                for _ in range(3):
-                    engine.generate(loaded, scheme, prompt, max_tokens=1)
-                profiler.disable()
-                out = io.StringIO()
-                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
-                print(f"-- {len(context)} {scheme}\n" + out.getvalue(), flush=True)
+        yield {s: stack.enter_context(saved(root, s, context, prompt, warm)) for s in schemes}
+
+
+def in_turns(opened: dict[str, tuple], runs: int, measure) -> dict[str, list]:
+    """`measure(scheme, engine, loaded)` of every scheme `runs` times, in rounds of one per scheme
+    (the order rotating from round to round), so that a scheme's figure over raw's compares
+    measurements made next to each other in time: on the GPU machines one process's cells drifted
+    apart by up to 1.5x in every part, restore and raw included, which per-scheme blocks of asks
+    turned into ratios."""
+    schemes = list(opened)
+    made: dict[str, list] = {s: [] for s in schemes}
+    for i in range(runs):
+        turn = i % len(schemes)
+        for scheme in schemes[turn:] + schemes[:turn]:
+            made[scheme].append(measure(scheme, *opened[scheme]))
     return made
+
+
+def profile_asks(opened: dict[str, tuple], prompt: list[int], tokens: int) -> None:
+    """cProfile's top functions of 3 more asks per scheme."""
+    for scheme, (engine, loaded) in opened.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(3):
+            engine.generate(loaded, scheme, prompt, max_tokens=1)
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(20)
+        print(f"-- {tokens} {scheme}\n" + out.getvalue(), flush=True)
 
 
 def _ratios(mine: list[dict[str, float]], raw: list[dict[str, float]], part: str) -> str:
@@ -146,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(0)
         for tokens in args.tokens:
             context, prompt = context_and_prompt(rng, tokens, args.vocab)
-            runs = interleaved(root, args.schemes, context, prompt, args.warm, args.runs, args.profile)
+            with all_saved(root, args.schemes, context, prompt, args.warm) as opened:
+                runs = in_turns(opened, args.runs, lambda scheme, engine, loaded: ask(engine, loaded, scheme, prompt))
+                if args.profile:
+                    profile_asks(opened, prompt, tokens)
             for scheme in args.schemes:
                 mine = medians[(tokens, scheme)] = {p: statistics.median(r[p] for r in runs[scheme]) * 1e3
                                                     for p in PARTS}

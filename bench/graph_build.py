@@ -23,7 +23,6 @@ and nothing of its kernels, is what the build columns time; the eval columns the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import random
 import shutil
@@ -36,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
-from first_token_parts import context_and_prompt, saved  # noqa: E402
+from first_token_parts import all_saved, context_and_prompt, in_turns  # noqa: E402
 from restore_vs_recompute import model_arguments, write_model  # noqa: E402
 from storage import use_tree  # noqa: E402
 
@@ -93,22 +92,14 @@ def one_ask(engine, loaded, question) -> tuple[float, ...]:
 
 def interleaved_times(root: Path, schemes: list[str], context: list[int], prompt: list[int], runs: int
                       ) -> dict[str, list[tuple[float, ...]]]:
-    """Each scheme's `one_ask` times, in rounds of one ask per scheme (the order rotating), after
-    three untimed rounds: the host's speed drifts between a process's cells (docs/benchmarks.md),
-    so a build over raw's is taken within a round."""
+    """Each scheme's `one_ask` times, the schemes taking turns (`in_turns`), after three untimed
+    rounds: a build over raw's is taken within a round."""
     import mlx.core as mx
 
     question = mx.array(prompt[len(context):])[None]
-    with contextlib.ExitStack() as stack:
-        opened = {s: stack.enter_context(saved(root, s, context, prompt, 1)) for s in schemes}
-        made: dict[str, list[tuple[float, ...]]] = {s: [] for s in schemes}
-        for i in range(runs + 3):
-            turn = i % len(schemes)
-            for scheme in schemes[turn:] + schemes[:turn]:
-                seconds = one_ask(*opened[scheme], question)
-                if i >= 3:
-                    made[scheme].append(seconds)
-    return made
+    with all_saved(root, schemes, context, prompt, 1) as opened:
+        made = in_turns(opened, runs + 3, lambda scheme, engine, loaded: one_ask(engine, loaded, question))
+    return {scheme: times[3:] for scheme, times in made.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
