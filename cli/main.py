@@ -21,6 +21,7 @@ from tqstore.errors import RemoteNotConfigured, TqstoreError
 
 from .commands import COMMANDS
 from .context import Context
+from .interrupt import Interrupt
 from .output import Output
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -123,9 +124,10 @@ def main(argv: Sequence[str] | None = None, keep: list[object] | None = None) ->
         args = parser.parse_args(argv)
     except (UsageError, SystemExit) as exc:  # SystemExit: --help, --version
         return _stopped(exc, "--json" in argv)
-    out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose)
+    interrupt = Interrupt()
+    out = Output(json_mode=args.json, quiet=args.quiet, verbose=args.verbose, checkpoint=interrupt.check)
     try:
-        with Context(args, out, keep) as ctx, warnings.catch_warnings():
+        with interrupt.installed(), Context(args, out, keep) as ctx, warnings.catch_warnings():
             _choose_blas(ctx, argv)
             _keep_compiled_kernels(ctx)
             warnings.showwarning = _as_note(out)

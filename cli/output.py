@@ -24,10 +24,14 @@ Progress = Callable[..., None]
 class Output:
     """How one command run prints (chosen by --json, -q and -v)."""
 
-    def __init__(self, json_mode: bool = False, quiet: bool = False, verbose: bool = False) -> None:
+    def __init__(self, json_mode: bool = False, quiet: bool = False, verbose: bool = False,
+                 checkpoint: Callable[[], None] | None = None) -> None:
         self.json_mode = json_mode
         self.quiet = quiet
         self.verbose = verbose
+        # Called at every streamed piece and progress update: where a Ctrl-C that C code
+        # swallowed is raised again (interrupt.py).
+        self.checkpoint = checkpoint or _ignore
         self._streamed_newline = True
 
     # --- streams ---------------------------------------------------------------------------
@@ -74,8 +78,10 @@ class Output:
         print(text, file=self.stdout, flush=True)
 
     def stream(self, text: str) -> None:
-        """Part of a streamed answer on stdout, flushed at once."""
-        if text:
+        """Part of a streamed answer on stdout, flushed at once (with --json nothing: the answer
+        is in the document)."""
+        self.checkpoint()
+        if text and not self.json_mode:
             self.stdout.write(text)
             self.stdout.flush()
             self._streamed_newline = text.endswith("\n")
@@ -132,12 +138,18 @@ class Output:
         `update` does nothing.
         """
         if not self.interactive:
-            yield _ignore
+            yield self._checked(_ignore)
             return
         from .progress import progress_bar  # rich is imported only when a bar is shown
 
         with progress_bar(self.stderr, description, unit) as update:
-            yield update
+            yield self._checked(update)
+
+    def _checked(self, update: Progress) -> Progress:
+        def checked(*args: Any, **kwargs: Any) -> None:
+            self.checkpoint()
+            update(*args, **kwargs)
+        return checked
 
     @contextlib.contextmanager
     def status(self, text: str) -> Iterator[None]:

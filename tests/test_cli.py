@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -129,6 +130,40 @@ def test_ask_json_counts_the_model_load_done_before_the_engine_asks(cli, model, 
     monkeypatch.setattr(LoadedModels, "model", slow_first_load)
     answer = cli("ask", "doc", "Who pays?", "--max-tokens", "1", "--json").json
     assert len(calls) >= 1 and answer["model_seconds"] >= 0.3
+
+
+class _CtrlCInFinalizer:
+    """Ctrl-C pressed while this object is finalized: the interpreter discards the
+    KeyboardInterrupt raised there, as C code that clears errors does (`mx.array` over a numpy
+    array, cli/interrupt.py)."""
+
+    def __del__(self):
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_a_ctrl_c_that_c_code_swallowed_still_ends_the_answer(cli, model, monkeypatch, json_flag):
+    """Before: the `ask` decoded on to --max-tokens and exited 0 (one process in ten in CI)."""
+    import mlx.core as mx
+
+    assert cli("save", "doc", "--model", model, "--prompt", DOC).code == 0
+    swallowed, launches, async_eval = [], [], mx.async_eval
+
+    def pressed_during_the_fifth(*arrays):
+        launches.append(None)
+        if len(launches) == 5:
+            _CtrlCInFinalizer()
+        return async_eval(*arrays)
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_type))
+    monkeypatch.setattr(mx, "async_eval", pressed_during_the_fifth)
+    run = cli("ask", "doc", "Who pays?", "--max-tokens", "200", *json_flag)
+    assert swallowed == [KeyboardInterrupt] and run.code == 130
+    assert len(launches) < 10  # ended at the next piece of the answer, not at --max-tokens
+    if json_flag:
+        assert run.json == {"error": {"type": "Interrupted", "message": "interrupted"}}
+    else:
+        assert run.err.strip().splitlines()[-1] == "tqstore: interrupted"
 
 
 def test_save_reads_a_file_or_stdin_and_keeps_options(cli, model, tmp_path):

@@ -76,7 +76,7 @@ def chat(ctx: Context, args: argparse.Namespace) -> int:
         n += 1
         child = turn_name(base, n)
         result = engine.chat_turn(current, question, child, model=args.model,
-                                  on_text=None if out.json_mode else out.stream, **options)
+                                  on_text=out.stream, **options)
         if out.json_mode:
             out.json_line(render.answer_doc(result, name=child, parent=current))
         else:

@@ -63,7 +63,7 @@ def demo(ctx: Context, args: argparse.Namespace) -> int:
     answers = []
     for i, question in enumerate(QUESTIONS, start=2):
         out.note(f"{i}. tqstore ask {ENTRY} \"{question}\"")
-        result = engine.ask(ENTRY, question, max_tokens=args.max_tokens, on_text=None if out.json_mode else out.stream)
+        result = engine.ask(ENTRY, question, max_tokens=args.max_tokens, on_text=out.stream)
         if not out.json_mode:
             out.end_stream()
         out.note("   " + render.answer_line(result))

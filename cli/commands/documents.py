@@ -84,9 +84,8 @@ def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
     documents += [Document(text=arguments.read_text(path)) for path in args.doc_file]
     scheme = arguments.scheme_name(args.scheme)
     engine = ctx.engine()
-    on_text = None if ctx.out.json_mode else ctx.out.stream
     result = engine.ask_documents(documents, args.name, model=args.model, scheme=scheme, system=args.system,
-                                  recompute=args.recompute, on_text=on_text, **options)
+                                  recompute=args.recompute, on_text=ctx.out.stream, **options)
     a = result.answer
     if ctx.out.json_mode:
         ctx.out.document({

@@ -88,8 +88,7 @@ def ask(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.out.status("loading the model"):
         engine.model_for(name, args.model)
     loading = time.perf_counter() - start
-    on_text = None if ctx.out.json_mode else ctx.out.stream
-    result = engine.ask(name, args.question, model=args.model, on_text=on_text, **options)
+    result = engine.ask(name, args.question, model=args.model, on_text=ctx.out.stream, **options)
     # The engine times only its own load, which found the model loaded: report the one done here.
     result = replace(result, model_seconds=result.model_seconds + loading)
     if ctx.out.json_mode:
