@@ -166,6 +166,25 @@ def test_a_ctrl_c_that_c_code_swallowed_still_ends_the_answer(cli, model, monkey
         assert run.err.strip().splitlines()[-1] == "tqstore: interrupted"
 
 
+def test_a_ctrl_c_that_c_code_swallowed_ends_a_save_at_its_next_progress_update(cli, model, monkeypatch):
+    import mlx.core as mx
+
+    swallowed, evaluate = [], mx.eval
+
+    def pressed_during_the_first(*arrays):
+        if not swallowed:
+            _CtrlCInFinalizer()
+        return evaluate(*arrays)
+
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: swallowed.append(unraisable.exc_type))
+    monkeypatch.setattr(mx, "eval", pressed_during_the_first)
+    run = cli("save", "doc", "--model", model, "--prompt", DOC)
+    assert swallowed == [KeyboardInterrupt] and run.code == 130
+    assert run.err.strip().splitlines()[-1] == "tqstore: interrupted"
+    monkeypatch.setattr(mx, "eval", evaluate)
+    assert cli("ls", "--json").json["entries"] == []  # nothing stored
+
+
 def test_save_reads_a_file_or_stdin_and_keeps_options(cli, model, tmp_path):
     path = tmp_path / "doc.txt"
     path.write_text(DOC)
