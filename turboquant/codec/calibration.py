@@ -75,8 +75,11 @@ class KeyCalibration:
             raise ValueError(f"unknown calibration arrays: {sorted(unknown)}")
         names = sorted(arrays)
         sources = tuple(arrays[n] for n in names)
-        return once(_FROM_ARRAYS, tuple(zip(names, map(id, sources))), sources, FROM_ARRAYS_KEPT,
-                    lambda: cls(**{k: v.astype(mx.float32) for k, v in arrays.items()}))
+        return once(_FROM_ARRAYS, tuple(zip(names, map(id, sources))), sources, FROM_ARRAYS_KEPT, cls._float32, arrays)
+
+    @classmethod
+    def _float32(cls, arrays: dict[str, mx.array]) -> "KeyCalibration":
+        return cls(**{k: v.astype(mx.float32) for k, v in arrays.items()})
 
     def keys_in(self, keys: mx.array) -> mx.array:
         """Original-basis transform of (centred) keys [B, H, T, D] before encoding."""
