@@ -33,7 +33,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 
 from graph_build import force_cuda_path  # noqa: E402
 
-TINY_SOURCE = "uint i = threadIdx.x; out[i] = a[i] + b[i];"
+TINY_SOURCE = "unsigned int i = threadIdx.x; out[i] = a[i] + b[i];"
 LAUNCHED = 64  # built calls launched together per round (`launch_cost`)
 
 
