@@ -19,14 +19,14 @@ from model_folder import write_model_folder
 from server_process import parse_prometheus
 from tqstore.engine.batch import DecodeBatch, batchable, batched_generation
 from tqstore.engine.engine import Engine
-from tqstore.engine.prefill import PrefillRow, finish
+from tqstore.engine.prefill import PrefillRow
 from tqstore.engine.shared_prefill import prefill_rows
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
 from tqstore.serve.autosave import SavePolicy
 from tqstore.serve.jobs import Accepted, Failed, Finished, Text
 from tqstore.serve.worker import ModelWorker
-from turboquant import TurboQuantKVCache, make_prompt_cache
+from turboquant import TurboQuantKVCache, make_prompt_cache, run_steps
 from turboquant.cache.mirror import MIRROR_ENV, mirror_tokens
 
 GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())
@@ -312,6 +312,38 @@ def test_compressed_rows_attend_stacked_or_grouped_and_answer_as_the_engine_does
         assert all(isinstance(c, TurboQuantKVCache) and c.compressed == (len(prompt) > 256) for c in caches)
 
 
+def test_a_long_prompts_compression_runs_in_steps_and_answers_as_at_once(tmp_path, llama, monkeypatch):
+    """The server's generation compresses a long prompt in steps (`COMPRESS_ROWS` rows over all
+    layers per evaluation, one block per layer here), yielding between them as between prefill
+    chunks so that other requests decode meanwhile; the caches hold every row at each step, and
+    the answer and its stored bytes are bit for bit those of the prompt compressed at once (the
+    form the tests above hold to Engine.generate)."""
+    import tqstore.engine.batch as batch_module
+
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    long = loaded.tokenizer.encode(" ".join(PROMPTS) * 3)[:520]
+    answers = []
+    for rows in (None, 256):  # at once (as before), then in steps
+        monkeypatch.setattr(batch_module, "COMPRESS_ROWS", rows)
+        starts, seen = [], []
+        gen = batched_generation(engine, loaded, "turbo4", long, max_tokens=4, on_start=starts.append)
+        row = next(gen)
+        while row is None:
+            seen.append(sorted({c.stored for c in starts[0].caches if isinstance(c, TurboQuantKVCache)}))
+            row = next(gen)
+        [answer], _ = _step_all(DecodeBatch(), loaded, [gen], first=[row])
+        answers.append(answer)
+    assert [s for s in seen if s != [0]][-3:] == [[256], [512], [519]]
+    (at_once, caches_at_once), (in_steps, caches) = answers
+    assert in_steps.tokens == at_once.tokens
+    assert mx.array_equal(in_steps.first_logprobs, at_once.first_logprobs)
+    for a, b in zip(caches, caches_at_once):
+        ra, rb = a.to_record(), b.to_record()
+        assert ra.arrays.keys() == rb.arrays.keys()
+        assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
+
+
 # slow: the emulator runs a thread per lane for every layer's launch (10 s alone, 50 s beside the
 # rest of the suite on 2 cores); tests/test_mirror.py runs the DecodedStack itself by default.
 @pytest.mark.slow
@@ -440,7 +472,7 @@ def test_prompts_prefilled_in_one_pass_answer_as_alone(tmp_path, llama, scheme):
     seconds = prefill_rows(loaded.model, rows)
     assert all(r.seconds == seconds > 0 for r in rows)
     for prompt, row in zip(prompts, rows):
-        started = finish(engine.prompt_steps(loaded, scheme, prompt))[0]  # its prefill alone
+        started = run_steps(engine.prompt_steps(loaded, scheme, prompt))[0]  # its prefill alone
         started.context.start_decoding()  # (the shared pass encodes fresh layers, in lockstep)
         for a, b in zip(row.caches, started.caches):
             assert getattr(a, "compressed", None) == getattr(b, "compressed", None)
