@@ -39,6 +39,35 @@ def _prefill(worker: ModelWorker, tokens: int, seconds, seen: set) -> list[tuple
     return chunks
 
 
+SHORT = GenerationRequest(chat=False, model=None, stream=True, include_usage=False, prompt="Who pays?",
+                          sampling=Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=()))
+
+
+def _long_job(log: list[str], stop: threading.Event, seconds: float) -> Job:
+    """A job of endless steps of `seconds` each (a long prompt's chunks), logged as "long"."""
+
+    def steps(job):
+        while not stop.is_set():
+            time.sleep(seconds)
+            log.append("long")
+            yield None
+
+    return Job("save", steps, lambda event: None)
+
+
+def _short_sink(log: list[str], done: threading.Event):
+    """The short request's sink: logs "accepted" and "finished" (or why it failed); sets `done` at the end."""
+
+    def sink(event):
+        if isinstance(event, Accepted):
+            log.append("accepted")
+        elif isinstance(event, (Finished, Failed)):
+            log.append("finished" if isinstance(event, Finished) else f"failed {event.error}")
+            done.set()
+
+    return sink
+
+
 def _worker(tmp_path) -> ModelWorker:
     return ModelWorker(Engine.open(tmp_path / "home"), "unused", scheme="raw")
 
@@ -99,39 +128,53 @@ def test_a_short_request_gets_its_first_token_before_a_long_jobs_next_step(tmp_p
     them: its first token waits for at most the one step in progress when it arrived."""
     worker = ModelWorker(Engine.open(tmp_path / "home"), str(llama), scheme="raw", policy=SavePolicy(enabled=False))
     log: list[str] = []
-    stop = threading.Event()
-
-    def long_steps(job):
-        while not stop.is_set():
-            time.sleep(0.02)  # a 20 ms chunk
-            log.append("long")
-            yield None
-
-    done = threading.Event()
-    request = GenerationRequest(chat=False, model=None, stream=True, include_usage=False, prompt="Who pays?",
-                                sampling=Sampling(max_tokens=1, temperature=0.0, top_p=1.0, seed=None, stop=()))
-
-    def sink(event):
-        if isinstance(event, Accepted):
-            log.append("accepted")
-        elif isinstance(event, (Finished, Failed)):
-            log.append("finished" if isinstance(event, Finished) else f"failed {event.error}")
-            done.set()
-
+    stop, done = threading.Event(), threading.Event()
+    sink = _short_sink(log, done)
     worker.start()
     try:
         assert worker.ready.wait(60)
-        worker.generate(request, sink)  # on the idle worker first, as a warm-up (its first use of the model)
+        worker.generate(SHORT, sink)  # on the idle worker first, as a warm-up (its first use of the model)
         assert done.wait(60)
         done.clear()
         log.clear()
-        worker._submit(Job("save", long_steps, lambda event: None))
+        worker._submit(_long_job(log, stop, 0.02))  # 20 ms chunks
         while log.count("long") < 100:  # 2 s: more model time than the short one needs, even on a loaded box
             time.sleep(0.005)
-        worker.generate(request, sink)
+        worker.generate(SHORT, sink)
         assert done.wait(60)
     finally:
         stop.set()
         worker.stop()
     short = log[log.index("accepted"):log.index("finished") + 1]
     assert short == ["accepted", "finished"], short
+
+
+def test_a_request_that_arrives_mid_cycle_waits_for_one_short_step_not_the_cycle(tmp_path, llama):
+    """A long job whose steps are short (5 ms: warm chunks, or a compression's steps) runs
+    several of them per cycle; a request that arrives meanwhile starts after the step in
+    progress, not after the rest of the cycle's 20 ms of them (up to four, before)."""
+    worker = ModelWorker(Engine.open(tmp_path / "home"), str(llama), scheme="raw", policy=SavePolicy(enabled=False))
+    log: list[str] = []
+    stop, done = threading.Event(), threading.Event()
+    sink = _short_sink(log, done)
+    worker.start()
+    waits = []
+    try:
+        assert worker.ready.wait(60)
+        worker.generate(SHORT, sink)  # a warm-up: the model's first use
+        assert done.wait(60)
+        worker._submit(_long_job(log, stop, 0.005))
+        for trial in range(6):
+            done.clear()
+            seen = log.count("long")
+            while log.count("long") < seen + 7 + trial:  # submitted at varying points of a cycle
+                time.sleep(0.001)
+            log.append("submitted")
+            worker.generate(SHORT, sink)
+            assert done.wait(60)
+            since = log[len(log) - 1 - log[::-1].index("submitted"):]
+            waits.append(since[:since.index("accepted")].count("long"))
+    finally:
+        stop.set()
+        worker.stop()
+    assert max(waits) <= 1, waits

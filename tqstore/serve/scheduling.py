@@ -117,14 +117,20 @@ class Scheduler:
         restores its stored prefix and, when the rest is short, hands it out without running it.
         Once a job reaches its Row (or PrefillRow) in a cycle, the started jobs after it wait:
         the new row decodes before a long prompt's next chunk (jobs not started yet still start,
-        so requests that arrive together join together)."""
+        so requests that arrive together join together). A request that arrives while there is
+        room for it ends the started jobs' own steps at the one in progress (new ones still take
+        their first): it starts in the next cycle, after one chunk of a long prompt, not after
+        the rest of this cycle's CHUNK_SECONDS of them."""
         others = sorted((r for r in self._running if r.pending is None), key=lambda r: r.seconds)
-        left, ready = CHUNK_SECONDS, False
+        left, ready, newcomer = CHUNK_SECONDS, False, False
         for i, other in enumerate(others):
-            if i and ((ready and other.seconds) or other.job.step_seconds > left):
+            if i and ((ready or newcomer) and other.seconds or other.job.step_seconds > left):
                 continue
             while left > 0 and other.pending is None and other in self._running:
                 left -= self._own_step(other)
+                newcomer = self._room_for_waiting()
+                if newcomer:
+                    break
             ready = ready or other.pending is not None
         prefilling = [r for r in self._running if isinstance(r.pending, PrefillRow)]
         if prefilling:
@@ -151,6 +157,10 @@ class Scheduler:
             if running in self._running:
                 self._running.remove(running)
                 self._park(running)
+
+    def _room_for_waiting(self) -> bool:
+        """Whether a job waits and could start now (fewer than `max_running` run)."""
+        return bool(self._waiting) and len(self._running) < self.max_running
 
     def _prefill(self, model: Any, prefilling: list[Running]) -> None:
         """Run the short prefills the jobs wait on in one forward pass, then each job on to its
