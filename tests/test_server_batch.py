@@ -19,14 +19,14 @@ from model_folder import write_model_folder
 from server_process import parse_prometheus
 from tqstore.engine.batch import DecodeBatch, batchable, batched_generation
 from tqstore.engine.engine import Engine
-from tqstore.engine.prefill import PrefillRow
+from tqstore.engine.prefill import PrefillRow, finish
 from tqstore.engine.shared_prefill import prefill_rows
 from tqstore.serve.metrics import Metrics
 from tqstore.serve.openai_schema import GenerationRequest, Sampling
 from tqstore.serve.autosave import SavePolicy
 from tqstore.serve.jobs import Accepted, Failed, Finished, Text
 from tqstore.serve.worker import ModelWorker
-from turboquant import TurboQuantKVCache, make_prompt_cache, run_steps
+from turboquant import TurboQuantKVCache, make_prompt_cache
 from turboquant.cache.mirror import MIRROR_ENV, mirror_tokens
 
 GREEDY = Sampling(max_tokens=12, temperature=0.0, top_p=1.0, seed=None, stop=())
@@ -472,7 +472,7 @@ def test_prompts_prefilled_in_one_pass_answer_as_alone(tmp_path, llama, scheme):
     seconds = prefill_rows(loaded.model, rows)
     assert all(r.seconds == seconds > 0 for r in rows)
     for prompt, row in zip(prompts, rows):
-        started = run_steps(engine.prompt_steps(loaded, scheme, prompt))[0]  # its prefill alone
+        started = finish(engine.prompt_steps(loaded, scheme, prompt))[0]  # its prefill alone
         started.context.start_decoding()  # (the shared pass encodes fresh layers, in lockstep)
         for a, b in zip(row.caches, started.caches):
             assert getattr(a, "compressed", None) == getattr(b, "compressed", None)

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from turboquant.cache.rows import RowStack, stack_key
     from turboquant.codec.codebook import Codebook, lloyd_max_codebook
     from turboquant.codec.plan import plan_layer
-    from turboquant.codec.stages import run_steps
     from turboquant.codec.turbo import NormMode, TurboCodec
 
 # Loaded on first use, so the store's byte paths (and `tqstore ls`) start fast: the mlx-lm side
@@ -52,7 +51,6 @@ _LAZY = {
     **{n: ("cache.rows", n) for n in ("RowStack", "stack_key")},
     **{n: ("codec.codebook", n) for n in ("Codebook", "lloyd_max_codebook")},
     "plan_layer": ("codec.plan", "plan_layer"),
-    "run_steps": ("codec.stages", "run_steps"),
     **{n: ("codec.turbo", n) for n in ("NormMode", "TurboCodec")},
 }
 

@@ -12,11 +12,11 @@ from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
-from turboquant import restore, run_steps
+from turboquant import restore
 
 from tqstore.engine.decoding import stream_tokens
 from tqstore.engine.models import LoadedModels
-from tqstore.engine.prefill import PrefillRow, Prefiller, Started
+from tqstore.engine.prefill import PrefillRow, Prefiller, Started, finish
 from tqstore.engine.saving import Saver
 from tqstore.errors import BadInput
 from tqstore.models.loading import LoadedModel
@@ -109,7 +109,7 @@ class Answerer:
                              ) -> tuple[AskResult, list[Any]]:
         """`generate`, also returning the caches, which then hold prompt + answer (mlx-lm feeds
         every token it yields back into the cache). Options as `generation`."""
-        return run_steps(self.generation(loaded, scheme, prompt, **options))
+        return finish(self.generation(loaded, scheme, prompt, **options))
 
     def generation(self, loaded: LoadedModel, scheme: str, prompt: Sequence[int], *, max_tokens: int = 256,
                    temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,

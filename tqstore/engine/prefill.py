@@ -16,7 +16,7 @@ from typing import Any, Callable, Generator, Sequence
 
 import mlx.core as mx
 
-from turboquant import Context, StateCheckpoints, run_steps
+from turboquant import Context, StateCheckpoints
 
 from tqstore.engine.models import LoadedModels, window_mode
 from tqstore.errors import CorruptBlock
@@ -76,6 +76,15 @@ def opened(context: Context, matched: int = 0, tier: str = "none", seconds: floa
     return Started(context.caches, matched, tier, seconds, recorded, context.checkpoints, context.windows)
 
 
+def finish(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator (`prefill_steps`, `saving`, `generation`) to its end; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def body(model):
     """The transformer without its output head: prefill needs no logits (the head over every
     position costs as much as several layers)."""
@@ -124,7 +133,7 @@ class Prefiller:
         first token) and the recurrent states there are kept; window layers' rows are logged
         into it. Window caches end settled (`turboquant.adapter.windows`): a prefill of a prefix and a
         restore of it hold the same arrays."""
-        return run_steps(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at, checkpoints=checkpoints))
+        return finish(self.prefill_steps(loaded, caches, tokens, progress, cancelled, at=at, checkpoints=checkpoints))
 
     def prefill_steps(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
                       progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,

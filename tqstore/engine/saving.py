@@ -11,12 +11,12 @@ from typing import Any, Generator, Sequence
 
 import mlx.core as mx
 
-from turboquant import Context, StateCheckpoints, TurboQuantKVCache, held_tokens, parse_scheme, run_steps, snapshot
+from turboquant import Context, StateCheckpoints, TurboQuantKVCache, held_tokens, parse_scheme, snapshot
 
 from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.models import LoadedModels, window_mode
-from tqstore.engine.prefill import Prefiller, Progress
+from tqstore.engine.prefill import Prefiller, Progress, finish
 from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.models.identity import stored_bytes_at_least
@@ -62,7 +62,7 @@ class Saver:
 
     def save_tokens(self, name: str, loaded: LoadedModel, tokens: Sequence[int], **options) -> SaveResult:
         """`save` for tokens already framed (chat turns, the server). Options as `saving`."""
-        return run_steps(self.saving(name, loaded, tokens, **options))
+        return finish(self.saving(name, loaded, tokens, **options))
 
     def saving(self, name: str, loaded: LoadedModel, tokens: Sequence[int], *, scheme: str | None = None,
                progress: Progress | None = None, pin: bool = False, ttl: float | None = None,

@@ -43,8 +43,7 @@ def stepping(works: list[Stages[Any]]) -> Generator[None, None, list[Any]]:
 
 
 def run_steps(steps: Generator[None, None, T]) -> T:
-    """Run a generator of None steps (`stepping`, the store's prefill and save steps) to its
-    return value."""
+    """Run a generator of None steps (`stepping`) to its return value."""
     while True:
         try:
             next(steps)
