@@ -1,5 +1,4 @@
 import json
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -108,11 +107,16 @@ def test_arrays_are_read_only():
 
 
 def _same(shipped, computed):
-    """Bit for bit: every array, and D_mse."""
+    """The table holds the iteration's result to within the iteration's own noise: at 5 bits it
+    never reaches TOLERANCE (its steps stay at 4-13e-15, d = 128) and stops at MAX_ITERATIONS,
+    wherever rounding has walked it, so machines whose libm and scipy round differently land
+    apart: an AMD EPYC computes up to 1.7e-14 from the table (written on another machine) and
+    D_mse 2.7e-13 relative. Hence 1e-12 and 1e-11; the table itself is what every machine uses."""
     for name in ("centroids", "boundaries", "cell_probabilities"):
         a, b = getattr(shipped, name), getattr(computed, name)
-        assert a.dtype == b.dtype == np.float64 and np.array_equal(a.view(np.uint64), b.view(np.uint64)), name
-    assert struct.pack("<d", shipped.d_mse) == struct.pack("<d", computed.d_mse)
+        assert a.dtype == b.dtype == np.float64 and a.shape == b.shape, name
+        assert np.max(np.abs(a - b)) <= 1e-12, name
+    assert shipped.d_mse == pytest.approx(computed.d_mse, rel=1e-11, abs=0)
 
 
 def _shipped(d, bits):
@@ -123,8 +127,9 @@ def _shipped(d, bits):
 
 @pytest.mark.parametrize("d", sorted({d for d, _ in TABLE}))
 def test_shipped_table_is_the_computation_below_5_bits(d):
-    """turboquant/codec/codebook_table.py (tools/codebook_table.py) holds exactly what the iteration
-    computes; 5 bits (about a second each) for d = 128 only here, every dim in the slow test."""
+    """turboquant/codec/codebook_table.py (tools/codebook_table.py) holds what the iteration
+    computes (`_same`); 5 bits (about a second each) for d = 128 only here, every dim in the slow
+    test."""
     for bits in (1, 2, 3, 4, *((5,) if d == 128 else ())):
         _same(_shipped(d, bits), compute_codebook(d, bits))
 
