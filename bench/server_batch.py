@@ -6,17 +6,17 @@ prefills.
     python bench/server_batch.py --model 8b              # GPU: 8 layers of Llama-3.1-8B shapes, random bf16 weights
     python bench/server_batch.py --openblas --blas-threads 1 --runs 5 --write   # CPU, into docs/server.md
 
-One real `tqstore serve` per scheme (`--no-save`, `--max-running` the largest concurrency), all
-up at once on the same model folder; every measurement alternates between them, so all see the
-same machine load. Per run, concurrency and scheme: that many clients at once, each one
-streamed completion of `--tokens` tokens (greedy) on its own short prompt; aggregate tokens/s is
-the tokens they received over the wall time from the first request sent to the last stream's
-end. The ratio is against one client alone in the same run. Then, per scheme: a short
-streamed request's first token on the idle server, and again while a `--long`-token prompt
-prefills (sent first; the short one 0.2 s later). With `--prefill-profile`, a long prompt's
-prefill in this process, chunk by chunk (cold: the first time this process runs those shapes;
-warm: the same chunks again): in the engine's 512-token chunks, in the server's chunks
-(tqstore/serve/chunking.py), and in 16-token chunks, so each chunk's cost of a new shape shows.
+One real `tqstore serve` per scheme (`--no-save`, `--max-running` the largest concurrency, at least
+2 with a long prompt), all up at once on the same model folder; every measurement alternates between
+them, so all see the same machine load. Per run, concurrency and scheme: that many clients at once,
+each one streamed completion of `--tokens` tokens (greedy) on its own short prompt; aggregate
+tokens/s is the tokens they received over the wall time from the first request sent to the last
+stream's end. The ratio is against one client alone in the same run. Then, per scheme: a short
+streamed request's first token on the idle server, and again while a `--long`-token prompt prefills
+(sent first; the short one 0.2 s later). With `--prefill-profile`, a long prompt's prefill in this
+process, chunk by chunk (cold: the first time this process runs those shapes; warm: the same chunks
+again): in the engine's 512-token chunks, in the server's chunks (tqstore/serve/chunking.py), and in
+16-token chunks, so each chunk's cost of a new shape shows.
 
 The 8b model is bench/restore_vs_recompute.py's (its builder: hidden 4096, 32 query / 8 KV
 heads, head dim 128, MLP 14336, vocabulary 32,000, random weights), 8 layers by default.
@@ -216,13 +216,17 @@ def profile_rows(engine, loaded, schemes: list[str], long_tokens: int, vocab: in
 
 
 def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[float, float, float]:
-    """(a short request's first event alone, the same while `long_prompt` prefills, the long
-    request's own time to its one token), seconds."""
-    idle = stream(server, short, 4, time.perf_counter())[1]
+    """(a short request's first token alone, the same while `long_prompt` prefills, the long
+    request's own time to its one token), seconds. The short request asks for one token, whose
+    event comes when it is decoded: the random-weight models' first tokens are often pieces of
+    a character, whose text the server holds back, so a longer stream's first event could be its
+    last token, and beside a long prompt each token waits for a chunk of it (before 2026-12-06
+    this asked for 4 tokens: on the CPU their one event came with the 4th)."""
+    idle = stream(server, short, 1, time.perf_counter())[1]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         long = pool.submit(stream, server, long_prompt, 1, time.perf_counter())
         time.sleep(0.2)
-        busy = stream(server, short, 4, time.perf_counter())[1]
+        busy = stream(server, short, 1, time.perf_counter())[1]
         whole = long.result()[2]
     return idle, busy, whole
 
@@ -281,9 +285,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         folder, vocab, described = write_model(args, root)
         say(f"model folder: {described}")
+        # At least 2 running: with 1, the short request beside the long prompt waits for it to end
+        # (or to be parked after 1 s), which measures the long prompt, not the interleaving.
+        running = max(*args.concurrency, 2 if args.long != 0 else 1)
         for scheme in args.schemes:
             servers[scheme] = ServerProcess(root / f"home-{scheme}", folder, "--scheme", scheme, "--no-save",
-                                            "--max-running", str(max(args.concurrency)), "--max-queue", "64")
+                                            "--max-running", str(running), "--max-queue", "64")
             say(f"{scheme} server on port {servers[scheme].port}")
         rng = random.Random(0)
         # Short prompts of random ids (none of the first few: special tokens in the tiny tokenizer).
