@@ -743,7 +743,7 @@ def test_restored_cache_decodes_like_the_original(kind, scheme, n, dtype):
 
 @pytest.mark.exact_blas  # prefills of 256 and 260 rows: OpenBLAS's AMD kernels round by length
 def test_restored_prefix_decodes_like_a_fresh_prefill():
-    model = build_model("llama")
+    model = build_model("llama", num_hidden_layers=2, intermediate_size=256)  # (the reference BLAS is slow)
     prompt = prompt_tokens(261)
     tokens = prompt[:260].tolist()
     caches = _prefill(model, "turbo4", prompt[:260])

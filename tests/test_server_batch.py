@@ -35,7 +35,11 @@ PROMPTS = [f"Who pays for delays {i}? " + "The contract says the seller pays. " 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return write_model_folder(tmp_path_factory.mktemp("batch") / "tiny-llama", kind="llama")
+    """The tiny llama at a quarter of its compute per token (4 layers, head dim 64, MLP 256):
+    the tests marked exact_blas here run on the bundled reference BLAS, where the 8-layer one
+    made this module most of that pass's 2 min 18 s on 2 cores."""
+    return write_model_folder(tmp_path_factory.mktemp("batch") / "tiny-llama", kind="llama", num_hidden_layers=4,
+                              head_dim=64, intermediate_size=256)
 
 
 class Collect:
@@ -146,7 +150,8 @@ def test_rows_of_any_length_decode_the_tokens_they_decode_alone(tmp_path, llama,
     """decode_step itself, on rows whose caches hold 3 to 60 tokens: the same tokens and the
     same first log-probabilities as Engine.generate (bit for bit), raw scheme, for each family
     in BATCHED_FAMILIES (mistral is llama's code)."""
-    folder = llama if family == "llama" else write_model_folder(tmp_path / family, kind=family)
+    folder = llama if family == "llama" else write_model_folder(tmp_path / family, kind=family, num_hidden_layers=4,
+                                                                intermediate_size=256)  # (as `llama`'s)
     engine = Engine.open(tmp_path / "home")
     loaded = engine.model(str(folder))
     assert batchable(loaded, make_prompt_cache(loaded.model, "raw"))
