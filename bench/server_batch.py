@@ -11,9 +11,11 @@ One real `tqstore serve` per scheme (`--no-save`, `--max-running` the largest co
 them, so all see the same machine load. Per run, concurrency and scheme: that many clients at once,
 each one streamed completion of `--tokens` tokens (greedy) on its own short prompt; aggregate
 tokens/s is the tokens they received over the wall time from the first request sent to the last
-stream's end. The ratio is against one client alone in the same run. Then, per scheme: a short
+stream's end. The ratio is against one client alone in the same run, and the last column
+against the first scheme's clients as many at once, measured beside them in the same run. Then, per scheme: a short
 streamed request's first token on the idle server, and again while a `--long`-token prompt prefills
-(sent first; the short one 0.2 s later). With `--prefill-profile`, a long prompt's prefill in this
+(sent first; the short one 0.2 s later), after one uncounted round of each at every concurrency
+and one long prompt (its chunk shapes new to the server). With `--prefill-profile`, a long prompt's prefill in this
 process, chunk by chunk (cold: the first time this process runs those shapes; warm: the same chunks
 again): in the engine's 512-token chunks, in the server's chunks (tqstore/serve/chunking.py), and in
 16-token chunks, so each chunk's cost of a new shape shows.
@@ -296,8 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         # Short prompts of random ids (none of the first few: special tokens in the tiny tokenizer).
         lengths = [args.prompt_tokens + (3 * i if args.ragged else 0) for i in range(max(args.concurrency))]
         prompts = [[rng.randrange(8, vocab - 1) for _ in range(n)] for n in lengths]
-        for server in servers.values():  # warm-up: the first request builds the codec and compiles
-            concurrent_rate(server, prompts[:2], 4)
+        # Warm-up at every concurrency: the first request builds the codec, and each batch size's
+        # first steps compile its shapes (on the H200 a cold first run of 8 raw streams made 130
+        # tokens/s against 2,419 warm, 2026-12-06).
+        for server in servers.values():
+            for c in args.concurrency:
+                concurrent_rate(server, prompts[:c], args.tokens)
         rates: dict[tuple[str, int, str], list[float]] = {}  # (scheme, concurrency, "wall" | "cpu")
         for run in range(args.runs):
             for c in args.concurrency:
@@ -310,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
         if long_tokens:
             long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
+            for scheme, server in servers.items():  # its cold run: the long prompt's chunk shapes are new
+                measured = first_token_beside_long(server, prompts[0], long_prompt)
+                say(f"warm-up, {scheme}: first token {measured[0] * 1000:.0f} ms idle, {measured[1] * 1000:.0f} ms "
+                    f"beside a {long_tokens}-token prefill that took {measured[2]:.2f} s (not counted)")
             for run in range(args.runs):
                 for scheme, server in servers.items():
                     measured = first_token_beside_long(server, prompts[0], long_prompt)
@@ -338,14 +348,18 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
+    base = args.schemes[0]  # each run's streams of a scheme against the first scheme's of the same run
     rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
+            + [cell(rates[(scheme, c, "wall")], rates[(base, c, "wall")]).split(", ")[-1] if scheme != base else "-"]
             for scheme in args.schemes for c in args.concurrency]
-    header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)"]
+    header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)",
+              f"tokens/s x {base}'s, run by run"]
     first = args.prompt_tokens
     prompt_words = f"{first}- to {first + 3 * (max(args.concurrency) - 1)}-token" if args.ragged else f"{first}-token"
     body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of {prompt_words} "
             f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
-            "run.\n\n" + markdown_table(header, rows))
+            f"run (the last column: against {base}'s streams as many at once, measured beside them in the same "
+            "run).\n\n" + markdown_table(header, rows))
     decode_rows = [[scheme, form, str(c)] + [cell(decodes[(scheme, form, c, kind)], decodes[(scheme, form, 1, kind)])
                                              for kind in ("wall", "cpu")]
                    for scheme in args.schemes for form in FORMS for c in args.concurrency]
