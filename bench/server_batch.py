@@ -14,7 +14,7 @@ tokens/s is the tokens they received over the wall time from the first request s
 stream's end. The ratio is against one client alone in the same run, and the last column
 against the first scheme's clients as many at once, measured beside them in the same run. Then, per scheme: a short
 streamed request's first token on the idle server, and again while a `--long`-token prompt prefills
-(sent first; the short one 0.2 s later), after one uncounted round of each at every concurrency
+(sent first; the short one `--short-after` seconds later, 0.2 by default), after one uncounted round of each at every concurrency
 and one long prompt (its chunk shapes new to the server). With `--prefill-profile`, a long prompt's prefill in this
 process, chunk by chunk (cold: the first time this process runs those shapes; warm: the same chunks
 again): in the engine's 512-token chunks, in the server's chunks (tqstore/serve/chunking.py), and in
@@ -217,7 +217,7 @@ def profile_rows(engine, loaded, schemes: list[str], long_tokens: int, vocab: in
     return rows
 
 
-def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[float, float, float]:
+def first_token_beside_long(server: ServerProcess, short, long_prompt, after: float = 0.2) -> tuple[float, float, float]:
     """(a short request's first token alone, the same while `long_prompt` prefills, the long
     request's own time to its one token), seconds. The short request asks for one token, whose
     event comes when it is decoded: the random-weight models' first tokens are often pieces of
@@ -227,7 +227,7 @@ def first_token_beside_long(server: ServerProcess, short, long_prompt) -> tuple[
     idle = stream(server, short, 1, time.perf_counter())[1]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         long = pool.submit(stream, server, long_prompt, 1, time.perf_counter())
-        time.sleep(0.2)
+        time.sleep(after)
         busy = stream(server, short, 1, time.perf_counter())[1]
         whole = long.result()[2]
     return idle, busy, whole
@@ -263,6 +263,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--long", type=int, default=None,
                         help="the long prompt's tokens (default 1024 tiny, 16384 8b; 0: skip)")
+    parser.add_argument("--short-after", type=float, default=0.2,
+                        help="seconds after the long prompt the short request is sent (default 0.2: during a 16k "
+                             "prompt's prefill on the H100 and H200; later, into a compressed prompt's encoding)")
     parser.add_argument("--openblas", action="store_true",
                         help="run on Debian's OpenBLAS, as the `tqstore serve` command does (the servers inherit it)")
     parser.add_argument("--blas-threads", type=int, default=None,
@@ -317,12 +320,12 @@ def main(argv: list[str] | None = None) -> int:
         if long_tokens:
             long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
             for scheme, server in servers.items():  # its cold run: the long prompt's chunk shapes are new
-                measured = first_token_beside_long(server, prompts[0], long_prompt)
+                measured = first_token_beside_long(server, prompts[0], long_prompt, args.short_after)
                 say(f"warm-up, {scheme}: first token {measured[0] * 1000:.0f} ms idle, {measured[1] * 1000:.0f} ms "
                     f"beside a {long_tokens}-token prefill that took {measured[2]:.2f} s (not counted)")
             for run in range(args.runs):
                 for scheme, server in servers.items():
-                    measured = first_token_beside_long(server, prompts[0], long_prompt)
+                    measured = first_token_beside_long(server, prompts[0], long_prompt, args.short_after)
                     for kept, value in zip(firsts.setdefault(scheme, ([], [], [])), measured):
                         kept.append(value * 1000)
                     say(f"run {run + 1}/{args.runs}, {scheme}: first token {measured[0] * 1000:.0f} ms idle, "
@@ -375,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                        summary([b / i for i, b in zip(firsts[s][0], firsts[s][1])], 2) + "x",
                        summary(firsts[s][2], 0)] for s in args.schemes]
         body += ("\n\n" + markdown_table(["scheme", "short request's first token, idle, ms",
-                                          f"beside a {long_tokens}-token prompt, ms", "ratio",
+                                          f"beside a {long_tokens}-token prompt sent {args.short_after:g} s before, ms",
+                                          "ratio",
                                           "the long prompt's first token, ms"], first_rows))
     if profile:
         body += ("\n\nA long prompt's prefill in the bench's own process (`--prefill-profile`; Engine.prefill_steps "
