@@ -11,14 +11,15 @@ One real `tqstore serve` per scheme (`--no-save`, `--max-running` the largest co
 them, so all see the same machine load. Per run, concurrency and scheme: that many clients at once,
 each one streamed completion of `--tokens` tokens (greedy) on its own short prompt; aggregate
 tokens/s is the tokens they received over the wall time from the first request sent to the last
-stream's end. The ratio is against one client alone in the same run, and the last column
-against the first scheme's clients as many at once, measured beside them in the same run. Then, per scheme: a short
-streamed request's first token on the idle server, and again while a `--long`-token prompt prefills
-(sent first; the short one `--short-after` seconds later, 0.2 by default), after one uncounted round of each at every concurrency
-and one long prompt (its chunk shapes new to the server). With `--prefill-profile`, a long prompt's prefill in this
-process, chunk by chunk (cold: the first time this process runs those shapes; warm: the same chunks
-again): in the engine's 512-token chunks, in the server's chunks (tqstore/serve/chunking.py), and in
-16-token chunks, so each chunk's cost of a new shape shows.
+stream's end. The ratio is against one client alone in the same run, and the last column against
+the first scheme's clients as many at once, measured beside them in the same run. Then, per
+scheme: a short streamed request's first token on the idle server, and again while a
+`--long`-token prompt prefills (sent first; the short one `--short-after` seconds later, 0.2 by
+default). Before any of it, one uncounted round at every concurrency and one long prompt per
+server (its chunk shapes new to the server). With `--prefill-profile`, a long prompt's prefill in
+this process, chunk by chunk (cold: the first time this process runs those shapes; warm: the same
+chunks again): in the engine's 512-token chunks, in the server's chunks
+(tqstore/serve/chunking.py), and in 16-token chunks, so each chunk's cost of a new shape shows.
 
 The 8b model is bench/restore_vs_recompute.py's (its builder: hidden 4096, 32 query / 8 KV
 heads, head dim 128, MLP 14336, vocabulary 32,000, random weights), 8 layers by default.
@@ -217,7 +218,8 @@ def profile_rows(engine, loaded, schemes: list[str], long_tokens: int, vocab: in
     return rows
 
 
-def first_token_beside_long(server: ServerProcess, short, long_prompt, after: float = 0.2) -> tuple[float, float, float]:
+def first_token_beside_long(server: ServerProcess, short, long_prompt, after: float = 0.2
+                            ) -> tuple[float, float, float]:
     """(a short request's first token alone, the same while `long_prompt` prefills, the long
     request's own time to its one token), seconds. The short request asks for one token, whose
     event comes when it is decoded: the random-weight models' first tokens are often pieces of
@@ -237,11 +239,16 @@ def summary(values: list[float], digits: int = 1) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def ratio(values: list[float], against: list[float]) -> str:
+    """Median (min-max) of `values` over `against`, run by run."""
+    return f"{summary([v / a for v, a in zip(values, against)], 2)}x"
+
+
 def cell(values: list[float], alone: list[float]) -> str:
     """Median (min-max) of `values`, and of their ratios to `alone` run by run (unless they are it)."""
     if values is alone:
         return summary(values)
-    return f"{summary(values)}, {summary([v / a for v, a in zip(values, alone)], 2)}x"
+    return f"{summary(values)}, {ratio(values, alone)}"
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -353,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
     base = args.schemes[0]  # each run's streams of a scheme against the first scheme's of the same run
     rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
-            + [cell(rates[(scheme, c, "wall")], rates[(base, c, "wall")]).split(", ")[-1] if scheme != base else "-"]
+            + [ratio(rates[(scheme, c, "wall")], rates[(base, c, "wall")]) if scheme != base else "-"]
             for scheme in args.schemes for c in args.concurrency]
     header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)",
               f"tokens/s x {base}'s, run by run"]
