@@ -124,7 +124,7 @@ class Scheduler:
         others = sorted((r for r in self._running if r.pending is None), key=lambda r: r.seconds)
         left, ready, newcomer = CHUNK_SECONDS, False, False
         for i, other in enumerate(others):
-            if i and ((ready or newcomer) and other.seconds or other.job.step_seconds > left):
+            if i and (((ready or newcomer) and other.seconds) or other.job.step_seconds > left):
                 continue
             while left > 0 and other.pending is None and other in self._running:
                 left -= self._own_step(other)
