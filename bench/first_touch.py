@@ -41,7 +41,7 @@ MODES = ("4 KiB pages, copy", "huge pages, copy", "huge pages: populate on 2 thr
 
 
 def mapping(nbytes: int, huge: bool) -> mmap.mmap:
-    """A new anonymous mapping of `nbytes` (a whole number of huge pages), advised to huge pages."""
+    """A new anonymous mapping of `nbytes`, advised to huge pages when `huge`."""
     region = mmap.mmap(-1, nbytes)
     if huge:
         advise(np.frombuffer(region, np.uint8), HUGEPAGE, HUGE_PAGE)
