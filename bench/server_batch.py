@@ -109,31 +109,40 @@ def stream(server: ServerProcess, prompt, max_tokens: int, t_start: float) -> tu
     return tokens, first, time.perf_counter() - t_start
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+def cpu_seconds(pid: int, tid: int | None = None) -> float:
+    """User + system CPU time so far of a process (all its threads), or of its thread `tid`, from /proc."""
+    path = f"/proc/{pid}/stat" if tid is None else f"/proc/{pid}/task/{tid}/stat"
+    fields = Path(path).read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int) -> tuple[float, float]:
-    """(aggregate tokens per second, tokens per CPU-second of the server) of one streamed
-    completion per prompt, all sent at once. The second does not count the time the server
-    waited for a core, so it moves less with other load on a shared machine."""
-    barrier = threading.Barrier(len(prompts) + 1)
-    t0 = [0.0]
+def concurrent_rate(server: ServerProcess, prompts: list, max_tokens: int, bursts: int = 1
+                    ) -> tuple[float, float, float]:
+    """(aggregate tokens per second, tokens per CPU-second of the server, CPU microseconds per
+    token of its event loop) over `bursts` rounds of one streamed completion per prompt, all
+    sent at once. The second does not count the time the server waited for a core, so it moves
+    less with other load on a shared machine; the third is the server's main thread, which runs
+    uvicorn's loop (HTTP, the streams' events) and shares the interpreter lock with the model's."""
+    pid = server.proc.pid
+    tokens, wall = 0, 0.0
+    cpu0, loop0 = cpu_seconds(pid), cpu_seconds(pid, pid)
+    for _ in range(bursts):
+        barrier = threading.Barrier(len(prompts) + 1)
+        t0 = [0.0]
 
-    def client(prompt):
-        barrier.wait()
-        return stream(server, prompt, max_tokens, t0[0])
+        def client(prompt):
+            barrier.wait()
+            return stream(server, prompt, max_tokens, t0[0])
 
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(client, p) for p in prompts]
-        cpu0 = cpu_seconds(server.proc.pid)
-        t0[0] = time.perf_counter()
-        barrier.wait()
-        results = [f.result() for f in futures]
-    tokens = sum(r[0] for r in results)
-    return tokens / max(r[2] for r in results), tokens / max(cpu_seconds(server.proc.pid) - cpu0, 1e-9)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(client, p) for p in prompts]
+            t0[0] = time.perf_counter()
+            barrier.wait()
+            results = [f.result() for f in futures]
+        tokens += sum(r[0] for r in results)
+        wall += max(r[2] for r in results)
+    cpu, loop = cpu_seconds(pid) - cpu0, cpu_seconds(pid, pid) - loop0
+    return tokens / wall, tokens / max(cpu, 1e-9), loop / max(tokens, 1) * 1e6
 
 
 def decode_rates(engine, loaded, scheme: str, prompts: list, max_tokens: int, group: bool) -> tuple[float, float]:
@@ -251,6 +260,16 @@ def cell(values: list[float], alone: list[float]) -> str:
     return f"{summary(values)}, {ratio(values, alone)}"
 
 
+def server_labels(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
+    """(label, scheme, source tree) of each server: one per scheme from this checkout, and with
+    `--baseline DIR` one more per scheme from DIR, side by side."""
+    mine = [(scheme, scheme, ROOT) for scheme in args.schemes]
+    if not args.baseline:
+        return mine
+    return [(f"{scheme}, this tree", scheme, ROOT) for scheme in args.schemes] + [
+        (f"{scheme}, baseline", scheme, Path(args.baseline).resolve()) for scheme in args.schemes]
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("tiny", "8b"), default="tiny",
@@ -268,6 +287,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
                              "rows of unequal length (a masked attention over the group), as the server's rows, which "
                              "join at different steps, always are")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--bursts", type=int, default=1,
+                        help="rounds of concurrent completions per measurement (default 1): tokens/s over all of "
+                             "them, so that a 64-token round's start (its prompts' prefill, rows joining) weighs "
+                             "as it does in a longer run")
     parser.add_argument("--long", type=int, default=None,
                         help="the long prompt's tokens (default 1024 tiny, 16384 8b; 0: skip)")
     parser.add_argument("--short-after", type=float, default=0.2,
@@ -282,6 +305,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--prefill-profile", action="store_true",
                         help="also time the long prompt's prefill chunk by chunk in this process, cold and warm, in "
                              "the engine's, the server's and 16-token chunks")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also run each scheme's server from this source tree (a checkout, or a folder holding "
+                             "its tqstore, turboquant and cli), measured beside this checkout's")
     parser.add_argument("--write", action="store_true", help="put the table into docs/server.md")
     return parser.parse_args(argv[1:])
 
@@ -300,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         # At least 2 running: with 1, the short request beside the long prompt waits for it to end
         # (or to be parked after 1 s), which measures the long prompt, not the interleaving.
         running = max(*args.concurrency, 2 if args.long != 0 else 1)
-        for scheme in args.schemes:
-            servers[scheme] = ServerProcess(root / f"home-{scheme}", folder, "--scheme", scheme, "--no-save",
-                                            "--max-running", str(running), "--max-queue", "64")
-            say(f"{scheme} server on port {servers[scheme].port}")
+        for label, scheme, source in server_labels(args):
+            servers[label] = ServerProcess(root / f"home-{len(servers)}", folder, "--scheme", scheme, "--no-save",
+                                           "--max-running", str(running), "--max-queue", "64", source=source)
+            say(f"{label} server on port {servers[label].port}")
         rng = random.Random(0)
         # Short prompts of random ids (none of the first few: special tokens in the tiny tokenizer).
         lengths = [args.prompt_tokens + (3 * i if args.ragged else 0) for i in range(max(args.concurrency))]
@@ -314,15 +340,17 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             for c in args.concurrency:
                 concurrent_rate(server, prompts[:c], args.tokens)
-        rates: dict[tuple[str, int, str], list[float]] = {}  # (scheme, concurrency, "wall" | "cpu")
+        rates: dict[tuple[str, int, str], list[float]] = {}  # (scheme, concurrency, "wall" | "cpu" | "loop")
         for run in range(args.runs):
             for c in args.concurrency:
                 for scheme, server in servers.items():
-                    measured = dict(zip(("wall", "cpu"), concurrent_rate(server, prompts[:c], args.tokens)))
+                    measured = dict(zip(("wall", "cpu", "loop"),
+                                        concurrent_rate(server, prompts[:c], args.tokens, args.bursts)))
                     for kind, rate in measured.items():
                         rates.setdefault((scheme, c, kind), []).append(rate)
                     say(f"run {run + 1}/{args.runs}, {c} concurrent, {scheme}: {measured['wall']:.1f} tokens/s, "
-                        f"{measured['cpu']:.1f} tokens per server CPU-second")
+                        f"{measured['cpu']:.1f} tokens per server CPU-second, event loop {measured['loop']:.0f} us "
+                        "CPU per token")
         firsts: dict[str, tuple[list[float], list[float], list[float]]] = {}
         if long_tokens:
             long_prompt = [rng.randrange(8, vocab - 1) for _ in range(long_tokens)]
@@ -358,18 +386,22 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers.values():
             server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    base = args.schemes[0]  # each run's streams of a scheme against the first scheme's of the same run
+    labels = list(servers)
+    base = labels[0]  # each run's streams of a server against the first server's of the same run
     rows = [[scheme, str(c)] + [cell(rates[(scheme, c, kind)], rates[(scheme, 1, kind)]) for kind in ("wall", "cpu")]
-            + [ratio(rates[(scheme, c, "wall")], rates[(base, c, "wall")]) if scheme != base else "-"]
-            for scheme in args.schemes for c in args.concurrency]
-    header = ["scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)",
-              f"tokens/s x {base}'s, run by run"]
+            + [ratio(rates[(scheme, c, "wall")], rates[(base, c, "wall")]) if scheme != base else "-",
+               summary(rates[(scheme, c, "loop")], 0)]
+            for scheme in labels for c in args.concurrency]
+    header = ["server" if args.baseline else "scheme", "concurrent streams", "tokens/s (x one alone)", "tokens per server CPU-second (x one alone)",
+              f"tokens/s x {base}'s, run by run", "event loop CPU per token, us"]
     first = args.prompt_tokens
+    bursts_words = f", {args.bursts} rounds per measurement" if args.bursts > 1 else ""
     prompt_words = f"{first}- to {first + 3 * (max(args.concurrency) - 1)}-token" if args.ragged else f"{first}-token"
     body = (f"{stamp(argv)}\n\nModel: {described}; {args.tokens}-token greedy streamed completions of {prompt_words} "
-            f"prompts; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
-            f"run (the last column: against {base}'s streams as many at once, measured beside them in the same "
-            "run).\n\n" + markdown_table(header, rows))
+            f"prompts{bursts_words}; median (min-max) of {args.runs} runs, each ratio against one stream alone in the same "
+            f"run (the fifth column: against {base}'s streams as many at once, measured beside them in the same "
+            "run; the last: the CPU time of the server's event loop thread over the tokens it streamed).\n\n"
+            + markdown_table(header, rows))
     decode_rows = [[scheme, form, str(c)] + [cell(decodes[(scheme, form, c, kind)], decodes[(scheme, form, 1, kind)])
                                              for kind in ("wall", "cpu")]
                    for scheme in args.schemes for form in FORMS for c in args.concurrency]
@@ -383,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if firsts:
         first_rows = [[s, summary(firsts[s][0], 0), summary(firsts[s][1], 0),
                        summary([b / i for i, b in zip(firsts[s][0], firsts[s][1])], 2) + "x",
-                       summary(firsts[s][2], 0)] for s in args.schemes]
+                       summary(firsts[s][2], 0)] for s in labels]
         body += ("\n\n" + markdown_table(["scheme", "short request's first token, idle, ms",
                                           f"beside a {long_tokens}-token prompt sent {args.short_after:g} s before, ms",
                                           "ratio",
