@@ -366,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
                     say(f"run {run + 1}/{args.runs}, {scheme}: first token {measured[0] * 1000:.0f} ms idle, "
                         f"{measured[1] * 1000:.0f} ms beside a {long_tokens}-token prefill that took "
                         f"{measured[2]:.2f} s")
+        # The servers' memory back before this process loads the model: beside three servers that had
+        # prefilled a 16k prompt, an H100 ran out of memory here (2026-12-07, twice).
+        for server in servers.values():
+            server.stop()
         from tqstore.engine.engine import Engine
 
         engine = Engine.open(root / "decode-home")  # an empty store: every row is prefilled
