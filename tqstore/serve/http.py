@@ -22,7 +22,7 @@ import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,7 +44,7 @@ from tqstore.serve.options import LOOPBACK_NAMES
 from tqstore.serve.openai_schema import (ApiError, ResponseIds, Sampling, StopScanner, api_error, check_model,
                                          chunk, completion_response, parse_cache_source, parse_generation, parse_pin,
                                          store_details, usage_chunk)
-from tqstore.serve.streams import DONE, ClientGone, JobEvents, Mailbox, TextPacer, sse
+from tqstore.serve.streams import DONE, ClientGone, JobEvents, sse
 from tqstore.serve.jobs import Accepted, Failed, Finished, QueueFull, Text
 from tqstore.serve.worker import ModelWorker
 
@@ -78,8 +78,6 @@ class App:
     # without --allowed-host: the API key, which such a bind requires, is the guard).
     allowed_hosts: frozenset[str] | None = frozenset(LOOPBACK_NAMES)
     stall_seconds: float = 30.0  # --keep-alive: a body that sends nothing for this long gets 408
-    mailbox: Mailbox = field(default_factory=Mailbox)  # the worker's events to the loop (streams.py)
-    stream_interval: float = 0.01  # --stream-interval: a stream's text events at most this often
 
     @property
     def store(self):
@@ -303,7 +301,7 @@ async def _submit(request: Request, submit, texts: bool = False) -> JobEvents:
     """Queue a job (`submit(sink)`) whose events the handler then awaits (Text events only if
     `texts`: a stream)."""
     app: App = request.app
-    events = JobEvents(request.receive, app.mailbox, texts)
+    events = JobEvents(request.receive, texts)
     try:
         events.job = submit(events.sink)
     except QueueFull as e:
@@ -346,21 +344,20 @@ async def _generate(request: Request, chat: bool) -> Response:
         events.close()
         raise
     # The content type verbatim: Starlette would add a charset to a text/ media type.
-    return StreamingResponse(_stream(events, ids, body.include_usage, TextPacer(app.stream_interval)),
+    return StreamingResponse(_stream(events, ids, body.include_usage),
                              headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                       "X-TQStore-Tier": first.tier,
                                       "X-TQStore-Cached-Tokens": str(first.cached_tokens)})
 
 
-async def _stream(events: JobEvents, ids: ResponseIds, include_usage: bool, pacer: TextPacer):
+async def _stream(events: JobEvents, ids: ResponseIds, include_usage: bool):
     try:
         if ids.chat:
             yield sse(chunk(ids, role=True))
         while True:
-            event = await events.next_event(pacer.hold_until())
+            event = await events.next_event()
             if isinstance(event, Text):
                 yield sse(chunk(ids, event.text))
-                pacer.sent()
             elif isinstance(event, Finished):
                 gen = event.value
                 yield sse({**chunk(ids, finish_reason=gen.finish_reason), "tqstore": store_details(gen)})
@@ -394,15 +391,14 @@ async def messages(request: Request) -> Response:
     except BaseException:
         events.close()
         raise
-    return StreamingResponse(_message_stream(events, msg_id, app.model_id, first, fmt, body.tools,
-                                             TextPacer(app.stream_interval)),
+    return StreamingResponse(_message_stream(events, msg_id, app.model_id, first, fmt, body.tools),
                              headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                       "X-TQStore-Tier": first.tier,
                                       "X-TQStore-Cached-Tokens": str(first.cached_tokens)})
 
 
 async def _message_stream(events: JobEvents, msg_id: str, model_id: str, first: Accepted,
-                          fmt: anthropic.ToolFormat | None, tools, pacer: TextPacer):
+                          fmt: anthropic.ToolFormat | None, tools):
     """Anthropic's events: message_start, a text block streamed as it comes (text that may
     start a tool call held back), tool_use blocks once the answer is complete, message_delta
     with the stop reason and usage, message_stop; an error after the start as an error event."""
@@ -423,7 +419,7 @@ async def _message_stream(events: JobEvents, msg_id: str, model_id: str, first: 
     try:
         yield anthropic.event("message_start", message=anthropic.message(msg_id, model_id, [], None, None, use))
         while True:
-            event = await events.next_event(pacer.hold_until())
+            event = await events.next_event()
             if isinstance(event, Text):
                 text += event.text
                 new = held.feed(text) if held is not None else event.text
@@ -431,7 +427,6 @@ async def _message_stream(events: JobEvents, msg_id: str, model_id: str, first: 
                     sent += len(new)
                     for part in text_delta(new):
                         yield part
-                    pacer.sent()
             elif isinstance(event, Finished):
                 gen = event.value
                 visible, calls = fmt.split(gen.text, tools) if held is not None else (gen.text, [])

@@ -69,8 +69,7 @@ def run(args: argparse.Namespace, config: Config) -> int:
                              policy=SavePolicy(not args.no_save, args.save_min_tokens, args.save_ttl or None))
         app = App(worker, worker.metrics, model_id, tuple(dict.fromkeys((model_id, args.model))),
                   Sampling(args.max_tokens, args.temp, args.top_p, None, ()), api_key, args.max_body_bytes,
-                  int(time.time()), allowed_hosts(args.host, args.allowed_host), args.keep_alive,
-                  stream_interval=args.stream_interval)
+                  int(time.time()), allowed_hosts(args.host, args.allowed_host), args.keep_alive)
         return _serve(app, _listen(args.host, args.port), args, scheme)
     finally:
         store.close()
@@ -190,7 +189,7 @@ def _serve(app: App, sock: socket.socket, args: argparse.Namespace, scheme: str)
     if app.api_key is None and not is_loopback(host):  # --insecure
         log.warning("listening on %s without an API key (--insecure): anyone who can reach it can use the model "
                     "and the store (set %s)", host, API_KEY_ENV)
-    config = uvicorn.Config(Guard(app), http=_Protocol, loop="auto", lifespan="off", log_config=None,
+    config = uvicorn.Config(Guard(app), http=_Protocol, loop="asyncio", lifespan="off", log_config=None,
                             log_level=_log_level(args), server_header=False, limit_concurrency=args.max_connections,
                             backlog=BACKLOG, timeout_keep_alive=args.keep_alive,
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES,

@@ -94,11 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long an idle connection is kept open, and the longest a client may stay silent "
                              "while sending a request (headers or body) before it is dropped: seconds or 1m, ... "
                              "(default 30s)")
-    parser.add_argument("--stream-interval", type=flag_type(parse_duration, "--stream-interval", allow_zero=True),
-                        default=0.01, metavar="SECONDS",
-                        help="a stream sends its first text at once, then the text generated since at most this "
-                             "often (default 0.01; 0: every token as it comes): with many streams, what each event "
-                             "costs the server is paid per interval, not per token")
     parser.add_argument("--max-body-bytes", type=flag_type(parse_size, "--max-body-bytes"), default=16 << 20,
                         help="largest request body, e.g. 16MiB (default); larger ones get 413")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
