@@ -317,6 +317,38 @@ def test_compressed_rows_attend_stacked_or_grouped_and_answer_as_the_engine_does
         assert all(isinstance(c, TurboQuantKVCache) and c.compressed == (len(prompt) > 256) for c in caches)
 
 
+def test_a_long_prompts_compression_runs_in_steps_and_answers_as_at_once(tmp_path, llama, monkeypatch):
+    """The server's generation compresses a long prompt in steps (`COMPRESS_ROWS` rows over all
+    layers per evaluation, one block per layer here), yielding between them as between prefill
+    chunks so that other requests decode meanwhile; the caches hold every row at each step, and
+    the answer and its stored bytes are bit for bit those of the prompt compressed at once (the
+    form the tests above hold to Engine.generate)."""
+    import tqstore.engine.batch as batch_module
+
+    engine = Engine.open(tmp_path / "home")
+    loaded = engine.model(str(llama))
+    long = loaded.tokenizer.encode(" ".join(PROMPTS) * 3)[:520]
+    answers = []
+    for rows in (None, 256):  # at once (as before), then in steps
+        monkeypatch.setattr(batch_module, "COMPRESS_ROWS", rows)
+        starts, seen = [], []
+        gen = batched_generation(engine, loaded, "turbo4", long, max_tokens=4, on_start=starts.append)
+        row = next(gen)
+        while row is None:
+            seen.append(sorted({c.stored for c in starts[0].caches if isinstance(c, TurboQuantKVCache)}))
+            row = next(gen)
+        [answer], _ = _step_all(DecodeBatch(), loaded, [gen], first=[row])
+        answers.append(answer)
+    assert [s for s in seen if s != [0]][-3:] == [[256], [512], [519]]
+    (at_once, caches_at_once), (in_steps, caches) = answers
+    assert in_steps.tokens == at_once.tokens
+    assert mx.array_equal(in_steps.first_logprobs, at_once.first_logprobs)
+    for a, b in zip(caches, caches_at_once):
+        ra, rb = a.to_record(), b.to_record()
+        assert ra.arrays.keys() == rb.arrays.keys()
+        assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
+
+
 # slow: the emulator runs a thread per lane for every layer's launch (10 s alone, 50 s beside the
 # rest of the suite on 2 cores); tests/test_mirror.py runs the DecodedStack itself by default.
 @pytest.mark.slow

@@ -88,3 +88,83 @@ def test_a_models_layers_compressed_in_lockstep_match_one_by_one(tmp_path, schem
         assert (ra.layout, ra.state) == (rb.layout, rb.state)
         assert all(mx.array_equal(ra.arrays[n], rb.arrays[n]).item() for n in ra.arrays)
         assert all(mx.array_equal(ra.calibration[n], rb.calibration[n]).item() for n in ra.calibration)
+
+
+def _same_records(a, b) -> None:
+    for ra, rb in zip(snapshot(a).layers, snapshot(b).layers):
+        assert (ra.layout, ra.offset, ra.state) == (rb.layout, rb.offset, rb.state)
+        for part in ("arrays", "calibration"):
+            x, y = getattr(ra, part), getattr(rb, part)
+            assert set(x) == set(y)
+            assert all(mx.array_equal(x[n], y[n]).item() for n in x), part
+
+
+@pytest.mark.parametrize("scheme", ["turbo4", "turbo5v4", "turbo0v4"])
+def test_a_prompt_compressed_in_pieces_stores_what_one_encoding_stores(scheme):
+    """`starting(caches, rows)`, the server's compression of a new request: about `rows` rows
+    per evaluation over all layers (here 256 per layer), the layers in lockstep, every cache
+    whole at each step (the rows not yet encoded in its tail), and in the end the bytes of one
+    encoding, block means included (1,000 rows: the last block partial)."""
+    from turboquant.adapter.making import start_decoding, starting
+
+    whole, pieces = _layers(scheme, 1000), _layers(scheme, 1000)
+    start_decoding(whole)
+    steps, seen = starting(pieces, rows=256 * LAYERS), []
+    for _ in steps:
+        for c in pieces:
+            held = c._tail.view(c.offset - c.stored)["keys"].shape[2] if c.offset > c.stored else 0
+            assert c.offset == 1000 and c.stored + held == 1000
+        seen.append([c.stored for c in pieces])
+    for i in range(LAYERS):  # (the guarded layers decide more, so they encode a step or more later)
+        assert sorted({step[i] for step in seen} - {0}) == [256, 512, 768, 1000]
+    assert len(seen) >= 4  # a step per piece at least (after the decisions of calibrated keys)
+    assert all(c.compressed and c.stored == 1000 for c in pieces)
+    _same_records(whole, pieces)
+
+
+def test_rows_after_an_open_block_are_encoded_in_pieces_that_close_it_first():
+    """A compressed layer whose last block was left open (300 rows stored) and 700 more rows in
+    its tail: the first piece ends at a block boundary, so the open block is finished with its
+    own mean, as one encoding does."""
+    whole, pieces = _layers("turbo5v4", 300), _layers("turbo5v4", 300)
+    more = kv_rows(1, 2, 700, 64, seed=9)
+    for caches in (whole, pieces):
+        for c in caches:
+            c.compress()
+            c.update_and_fetch(*more)
+            assert c.stored == 300 and c.offset == 1000
+    for c in whole:
+        c.compress()
+    stored = []
+    for c in pieces:
+        work = c.compressing(piece=256)
+        for arrays in work:
+            mx.eval(arrays)
+            stored.append(c.stored)
+    assert stored[:3] == [768, 1000, 768]  # 300 -> 768 (the open block, then one more), -> 1000
+    _same_records(whole, pieces)
+
+
+def test_a_piece_must_be_whole_blocks():
+    (cache,) = _layers("turbo4", 300)[:1]
+    with pytest.raises(ValueError, match="multiple of 256"):
+        stages.run(cache.compressing(piece=100))
+
+
+def test_stepping_yields_once_per_evaluation_and_returns_the_results():
+    def work(n):
+        for i in range(n):
+            yield [mx.array(i)]
+        return n * 10
+
+    steps = stages.stepping([work(2), work(3)])
+    count = 0
+    while True:
+        try:
+            next(steps)
+            count += 1
+        except StopIteration as done:
+            assert done.value == [20, 30]
+            break
+    assert count == 3
+    assert stages.run_all([work(1), work(2)]) == [10, 20]

@@ -8,13 +8,13 @@ layers are compressed, recurrent or windowed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Generator, Iterable
 from typing import Any
 
 from mlx_lm.models.cache import CacheList
 
 from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
-from turboquant.adapter.making import make_prompt_cache, start_decoding
+from turboquant.adapter.making import make_prompt_cache, start_decoding, starting
 from turboquant.adapter.snapshots import held_tokens, restore, snapshot
 from turboquant.adapter.verdicts import VerdictBook
 from turboquant.adapter.windows import WINDOW_MODES, settle_all
@@ -100,6 +100,11 @@ class Context:
         of a restored turbo4 entry 12-26 ms on an H100 (raw's whole rest is 1-2 ms) and encoded
         rows that decoding itself never encodes early."""
         start_decoding(self.caches)
+
+    def starting(self, rows: int | None = None) -> Generator[None, None, None]:
+        """`start_decoding` as steps, yielding after each evaluation; with `rows`, about that
+        many rows encoded per evaluation over all layers (`making.starting`)."""
+        yield from starting(self.caches, rows)
 
     def copy(self) -> list[Any]:
         """Caches holding what these hold now, sharing their arrays (later updates of either

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from turboquant.cache.compressed import BLOCK, TurboQuantKVCache
 from turboquant.codec.calibration import CalibrationConfig
 from turboquant.codec.plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, LayerPlan, plan_layer
 from turboquant.codec.schemes import Format, SchemeSpec, parse_scheme
-from turboquant.codec.stages import run_all
+from turboquant.codec.stages import run_all, run_steps, stepping
 from turboquant.records import LayerRecord, Layout, Snapshot
 
 _notices: set[str] = set()
@@ -281,11 +282,21 @@ def start_decoding(caches: list[Any]) -> None:
     would on its own; shorter ones decode raw until a block is held (`TurboQuantKVCache.defer`).
     Layers already compressed (restored ones) keep their newest rows raw in the tail until their
     block fills, as a decode step's rows wait."""
+    run_steps(starting(caches))
+
+
+def starting(caches: list[Any], rows: int | None = None) -> Generator[None, None, None]:
+    """`start_decoding` as steps: it yields after each evaluation (`stages.stepping`). With
+    `rows`, each evaluation encodes about that many rows over all the layers together (each
+    layer's share rounded to whole blocks, at least one), so a long prompt's encoding is many
+    short steps instead of one long one."""
     fresh = [c for c in caches if isinstance(c, TurboQuantKVCache) and not c.compressed]
     for cache in fresh:
         if cache.offset < BLOCK:
             cache.defer()
-    run_all([c.compressing() for c in fresh if c.offset >= BLOCK])
+    held = [c for c in fresh if c.offset >= BLOCK]
+    piece = None if rows is None or not held else max(BLOCK, rows // len(held) // BLOCK * BLOCK)
+    yield from stepping([c.compressing(piece) for c in held])
 
 
 def compress_caches(caches: list[Any]) -> None:

@@ -280,10 +280,16 @@ class TurboQuantKVCache:
         """Compress every raw row now: the prefill on first use, the tail afterwards (save)."""
         run(self.compressing())
 
-    def compressing(self) -> Stages[None]:
+    def compressing(self, piece: int | None = None) -> Stages[None]:
         """`compress` in stages (turboquant/codec/stages.py): it yields the arrays each of its
         decisions reads, so that `compress_caches` compresses every layer of a model with one
-        evaluation per decision for all of them."""
+        evaluation per decision for all of them. With `piece` (a multiple of BLOCK) the rows
+        are encoded `piece` at a time, one stage each, the rows not yet encoded held in the
+        tail in between (a consistent cache at every stage): a server runs other requests'
+        steps between them instead of waiting for a long prompt's whole encoding. Each block
+        is encoded whole in one piece, with its mean, so the bytes are those of one encoding."""
+        if piece is not None and (piece <= 0 or piece % BLOCK):
+            raise ValueError(f"piece must be a positive multiple of {BLOCK} rows, got {piece}")
         if not self.compressed:
             raw = self._tail.view(self.offset) if self.offset else {}
             power = None if not self._query_rows else self._query_power / self._query_rows
@@ -303,10 +309,15 @@ class TurboQuantKVCache:
             self._key_side = self.active.key.side("keys", self.calibration)
             self._value_side = self.active.value.side("values")
             self.compressed = True
-        if self.offset > self.stored:
+        while self.offset > self.stored:
             tail = self._tail.view(self.offset - self.stored)
-            self._tail.clear()
-            self._encode(tail["keys"], tail["values"])
+            n = self.offset - self.stored
+            if piece is not None and n > piece + (-self.stored % BLOCK):
+                n = piece + (-self.stored % BLOCK)  # (a block left open before ends with the first piece)
+                self._tail.adopt({k: v[:, :, n:] for k, v in tail.items()})
+            else:
+                self._tail.clear()
+            self._encode(tail["keys"][:, :, :n], tail["values"][:, :, :n])
             yield [*self._store.arrays.values(), *([self._shifts] if self._shifts is not None else [])]
 
     def extend(self, keys: mx.array, values: mx.array) -> None:
