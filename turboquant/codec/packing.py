@@ -45,23 +45,26 @@ def _layout(bits: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
 
 
 def pack(indices: mx.array, bits: int) -> mx.array:
-    """Pack codes [..., d] (each < 2**bits) into uint32 words [..., ceil(d*bits/32)]."""
+    """Pack codes [..., d] (each < 2**bits) into uint32 words [..., ceil(d*bits/32)].
+
+    Code j's bit i is bit j*b + i of the row's stream, so the codes' bit planes laid out code by
+    code are the stream itself: 32 of them at a time make one word. A handful of whole-array
+    operations whatever `bits` is; the per-word masked sums this replaced took four per bit,
+    each a kernel launch on a GPU. Where b divides 32 the codes themselves fill words."""
     _check_bits(bits)
     d = indices.shape[-1]
     lead = indices.shape[:-1]
     n_chunks = -(-d // CHUNK)
-    codes = _padded(indices.astype(mx.uint32), n_chunks * CHUNK).reshape(*lead, n_chunks, CHUNK)
-    word, shift, spill, spill_shift = _layout(bits)
-    low = mx.left_shift(codes, shift)
-    high = mx.where(spill, mx.right_shift(codes, spill_shift), mx.array(0, mx.uint32))
-    zero = mx.array(0, mx.uint32)
-    # Fields never overlap, so summing the masked fields of a word equals OR-ing them.
-    words = [
-        mx.sum(mx.where(word == k, low, zero), axis=-1)
-        + mx.sum(mx.where(spill & (word + 1 == k), high, zero), axis=-1)
-        for k in range(bits)
-    ]
-    out = mx.stack(words, axis=-1).astype(mx.uint32).reshape(*lead, n_chunks * bits)
+    codes = _padded(indices.astype(mx.uint32), n_chunks * CHUNK)
+    if 32 % bits == 0:
+        fields = codes.reshape(*lead, n_chunks * bits, 32 // bits)
+        shifts = mx.arange(0, 32, bits, dtype=mx.uint32)
+    else:
+        planes = mx.right_shift(codes[..., None], mx.arange(bits, dtype=mx.uint32)) & mx.array(1, mx.uint32)
+        fields = planes.reshape(*lead, n_chunks * bits, 32)
+        shifts = mx.arange(32, dtype=mx.uint32)
+    # Fields never overlap, so summing a word's shifted fields equals OR-ing them.
+    out = mx.sum(mx.left_shift(fields, shifts), axis=-1).astype(mx.uint32)
     return out[..., : packed_width(d, bits)]
 
 
