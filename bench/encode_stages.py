@@ -41,7 +41,6 @@ from turboquant.adapter.making import start_decoding, starting  # noqa: E402
 from turboquant.cache.compressed import TurboQuantKVCache  # noqa: E402
 from turboquant.codec.packing import CHUNK, _layout, _padded, pack, packed_width  # noqa: E402
 from turboquant.codec.plan import plan_layer  # noqa: E402
-from turboquant.codec.stages import run_steps  # noqa: E402
 
 THIS_SEARCH = turbo.TurboCodec.quantize_rotated
 
@@ -107,7 +106,7 @@ def whole_encode(args, scheme: str) -> list[list]:
     for form in FORMS:
         use(form)
         for label, go in (("one evaluation", start_decoding),
-                          (f"steps of {args.step_rows} rows", lambda cs: run_steps(starting(cs, args.step_rows)))):
+                          (f"steps of {args.step_rows} rows", lambda cs: list(starting(cs, args.step_rows)))):
             runs = []
             for _ in range(args.runs + 1):  # the first builds this shape's kernels: not counted
                 held = caches(args, scheme, args.tokens)

@@ -151,20 +151,13 @@ def test_a_piece_must_be_whole_blocks():
         stages.run(cache.compressing(piece=100))
 
 
-def test_stepping_yields_once_per_evaluation_and_returns_the_results():
+def test_stepping_yields_once_per_evaluation_and_fills_the_results():
     def work(n):
         for i in range(n):
             yield [mx.array(i)]
         return n * 10
 
-    steps = stages.stepping([work(2), work(3)])
-    count = 0
-    while True:
-        try:
-            next(steps)
-            count += 1
-        except StopIteration as done:
-            assert done.value == [20, 30]
-            break
-    assert count == 3
+    results = [None, None]
+    assert len(list(stages.stepping([work(2), work(3)], results))) == 3
+    assert results == [20, 30]
     assert stages.run_all([work(1), work(2)]) == [10, 20]

@@ -24,7 +24,7 @@ from turboquant.cache.compressed import BLOCK, TurboQuantKVCache
 from turboquant.codec.calibration import CalibrationConfig
 from turboquant.codec.plan import DEFAULT_CALIBRATION, DEFAULT_GUARD, LayerPlan, plan_layer
 from turboquant.codec.schemes import Format, SchemeSpec, parse_scheme
-from turboquant.codec.stages import run_all, run_steps, stepping
+from turboquant.codec.stages import run_all, stepping
 from turboquant.records import LayerRecord, Layout, Snapshot
 
 _notices: set[str] = set()
@@ -282,7 +282,8 @@ def start_decoding(caches: list[Any]) -> None:
     would on its own; shorter ones decode raw until a block is held (`TurboQuantKVCache.defer`).
     Layers already compressed (restored ones) keep their newest rows raw in the tail until their
     block fills, as a decode step's rows wait."""
-    run_steps(starting(caches))
+    for _ in starting(caches):
+        pass
 
 
 def starting(caches: list[Any], rows: int | None = None) -> Generator[None, None, None]:

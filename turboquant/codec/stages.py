@@ -27,28 +27,22 @@ def run(stages: Stages[T]) -> T:
 def run_all(works: list[Stages[Any]]) -> list[Any]:
     """Drive stage generators in lockstep, evaluating what they all yielded at once per stage;
     their results in order."""
-    return run_steps(stepping(works))
-
-
-def stepping(works: list[Stages[Any]]) -> Generator[None, None, list[Any]]:
-    """`run_all` that yields None after each evaluation, so that a caller sharing the device
-    (the server's scheduler) can run other work between them; its return value is the results."""
     results: list[Any] = [None] * len(works)
+    for _ in stepping(works, results):
+        pass
+    return results
+
+
+def stepping(works: list[Stages[Any]], results: list[Any] | None = None) -> Generator[None, None, None]:
+    """`run_all` that yields None after each evaluation, so that a caller sharing the device
+    (the server's scheduler) can run other work between them; the works' results go into
+    `results` (one slot per work) as each ends."""
+    results = [None] * len(works) if results is None else results
     waiting = _advance(works, range(len(works)), results)
     while waiting:
         mx.eval([a for arrays in waiting.values() for a in arrays])
         yield
         waiting = _advance(works, waiting, results)
-    return results
-
-
-def run_steps(steps: Generator[None, None, T]) -> T:
-    """Run a generator of None steps (`stepping`) to its return value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 def _advance(works: list[Stages[Any]], which, results: list[Any]) -> dict[int, list[mx.array]]:
