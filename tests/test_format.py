@@ -26,6 +26,7 @@ from test_blocks import DTYPES, HETEROGENEOUS, TOKEN_COUNTS, assert_same_snapsho
 from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
 from tqstore.format import runs, tables
+from tqstore.format.header import GroupInfo
 from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
                                    split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
@@ -843,3 +844,16 @@ def test_raw_tails_and_uncompressed_caches_restore_exactly():
         first = prompt[snap.offset:snap.offset + 1]
         for a, b in zip(_decode(model, caches, first), _decode(model, restored, first)):
             assert mx.array_equal(a, b).item()
+
+
+def test_tiling_refuses_a_group_that_holds_no_array():
+    """Every group of a format 3 header holds at least one array (the check counts the distinct
+    groups of the sorted table; `np.unique` did, and its first call imported numpy.ma)."""
+    arrays = np.zeros(2, tables.ARRAY)
+    arrays["ndim"], arrays["dtype"], arrays["group"] = 1, tables.DTYPE_CODES.index("float32"), 0
+    arrays["shape"][:, 0], arrays["offset"] = 4, [0, 16]
+    whole = GroupInfo("float32", "raw", 32, "")
+    tables._check_tiling(arrays, (whole,))
+    for groups in [(whole, GroupInfo("float32", "raw", 0, "")), (GroupInfo("float32", "raw", 0, ""), whole)]:
+        with pytest.raises(MalformedHeader, match="tile"):
+            tables._check_tiling(arrays, groups)

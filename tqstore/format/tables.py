@@ -381,7 +381,7 @@ def _check_tiling(arrays: np.ndarray, groups: tuple[GroupInfo, ...]) -> None:
     last[:-1] = first[1:]
     ok = (len(arrays) == 0 and not groups) or (
         (group_dtype[g] == arrays["dtype"][order]).all() and (off == start).all()
-        and (off[last] + size[last] == group_nbytes[g[last]]).all() and len(np.unique(g)) == len(groups))
+        and (off[last] + size[last] == group_nbytes[g[last]]).all() and int(first.sum()) == len(groups))
     if not ok:
         raise MalformedHeader("the arrays do not tile their groups exactly (each group holds arrays of its dtype, one "
                               "after the other, covering its bytes)")
