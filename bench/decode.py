@@ -20,6 +20,8 @@ caches too.
   python bench/decode.py --model --runs 3    # instead: a model's decode tokens/s, raw against compressed
   python bench/decode.py --compare turbo4,turbo5v4,auto3.75:mixed --runs 3 --contexts 4096,16384,65536
                                             # schemes side by side, alternating, per-run ranges
+  python bench/decode.py --tails 0,1,32,128,255 --runs 3 --contexts 4096,16384 --schemes turbo4
+                                            # instead: the cache's call against its raw tail's length
 
 `--model` (issue 30): tokens/s of one decode stream through mlx-lm's `generate_step` (what
 `Engine.generate` runs) on N layers of Llama-3.1-8B's shapes with random bf16 weights, after
@@ -219,6 +221,43 @@ def bench_context(T: int, schemes: list[str], calls: int, plain: bool, tail: int
     for r in rows:
         r["gbs"] = r["bytes"] / r["batched"] / 1e9
     return rows
+
+
+def tail_sweep(contexts: list[int], schemes: list[str], tails: list[int], runs: int, calls: int) -> list[dict]:
+    """Chained seconds per call of fp16 SDPA over T rows and of each scheme's cache call with
+    n raw tail rows after T stored rows, per (T, scheme, n) and run."""
+    rows = []
+    for T in contexts:
+        nl = layers_for(T)
+        q = mx.random.normal((1, HQ, 1, D), key=mx.random.key(T)).astype(mx.float16)
+        ks = [mx.random.normal((1, HKV, T, D), key=mx.random.key(i)).astype(mx.float16) for i in range(nl)]
+        mx.eval(ks)
+        sdpa = [lambda x, k=k: mx.fast.scaled_dot_product_attention(x, k, k, scale=SCALE) for k in ks]
+        for scheme in schemes:
+            caches = {n: [build_cache(scheme, HKV, D, mx.float16, T, seed=i, tail=n) for i in range(nl)] for n in tails}
+            mx.eval([c.state for cs in caches.values() for c in cs])
+            got: dict = {"sdpa": []} | {n: [] for n in tails}
+            for _ in range(runs):
+                got["sdpa"].append(chained(sdpa, q, calls))
+                for n, cs in caches.items():
+                    got[n].append(chained([lambda x, c=c: c.attention(x, SCALE) for c in cs], q, calls))
+            rows.append(dict(T=T, scheme=scheme, got=got))
+            del caches
+            mx.clear_cache()
+        del ks, sdpa
+    return rows
+
+
+def tail_table(rows: list[dict], tails: list[int]) -> str:
+    def span(xs: list[float]) -> str:
+        return f"{min(xs) * 1e6:.1f}-{max(xs) * 1e6:.1f}"
+
+    lines = ["| context | scheme | fp16 SDPA | " + " | ".join(f"{n}-row tail" for n in tails) + " |",
+             "|---|---|---|" + "---|" * len(tails)]
+    for r in rows:
+        lines.append(f"| {ctx(r['T'])} | {r['scheme']} | {span(r['got']['sdpa'])} | "
+                     + " | ".join(span(r["got"][n]) for n in tails) + " |")
+    return "\n".join(lines)
 
 
 def measure(steps, q: mx.array, calls: int, base: dict | None = None, reps: int = 5) -> dict:
@@ -474,6 +513,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="--model: layers of Llama-3.1-8B's shapes")
     ap.add_argument("--compare", help="instead: these schemes side by side (comma-separated; autoB:mixed cycles "
                                       "the allocation's key layouts over the layers), --runs runs")
+    ap.add_argument("--tails", help="instead: the cache's call with raw tails of these row counts (comma-separated), "
+                                    "chained, beside fp16 SDPA over the stored rows, --runs runs")
     args = ap.parse_args()
     if kernels.select_backend() is None and not args.model:
         sys.exit("bench/decode.py needs an MLX GPU backend (CUDA or Metal) as the default device")
@@ -492,6 +533,18 @@ def main() -> None:
                 f"`:mixed`: the layers cycle through every key layout the scheme's allocation can choose."
                 f"\n\n{compare_table(rows, schemes[0])}\n")
         emit(body, "decode-schemes", args.write_docs)
+        return
+    if args.tails:
+        tails = list(map(int, args.tails.split(",")))
+        rows = tail_sweep(list(map(int, args.contexts.split(","))), args.schemes.split(","), tails, args.runs,
+                          args.calls)
+        body = (_heading("A decode call against its raw tail's length", dev) +
+                f"B=1, {HQ} query / {HKV} KV heads, d={D}, fp16, one query token; the cache's own attention call "
+                f"(stored rows through the fused kernels, the raw tail in pass 2 on CUDA) with n raw tail rows "
+                f"after T stored rows, and fp16 SDPA over the T rows; GPU us per call, {args.calls} chained calls "
+                f"(each call's query the previous output) cycling over several layers' caches; ranges over "
+                f"{args.runs} runs, the tail lengths taking turns in each run.\n\n{tail_table(rows, tails)}\n")
+        emit(body, "decode-tails", False)
         return
     if args.model:
         contexts = MODEL_CONTEXTS if args.contexts == ",".join(map(str, CONTEXTS)) else list(map(int, args.contexts.split(",")))
