@@ -249,8 +249,10 @@ def tail_sweep(contexts: list[int], schemes: list[str], tails: list[int], runs: 
 
 
 def tail_table(rows: list[dict], tails: list[int]) -> str:
+    from storage import span as ranged
+
     def span(xs: list[float]) -> str:
-        return f"{min(xs) * 1e6:.1f}-{max(xs) * 1e6:.1f}"
+        return ranged([x * 1e6 for x in xs], "{:.1f}")
 
     lines = ["| context | scheme | fp16 SDPA | " + " | ".join(f"{n}-row tail" for n in tails) + " |",
              "|---|---|---|" + "---|" * len(tails)]
