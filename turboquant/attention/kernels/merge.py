@@ -57,6 +57,26 @@ def pass2_body(v: Pass2, prologue: str) -> str:
         ROT_SHARED="TGMEM float s_o[D];" if v.rotate else "",
         STORE="  s_o[d] = acc * inv;" if v.rotate else "  s_y[d] = acc * inv;",
         ROTATE="SYNC();\n" + matvec("s_o", "rinv", "s_y[e]") if v.rotate else "",
-        FINISH=fill(text["tail" if v.tail_dtype else "finish"], OUT=f"TQ_OUT_{v.out_dtype or 'float32'}",
-                    VP=pow2ceil(v.d // 2)),
+        FINISH=fill(text["tail"], OUT=f"TQ_OUT_{v.out_dtype or 'float32'}", VP=pow2ceil(v.d // 2),
+                    **_tail_loads(v.d, v.tail_dtype)) if v.tail_dtype else
+        fill(text["finish"], OUT=f"TQ_OUT_{v.out_dtype or 'float32'}"),
     )
+
+
+def _tail_loads(d: int, dtype: str) -> dict[str, str]:
+    """The raw tail's 16-byte key loads: when a row's elements are contiguous and the row starts
+    on 16 bytes (a runtime check), `KWORDS` words of `KPER` elements each, converted by `KCONV`;
+    else (or when d is not a whole number of words) the scalar loads."""
+    per = 4 if dtype == "float32" else 8
+    if d % per:
+        return {"KVEC": "false", "KWORDS": "0", "KPER": str(per), "KCONV": ""}
+    if dtype == "float32":
+        conv = "        x[0] = AS_FLOAT(w.x); x[1] = AS_FLOAT(w.y); x[2] = AS_FLOAT(w.z); x[3] = AS_FLOAT(w.w);"
+    elif dtype == "float16":
+        conv = "\n".join(f"        tq_h2(w.{c}, x[{2 * j}], x[{2 * j + 1}]);" for j, c in enumerate("xyzw"))
+    else:  # bfloat16: the high half of a float32
+        conv = "\n".join(f"        x[{2 * j}] = AS_FLOAT(w.{c} << 16); x[{2 * j + 1}] = AS_FLOAT(w.{c} & 0xffff0000u);"
+                         for j, c in enumerate("xyzw"))
+    check = (f"t_k_strides[3] == 1 && kr % {per} == 0 && "
+             "(unsigned long long)(const void*)t_k % 16 == 0")
+    return {"KVEC": check, "KWORDS": str(d // per), "KPER": str(per), "KCONV": conv}

@@ -122,8 +122,10 @@ if (tid == 0) {
 //! question's L tokens run as L query rows each (params[8] = L > 1): row l of a query head sees
 //! the tail's first n - L + 1 + l rows (the causal mask; every stored row precedes them). Both
 //! loops are latency chains when they run alone (a decode step waits for them), so every load of
-//! a score is independent (the head dim unrolled into eight sums) and the value rows are split
-//! over VS slices of threads (two dims per thread, eight rows in flight), merged in a fixed order.
+//! a score is independent (the head dim unrolled into eight sums; 16-byte loads where the rows are
+//! contiguous and aligned) and the value rows are split over VS slices of threads (two dims per
+//! thread, sixteen rows in flight, then eight), merged in a fixed order: each sum takes the same
+//! terms in the same order on every path.
 //@@ tail
 {
   const int n = params[8] > 1 ? params[7] - params[8] + 1 + row % params[8] : params[7];
@@ -150,9 +152,23 @@ if (tid == 0) {
   if (tid < n) {
     const int64_t kr = kb + (int64_t)tid * t_k_strides[2];
     float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    if (@@KVEC@@) {
+      const DEV U4* p = (const DEV U4*)(t_k + kr);
 #pragma unroll
-    for (int i = 0; i < D; ++i) {
-      a[i % 8] += s_q[i] * static_cast<float>(t_k[kr + (int64_t)i * t_k_strides[3]]);
+      for (int c = 0; c < @@KWORDS@@; ++c) {
+        const U4 w = p[c];
+        float x[@@KPER@@];
+@@KCONV@@
+#pragma unroll
+        for (int i = 0; i < @@KPER@@; ++i) {
+          a[(c * @@KPER@@ + i) % 8] += s_q[c * @@KPER@@ + i] * x[i];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < D; ++i) {
+        a[i % 8] += s_q[i] * static_cast<float>(t_k[kr + (int64_t)i * t_k_strides[3]]);
+      }
     }
     st = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
   }
@@ -197,6 +213,21 @@ if (tid == 0) {
     if (2 * e2 < D) {
       const int64_t vc = vb + (int64_t)(2 * e2) * t_v_strides[3];
       int t = js;
+      for (; t + 15 * VS < n; t += 16 * VS) {
+        float x0[16];
+        float x1[16];
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          const int64_t at = vc + (int64_t)(t + k * VS) * t_v_strides[2];
+          x0[k] = static_cast<float>(t_v[at]);
+          x1[k] = static_cast<float>(t_v[at + t_v_strides[3]]);
+        }
+#pragma unroll
+        for (int k = 0; k < 16; ++k) {
+          a[k % 8][0] += s_e[t + k * VS] * x0[k];
+          a[k % 8][1] += s_e[t + k * VS] * x1[k];
+        }
+      }
       for (; t + 7 * VS < n; t += 8 * VS) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
