@@ -127,3 +127,20 @@ def test_long_chunks_decode_the_rows(monkeypatch):
     with pytest.raises(Picked):
         cache.attention(q[:, :, -(L - 1):], 0.125, "causal")
     assert calls
+
+
+@pytest.mark.parametrize("D, B", [(64, 1), (256, 2)], ids=["d64", "d256-batch2"])
+def test_question_rows_that_see_part_of_the_tail(monkeypatch, D, B):
+    """16 queries over a 40-row tail: query l sees the tail's first 25 + l rows (causal), every
+    batch row its own tail; at D = 256 pass 2 loads each key row as 32 words of 16 bytes."""
+    calls = []
+    force_backend(monkeypatch, "cuda", lambda v: calls.append(v) or emulate.kernel(v))
+    cache = build_cache("turbo4", 2, D, mx.float16, 256, seed=4, tail=40, B=B)
+    assert cache.offset - cache.stored == 40
+    k64, v64 = dequantized(cache)
+    q = mx.random.normal((B, 4, 16, D), key=mx.random.key(7)).astype(mx.float16)
+    out = cache.attention(q, D ** -0.5, "causal")
+    assert len(calls) == 2 and calls[1].tail_dtype == "float16"
+    ref = causal64(q, k64, v64, D ** -0.5, True)
+    err = np.abs(np.array(out.astype(mx.float32)).astype(np.float64) - ref)
+    assert np.all(err <= 2 * ULP[mx.float16] * np.abs(ref) + 2e-3 * np.abs(ref).max()), err.max()
