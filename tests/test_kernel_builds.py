@@ -126,20 +126,24 @@ def test_the_metal_self_check_runs_once_per_kernel_variant_not_per_question_leng
     assert len({metal.shape_key(c) for c in calls}) == 1
 
 
-def test_a_bound_kernel_makes_sure_of_the_module_its_launches_use(monkeypatch):
+def test_a_bound_kernel_makes_sure_of_the_module_its_launches_use(monkeypatch, tmp_path):
     """`CachedKernel.bound` (what a prepared decode step launches) makes sure of the module of
     exactly the source a launch with those dtypes compiles, once per signature, as a launch
     through `CachedKernel.__call__` does."""
     from turboquant.attention.kernels import cuda
+    from turboquant.attention.kernels.included import included
     from turboquant.attention.kernels.template import output_names, source
 
     ensured = []
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cubin_cache, "enabled", lambda: True)
     monkeypatch.setattr(cubin_cache, "ensure", lambda name, text: ensured.append((name, text)))
     variant = host.pass2_variant(128, True, "bfloat16", "bfloat16", "bfloat16")
     kernel = object.__new__(cuda.CachedKernel)  # MLX's kernel object needs CUDA: a stand-in below
-    kernel.name, (kernel.header, kernel.body) = variant.name, source(variant, "cuda")
-    kernel.input_names, kernel.outputs, kernel.cached = variant.input_names(), output_names(variant), set()
+    kernel.name, kernel.input_names = variant.name, variant.input_names()
+    kernel.included = included(*source(variant, "cuda"), kernel.input_names)
+    kernel.header, kernel.body = kernel.included.header, kernel.included.body
+    kernel.outputs, kernel.cached = output_names(variant), set()
     kernel.kernel = lambda **launch: launch
     inputs = [mx.zeros((16,), dtype=cuda.DTYPES[t]) for t in cuda.input_types(variant).values()]
     outputs = [mx.bfloat16, mx.float32]

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from turboquant.attention.kernels import cubin_cache
 from turboquant.attention.kernels.dialects import section
+from turboquant.attention.kernels.included import Included, included
 from turboquant.attention.kernels.merge import Pass2
 from turboquant.attention.kernels.query import Pass0
 from turboquant.attention.kernels.ragged import Ragged
@@ -35,9 +36,12 @@ class CachedKernel:
 
     def __init__(self, variant: Pass0 | Pass1 | Pass2 | Ragged):
         self.name = variant.name
-        self.header, self.body = source(variant, "cuda")
         self.input_names = variant.input_names()
         self.outputs = output_names(variant)
+        # What MLX gets: the texts' files included by path (included.py), so a launch's host
+        # time does not grow with the kernel's length.
+        self.included: Included = included(*source(variant, "cuda"), self.input_names)
+        self.header, self.body = self.included.header, self.included.body
         # Cache views are token slices of larger buffers: read them through their strides.
         self.kernel = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names, output_names=self.outputs,
                                           source=self.body, header=self.header, ensure_row_contiguous=False)
@@ -69,6 +73,10 @@ class CachedKernel:
         if signature in self.cached:
             return
         self.cached.add(signature)
+        try:
+            self.included.ensure()
+        except OSError as e:  # MLX's compile of this signature will say what is missing
+            _warn_once(f"turboquant: kernel {self.name}'s source files not written ({e})")
         if cubin_cache.enabled():
             try:
                 cubin_cache.ensure(self.name, self._source(input_dtypes, output_dtypes))
