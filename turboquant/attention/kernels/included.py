@@ -35,9 +35,10 @@ class Included:
     files: tuple[tuple[Path, str], ...] = ()
 
     def ensure(self) -> None:
-        """Write back any included file that went missing since (a cleaned temporary folder)."""
+        """Write back any included file that went missing or changed since (a cleaned temporary
+        folder, a damaged disk): MLX reads them at its compile, which may come later."""
         for path, text in self.files:
-            if not path.exists():
+            if not _holds(path, text):
                 _write(path, text)
 
 
@@ -65,13 +66,16 @@ def folder() -> Path:
 def _stored(text: str) -> Path:
     """The file holding `text` (written now unless a file of that name already holds it)."""
     path = folder() / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.cuh"
-    try:
-        if path.read_text() == text:
-            return path
-    except (OSError, UnicodeDecodeError):
-        pass
-    _write(path, text)
+    if not _holds(path, text):
+        _write(path, text)
     return path
+
+
+def _holds(path: Path, text: str) -> bool:
+    try:
+        return path.read_text() == text
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _write(path: Path, text: str) -> None:
