@@ -132,6 +132,15 @@ def test_ask_json_counts_the_model_load_done_before_the_engine_asks(cli, model, 
     assert len(calls) >= 1 and answer["model_seconds"] >= 0.3
 
 
+@pytest.fixture
+def terminal_sigint():
+    """Python's own SIGINT handler, as a process started from a terminal has: a suite started as
+    a background job inherits SIGINT ignored, where raising it does nothing."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 class _CtrlCInFinalizer:
     """Ctrl-C pressed while this object is finalized: the interpreter discards the
     KeyboardInterrupt raised there, as C code that clears errors does (`mx.array` over a numpy
@@ -142,7 +151,7 @@ class _CtrlCInFinalizer:
 
 
 @pytest.mark.parametrize("json_flag", [[], ["--json"]])
-def test_a_ctrl_c_that_c_code_swallowed_still_ends_the_answer(cli, model, monkeypatch, json_flag):
+def test_a_ctrl_c_that_c_code_swallowed_still_ends_the_answer(cli, model, monkeypatch, json_flag, terminal_sigint):
     """Before: the `ask` decoded on to --max-tokens and exited 0 (one process in ten in CI)."""
     import mlx.core as mx
 
@@ -166,7 +175,8 @@ def test_a_ctrl_c_that_c_code_swallowed_still_ends_the_answer(cli, model, monkey
         assert run.err.strip().splitlines()[-1] == "tqstore: interrupted"
 
 
-def test_a_ctrl_c_that_c_code_swallowed_ends_a_save_at_its_next_progress_update(cli, model, monkeypatch):
+def test_a_ctrl_c_that_c_code_swallowed_ends_a_save_at_its_next_progress_update(cli, model, monkeypatch,
+                                                                              terminal_sigint):
     import mlx.core as mx
 
     swallowed, evaluate = [], mx.eval
