@@ -27,8 +27,8 @@ from tiny_models import build_model, prompt_tokens
 from tqstore.format import objects as F
 from tqstore.format import runs, tables
 from tqstore.format.header import GroupInfo
-from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_keys, calibration_digest, join_blocks,
-                                   split_snapshot)
+from tqstore.format.blocks import (Block, BlockKey, GroupedLayers, SplitSnapshot, block_key, block_keys, calibration_digest,
+                                   join_blocks, split_snapshot)
 from tqstore.errors import (BadMagic, ChecksumMismatch, FormatVersionTooNew, IdentityMismatch, MalformedHeader,
                             TokenMismatch, TqstoreError, TruncatedData, UnsupportedFormatVersion)
 from tqstore.exchange.bundle import read_bundle
@@ -679,6 +679,23 @@ def test_format_3_header_edits_behind_a_valid_frame(data):
         bad[at] = data.draw(st.sampled_from([0, 1, 2, 3, 7, 8, 64, 255, bad[at] ^ 1, bad[at] ^ 0x80]))
     obj = _loads_or_tqstore_error(_reframe3(bytes(bad)))
     assert obj is None or isinstance(obj, Snapshot)
+
+
+def test_a_block_whose_token_ids_changed_behind_a_valid_frame_fails_its_key():
+    """The key check hashes the ids as the header stores them (`check_kind`'s `token_ids`): one
+    id changed, with the frame's digest recomputed, is refused as a key mismatch, and a block
+    read intact has the key its tokens give."""
+    tokens = tokens_for(600)
+    keys, blocks, _, _ = store(make_snapshot(600), tokens)
+    data = blocks[1]
+    at = F.FRAME_SIZE + tables.HEAD.size + 4 * 17  # the 18th token id of block 1
+    assert struct.unpack_from("<I", data, at)[0] == tokens[256 + 17]
+    bad = bytearray(data)
+    struct.pack_into("<I", bad, at, tokens[256 + 17] ^ 1)
+    with pytest.raises(MalformedHeader, match="key does not match"):
+        F.inspect(_reframe3(bytes(bad)))
+    header = F.inspect(data)
+    assert header.provenance.key == keys[1] == block_key(keys[0], tokens[256:512], M, C, header.provenance.calibration)
 
 
 def test_format_3_inspect_reads_the_header_only():

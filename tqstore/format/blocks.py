@@ -95,12 +95,13 @@ def block_key(
     calibration_digest: bytes | None = None,
 ) -> BlockKey:
     """One block's key. `parent` is None for the first block, which never hashes calibration."""
-    return _key_of(parent, token_bytes(tokens), model_digest, codec_digest, calibration_digest)
+    return key_of_ids(parent, token_bytes(tokens), model_digest, codec_digest, calibration_digest)
 
 
-def _key_of(parent: BlockKey | None, ids: bytes, model_digest: bytes, codec_digest: bytes,
-            calibration_digest: bytes | None) -> BlockKey:
-    """`block_key` of the block whose ids are `ids` (u32 little-endian)."""
+def key_of_ids(parent: BlockKey | None, ids: bytes, model_digest: bytes, codec_digest: bytes,
+               calibration_digest: bytes | None) -> BlockKey:
+    """`block_key` of the block whose ids are `ids` (u32 little-endian, as `token_bytes` gives
+    them and objects store them)."""
     for name, d in (("model", model_digest), ("codec", codec_digest), ("calibration", calibration_digest)):
         if d is not None and (not isinstance(d, bytes) or len(d) != 32):
             raise ValueError(f"the {name} digest must be 32 raw bytes (use .digest, not .hexdigest)")
@@ -133,7 +134,7 @@ def block_keys(
     ids = token_bytes(tokens)
     keys: list[BlockKey] = []
     for start, stop in block_spans(len(ids) // 4, block_size):
-        keys.append(_key_of(keys[-1] if keys else None, ids[4 * start:4 * stop], model_digest, codec_digest,
+        keys.append(key_of_ids(keys[-1] if keys else None, ids[4 * start:4 * stop], model_digest, codec_digest,
                             calibration_digest))
     return keys
 

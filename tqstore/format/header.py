@@ -17,7 +17,7 @@ import numpy as np
 
 from turboquant.records import BLOCK_ARRAYS, WHOLE_LAYOUTS, LayerRecord, Layout, check_record_arrays, in_block_form
 
-from tqstore.format.blocks import BlockKey, block_key, digest_calibration
+from tqstore.format.blocks import BlockKey, digest_calibration, key_of_ids, token_bytes
 from tqstore.canonical import DTYPES
 from tqstore.errors import MalformedHeader
 
@@ -213,11 +213,14 @@ def _groups(v: Any, tensors: dict[str, TensorInfo]) -> tuple[GroupInfo, ...]:
 
 
 def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tuple[LayerInfo, ...],
-               codecs: Mapping[str, CodecInfo], *, block_layers_checked: bool = False) -> None:
+               codecs: Mapping[str, CodecInfo], *, block_layers_checked: bool = False,
+               token_ids: bytes | None = None) -> None:
     """The rules of an object's kind over its typed header (MalformedHeader): which layers and
     codecs it holds, its tokens, its calibration digest, and a block's place and key. With
     `block_layers_checked`, a block's layer records were checked against its block record
-    already (`check_block_layers`: tables.py does so once per distinct table)."""
+    already (`check_block_layers`: tables.py does so once per distinct table). `token_ids`:
+    `prov.tokens` as the object stores them (u32 little-endian), where the caller read them: the
+    key is hashed from those bytes instead of converting the ids back."""
     indices = [li.index for li in layers]
     if kind in ("snapshot", "window") and indices != list(range(len(layers))):
         raise MalformedHeader(f"a {kind} lists layers 0..n-1 in order, got {indices[:8]}")
@@ -244,7 +247,8 @@ def check_kind(kind: str, prov: Provenance, block: BlockInfo | None, layers: tup
             or (block.index == 0) != (prov.parent is None):
         raise MalformedHeader(f"block {block.index} needs model and codec digests, its {block.n_tokens} tokens, its "
                               "key and (after block 0) its parent key")
-    if block_key(prov.parent, prov.tokens, prov.model, prov.codec, prov.calibration) != prov.key:
+    ids = token_bytes(prov.tokens) if token_ids is None else token_ids
+    if key_of_ids(prov.parent, ids, prov.model, prov.codec, prov.calibration) != prov.key:
         raise MalformedHeader(f"block {block.index}'s key does not match its parent, identity and tokens")
 
 

@@ -14,6 +14,7 @@ JSON header (header.py).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 import threading
@@ -188,7 +189,7 @@ def read_header(header: memoryview, payload_nbytes: int, object_nbytes: int | No
     if rest < 0 or rest % GROUP.itemsize:
         raise MalformedHeader(f"the header's {len(header)} bytes do not hold the tables its counts give")
     sizes[2] = rest
-    ends = np.cumsum(sizes).tolist()
+    ends = list(itertools.accumulate(sizes))
     part = [header[a:b] for a, b in zip([0] + ends[:-1], ends)]
     tokens = None if n_tokens == NONE else tuple(np.frombuffer(part[1], "<u4").tolist())
     groups = _groups(np.frombuffer(part[2], GROUP), len(header), payload_nbytes, object_nbytes)
@@ -200,7 +201,8 @@ def read_header(header: memoryview, payload_nbytes: int, object_nbytes: int | No
     elif (b_index, b_start, b_tokens, b_size) != (0, 0, 0, 0):
         raise MalformedHeader(f"a {kind} has no block record")
     layouts = _layouts(header[ends[2]:], kind, block, groups.infos, (n_layers, n_arrays, n_codecs, n_digests))
-    check_kind(kind, prov, block, layouts.layers, layouts.codecs, block_layers_checked=True)
+    check_kind(kind, prov, block, layouts.layers, layouts.codecs, block_layers_checked=True,
+               token_ids=None if tokens is None else bytes(part[1]))
     return Header(3, kind, prov, block, layouts.layers, layouts.codecs, payload_nbytes, groups.infos), groups
 
 
@@ -219,7 +221,8 @@ def _groups(g: np.ndarray, header_nbytes: int, payload_nbytes: int, object_nbyte
             if len(_GROUPS) >= _CACHE_SIZE:
                 _GROUPS.clear()
             _GROUPS[key] = found
-    return Groups(*found, tuple(bytes(x) for x in g["xxh3"]))
+    digests = g["xxh3"].tobytes()  # (one copy: bytes() of each record's field cost 2-3 us a group)
+    return Groups(*found, tuple(digests[i:i + 16] for i in range(0, len(digests), 16)))
 
 
 _DIGEST_AT = GROUP.fields["xxh3"][1]  # the digest is each record's last field
