@@ -142,7 +142,6 @@ def test_a_bound_kernel_makes_sure_of_the_module_its_launches_use(monkeypatch, t
     kernel = object.__new__(cuda.CachedKernel)  # MLX's kernel object needs CUDA: a stand-in below
     kernel.name, kernel.input_names = variant.name, variant.input_names()
     kernel.included = included(*source(variant, "cuda"), kernel.input_names)
-    kernel.header, kernel.body = kernel.included.header, kernel.included.body
     kernel.outputs, kernel.cached = output_names(variant), set()
     kernel.kernel = lambda **launch: launch
     inputs = [mx.zeros((16,), dtype=cuda.DTYPES[t]) for t in cuda.input_types(variant).values()]

@@ -41,10 +41,10 @@ class CachedKernel:
         # What MLX gets: the texts' files included by path (included.py), so a launch's host
         # time does not grow with the kernel's length.
         self.included: Included = included(*source(variant, "cuda"), self.input_names)
-        self.header, self.body = self.included.header, self.included.body
         # Cache views are token slices of larger buffers: read them through their strides.
         self.kernel = mx.fast.cuda_kernel(name=self.name, input_names=self.input_names, output_names=self.outputs,
-                                          source=self.body, header=self.header, ensure_row_contiguous=False)
+                                          source=self.included.body, header=self.included.header,
+                                          ensure_row_contiguous=False)
         self.cached: set[tuple] = set()
 
     def source_for(self, inputs: list[mx.array], output_dtypes: list) -> str:
@@ -64,8 +64,8 @@ class CachedKernel:
         return self.kernel
 
     def _source(self, input_dtypes: list, output_dtypes: list) -> str:
-        return cubin_cache.mlx_source(self.name, self.header, self.body, self.input_names, list(input_dtypes),
-                                      self.outputs, list(output_dtypes))
+        return cubin_cache.mlx_source(self.name, self.included.header, self.included.body, self.input_names,
+                                      list(input_dtypes), self.outputs, list(output_dtypes))
 
     def _ensure(self, input_dtypes: tuple, output_dtypes: tuple) -> None:
         """The compiled module of this dtype signature in MLX's cache folder (once per signature)."""
