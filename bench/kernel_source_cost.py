@@ -43,8 +43,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if mx.default_device().type != mx.DeviceType.gpu or not mx.cuda.is_available():
         sys.exit("kernel_source_cost needs MLX's CUDA backend")
+    with tempfile.TemporaryDirectory(prefix="tq-source-cost-") as folder:
+        rows = measure(Path(folder), args)
+    print(f"One-input cuda_kernel, {mx.default_device()}, median host us per call over {args.rounds} rounds "
+          f"({args.calls} builds; {LAUNCHED} launches)\n")
+    print(markdown_table(["kernel", "header + body bytes", "built, us", "launched, us"], rows))
+    print(f"\n{stamp(sys.argv if argv is None else ['bench/kernel_source_cost.py', *argv])}")
+    return 0
+
+
+def measure(folder: Path, args: argparse.Namespace) -> list[list[str]]:
+    """One row per kernel: its label, source bytes and host us built and launched (the included
+    headers are written into `folder`, which must outlive the kernels' first launches)."""
+    import mlx.core as mx
+
     a = mx.arange(256, dtype=mx.float32)
-    folder = Path(tempfile.mkdtemp(prefix="tq-source-cost-"))
     kernels = {}
     for kb in PADDED_KB:
         kernels[f"header of {kb} KB"] = (padding(kb), f"tq_source_cost_{kb}")
@@ -66,11 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         source = len(header) + len(BODY)
         rows.append([label, f"{source:,}", f"{per_call(call, args.calls, args.rounds):.1f}",
                      f"{launch_cost(call, LAUNCHED, args.rounds):.1f}"])
-    print(f"One-input cuda_kernel, {mx.default_device()}, median host us per call over {args.rounds} rounds "
-          f"({args.calls} builds; {LAUNCHED} launches)\n")
-    print(markdown_table(["kernel", "header + body bytes", "built, us", "launched, us"], rows))
-    print(f"\n{stamp(sys.argv if argv is None else ['bench/kernel_source_cost.py', *argv])}")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
