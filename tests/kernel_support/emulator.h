@@ -169,7 +169,15 @@ static inline uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint32_t s2, uint
   std::memcpy(&bb, &bv, 2);
   return tq_pack_h2((float)c0 * (float)s + (float)bb, (float)c1 * (float)s + (float)bb);
 }
-#define PAIRLOOK(tbl, off) (*(const uint32_t*)((const char*)(tbl) + (off)))
+#define LANE_TABLE const char* const
+static inline const char* tq_lane_table(const uint32_t* table, uint32_t offset) {
+  return (const char*)table + offset;
+}
+static inline uint32_t tq_pairlook(const char* table, uint32_t offset) {
+  uint32_t v;
+  std::memcpy(&v, table + offset, 4);
+  return v;
+}
 static inline float tq_h2f(uint32_t w, int hi) {
   const uint16_t v = (uint16_t)(hi ? (w >> 16) : (w & 0xffffu));
   _Float16 h;

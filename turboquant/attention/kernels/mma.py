@@ -100,6 +100,8 @@ def _field(words: str, pos: int, width: int, nwords: int, dest: int = 0) -> str:
     mask = ((1 << width) - 1) << dest
     if off + width <= 32 or i + 1 >= nwords:
         word = f"{words}[{i}]"
+    elif off >= dest:  # the funnel shift lands the field at `dest`; the mask drops what is below
+        return f"(tq_funnel({words}[{i}], {words}[{i + 1}], {off - dest}u) & {mask}u)"
     else:
         word, off = f"tq_funnel({words}[{i}], {words}[{i + 1}], {off}u)", 0
     shift = off - dest
@@ -128,8 +130,8 @@ def _pair_table(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
     decodes two elements into a fragment register. Lanes index random entries, so one table
     serves a warp's lookup in several bank wavefronts (the tensor-core pass 1 of turbo4 ran with
     the L1/shared pipe 74% busy); `copies` interleaved copies, lane l reading copy l % copies,
-    spread the lanes over the banks. Returns (declaration, early codebook loads, fill, per-lane
-    offset setup).
+    spread the lanes over the banks. Returns (declaration, early codebook loads, fill, the lane's
+    table pointer).
 
     A thread stores the copies of the same few entries, so it loads their codes once, at the
     kernel's start (the fill used to reload the codebook for every word, a chain of round trips
@@ -148,12 +150,8 @@ def _pair_table(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
              f"  const int i = tid + m * NT;\n"
              f"  {guard}s_{x}pair[(i & {n - 1}) * {copies} + (((i >> {2 * bits}) + (i & {n - 1})) & {copies - 1})] = "
              f"{x}pv[m % {per}];\n}}")
-    lane_offset = f"const uint32_t {x}lo = (uint32_t)(lane & {copies - 1}) * 4u;" if copies > 1 else ""
-    return shared, early, setup, lane_offset
-
-
-def _pair_offset(fields: list[str], x: str, copies: int) -> str:
-    return " | ".join(fields + ([f"{x}lo"] if copies > 1 else []))
+    lane_table = f"LANE_TABLE s_{x}lane = tq_lane_table(s_{x}pair, (uint32_t)(lane & {copies - 1}) * 4u);"
+    return shared, early, setup, lane_table
 
 
 def vector_width(words: int, row_words: int) -> int:
@@ -211,8 +209,8 @@ def tiles(v: MmaPass1) -> int:
 
 
 def _turbo_side(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
-    shared, early, setup_shared, lane_offset = _pair_table(x, bits, copies)
-    setup = lane_offset + fill(section(MMA_FILE, "turbo_setup"), X=x)
+    shared, early, setup_shared, lane_table = _pair_table(x, bits, copies)
+    setup = lane_table + fill(section(MMA_FILE, "turbo_setup"), X=x)
     return shared, early, setup_shared, setup
 
 
@@ -282,7 +280,7 @@ def _key_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
 
         def pair(tt, i):  # two adjacent codes are one 2*bits field: one table lookup
             field = _field(f'kw[{tt}]', i * v.key_bits, 2 * v.key_bits, n, dest)
-            return f"PAIRLOOK(s_kpair, {_pair_offset([field], 'k', copies)})"
+            return f"tq_pairlook(s_klane, {field})"
 
         steps = [_score_step(s, pair) for s in range(v.d // 16)]
         return {"shared": shared, "early": early, "setup_shared": setup_shared, "setup": setup, "steps": "\n".join(steps),
@@ -352,7 +350,7 @@ def _value_parts(v: MmaPass1, buf: _Buffers) -> dict[str, str]:
 
     def pair(k0, k1, i):  # run dim i of two tokens: their codes side by side index the pair table
         fields = [_field(f'vw[{k0}]', i * bits, bits, n, dest), _field(f'vw[{k1}]', i * bits, bits, n, dest + bits)]
-        return f"PAIRLOOK(s_vpair, {_pair_offset(fields, 'v', copies)})"
+        return f"tq_pairlook(s_vlane, {' | '.join(fields)})"
 
     steps = []
     for j in range(v.d // 16):

@@ -22,7 +22,20 @@ __device__ __forceinline__ uint32_t tq_affine8_h2(uint32_t w, uint32_t sel, uint
   h = __hfma2(h, *reinterpret_cast<const __half2*>(&s2), *reinterpret_cast<const __half2*>(&b2));
   return *reinterpret_cast<uint32_t*>(&h);
 }
-#define PAIRLOOK(tbl, off) (*(const uint32_t*)((const char*)(tbl) + (off)))
+// A lane's copy of a pair table as one shared-memory address the compiler cannot take apart:
+// given the copy's offset as an expression, it OR-ed the offset into every lookup again where it
+// re-masked it (a fourth instruction per lookup), so a lookup is shift, mask, add and load.
+#define LANE_TABLE const uint32_t
+__device__ __forceinline__ uint32_t tq_lane_table(const uint32_t* table, uint32_t offset) {
+  uint32_t a = (uint32_t)__cvta_generic_to_shared(table) + offset;
+  asm("" : "+r"(a));
+  return a;
+}
+__device__ __forceinline__ uint32_t tq_pairlook(uint32_t table, uint32_t offset) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(table + offset));
+  return v;
+}
 #define ANY_LANE(x) __any_sync(0xffffffffu, (x))
 #define SHFL_IDX_U32(x, src) __shfl_sync(0xffffffffu, (uint32_t)(x), (src))
 #endif
