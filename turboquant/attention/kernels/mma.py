@@ -131,7 +131,7 @@ def _pair_table(x: str, bits: int, copies: int) -> tuple[str, str, str, str]:
     serves a warp's lookup in several bank wavefronts (the tensor-core pass 1 of turbo4 ran with
     the L1/shared pipe 74% busy); `copies` interleaved copies, lane l reading copy l % copies,
     spread the lanes over the banks. Returns (declaration, early codebook loads, fill, the lane's
-    table pointer).
+    table address).
 
     A thread stores the copies of the same few entries, so it loads their codes once, at the
     kernel's start (the fill used to reload the codebook for every word, a chain of round trips
