@@ -7,12 +7,15 @@ so a developer's real account is never used) and creates an empty bucket.
 
 from __future__ import annotations
 
+import functools
 import logging
 import urllib.request
 from dataclasses import dataclass
 
 import boto3
 import botocore.config
+import botocore.loaders
+import botocore.session
 import pytest
 
 from tqstore.format.manifest import Manifest
@@ -91,7 +94,13 @@ def moto_server():
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
+    # Every S3Tier opens its own boto3 session, and a session's first client parses botocore's S3
+    # model and endpoint rules (JSON files of megabytes): 0.1-0.3 s of CPU for each tier or store
+    # with a bucket, which the tests open by the dozen. Here the sessions share one loader, so
+    # those files are parsed once; every call still goes through a real botocore client.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(botocore.session, "create_loader", functools.cache(botocore.loaders.create_loader))
+        yield f"http://{host}:{port}"
     server.stop()
 
 

@@ -103,7 +103,10 @@ class S3Proxy:
         server.daemon_threads = True
         self._server = server
         self.port = server.server_address[1]
-        threading.Thread(target=server.serve_forever, name="s3-proxy", daemon=True).start()
+        # `stop` waits for the serving loop to notice, which it checks every poll interval
+        # (0.5 s by default: a test paid it at every outage and teardown).
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, name="s3-proxy",
+                         daemon=True).start()
 
     def stop(self) -> None:
         """The server goes down: open connections are closed and new ones refused."""
