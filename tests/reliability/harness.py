@@ -82,7 +82,7 @@ def cli_available() -> bool:
 
 def cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """`tqstore ARGV` as a real subprocess (the console script's entry point)."""
-    code = "import sys; from tqstore_cli.main import main; sys.exit(main(sys.argv[1:]))"
+    code = "from tqstore_cli.main import run; run()"  # as the console script runs (lazy mlx-lm, no torch)
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout,
                           env=env or child_env(), cwd=ROOT)
 

@@ -41,7 +41,9 @@ from turboquant.codec.schemes import SCHEMES
 from workers import put, snapshot_digest
 
 needs_tmpfs = pytest.mark.skipif(not unshare_works(), reason="no private mount namespace here (unshare -rm)")
-CLI = "import sys; from tqstore_cli.main import main; sys.exit(main(sys.argv[1:]))"
+# The console script's entry point: main() run as `tqstore` runs it (mlx-lm's package imported
+# lazily, so a command that stops before a model load never imports transformers).
+CLI = "from tqstore_cli.main import run; run()"
 
 
 @pytest.fixture(scope="module")

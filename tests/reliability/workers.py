@@ -79,10 +79,16 @@ def op_put(settings: dict) -> None:
 
 
 def op_save(settings: dict) -> None:
+    """Save documents with the engine as `tqstore save` runs it: mlx-lm's package imported lazily
+    and the model loaded light (the home's first load records the tokenizer, so the next kill's
+    process starts without transformers, as a second `tqstore save` does)."""
+    from tqstore.models import lazy_mlx_lm
+
+    lazy_mlx_lm.install()
     from tqstore.engine.engine import Engine
 
     store = open_store(settings)
-    engine = Engine(store, prefill_chunk=64)
+    engine = Engine(store, prefill_chunk=64, light=True)
     engine.model(settings["model"])  # loaded before "ready": kills land in saves, not in mlx-lm's load
     rng = random.Random(settings["seed"])
     words = "the seller pays for delays clause seven covers delivery payment and penalties".split()
