@@ -13,15 +13,31 @@ DOCUMENT = ("The contract says the seller pays for delays. Clause seven covers d
             "penalties. ") * 12
 
 
+# Four of tiny-qwen2's eight layers: what these tests check does not count layers (the fragile
+# schemes' boundary rule still marks one at each end and leaves two), and prefills cost per layer.
+LAYERS = 4
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2", kind="qwen2")
+    return write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2", kind="qwen2", num_hidden_layers=LAYERS)
+
+
+@pytest.fixture(scope="module")
+def loaded_model(model_dir, tmp_path_factory):
+    """The tiny model loaded once for the module (and checked once per scheme: the plan check is
+    kept per model object); each test's engine takes it as another engine's (`use_model`)."""
+    home = tmp_path_factory.mktemp("loader") / "home"
+    with Store.open(home, config=load_config(home)) as store:
+        return Engine(store).model(str(model_dir))
 
 
 @pytest.fixture
-def engine(tmp_path):
+def engine(tmp_path, loaded_model):
     store = Store.open(tmp_path / "home", config=load_config(tmp_path / "home"))
-    yield Engine(store, prefill_chunk=64)
+    engine = Engine(store, prefill_chunk=64)
+    engine.use_model(loaded_model)
+    yield engine
     store.close()
 
 
@@ -69,7 +85,7 @@ def test_resave_with_a_shared_prefix_prefills_only_the_new_part(engine, model_di
 
 def test_ask_refuses_another_model(engine, model_dir, tmp_path):
     engine.save("doc", DOCUMENT, model=str(model_dir))
-    other = write_model_folder(tmp_path / "other", kind="qwen2", seed=5)
+    other = write_model_folder(tmp_path / "other", kind="qwen2", seed=5, num_hidden_layers=LAYERS)
     with pytest.raises(IdentityMismatch, match="weights"):
         engine.ask("doc", "Who pays?", model=str(other), max_tokens=2)
 

@@ -29,6 +29,18 @@ def models():
     return {kind: build_model(kind) for kind in KINDS}
 
 
+# Half the layers where a test's cost is its decode steps, every kind of layer kept: under the
+# fragile schemes the boundary rule marks the first and last of four eligible layers and leaves
+# the two between (of eight, two at each end and four), and gemma3_text keeps two sliding-window
+# layers before a global one.
+SHORT = {"llama": 4, "qwen2": 4, "qwen3": 4, "gemma3_text": 3}
+
+
+@pytest.fixture(scope="module")
+def short_models():
+    return {kind: build_model(kind, num_hidden_layers=n) for kind, n in SHORT.items()}
+
+
 def _expected_layouts(kind, scheme):
     n = 6 if kind == "gemma3_text" else 8
     rotating = {0, 1, 3, 4} if kind == "gemma3_text" else set()
@@ -67,8 +79,8 @@ def test_every_scheme_generates_with_expected_layouts(models, kind, scheme):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3_text"])
-def test_raw_is_exactly_mlx_lm(models, kind):
-    model = models[kind]
+def test_raw_is_exactly_mlx_lm(short_models, kind):
+    model = short_models[kind]
     prompt = prompt_tokens(40)
     ours = make_prompt_cache(model, "raw")
     theirs = mlx_make_prompt_cache(model)
@@ -83,8 +95,8 @@ def test_raw_is_exactly_mlx_lm(models, kind):
 
 @pytest.mark.parametrize(("kind", "scheme"), _matrix(["turbo0v4", "turbo8v3", "turbo4", "affine8", "turbo2"], ("qwen2",)))
 @pytest.mark.parametrize("compress_first", [True, False])
-def test_restored_cache_decodes_exactly_like_the_original(models, kind, scheme, compress_first):
-    model = models[kind]
+def test_restored_cache_decodes_exactly_like_the_original(short_models, kind, scheme, compress_first):
+    model = short_models[kind]
     prompt = prompt_tokens(70)
     caches = make_prompt_cache(model, scheme)
     model(prompt[None], cache=caches)
@@ -119,8 +131,8 @@ def test_stream_generate_with_prompt_cache(models):
     assert callable(stream_generate) and TokenizerWrapper  # generate_step is what stream_generate drives
 
 
-def test_speculative_decoding_with_a_turbo_scheme(models):
-    model = models["llama"]
+def test_speculative_decoding_with_a_turbo_scheme(short_models):
+    model = short_models["llama"]
     draft = build_model("llama", seed=3, num_hidden_layers=2)
     caches = make_prompt_cache(model, "turbo0v4") + make_prompt_cache(draft, "turbo0v4")
     prompt = prompt_tokens(40)
@@ -145,9 +157,9 @@ def test_native_layers_keep_mlx_lm_classes(models):
     assert all(type(c) is KVCache for c in caches)
 
 
-def test_snapshot_of_a_ring_buffer_does_not_change_when_decoding_continues(models):
+def test_snapshot_of_a_ring_buffer_does_not_change_when_decoding_continues(short_models):
     """RotatingKVCache writes its ring buffer in place once full; a snapshot must not see that."""
-    model = models["gemma3_text"]
+    model = short_models["gemma3_text"]
     caches = make_prompt_cache(model, "turbo0v4")
     model(prompt_tokens(70)[None], cache=caches)
     follow = prompt_tokens(6, seed=2)

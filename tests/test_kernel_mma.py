@@ -8,6 +8,7 @@ are compared at 2e-3 of the largest reference output, the accuracy of fp16 activ
 CUDA-core kernel, all float32, is held to 1e-5 in test_kernel_sources.py)."""
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -62,24 +63,34 @@ UNSPREAD = [dataclasses.replace(v, spread=False) for v in VARIANTS if v.d == 128
 TILED = [dataclasses.replace(v, rmax=2 * MMA_ROWS) for v in VARIANTS if v.d <= MAX_TILED_D]
 
 
-def threadgroup_bytes(v) -> int:
-    """Static threadgroup memory the kernel text declares."""
-    text = tpl.source(v, "cuda")[1]
+@pytest.fixture(scope="module")
+def cuda_source():
+    """`tpl.source(v, "cuda")` made once per variant for the module: the two whole-grid tests read
+    the same 5000 texts (a variant is a frozen dataclass, its text a function of its fields), and
+    the texts (over 100 MB) go with the module."""
+    return functools.cache(lambda v: tpl.source(v, "cuda"))
+
+
+def threadgroup_bytes(v, text: str) -> int:
+    """Static threadgroup memory that `text`, the body of `v`, declares."""
     consts = {"RMAX": v.rmax, "D": v.d, "NW": tpl.THREADS // 32, "MAXSB": tpl.MAX_SHIFT_BLOCKS}
     size = {"float": 4, "uint32_t": 4, "F4": 16}
     return sum(size[t] * eval(n, {}, consts) for t, n in re.findall(r"TGMEM (\w+) \w+\[([^\]]+)\];", text))
 
 
-def test_spread_tables_fit_static_threadgroup_memory():
+def test_spread_tables_fit_static_threadgroup_memory(cuda_source):
     """CUDA lets a kernel declare 48 KB of static threadgroup memory; the spread pair tables take
     the room that is left (16 KB each at d <= 128), never more."""
+    def declared(v):
+        return threadgroup_bytes(v, cuda_source(v)[1])
+
     worst = {}
     for v in VARIANTS + TILED:
-        worst[v.d] = max(worst.get(v.d, 0), threadgroup_bytes(v))
+        worst[v.d] = max(worst.get(v.d, 0), declared(v))
     assert max(worst.values()) <= 48 * 1024, worst
     assert worst[128] > 40 * 1024  # turbo4 at d=128 uses most of it (two 16 KB tables)
     plain = dataclasses.replace(VARIANTS[0], spread=False)
-    assert threadgroup_bytes(plain) < threadgroup_bytes(VARIANTS[0])
+    assert declared(plain) < declared(VARIANTS[0])
 
 
 def c_int(expr: str, **names) -> int:
@@ -137,12 +148,12 @@ def test_pair_table_fill_stores_every_copy_of_every_entry_once(bits, spread):
     assert sorted(stored) == list(range(total))
 
 
-def test_every_variant_generates_cuda_and_refuses_metal():
+def test_every_variant_generates_cuda_and_refuses_metal(cuda_source):
     names = set()
     for v in VARIANTS + UNSPREAD + TILED:
         assert v.name not in names
         names.add(v.name)
-        header, body = tpl.source(v, "cuda")
+        header, body = cuda_source(v)
         text = header + body
         assert not dialects.leftover_markers(text), (v.name, dialects.leftover_markers(text)[:3])
         assert text.count("{") == text.count("}") and text.count("(") == text.count(")"), v.name
