@@ -107,6 +107,11 @@ def moto_server():
 @pytest.fixture
 def s3(moto_server, monkeypatch, tmp_path) -> S3Server:
     """The session's moto server, reset, with fake credentials and an empty bucket."""
+    return fresh_s3(moto_server, monkeypatch, tmp_path)
+
+
+def fresh_s3(moto_server: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> S3Server:
+    """What the `s3` fixture gives, for a fixture of a wider scope (its own MonkeyPatch)."""
     for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")

@@ -30,7 +30,7 @@ def _script() -> list[str]:
 def home(tmp_path_factory):
     """A home with entry `doc` saved through the console script."""
     root = tmp_path_factory.mktemp("process")
-    model = write_model_folder(root / "tiny-qwen2")
+    model = write_model_folder(root / "tiny-qwen2", num_hidden_layers=2)  # the process is checked, not the model
     home = root / "home"
     run = tq(home, "save", "doc", "--model", str(model), "--prompt", DOC, "--json")
     assert run.returncode == 0, run.stderr

@@ -134,7 +134,8 @@ def test_stream_tokens_matches_mlx_lm_stream_generate(tmp_path):
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    path = write_model_folder(tmp_path / "m", "qwen2")
+    # Two layers, not eight: what is compared does not depend on depth, and each step costs a quarter.
+    path = write_model_folder(tmp_path / "m", "qwen2", num_hidden_layers=2)
     (model, tokenizer), (_, fast) = both(path, tmp_path)
     prompt = tokenizer.encode("The contract says the seller pays. Who pays?")
     greedy = [s.token for s in stream_generate(model, tokenizer, prompt=prompt, max_tokens=3)]
@@ -198,7 +199,8 @@ def test_a_fresh_ask_imports_no_transformers_once_the_tokenizer_is_recorded(tmp_
     transformers nor mlx-lm's package __init__, and answers as an mlx-lm load does. Nor numpy.ma:
     the binary header's check counted its groups with `np.unique`, whose first call imports it
     (10-60 ms of a fresh process's first restore here)."""
-    path = write_model_folder(tmp_path / "m", "qwen2")
+    # Two layers, not eight: what is compared does not depend on depth, and each step costs a quarter.
+    path = write_model_folder(tmp_path / "m", "qwen2", num_hidden_layers=2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TQSTORE_")}
     env.update(TQSTORE_HOME=str(tmp_path / "home"), TQSTORE_BLAS="bundled")  # no restart: the probe would be lost
     probe = ("import sys, runpy; sys.argv = ['tqstore'] + sys.argv[1:]\n"

@@ -23,7 +23,8 @@ CONTEXT = ("The contract says the seller pays for delays. Clause seven covers de
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    model = write_model_folder(root / "tiny-qwen2", kind="qwen2")
+    # Two layers, not eight: what is checked is the server's, and every decode step costs a quarter.
+    model = write_model_folder(root / "tiny-qwen2", kind="qwen2", num_hidden_layers=2)
     srv = ServerProcess(root / "home", model, "--save-min-tokens", "32", "--max-body-bytes", "65536",
                         "--max-tokens", "8", api_key=KEY)
     yield srv

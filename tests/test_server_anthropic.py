@@ -48,7 +48,8 @@ CALL_HISTORY = [{"role": "user", "content": "Weather in Paris?"},
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    folder = write_model_folder(tmp_path_factory.mktemp("anthropic") / "tiny-qwen2", kind="qwen2")
+    # Two layers, not eight: what is checked is the server's, and every decode step costs a quarter.
+    folder = write_model_folder(tmp_path_factory.mktemp("anthropic") / "tiny-qwen2", kind="qwen2", num_hidden_layers=2)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TOOL_TEMPLATE}))
     return folder

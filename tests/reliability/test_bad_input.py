@@ -15,6 +15,7 @@ import os
 
 import pytest
 
+import s3_server
 from harness import cli_available, open_store, s3_settings
 from model_folder import write_model_folder
 from tqstore.config import load_config
@@ -28,10 +29,24 @@ BAD_NAMES = ["", "../etc/passwd", "a/b", "/abs", "..", ".hidden", "-rf", " lead"
 NON_STRINGS = [None, 5, b"bytes", ["a"]]
 
 
+@pytest.fixture(scope="module")
+def named_store(moto_server, tmp_path_factory):
+    """(store, home) for every bad name, each of which checks that it is left as it was: a store
+    on LMDB and the test S3 server (the `s3` fixture's environment and bucket, kept for the
+    module) holding one entry, `ok-entry`. Opening a store builds its S3 client, which took most
+    of each name's time."""
+    root = tmp_path_factory.mktemp("names")
+    with pytest.MonkeyPatch.context() as env:
+        s3 = s3_server.fresh_s3(moto_server, env, root)
+        store = open_store(root / "home", **s3_settings(s3))
+        put(store, "ok-entry", 44, 1)
+        yield store, root / "home"
+        store.close()
+
+
 @pytest.mark.parametrize("name", BAD_NAMES + NON_STRINGS, ids=lambda n: repr(n)[:20])
-def test_bad_entry_names_are_refused_everywhere(name, tmp_path, s3, ledger):
-    store = open_store(tmp_path / "home", **s3_settings(s3))
-    put(store, "ok-entry", 44, 1)
+def test_bad_entry_names_are_refused_everywhere(name, named_store, ledger):
+    store, home = named_store
     calls = {
         "put": lambda: put(store, name, 44, 2), "get": lambda: store.get(name), "load": lambda: store.load(name),
         "rm": lambda: store.rm(name), "pin": lambda: store.pin(name), "unpin": lambda: store.unpin(name),
@@ -50,8 +65,7 @@ def test_bad_entry_names_are_refused_everywhere(name, tmp_path, s3, ledger):
         assert NAME_RULE in message and "\n" not in message.replace(repr(name)[:40], "") and len(message) < 400, op
         ledger.count("bad input", f"entry names: refused ({op})")
     assert [e.name for e in store.ls()] == ["ok-entry"] and store.verify() == []
-    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["lmdb", "store.lock"]
-    store.close()
+    assert sorted(p.name for p in home.iterdir()) == ["lmdb", "store.lock"]
 
 
 def test_the_longest_and_oddest_valid_names_work(tmp_path):

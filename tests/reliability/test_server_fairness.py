@@ -14,7 +14,7 @@ import time
 import pytest
 
 from model_folder import write_model_folder
-from server_process import ServerProcess, request
+from server_process import ServerProcess, parse_prometheus, request
 
 # Greedy decoding of this prompt on the seed-0 tiny model repeats one printable token without
 # reaching the end-of-sequence token (tests/test_server_lifecycle.py): only a cap or a
@@ -29,6 +29,24 @@ def tiny_model(tmp_path_factory):
     return write_model_folder(tmp_path_factory.mktemp("fair") / "tiny-qwen2", kind="qwen2")
 
 
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One server for the endless streams, --max-running 2: one stream leaves a slot for the
+    short requests beside it, as the default 8 does; two hold every slot."""
+    srv = ServerProcess(tmp_path_factory.mktemp("fair-home") / "home", tiny_model, "--no-save", "--max-running", "2")
+    yield srv
+    assert srv.stop() == 0, srv.log()
+
+
+def _idle(server: ServerProcess) -> None:
+    """Wait until the server runs no job: the streams of an earlier test, closed by their client,
+    end once the server sees them gone."""
+    deadline = time.monotonic() + 30
+    while parse_prometheus(request(server, "GET", "/metrics")[2])["tqstore_running_jobs"] > 0:
+        assert time.monotonic() < deadline, "the streams of an earlier test still run"
+        time.sleep(0.1)
+
+
 def _open_stream(server: ServerProcess, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -38,25 +56,22 @@ def _open_stream(server: ServerProcess, body: dict) -> tuple[http.client.HTTPCon
     return conn, response
 
 
-def test_a_billion_token_stream_does_not_starve_short_requests(tiny_model, tmp_path, ledger):
-    server = ServerProcess(tmp_path / "home", tiny_model, "--no-save")
+def test_a_billion_token_stream_does_not_starve_short_requests(server, ledger):
+    _idle(server)
+    long, stream = _open_stream(server, {"prompt": ENDLESS, "max_tokens": 10**9, "temperature": 0, "stream": True})
     try:
-        long, stream = _open_stream(server, {"prompt": ENDLESS, "max_tokens": 10**9, "temperature": 0, "stream": True})
-        try:
-            for _ in range(3):
-                t0 = time.monotonic()
-                status, _, body = request(server, "POST", "/v1/completions", SHORT, timeout=SHORT_BOUND_S)
-                seconds = time.monotonic() - t0
-                assert status == 200 and body["usage"]["completion_tokens"] == 2, body
-                assert seconds < SHORT_BOUND_S
-                ledger.count("server/1e9-token stream beside short requests", "short request finished in bound")
-            # The long one is still streaming: it was sliced, not stopped.
-            events = [line for line in (stream.readline() for _ in range(40)) if line.strip()]
-            assert len(events) == 20 and all(e.startswith(b"data: {") for e in events)
-        finally:
-            long.close()
+        for _ in range(3):
+            t0 = time.monotonic()
+            status, _, body = request(server, "POST", "/v1/completions", SHORT, timeout=SHORT_BOUND_S)
+            seconds = time.monotonic() - t0
+            assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+            assert seconds < SHORT_BOUND_S
+            ledger.count("server/1e9-token stream beside short requests", "short request finished in bound")
+        # The long one is still streaming: it was sliced, not stopped.
+        events = [line for line in (stream.readline() for _ in range(40)) if line.strip()]
+        assert len(events) == 20 and all(e.startswith(b"data: {") for e in events)
     finally:
-        assert server.stop() == 0, server.log()
+        long.close()
 
 
 def test_max_tokens_is_capped_by_the_server(tiny_model, tmp_path, ledger):
@@ -84,11 +99,11 @@ def test_max_tokens_is_capped_by_the_server(tiny_model, tmp_path, ledger):
         assert server.stop() == 0, server.log()
 
 
-def test_short_requests_beside_max_running_endless_streams_are_answered(tiny_model, tmp_path, ledger):
+def test_short_requests_beside_max_running_endless_streams_are_answered(server, ledger):
     """Issue 27, finding 6: with --max-running endless streams holding every slot, a new request
     used to wait for one of them to end (0 of 4 answered in 40-90 s). A stream that has had its
     share of the model while others wait now steps aside (keeping its caches) and resumes later."""
-    server = ServerProcess(tmp_path / "home", tiny_model, "--no-save", "--max-running", "2")
+    _idle(server)
     body = {"prompt": ENDLESS, "max_tokens": 10**9, "temperature": 0, "stream": True}
     streams = [_open_stream(server, body) for _ in range(2)]
     try:
@@ -109,4 +124,3 @@ def test_short_requests_beside_max_running_endless_streams_are_answered(tiny_mod
     finally:
         for conn, _ in streams:
             conn.close()
-        assert server.stop() == 0, server.log()
