@@ -81,6 +81,10 @@ def test_resave_with_a_shared_prefix_prefills_only_the_new_part(engine, model_di
     # The whole stored entry is a prefix: restored, and its full blocks shared.
     assert longer.reused_tokens == base.tokens and longer.reused_blocks == base.tokens // 256
     assert longer.tokens > longer.reused_tokens
+    # The whole context's cost: the stored prefix's recorded seconds plus this save's own prefill
+    # (it was the new tokens' seconds scaled up to every token, 20x too much for a short tail).
+    assert longer.recorded_prefill_seconds == pytest.approx(base.recorded_prefill_seconds + longer.prefill_seconds)
+    assert engine.store.get("longer").prefill_seconds == pytest.approx(longer.recorded_prefill_seconds)
 
 
 def test_ask_refuses_another_model(engine, model_dir, tmp_path):
@@ -243,4 +247,22 @@ def test_an_autosaved_prompt_records_what_computing_it_cost(engine, model_dir):
     spent = result.first_token_seconds - result.restore_seconds
     assert spent > result.prefill_seconds > 0
     stored = engine.store.get(SavePolicy.name_for(loaded.identity.digest, "turbo4", prompt[:-1]))
-    assert stored.prefill_seconds == pytest.approx(spent * (len(prompt) - 1) / len(prompt))
+    assert stored.prefill_seconds == pytest.approx(spent)
+
+    # A longer prompt over that stored prefix: the prefix's recorded cost plus what computing
+    # the rest took (it was the rest's seconds scaled up to every token: 11 computed tokens after
+    # 228 restored recorded 20x their time).
+    longer = prompt + prompt[:10]
+    starts = []
+    result, caches = engine.generate_with_caches(loaded, "turbo4", longer, max_tokens=2, on_start=starts.append)
+    assert result.cached_tokens == len(prompt) - 1 and starts[0].recorded == pytest.approx(stored.prefill_seconds)
+    writer = BackgroundWriter()
+    try:
+        autosave(engine, SavePolicy(min_tokens=64), Metrics(), writer, loaded, "turbo4", longer, result, caches,
+                 prefix_seconds=starts[0].recorded)
+        assert writer.wait_for(longer, timeout=60)
+    finally:
+        writer.close(60)
+    again = engine.store.get(SavePolicy.name_for(loaded.identity.digest, "turbo4", longer[:-1]))
+    rest = result.first_token_seconds - result.restore_seconds
+    assert again.prefill_seconds == pytest.approx(stored.prefill_seconds + rest)

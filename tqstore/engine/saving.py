@@ -37,6 +37,8 @@ class SaveResult:
     new_blocks: int
     reused_blocks: int
     bytes_written: int
+    evicted: tuple[str, ...] = ()  # entries the LMDB budget evicted to make room
+    warnings: tuple[str, ...] = ()  # e.g. the store left over its budget by pinned entries
 
 
 class Saver:
@@ -83,9 +85,10 @@ class Saver:
         probe = receipts.probe_length(new, context.caches, bool(context.checkpoints and context.checkpoints.states))
         if probe:
             reference, probe_seconds = receipts.reference(loaded.model, context.copy(), tokens[-probe:])
-        # Prefill cost is close to linear at these lengths: scale what was measured to the whole;
-        # a context stored in full keeps the time its entry recorded.
-        recorded = seconds * len(tokens) / new if new else started.recorded * len(tokens) / max(started.matched, 1)
+        # What the whole context costs: the restored prefix's share of what its entry recorded,
+        # plus this prefill of the rest (which already attended over that prefix). Scaling the
+        # few new tokens' seconds to the whole stood a one-token save on a fixed overhead.
+        recorded = started.recorded + seconds
         snap = context.snapshot(len(tokens))
         if probe:
             stored = Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, restored=snap).caches
@@ -96,7 +99,7 @@ class Saver:
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
                                 metadata=metadata)
         return SaveResult(name, len(tokens), started.matched, seconds, recorded, scheme, result.new_blocks,
-                          result.reused_blocks, result.bytes_written)
+                          result.reused_blocks, result.bytes_written, result.evicted, result.warnings)
 
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,

@@ -45,9 +45,10 @@ class SavePolicy:
 
 def autosave(engine: Engine, policy: SavePolicy, metrics: Metrics, writer: BackgroundWriter, loaded: LoadedModel,
              scheme: str, prompt: list[int], result: AskResult, caches: list[Any],
-             checkpoints: StateCheckpoints | None = None) -> None:
+             checkpoints: StateCheckpoints | None = None, prefix_seconds: float = 0.0) -> None:
     """Store prompt[:-1] (a later identical prompt restores all but its last token) when the
-    policy says so; errors are logged, never sent: the response is already complete."""
+    policy says so; errors are logged, never sent: the response is already complete.
+    `prefix_seconds`: what the restored prefix cost to compute (its entry's record)."""
     stored = prompt[:-1]
     if not policy.enabled:
         return
@@ -58,12 +59,12 @@ def autosave(engine: Engine, policy: SavePolicy, metrics: Metrics, writer: Backg
         metrics.saved("covered")
         return
     name = policy.name_for(loaded.identity.digest, scheme, stored)
-    computed = len(prompt) - result.cached_tokens
     # What the computed tokens cost: their prefill and the step of the last one, which also waits
-    # for the prefill's last chunk (queued, not waited for: `Prefiller.prefill_steps`). Prefill
-    # cost is close to linear at these lengths: scale it to the whole stored prompt.
+    # for the prefill's last chunk (queued, not waited for: `Prefiller.prefill_steps`); with the
+    # restored prefix's own cost, the whole stored prompt's. (Scaling the computed tokens' seconds
+    # up to every token recorded a few new tokens after a long prefix as a long prefill.)
     spent = result.first_token_seconds - result.restore_seconds if result.tokens else result.prefill_seconds
-    recorded = spent * len(stored) / computed if computed else 0.0
+    recorded = prefix_seconds + spent
     try:
         future = engine.store_caches(name, loaded, scheme, caches, stored, prefill_seconds=recorded, ttl=policy.ttl,
                                      metadata={"tqstore.saved_by": "serve"}, checkpoints=checkpoints, writer=writer)

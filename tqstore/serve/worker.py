@@ -207,7 +207,7 @@ class ModelWorker:
             job.send(Finished(gen))
         # The prefill's checkpoints (window rows, block-end states) keep the saved prompt reusable by prefix.
         autosave(self.engine, self.policy, self.metrics, self.writer, self.loaded, self.scheme, prompt, result, caches,
-                 starts[0].checkpoints if starts else None)
+                 starts[0].checkpoints if starts else None, starts[0].recorded if starts else 0.0)
 
     def _generate_documents(self, job: Job, request: GenerationRequest) -> Iterator[Row | PrefillRow | None]:
         """A request with the `documents` extension: its documents composed from stored chunks
