@@ -41,9 +41,9 @@ def entry_lines(out: Output, e) -> None:
         ("name", e.name), ("location", e.location), ("tokens", e.tokens), ("blocks", e.blocks),
         ("size", size(e.bytes)), ("scheme", e.scheme), ("model", e.model_ref),
         ("model source", e.model_source or "-"), ("model digest", e.model_digest[:16]),
-        ("created", f"{time.ctime(e.created)} ({ago(e.created)})"), ("last used", ago(e.last_used)),
+        ("created", f"{_when(e.created)} ({ago(e.created)})"), ("last used", ago(e.last_used)),
         ("prefill", seconds(e.prefill_seconds)), ("pinned", "yes" if e.pinned else "no"),
-        ("expires", "never" if e.expires is None else time.ctime(e.expires) + (" (expired)" if e.expired else "")),
+        ("expires", "never" if e.expires is None else _when(e.expires) + (" (expired)" if e.expired else "")),
         ("quality", receipt_line(e.metadata)),
     ]
     if e.sliding:
@@ -52,6 +52,15 @@ def entry_lines(out: Output, e) -> None:
     width = max(len(k) for k, _ in fields)
     for key, value in fields:
         out.line(f"{key + ':':<{width + 1}} {value}")
+
+
+def _when(timestamp: float) -> str:
+    """A local date, or the raw timestamp past what the platform's clock can show (an entry
+    saved by a version that took any --ttl: 1e23 s overflowed time_t and `info` crashed)."""
+    try:
+        return time.ctime(timestamp)
+    except (OverflowError, ValueError, OSError):
+        return f"{timestamp:.0f} s after 1970"
 
 
 def _model(e) -> str:

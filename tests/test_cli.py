@@ -465,6 +465,13 @@ def test_selftest_json(cli):
     assert cli("selftest").out.splitlines()[0].split() == ["CHECK", "STATUS", "DETAIL"]
 
 
+def test_save_help_names_the_default_scheme(cli):
+    from tqstore.config import Config
+
+    # It said turbo4 after the default became turbo5v4.
+    assert f"store.default_scheme, {Config.default_scheme} unless set" in " ".join(cli("save", "--help").out.split())
+
+
 def test_serve_passes_its_options_to_the_server_module(cli, tmp_path):
     helped = cli("serve", "--help")
     assert helped.code == 0 and "--port" in helped.out and "--home" in helped.out
@@ -531,6 +538,9 @@ def test_json_errors_and_usage_errors(cli):
     assert cli("ask", "doc").code == 2  # no question
     assert cli("push", "a", "--all").code == 1
     assert cli("save", "x", "--model", "m", "--ttl", "soon").code == 2
+    # A ttl past a century is malformed too (1e23 s was stored and `info` then crashed), and
+    # refused before any model loads.
+    assert fails(cli("save", "x", "--model", "m", "--ttl", "1" + "0" * 23), "over 100 years", code=2)
     usage_json = cli("--json", "ls", "--nope")
     assert usage_json.code == 2 and usage_json.json["error"]["type"] == "UsageError"
     assert cli("--version").code == 0
@@ -612,3 +622,25 @@ def test_compiled_gpu_kernels_are_kept_in_the_home(cli, monkeypatch):
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/elsewhere")
     cli("ls")
     assert os.environ["MLX_PTX_CACHE_DIR"] == "/elsewhere"
+
+
+def test_info_shows_a_timestamp_past_the_clock():
+    from tqstore_cli import render
+
+    # Entries an earlier version saved with `--ttl 1e23`: time.ctime overflows time_t there.
+    assert render._when(1e23) == f"{1e23:.0f} s after 1970"
+    assert render._when(0) == time.ctime(0)
+
+
+def test_save_reports_the_entries_the_budget_evicted(cli, model):
+    # A save that pushed others out of the LMDB budget said nothing of it (pull and import did).
+    assert cli("config", "set", "store.lmdb_budget", "100KiB").code == 0
+    evicted = []
+    for i in range(3):
+        run = cli("--json", "save", f"e{i}", "--model", model, "--prompt", f"document number {i}: " + DOC)
+        assert run.code == 0 and run.json["warnings"] == []
+        evicted += run.json["evicted"]
+    left = {e["name"] for e in cli("--json", "ls").json["entries"]}
+    assert evicted and not left & set(evicted) and left | set(evicted) == {f"e{i}" for i in range(3)}
+    human = cli("save", "e9", "--model", model, "--prompt", "document number 9: " + DOC)
+    assert human.code == 0 and "evicted e" in human.err and "to stay within the LMDB budget" in human.err

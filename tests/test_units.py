@@ -55,6 +55,17 @@ def test_bad_durations_name_the_units(raw):
         parse_duration(raw, "ttl")
 
 
+@pytest.mark.parametrize("raw", ["100000000000000000000000", "9" * 400, "5300w", 10**12])
+def test_durations_past_a_century_are_refused(raw):
+    # `save --ttl 1e23` was stored, then `info` crashed formatting the expiry (time_t overflow).
+    with pytest.raises(ConfigError, match="over 100 years"):
+        parse_duration(raw, "--ttl")
+
+
+def test_a_century_is_the_longest_duration():
+    assert parse_duration("5200w") == 5200 * 604800.0
+
+
 def test_zero_duration_only_where_it_means_something():
     assert parse_duration("0", "--save-ttl", allow_zero=True) == 0.0
     assert parse_duration(0, "--save-ttl", allow_zero=True) == 0.0

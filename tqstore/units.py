@@ -9,7 +9,8 @@ ambiguous between the two families.
 
 Durations (`parse_duration`): seconds, given as a non-negative int or float, or as text "N" or
 "N UNIT" where N may have a fraction and UNIT is s, m, h, d or w (any case). Zero is refused
-unless the caller gives it a meaning (`allow_zero`, e.g. "never expire").
+unless the caller gives it a meaning (`allow_zero`, e.g. "never expire"), and so is anything
+over 100 years (`MAX_DURATION`): an expiry that far out overflows the clock's timestamps.
 
 Numbers (`parse_number`): a finite decimal within the caller's range (a temperature, a top-p);
 nan, inf and values outside the range are refused.
@@ -44,6 +45,7 @@ SIZE_HELP = "bytes, or a number with a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, T
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]?)\s*")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 DURATION_HELP = "seconds, or a number with s, m, h, d or w (e.g. 90, 30m, 12h, 7d)"
+MAX_DURATION = 100 * 365.25 * 86400  # seconds; now + this stays a valid timestamp everywhere
 
 
 def parse_size(raw: object, where: str = "size") -> int:
@@ -72,6 +74,8 @@ def parse_duration(raw: object, where: str = "duration", allow_zero: bool = Fals
     value = float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
     if value == 0 and not allow_zero:
         raise ConfigError(f"{where}={raw!r} must be positive: use {DURATION_HELP}")
+    if not value <= MAX_DURATION:  # also inf, from a number with hundreds of digits
+        raise ConfigError(f"{where}={raw!r} is over 100 years: use {DURATION_HELP}")
     return value
 
 

@@ -6,6 +6,7 @@ import argparse
 import time
 from dataclasses import replace
 
+from tqstore.config import Config
 from tqstore.errors import BadInput
 from tqstore.names import validate_name
 from tqstore.units import flag_type, parse_number
@@ -25,7 +26,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt", metavar="TEXT", help="the document as text")
     p.add_argument("--model", "-m", required=True, metavar="M", help="model folder or Hugging Face repo id")
     p.add_argument("--scheme", metavar="S", help="compression scheme (default: the config's store.default_scheme, "
-                                                 "turbo4)")
+                                                 f"{Config.default_scheme} unless set)")
     p.add_argument("--system", metavar="TEXT", help="system prompt placed before the document")
     p.add_argument("--adapter-path", metavar="P", help="LoRA adapter folder (joins the model identity)")
     p.add_argument("--pin", action="store_true", help="keep the entry through budget eviction and expiry")
@@ -72,7 +73,15 @@ def save(ctx: Context, args: argparse.Namespace) -> int:
         result = engine.save(name, text, model=args.model, scheme=scheme, system=args.system,
                              adapter_path=args.adapter_path, progress=progress, pin=args.pin, ttl=args.ttl,
                              metadata=dict(args.meta) or None)
-    ctx.out.emit(render.save_doc(result, args.model), lambda: ctx.out.note(render.save_line(result)))
+
+    def human() -> None:
+        ctx.out.note(render.save_line(result))
+        for evicted in result.evicted:
+            ctx.out.note(f"evicted {evicted} to stay within the LMDB budget")
+        for warning in result.warnings:
+            ctx.out.note(f"warning: {warning}")
+
+    ctx.out.emit(render.save_doc(result, args.model), human)
     return 0
 
 

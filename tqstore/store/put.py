@@ -36,6 +36,7 @@ from tqstore.store.tiers.lmdb import payload_sha256
 from tqstore.store.tiers.memory import HotObject, decoded_nbytes
 from tqstore.store.tierset import TierSet
 from tqstore.store.object_checks import Want
+from tqstore.units import MAX_DURATION
 
 _BATCH_BYTES = 64 << 20  # payloads held at once while writing (LMDB commits about this much per transaction)
 _HASH_THREADS = min(4, os.cpu_count() or 1)  # payload hashes at once, beside the encoding
@@ -197,8 +198,8 @@ def _hot(obj: object, kind: str, provenance: Provenance = Provenance()) -> HotOb
 def _check_options(prefill_seconds: float, ttl: float | None, metadata: Mapping[str, str] | None) -> dict[str, str]:
     if not (isinstance(prefill_seconds, (int, float)) and math.isfinite(prefill_seconds) and prefill_seconds >= 0):
         raise ValueError(f"prefill_seconds must be a non-negative number, got {prefill_seconds!r}")
-    if ttl is not None and not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
-        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    if ttl is not None and not (isinstance(ttl, (int, float)) and 0 < ttl <= MAX_DURATION):
+        raise ValueError(f"ttl must be a positive number of seconds up to 100 years, got {ttl!r}")
     metadata = dict(metadata or {})
     bad = next((k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)), None)
     if bad is not None:
