@@ -55,3 +55,11 @@ def test_bad_document_requests_say_what_is_wrong(cli, model, tmp_path):
           "one FILE")
     usage = cli("ask", "a")  # without --doc, QUESTION is required: a usage error
     assert usage.code == 2 and "QUESTION" in usage.err
+    # Two different files with one stem were both reported stored while the second replaced the
+    # first; they are refused before any prefill, and nothing is stored.
+    for folder, text in (("x", DOC), ("y", OTHER)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "doc.txt").write_text(text)
+    fails(cli("chunk", "add", str(tmp_path / "x" / "doc.txt"), str(tmp_path / "y" / "doc.txt"), "--model", model),
+          "would both be chunk doc")
+    assert "doc" not in {e["name"] for e in cli("ls", "--json").json["entries"]}

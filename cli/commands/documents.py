@@ -56,12 +56,13 @@ def chunk_add(ctx: Context, args: argparse.Namespace) -> int:
         raise BadInput("--name names one chunk: pass one FILE with it")
     scheme = arguments.scheme_name(args.scheme)
     texts = [(path, arguments.read_text(path)) for path in args.files]
+    names = [validate_name(args.name) if args.name is not None else chunk_name(path) for path, _ in texts]
+    _check_distinct(texts, names)
     engine = ctx.engine()
     with ctx.out.status(f"loading {args.model}"):
         engine.model(args.model)
     added = []
-    for path, text in texts:
-        name = validate_name(args.name) if args.name is not None else chunk_name(path)
+    for (path, text), name in zip(texts, names):
         with ctx.out.status(f"storing {path}"):
             info = engine.add_chunk(name, text, model=args.model, scheme=scheme, system=args.system, pin=args.pin)
         added.append({"file": path, "name": info.name, "tokens": info.tokens, "stored": info.stored,
@@ -70,6 +71,18 @@ def chunk_add(ctx: Context, args: argparse.Namespace) -> int:
                                                                 else "stored already"))
     ctx.out.emit({"chunks": added})
     return 0
+
+
+def _check_distinct(texts: list[tuple[str, str]], names: list[str | None]) -> None:
+    """Refuse two different documents under one chunk name (x/doc.txt and y/doc.txt): the
+    second would replace the first, which both reports would still call stored."""
+    seen: dict[str, tuple[str, str]] = {}
+    for (path, text), name in zip(texts, names):
+        if name is None:
+            continue
+        first = seen.setdefault(name, (path, text))
+        if first[1] != text:
+            raise BadInput(f"{first[0]} and {path} would both be chunk {name}: add them one at a time with --name")
 
 
 def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
