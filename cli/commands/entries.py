@@ -147,6 +147,9 @@ def repair(ctx: Context, args: argparse.Namespace) -> int:
                          "whole")
         for line in result.lost:
             ctx.out.note(f"lost {line} (pull or save it again)")
+        if result.unread_pages:
+            ctx.out.note(f"{result.unread_pages} pages of the old data.mdb could not be read: an entry whose manifest "
+                         "was there cannot be named here (`tqstore ls --remote` shows what the bucket holds)")
         for line in result.records:
             ctx.out.note(f"fixed {line}")
         for name in result.rekeyed:
@@ -156,7 +159,13 @@ def repair(ctx: Context, args: argparse.Namespace) -> int:
         render.gc_lines(ctx.out, result.gc)
         for line in result.remaining:
             ctx.out.note(f"still: {line}")
-        if not result.remaining:
+        if result.remaining:
+            return
+        if result.lost:
+            ctx.out.note("ok: the store works again, without the entries lost above")
+        elif result.unread_pages:
+            ctx.out.note("ok: the store works again; an entry whose manifest was in the unread pages is gone")
+        else:
             ctx.out.note("ok: no problems left")
 
     ctx.out.emit(render.asdict(result), human)

@@ -374,8 +374,12 @@ def test_repair_keeps_every_entry_it_can_still_read(salvage_source, tmp_path, da
     assert result.moved_aside and result.remaining == (), result
     kept = list(result.salvaged)
     assert len(kept) >= KEPT_AT_LEAST[damage], result
-    if damage == "manifests root":  # no entry can even be named: the note says pages were lost
-        assert kept == [] and result.lost == () and any("damaged pages" in n for n in result.records), result
+    if damage == "manifests root":
+        # Named by their last-used records (before: `lost` was empty, and the CLI said "ok: no
+        # problems left" over a store that had lost every entry).
+        assert kept == [] and result.unread_pages and any("damaged pages" in n for n in result.records), result
+        assert result.lost == tuple(f"{name}: its manifest was in a page that could not be read"
+                                    for name in sorted(digests)), result
     else:
         assert len(kept) + len(result.lost) == len(digests), result
     store = open_store(home)
@@ -405,3 +409,20 @@ def test_zeroed_b_tree_pages_through_the_cli(salvage_source, tmp_path, ledger):
     assert done.returncode == 0 and all(n in done.stdout for n in names), done.stdout + done.stderr
     ledger.count("damaged data.mdb, repair salvages",
                  f"zeroed page through the CLI: repair kept {len(names)} of {len(names)}, ls lists them")
+
+
+def test_repair_of_a_truncated_file_does_not_call_lost_entries_no_problem(salvage_source, tmp_path, ledger):
+    """Before: with the trees' pages cut off (LMDB writes them last), repair copied 0 entries and
+    ended with "ok: no problems left"."""
+    home = copy_home(salvage_source[0], tmp_path)
+    data = home / "lmdb" / "data.mdb"
+    os.truncate(data, 24 * 4096)
+    done = cli("repair", "--home", str(home), "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["unread_pages"] > 0, done.stdout + done.stderr
+    home = copy_home(salvage_source[0], tmp_path / "again")
+    os.truncate(home / "lmdb" / "data.mdb", 24 * 4096)
+    done = cli("repair", "--home", str(home))
+    assert done.returncode == 0 and "could not be read" in done.stderr, done.stderr
+    assert "no problems left" not in done.stderr and "an entry whose manifest was in the unread pages is gone" \
+        in done.stderr, done.stderr
+    ledger.count("damaged data.mdb, repair salvages", "truncated, nothing readable: repair says entries may be gone")

@@ -54,6 +54,7 @@ class RepairResult:
     remaining: tuple[str, ...]  # what verify still finds (objects lost: pull or save those entries again)
     salvaged: tuple[str, ...] = ()  # entries read whole out of the folder moved aside
     lost: tuple[str, ...] = ()  # entries it held that could not be read whole ("name: why")
+    unread_pages: int = 0  # pages of the moved data.mdb that could not be read: entries there have no name
 
 
 def move_aside_if_unreadable(config: Config) -> str | None:
@@ -131,28 +132,34 @@ def repair_home(config: Config) -> RepairResult:
     store = Store.open(config=config)
     try:
         notes = [schema] if schema else []
-        salvaged, lost = salvage(Path(moved), store.tiers, notes) if moved else ([], [])
+        salvaged, lost, unread = salvage(Path(moved), store.tiers, notes) if moved else ([], [], 0)
         result = repair_records(store.tiers, moved, notes)
-        return dataclasses.replace(result, salvaged=tuple(salvaged), lost=tuple(lost))
+        return dataclasses.replace(result, salvaged=tuple(salvaged), lost=tuple(lost), unread_pages=unread)
     finally:
         store.close()
 
 
-def salvage(folder: Path, tiers: TierSet, notes: list[str]) -> tuple[list[str], list[str]]:
+def salvage(folder: Path, tiers: TierSet, notes: list[str]) -> tuple[list[str], list[str], int]:
     """Copy every entry of the damaged LMDB folder `folder` that can still be read whole into the
     (new) store of `tiers`: its manifest parses and every object it names is there, each segment
     present and of its length, and the payload hashes to the digest its header and the manifest
-    record. Returns the names kept and "name: why" for those lost, and notes in `notes` how many
-    pages could not be read (entries whose manifests were there cannot even be named). The
-    objects are checked in full (decoded against the manifest) by the verify that follows in
-    `repair_records`."""
+    record. Returns the names kept, "name: why" for those lost (an entry whose manifest page is
+    lost is named by its last-used record when that survived) and how many pages could not be
+    read (entries whose manifests and last-used records were there cannot even be named), also
+    noted in `notes`. The objects are checked in full (decoded against the manifest) by the
+    verify that follows in `repair_records`."""
     reader = PageReader(folder / "data.mdb")
     kept, lost = [], []
     try:
         objects, segments = reader.records(b"objects"), reader.records(b"segments")
         used = reader.records(b"manifest_used")
+        manifests = reader.records(b"manifests")
+        # A truncated file keeps some trees and not others: an entry whose last-used time is
+        # readable but whose manifest is not was lost, and saying nothing called that repaired.
+        lost += [f"{key_label(key)}: its manifest was in a page that could not be read"
+                 for key in sorted(set(used) - set(manifests))]
         with tiers.lock.exclusive():
-            for key, value in sorted(reader.records(b"manifests").items()):
+            for key, value in sorted(manifests.items()):
                 name = key_label(key)
                 try:
                     data = reader.value(value)
@@ -173,7 +180,7 @@ def salvage(folder: Path, tiers: TierSet, notes: list[str]) -> tuple[list[str], 
             notes.append(f"data.mdb: {reader.lost_pages} damaged pages of {folder / 'data.mdb'} could not be read")
     finally:
         reader.close()
-    return kept, lost
+    return kept, lost, reader.lost_pages
 
 
 def _copy_objects(reader: PageReader, objects: dict, segments: dict, manifest: Manifest, lmdb: LmdbTier) -> str | None:
