@@ -13,11 +13,19 @@ from tqstore.units import flag_type, parse_duration
 duration = flag_type(parse_duration, "duration")
 
 
+# Metadata namespaces tqstore writes itself (the quality receipt, a chat turn's parent, the
+# server's marks): a user's key there was dropped from view, or could pose as a receipt.
+RESERVED_META = ("quality.", "chat.", "tqstore.")
+
+
 def key_value(text: str) -> tuple[str, str]:
-    """argparse type: "key=value" -> (key, value)."""
+    """argparse type: "key=value" -> (key, value), keys outside tqstore's own namespaces."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    if key.strip().startswith(RESERVED_META):
+        raise argparse.ArgumentTypeError(f"{key.strip()!r}: keys starting with {', '.join(RESERVED_META)} are "
+                                         "tqstore's own (the receipt shows as quality in info)")
     return key.strip(), value
 
 

@@ -541,6 +541,9 @@ def test_json_errors_and_usage_errors(cli):
     # A ttl past a century is malformed too (1e23 s was stored and `info` then crashed), and
     # refused before any model loads.
     assert fails(cli("save", "x", "--model", "m", "--ttl", "1" + "0" * 23), "over 100 years", code=2)
+    # --meta quality.kl=5 was silently dropped from view (or stood as a receipt when none was measured).
+    for key in ("quality.kl", "chat.parent", "tqstore.saved_by"):
+        assert fails(cli("save", "x", "--model", "m", "--meta", f"{key}=5"), "tqstore's own", code=2)
     usage_json = cli("--json", "ls", "--nope")
     assert usage_json.code == 2 and usage_json.json["error"]["type"] == "UsageError"
     assert cli("--version").code == 0
