@@ -46,7 +46,9 @@ def test_ask_with_a_document_file_stores_it_on_first_use(cli, model, tmp_path):
 def test_bad_document_requests_say_what_is_wrong(cli, model, tmp_path):
     (tmp_path / "a.txt").write_text(DOC)
     cli("chunk", "add", str(tmp_path / "a.txt"), "--model", model)
-    fails(cli("ask", "--doc", "a", "Q", "--recompute", "1.5"), "--recompute 1.5")
+    for value in ("1.5", "nan", "-0.1"):
+        bad = cli("ask", "--doc", "a", "Q", "--recompute", value)
+        assert bad.code == 2 and f"--recompute='{value}' is out of range" in bad.err
     fails(cli("ask", "--doc", "a", "Q", "extra"), "only the QUESTION")
     fails(cli("ask", "--doc", "missing", "Q"), "missing")
     cli("save", "plain", "--model", model, "--prompt", DOC)

@@ -114,3 +114,15 @@ def test_a_number_above_its_low_end():
     assert parse_number("1", "--top-p", high=1.0, above=True) == 1.0
     with pytest.raises(ConfigError, match="above 0 up to 1"):
         parse_number("0", "--top-p", high=1.0, above=True)
+
+
+def test_whole_numbers():
+    from tqstore.units import parse_integer
+
+    assert parse_integer("7", "--seed") == 7 and parse_integer(" 0 ") == 0 and parse_integer(5, low=1) == 5
+    assert parse_integer(str((1 << 64) - 1), high=(1 << 64) - 1) == (1 << 64) - 1
+    for raw in ("-1", "1.5", "1e3", "", "x", True, None, str(1 << 64)):
+        with pytest.raises(ConfigError, match="is out of range: use a whole number from 0"):
+            parse_integer(raw, "--seed", high=(1 << 64) - 1)
+    with pytest.raises(ConfigError, match="from 1"):
+        parse_integer("0", "--max-tokens", low=1)

@@ -13,7 +13,8 @@ unless the caller gives it a meaning (`allow_zero`, e.g. "never expire"), and so
 over 100 years (`MAX_DURATION`): an expiry that far out overflows the clock's timestamps.
 
 Numbers (`parse_number`): a finite decimal within the caller's range (a temperature, a top-p);
-nan, inf and values outside the range are refused.
+nan, inf and values outside the range are refused. Whole numbers (`parse_integer`): digits only,
+within the caller's range (a seed, a token count).
 
 Anything else (negative numbers, booleans, None, other units, empty text) raises ConfigError
 naming `where` (the file key, variable or flag the value came from), the value and the grammar.
@@ -92,6 +93,15 @@ def parse_number(raw: object, where: str = "number", low: float = 0.0, high: flo
     if not math.isfinite(value) or value < low or (above and value == low) or (high is not None and value > high):
         raise ConfigError(f"{where}={raw!r} is out of range: use {grammar}")
     return value
+
+
+def parse_integer(raw: object, where: str = "count", low: int = 0, high: int | None = None) -> int:
+    """A whole number from `low` up to `high` (if any); ConfigError otherwise."""
+    text = str(raw).strip() if isinstance(raw, (int, str)) and not isinstance(raw, bool) else ""
+    grammar = f"a whole number from {low}" + (f" up to {high}" if high is not None else "")
+    if not re.fullmatch(r"[+-]?\d+", text) or not low <= int(text) <= (int(text) if high is None else high):
+        raise ConfigError(f"{where}={raw!r} is out of range: use {grammar}")
+    return int(text)
 
 
 def flag_type(parse: Callable[..., T], where: str, **options: object) -> Callable[[str], T]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.errors import BadInput, InvalidName
 from tqstore.names import validate_name
+from tqstore.units import flag_type, parse_number
 
 from .. import arguments
 from ..context import Context
@@ -37,7 +38,8 @@ def add_document_options(p: argparse.ArgumentParser) -> None:
                    help="a stored chunk, in prompt order (repeatable; then QUESTION is the only argument)")
     p.add_argument("--doc-file", action="append", default=[], metavar="PATH",
                    help="a document from a file, after the --doc chunks (stored as a chunk on first use)")
-    p.add_argument("--recompute", type=float, default=DEFAULT_RECOMPUTE, metavar="F",
+    p.add_argument("--recompute", type=flag_type(parse_number, "--recompute", high=1.0), default=DEFAULT_RECOMPUTE,
+                   metavar="F",
                    help=f"share of document tokens recomputed in context, 0 to 1 (default {DEFAULT_RECOMPUTE})")
     p.add_argument("--scheme", metavar="S", help="chunk scheme with --doc-file (default: the --doc chunks')")
     p.add_argument("--system", metavar="TEXT", help="system prompt the documents follow")
@@ -89,8 +91,6 @@ def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
     """`ask --doc ...`: QUESTION is the only positional argument."""
     if args.question is not None:
         raise BadInput("with --doc or --doc-file, pass only the QUESTION (the documents name the context)")
-    if not 0.0 <= args.recompute <= 1.0:
-        raise BadInput(f"--recompute {args.recompute}: use a fraction from 0 to 1")
     from tqstore.engine.chunks import Document  # here: the engine's imports cost a second to `tqstore --version`
 
     documents = [Document(name=validate_name(n)) for n in args.doc]

@@ -7,9 +7,8 @@ import time
 from dataclasses import replace
 
 from tqstore.config import Config
-from tqstore.errors import BadInput
 from tqstore.names import validate_name
-from tqstore.units import flag_type, parse_number
+from tqstore.units import flag_type, parse_integer, parse_number
 
 from .. import arguments, render
 from ..context import Context
@@ -46,19 +45,20 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     """--max-tokens, --temp, --top-p, --seed and --model (ask and chat)."""
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="answer length limit (default 256)")
+    p.add_argument("--max-tokens", type=flag_type(parse_integer, "--max-tokens", low=1), default=256, metavar="N",
+                   help="answer length limit, 1 or more (default 256)")
     p.add_argument("--temp", type=flag_type(parse_number, "--temp"), default=0.0, metavar="T",
                    help="sampling temperature, 0 or more (default 0: greedy)")
     p.add_argument("--top-p", type=flag_type(parse_number, "--top-p", high=1.0, above=True), default=1.0, metavar="P",
                    help="nucleus sampling, above 0 up to 1 (default 1)")
-    p.add_argument("--seed", type=int, metavar="S", help="random seed for sampling")
+    # MLX seeds are unsigned 64-bit (the engine's MAX_SEED).
+    p.add_argument("--seed", type=flag_type(parse_integer, "--seed", high=(1 << 64) - 1), metavar="S",
+                   help="random seed for sampling, 0 to 2**64 - 1")
     p.add_argument("--model", "-m", metavar="M", help="the model (default: the one the entry was saved with)")
 
 
 def generation_options(args: argparse.Namespace) -> dict:
     """The Engine.ask options of --max-tokens, --temp, --top-p and --seed."""
-    if args.max_tokens < 1:
-        raise BadInput(f"--max-tokens {args.max_tokens}: use 1 or more")
     return {"max_tokens": args.max_tokens, "temp": args.temp, "top_p": args.top_p, "seed": args.seed}
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from tqstore.errors import BadInput
 from tqstore.names import validate_name
 
 from .. import render
@@ -17,7 +16,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
                                    "blocks the bucket holds are not sent again.")
     p.add_argument("name", metavar="NAME", nargs="?")
     p.add_argument("--all", action="store_true", help="push every local entry")
-    p.set_defaults(func=push)
+    p.set_defaults(func=push, usage=p.error)
 
     p = sub.add_parser("pull", parents=[common], help="download an entry from the bucket",
                        description="Download entry NAME from the bucket, verifying every block (a local entry "
@@ -28,7 +27,7 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 def push(ctx: Context, args: argparse.Namespace) -> int:
     if (args.name is None) == (not args.all):
-        raise BadInput("push NAME, or push --all for every local entry")
+        args.usage("push NAME, or push --all for every local entry")  # a usage error: exit 2
     name = None if args.all else validate_name(args.name)
     with ctx.out.progress("push", unit="objects") as progress:
         stats = ctx.store().push(name, progress)
