@@ -1,0 +1,132 @@
+"""`tqstore chat`'s turn names: a turn belongs to one conversation base (a long NAME's shortened
+turn names never land in another entry's turns), and concurrent chats on one entry never store
+into the same turn name. The chats run in-process (`main(argv)`, as in test_cli.py); the
+concurrent one is a real `tqstore chat` process started while this one holds its turn."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from model_folder import write_model_folder
+from tqstore_cli import main as cli_main
+
+PINNED_BLAS = {"TQSTORE_BLAS": os.environ["TQSTORE_BLAS"]}  # set by conftest.py
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2", num_hidden_layers=2))
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ("TQSTORE_HOME", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
+                 "TQSTORE_DEFAULT_SCHEME"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def cli(tmp_path, capsys):
+    """cli(*argv, stdin=None) runs `tqstore --home HOME *argv` in this process: (code, out, err)."""
+    home = str(tmp_path / "home")
+
+    def run(*argv: str, stdin: str | None = None) -> tuple[int, str, str]:
+        capsys.readouterr()
+        if stdin is not None:
+            sys.stdin = io.StringIO(stdin)
+        try:
+            code = cli_main.main(["--home", home, *argv])
+        finally:
+            sys.stdin = sys.__stdin__
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and "Traceback" not in out
+        return code, out, err
+
+    run.home = home
+    return run
+
+
+def turns(out: str) -> list[tuple[str, str]]:
+    """(name, parent) of each turn a `chat --json` printed."""
+    return [(d["name"], d["parent"]) for d in map(json.loads, out.splitlines())]
+
+
+def info(cli, name: str) -> dict:
+    code, out, _ = cli("info", name, "--json")
+    assert code == 0
+    return json.loads(out)
+
+
+def test_a_long_name_never_continues_or_writes_the_turns_of_its_shortened_prefix(cli, model):
+    short = "s" * 121  # short.turn-1 is exactly 128 characters: a long name shortened to it used its turns
+    long = short + "LONGNAM"
+    cli("save", short, "--model", model, "--prompt", "SHORT entry: apples.", "-q")
+    cli("save", long, "--model", model, "--prompt", "LONG entry: zebras.", "-q")
+    code, out, _ = cli("chat", short, "--max-tokens", "2", "--json", stdin="q1\n")
+    assert code == 0 and turns(out) == [(f"{short}.turn-1", short)]  # short names keep their turn names
+
+    # --resume on the long name: it has no turns yet, so it continues the entry itself.
+    code, out, _ = cli("chat", long, "--resume", "--max-tokens", "2", "--json", stdin="q2\n")
+    [(name, parent)] = turns(out)
+    assert code == 0 and parent == long
+    assert name != f"{short}.turn-2" and len(name) <= 128 and name.endswith(".turn-1")
+    assert info(cli, name)["metadata"]["chat.parent"] == long
+    # A new conversation on the long name does not number after (or into) the short one's turns.
+    code, out, _ = cli("chat", long, "--max-tokens", "2", "--json", stdin="q3\n")
+    [(second, parent)] = turns(out)
+    assert code == 0 and parent == long and second == name[:-len("1")] + "2"
+    # Each --resume continues its own conversation; chatting a long name's turn keeps its numbering.
+    code, out, _ = cli("chat", long, "--resume", "--max-tokens", "2", "--json", stdin="q4\n")
+    assert code == 0 and turns(out) == [(name[:-len("1")] + "3", second)]
+    code, out, _ = cli("chat", short, "--resume", "--max-tokens", "2", "--json", stdin="q5\n")
+    assert code == 0 and turns(out) == [(f"{short}.turn-2", f"{short}.turn-1")]
+    code, out, _ = cli("chat", name, "--max-tokens", "2", "--json", stdin="q6\n")
+    assert code == 0 and turns(out) == [(name[:-len("1")] + "4", name)]
+    code, out, _ = cli("ls", "--json")
+    names = sorted(e["name"] for e in json.loads(out)["entries"])
+    assert names == sorted([short, long, f"{short}.turn-1", f"{short}.turn-2"]
+                           + [name[:-len("1")] + str(n) for n in range(1, 5)])
+
+
+def _script() -> list[str]:
+    script = Path(sys.executable).with_name("tqstore")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tqstore_cli"]
+
+
+def test_a_concurrent_chat_on_the_same_entry_never_stores_into_the_same_turn(cli, model, monkeypatch):
+    """While this chat's first turn is being answered (its turn name not stored yet), another
+    `tqstore chat` process on the same entry answers and stores a turn; then this chat goes on.
+    Neither may store into a turn name the other stored (or is about to store)."""
+    from tqstore.engine.engine import Engine
+
+    cli("save", "c", "--model", model, "--prompt", "chat base", "-q")
+    real_turn = Engine.chat_turn
+    other: list[subprocess.CompletedProcess] = []
+
+    def chat_turn(self, name, question, child, **kw):
+        if not other:  # the other session runs, start to end, in the middle of our first turn
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TQSTORE_")} | PINNED_BLAS
+            other.append(subprocess.run([*_script(), "--home", cli.home, "--json", "chat", "c", "--max-tokens", "1"],
+                                        input="beta\n", capture_output=True, text=True, env=env, timeout=120))
+        return real_turn(self, name, question, child, **kw)
+
+    monkeypatch.setattr(Engine, "chat_turn", chat_turn)
+    code, out, _ = cli("chat", "c", "--max-tokens", "1", "--json", stdin="alpha\nalpha2\n")
+    [beta] = other
+    assert code == 0 and beta.returncode == 0, beta.stderr
+    ours, theirs = turns(out), turns(beta.stdout)
+    assert theirs == [("c.turn-2", "c")]  # c.turn-1 was being answered here
+    assert ours == [("c.turn-1", "c"), ("c.turn-3", "c.turn-1")]
+    code, out, _ = cli("ls", "--json")
+    assert [e["name"] for e in json.loads(out)["entries"]] == ["c", "c.turn-1", "c.turn-2", "c.turn-3"]
+    # Each stored turn is the one its session said it stored.
+    assert info(cli, "c.turn-2")["metadata"]["chat.parent"] == "c"
+    assert info(cli, "c.turn-3")["metadata"]["chat.parent"] == "c.turn-1"
+    assert info(cli, "c.turn-1")["tokens"] < info(cli, "c.turn-3")["tokens"]
