@@ -4,7 +4,13 @@ Push uploads the objects the bucket lacks as packs (layout 2, packs.py): what th
 is known from the remote index (its manifests and their maps) and confirmed by one LIST of the
 packs (a HEAD only for a layout-1 object), so an object the bucket holds is never sent again;
 the new objects go up streamed from LMDB into a few create-only multipart uploads named by
-their index, so a push cut off and run again finds the packs it finished. Then the manifest's
+their index, so a push cut off and run again finds the packs it finished. A pack the bucket lists
+under the name of one a push would write is kept only when a HEAD shows it is that pack (its size,
+and its ETag the MD5 of the bytes; encrypted, whose bytes differ at every push: read back, each
+member verified), and replaced otherwise: the name binds the index, not the bytes, so a pack
+damaged in the bucket keeps its name, and `rm --remote` then `push` must not keep it. Objects the
+remote index places only by an earlier push of this process, which no manifest of the bucket
+lists now (their entry removed), are planned again and confirmed the same way. Then the manifest's
 map, then the manifest last with a conditional write: created with If-None-Match, or replaced
 with If-Match when the bucket still holds the version this entry was last pushed as or pulled
 from. Any other manifest under that name is a ConflictError, unless it describes the same entry.
@@ -35,7 +41,7 @@ from tqstore.format.manifest import Manifest
 from tqstore.format.objects import parse as parse_object
 from tqstore.store.bucket import fetch_objects
 from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map,
-                                 plan_packs)
+                                 parse_trailer, plan_packs, trailer_length)
 from tqstore.store.publish import Batch, publish
 from tqstore.store.remote_index import Located
 from tqstore.store.tierset import TierSet, check_name
@@ -101,11 +107,13 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         entries, _ = tiers.local_manifests()  # unreadable ones are left out; `tqstore verify` names them
         manifests = sorted((m for m, _ in entries if not m.expired(time.time())), key=lambda m: m.name)
     tally = _Tally(sum(len({r.key for r in m.objects}) for m in manifests), progress)
-    up_to_date = []
-    tiers.remote.manifests()  # what the bucket holds (the first use LISTs and reads its manifests)
+    up_to_date: list[str] = []
+    warnings: list[str] = []
+    # What the bucket holds (the first use LISTs and reads its manifests): the objects they list.
+    listed = {r.key for m, _ in tiers.remote.manifests() for r in m.objects}
     packs = s3.list_packs()
     for manifest in manifests:
-        located = _upload(tiers, s3, manifest, tally, packs)
+        located = _upload(tiers, s3, manifest, tally, packs, listed, warnings)
         digests = {key: found[:2] for key, found in located.items()}
         remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
         where = {key: found[2] for key, found in located.items()}
@@ -120,15 +128,18 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
             tiers.lmdb.put_manifest(manifest.name, manifest.replace(remote_etag=etag).to_bytes())
         tiers.remote.note_located(located)
         tiers.remote.note_manifest(remote, etag)
+        listed.update(located)
     return TransferStats(tuple(m.name for m in manifests), tally.total, tally.transferred, tally.skipped, tally.bytes,
-                         time.perf_counter() - start, tuple(up_to_date))
+                         time.perf_counter() - start, tuple(up_to_date), warnings=tuple(warnings))
 
 
-def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally,
-            packs: dict[str, tuple[int, float]]) -> dict[bytes, Located]:
+def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, packs: dict[str, tuple[int, float]],
+            listed: set[bytes], warnings: list[str]) -> dict[bytes, Located]:
     """Upload what the bucket lacks as packs; returns {key: (sha256, size, location) of the
     bucket's copy}. What the bucket holds is known from the remote index (its manifests and
     their maps), confirmed by `packs` (one LIST per push) or, for a layout-1 object, a HEAD.
+    An object no manifest of the bucket lists (`listed`) is planned again, whatever this
+    process pushed before: its entry was removed from the bucket, maybe for a damaged pack.
 
     Block 0 and the window are checked first: if the bucket holds them from another save, the
     push stops before uploading anything.
@@ -136,7 +147,7 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally,
     wants = {w.key: w for w in wants_for(manifest, len(manifest.blocks), remote=False)}
     refs = list({r.key: r for r in manifest.objects}.values())
     located = {key: found for key, found in tiers.remote.locate(r.key for r in refs).items()
-               if _still_there(s3, key, found, packs)}
+               if key in listed and _still_there(s3, key, found, packs)}
     unbound = {manifest.window.key, *(r.key for r in manifest.blocks[:1])}  # keys that do not hash calibration
     for ref in refs:
         if ref.key in unbound and ref.key in located and located[ref.key][0] != ref.sha256:
@@ -148,40 +159,85 @@ def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally,
     plans = plan_packs(missing, s3.sealed_by, PACK_BYTES or s3.part_size)
     for plan in plans:
         located |= {k: (m.sha256, m.size, loc) for m, (k, loc) in zip(plan.members, plan.locations().items())}
-    for plan in plans:
-        if plan.name in packs:  # a push cut off after this very pack: it is there
-            for m in plan.members:
-                tally.count(None)
-    _send(tiers, s3, manifest, wants, [p for p in plans if p.name not in packs], packs, tally)
+    _send(tiers, s3, manifest, wants, plans, packs, tally, warnings)
     return located
 
 
 def _send(tiers: TierSet, s3: S3Tier, manifest: Manifest, wants: Mapping[bytes, Want], plans: list[PackPlan],
-          packs: dict[str, tuple[int, float]], tally: _Tally) -> None:
+          packs: dict[str, tuple[int, float]], tally: _Tally, warnings: list[str]) -> None:
     """Upload `plans`, up to `concurrency` at once: each pack read from LMDB (on this thread)
-    just before it is sent, so at most `concurrency` packs are held. The first error stops
-    what has not started and is raised (finished packs stay: a retried push skips them)."""
+    just before it is sent, so at most `concurrency` packs are held. A pack `packs` lists (a
+    push cut off after it, or an entry removed and pushed again) is kept if it is sound
+    (`_place`). The first error stops what has not started and is raised (finished packs
+    stay: a retried push keeps them)."""
     with ThreadPoolExecutor(max_workers=s3.concurrency, thread_name_prefix="tqstore-push") as pool:
-        sending: deque[tuple[PackPlan, int, Future[bool]]] = deque()
+        sending: deque[tuple[PackPlan, int, Future[str]]] = deque()
 
         def finish() -> None:
             plan, size, future = sending.popleft()
-            future.result()
+            outcome = future.result()
             packs[plan.name] = (size, time.time())
             for m in plan.members:
-                tally.count(m.size)
+                tally.count(None if outcome == "kept" else m.size)
+            if outcome == "replaced":
+                warnings.append(f"the bucket's pack {plan.name[:12]} (of entry {manifest.name}) was not the pack this "
+                                "push writes (damaged in the bucket, or a server whose ETags are not MD5s): sent again")
 
         try:
             for plan in plans:
                 if len(sending) >= s3.concurrency:
                     finish()
                 body = b"".join(_bodies(tiers, s3, manifest, wants, plan))
-                sending.append((plan, len(body), pool.submit(s3.put_pack, plan.name, body)))
+                sending.append((plan, len(body), pool.submit(_place, s3, plan, body, plan.name in packs)))
             while sending:
                 finish()
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+
+
+def _place(s3: S3Tier, plan: PackPlan, body: bytes, listed: bool) -> str:
+    """Put pack `plan` (its bytes `body`) in the bucket: "sent", "kept" (the bucket listed it
+    and holds that very pack: a push cut off after it) or "replaced" (it listed another body
+    under the name: a pack damaged in the bucket, metadata kept, is named by its index as
+    before; deleted, then created again). Packs stay create-only otherwise."""
+    if not listed:
+        s3.put_pack(plan.name, body)
+        return "sent"
+    if _holds(s3, plan, body):
+        return "kept"
+    s3.delete_packs([plan.name])
+    s3.put_pack(plan.name, body)  # False: another push wrote it since the delete (a sound copy)
+    return "replaced"
+
+
+def _holds(s3: S3Tier, plan: PackPlan, body: bytes) -> bool:
+    """Whether the bucket's pack `plan.name` is `body` (one HEAD: its size and ETag, which a
+    server computes from the bytes it stores, not the metadata a copy keeps) or, encrypted (the
+    envelopes' nonces differ at every push, so no two pushes write the same bytes), a pack of
+    the same members: read back (only on this path) and every member and the index opened and
+    verified against the manifest's digests."""
+    from tqstore.store.crypto import EncryptionKeyError  # here: `cryptography` loads only with a bucket
+
+    head = s3.pack_head(plan.name)
+    if head is None or head[0] != len(body):
+        return False  # removed since the LIST, or another body
+    if s3.sealed_by is None:
+        return head[1] == s3.upload_etag(body)
+    pieces = s3.read_range(plan.name, 0, [off + m.length for m, off in zip(plan.members, plan.offsets)] + [len(body)])
+    try:
+        for m, off, piece in zip(plan.members, plan.offsets, pieces):
+            if piece is None:
+                return False
+            s3.open_member(plan.name, off, piece, m.key, m.sha256)
+        trailer = next(pieces, None)
+        return (trailer is not None and trailer_length(trailer) == len(trailer)
+                and parse_trailer(trailer, plan.name, lambda blob: s3.open_index(plan.name, blob)) ==
+                [(m.key, m.sha256, off, m.length) for m, off in zip(plan.members, plan.offsets)])
+    except (CorruptBlock, FormatError, EncryptionKeyError):  # the key error: sealed by another key
+        return False
+    finally:
+        pieces.close()
 
 
 def _still_there(s3: S3Tier, key: bytes, found: Located, packs: Mapping[str, tuple[int, float]]) -> bool:

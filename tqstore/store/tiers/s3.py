@@ -269,6 +269,24 @@ class S3Tier:
         except Missing:
             return None
 
+    def pack_head(self, pack: str) -> tuple[int, str] | None:
+        """Pack `pack`'s size and ETag (one HEAD), or None if absent."""
+        try:
+            head = self._call("head_object", Key=self.pack_name(pack))
+        except Missing:
+            return None
+        return head["ContentLength"], str(head.get("ETag", "")).strip('"')
+
+    def upload_etag(self, body: bytes) -> str:
+        """The ETag S3 gives `body` as `put_pack` uploads it: the MD5 of the bytes for one PUT,
+        the MD5 of the parts' MD5s and their count for a multipart upload."""
+        if len(body) <= min(self.multipart_threshold, self.part_size):
+            return hashlib.md5(body, usedforsecurity=False).hexdigest()
+        part, view = self._part_size(len(body)), memoryview(body)
+        digests = b"".join(hashlib.md5(view[at:at + part], usedforsecurity=False).digest()
+                           for at in range(0, len(body), part))
+        return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{-(-len(body) // part)}"
+
     def read_range(self, pack: str, start: int, cuts: Sequence[int]) -> Iterator[bytes | None]:
         """Bytes [start, cuts[0]), [cuts[0], cuts[1]), ... of pack `pack`, each yielded as soon as
         it has arrived, from one ranged GET read as a stream (so the caller can verify and store
