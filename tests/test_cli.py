@@ -242,7 +242,7 @@ def test_turn_names_stay_within_the_name_rule():
 
 
 def test_ls_info_pin_unpin_rm_json(cli, model):
-    assert cli("ls", "--json").json == {"entries": []}
+    assert cli("ls", "--json").json == {"entries": [], "unreadable": []}
     empty = cli("ls")
     assert empty.out == "" and "no entries" in empty.err
     cli("save", "b-doc", "--model", model, "--prompt", DOC, "-q")
@@ -655,3 +655,16 @@ def test_save_reports_the_entries_the_budget_evicted(cli, model):
     assert evicted and not left & set(evicted) and left | set(evicted) == {f"e{i}" for i in range(3)}
     human = cli("save", "e9", "--model", model, "--prompt", "document number 9: " + DOC)
     assert human.code == 0 and "evicted e" in human.err and "to stay within the LMDB budget" in human.err
+
+
+def test_ls_names_the_entries_it_cannot_read(cli):
+    # A damaged manifest was left out of `ls` without a word (stats counted it).
+    from tqstore import Store
+
+    assert cli("ls").code == 0  # creates the home
+    with Store.open(cli.home) as store:
+        store.tiers.lmdb.put_manifest("broken", b"not a manifest")
+    listed = cli("--json", "ls")
+    assert listed.code == 0 and listed.json == {"entries": [], "unreadable": ["broken"]}
+    human = cli("ls")
+    assert human.code == 0 and "1 more entry cannot be read (broken)" in human.err and "tqstore verify" in human.err

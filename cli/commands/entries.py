@@ -62,15 +62,21 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 def ls(ctx: Context, args: argparse.Namespace) -> int:
     entries = ctx.store().ls(remote=args.remote)
+    # A damaged manifest was left out without a word while `stats` counted it.
+    unreadable = [] if args.remote else ctx.store().unreadable()
 
     def human() -> None:
         if entries:
             render.entry_table(ctx.out, entries)
-        else:
+        elif not unreadable:
             where = "the bucket" if args.remote else f"the store at {ctx.home}"
             ctx.out.note(f"no entries in {where}: `tqstore save NAME --model M --file F` makes one")
+        if unreadable:
+            ctx.out.note(f"{len(unreadable)} more {'entry' if len(unreadable) == 1 else 'entries'} cannot be read "
+                         f"({', '.join(unreadable)}): `tqstore verify` says why, `tqstore repair` drops them")
 
-    ctx.out.emit({"entries": [render.entry_doc(e) for e in entries]}, human)
+    doc = {"entries": [render.entry_doc(e) for e in entries]}
+    ctx.out.emit(doc if args.remote else doc | {"unreadable": unreadable}, human)
     return 0
 
 

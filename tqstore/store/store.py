@@ -242,6 +242,11 @@ class Store:
         entries, _ = self._tiers.local_manifests()
         return sorted((EntryInfo.of(m, "local", used) for m, used in entries), key=lambda e: e.name)
 
+    def unreadable(self) -> list[str]:
+        """Local entries whose manifest cannot be read (left out of `ls`; `verify` names the
+        problem, `repair` drops them), by name or damaged key."""
+        return sorted(self._tiers.local_manifests()[1])
+
     def info(self, name: str, remote: bool = False) -> EntryInfo:
         """`ls`'s record of one entry, locally or in the bucket; NotFound if there is none."""
         if remote:
