@@ -98,6 +98,14 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["file"]
 
 
+def test_an_error_names_the_path_asked_for_not_the_temporary_file(tmp_path):
+    # `export a /nonexist/dir/x.tqb` said "no such file or folder: /nonexist/dir/.x.tqb.3fa9...tmp".
+    target = tmp_path / "missing" / "x.tqb"
+    with pytest.raises(FileNotFoundError) as caught:
+        write_file_atomic(target, b"data")
+    assert caught.value.filename == str(target)
+
+
 def test_a_full_disk_is_reported(tmp_path, monkeypatch):
     import errno
 

@@ -39,6 +39,8 @@ def write_file_atomic(path: str | os.PathLike, data: bytes | Iterable[bytes]) ->
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"no space left writing {path}: free some space or write somewhere else") from e
+        if e.filename == str(tmp):  # the temporary name is ours: the error is about the caller's path
+            raise type(e)(e.errno, e.strerror, str(path)) from e
         raise
 
 
