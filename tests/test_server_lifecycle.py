@@ -8,6 +8,7 @@ import http.client
 import json
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ class Restarted:
     body: dict
     first: dict  # the response of the first server
     first_exit: int
+    cut_stream: bytes  # what a stream running at the SIGTERM read after its first chunk
+    cut_whole: tuple  # (status, headers, body) of a whole response running at the SIGTERM
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +44,23 @@ def restarted(tmp_path_factory):
     try:
         status, headers, response = request(first, "POST", "/v1/completions", body)
         assert status == 200 and headers["X-TQStore-Tier"] == "none"
+        # Requests running when SIGTERM comes: a stream, and a whole response in a thread.
+        stream = _open_stream(first, ENDLESS)
+        whole: list = []
+        waiting = threading.Thread(target=lambda: whole.append(
+            request(first, "POST", "/v1/completions", {**ENDLESS, "stream": False}, timeout=60)))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while _metrics(first)["tqstore_running_jobs"] < 2:
+            assert time.monotonic() < deadline, "the two requests never ran together"
+            time.sleep(0.05)
     finally:
         first_exit = first.stop()
+    waiting.join(60)
+    cut = stream.sock.makefile("rb").read() if stream.sock else b""
+    stream.close()
     second = ServerProcess(home, model, "--save-min-tokens", "16", "--max-queue", "1", "--max-running", "1")
-    yield Restarted(second, body, response, first_exit)
+    yield Restarted(second, body, response, first_exit, cut, whole[0] if whole else ())
     assert second.stop() == 0, second.log()
 
 
@@ -78,6 +94,16 @@ def _quick(server) -> float:
 
 def test_sigterm_stops_the_server_cleanly(restarted):
     assert restarted.first_exit == 0
+
+
+def test_requests_running_at_sigterm_end_with_shutting_down(restarted):
+    # Before: cancelled without an event, the stream was cut with no error event, no [DONE]
+    # and no end of its chunked body, and the whole response became a plain-text 500 after
+    # uvicorn's 5-second grace.
+    assert b'"code": "shutting_down"' in restarted.cut_stream, restarted.cut_stream[-500:]
+    assert restarted.cut_stream.rstrip(b"\r\n0").endswith(b"data: [DONE]"), restarted.cut_stream[-500:]
+    status, _, body = restarted.cut_whole
+    assert status == 503 and body["error"]["code"] == "shutting_down", body
 
 
 def test_a_restarted_server_restores_the_prefix_from_lmdb(restarted):

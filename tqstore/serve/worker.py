@@ -47,7 +47,7 @@ from tqstore.errors import BadInput
 from tqstore.models.loading import LoadedModel
 from tqstore.serve.autosave import SavePolicy, autosave
 from tqstore.serve.chunking import ChunkSizer
-from tqstore.serve.jobs import Accepted, Finished, Job, Sink, Text
+from tqstore.serve.jobs import Accepted, Finished, Job, Sink, Text, shutting_down
 from tqstore.serve.metrics import Metrics, QueueState
 from tqstore.serve.openai_schema import CacheSource, Generation, GenerationRequest, StopScanner
 from tqstore.serve.prompts import UNKNOWN_CONTEXT_TOKENS, context_length, documents_question, request_tokens
@@ -194,7 +194,7 @@ class ModelWorker:
             job, prompt, max_tokens=max_tokens, temp=s.temperature, top_p=s.top_p, seed=s.seed, stop=stop,
             on_start=accepted)
         if job.cancelled.is_set():
-            self.metrics.count_cancelled()
+            self._ended_cancelled(job)
         else:
             rest = scanner.flush(result.text)
             if rest:
@@ -230,7 +230,7 @@ class ModelWorker:
             job, prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit), temp=s.temperature, top_p=s.top_p,
             seed=s.seed, stop=stop, started=started)
         if job.cancelled.is_set():
-            self.metrics.count_cancelled()
+            self._ended_cancelled(job)
             return
         rest = scanner.flush(result.text)
         if rest:
@@ -241,6 +241,15 @@ class ModelWorker:
                          context.reused, context.recomputed, scanner.matched)
         self.metrics.generated(gen, request.api)
         job.send(Finished(gen))
+
+    def _ended_cancelled(self, job: Job) -> None:
+        """A generation stopped by `Job.cancel`: its client left (nothing to send), or the server
+        is stopping, whose client still waits for an end (a stream cut without one, a whole
+        response a plain 500 after uvicorn's grace)."""
+        if self._scheduler.stopping.is_set():
+            job.send(shutting_down())
+        else:
+            self.metrics.count_cancelled()
 
     def _count(self, job: Job, request: GenerationRequest) -> Iterator[None]:
         job.send(Finished(len(request_tokens(self.loaded, request.prompt, request.messages, request.tools))))
