@@ -161,3 +161,25 @@ def test_two_servers_in_one_process_count_apart():
     key = 'tqstore_http_requests_total{endpoint="/healthz",method="GET",status="200"}'
     assert parse_prometheus(first.render(stats, QueueState(0, 1, 0)))[key] == 1
     assert key not in parse_prometheus(second.render(stats, QueueState(0, 1, 0)))
+
+
+def test_requests_arriving_at_an_idle_server_fill_its_free_places_before_the_queue():
+    """Before: with --max-queue 1 and 8 free running places, the second of 9 requests sent
+    together was refused (503 queue_full): the model thread had not moved the first into a place."""
+    from tqstore.serve.jobs import Job, QueueFull, Running
+    from tqstore.serve.scheduling import Scheduler
+
+    scheduler = Scheduler(capacity=1, max_running=8, metrics=Metrics())
+
+    def job() -> Job:
+        return Job("generate", lambda j: iter(()), lambda event: None)
+
+    for _ in range(9):  # 8 places and 1 in the queue, none taken yet
+        scheduler.submit(job())
+    with pytest.raises(QueueFull):
+        scheduler.submit(job())
+    busy = Scheduler(capacity=1, max_running=2, metrics=Metrics())
+    busy._running.extend(Running(job(), iter(())) for _ in range(2))  # both places taken
+    busy.submit(job())
+    with pytest.raises(QueueFull):
+        busy.submit(job())

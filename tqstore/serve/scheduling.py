@@ -52,8 +52,11 @@ class Scheduler:
         if self.stopping.is_set():
             raise shutting_down().error
         with self._arrived:
-            if len(self._waiting) >= self.capacity:
-                wait = self._job_seconds * (len(self._waiting) + 1)
+            # Jobs the model thread has not yet moved into free running places do not wait for
+            # one: requests arriving together at an idle server were refused with places free.
+            waiting = len(self._waiting) - max(0, self.max_running - len(self._running))
+            if waiting >= self.capacity:
+                wait = self._job_seconds * (waiting + 1)
                 raise QueueFull(max(1, min(60, math.ceil(wait))))
             self._waiting.append(job)
             self._arrived.notify()
