@@ -32,6 +32,8 @@ def test_bad_seeds_are_a_400_naming_the_range(tiny_model, tmp_path, ledger):
                 status, _, out = request(server, "POST", "/v1/completions", body)
                 assert status == 400, (seed, stream, status, out)
                 assert "seed" in out["error"]["message"] and "2**64 - 1" in out["error"]["message"], out
+                # checked with the body: param and code as for any bad field (they were null)
+                assert (out["error"]["param"], out["error"]["code"]) == ("seed", "invalid_value"), out
                 ledger.count("bad input/seeds over HTTP", "400 naming the range")
         status, _, out = request(server, "POST", "/v1/completions",
                                  {"prompt": "Who pays?", "max_tokens": 2, "temperature": 0.7, "seed": 2**64 - 1})

@@ -133,7 +133,8 @@ _HINTS = {"prompt": "a string or an array of token ids (one prompt per request)"
           "n": "1 (one choice per request)",
           "logprobs": "left out: logprobs are not supported by this server",
           "top_logprobs": "left out: logprobs are not supported by this server",
-          "echo": "left out: it is not supported by this server"}
+          "echo": "left out: it is not supported by this server",
+          "seed": "an integer from 0 to 2**64 - 1"}
 _MESSAGES_HINT = "a non-empty array of {role, content} objects"
 _UNION_TAGS = {"str", "int", "float", "bool"}  # what pydantic puts in an error's path for a union member
 
@@ -199,7 +200,7 @@ class _GenerationBody(BaseModel):
     max_completion_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=(1 << 64) - 1)] | None = None  # MLX seeds are unsigned 64-bit
     stop: (Annotated[str, Field(min_length=1)]
            | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOPS)] | None) = None
     stream: bool | None = None
@@ -239,7 +240,7 @@ def validate_body(model: type[BaseModel], body: Any, what: str) -> Any:
     except ValidationError as e:
         error = e.errors(include_url=False)[0]
         param = str(error["loc"][0]) if error["loc"] else None
-        raise ApiError(400, _message(error, param), param=param) from None
+        raise ApiError(400, _message(error, param), param=param, code="invalid_value") from None
 
 
 def _message(error: Mapping[str, Any], param: str | None) -> str:
