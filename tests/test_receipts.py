@@ -61,6 +61,15 @@ def test_raw_measures_zero_and_turbo3_a_positive_kl(engine, model):
     assert raw.seconds > 0 and t3.seconds > 0
 
 
+def test_a_document_saved_again_keeps_its_receipt(engine, model):
+    # Before: nothing new was prefilled, so no probe ran and the second entry read "not measured".
+    engine.save("doc", DOC, model=model, scheme="turbo4")
+    again = engine.save("copy", DOC, model=model, scheme="turbo4", metadata={"k": "v"})
+    assert again.reused_tokens == again.tokens
+    assert _receipt(engine, "copy") == _receipt(engine, "doc") is not None
+    assert engine.store.get("copy").metadata["k"] == "v"
+
+
 def test_a_receipt_does_not_change_the_entry(engine, model, tmp_path):
     """The probe runs on copies: the stored snapshot equals one of caches prefilled without it."""
     engine.save("doc", DOC, model=model, scheme="turbo4")

@@ -19,6 +19,7 @@ import mlx.core as mx
 from turboquant import Context, StateCheckpoints
 
 from tqstore.engine.models import LoadedModels, window_mode
+from tqstore.engine.receipts import Receipt
 from tqstore.errors import CorruptBlock
 from tqstore.format.blocks import BLOCK_SIZE
 from tqstore.models.loading import LoadedModel
@@ -44,6 +45,8 @@ class Started:
     recorded: float = 0.0  # prefill seconds the matched entry recorded, scaled to the matched tokens
     checkpoints: StateCheckpoints | None = None  # recurrent states at block ends, window rows
     windows: str = "whole"  # how an entry saved from these caches keeps its window layers
+    # The matched entry's quality receipt when it was restored whole: the same stored bytes.
+    receipt: Receipt | None = None
 
     def __post_init__(self) -> None:
         # Purely recurrent caches count no tokens: their count is the restore's alone.
@@ -71,9 +74,9 @@ class PrefillRow:
 
 
 def opened(context: Context, matched: int = 0, tier: str = "none", seconds: float = 0.0,
-           recorded: float = 0.0) -> Started:
+           recorded: float = 0.0, receipt: Receipt | None = None) -> Started:
     """`Started` for an opened `Context`."""
-    return Started(context.caches, matched, tier, seconds, recorded, context.checkpoints, context.windows)
+    return Started(context.caches, matched, tier, seconds, recorded, context.checkpoints, context.windows, receipt)
 
 
 def finish(steps: Generator[None, None, Any]) -> Any:
@@ -122,7 +125,9 @@ class Prefiller:
             return opened(Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, verdicts=verdicts))
         share = stats.tokens / max(len(match.manifest.tokens), 1)
         context = Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, restored=snap)
-        return opened(context, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share)
+        whole = stats.tokens == len(match.manifest.tokens)
+        return opened(context, stats.tokens, stats.tier, stats.seconds, match.manifest.prefill_seconds * share,
+                      Receipt.from_metadata(match.manifest.metadata) if whole else None)
 
     def prefill(self, loaded: LoadedModel, caches: list[Any], tokens: Sequence[int],
                 progress: Progress | None = None, cancelled: Callable[[], bool] | None = None, *,

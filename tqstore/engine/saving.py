@@ -94,6 +94,10 @@ class Saver:
             stored = Context.open(loaded.model, scheme, windows=windows, block=BLOCK_SIZE, restored=snap).caches
             receipt = receipts.measure(loaded.model, stored, tokens[-probe:], reference, probe_seconds)
             metadata = {**(metadata or {}), **receipt.metadata()}
+        elif started.receipt is not None and started.matched == len(tokens):
+            # Nothing new to probe: the context is an entry restored whole, whose receipt holds
+            # for these very bytes (a second save of one document showed "not measured").
+            metadata = {**(metadata or {}), **started.receipt.metadata()}
         result = self.store.put(name, snap, tokens, model=loaded.identity,
                                 codec=self.models.codec_identity(loaded, scheme, windows), model_ref=str(loaded.path),
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
