@@ -91,6 +91,17 @@ def test_one_duration_grammar_for_flags():
     assert save_ttl("0") == 0.0
 
 
+def test_a_body_limit_no_request_fits_is_refused(capsys):
+    from tqstore.serve.options import parse_args
+
+    # --max-body-bytes 0 started a server that answered every POST with 413.
+    assert parse_args(["--model", "m", "--max-body-bytes", "1KiB"]).max_body_bytes == 1024
+    for raw in ("0", "1023"):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", "--max-body-bytes", raw])
+        assert "below 1KiB" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "variable, value, allowed",
     [

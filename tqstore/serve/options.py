@@ -25,6 +25,18 @@ def positive_int(raw: str) -> int:
     return value
 
 
+MIN_BODY_BYTES = 1024  # below this no generation request fits: every POST would be a 413
+
+
+def body_limit(raw: str) -> int:
+    """argparse type: --max-body-bytes, a size of at least MIN_BODY_BYTES."""
+    value = flag_type(parse_size, "--max-body-bytes")(raw)
+    if value < MIN_BODY_BYTES:
+        raise argparse.ArgumentTypeError(f"--max-body-bytes={raw!r} is below 1KiB: every request body would be "
+                                         "refused with 413")
+    return value
+
+
 def port_number(raw: str) -> int:
     """argparse type: a TCP port, 0 to 65535 (0: any free one)."""
     try:
@@ -94,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how long an idle connection is kept open, and the longest a client may stay silent "
                              "while sending a request (headers or body) before it is dropped: seconds or 1m, ... "
                              "(default 30s)")
-    parser.add_argument("--max-body-bytes", type=flag_type(parse_size, "--max-body-bytes"), default=16 << 20,
+    parser.add_argument("--max-body-bytes", type=body_limit, default=16 << 20,
                         help="largest request body, e.g. 16MiB (default); larger ones get 413")
     parser.add_argument("--max-tokens", type=positive_int, default=512,
                         help="max_tokens when a request leaves it out (default 512)")
