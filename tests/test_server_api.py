@@ -183,3 +183,16 @@ def test_requests_arriving_at_an_idle_server_fill_its_free_places_before_the_que
     busy.submit(job())
     with pytest.raises(QueueFull):
         busy.submit(job())
+
+
+def test_a_bad_content_block_is_named_not_called_a_bad_string():
+    from tqstore.serve.anthropic_schema import parse_messages
+
+    # An image block (or a text block without text) was refused as "'messages[0].content' must
+    # be a valid string": the string branch's error of `str | list[block]`.
+    for block, said in (({"type": "image", "source": {}}, "'image'"), ({"type": "text"}, "text")):
+        with pytest.raises(ApiError) as caught:
+            parse_messages({"max_tokens": 4, "messages": [{"role": "user", "content": [block]}]}, defaults=DEFAULTS)
+        error = caught.value
+        assert error.status == 400 and error.param == "messages" and said in error.message, error.message
+        assert "valid string" not in error.message, error.message

@@ -238,7 +238,10 @@ def validate_body(model: type[BaseModel], body: Any, what: str) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        error = e.errors(include_url=False)[0]
+        errors = e.errors(include_url=False)
+        # The deepest of the first field's errors: for `str | list[block]` the first is the string
+        # branch's ("must be a valid string"), where an image block's real fault is its type.
+        error = max((err for err in errors if err["loc"][:1] == errors[0]["loc"][:1]), key=lambda err: len(err["loc"]))
         param = str(error["loc"][0]) if error["loc"] else None
         raise ApiError(400, _message(error, param), param=param, code="invalid_value") from None
 
