@@ -166,7 +166,8 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
 def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -> GcStats:
     """Bucket gc: expired manifests; loose objects no live manifest lists; packs none of whose
     members a live manifest's map uses (a pack with one member in use stays whole: see
-    docs/format.md); maps of no manifest. Everything younger than `grace` stays."""
+    docs/format.md); maps of no manifest. Everything younger than `grace` stays. What is deleted
+    is forgotten by this process's remote index (RemoteIndex.collected)."""
     s3 = tiers.require_s3()
     live: list[Manifest] = []
     expired = []
@@ -199,12 +200,18 @@ def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -
         if info is not None and now - info.created >= grace:
             orphans.append(key)
             nbytes += info.size
-    s3.delete_objects(orphans)
-    packs = [] if unmapped else [(p, size) for p, (size, modified) in s3.list_packs().items()
-                                 if p not in used and now - modified >= grace]
-    s3.delete_packs(p for p, _ in packs)
-    addresses = {manifest_address(m) for m in live}
-    s3.delete_maps(a for a, modified in s3.list_maps().items() if a not in addresses and now - modified >= grace)
+    packs: list[tuple[str, int]] = []
+    maps: list[str] = []
+    try:
+        s3.delete_objects(orphans)
+        packs = [] if unmapped else [(p, size) for p, (size, modified) in s3.list_packs().items()
+                                     if p not in used and now - modified >= grace]
+        s3.delete_packs(p for p, _ in packs)
+        addresses = {manifest_address(m) for m in live}
+        maps = [a for a, modified in s3.list_maps().items() if a not in addresses and now - modified >= grace]
+        s3.delete_maps(maps)
+    finally:  # even after a failure: a later push of this process must not skip what it remembers writing
+        tiers.remote.collected(orphans, (p for p, _ in packs), maps)
     return dataclasses.replace(stats, remote_expired=tuple(expired), remote_orphans=len(orphans) + len(packs),
                                remote_orphan_bytes=nbytes + sum(size for _, size in packs))
 

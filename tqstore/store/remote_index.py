@@ -1,12 +1,15 @@
 """What this process knows the bucket holds, so lookups and pushes do not send a HEAD per block.
 
-Filled from the manifests read from the bucket (a manifest is written after its objects, so
-its objects are there) and from the objects this process pushed or found there. Where an
-object lives (a pack's byte range, or loose) comes from the map of a manifest that lists it
-(packs.py), read once per manifest when first needed and kept: maps never change. A refresh
-LISTs the manifests and GETs the ones that changed, at most once per `max_age` seconds. The
-index only decides where a restore looks first: a stale entry costs a miss (the restore
-verifies every object), never wrong data, so LIST is never trusted for correctness.
+Filled from the manifests read from the bucket (a manifest is written after its objects, so its
+objects are there) and from the objects this process pushed or found there. Where an object
+lives (a pack's byte range, or loose) comes from the map of a manifest that lists it (packs.py),
+read once per manifest when first needed and kept: maps never change, but a remote gc of this
+process may delete them (and packs, layout-1 objects) and tells the index what it deleted
+(`collected`), so a later push of this process writes them again instead of trusting what it
+remembered (a push skips a map the index holds). A refresh LISTs the manifests and GETs the ones
+that changed, at most once per `max_age` seconds. The index only decides where a restore looks
+first: a stale entry costs a miss (the restore verifies every object), never wrong data, so LIST
+is never trusted for correctness.
 """
 
 from __future__ import annotations
@@ -187,6 +190,23 @@ class RemoteIndex:
         """Drop a manifest deleted from the bucket."""
         with self._lock:
             self._manifests.pop(name, None)
+            self._rebuild()
+
+    def collected(self, objects: Iterable[bytes] = (), packs: Iterable[str] = (), maps: Iterable[str] = ()) -> None:
+        """Forget what a remote gc of this process deleted from the bucket: layout-1 `objects`
+        (by key), `packs` (by name) and `maps` (by manifest address). A map forgotten is read
+        again or written again by the next push; an object this process placed in a deleted pack
+        or as a deleted loose object is no longer believed held (unless a known manifest lists
+        it: its map says where). Forgetting more than was deleted costs a request, never data."""
+        objects, packs, maps = set(objects), set(packs), set(maps)
+        with self._lock:
+            for address in maps:
+                self._maps.pop(address, None)
+            lost = {key for key, (_, _, loc) in self._placed.items()
+                    if (loc.pack in packs if loc.pack is not None else key in objects)}
+            for key in lost:
+                del self._placed[key]
+            self._pushed -= {key for key in lost | objects if key not in self._placed}
             self._rebuild()
 
     def gone(self, key: bytes) -> None:
