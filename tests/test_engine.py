@@ -266,3 +266,25 @@ def test_an_autosaved_prompt_records_what_computing_it_cost(engine, model_dir):
     again = engine.store.get(SavePolicy.name_for(loaded.identity.digest, "turbo4", longer[:-1]))
     rest = result.first_token_seconds - result.restore_seconds
     assert again.prefill_seconds == pytest.approx(stored.prefill_seconds + rest)
+
+
+def test_an_expired_entry_does_not_block_a_save_of_its_first_tokens(engine, model_dir):
+    """Before: a lookup skips an expired entry, so a save of the same first block prefilled it
+    afresh, calibrated on other rows, and met the expired entry's block 0 (its key does not cover
+    the calibration): ConflictError, for the CLI and for every server autosave, until a gc."""
+    import time
+
+    loaded = engine.model(str(model_dir))
+    words = loaded.tokenizer.encode(DOCUMENT * 8)
+    first, second = words[:600], words[:300] + words[-300:]
+    # Another prefill chunk (the server's and the CLI's differ) rounds block 0's later layers apart.
+    engine.prefiller.chunk = 256
+    engine.save_tokens("old", loaded, first, scheme="turbo5v4", ttl=0.2)
+    engine.prefiller.chunk = 64
+    time.sleep(0.3)
+    assert engine.store.lookup(second, model=loaded.identity.digest,
+                               codec=engine.models.codec_identity(loaded, "turbo5v4", "whole").digest) is None
+    saved = engine.save_tokens("new", loaded, second, scheme="turbo5v4")
+    assert saved.tokens == 600 and saved.reused_tokens == 0
+    assert [e.name for e in engine.store.ls()] == ["new"]  # the expired entry went with its block
+    assert engine.ask("new", "Who pays?", max_tokens=2).cached_tokens == 600

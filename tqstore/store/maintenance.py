@@ -98,6 +98,28 @@ def enforce_budget(tiers: TierSet, keep: str) -> tuple[list[str], list[str]]:
     return evicted, warnings
 
 
+def drop_if_expired(tiers: TierSet, key: bytes) -> list[str]:
+    """Delete LMDB object `key` when no live entry uses it, with the expired entries that do
+    (their other objects no live entry uses go too); the entries dropped. Nothing when a live
+    entry (or an unreadable manifest, which might be one) uses it. A save that meets a block
+    0 of another calibration calls it: an expired entry is never matched by a lookup, so its
+    blocks would refuse the same tokens for ever (until a gc)."""
+    with tiers.lock.exclusive():
+        entries, unreadable = tiers.local_manifests()
+        now = time.time()
+        users = [m for m, _ in entries if key in _keys(m)]
+        if unreadable or any(not m.expired(now) for m in users):
+            return []
+        dropped = {m.name for m in users}
+        for name in dropped:
+            tiers.lmdb.delete_manifest(name)
+        live = {k for m, _ in entries if m.name not in dropped for k in _keys(m)}
+        freed = [k for k in {key, *(k for m in users for k in _keys(m))} if k not in live]
+        _delete(tiers, freed)
+        tiers.memory.drop(freed)
+    return sorted(dropped)
+
+
 def rm_local(tiers: TierSet, name: str) -> None:
     """Delete entry `name` and the objects no other entry uses; NotFound if there is none."""
     with tiers.lock.exclusive():

@@ -22,6 +22,7 @@ the objects the entry needs and an `ObjectSource` that yields the payloads of th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Protocol
 
 from tqstore.errors import ConflictError, CorruptBlock, FormatError
 from tqstore.format.manifest import Manifest
-from tqstore.store.maintenance import enforce_budget
+from tqstore.store.maintenance import drop_if_expired, enforce_budget
 from tqstore.store.tiers.base import ObjectInfo
 from tqstore.store.tiers.memory import HotObject
 from tqstore.store.tierset import TierSet
@@ -76,13 +77,18 @@ def publish(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSour
     object: kept (None) or written."""
     before, _ = enforce_budget(tiers, keep=name)
     written: dict[bytes, int] = {}
-    with tiers.lock.shared():
-        for _ in range(_ATTEMPTS):
-            manifest = _store(tiers, name, wants, source, build, written, progress)
-            if manifest is not None:
-                break
-        else:
-            raise ConflictError(f"other processes kept storing different copies of the objects of {name}: retry")
+    for _ in range(_ATTEMPTS):
+        try:
+            with tiers.lock.shared():
+                manifest = _store(tiers, name, wants, source, build, written, progress)
+        except _Stale as stale:
+            # Only expired entries (or none) hold the other copy: they go, and the plan is made again.
+            before += drop_if_expired(tiers, stale.key)
+            manifest = None
+        if manifest is not None:
+            break
+    else:
+        raise ConflictError(f"other processes kept storing different copies of the objects of {name}: retry")
     if manifest.pinned:
         tiers.refresh_pins()
     else:
@@ -106,7 +112,12 @@ def _store(tiers: TierSet, name: str, wants: Sequence[Want], source: ObjectSourc
         try:
             found = _local_copy(tiers, want, source.expected(want))
         except ConflictError as exc:
-            users = [m.name for m, _ in tiers.local_manifests()[0] if want.key in {r.key for r in m.objects}]
+            entries, unreadable = tiers.local_manifests()
+            users = [m for m, _ in entries if want.key in {r.key for r in m.objects}]
+            now = time.time()
+            if not unreadable and all(m.expired(now) for m in users):
+                raise _Stale(want.key) from None
+            users = [m.name for m in users]
             raise ConflictError(f"cannot {source.action} {name}: this store holds its first tokens from another save "
                                 f"({exc}), used by {', '.join(users) or 'no entry'}; {source.advice}") from None
         if found is None:
@@ -187,6 +198,14 @@ def _old_manifest(tiers: TierSet, name: str) -> Manifest | None:
         return tiers.local_manifest(name)
     except FormatError:
         return None
+
+
+class _Stale(Exception):
+    """An object of another save that no live entry uses is in the way of this one."""
+
+    def __init__(self, key: bytes):
+        super().__init__(key.hex())
+        self.key = key
 
 
 def _local_copy(tiers: TierSet, want: Want, expected: str | None) -> tuple[ObjectInfo, HotObject | None] | None:
