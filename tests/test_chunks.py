@@ -172,6 +172,29 @@ def test_a_damaged_chunk_is_a_miss_and_prefilled_again(engine, model_dir, tmp_pa
     engine.store.close()
 
 
+def test_a_chunk_replaced_while_it_is_read_never_pairs_the_new_kv_with_the_old_tokens(engine, model_dir):
+    """Before: load_chunk checked one version's tokens, then loaded the entry by name, so a
+    `chunk add --name x` in between gave the new chunk's K/V with the old chunk's tokens (an
+    answer over another document than the one reported)."""
+    from tqstore.errors import ConflictError
+
+    loaded = engine.model(str(model_dir))
+    prefix = prefix_tokens(loaded, None)
+    old_tokens = loaded.prompt.document_tokens(loaded.tokenizer, A)
+    new_tokens = list(reversed(old_tokens))  # as many tokens, other ones
+    engine.chunks.ensure_chunk(loaded, "turbo4", prefix, old_tokens, "x")
+    checked = engine.store.get("x")
+    before = engine.chunks.load_chunk(loaded, checked, prefix, old_tokens)
+    engine.chunks.ensure_chunk(loaded, "turbo4", prefix, new_tokens, "x")  # another process, say
+    assert list(engine.store.get("x").tokens) == prefix + new_tokens
+    try:
+        after = engine.chunks.load_chunk(loaded, checked, prefix, old_tokens)
+    except ConflictError as exc:
+        assert "was replaced" in str(exc)
+    else:
+        assert all(mx.array_equal(a, b).item() for a, b in zip(after.keys, before.keys))
+
+
 def test_models_whose_caches_cannot_move_are_refused():
     with pytest.raises(BadInput, match="dynamic NTK.*base grows with the sequence length"):
         rope_description(build_model("llama", rope_scaling={"type": "dynamic", "factor": 2.0}))

@@ -33,7 +33,8 @@ from tqstore.engine.generation import Answerer, AskResult
 from tqstore.engine.models import LoadedModels
 from tqstore.engine.prefill import Prefiller
 from tqstore.engine.saving import Saver
-from tqstore.errors import BadInput, CorruptBlock, FormatError, IdentityMismatch, NotFound, TokenMismatch
+from tqstore.errors import (BadInput, ConflictError, CorruptBlock, FormatError, IdentityMismatch, NotFound,
+                            TokenMismatch)
 from tqstore.format.manifest import Manifest
 from tqstore.models.loading import LoadedModel
 from tqstore.store.store import Store
@@ -183,8 +184,13 @@ class DocumentChunks:
             raise IdentityMismatch(f"chunk {manifest.name} was stored with RoPE {manifest.metadata.get(ROPE_KEY)!r}, "
                                    f"this model uses {rope_description(loaded.model)!r}")
         try:
-            snap, _ = self.store.load(manifest.name)
+            # The version checked above: by name, a chunk replaced meanwhile (`chunk add --name`)
+            # gave its K/V paired with the tokens checked here.
+            snap, _ = self.store.load(manifest.name, manifest=manifest)
         except (CorruptBlock, FormatError):
+            if self._replaced(manifest):
+                raise ConflictError(f"chunk {manifest.name} was replaced while this request read it: ask again") \
+                    from None
             return None
         windows = [r for r in snap.layers if r.config.get("class") in WINDOW_CLASSES]
         if not all(is_window_record(r) for r in windows):
@@ -193,6 +199,13 @@ class DocumentChunks:
         pairs = [(r.arrays["keys"], r.arrays["values"]) if is_window_record(r) else decoded_kv(c)
                  for r, c in zip(snap.layers, caches)]
         return ChunkKV(prefix, tokens, [k for k, _ in pairs], [v for _, v in pairs])
+
+    def _replaced(self, manifest: Manifest) -> bool:
+        """Whether entry `manifest.name` now holds other content than `manifest`."""
+        try:
+            return not self.store.get(manifest.name).same_content(manifest)
+        except (NotFound, FormatError):
+            return True
 
     def _named(self, loaded: LoadedModel, scheme: str, name: str) -> tuple[Manifest, list[int]]:
         """A stored chunk by name, checked against this model and codec: its manifest and the chunk

@@ -219,10 +219,14 @@ class Store:
             self._touch(match.manifest.name)
         return snapshot, stats
 
-    def load(self, name: str) -> tuple[Snapshot, RestoreStats]:
+    def load(self, name: str, *, manifest: Manifest | None = None) -> tuple[Snapshot, RestoreStats]:
         """The whole entry `name` (for `ask NAME`); NotFound, or CorruptBlock when any of its
-        objects is lost in every tier."""
-        manifest = self.get(name)
+        objects is lost in every tier. `manifest`: the version of the entry the caller checked
+        (its tokens, say), restored even if another process replaced the entry since; its
+        objects may be gone then (CorruptBlock)."""
+        if manifest is not None and manifest.name != name:
+            raise ValueError(f"the manifest given is entry {manifest.name}'s, not {name}'s")
+        manifest = manifest or self.get(name)
         if manifest.expired(time.time()):
             raise NotFound(f"entry {name} expired at {time.ctime(manifest.expires)}: save it again (tqstore gc removes "
                            "expired entries)")
