@@ -142,3 +142,16 @@ def test_mlx_lm_files_round_trip_raw_and_refuse_turbo(open_store, model_dir, tmp
     assert result.scheme == "raw" and result.tokens == exported.tokens
     assert other.store.get("raw").tokens == engine.store.get("raw").tokens
     assert _arrays_equal(other.store.load("raw")[0], engine.store.load("raw")[0])
+
+
+def test_a_quantized_mlx_lm_file_imported_with_a_scheme_is_refused_with_the_reason(open_store, model_dir, tmp_path):
+    # It was an internal error (turboquant's NotNative escaped the import).
+    engine = Engine(open_store("a"))
+    engine.save("q", DOC, model=model_dir, scheme="affine8")
+    file = tmp_path / "q.safetensors"
+    export_mlx_lm(engine.store, "q", file)
+    other = Engine(open_store("b"))
+    with pytest.raises(UnsupportedCache, match="import it without --scheme"):
+        import_mlx_lm(other, file, "q", model=model_dir, scheme="turbo4")
+    assert other.store.ls() == []
+    assert import_mlx_lm(other, file, "q", model=model_dir).scheme == "affine8"

@@ -209,10 +209,13 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
                        "model: pass the exact text the cache was made from (and --system if it had one)")
     _check_layers(snap, loaded.model, path)
     if scheme is not None:
-        from turboquant import parse_scheme
+        from turboquant import NotNative, parse_scheme
 
         scheme = parse_scheme(scheme).name
-        snap = compress_snapshot(snap, loaded.model, scheme)
+        try:
+            snap = compress_snapshot(snap, loaded.model, scheme)
+        except NotNative as exc:  # a quantized file: only raw caches compress (it was an internal error)
+            raise UnsupportedCache(f"{path}: {exc}; import it without --scheme to keep its own layout") from None
     else:
         scheme = _file_scheme(snap, loaded.model, path, engine.models.verdicts(loaded))
     # An mlx-lm cache file holds its sliding windows as rings: the entry keeps them whole.
