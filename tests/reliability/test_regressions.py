@@ -232,3 +232,26 @@ def test_the_copy_of_a_killed_compaction_is_removed(tmp_path):
     store.gc(compact=True)  # and at the next compaction
     assert not stale.exists() and store.load("a")[1].tokens == 812
     store.close()
+
+
+def test_a_pin_from_another_process_reaches_a_running_store(tmp_path):
+    """Before: a process read the pins once (a server at its first restore), so a `tqstore pin`
+    beside it never kept that entry's objects in its memory tier (nor did an unpin let them go)."""
+    from harness import cli
+
+    home = tmp_path / "home"
+    store = open_store(home)
+    try:
+        put(store, "a", 44, 1)
+        assert store.tiers.memory.stats().pinned_bytes == 0
+        done = cli("pin", "a", "--home", str(home))
+        assert done.returncode == 0, done.stderr
+        time.sleep(1.1)  # tierset.PINS_MAX_AGE
+        put(store, "b", 44, 2)  # any put or restore looks at the pins again once they are that old
+        assert store.tiers.memory.stats().pinned_bytes > 0
+        assert cli("unpin", "a", "--home", str(home)).returncode == 0
+        time.sleep(1.1)
+        store.load("b")
+        assert store.tiers.memory.stats().pinned_bytes == 0
+    finally:
+        store.close()

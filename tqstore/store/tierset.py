@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is c
     from tqstore.store.tiers.s3 import S3Tier
 
 TIERS = ("memory", "lmdb", "s3")  # fastest first
+PINS_MAX_AGE = 1.0  # seconds a process trusts the pins it read (others may pin and unpin)
 
 
 @dataclass
@@ -83,7 +85,7 @@ class TierSet:
         self._cache: dict[str, tuple[int, float, Manifest]] = {}  # name -> (size, last used, parsed)
         self._cache_lock = threading.Lock()
         self._parsed: dict[str, tuple[bytes, Manifest]] = {}  # name -> (bytes, parsed): local_manifest
-        self._pins_known = False
+        self._pins_at: float | None = None  # when refresh_pins last ran (monotonic)
 
     def require_s3(self) -> S3Tier:
         """The S3 tier; RemoteNotConfigured when there is none."""
@@ -173,11 +175,14 @@ class TierSet:
         """Pin the objects of pinned local entries in the memory tier."""
         entries, _ = self.local_manifests()
         self.memory.set_pinned(r.key for m, _ in entries if m.pinned for r in m.objects)
-        self._pins_known = True
+        self._pins_at = time.monotonic()
 
     def ensure_pins(self) -> None:
-        """refresh_pins once, before the memory tier first needs to know the pins."""
-        if not self._pins_known:
+        """refresh_pins before the memory tier first needs to know the pins, and again once they
+        are PINS_MAX_AGE old: another process (`tqstore pin` beside a server) changes them too,
+        and a server that read them once kept a CLI pin's objects evictable (and an unpinned
+        entry's held over the budget) until it restarted."""
+        if self._pins_at is None or time.monotonic() - self._pins_at > PINS_MAX_AGE:
             self.refresh_pins()
 
     def keep_joined(self, blocks: list[tuple[bytes, HotObject, str]], joined: list[Block],
