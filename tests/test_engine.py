@@ -7,7 +7,7 @@ from tqstore import Store
 from tqstore.config import load_config
 from tqstore.engine.engine import Engine
 from tqstore.errors import BadInput, IdentityMismatch, NotFound
-from turboquant import TurboQuantKVCache, make_prompt_cache
+from turboquant import TurboQuantKVCache, make_prompt_cache, snapshot
 
 DOCUMENT = ("The contract says the seller pays for delays. Clause seven covers delivery, payment and "
             "penalties. ") * 12
@@ -288,3 +288,17 @@ def test_an_expired_entry_does_not_block_a_save_of_its_first_tokens(engine, mode
     assert saved.tokens == 600 and saved.reused_tokens == 0
     assert [e.name for e in engine.store.ls()] == ["new"]  # the expired entry went with its block
     assert engine.ask("new", "Who pays?", max_tokens=2).cached_tokens == 600
+
+
+def test_put_refuses_a_snapshot_under_another_scheme_s_codec_identity(engine, model_dir):
+    # It was stored, listed under the other scheme, and refused only at its first restore.
+    loaded = engine.model(str(model_dir))
+    tokens = loaded.tokenizer.encode(DOCUMENT)[:300]
+    caches = _reference_caches(engine, loaded, "turbo4", tokens)
+    snap = snapshot(caches)
+    with pytest.raises(ValueError, match="encoded with turbo4, but the codec identity given says raw"):
+        engine.store.put("b", snap, tokens, model=loaded.identity, codec=engine.models.codec_identity(loaded, "raw"),
+                         model_ref=str(model_dir), prefill_seconds=1.0)
+    assert engine.store.ls() == []
+    engine.store.put("b", snap, tokens, model=loaded.identity, codec=engine.models.codec_identity(loaded, "turbo4"),
+                     model_ref=str(model_dir), prefill_seconds=1.0)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from turboquant.codec.schemes import parse_scheme
 from turboquant.records import Snapshot
 
 from tqstore.errors import ConflictError, TokenMismatch
@@ -67,6 +68,7 @@ def put_entry(tiers: TierSet, name: str, snapshot: Snapshot, tokens: Sequence[in
         raise TokenMismatch(f"{len(tokens)} tokens were given for a snapshot holding {snapshot.offset}: pass exactly "
                             "the tokens the cache was prefilled with")
     metadata = _check_options(prefill_seconds, ttl, metadata)
+    _check_scheme(snapshot, codec)
     md, cd, bs = model.digest, codec.digest, tiers.block_size
     split = split_snapshot(snapshot, bs)
     cal = calibration_digest(snapshot)
@@ -193,6 +195,16 @@ def _chunks(wants: list[Want], nbytes: list[int]) -> Iterator[list[Want]]:
 
 def _hot(obj: object, kind: str, provenance: Provenance = Provenance()) -> HotObject:
     return HotObject(obj, kind, provenance, "", decoded_nbytes(obj))
+
+
+def _check_scheme(snapshot: Snapshot, codec: CodecIdentity) -> None:
+    """ValueError when the snapshot's compressed layers name another scheme than `codec`: the
+    entry was written and only refused at its first restore (verify's codec check)."""
+    scheme = parse_scheme(codec.scheme).name
+    used = {parse_scheme(str(r.config["scheme"])).name for r in snapshot.layers if "scheme" in r.config}
+    if used and used != {scheme}:
+        raise ValueError(f"the snapshot's layers were encoded with {', '.join(sorted(used))}, but the codec identity "
+                         f"given says {scheme}: pass CodecIdentity.from_snapshot(snapshot, scheme) of that scheme")
 
 
 def _check_options(prefill_seconds: float, ttl: float | None, metadata: Mapping[str, str] | None) -> dict[str, str]:
