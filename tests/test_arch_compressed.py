@@ -51,3 +51,15 @@ def test_compressed_save_restore_decode(family, scheme):
     assert all(_equal(a, b) for a, b in zip(snap.layers, again.layers))
     logits = model(mx.array([[5]]), cache=restored)
     assert mx.all(mx.isfinite(logits)).item()
+
+
+def test_the_support_table_does_not_use_up_a_layer_kind_s_notice(monkeypatch):
+    # layer_residences silenced the notice and still recorded it as shown, so the next
+    # make_prompt_cache of that model said nothing of its uncompressed layers.
+    from turboquant.adapter import making
+
+    monkeypatch.setattr(making, "_notices", set())
+    model = _model("gemma3_text")
+    layer_residences(model, "turbo4")
+    with pytest.warns(UserWarning, match="stored uncompressed"):
+        make_prompt_cache(model, "turbo4")

@@ -270,9 +270,11 @@ def _state_residences(model, spec: SchemeSpec, caches: list[Any], read_by_model:
 
 def layer_residences(model, scheme: str | SchemeSpec) -> list[tuple[str, Residence]]:
     """(cache kind, residence) per layer under `scheme`: the support table's columns."""
+    shown = set(_notices)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         caches = make_prompt_cache(model, scheme)
+    _notices.intersection_update(shown)  # silenced here, so not shown: the next cache still says it
     return [(kind_name(c), residence_of(c)) for c in caches]
 
 
