@@ -260,3 +260,19 @@ def test_from_model_fingerprints_the_tokenizer_and_template():
         .startswith("chat_template:")
     other_vocab = ModelIdentity.from_model(model, _tokenizer({"a": 0, "c": 1, "[UNK]": 2}, "{{ messages }}"))
     assert describe_difference(base, other_vocab)[0].startswith("tokenizer:")
+
+
+def test_a_dtype_alone_is_named_as_the_difference(model_dir, tmp_path):
+    # A float16 entry asked from a float32 engine said "saved with another model ... pass the
+    # model it was saved with", though the model was the same.
+    from types import SimpleNamespace
+
+    from tqstore.errors import IdentityMismatch
+    from tqstore.models.loading import check_identity
+
+    cache = tmp_path / "cache"
+    saved = ModelIdentity.from_path(model_dir, cache, kv_dtype="float16")
+    loaded = SimpleNamespace(identity=ModelIdentity.from_path(model_dir, cache, kv_dtype="float32"), ref="tiny")
+    with pytest.raises(IdentityMismatch, match="saved computing in float16, and tiny is loaded in float32") as caught:
+        check_identity(loaded, saved, "doc")
+    assert "another model" not in str(caught.value)

@@ -147,6 +147,12 @@ def check_identity(loaded: LoadedModel, expected: ModelIdentity, entry: str) -> 
         raise IdentityMismatch(f"entry {entry!r} was saved by an older tqstore, whose model identity covered only "
                                f"the config fields that shape the KV cache, so its cache may not be {loaded.ref}'s: "
                                f"save it again (`tqstore save {entry} --model {loaded.ref} ...`)")
-    differences = "; ".join(describe_difference(expected, loaded.identity)[:6])
+    differences = describe_difference(expected, loaded.identity)
+    if all(d.startswith("kv_dtype") for d in differences):
+        # The same model computing in another dtype: naming another model misled.
+        raise IdentityMismatch(f"entry {entry!r} was saved computing in {expected.kv_dtype}, and {loaded.ref} is "
+                               f"loaded in {loaded.identity.kv_dtype} here: load it in {expected.kv_dtype} (the "
+                               "engine's dtype), or save the entry again in this one")
+    differences = "; ".join(differences[:6])
     raise IdentityMismatch(f"entry {entry!r} was saved with another model ({expected.source or 'unknown'}); "
                            f"{loaded.ref} differs: {differences}. Pass the model it was saved with (--model)")
