@@ -302,3 +302,33 @@ def test_put_refuses_a_snapshot_under_another_scheme_s_codec_identity(engine, mo
     assert engine.store.ls() == []
     engine.store.put("b", snap, tokens, model=loaded.identity, codec=engine.models.codec_identity(loaded, "turbo4"),
                      model_ref=str(model_dir), prefill_seconds=1.0)
+
+
+def test_an_autosave_that_meets_another_save_of_its_first_block_counts_a_conflict(engine, model_dir):
+    """A prefix restored from another save than the store's (the bucket's, say) cannot be stored
+    here: an expected outcome, counted as such (it was an ERROR with a traceback per request)."""
+    from types import SimpleNamespace
+
+    from tqstore.engine.background import BackgroundWriter
+    from tqstore.serve.autosave import SavePolicy, autosave
+    from tqstore.serve.metrics import Metrics
+
+    loaded = engine.model(str(model_dir))
+    words = loaded.tokenizer.encode(DOCUMENT * 8)
+    engine.prefiller.chunk = 256
+    engine.save_tokens("held", loaded, words[:600], scheme="turbo5v4")
+    engine.prefiller.chunk = 64
+    prompt = words[:300] + words[-301:]
+    caches = make_prompt_cache(loaded.model, "turbo5v4")
+    engine.prefill(loaded, caches, prompt)  # not through the store: block 0 rounded otherwise
+    result = SimpleNamespace(cached_tokens=0, tokens=[], prefill_seconds=0.1, first_token_seconds=0.1,
+                             restore_seconds=0.0)
+    metrics, writer = Metrics(), BackgroundWriter()
+    try:
+        autosave(engine, SavePolicy(min_tokens=64), metrics, writer, loaded, "turbo5v4", prompt, result, caches)
+        assert writer.wait_for(prompt, timeout=60)
+    finally:
+        writer.close(60)
+    outcome = {o: metrics.registry.get_sample_value("tqstore_autosaves_total", {"outcome": o})
+               for o in ("saved", "conflict", "failed")}
+    assert outcome == {"saved": 0.0, "conflict": 1.0, "failed": 0.0}, outcome

@@ -18,7 +18,7 @@ from turboquant import StateCheckpoints
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.engine import Engine
 from tqstore.engine.generation import AskResult
-from tqstore.errors import BadInput
+from tqstore.errors import BadInput, ConflictError
 from tqstore.models.loading import LoadedModel
 from tqstore.serve.metrics import Metrics
 
@@ -82,6 +82,11 @@ def autosave(engine: Engine, policy: SavePolicy, metrics: Metrics, writer: Backg
     def done(f: Future) -> None:
         if f.exception() is None:
             metrics.saved("saved", time.perf_counter() - t0)
+        elif isinstance(f.exception(), ConflictError):
+            # The prefix came from another save of its first tokens (say, the bucket's) than the
+            # store holds here: an expected outcome, not a failure with a traceback per request.
+            log.warning("not saving the prompt as %s: %s", name, f.exception())
+            metrics.saved("conflict")
         else:
             log.error("saving the prompt as %s failed", name, exc_info=f.exception())
             metrics.saved("failed")

@@ -21,7 +21,7 @@ from tqstore.serve.openai_schema import Generation
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TIERS = ("memory", "lmdb", "s3", "none")
-SAVE_OUTCOMES = ("saved", "covered", "short", "unsupported", "failed")
+SAVE_OUTCOMES = ("saved", "covered", "short", "unsupported", "conflict", "failed")
 APIS = ("openai", "anthropic")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 RATE_WINDOW_SECONDS = 10.0  # tokens/s is the decode rate over this window
@@ -124,7 +124,7 @@ class Metrics:
         self.cancelled.inc()
 
     def saved(self, outcome: str, seconds: float | None = None) -> None:
-        """One autosave decision: saved, covered, short, unsupported or failed."""
+        """One autosave decision: saved, covered, short, unsupported, conflict or failed."""
         self.saves.labels(outcome).inc()
         if seconds is not None:
             self.save_seconds.observe(seconds)
