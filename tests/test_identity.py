@@ -273,6 +273,6 @@ def test_a_dtype_alone_is_named_as_the_difference(model_dir, tmp_path):
     cache = tmp_path / "cache"
     saved = ModelIdentity.from_path(model_dir, cache, kv_dtype="float16")
     loaded = SimpleNamespace(identity=ModelIdentity.from_path(model_dir, cache, kv_dtype="float32"), ref="tiny")
-    with pytest.raises(IdentityMismatch, match="saved computing in float16, and tiny is loaded in float32") as caught:
+    with pytest.raises(IdentityMismatch, match="saved with this model computing in float16, and tiny is loaded in float32") as caught:
         check_identity(loaded, saved, "doc")
     assert "another model" not in str(caught.value)

@@ -150,9 +150,9 @@ def check_identity(loaded: LoadedModel, expected: ModelIdentity, entry: str) -> 
     differences = describe_difference(expected, loaded.identity)
     if all(d.startswith("kv_dtype") for d in differences):
         # The same model computing in another dtype: naming another model misled.
-        raise IdentityMismatch(f"entry {entry!r} was saved computing in {expected.kv_dtype}, and {loaded.ref} is "
-                               f"loaded in {loaded.identity.kv_dtype} here: load it in {expected.kv_dtype} (the "
-                               "engine's dtype), or save the entry again in this one")
+        raise IdentityMismatch(f"entry {entry!r} was saved with this model computing in {expected.kv_dtype}, and "
+                               f"{loaded.ref} is loaded in {loaded.identity.kv_dtype} here (kv_dtype): load it in "
+                               f"{expected.kv_dtype} (the engine's dtype), or save the entry again in this one")
     differences = "; ".join(differences[:6])
     raise IdentityMismatch(f"entry {entry!r} was saved with another model ({expected.source or 'unknown'}); "
                            f"{loaded.ref} differs: {differences}. Pass the model it was saved with (--model)")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from turboquant.codec.schemes import parse_scheme
+from turboquant import parse_scheme
 from turboquant.records import Snapshot
 
 from tqstore.errors import ConflictError, TokenMismatch
