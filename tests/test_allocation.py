@@ -137,6 +137,18 @@ def test_the_allocation_survives_a_snapshot_and_decodes_identically(model):
         assert mx.array_equal(model(q, cache=restored), model(q, cache=caches)).item()
 
 
+def test_a_snapshot_taken_before_the_allocation_restores_into_one_budget_again(model):
+    # The plan's group is runtime only: restored before their first decode step, the layers each
+    # fell back to the base layout, and the caches decoded otherwise than the originals.
+    caches = _prefilled(model, "auto6")
+    restored = restore(snapshot(caches))
+    for token in (5, 9):
+        q = mx.array([[token]])
+        assert mx.array_equal(model(q, cache=restored), model(q, cache=caches)).item()
+    assert [c.allocated for c in restored] == [c.allocated for c in caches]
+    assert {c.allocated for c in caches} != {BASE_KEYS}  # the budget bought wider keys somewhere
+
+
 def test_the_budget_is_part_of_the_codec_identity_and_other_schemes_are_unchanged(model):
     auto = make_prompt_cache(model, "auto5")[0].plan.meta()
     turbo = make_prompt_cache(model, "turbo4")[0].plan.meta()

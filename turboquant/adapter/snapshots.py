@@ -3,6 +3,7 @@ kind mlx-lm has (native, compressed, at rest, windows, recurrent states, lists, 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any, Mapping
 
@@ -26,6 +27,7 @@ from turboquant.adapter.windows import (
     window_config,
     window_record,
 )
+from turboquant.cache.allocation import AllocationGroup
 from turboquant.cache.at_rest import CLASS as AT_REST_CLASS
 from turboquant.cache.at_rest import AtRestKVCache
 from turboquant.cache.buffers import detach
@@ -299,7 +301,24 @@ def restore_as(snap: Snapshot, caches: list[Any]) -> list[Any]:
 def restore(snap: Snapshot) -> list[Any]:
     """Caches that decode exactly like the ones the snapshot was taken from (same backend)."""
     install_attention_dispatch()
-    return [_restore_layer(r, snap.codecs) for r in snap.layers]
+    caches = [_restore_layer(r, snap.codecs) for r in snap.layers]
+    _regroup(caches)
+    return caches
+
+
+def _regroup(caches: list[Any]) -> None:
+    """Join an auto scheme's layers restored before their allocation (taken before the first
+    decode step) into one budget again, as make_prompt_cache made them: a plan's group is
+    runtime only, and without it each layer fell back to the base layout at its compression, so
+    the restored caches decoded otherwise than the ones the snapshot was taken from."""
+    groups: dict[float, AllocationGroup] = {}
+    for cache in caches:
+        if isinstance(cache, TurboQuantKVCache) and cache.plan.budget is not None and not cache.compressed \
+                and cache.allocated is None and cache.plan.group is None:
+            group = groups.setdefault(cache.plan.budget, AllocationGroup(cache.plan.budget))
+            cache.plan = dataclasses.replace(cache.plan, group=group)
+            cache.active = cache.plan
+            group.join(cache)
 
 
 def _restore_layer(record: LayerRecord, codecs) -> Any:
