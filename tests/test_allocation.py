@@ -79,6 +79,17 @@ def test_the_budget_holds_and_the_best_layers_are_upgraded(model, scheme, budget
     assert sorted(upgraded) == sorted(gains[:len(upgraded)])
 
 
+def test_a_head_dim_without_an_affine_group_still_spends_the_budget():
+    # At head dim 80 no affine group size fits, and the budget was dropped: auto6 ran as turbo4.
+    model = build_model("qwen3", num_hidden_layers=4, head_dim=80)
+    caches = _prefilled(model, "auto6")
+    assert all(c.plan.budget == 6.0 and AFFINE8_KEYS not in c.plan.layout_options() for c in caches)
+    for c in caches:
+        c.compress()
+    assert TURBO5_KEYS in {c.allocated for c in caches}
+    assert stored_bits(snapshot(caches)) <= 6.0 + 0.02
+
+
 def test_auto3_5_chooses_key_and_value_widths_by_measured_output_error(model):
     caches = _prefilled(model, "auto3.5")
     measures = [measure_layer(c) for c in caches]

@@ -157,7 +157,16 @@ class LayerPlan:
         narrow), 8-bit affine keys."""
         wider = [o for o, b in TURBO_KEY_OPTIONS.items()
                  if b > self.key.bits and (b < 5 or self.key.norm_dtype is not None)]
-        return (BASE_KEYS, *wider, AFFINE8_KEYS)
+        return (BASE_KEYS, *wider, *((AFFINE8_KEYS,) if self._affine_keys_fit else ()))
+
+    @property
+    def _affine_keys_fit(self) -> bool:
+        """Whether 8-bit affine keys have a group size at this head dim (80 has none)."""
+        try:
+            AffineCodec.for_dim(self.head_dim_k, PROTECTED_BITS)
+        except UnsupportedHeadDim:
+            return False
+        return True
 
     def layout_options(self) -> tuple[str, ...]:
         """Every layout an auto scheme's allocation may give this layer: the key options, each
@@ -346,7 +355,9 @@ def plan_layer(
     plan = LayerPlan(scheme=spec.name, key=key, value=value, n_kv_heads=n_kv_heads, head_dim_k=head_dim_k,
                      head_dim_v=head_dim_v, dtype=dtype_name(dtype), seed=seed, calibration=calibration,
                      protected=protected, protect_values=spec.protect_values)
-    if spec.budget is not None and not protected and kf is Format.TURBO and plan.can_protect:
+    # Where no affine group fits (head dim 80) the budget still buys wider TurboQuant keys: it was
+    # dropped, and autoB ran as its base scheme.
+    if spec.budget is not None and not protected and kf is Format.TURBO:
         return replace(plan, budget=spec.budget, group=group)
     if guard is not None and kf is Format.TURBO and plan.can_protect:
         plan = replace(plan, guard=guard, boundary=boundary)
