@@ -2,7 +2,7 @@ import mlx.core as mx
 import pytest
 
 from kv_data import kv_rows
-from turboquant import parse_scheme
+from turboquant import make_prompt_cache, parse_scheme
 from turboquant.cache.compressed import CompressedKeys, TurboQuantKVCache
 from turboquant.codec.calibration import fit_key_calibration
 from turboquant.adapter.making import protected_layers
@@ -284,3 +284,16 @@ def test_noise_gain_predicts_the_measured_score_error():
     # Rotated-basis scaling lowers the real error below the isotropic prediction: it is an upper
     # estimate, within a factor of two here.
     assert mx.all(measured <= predicted * 1.1).item() and mx.all(measured >= predicted / 2).item()
+
+
+@pytest.mark.parametrize("scheme", ["affine8", "turbo0v4", "turbo4"])
+def test_a_cache_made_for_another_model_is_refused_naming_both_shapes(scheme):
+    # affine8 and turbo0v4 ran on and snapshot the planned shape for rows of another one;
+    # turbo4 failed deep in MLX (broadcast_shapes).
+    from tiny_models import build_model, prompt_tokens
+
+    made_for = build_model("qwen3", num_hidden_layers=2)
+    other = build_model("qwen3", num_hidden_layers=2, num_key_value_heads=2)
+    caches = make_prompt_cache(made_for, scheme)
+    with pytest.raises(ValueError, match=r"made for 4 KV heads of head dim 64 .* got keys \(1, 2, 40, 64\)"):
+        other(prompt_tokens(40)[None], cache=caches)

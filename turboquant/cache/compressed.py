@@ -192,6 +192,13 @@ class TurboQuantKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store new rows; return raw arrays in prefill (and in decoding until a block is held),
         handles once compressed."""
+        plan = self.plan
+        if (keys.shape[1], keys.shape[3], values.shape[3]) != (plan.n_kv_heads, plan.head_dim_k, plan.head_dim_v):
+            # A cache made for another model: some schemes ran on, recording the plan's shape
+            # for rows of another one (a snapshot that restores wrong), others failed deep in MLX.
+            raise ValueError(f"this cache was made for {plan.n_kv_heads} KV heads of head dim {plan.head_dim_k} "
+                             f"(values {plan.head_dim_v}), got keys {tuple(keys.shape)} and values "
+                             f"{tuple(values.shape)}: make the caches for this model (make_prompt_cache)")
         n = keys.shape[2]
         if not self.compressed and (n > 1 or self._deferred and self.offset < BLOCK):
             self._tail.write(self.offset, {"keys": keys, "values": values})
