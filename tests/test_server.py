@@ -146,6 +146,12 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server, clie
           raw=json.dumps({"prompt": "x" * 100_000}).encode())
     check("GET", "/v1/caches/no-such-entry", 404, "no entry no-such-entry")
     check("DELETE", "/v1/caches/no-such-entry", 404, "no entry no-such-entry")
+    # The store's message named its folder: a 404 gave the server's paths to any client.
+    for method in ("GET", "DELETE"):
+        got, _, body = request(server, method, "/v1/caches/no-such-entry")
+        assert got == 404 and "store at" not in body["error"]["message"], body
+    got, _, body = request(server, "POST", "/v1/completions", {"prompt": "Q", "documents": [{"name": "nope"}]})
+    assert got == 404 and "nope" in body["error"]["message"] and "store at" not in body["error"]["message"], body
     check("GET", "/v1/caches/..%2F..%2Fetc", 400, "invalid entry name", code="invalid_name")
     check("PUT", "/v1/caches/-flag", 400, "invalid entry name", body={"prompt": "x"})
     check("GET", "/v1/nothing", 404, "no endpoint /v1/nothing")

@@ -210,7 +210,10 @@ class DocumentChunks:
     def _named(self, loaded: LoadedModel, scheme: str, name: str) -> tuple[Manifest, list[int]]:
         """A stored chunk by name, checked against this model and codec: its manifest and the chunk
         tokens (without the prefix it was stored after)."""
-        manifest = self.store.get(name)
+        try:
+            manifest = self.store.get(name)
+        except NotFound:  # named without the store's folder: a server's clients see this message
+            raise NotFound(f"no stored chunk {name}: `tqstore chunk add` (or PUT /v1/caches) stores one") from None
         if CHUNK_KEY not in manifest.metadata:
             raise BadInput(f"entry {name!r} is not a document chunk: store it with `tqstore chunk add`")
         if manifest.model_digest != loaded.identity.digest:

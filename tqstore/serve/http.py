@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Match, Route, Router
 from starlette.types import Receive, Scope, Send
 
-from tqstore.errors import TqstoreError
+from tqstore.errors import NotFound, TqstoreError
 from tqstore.names import validate_name
 from tqstore.serve import anthropic_schema as anthropic
 from tqstore.serve.metrics import CONTENT_TYPE as METRICS_TYPE
@@ -312,8 +312,15 @@ async def _submit(request: Request, submit, texts: bool = False) -> JobEvents:
 
 
 async def _store_call(function, *args) -> Any:
-    """A store catalog call, off the event loop (it may wait for LMDB or a lock)."""
-    return await to_thread.run_sync(function, *args)
+    """A store catalog call, off the event loop (it may wait for LMDB or a lock). An entry not
+    found is a 404 that names the entry only: the store's message names its folder, which is the
+    server's business, not its clients'."""
+    try:
+        return await to_thread.run_sync(function, *args)
+    except NotFound:
+        if args and isinstance(args[0], str):
+            raise ApiError(404, f"no entry {args[0]}: GET /v1/caches lists the entries", code="not_found") from None
+        raise
 
 
 # -- OpenAI endpoints -------------------------------------------------------------------------------
