@@ -119,6 +119,36 @@ def test_a_wrong_or_missing_key_is_a_clear_error(s3, tmp_path, pushed, monkeypat
     ledger.count("encryption at rest", "no key: EncryptionKeyError naming TQSTORE_S3_KEY", 1)
 
 
+def test_a_push_with_another_key_or_none_writes_nothing(s3, tmp_path, pushed, monkeypatch, ledger):
+    """Before: such a push replaced the entry's map (sealed with its key, or plaintext) and
+    uploaded packs (plaintext without a key) before its manifest check failed, and a machine
+    with the right key could no longer pull; a new entry went up readable into the prefix."""
+    snaps, _ = pushed
+    key_file = tmp_path / "wrong.key"
+    key_file.write_text(OTHER_KEY)
+    monkeypatch.delenv(crypto.KEY_ENV)
+    before = bucket_objects(s3)
+    for home, settings in (("wrong", {"s3_key_file": str(key_file)}), ("none", {})):
+        store = open_store(tmp_path / home, **s3_settings(s3, **settings))
+        try:
+            put(store, "a", 600, 1)  # the same entry, as another machine saved it
+            put(store, "new", 200, 3)
+            for name in ("a", "new"):
+                with pytest.raises(crypto.EncryptionKeyError, match="nothing was pushed"):
+                    store.push(name)
+        finally:
+            store.close()
+        assert bucket_objects(s3) == before, home
+    monkeypatch.setenv(crypto.KEY_ENV, KEY)
+    right = open_store(tmp_path / "right", **s3_settings(s3))
+    try:
+        right.pull("a")
+        assert_same_snapshot(right.load("a")[0], snaps["a"])
+    finally:
+        right.close()
+    ledger.count("encryption at rest", "push with another key or none: refused, the bucket untouched", 4)
+
+
 def test_tampered_moved_and_plaintext_objects_are_misses(s3, tmp_path, pushed, monkeypatch, ledger):
     snaps, tokens = pushed
     reader = open_store(tmp_path / "reader", **s3_settings(s3))

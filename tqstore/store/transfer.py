@@ -107,6 +107,7 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         entries, _ = tiers.local_manifests()  # unreadable ones are left out; `tqstore verify` names them
         manifests = sorted((m for m, _ in entries if not m.expired(time.time())), key=lambda m: m.name)
     tally = _Tally(sum(len({r.key for r in m.objects}) for m in manifests), progress)
+    _check_key(s3, [m.name for m in manifests])
     up_to_date: list[str] = []
     warnings: list[str] = []
     # What the bucket holds (the first use LISTs and reads its manifests): the objects they list.
@@ -131,6 +132,26 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         listed.update(located)
     return TransferStats(tuple(m.name for m in manifests), tally.total, tally.transferred, tally.skipped, tally.bytes,
                          time.perf_counter() - start, tuple(up_to_date), warnings=tuple(warnings))
+
+
+def _check_key(s3: S3Tier, names: list[str]) -> None:
+    """EncryptionKeyError, before anything is written, when this machine's key (or its lack of
+    one) cannot open the bucket's manifests: those of the entries pushed, and one other as a probe
+    of the prefix. A push with another key or none went on to replace the entry's map and upload
+    packs (plaintext without a key) before its manifest check failed, and every machine with the
+    right key could no longer pull the entry; a new entry went up readable into an encrypted
+    prefix. One GET per entry and one more: the manifest write reads it again (compare-and-swap)."""
+    from tqstore.store.crypto import EncryptionKeyError  # here: `cryptography` loads only with a bucket
+
+    wanted = set(names)
+    probe = next((info.name for info in s3.list_manifests() if info.name not in wanted), None)
+    for name in [*names, *([probe] if probe is not None else [])]:
+        try:
+            s3.get_manifest(name)
+        except EncryptionKeyError as exc:
+            raise EncryptionKeyError(f"{exc}; nothing was pushed") from None
+        except CorruptBlock:
+            pass  # a damaged manifest, or one sealed by an older tqstore: the manifest write decides
 
 
 def _upload(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, packs: dict[str, tuple[int, float]],
