@@ -245,3 +245,16 @@ def test_sources_say_where_each_value_comes_from(tmp_path, monkeypatch):
     assert [k for k in config_keys() if setting(k).is_size] == [
         "store.lmdb_budget", "store.memory_budget", "store.compose_budget", "store.segment_size",
         "store.min_free_disk", "store.lmdb_map_size", "s3.multipart_threshold", "s3.part_size"]
+
+
+def test_a_relative_key_file_is_stored_absolute(tmp_path, monkeypatch):
+    # It was stored as given, checked against this directory and then read against every later
+    # command's, so `tqstore ls` elsewhere failed with "cannot read the key file".
+    import base64
+
+    (tmp_path / "keys").mkdir()
+    (tmp_path / "keys" / "rel.key").write_text(base64.b64encode(bytes(32)).decode())
+    monkeypatch.chdir(tmp_path / "keys")
+    save_config_value(tmp_path / "home", "s3.key_file", "rel.key")
+    monkeypatch.chdir(tmp_path)
+    assert load_config(tmp_path / "home").s3_key_file == str(tmp_path / "keys" / "rel.key")

@@ -342,6 +342,9 @@ def save_config_value(home: str | os.PathLike[str] | None, key: str, value: obje
         parsed = chosen.parse(key, value)
         if chosen.field == "s3_key_file":  # only when set: a missing file must not stop local use
             _check_key_file(key, parsed)
+            # Stored absolute: a relative path was checked against this directory and then read
+            # against every later command's (`ls` elsewhere: "cannot read the key file").
+            value = str(Path(parsed).expanduser().resolve())
     home_path = resolve_home(home)
     path = home_path / CONFIG_FILE
     data = _read_toml(path)
