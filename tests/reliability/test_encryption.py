@@ -211,9 +211,36 @@ def test_the_envelope_binds_kind_and_name_and_works_multipart(s3, tmp_path):
 
 @pytest.mark.parametrize("text", ["", "not base64!", base64.b64encode(b"short").decode()])
 def test_a_bad_key_is_a_config_error_naming_its_source(text, s3, tmp_path, monkeypatch):
+    # Raised by the first use of the bucket: local use goes on (test_a_missing_key_file_...).
     monkeypatch.setenv(crypto.KEY_ENV, text or " ")
+    store = open_store(tmp_path / "home", **s3_settings(s3))
     with pytest.raises(ConfigError, match=crypto.KEY_ENV):
-        open_store(tmp_path / "home", **s3_settings(s3))
+        store.ls(remote=True)
+    store.close()
     monkeypatch.delenv(crypto.KEY_ENV)
+    store = open_store(tmp_path / "home2", **s3_settings(s3, s3_key_file=str(tmp_path / "missing.key")))
     with pytest.raises(ConfigError, match="missing.key"):
-        open_store(tmp_path / "home2", **s3_settings(s3, s3_key_file=str(tmp_path / "missing.key")))
+        store.push()
+    store.close()
+
+
+def test_a_missing_key_file_stops_the_bucket_not_local_use(s3, tmp_path, monkeypatch):
+    # With s3.url set and the key file gone, ls, info, ask, rm... all failed with the key's
+    # ConfigError: the S3 tier built its cipher when the store opened.
+    monkeypatch.delenv(crypto.KEY_ENV, raising=False)
+    key_file = tmp_path / "k.key"
+    key_file.write_text(KEY)
+    settings = s3_settings(s3, s3_key_file=str(key_file))
+    store = open_store(tmp_path / "home", **settings)
+    snap = put(store, "a", 300, 1).snapshot
+    store.close()
+    key_file.unlink()
+    store = open_store(tmp_path / "home", **settings)
+    try:
+        assert [e.name for e in store.ls()] == ["a"] and store.verify() == []
+        assert_same_snapshot(store.load("a")[0], snap)
+        for call in (lambda: store.push("a"), lambda: store.ls(remote=True), lambda: store.pull("a")):
+            with pytest.raises(ConfigError, match="k.key"):
+                call()
+    finally:
+        store.close()

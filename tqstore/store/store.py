@@ -28,7 +28,7 @@ from turboquant.records import Snapshot
 
 from tqstore.config import Config, load_config, resolve_home
 from tqstore.units import format_size
-from tqstore.errors import DiskFull, InvalidName, NotFound
+from tqstore.errors import ConfigError, DiskFull, InvalidName, NotFound
 from tqstore.store.restore import RestoreStats, restore_entry
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from tqstore.store.lookup import Match, lookup
@@ -142,8 +142,14 @@ class Store:
         with _STORES_LOCK:
             store = _STORES.get(real)
             if store is None:
-                s3 = _s3_tier(config) if config.s3_url else None
-                tiers = TierSet(config, LmdbTier.from_config(config), MemoryTier(config.memory_budget_bytes), s3)
+                s3, s3_error = None, None
+                try:
+                    s3 = _s3_tier(config) if config.s3_url else None
+                except ConfigError as exc:
+                    # An unreadable key file must not stop local use: the bucket's commands say why.
+                    s3_error = exc
+                tiers = TierSet(config, LmdbTier.from_config(config), MemoryTier(config.memory_budget_bytes), s3,
+                                s3_error)
                 store = _STORES[real] = cls(tiers)
             store._opens += 1
             return store

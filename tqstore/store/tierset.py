@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from tqstore.format.blocks import BLOCK_SIZE, Block
 from tqstore.config import Config
-from tqstore.errors import CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
+from tqstore.errors import ConfigError, CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
 from tqstore.store.home_lock import HomeLock
@@ -73,11 +73,13 @@ class RemoteManifest:
 class TierSet:
     """Memory, LMDB and (when configured) S3 tiers of one home, with shared bookkeeping."""
 
-    def __init__(self, config: Config, lmdb: LmdbTier, memory: MemoryTier, s3: S3Tier | None) -> None:
+    def __init__(self, config: Config, lmdb: LmdbTier, memory: MemoryTier, s3: S3Tier | None,
+                 s3_error: ConfigError | None = None) -> None:
         self.config = config
         self.lmdb = lmdb
         self.memory = memory
         self.s3 = s3
+        self.s3_error = s3_error  # why the configured bucket could not be set up (its key file, say)
         self.remote = RemoteIndex(s3) if s3 is not None else None
         self.lock = HomeLock(config.home / "store.lock")
         self.counters = Counters()
@@ -88,7 +90,10 @@ class TierSet:
         self._pins_at: float | None = None  # when refresh_pins last ran (monotonic)
 
     def require_s3(self) -> S3Tier:
-        """The S3 tier; RemoteNotConfigured when there is none."""
+        """The S3 tier; RemoteNotConfigured when there is none, or the ConfigError that kept the
+        configured one from being set up."""
+        if self.s3_error is not None:
+            raise self.s3_error
         if self.s3 is None:
             raise RemoteNotConfigured(
                 "no S3 bucket configured: set TQSTORE_S3_URL=s3://BUCKET/PREFIX (or `s3.url` in "
