@@ -5,7 +5,6 @@ concurrent one is a real `tqstore chat` process started while this one holds its
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from model_folder import write_model_folder
-from tqstore_cli import main as cli_main
+from test_cli import clean_env, cli  # noqa: F401 (fixtures)
 
 PINNED_BLAS = {"TQSTORE_BLAS": os.environ["TQSTORE_BLAS"]}  # set by conftest.py
 
@@ -23,34 +22,6 @@ PINNED_BLAS = {"TQSTORE_BLAS": os.environ["TQSTORE_BLAS"]}  # set by conftest.py
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return str(write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2", num_hidden_layers=2))
-
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in ("TQSTORE_HOME", "TQSTORE_S3_URL", "TQSTORE_S3_ENDPOINT", "TQSTORE_LMDB_BUDGET",
-                 "TQSTORE_DEFAULT_SCHEME"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def cli(tmp_path, capsys):
-    """cli(*argv, stdin=None) runs `tqstore --home HOME *argv` in this process: (code, out, err)."""
-    home = str(tmp_path / "home")
-
-    def run(*argv: str, stdin: str | None = None) -> tuple[int, str, str]:
-        capsys.readouterr()
-        if stdin is not None:
-            sys.stdin = io.StringIO(stdin)
-        try:
-            code = cli_main.main(["--home", home, *argv])
-        finally:
-            sys.stdin = sys.__stdin__
-        out, err = capsys.readouterr()
-        assert "Traceback" not in err and "Traceback" not in out
-        return code, out, err
-
-    run.home = home
-    return run
 
 
 def turns(out: str) -> list[tuple[str, str]]:

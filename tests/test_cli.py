@@ -33,6 +33,9 @@ class Run:
     def json(self):
         return json.loads(self.out)
 
+    def __iter__(self):  # code, out, err = cli(...)
+        return iter((self.code, self.out, self.err))
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
