@@ -244,3 +244,34 @@ def test_a_missing_key_file_stops_the_bucket_not_local_use(s3, tmp_path, monkeyp
                 call()
     finally:
         store.close()
+
+
+def test_one_manifest_sealed_with_another_key_is_one_problem(s3, tmp_path, pushed, ledger):
+    """Before: one such manifest made ls --remote, verify --remote and gc --remote raise
+    EncryptionKeyError for every machine, naming only that entry, and no lookup found the others."""
+    _, tokens = pushed
+    objects = bucket_objects(s3)
+    key = next(k for k in objects if k.endswith("manifests/b.json"))
+    where = f"s3://{s3.bucket}/{key}"
+    plain = crypto.ObjectCipher(base64.b64decode(KEY), "test").open(objects[key][0], "manifest", "b", where)
+    resealed = crypto.ObjectCipher(base64.b64decode(OTHER_KEY), "test").seal(plain, "manifest", "b", where)
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=resealed, Metadata=objects[key][1])
+    reader = open_store(tmp_path / "reader", **s3_settings(s3))
+    try:
+        manifest = reader._tiers.remote_manifests(["a"])[0][0].manifest
+        match = reader.lookup(list(tokens) + [1], model=manifest.model_digest, codec=manifest.codec_digest)
+        assert match is not None and match.entry == "a" and match.remote
+        assert reader.stats().remote_error is None
+        assert [e.name for e in reader.ls(remote=True)] == ["a"]
+        problems = reader.verify(remote=True)
+        assert [(p.entry, p.kind) for p in problems] == [("b", "remote_manifest")]
+        assert "another key" in problems[0].detail
+        before = bucket_objects(s3)
+        stats = reader.gc(remote=True)
+        assert any("b" in note and "another key" in note for note in stats.notes)
+        assert bucket_objects(s3).keys() == before.keys()
+        with pytest.raises(crypto.EncryptionKeyError, match="another key"):
+            reader.info("b", remote=True)
+    finally:
+        reader.close()
+    ledger.count("encryption at rest", "one manifest under another key: a problem, the others listed", 1)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tqstore.units import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound, TqstoreError
+from tqstore.store.crypto import EncryptionKeyError
 from tqstore.store.object_checks import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
@@ -300,7 +301,7 @@ def verify_remote(tiers: TierSet, name: str | None) -> list[Problem]:
                 continue  # removed meanwhile
             Manifest.from_bytes(got[0])
             detail = "the manifest could not be read (it was replaced meanwhile)"
-        except (FormatError, CorruptBlock) as exc:
+        except (FormatError, CorruptBlock, EncryptionKeyError) as exc:
             detail = str(exc)
         problems.append(Problem(entry, "remote_manifest", None, detail))
     return problems + _check_placement(s3, [remote.manifest for remote in found])
@@ -400,5 +401,6 @@ def _delete(tiers: TierSet, keys: Iterable[bytes]) -> tuple[int, int]:
 
 
 def _unreadable_note(names: list[str], where: str) -> str:
-    return (f"manifests {', '.join(names)} in {where} cannot be read (damaged, or written by a newer tqstore), so "
-            "no unreferenced objects were removed: fix or remove them (tqstore verify, tqstore rm)")
+    return (f"manifests {', '.join(names)} in {where} cannot be read (damaged, sealed with another key, or "
+            "written by a newer tqstore), so no unreferenced objects were removed: fix or remove them "
+            "(tqstore verify, tqstore rm)")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from tqstore.errors import CorruptBlock, FormatError, TqstoreError
 from tqstore.format.manifest import Manifest
+from tqstore.store.crypto import EncryptionKeyError
 from tqstore.store.packs import Location, manifest_address, parse_map
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
@@ -78,7 +79,7 @@ class RemoteIndex:
             listed = self.s3.list_manifests()
             with self._lock:
                 known = dict(self._manifests)
-            fresh = {}
+            fresh, key_errors = {}, []
             for info in listed:
                 old = known.get(info.name)
                 if old is not None and old[:2] == (info.last_used, info.size):
@@ -91,9 +92,14 @@ class RemoteIndex:
                     manifest = Manifest.from_bytes(got[0])
                 except (FormatError, CorruptBlock):
                     continue  # a damaged or newer manifest matches nothing; `gc --remote` reports it
+                except EncryptionKeyError as exc:  # one entry under another key must not hide the rest
+                    key_errors.append(exc)
+                    continue
                 if manifest.name != info.name:
                     continue  # copied under another name: not to be trusted
                 fresh[info.name] = (info.last_used, info.size, manifest, got[1])
+            if key_errors and not fresh:
+                raise key_errors[0]  # nothing opens: this machine's key is the fault
         except TqstoreError as exc:
             self.last_error = str(exc)
             return

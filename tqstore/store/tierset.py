@@ -23,6 +23,7 @@ from tqstore.config import Config
 from tqstore.errors import ConfigError, CorruptBlock, FormatError, MalformedHeader, NotFound, RemoteNotConfigured
 from tqstore.format.manifest import Manifest
 from tqstore.names import is_valid_name
+from tqstore.store.crypto import EncryptionKeyError
 from tqstore.store.home_lock import HomeLock
 from tqstore.store.remote_index import RemoteIndex
 from tqstore.store.tiers.lmdb import LmdbTier
@@ -128,12 +129,14 @@ class TierSet:
 
     def remote_manifests(self, names: list[str] | None = None) -> tuple[list[RemoteManifest], list[str]]:
         """(each readable bucket manifest, names that failed to parse or verify); all by listing,
-        or only `names`. One damaged manifest must not hide the others."""
+        or only `names`. One damaged manifest, or one sealed with another key, must not hide the
+        others; when no manifest opens and some failed for the key, this machine's key is the
+        fault, so that EncryptionKeyError is raised."""
         s3 = self.require_s3()
         listed = s3.list_manifests()
         if names is not None:
             listed = [info for info in listed if info.name in names]
-        found, unreadable = [], []
+        found, unreadable, key_errors = [], [], []
         for info in listed:
             try:
                 got = s3.get_manifest(info.name)
@@ -143,6 +146,11 @@ class TierSet:
                                             info.last_used))
             except (FormatError, CorruptBlock):  # CorruptBlock: its digest or AES-GCM tag failed
                 unreadable.append(info.name)
+            except EncryptionKeyError as exc:
+                unreadable.append(info.name)
+                key_errors.append(exc)
+        if key_errors and not found:
+            raise key_errors[0]
         return found, unreadable
 
     def local_manifests(self) -> tuple[list[tuple[Manifest, float]], list[str]]:
