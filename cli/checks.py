@@ -211,25 +211,40 @@ def blas() -> Check:
 def s3(config: Config) -> Check:
     if config.s3_url is None:
         return Check("s3", "skip", "not configured (tqstore config set s3.url s3://BUCKET/PREFIX)")
-    from tqstore.errors import RemoteError
+    from tqstore.errors import ConfigError, CorruptBlock, FormatError, RemoteError
+    from tqstore.store.crypto import cipher_from_config
     from tqstore.store.tiers.s3 import S3Tier
     from tqstore.store.tiers.s3_errors import Missing, boto_errors
 
     where = config.s3_endpoint or "AWS"
-    data = {"url": config.s3_url, "endpoint": config.s3_endpoint}
+    data = {"url": config.s3_url, "endpoint": config.s3_endpoint, "encryption": None}
     try:
+        cipher = cipher_from_config(config)
+        data["encryption"] = None if cipher is None else cipher.source
         # Few attempts and a short connect timeout: a check should fail fast, not retry for minutes.
         tier = S3Tier(config.s3_bucket, config.s3_prefix, endpoint_url=config.s3_endpoint, region=config.s3_region,
                       max_attempts=2, connect_timeout=min(config.s3_connect_timeout, 5.0),
-                      read_timeout=min(config.s3_read_timeout, 10.0))
+                      read_timeout=min(config.s3_read_timeout, 10.0), cipher=cipher)
         start = time.perf_counter()
         with boto_errors("head_bucket", "", tier.bucket, where, 2):
             tier.client.head_bucket(Bucket=tier.bucket)
         data["seconds"] = time.perf_counter() - start
+        _open_one_manifest(tier)
     except Missing:
         return Check("s3", "fail", f"bucket {config.s3_bucket!r} does not exist at {where}: create it, or fix s3.url",
                      data)
-    except RemoteError as exc:
+    except (RemoteError, ConfigError) as exc:  # EncryptionKeyError is a RemoteError
         return Check("s3", "fail", str(exc), data)
-    return Check("s3", "ok", f"{config.s3_url} at {where}: bucket reachable, credentials accepted "
-                             f"({data['seconds'] * 1e3:.0f} ms)", data)
+    except (CorruptBlock, FormatError):
+        pass  # a damaged manifest is verify --remote's to report, not a fault of this machine
+    key = "off" if cipher is None else f"key from {cipher.source}"
+    return Check("s3", "ok", f"{config.s3_url} at {where}: bucket reachable, credentials accepted, encryption "
+                             f"{key} ({data['seconds'] * 1e3:.0f} ms)", data)
+
+
+def _open_one_manifest(tier) -> None:
+    """Read the prefix's first manifest, if any, with this machine's key: EncryptionKeyError when
+    the prefix is sealed with another key or this machine has none."""
+    listed = tier.list_manifests()
+    if listed:
+        tier.get_manifest(listed[0].name)

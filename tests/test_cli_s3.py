@@ -3,6 +3,7 @@ empty home B, ask on B; the bucket's listing and removal; selftest's bucket chec
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -88,3 +89,29 @@ def test_selftest_checks_the_bucket(bucket, tq, monkeypatch):
     code, report = tq("a", "selftest")
     s3 = next(c for c in report["checks"] if c["name"] == "s3")
     assert code == 1 and report["ok"] is False and s3["status"] == "fail" and "no-such-bucket" in s3["detail"]
+
+
+def test_selftest_fails_on_a_key_the_bucket_cannot_use(bucket, tq, model, monkeypatch, tmp_path):
+    """Before: selftest said the bucket was fine (exit 0) with an unreadable key file, a
+    malformed key, another key than the prefix's, or none for an encrypted prefix."""
+    key, other = base64.b64encode(bytes(range(32))).decode(), base64.b64encode(bytes(range(1, 33))).decode()
+    monkeypatch.setenv("TQSTORE_S3_KEY", key)
+    tq("a", "save", "doc", "--model", model, "--prompt", DOC)
+    assert tq("a", "push", "doc")[0] == 0
+
+    def s3_check():
+        code, report = tq("b", "selftest")
+        return code, next(c for c in report["checks"] if c["name"] == "s3")
+
+    code, check = s3_check()
+    assert code == 0 and check["status"] == "ok" and check["encryption"] == "TQSTORE_S3_KEY"
+    for value, says in ((other, "another key"), ("not-base64!", "TQSTORE_S3_KEY")):
+        monkeypatch.setenv("TQSTORE_S3_KEY", value)
+        code, check = s3_check()
+        assert code == 1 and check["status"] == "fail" and says in check["detail"], value
+    monkeypatch.delenv("TQSTORE_S3_KEY")
+    code, check = s3_check()
+    assert code == 1 and check["status"] == "fail" and "is encrypted" in check["detail"]
+    monkeypatch.setenv("TQSTORE_S3_KEY_FILE", str(tmp_path / "missing.key"))
+    code, check = s3_check()
+    assert code == 1 and check["status"] == "fail" and "missing.key" in check["detail"]
