@@ -140,6 +140,15 @@ def test_empty_document_is_refused(engine, model_dir):
         engine.save("doc", "  \n", model=str(model_dir))
 
 
+def test_an_unknown_scheme_is_bad_input(engine, model_dir):
+    """Before: a plain ValueError from the codec, which callers catching TqstoreError missed."""
+    with pytest.raises(BadInput, match="turbo9"):
+        engine.save("doc", DOCUMENT, model=str(model_dir), scheme="turbo9")
+    with pytest.raises(BadInput, match="turbo9"):
+        engine.add_chunk(None, DOCUMENT, model=str(model_dir), scheme="turbo9")
+    assert engine.store.ls() == []
+
+
 def test_store_caches_trims_the_answer_off(engine, model_dir):
     engine.save("doc", DOCUMENT, model=str(model_dir))
     loaded = engine.model(str(model_dir))

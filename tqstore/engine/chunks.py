@@ -23,14 +23,14 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from turboquant import WINDOW_CLASSES, is_window_record, make_prompt_cache, parse_scheme, restore, settle
+from turboquant import WINDOW_CLASSES, is_window_record, make_prompt_cache, restore, settle
 
 from tqstore.engine.compose import (ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description,
                                     window_sizes)
 from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.engine.generation import Answerer, AskResult
-from tqstore.engine.models import LoadedModels
+from tqstore.engine.models import LoadedModels, scheme_name
 from tqstore.engine.prefill import Prefiller
 from tqstore.engine.saving import Saver
 from tqstore.errors import (BadInput, ConflictError, CorruptBlock, FormatError, IdentityMismatch, NotFound,
@@ -142,7 +142,7 @@ class DocumentChunks:
         is kept as it is."""
         if not text.strip():
             raise BadInput("the document is empty: nothing to store")
-        scheme = parse_scheme(scheme or self.store.config.default_scheme).name
+        scheme = scheme_name(scheme or self.store.config.default_scheme)
         prefix = prefix_tokens(loaded, system)
         tokens = loaded.prompt.document_tokens(loaded.tokenizer, text)
         return self.ensure_chunk(loaded, scheme, prefix, tokens, name, pin)[0]
@@ -298,7 +298,7 @@ class DocumentChunks:
         if scheme is None:
             named = next((d.name for d in documents if d.name is not None), None)
             scheme = self.store.get(named).scheme if named else self.store.config.default_scheme
-        scheme = parse_scheme(scheme).name
+        scheme = scheme_name(scheme)
         question_tokens = loaded.prompt.after_documents_tokens(loaded.tokenizer, question)
         context = self.composed_caches(loaded, documents, scheme, system=system, recompute=recompute,
                                        question=question_tokens)

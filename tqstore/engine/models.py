@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from turboquant import WINDOW_MODES, codec_snapshot
+from turboquant import WINDOW_MODES, codec_snapshot, parse_scheme
 
 from tqstore.errors import BadInput, IdentityMismatch, NotFound, TqstoreError
 from tqstore.format.manifest import Manifest
@@ -18,6 +18,14 @@ from tqstore.models.identity import CodecIdentity
 from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model
 from tqstore.models.verdicts import FileVerdicts
 from tqstore.store.store import Store
+
+
+def scheme_name(scheme: str) -> str:
+    """The canonical name of `scheme` (e.g. "turbo4" for "TURBO4"), else BadInput naming it."""
+    try:
+        return parse_scheme(scheme).name
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
 
 
 def window_mode(mode: str) -> str:

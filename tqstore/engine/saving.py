@@ -11,11 +11,11 @@ from typing import Any, Generator, Sequence
 
 import mlx.core as mx
 
-from turboquant import Context, StateCheckpoints, TurboQuantKVCache, held_tokens, parse_scheme, snapshot
+from turboquant import Context, StateCheckpoints, TurboQuantKVCache, held_tokens, snapshot
 
 from tqstore.engine import receipts
 from tqstore.engine.background import BackgroundWriter
-from tqstore.engine.models import LoadedModels, window_mode
+from tqstore.engine.models import LoadedModels, scheme_name, window_mode
 from tqstore.engine.prefill import Prefiller, Progress, finish
 from tqstore.errors import BadInput
 from tqstore.format.blocks import BLOCK_SIZE
@@ -73,7 +73,7 @@ class Saver:
         """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result.
         `windows` ("token" or "whole", default the engine's) says how the entry keeps its
         sliding-window and chunked layers."""
-        scheme = parse_scheme(scheme or self.store.config.default_scheme).name
+        scheme = scheme_name(scheme or self.store.config.default_scheme)
         windows = window_mode(windows or self.models.windows)
         started = self.prefiller.start(loaded, scheme, tokens, windows)
         new = len(tokens) - started.matched
