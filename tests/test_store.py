@@ -385,6 +385,44 @@ def test_pin_and_unpin(store):
         store.pin("nothing")
 
 
+def test_a_pin_never_undoes_a_save_that_lands_while_it_runs(store, monkeypatch):
+    """Before: pin read the manifest, then wrote it back pinned; a save of the entry between the
+    two was overwritten by the old version (and its blocks then collected as unreferenced)."""
+    put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
+    put(store, "b", make_snapshot(200, seed=2, layouts=PLAIN), token_ids(200, seed=2))
+    saved = store.get("b").replace(name="a").to_bytes()  # "a" as the other writer stores it
+    tier = lmdb_tier(store)
+    read = tier.get_manifest
+
+    def read_then_other_writer(name):
+        data = read(name)
+        monkeypatch.setattr(tier, "get_manifest", read)
+        tier.put_manifest("a", saved)
+        return data
+
+    monkeypatch.setattr(tier, "get_manifest", read_then_other_writer)
+    store.pin("a")
+    stored = store.get("a")
+    assert stored.pinned and stored.tokens == store.get("b").tokens
+
+
+def test_a_push_keeps_the_entry_s_place_in_eviction(tmp_path, s3):
+    """Before: a push recorded the bucket's etag through a manifest write that also marked the
+    entry used now, so `push --all` reordered LRU eviction by name."""
+    store = open_store(tmp_path / "home", s3_url=f"s3://{s3.bucket}/kv", s3_endpoint=s3.endpoint,
+                       s3_region="us-east-1")
+    try:
+        put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
+        put(store, "b", make_snapshot(200, seed=2, layouts=PLAIN), token_ids(200, seed=2))
+        lmdb_tier(store).touch("a", 1000.0)
+        lmdb_tier(store).touch("b", 2000.0)
+        store.push()
+        assert store.get("a").remote_etag and store.get("b").remote_etag
+        assert {e.name: e.last_used for e in store.ls()} == {"a": 1000.0, "b": 2000.0}
+    finally:
+        store.close()
+
+
 def test_gc_removes_orphans_and_quarantine_records(store):
     put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
     tier = lmdb_tier(store)

@@ -39,7 +39,7 @@ from tqstore.names import validate_name
 from tqstore.store.put import PutResult, put_entry
 from tqstore.store.tiers.lmdb import LmdbStats, LmdbTier
 from tqstore.store.tiers.memory import MemoryTier
-from tqstore.store.tierset import TierSet
+from tqstore.store.tierset import TierSet, not_found
 from tqstore.store.transfer import Progress, TransferStats, pull, push
 
 __all__ = ["EntryInfo", "GcStats", "Match", "Problem", "PutResult", "RestoreStats", "Store", "StoreStats",
@@ -342,10 +342,17 @@ class Store:
         self._tiers.lmdb.touch_soon(name)
 
     def _set_pinned(self, name: str, pinned: bool) -> None:
+        # Compare-and-swap: a save or pull publishing `name` meanwhile must not be overwritten
+        # by the version read here (its blocks would then be collected as unreferenced).
         with self._tiers.lock.shared():
-            manifest = self.get(name)
-            if manifest.pinned != pinned:
-                self._tiers.lmdb.put_manifest(name, manifest.replace(pinned=pinned).to_bytes())
+            while True:
+                read = self._tiers.local_manifest_read(validate_name(name))
+                if read is None:
+                    raise not_found(name, self._tiers)
+                data, manifest = read
+                if manifest.pinned == pinned or self._tiers.lmdb.replace_manifest(
+                        name, data, manifest.replace(pinned=pinned).to_bytes(), mark_used=True):
+                    break
         self._tiers.refresh_pins()
 
     def _remote_manifests(self, names: list[str] | None = None) -> list[tuple[Manifest, float]]:

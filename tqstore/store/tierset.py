@@ -106,19 +106,26 @@ class TierSet:
         """The local manifest `name`, parsed (FormatError if it is damaged), or None. The same
         bytes parse to the same manifest: the last parse of each name is kept with its bytes
         (a restore by name would otherwise re-check every token and recompute every key)."""
+        read = self.local_manifest_read(name)
+        return None if read is None else read[1]
+
+    def local_manifest_read(self, name: str) -> tuple[bytes, Manifest] | None:
+        """(the stored bytes, the parsed manifest) of `name`, or None: the bytes are what a
+        compare-and-swap (`LmdbTier.replace_manifest`) must expect."""
         data = self.lmdb.get_manifest(name)
         if data is None:
             return None
+        data = bytes(data)
         with self._cache_lock:
             seen = self._parsed.get(name)
         if seen is not None and seen[0] == data:
-            return seen[1]
+            return data, seen[1]
         manifest = check_name(Manifest.from_bytes(data), name)
         with self._cache_lock:
             if len(self._parsed) >= 1024:
                 self._parsed.clear()
-            self._parsed[name] = (bytes(data), manifest)
-        return manifest
+            self._parsed[name] = (data, manifest)
+        return data, manifest
 
     def require_manifest(self, name: str) -> Manifest:
         """The local manifest `name`; NotFound (saying where to look) if there is none."""

@@ -125,8 +125,9 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         etag, written = _publish_manifest(s3, manifest, remote)
         if not written:
             up_to_date.append(manifest.name)
-        if tiers.lmdb.get_manifest(manifest.name) == manifest.to_bytes():  # unless replaced meanwhile
-            tiers.lmdb.put_manifest(manifest.name, manifest.replace(remote_etag=etag).to_bytes())
+        # Unless replaced meanwhile; bookkeeping, not use: the entry's place in eviction stays.
+        tiers.lmdb.replace_manifest(manifest.name, manifest.to_bytes(), manifest.replace(remote_etag=etag).to_bytes(),
+                                    mark_used=False)
         tiers.remote.note_located(located)
         tiers.remote.note_manifest(remote, etag)
         listed.update(located)
@@ -320,9 +321,8 @@ def _intend(tiers: TierSet, local: Manifest, remote: Manifest) -> Manifest:
     version as its own. Returns the local manifest as recorded (unless replaced meanwhile)."""
     pending = local.replace(remote_etag=f"{PENDING}{local.remote_etag or ''}:"
                                         f"{hashlib.sha256(remote.to_bytes()).hexdigest()}")
-    if tiers.lmdb.get_manifest(local.name) != local.to_bytes():
-        return local
-    tiers.lmdb.put_manifest(local.name, pending.to_bytes())
+    if not tiers.lmdb.replace_manifest(local.name, local.to_bytes(), pending.to_bytes(), mark_used=False):
+        return local  # replaced meanwhile
     return pending
 
 

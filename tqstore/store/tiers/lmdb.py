@@ -272,6 +272,15 @@ class LmdbTier:
         validate_name(name)
         self._env.write(self._put_manifest, name.encode(), bytes(data), needed=len(data))
 
+    def replace_manifest(self, name: str, expected: bytes, data: bytes, *, mark_used: bool) -> bool:
+        """Replace the manifest `name` with `data` only if it still is `expected`, in one write
+        transaction (False, nothing written, when another writer changed or removed it since it
+        was read). `mark_used`: a pin marks the entry used; a push's bookkeeping must not, or
+        it would reorder eviction."""
+        validate_name(name)
+        return self._env.write(self._replace_manifest, name.encode(), bytes(expected), bytes(data), mark_used,
+                               needed=len(data))
+
     def get_manifest(self, name: str) -> bytes | None:
         """The manifest `name`, or None."""
         key = validate_name(name).encode()
@@ -480,6 +489,16 @@ class LmdbTier:
         self._env.check_free_disk(len(data), txn)
         txn.put(name, data, db=self._env.dbs[b"manifests"])
         txn.put(name, TIME.pack(time.time()), db=self._env.dbs[b"manifest_used"])
+
+    def _replace_manifest(self, txn: lmdb.Transaction, name: bytes, expected: bytes, data: bytes,
+                          mark_used: bool) -> bool:
+        if txn.get(name, db=self._env.dbs[b"manifests"]) != expected:
+            return False
+        self._env.check_free_disk(len(data), txn)
+        txn.put(name, data, db=self._env.dbs[b"manifests"])
+        if mark_used:
+            txn.put(name, TIME.pack(time.time()), db=self._env.dbs[b"manifest_used"])
+        return True
 
     def _settle(self, txn: lmdb.Transaction) -> None:
         txn.put(b"settled", TIME.pack(time.time()), db=self._env.dbs[b"meta"])
