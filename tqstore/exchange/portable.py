@@ -228,20 +228,39 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
 
 
 def _file_tokens(metadata: dict[str, str], loaded, text: str | None, system: str | None, path) -> list[int]:
-    if text is not None:
-        return loaded.prompt.context_tokens(loaded.tokenizer, text, system)
+    """The token ids of the file's caches: the ones tqstore recorded on export, or `text` framed
+    for this model; both given, they must agree."""
     raw = metadata.get(TOKENS_KEY)
+    recorded = None
+    if raw is not None:
+        try:
+            recorded = json.loads(raw)
+        except ValueError:
+            pass
+        if not isinstance(recorded, list) or not all(type(t) is int and t >= 0 for t in recorded):
+            recorded = None
+    if text is not None:
+        tokens = loaded.prompt.context_tokens(loaded.tokenizer, text, system)
+        # Stored under other tokens, the file's K/V would be reused for a text it was never computed from.
+        if recorded is not None and tokens != recorded:
+            raise BadInput(f"the text given is not the one {path} was made from (the file records its tokens): "
+                           f"{_first_difference(tokens, recorded)}; pass the exact text the cache was made from "
+                           "(and --system if it had one), or leave out --prompt to use the file's tokens")
+        return tokens
     if raw is None:
         raise BadInput(f"{path} does not record its token ids (mlx-lm files never do): pass the text it was made from "
                        "with --prompt or --prompt-file")
-    try:
-        tokens = json.loads(raw)
-    except ValueError:
-        tokens = None
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+    if recorded is None:
         raise BadInput(f"{path}: its {TOKENS_KEY} metadata is not a list of token ids; pass the text it was made from "
                        "with --prompt or --prompt-file")
-    return tokens
+    return recorded
+
+
+def _first_difference(tokens: list[int], recorded: list[int]) -> str:
+    for i, (mine, theirs) in enumerate(zip(tokens, recorded)):
+        if mine != theirs:
+            return f"token {i} of {len(recorded)} is {theirs} in the file, {mine} in the framed text"
+    return f"the file records {len(recorded)} tokens, the framed text is {len(tokens)} tokens"
 
 
 def _check_layers(snap, model, path) -> None:

@@ -1,0 +1,51 @@
+"""`tqstore export` / `tqstore import` refusing what would store a wrong or dead entry: a --prompt
+other than the text an exported mlx-lm file records, an expired entry, options a bundle has no use
+for. The commands run in-process (`main(argv)`, as in test_cli.py) on real homes and files."""
+
+from __future__ import annotations
+
+import pytest
+
+from model_folder import write_model_folder
+from test_cli import clean_env, cli, fails  # noqa: F401 (fixtures)
+
+DOC = ("The Devil's Dictionary defines words with wit. To abscond is to move in a mysterious way, "
+       "commonly with the property of another.")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(write_model_folder(tmp_path_factory.mktemp("model") / "tiny-qwen2", num_hidden_layers=2))
+
+
+def framed(model: str, text: str) -> list[int]:
+    """The tokens `save --prompt text` stores: the user turn left open, as mlx_lm.cache_prompt frames it."""
+    from mlx_lm import load
+
+    _, tokenizer = load(model)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=False,
+                                         continue_final_message=True)
+
+
+def test_import_refuses_a_prompt_other_than_the_text_the_file_records(cli, model, tmp_path):
+    cli("save", "doc", "--model", model, "--prompt", DOC, "--scheme", "raw", "-q")
+    file = tmp_path / "doc.safetensors"
+    cli("export", "doc", str(file), "--mlx-lm", "-q")
+    # Two words swapped: as many tokens, so the token count alone cannot tell the texts apart.
+    other = DOC.replace("words with wit", "wit with words")
+    tokens, other_tokens = framed(model, DOC), framed(model, other)
+    assert len(other_tokens) == len(tokens) and other_tokens != tokens
+    home = str(tmp_path / "other-home")
+
+    line = fails(cli("--home", home, "import", str(file), "wrong", "--model", model, "--prompt", other),
+                 "not the one")
+    first = next(i for i, (a, b) in enumerate(zip(tokens, other_tokens)) if a != b)
+    assert f"token {first} of {len(tokens)}" in line and "exact text the cache was made from" in line
+    assert cli("--home", home, "ls", "--json").json["entries"] == []
+    # Its K/V stored under that text's tokens would be reused by a later save of it.
+    saved = cli("--home", home, "save", "other", "--model", model, "--prompt", other, "--json").json
+    assert saved["reused_tokens"] == 0
+
+    imported = cli("--home", home, "import", str(file), "right", "--model", model, "--prompt", DOC, "--json").json
+    assert imported["tokens"] == len(tokens)
+    assert cli("--home", home, "info", "right", "--json").json["tokens"] == len(tokens)
