@@ -49,3 +49,13 @@ def test_import_refuses_a_prompt_other_than_the_text_the_file_records(cli, model
     imported = cli("--home", home, "import", str(file), "right", "--model", model, "--prompt", DOC, "--json").json
     assert imported["tokens"] == len(tokens)
     assert cli("--home", home, "info", "right", "--json").json["tokens"] == len(tokens)
+
+
+def test_import_of_a_bundle_refuses_the_options_of_mlx_lm_files(cli, model, tmp_path):
+    cli("save", "doc", "--model", model, "--prompt", DOC, "-q")
+    bundle = tmp_path / "doc.tqb"
+    cli("export", "doc", str(bundle), "-q")
+    # A bundle holds its own tokens: a system prompt given for it was silently ignored.
+    for option in (["--system", "hi"], ["--model", model], ["--scheme", "raw"], ["--prompt", DOC]):
+        fails(cli("import", str(bundle), "copy", *option), "a bundle is imported as it is")
+    assert [e["name"] for e in cli("ls", "--json").json["entries"]] == ["doc"]

@@ -59,8 +59,9 @@ def import_(ctx: Context, args: argparse.Namespace) -> int:
     if not Path(args.file).is_file():
         raise NotFound(f"no such file: {args.file}")
     if portable.is_bundle(args.file):
-        if args.model or args.scheme or args.prompt is not None or args.prompt_file:
-            raise BadInput("a bundle is imported as it is: --model, --scheme and --prompt are for mlx-lm files")
+        if args.model or args.scheme or args.prompt is not None or args.prompt_file or args.system is not None:
+            raise BadInput("a bundle is imported as it is: --model, --scheme, --prompt and --system are for mlx-lm "
+                           "files")
         result = portable.import_bundle(ctx.store(), args.file, name)
     elif Path(args.file).suffix == portable.MLX_LM_SUFFIX:
         if not args.model:
