@@ -423,6 +423,31 @@ def test_a_push_keeps_the_entry_s_place_in_eviction(tmp_path, s3):
         store.close()
 
 
+def test_an_expired_entry_is_neither_pushed_nor_pulled(tmp_path, s3):
+    """Before: `pull` published an entry expired in the bucket (never matched or loaded after)
+    and evicted live local entries to make room for it; `push NAME` uploaded an expired one."""
+    bucket = {"s3_url": f"s3://{s3.bucket}/kv", "s3_endpoint": s3.endpoint, "s3_region": "us-east-1"}
+    origin = open_store(tmp_path / "origin", **bucket)
+    try:
+        put(origin, "old", make_snapshot(300, layouts=PLAIN), token_ids(300), ttl=1.0)
+        origin.push("old")
+        put(origin, "later", make_snapshot(200, seed=2, layouts=PLAIN), token_ids(200, seed=2), ttl=1.0)
+        time.sleep(1.1)
+        with pytest.raises(NotFound, match="expired.*nothing was pushed"):
+            origin.push("later")
+        assert [e.name for e in origin.ls(remote=True)] == ["old"]
+    finally:
+        origin.close()
+    reader = open_store(tmp_path / "reader", **bucket)
+    try:
+        put(reader, "live", make_snapshot(300, seed=4, layouts=PLAIN), token_ids(300, seed=4))
+        with pytest.raises(NotFound, match="expired.*nothing was pulled"):
+            reader.pull("old")
+        assert [e.name for e in reader.ls()] == ["live"]
+    finally:
+        reader.close()
+
+
 def test_gc_removes_orphans_and_quarantine_records(store):
     put(store, "a", make_snapshot(300, layouts=PLAIN), token_ids(300))
     tier = lmdb_tier(store)

@@ -103,6 +103,9 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     start = time.perf_counter()
     if name is not None:
         manifests = [tiers.require_manifest(name)]
+        if manifests[0].expired(time.time()):  # as `--all` leaves it out: no machine would use it
+            raise NotFound(f"entry {name} expired at {time.ctime(manifests[0].expires)}: nothing was pushed; save it "
+                           "again (tqstore gc removes expired entries)")
     else:
         entries, _ = tiers.local_manifests()  # unreadable ones are left out; `tqstore verify` names them
         manifests = sorted((m for m, _ in entries if not m.expired(time.time())), key=lambda m: m.name)
@@ -389,6 +392,10 @@ def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
         guess = hashlib.sha256(got[0]).hexdigest()
         fetching = early.submit(s3.get_map, guess)
         remote = check_name(Manifest.from_bytes(got[0]), name)
+        if remote.expired(time.time()):  # it would never be matched or loaded, yet could evict live entries
+            raise NotFound(f"entry {name} in s3://{s3.bucket}/{s3.prefix} expired at {time.ctime(remote.expires)}: "
+                           "nothing was pulled; push it again from a machine that has it live (tqstore gc --remote "
+                           "removes expired entries)")
         where = _map(s3, remote, fetching if manifest_address(remote) == guess else None)
     wants = wants_for(remote, len(remote.blocks), remote=True)
     tally = _Tally(len(wants), progress)
