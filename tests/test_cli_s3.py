@@ -115,3 +115,9 @@ def test_selftest_fails_on_a_key_the_bucket_cannot_use(bucket, tq, model, monkey
     monkeypatch.setenv("TQSTORE_S3_KEY_FILE", str(tmp_path / "missing.key"))
     code, check = s3_check()
     assert code == 1 and check["status"] == "fail" and "missing.key" in check["detail"]
+
+
+def test_verify_remote_of_a_name_the_bucket_lacks_is_not_found(bucket, tq):
+    """Before: `verify nosuch --remote` said ok (exit 0) with `entries: ["nosuch"]`."""
+    code, out = tq("a", "verify", "nosuch", "--remote")
+    assert code == 1 and out["error"]["type"] == "NotFound" and "tqstore ls --remote" in out["error"]["message"]

@@ -293,6 +293,8 @@ def verify_remote(tiers: TierSet, name: str | None) -> list[Problem]:
     when an entry is pulled."""
     s3 = tiers.require_s3()
     found, unreadable = tiers.remote_manifests(None if name is None else [name])
+    if name is not None and not found and not unreadable:
+        raise NotFound(f"no entry {name} in s3://{s3.bucket}/{s3.prefix}: `tqstore ls --remote` lists them")
     problems = []
     for entry in unreadable:
         try:
