@@ -4,6 +4,8 @@ for. The commands run in-process (`main(argv)`, as in test_cli.py) on real homes
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from model_folder import write_model_folder
@@ -59,3 +61,32 @@ def test_import_of_a_bundle_refuses_the_options_of_mlx_lm_files(cli, model, tmp_
     for option in (["--system", "hi"], ["--model", model], ["--scheme", "raw"], ["--prompt", DOC]):
         fails(cli("import", str(bundle), "copy", *option), "a bundle is imported as it is")
     assert [e["name"] for e in cli("ls", "--json").json["entries"]] == ["doc"]
+
+
+def test_an_expired_entry_is_not_exported(cli, model, tmp_path):
+    cli("save", "short", "--model", model, "--prompt", DOC, "--scheme", "raw", "--ttl", "1s", "-q")
+    cli("save", "kept", "--model", model, "--prompt", DOC + " Kept.", "--ttl", "1s", "--pin", "-q")
+    time.sleep(1.1)
+    # Exported, it would be an entry no store uses, deleted by the next gc there.
+    fails(cli("export", "short", str(tmp_path / "short.tqb")), "expired at")
+    fails(cli("export", "short", str(tmp_path / "short.safetensors"), "--mlx-lm"), "expired at")
+    # Pinned, it is live here; the bundle would carry the TTL without the pin.
+    fails(cli("export", "kept", str(tmp_path / "kept.tqb")), "a bundle does not carry the pin")
+    assert not any(p.name.startswith(("short", "kept")) for p in tmp_path.iterdir())
+    cli("save", "kept", "--model", model, "--prompt", DOC + " Kept.", "-q")  # what the refusal advises
+    assert cli("export", "kept", str(tmp_path / "kept.tqb"), "--json").json["name"] == "kept"
+
+
+def test_a_bundle_whose_entry_expired_is_not_imported(cli, model, tmp_path):
+    from tqstore.exchange.bundle import read_bundle, write_bundle
+    from tqstore.format.manifest import Manifest
+
+    cli("save", "doc", "--model", model, "--prompt", DOC, "--ttl", "1h", "-q")
+    bundle = tmp_path / "doc.tqb"
+    cli("export", "doc", str(bundle), "-q")
+    # Its TTL ran out since the export (without waiting an hour): the import reported success, then gc deleted it.
+    manifest_bytes, objects = read_bundle(bundle)
+    write_bundle(bundle, Manifest.from_bytes(manifest_bytes).replace(expires=time.time() - 1).to_bytes(), objects)
+    home = str(tmp_path / "other-home")
+    fails(cli("--home", home, "import", str(bundle), "doc"), "expired at")
+    assert cli("--home", home, "ls", "--json").json["entries"] == []

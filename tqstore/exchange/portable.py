@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +86,20 @@ def export_bundle(store: Store, name: str, path: str | os.PathLike) -> ExportRes
     """Write local entry `name` with every object it uses to `path`, atomically.
 
     The objects are the exact bytes the LMDB tier holds, each checked against the digest the
-    manifest records; pins and the bucket's etag (local bookkeeping) are left out.
+    manifest records; pins and the bucket's etag (local bookkeeping) are left out. NotFound for
+    an entry whose TTL has run out (a pinned one too: the bundle would arrive expired).
     """
     tiers = store.tiers
     manifest = store.get(name)
+    portable = manifest.replace(pinned=False, remote_etag=None)
+    # An import would refuse it: better said here, where the entry can still be saved again.
+    if portable.expired(time.time()):
+        if manifest.pinned:
+            raise NotFound(f"entry {name} is pinned, so it stays here, but its TTL ran out at "
+                           f"{time.ctime(manifest.expires)} and a bundle does not carry the pin: it would arrive "
+                           "expired; nothing was exported: save it again without --ttl to export it")
+        raise NotFound(f"entry {name} expired at {time.ctime(manifest.expires)}: nothing was exported; save it again "
+                       "(tqstore gc removes expired entries)")
     objects = {}
     for ref in manifest.objects:
         payload = tiers.lmdb.get_object(ref.key)  # CorruptBlock if its segments are damaged
@@ -97,7 +108,6 @@ def export_bundle(store: Store, name: str, path: str | os.PathLike) -> ExportRes
                            "(tqstore verify lists the damage); save or pull the entry again")
         check_digest(payload, ref, f"the stored object {ref.key.hex()[:12]} of {name}")
         objects[ref.key] = payload
-    portable = manifest.replace(pinned=False, remote_etag=None)
     write_bundle(path, portable.to_bytes(), objects)
     return ExportResult(name, str(path), "bundle", len(manifest.tokens), os.path.getsize(path))
 
@@ -109,12 +119,16 @@ def import_bundle(store: Store, path: str | os.PathLike, name: str | None = None
     tokens and keys) before anything is written; then the entry is published as put and pull
     publish (tqstore.store.publish: the budget enforced before and after). A local entry of
     that name is replaced (its pin is kept). ConflictError when this store holds the entry's
-    first block from another save.
+    first block from another save; NotFound when the entry's TTL has run out.
     """
     manifest_bytes, payloads = read_bundle(path)
     manifest = Manifest.from_bytes(manifest_bytes)
     name = validate_name(manifest.name if name is None else name)
     manifest = manifest.replace(name=name, pinned=False, remote_etag=None)
+    # Published, it would never be matched or loaded, could evict live entries, and the next gc deletes it.
+    if manifest.expired(time.time()):
+        raise NotFound(f"the entry in {path} expired at {time.ctime(manifest.expires)}: nothing was imported (every "
+                       "export of that save carries its TTL): save the text again and export that")
     wants = wants_for(manifest, len(manifest.blocks), remote=False)
     for want, ref in zip(wants, manifest.objects):
         payload = payloads.get(ref.key)
