@@ -121,3 +121,16 @@ def test_verify_remote_of_a_name_the_bucket_lacks_is_not_found(bucket, tq):
     """Before: `verify nosuch --remote` said ok (exit 0) with `entries: ["nosuch"]`."""
     code, out = tq("a", "verify", "nosuch", "--remote")
     assert code == 1 and out["error"]["type"] == "NotFound" and "tqstore ls --remote" in out["error"]["message"]
+
+
+def test_push_all_goes_on_past_an_entry_another_machine_pushed(bucket, tq, model):
+    """Before: push --all stopped at the first conflicting entry (exit 1, only the error), so the
+    entries after it in name order stayed local and those before it went up unreported."""
+    tq("a", "save", "cf-b", "--model", model, "--prompt", DOC)
+    assert tq("a", "push", "cf-b")[0] == 0
+    for name, text in (("cf-a", DOC + " One."), ("cf-b", DOC + " Two."), ("cf-c", DOC + " Three.")):
+        tq("b", "save", name, "--model", model, "--prompt", text)
+    code, pushed = tq("b", "push", "--all")
+    assert code == 1 and pushed["entries"] == ["cf-a", "cf-c"] and pushed["conflicts"] == ["cf-b"]
+    assert any("cf-b" in warning for warning in pushed["warnings"])
+    assert sorted(e["name"] for e in tq("b", "ls", "--remote")[1]["entries"]) == ["cf-a", "cf-b", "cf-c"]

@@ -32,7 +32,7 @@ def push(ctx: Context, args: argparse.Namespace) -> int:
     with ctx.out.progress("push", unit="objects") as progress:
         stats = ctx.store().push(name, progress)
     _report(ctx, "push", stats)
-    return 0
+    return 1 if stats.conflicts else 0  # the others went up; the warnings say why these did not
 
 
 def pull(ctx: Context, args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ class TransferStats:
     up_to_date: tuple[str, ...] = ()  # pushed entries the bucket already held identically
     evicted: tuple[str, ...] = ()  # entries the LMDB budget evicted after a pull
     warnings: tuple[str, ...] = ()
+    conflicts: tuple[str, ...] = ()  # push --all: entries not pushed, the bucket holding others of their names
 
 
 class _Tally:
@@ -116,26 +117,44 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     # What the bucket holds (the first use LISTs and reads its manifests): the objects they list.
     listed = {r.key for m, _ in tiers.remote.manifests() for r in m.objects}
     packs = s3.list_packs()
+    pushed: list[str] = []
+    conflicts: list[str] = []
     for manifest in manifests:
-        located = _upload(tiers, s3, manifest, tally, packs, listed, warnings)
-        digests = {key: found[:2] for key, found in located.items()}
-        remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
-        where = {key: found[2] for key, found in located.items()}
-        if not tiers.remote.map_known(remote, where):  # a push of what the bucket holds sends nothing
-            s3.put_map(manifest_address(remote), map_bytes(remote, where))
-            tiers.remote.note_map(remote, where)
-        manifest = _intend(tiers, manifest, remote)
-        etag, written = _publish_manifest(s3, manifest, remote)
-        if not written:
-            up_to_date.append(manifest.name)
-        # Unless replaced meanwhile; bookkeeping, not use: the entry's place in eviction stays.
-        tiers.lmdb.replace_manifest(manifest.name, manifest.to_bytes(), manifest.replace(remote_etag=etag).to_bytes(),
-                                    mark_used=False)
-        tiers.remote.note_located(located)
-        tiers.remote.note_manifest(remote, etag)
-        listed.update(located)
-    return TransferStats(tuple(m.name for m in manifests), tally.total, tally.transferred, tally.skipped, tally.bytes,
-                         time.perf_counter() - start, tuple(up_to_date), warnings=tuple(warnings))
+        try:
+            if not _push_one(tiers, s3, manifest, tally, packs, listed, warnings):
+                up_to_date.append(manifest.name)
+            pushed.append(manifest.name)
+        except ConflictError as exc:
+            if name is not None:
+                raise
+            # One entry another machine pushed differently must not keep the others local.
+            conflicts.append(manifest.name)
+            warnings.append(str(exc))
+    return TransferStats(tuple(pushed), tally.total, tally.transferred, tally.skipped, tally.bytes,
+                         time.perf_counter() - start, tuple(up_to_date), warnings=tuple(warnings),
+                         conflicts=tuple(conflicts))
+
+
+def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, packs: dict[str, tuple[int, float]],
+              listed: set[bytes], warnings: list[str]) -> bool:
+    """Push one entry: its objects, its map, then its manifest; False when the bucket already
+    held it identically. ConflictError when the bucket holds a different entry of that name."""
+    located = _upload(tiers, s3, manifest, tally, packs, listed, warnings)
+    digests = {key: found[:2] for key, found in located.items()}
+    remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
+    where = {key: found[2] for key, found in located.items()}
+    if not tiers.remote.map_known(remote, where):  # a push of what the bucket holds sends nothing
+        s3.put_map(manifest_address(remote), map_bytes(remote, where))
+        tiers.remote.note_map(remote, where)
+    manifest = _intend(tiers, manifest, remote)
+    etag, written = _publish_manifest(s3, manifest, remote)
+    # Unless replaced meanwhile; bookkeeping, not use: the entry's place in eviction stays.
+    tiers.lmdb.replace_manifest(manifest.name, manifest.to_bytes(), manifest.replace(remote_etag=etag).to_bytes(),
+                                mark_used=False)
+    tiers.remote.note_located(located)
+    tiers.remote.note_manifest(remote, etag)
+    listed.update(located)
+    return written
 
 
 def _check_key(s3: S3Tier, names: list[str]) -> None:
