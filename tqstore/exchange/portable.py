@@ -203,7 +203,8 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
 
     The token ids come from `text`, the document the file was made from (framed as `tqstore
     save` and `mlx_lm.cache_prompt` frame it), or else from the metadata of a file tqstore
-    exported, which also records the model identity (checked).
+    exported, which also records the model identity (checked); where both are there, BadInput
+    unless they are the same tokens.
     With `scheme` the raw layers are compressed to it; without, the entry keeps the file's
     layout (raw, or affine when the file's quantization is the scheme's own).
     """
