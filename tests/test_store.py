@@ -8,6 +8,9 @@ test_store_crash.py several processes and SIGKILL.
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import textwrap
 import time
 
 import mlx.core as mx
@@ -16,12 +19,13 @@ import pytest
 
 from lmdb_damage import flip_segment_byte
 from test_blocks import assert_same_array, assert_same_snapshot, make_snapshot
+from test_tier_lmdb import HOLD_OPEN
 from tiny_models import build_model, prompt_tokens
 from tqstore import Store
 from tqstore.format import objects as F
 from tqstore.format.blocks import GroupedLayers, join_blocks, split_snapshot
 from tqstore.config import load_config
-from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, TokenMismatch
+from tqstore.errors import ConflictError, CorruptBlock, InvalidName, NotFound, RemoteError, TokenMismatch
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from tqstore.store.tiers.memory import HotObject
 from turboquant import make_prompt_cache, restore, snapshot
@@ -446,6 +450,34 @@ def test_an_expired_entry_is_neither_pushed_nor_pulled(tmp_path, s3):
         assert [e.name for e in reader.ls()] == ["live"]
     finally:
         reader.close()
+
+
+def test_gc_reports_what_it_did_when_its_remote_or_compact_part_cannot_run(tmp_path):
+    """Before: `gc --remote` with the bucket down, and `gc --compact` with the store open in
+    another process, removed the expired entries and then reported only the error (exit 1)."""
+    down = open_store(tmp_path / "down", s3_url="s3://bkt/kv", s3_endpoint="http://127.0.0.1:9",
+                      s3_region="us-east-1", s3_max_attempts=1, s3_connect_timeout=1)
+    try:
+        put(down, "old", make_snapshot(300, layouts=PLAIN), token_ids(300), ttl=0.01)
+        time.sleep(0.05)
+        with pytest.raises(RemoteError):
+            down.gc(remote=True)
+        assert [e.name for e in down.ls()] == ["old"]  # nothing was done, as the error says
+    finally:
+        down.close()
+    store = open_store(tmp_path / "home")
+    put(store, "old", make_snapshot(300, layouts=PLAIN), token_ids(300), ttl=0.01)
+    time.sleep(0.05)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD_OPEN), str(lmdb_tier(store).path)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "open"
+        stats = store.gc(compact=True)
+        assert stats.expired == ("old",) and stats.compact is None
+        assert any(note.startswith("compaction skipped") and str(child.pid) in note for note in stats.notes)
+    finally:
+        child.communicate("", timeout=30)
+        store.close()
 
 
 def test_gc_removes_orphans_and_quarantine_records(store):

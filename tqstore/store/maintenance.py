@@ -26,7 +26,7 @@ from tqstore.names import is_valid_name
 from tqstore.store.packs import PACK_TAIL, manifest_address, parse_map, parse_trailer, trailer_length
 from tqstore.store.tiers.lmdb import CompactResult
 from tqstore.store.tiers.memory import HotObject
-from tqstore.store.tierset import TierSet, not_found
+from tqstore.store.tierset import RemoteManifest, TierSet, not_found
 
 if TYPE_CHECKING:  # the S3 tier (boto3, urllib3) loads only where a bucket is configured
     from tqstore.store.tiers.s3 import S3Tier
@@ -159,8 +159,9 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
     """Drop expired entries, unreferenced objects and quarantine records; the
     same in the bucket with `remote` (objects younger than `remote_grace` seconds stay: a push
     elsewhere may not have written its manifest yet); then compact LMDB if asked."""
-    if remote:
-        tiers.require_s3()
+    # The bucket's manifests are read first: an unreachable bucket then stops gc before the
+    # local part, rather than after it with only the error reported.
+    listing = tiers.remote_manifests() if remote else None
     notes = []
     with tiers.lock.exclusive():
         entries, unreadable = tiers.local_manifests()
@@ -176,26 +177,28 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
             orphans, orphan_bytes = _delete(tiers, [k for k in tiers.lmdb.iter_object_keys() if k not in refs])
         cleared = tiers.lmdb.clear_quarantine()
     stats = GcStats(tuple(expired), orphans, orphan_bytes, cleared)
-    if remote:
-        stats = _gc_remote(tiers, stats, remote_grace, notes)
+    if listing is not None:
+        stats = _gc_remote(tiers, stats, remote_grace, notes, listing)
     if compact:
         try:
             stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
-        except DiskFull as exc:  # the store works without it: what gc removed is room again
+        except (DiskFull, ConflictError) as exc:  # the store works without it: what gc removed is room again
             notes.append(f"compaction skipped: {exc}")
     return dataclasses.replace(stats, notes=tuple(notes))
 
 
-def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str]) -> GcStats:
+def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str],
+               listing: tuple[list[RemoteManifest], list[str]]) -> GcStats:
     """Bucket gc: expired manifests; loose objects no live manifest lists; packs none of whose
     members a live manifest's map uses (a pack with one member in use stays whole: see
     docs/format.md); maps of no manifest. Everything younger than `grace` stays. What is deleted
-    is forgotten by this process's remote index (RemoteIndex.collected)."""
+    is forgotten by this process's remote index (RemoteIndex.collected). `listing`: the bucket's
+    manifests as `TierSet.remote_manifests` read them."""
     s3 = tiers.require_s3()
     live: list[Manifest] = []
     expired = []
     now = time.time()
-    found, unreadable = tiers.remote_manifests()
+    found, unreadable = listing
     for manifest in (remote.manifest for remote in found):
         if manifest.expired(now):
             s3.delete_manifest(manifest.name)
