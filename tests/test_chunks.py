@@ -361,3 +361,38 @@ def test_a_sliding_window_family_composes_its_chunks(engine, gemma_dir):
     answer = engine.ask_documents(texts, "Who pays?", model=str(gemma_dir), scheme="turbo4", max_tokens=4)
     assert answer.reused_tokens + answer.recomputed_tokens == len(context.tokens) - len(prefix)
     assert len(answer.answer.tokens) == 4
+
+
+@pytest.mark.parametrize("meanwhile", ["replaced", "removed"])
+def test_a_named_chunk_replaced_or_removed_during_a_request_is_never_stored_again_from_its_old_tokens(
+        engine, model_dir, monkeypatch, meanwhile):
+    """Before: the request read chunk x's tokens, then looked x up again by name; finding another
+    version (or none) it stored the old tokens as x, undoing the `chunk add --name x` or `rm x`
+    that ran in between."""
+    from tqstore.engine import chunks
+    from tqstore.errors import ConflictError
+
+    model = str(model_dir)
+    loaded = engine.model(model)
+    engine.add_chunk("x", A, model=model, scheme="turbo4")
+    check = chunks.check_budget
+
+    def another_process_meanwhile(*args, **kwargs):  # runs between the two reads of x
+        if meanwhile == "replaced":
+            engine.add_chunk("x", B, model=model, scheme="turbo4")
+        else:
+            engine.store.rm("x")
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(chunks, "check_budget", another_process_meanwhile)
+    try:
+        answer = engine.ask_documents([Document(name="x"), Document(text=X)], "Who pays?", model=model, max_tokens=2)
+    except ConflictError as exc:
+        assert "was replaced" in str(exc)
+    else:  # served from the version read, whose objects outlived the replacement
+        assert not answer.chunks[0].stored
+    if meanwhile == "replaced":
+        b = loaded.prompt.document_tokens(loaded.tokenizer, B)
+        assert list(engine.store.get("x").tokens) == prefix_tokens(loaded, None) + b
+    else:
+        assert "x" not in {e.name for e in engine.store.ls()}

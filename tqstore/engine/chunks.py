@@ -148,22 +148,33 @@ class DocumentChunks:
         return self.ensure_chunk(loaded, scheme, prefix, tokens, name, pin)[0]
 
     def ensure_chunk(self, loaded: LoadedModel, scheme: str, prefix: list[int], tokens: list[int],
-                     name: str | None, pin: bool = False) -> tuple[ChunkInfo, ChunkKV | None]:
+                     name: str | None, pin: bool = False, *,
+                     read: Manifest | None = None) -> tuple[ChunkInfo, ChunkKV | None]:
         """The chunk entry for these tokens, stored if missing or damaged; with its K/V when it was
-        loaded or computed here."""
+        loaded or computed here. `read`: the version of chunk `name` the tokens were read from
+        (`ask --doc NAME`); that version is served, and ConflictError raised when the entry no
+        longer holds it."""
         codec = self.models.codec_identity(loaded, scheme, WINDOWS)
         address = chunk_address(loaded.identity.digest, codec.digest, prefix, tokens)
         entry = name or NAME_PREFIX + address[:40]
-        try:
-            manifest = self.store.get(entry)
-        except NotFound:
-            manifest = None
+        if read is not None:
+            manifest = read
+        else:
+            try:
+                manifest = self.store.get(entry)
+            except NotFound:
+                manifest = None
         if manifest is not None and manifest.metadata.get(CHUNK_KEY) == address:
             found = self.load_chunk(loaded, manifest, prefix, tokens)
             if found is not None:
                 return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0), found
         elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
             raise BadInput(f"entry {name!r} exists and is not a document chunk: choose another name")
+        # Tokens read from a chunk the user named are stored again only to repair that very
+        # version: once it was replaced or removed, storing them would bring the old document
+        # back under the user's name.
+        if read is not None and self._replaced(read):
+            raise ConflictError(f"chunk {entry} was replaced or removed while this request read it: ask again")
         t0 = time.perf_counter()
         caches = make_prompt_cache(loaded.model, scheme, verdicts=self.models.verdicts(loaded))
         check_composable(loaded.model, caches)
@@ -189,8 +200,8 @@ class DocumentChunks:
             snap, _ = self.store.load(manifest.name, manifest=manifest)
         except (CorruptBlock, FormatError):
             if self._replaced(manifest):
-                raise ConflictError(f"chunk {manifest.name} was replaced while this request read it: ask again") \
-                    from None
+                raise ConflictError(f"chunk {manifest.name} was replaced or removed while this request read it: "
+                                    "ask again") from None
             return None
         windows = [r for r in snap.layers if r.config.get("class") in WINDOW_CLASSES]
         if not all(is_window_record(r) for r in windows):
@@ -247,12 +258,12 @@ class DocumentChunks:
         distinct = {key: self._chunk_source(loaded, scheme, prefix, *key) for key in dict.fromkeys(order)}
         chunk_tokens = [len(distinct[key][0]) for key in order]
         estimate = composition_bytes(ModelShape.of(loaded.model), len(prefix), chunk_tokens,
-                                     [len(tokens) for tokens, _ in distinct.values()],
+                                     [len(tokens) for tokens, _, _ in distinct.values()],
                                      question=len(question or ()), recompute=recompute, step=self.prefiller.chunk)
         check_budget(estimate, self.store.config.compose_budget_bytes, documents=len(documents),
                      tokens=len(prefix) + sum(chunk_tokens))
-        found = {key: self.ensure_chunk(loaded, scheme, prefix, tokens, name)
-                 for key, (tokens, name) in distinct.items()}
+        found = {key: self.ensure_chunk(loaded, scheme, prefix, tokens, name, read=read)
+                 for key, (tokens, name, read) in distinct.items()}
         infos = [found[key][0] for key in order]
         tokens = prefix + [t for key in order for t in distinct[key][0]]
         if recompute >= 1.0:
@@ -266,13 +277,15 @@ class DocumentChunks:
                                time.perf_counter() - t0, estimate)
 
     def _chunk_source(self, loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
-                      value: str) -> tuple[list[int], str | None]:
-        """A document's chunk tokens and the entry name to keep it under (None: its address)."""
+                      value: str) -> tuple[list[int], str | None, Manifest | None]:
+        """A document's chunk tokens, the entry name to keep it under (None: its address) and,
+        for a chunk named by the request and kept under that name, the version read."""
         if kind == "text":
-            return loaded.prompt.document_tokens(loaded.tokenizer, value), None
+            return loaded.prompt.document_tokens(loaded.tokenizer, value), None, None
         manifest, tokens = self._named(loaded, scheme, value)
-        same_prefix = list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) == prefix
-        return tokens, value if same_prefix else None
+        if list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) != prefix:
+            return tokens, None, None
+        return tokens, value, manifest
 
     def _compose_chunks(self, loaded: LoadedModel, prefix: list[int],
                         found: dict[tuple[str, str], tuple[ChunkInfo, ChunkKV | None]], order: list[tuple[str, str]],
