@@ -65,3 +65,19 @@ def test_bad_document_requests_say_what_is_wrong(cli, model, tmp_path):
     fails(cli("chunk", "add", str(tmp_path / "x" / "doc.txt"), str(tmp_path / "y" / "doc.txt"), "--model", model),
           "would both be chunk doc")
     assert "doc" not in {e["name"] for e in cli("ls", "--json").json["entries"]}
+
+
+def test_chunk_add_pin_pins_a_chunk_stored_already(cli, model, tmp_path):
+    """Before: a chunk found stored was returned as it was, --pin ignored, and the LMDB budget
+    then evicted the chunk the user had pinned."""
+    (tmp_path / "a.txt").write_text(DOC)
+    assert cli("chunk", "add", str(tmp_path / "a.txt"), "--model", model, "-q").code == 0
+    assert cli("info", "a", "--json").json["pinned"] is False
+    again = cli("chunk", "add", str(tmp_path / "a.txt"), "--model", model, "--pin", "--json")
+    assert again.code == 0, again.err
+    assert cli("info", "a", "--json").json["pinned"] is True
+    assert again.json["chunks"][0]["stored"] is False and again.json["chunks"][0]["pinned"] is True
+    cli("config", "set", "store.lmdb_budget", "16KiB")
+    (tmp_path / "b.txt").write_text(OTHER)
+    assert cli("chunk", "add", str(tmp_path / "b.txt"), "--model", model, "-q").code == 0
+    assert "a" in {e["name"] for e in cli("ls", "--json").json["entries"]}  # b's put evicted nothing pinned

@@ -68,9 +68,10 @@ def chunk_add(ctx: Context, args: argparse.Namespace) -> int:
         with ctx.out.status(f"storing {path}"):
             info = engine.add_chunk(name, text, model=args.model, scheme=scheme, system=args.system, pin=args.pin)
         added.append({"file": path, "name": info.name, "tokens": info.tokens, "stored": info.stored,
-                      "seconds": info.seconds})
+                      "pinned": info.pinned, "seconds": info.seconds})
         ctx.out.note(f"{info.name}: {info.tokens} tokens, " + (f"prefilled in {info.seconds:.2f} s" if info.stored
-                                                                else "stored already"))
+                                                                else "stored already")
+                     + (", pinned" if info.pinned else ""))
     ctx.out.emit({"chunks": added})
     return 0
 

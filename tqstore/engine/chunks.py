@@ -70,6 +70,7 @@ class ChunkInfo:
     prefix_tokens: int
     stored: bool  # prefilled and stored now (False: it was stored already)
     seconds: float
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,9 @@ class DocumentChunks:
         if manifest is not None and manifest.metadata.get(CHUNK_KEY) == address:
             found = self.load_chunk(loaded, manifest, prefix, tokens)
             if found is not None:
-                return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0), found
+                if pin and not manifest.pinned:
+                    self.store.pin(entry)
+                return ChunkInfo(entry, len(tokens), len(prefix), False, 0.0, pin or manifest.pinned), found
         elif manifest is not None and name is not None and CHUNK_KEY not in manifest.metadata:
             raise BadInput(f"entry {name!r} exists and is not a document chunk: choose another name")
         # Tokens read from a chunk the user named are stored again only to repair that very
@@ -182,7 +185,9 @@ class DocumentChunks:
         self.saver.save_tokens(entry, loaded, prefix + tokens, scheme=scheme, pin=pin, metadata=metadata,
                                windows=WINDOWS)
         seconds = time.perf_counter() - t0
-        return ChunkInfo(entry, len(tokens), len(prefix), True, seconds), None
+        # A replaced pinned entry stays pinned (Store.put).
+        pinned = pin or (manifest is not None and manifest.pinned)
+        return ChunkInfo(entry, len(tokens), len(prefix), True, seconds, pinned), None
 
     def load_chunk(self, loaded: LoadedModel, manifest: Manifest, prefix: list[int],
                    tokens: list[int]) -> ChunkKV | None:
