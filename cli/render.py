@@ -133,9 +133,10 @@ def gc_lines(out: Output, stats) -> None:
     if stats.quarantine_cleared:
         parts.append(f"{stats.quarantine_cleared} quarantine records")
     out.note("removed " + ", ".join(parts))
-    if stats.remote_expired or stats.remote_orphans:
+    if stats.remote_expired or stats.remote_orphans or stats.remote_maps:
         out.note(f"bucket: removed {len(stats.remote_expired)} expired entries, {stats.remote_orphans} unused objects "
-                 f"({size(stats.remote_orphan_bytes)})")
+                 f"({size(stats.remote_orphan_bytes)}), {stats.remote_maps} unused maps "
+                 f"({size(stats.remote_map_bytes)})")
     if stats.compact is not None:
         out.note(f"compacted LMDB: {size(stats.compact.bytes_before)} -> {size(stats.compact.bytes_after)}")
     for note in stats.notes:

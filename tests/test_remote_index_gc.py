@@ -39,6 +39,7 @@ def test_rm_gc_then_push_again_in_one_store(s3, tmp_path):
     store.rm("p", remote=True)
     gone = store.gc(remote=True, remote_grace=0)
     assert gone.remote_orphans == 1 and not bucket_keys(s3, "kv/")  # its pack and its map went
+    assert gone.remote_maps == 1 and gone.remote_map_bytes > 0  # the map counted too (before: nowhere)
     assert not any(store._tiers.remote.has(r.key) for r in objects)  # and the index forgot them
 
     puts = count_puts(store)

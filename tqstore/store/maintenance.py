@@ -56,6 +56,8 @@ class GcStats:
     remote_expired: tuple[str, ...] = ()
     remote_orphans: int = 0
     remote_orphan_bytes: int = 0
+    remote_maps: int = 0  # maps of no manifest (where a removed entry's objects lay)
+    remote_map_bytes: int = 0
     compact: CompactResult | None = None
     notes: tuple[str, ...] = ()
 
@@ -227,19 +229,21 @@ def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str],
             orphans.append(key)
             nbytes += info.size
     packs: list[tuple[str, int]] = []
-    maps: list[str] = []
+    maps: list[tuple[str, int]] = []
     try:
         s3.delete_objects(orphans)
         packs = [] if unmapped else [(p, size) for p, (size, modified) in s3.list_packs().items()
                                      if p not in used and now - modified >= grace]
         s3.delete_packs(p for p, _ in packs)
         addresses = {manifest_address(m) for m in live}
-        maps = [a for a, modified in s3.list_maps().items() if a not in addresses and now - modified >= grace]
-        s3.delete_maps(maps)
+        maps = [(a, size) for a, (size, modified) in s3.list_maps().items()
+                if a not in addresses and now - modified >= grace]
+        s3.delete_maps(a for a, _ in maps)
     finally:  # even after a failure: a later push of this process must not skip what it remembers writing
-        tiers.remote.collected(orphans, (p for p, _ in packs), maps)
+        tiers.remote.collected(orphans, (p for p, _ in packs), (a for a, _ in maps))
     return dataclasses.replace(stats, remote_expired=tuple(expired), remote_orphans=len(orphans) + len(packs),
-                               remote_orphan_bytes=nbytes + sum(size for _, size in packs))
+                               remote_orphan_bytes=nbytes + sum(size for _, size in packs),
+                               remote_maps=len(maps), remote_map_bytes=sum(size for _, size in maps))
 
 
 def _packs_in_use(s3: S3Tier, live: list[Manifest]) -> tuple[set[str], list[str]]:

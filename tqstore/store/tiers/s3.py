@@ -400,9 +400,9 @@ class S3Tier:
         found = self._get(self.map_name(address), None, ("map", address))
         return None if found is None else found[0]
 
-    def list_maps(self) -> dict[str, float]:
-        """{manifest address: last modified} of every map (LIST)."""
-        return {hex_name: item["LastModified"].timestamp() for item, hex_name in self._list_hex("maps/")}
+    def list_maps(self) -> dict[str, tuple[int, float]]:
+        """{manifest address: (size, last modified)} of every map (LIST)."""
+        return {hex_name: (item["Size"], item["LastModified"].timestamp()) for item, hex_name in self._list_hex("maps/")}
 
     def delete_maps(self, addresses: Iterable[str]) -> int:
         """Delete maps in parallel; returns how many were asked for."""
