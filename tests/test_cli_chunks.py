@@ -81,3 +81,19 @@ def test_chunk_add_pin_pins_a_chunk_stored_already(cli, model, tmp_path):
     (tmp_path / "b.txt").write_text(OTHER)
     assert cli("chunk", "add", str(tmp_path / "b.txt"), "--model", model, "-q").code == 0
     assert "a" in {e["name"] for e in cli("ls", "--json").json["entries"]}  # b's put evicted nothing pinned
+
+
+def test_new_documents_over_the_lmdb_budget_together_are_still_answered(cli, model, tmp_path):
+    """Before: storing b evicted a, stored just before without its K/V kept, and reading a back
+    failed with NotFound, every time."""
+    (tmp_path / "a.txt").write_text("The Devil's Dictionary defines words with wit. To abscond is to move in a "
+                                    "mysterious way, commonly with the property of another.\n")
+    (tmp_path / "b.txt").write_text("The contract says the seller pays. Clause seven covers delivery, payment and "
+                                    "penalties.\n")
+    cli("config", "set", "store.lmdb_budget", "16KiB")
+    run = cli("ask", "--doc-file", str(tmp_path / "a.txt"), "--doc-file", str(tmp_path / "b.txt"), "Who pays?",
+              "--max-tokens", "2", "--model", model, "--json")
+    assert run.code == 0, run.err
+    assert len(run.json["stored_now"]) == 2 and run.json["generation_tokens"] == 2
+    stored = {e["name"] for e in cli("ls", "--json").json["entries"]}
+    assert run.json["stored_now"][1] in stored and run.json["stored_now"][0] not in stored  # a was evicted

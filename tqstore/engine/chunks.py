@@ -267,15 +267,22 @@ class DocumentChunks:
                                      question=len(question or ()), recompute=recompute, step=self.prefiller.chunk)
         check_budget(estimate, self.store.config.compose_budget_bytes, documents=len(documents),
                      tokens=len(prefix) + sum(chunk_tokens))
-        found = {key: self.ensure_chunk(loaded, scheme, prefix, tokens, name, read=read)
-                 for key, (tokens, name, read) in distinct.items()}
+        found = {}
+        for key, (chunk, name, read) in distinct.items():
+            info, kv = self.ensure_chunk(loaded, scheme, prefix, chunk, name, read=read)
+            if kv is None and recompute < 1.0:
+                # Read back now: storing the next document may evict this one under the LMDB
+                # budget (two new documents over it failed every time with NotFound).
+                kv = self._stored_kv(loaded, prefix, chunk, info)
+            found[key] = (info, kv)
         infos = [found[key][0] for key in order]
         tokens = prefix + [t for key in order for t in distinct[key][0]]
         if recompute >= 1.0:
             self.prefiller.prefill(loaded, caches, tokens)
             return ComposedContext(caches, tokens, infos, 0, len(tokens) - len(prefix), time.perf_counter() - t0,
                                    estimate)
-        composed = self._compose_chunks(loaded, prefix, found, order, recompute, question, window_sizes(caches))
+        composed = compose(loaded.model, [found[key][1] for key in order], recompute, question=question,
+                           windows=window_sizes(caches))
         del found  # the chunks' K/V are in `composed` now
         fill_caches(caches, composed)
         return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
@@ -292,19 +299,18 @@ class DocumentChunks:
             return tokens, None, None
         return tokens, value, manifest
 
-    def _compose_chunks(self, loaded: LoadedModel, prefix: list[int],
-                        found: dict[tuple[str, str], tuple[ChunkInfo, ChunkKV | None]], order: list[tuple[str, str]],
-                        recompute: float, question: Sequence[int] | None, windows: list[int | None]) -> Composed:
-        """compose() over the chunks in `order`, reading back those stored just now (each once)."""
-        for key, (info, kv) in found.items():
-            if kv is None:  # stored just now
-                manifest = self.store.get(info.name)
-                kv = self.load_chunk(loaded, manifest, prefix, list(manifest.tokens[info.prefix_tokens:]))
-                if kv is None:
-                    raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: "
-                                       "run `tqstore verify`")
-                found[key] = (info, kv)
-        return compose(loaded.model, [found[key][1] for key in order], recompute, question=question, windows=windows)
+    def _stored_kv(self, loaded: LoadedModel, prefix: list[int], tokens: list[int], info: ChunkInfo) -> ChunkKV:
+        """The K/V of chunk `info`, stored just now, read back from the store."""
+        try:
+            manifest = self.store.get(info.name)
+        except NotFound:
+            manifest = None
+        if manifest is None or list(manifest.tokens) != prefix + tokens:
+            raise ConflictError(f"chunk {info.name} was replaced or removed while this request stored it: ask again")
+        kv = self.load_chunk(loaded, manifest, prefix, tokens)
+        if kv is None:
+            raise CorruptBlock(f"chunk {info.name} was stored just now but cannot be read back: run `tqstore verify`")
+        return kv
 
     def ask_documents(self, loaded: LoadedModel, documents: Sequence[Document], question: str, *,
                       scheme: str | None = None, system: str | None = None, recompute: float = DEFAULT_RECOMPUTE,
