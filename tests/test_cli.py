@@ -274,6 +274,9 @@ def test_gc_stats_verify_json(cli, model):
     cli("save", "short-lived", "--model", model, "--prompt", DOC, "--ttl", "0.01s", "-q")
     cli("save", "kept", "--model", model, "--prompt", "Clause seven covers delivery, payment and penalties.", "-q")
     time.sleep(0.05)
+    # Before: only "no stored prefix", which reads as a lost entry.
+    asked = cli("ask", "short-lived", "Who pays?", "--max-tokens", "1")
+    assert asked.code == 0 and "no stored prefix" in asked.err and "entry short-lived expired at" in asked.err
     gc = cli("gc", "--compact", "--json").json
     assert gc["expired"] == ["short-lived"] and gc["orphans"] >= 1 and gc["compact"]["bytes_after"] > 0
     assert gc["remote_expired"] == [] and gc["notes"] == []

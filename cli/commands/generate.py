@@ -105,4 +105,8 @@ def ask(ctx: Context, args: argparse.Namespace) -> int:
     else:
         ctx.out.end_stream()
         ctx.out.note(render.answer_line(result, ctx.out.verbose))
+        manifest = engine.store.get(name)
+        if manifest.expired(time.time()):  # else "no stored prefix" would read as a lost entry
+            ctx.out.note(f"entry {name} expired at {time.ctime(manifest.expires)}, so its stored context was not "
+                         "used: save it again (or pin it) to keep it")
     return 0
