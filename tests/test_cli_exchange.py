@@ -90,3 +90,19 @@ def test_a_bundle_whose_entry_expired_is_not_imported(cli, model, tmp_path):
     home = str(tmp_path / "other-home")
     fails(cli("--home", home, "import", str(bundle), "doc"), "expired at")
     assert cli("--home", home, "ls", "--json").json["entries"] == []
+
+
+def test_an_imported_mlx_lm_file_gets_a_quality_receipt(cli, model, tmp_path):
+    """Before: "not measured" for every import, although the file's uncompressed caches are the
+    very reference a receipt needs; an import compressed with --scheme gave no signal of its cost."""
+    doc = " ".join([DOC] * 4)  # longer than the probe
+    cli("save", "doc", "--model", model, "--prompt", doc, "--scheme", "raw", "-q")
+    file = tmp_path / "doc.safetensors"
+    cli("export", "doc", str(file), "--mlx-lm", "-q")
+    home = str(tmp_path / "other-home")
+    for name, scheme in (("as-raw", []), ("as-turbo4", ["--scheme", "turbo4"])):
+        assert cli("--home", home, "import", str(file), name, "--model", model, *scheme, "-q").code == 0
+    raw, turbo = (cli("--home", home, "info", n, "--json").json["quality"] for n in ("as-raw", "as-turbo4"))
+    assert raw["measured"] and raw["kl"] == 0 and raw["top1"] == 1 and raw["tokens"] == 32
+    assert turbo["measured"] and 0 < turbo["kl"] < 1 and 0 <= turbo["top1"] <= 1 and turbo["tokens"] == 32
+    assert "KL" in cli("--home", home, "info", "as-turbo4").out

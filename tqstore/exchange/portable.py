@@ -223,6 +223,7 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
         raise BadInput(f"{path} holds {snap.offset} tokens, but the text frames as {len(tokens)} tokens for this "
                        "model: pass the exact text the cache was made from (and --system if it had one)")
     _check_layers(snap, loaded.model, path)
+    file_snap = snap
     if scheme is not None:
         from turboquant import NotNative, parse_scheme
 
@@ -233,13 +234,32 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
             raise UnsupportedCache(f"{path}: {exc}; import it without --scheme to keep its own layout") from None
     else:
         scheme = _file_scheme(snap, loaded.model, path, engine.models.verdicts(loaded))
+    metadata = {"imported.from": Path(path).name}
+    if scheme == "raw" or snap is not file_snap:  # the file's caches are uncompressed: the reference
+        metadata |= _receipt(loaded, file_snap, snap, tokens)
     # An mlx-lm cache file holds its sliding windows as rings: the entry keeps them whole.
     codec = engine.codec_identity(loaded, scheme, "whole")
     result = engine.store.put(name, snap, tokens, model=loaded.identity, codec=codec,
                               model_ref=str(loaded.path), adapter_path=loaded.adapter_path, prefill_seconds=0.0,
-                              metadata={"imported.from": Path(path).name})
+                              metadata=metadata)
     return ImportResult(name, str(path), "mlx-lm", len(tokens), scheme, len(result.manifest.blocks),
                         result.new_blocks, result.evicted, result.warnings)
+
+
+def _receipt(loaded, file_snap, stored, tokens: list[int]) -> dict[str, str]:
+    """The quality receipt of an import (tqstore/engine/receipts.py): the context's last tokens
+    re-scored against the file's uncompressed caches and against the entry as stored; {} where
+    the caches cannot drop tokens (recurrent layers, full windows)."""
+    from turboquant import restore
+
+    from tqstore.engine import receipts
+
+    reference_caches = restore(file_snap)
+    probe = receipts.probe_length(len(tokens), reference_caches, recurrent=False)
+    if not probe:
+        return {}
+    reference, seconds = receipts.reference(loaded.model, reference_caches, tokens[-probe:])
+    return receipts.measure(loaded.model, restore(stored), tokens[-probe:], reference, seconds).metadata()
 
 
 def _file_tokens(metadata: dict[str, str], loaded, text: str | None, system: str | None, path) -> list[int]:
