@@ -359,7 +359,8 @@ def test_a_sliding_window_family_composes_its_chunks(engine, gemma_dir):
         assert mx.allclose(k[:, :, at:], ref[:, :, len(prefix):], atol=1e-4, rtol=1e-4).item(), layer
     texts = [Document(text=t) for t in (A, X, B)]  # stored again under turbo4 (global layers compressed)
     answer = engine.ask_documents(texts, "Who pays?", model=str(gemma_dir), scheme="turbo4", max_tokens=4)
-    assert answer.reused_tokens + answer.recomputed_tokens == len(context.tokens) - len(prefix)
+    assert answer.reused_tokens == 0  # each text prefilled and stored by this request
+    assert answer.recomputed_tokens + answer.prefilled_tokens == len(context.tokens) - len(prefix) + question.shape[1]
     assert len(answer.answer.tokens) == 4
 
 
@@ -396,3 +397,32 @@ def test_a_named_chunk_replaced_or_removed_during_a_request_is_never_stored_agai
         assert list(engine.store.get("x").tokens) == prefix_tokens(loaded, None) + b
     else:
         assert "x" not in {e.name for e in engine.store.ls()}
+
+
+def test_the_counts_say_which_tokens_were_reused_recomputed_and_prefilled_by_this_request(engine, model_dir):
+    """Before: the tokens of documents this request prefilled and stored were counted as reused,
+    and at recompute 1 every document token was both recomputed and prefilled."""
+    model, question = str(model_dir), "Who pays?"
+    loaded = engine.model(model)
+    asked = len(loaded.prompt.after_documents_tokens(loaded.tokenizer, question))
+    size = {t: len(loaded.prompt.document_tokens(loaded.tokenizer, t)) for t in (X, A, B)}
+    C = "The buyer pays for the delivery, the seller for the delays. " * 2
+    size[C] = len(loaded.prompt.document_tokens(loaded.tokenizer, C))
+
+    def ask(docs, recompute=0.5):
+        return engine.ask_documents(docs, question, model=model, recompute=recompute, max_tokens=1)
+
+    new = ask([Document(text=A), Document(text=B)])
+    assert all(c.stored for c in new.chunks) and new.reused_tokens == 0 and new.recomputed_tokens > 0
+    assert new.recomputed_tokens + new.prefilled_tokens == size[A] + size[B] + asked
+    engine.add_chunk("x", X, model=model)
+    # The first document sits where it was prefilled and is never recomputed.
+    old_first = ask([Document(name="x"), Document(text=C)])
+    assert old_first.reused_tokens == size[X] and old_first.recomputed_tokens > 0
+    assert old_first.prefilled_tokens == asked + size[C] - old_first.recomputed_tokens
+    engine.store.rm(old_first.chunks[1].name)
+    new_first = ask([Document(text=C), Document(name="x")])
+    assert new_first.prefilled_tokens == asked + size[C] and new_first.recomputed_tokens > 0
+    assert new_first.reused_tokens == size[X] - new_first.recomputed_tokens
+    full = ask([Document(text=B), Document(name="x")], recompute=1.0)
+    assert (full.reused_tokens, full.recomputed_tokens, full.prefilled_tokens) == (0, 0, full.answer.prompt_tokens)

@@ -97,3 +97,17 @@ def test_new_documents_over_the_lmdb_budget_together_are_still_answered(cli, mod
     assert len(run.json["stored_now"]) == 2 and run.json["generation_tokens"] == 2
     stored = {e["name"] for e in cli("ls", "--json").json["entries"]}
     assert run.json["stored_now"][1] in stored and run.json["stored_now"][0] not in stored  # a was evicted
+
+
+def test_ask_says_which_documents_it_stored_and_counts_them_as_prefilled(cli, model, tmp_path):
+    """Before: "39 tokens reused" for two documents this very command prefilled and stored, and at
+    --recompute 1 every document token was counted both recomputed and prefilled."""
+    (tmp_path / "a.txt").write_text(DOC)
+    (tmp_path / "b.txt").write_text(OTHER)
+    docs = ("--doc-file", str(tmp_path / "a.txt"), "--doc-file", str(tmp_path / "b.txt"))
+    first = cli("ask", *docs, "Who pays?", "--max-tokens", "1", "--model", model)
+    assert first.code == 0, first.err
+    assert " 0 tokens reused" in first.err and "; stored now: chunk-" in first.err
+    again = cli("ask", *docs, "Who pays?", "--max-tokens", "1", "--model", model, "--recompute", "1", "--json")
+    assert again.json["stored_now"] == [] and again.json["reused_tokens"] == again.json["recomputed_tokens"] == 0
+    assert again.json["prefilled_tokens"] == again.json["prompt_tokens"]

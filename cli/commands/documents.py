@@ -112,7 +112,9 @@ def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
             "finish_reason": a.finish_reason})
     else:
         ctx.out.end_stream()
+        stored_now = list(dict.fromkeys(c.name for c in result.chunks if c.stored))
         ctx.out.note(f"{len(result.chunks)} documents composed in {result.compose_seconds:.2f} s: "
                      f"{result.reused_tokens} tokens reused, {result.recomputed_tokens} recomputed, "
-                     f"{result.prefilled_tokens} prefilled")
+                     f"{result.prefilled_tokens} prefilled"
+                     + (f"; stored now: {', '.join(stored_now)}" if stored_now else ""))
     return 0

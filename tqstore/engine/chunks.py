@@ -79,9 +79,12 @@ class DocumentsAnswer:
 
     answer: AskResult
     chunks: list[ChunkInfo]
-    reused_tokens: int  # chunk tokens served from the store (K/V kept)
+    reused_tokens: int  # chunk tokens whose K/V, stored before this request, were kept
     recomputed_tokens: int  # chunk tokens recomputed in the composed context
-    prefilled_tokens: int  # tokens prefilled fresh (prefix and question, or all at budget 1)
+    # Tokens whose K/V this request's prefills computed: the question and the tokens of the chunks
+    # it stored, less those recomputed (all of the prompt at budget 1, where nothing is reused or
+    # recomputed).
+    prefilled_tokens: int
     compose_seconds: float  # restore, move and recompute (time to the composed cache)
     estimated_bytes: int  # the composition's peak memory as estimated before it started
 
@@ -109,10 +112,29 @@ class ComposedContext:
     caches: list
     tokens: list[int]
     chunks: list[ChunkInfo]
-    reused: int
+    reused: int  # chunk tokens whose K/V were kept as restored (`Composed.reused`)
     recomputed: int
     seconds: float
     estimated_bytes: int  # the peak memory the composition was estimated to need
+    fresh: int = 0  # of `reused`, the tokens of chunks this request stored: prefilled now, not reused
+
+
+def fresh_tokens(composed: Composed, chunks: Sequence[ChunkKV], stored_now: Sequence[bool]) -> int:
+    """How many of the composed chunk tokens kept the K/V that this request's own prefill gave
+    them: the tokens of the `chunks` it stored (`stored_now`), less those recomputed in context."""
+    fresh, at = 0, chunks[0].start
+    for chunk, new in zip(chunks, stored_now):
+        n = len(chunk.tokens)
+        if new and not composed.recomputed:
+            fresh += n
+        elif new:
+            # compose() counts the recomputed tokens, not where they fell. Values are placed
+            # unrotated, so a kept token's last-layer values are its stored rows bit for bit; a
+            # recomputed token's are not (it saw the documents before it).
+            kept = composed.values[-1][:, :, at:at + n] == chunk.values[-1][:, :, chunk.start:]
+            fresh += int(mx.all(kept, axis=(0, 1, 3)).sum().item())
+        at += n
+    return fresh
 
 
 def fill_caches(caches: list, composed: Composed) -> None:
@@ -283,10 +305,11 @@ class DocumentChunks:
                                    estimate)
         composed = compose(loaded.model, [found[key][1] for key in order], recompute, question=question,
                            windows=window_sizes(caches))
+        fresh = fresh_tokens(composed, [found[key][1] for key in order], [info.stored for info in infos])
         del found  # the chunks' K/V are in `composed` now
         fill_caches(caches, composed)
         return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
-                               time.perf_counter() - t0, estimate)
+                               time.perf_counter() - t0, estimate, fresh)
 
     def _chunk_source(self, loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
                       value: str) -> tuple[list[int], str | None, Manifest | None]:
@@ -328,6 +351,10 @@ class DocumentChunks:
                                        question=question_tokens)
         answer = self.answerer.generate_composed(loaded, scheme, context.caches, context.tokens, question_tokens,
                                                  context.seconds, **options)
-        prefilled = len(question_tokens) + (len(context.tokens) if recompute >= 1.0 else 0)
-        return DocumentsAnswer(answer, context.chunks, context.reused, context.recomputed, prefilled,
-                               context.seconds, context.estimated_bytes)
+        if recompute >= 1.0:
+            reused, recomputed, prefilled = 0, 0, len(context.tokens) + len(question_tokens)
+        else:
+            reused, recomputed = context.reused - context.fresh, context.recomputed
+            prefilled = len(question_tokens) + context.fresh
+        return DocumentsAnswer(answer, context.chunks, reused, recomputed, prefilled, context.seconds,
+                               context.estimated_bytes)
