@@ -111,3 +111,13 @@ def test_ask_says_which_documents_it_stored_and_counts_them_as_prefilled(cli, mo
     again = cli("ask", *docs, "Who pays?", "--max-tokens", "1", "--model", model, "--recompute", "1", "--json")
     assert again.json["stored_now"] == [] and again.json["reused_tokens"] == again.json["recomputed_tokens"] == 0
     assert again.json["prefilled_tokens"] == again.json["prompt_tokens"]
+
+
+def test_an_empty_document_file_is_refused_and_nothing_is_stored(cli, model, tmp_path):
+    """Before: `ask --doc-file empty.txt` stored a chunk of the separator tokens alone, while
+    `chunk add empty.txt` refused the file."""
+    (tmp_path / "empty.txt").write_text(" \n")
+    (tmp_path / "a.txt").write_text(DOC)
+    fails(cli("ask", "--doc-file", str(tmp_path / "a.txt"), "--doc-file", str(tmp_path / "empty.txt"), "Who pays?",
+              "--max-tokens", "1", "--model", model), "empty")
+    assert cli("ls", "--json").json["entries"] == []

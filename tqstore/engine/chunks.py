@@ -316,6 +316,8 @@ class DocumentChunks:
         """A document's chunk tokens, the entry name to keep it under (None: its address) and,
         for a chunk named by the request and kept under that name, the version read."""
         if kind == "text":
+            if not value.strip():  # it would be stored as a chunk of the template's separators alone
+                raise BadInput("a document is empty: nothing to compose")
             return loaded.prompt.document_tokens(loaded.tokenizer, value), None, None
         manifest, tokens = self._named(loaded, scheme, value)
         if list(manifest.tokens[:len(manifest.tokens) - len(tokens)]) != prefix:
