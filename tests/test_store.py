@@ -439,6 +439,12 @@ def test_an_expired_entry_is_neither_pushed_nor_pulled(tmp_path, s3):
         time.sleep(1.1)
         with pytest.raises(NotFound, match="expired.*nothing was pushed"):
             origin.push("later")
+        # Pinned, it lives on here, but the bucket drops pins: it would arrive expired.
+        origin.pin("later")
+        with pytest.raises(NotFound, match="pinned.*would arrive expired.*nothing was pushed"):
+            origin.push("later")
+        stats = origin.push()
+        assert "later" not in stats.entries and any("later" in w and "not pushed" in w for w in stats.warnings)
         assert [e.name for e in origin.ls(remote=True)] == ["old"]
     finally:
         origin.close()
