@@ -121,3 +121,13 @@ def test_an_empty_document_file_is_refused_and_nothing_is_stored(cli, model, tmp
     fails(cli("ask", "--doc-file", str(tmp_path / "a.txt"), "--doc-file", str(tmp_path / "empty.txt"), "Who pays?",
               "--max-tokens", "1", "--model", model), "empty")
     assert cli("ls", "--json").json["entries"] == []
+
+
+def test_chunk_add_checks_every_name_before_storing_any(cli, model, tmp_path):
+    """Before: `chunk add a.txt b.txt` stored a, then failed on b, an ordinary entry's name."""
+    for stem in ("a", "b"):
+        (tmp_path / f"{stem}.txt").write_text(DOC)
+    assert cli("save", "b", "--model", model, "--prompt", DOC).code == 0
+    fails(cli("chunk", "add", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"), "--model", model),
+          "entry 'b' exists and is not a document chunk")
+    assert [e["name"] for e in cli("ls", "--json").json["entries"]] == ["b"]

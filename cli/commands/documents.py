@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
-from tqstore.errors import BadInput, InvalidName
+from tqstore.errors import BadInput, InvalidName, NotFound
 from tqstore.names import validate_name
 from tqstore.units import flag_type, parse_number
 
@@ -61,6 +61,7 @@ def chunk_add(ctx: Context, args: argparse.Namespace) -> int:
     names = [validate_name(args.name) if args.name is not None else chunk_name(path) for path, _ in texts]
     _check_distinct(texts, names)
     engine = ctx.engine()
+    _check_free(engine.store, [path for path, _ in texts], names)
     with ctx.out.status(f"loading {args.model}"):
         engine.model(args.model)
     added = []
@@ -86,6 +87,23 @@ def _check_distinct(texts: list[tuple[str, str]], names: list[str | None]) -> No
         first = seen.setdefault(name, (path, text))
         if first[1] != text:
             raise BadInput(f"{first[0]} and {path} would both be chunk {name}: add them one at a time with --name")
+
+
+def _check_free(store, paths: list[str], names: list[str | None]) -> None:
+    """Refuse a name held by an entry that is not a chunk before any file is prefilled: the
+    files before it were stored, then the command failed half done."""
+    from tqstore.engine.chunks import CHUNK_KEY
+
+    for path, name in zip(paths, names):
+        if name is None:
+            continue
+        try:
+            metadata = store.get(name).metadata
+        except NotFound:
+            continue
+        if CHUNK_KEY not in metadata:
+            raise BadInput(f"entry {name!r} exists and is not a document chunk: add {path} alone with --name "
+                           "and another name")
 
 
 def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
