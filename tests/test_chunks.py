@@ -299,13 +299,18 @@ def test_recomputing_every_moved_token_layer_by_layer_equals_a_full_prefill(kind
     for full_layers in (0, 2):
         composed = compose(model, parts, 1.0, full_layers=full_layers, windows=windows)
         assert composed.tokens == tokens and composed.recomputed == 100  # every token of the moved chunks
+        assert composed.recomputed_at == set(range(50, 150))
         for k, v, fk, fv in zip(composed.keys, composed.values, full_k, full_v):
             assert mx.allclose(k, fk, atol=1e-4, rtol=1e-4).item() and mx.allclose(v, fv, atol=1e-4, rtol=1e-4).item()
     for select in ("attention", "deviation", "product"):
         composed = compose(model, parts, 0.2, question=tokens[:8], select=select, windows=windows)
         assert composed.recomputed == round(0.2 * 144) and composed.reused == 144 - composed.recomputed
+        assert len(composed.recomputed_at) == composed.recomputed and min(composed.recomputed_at) >= 50
         # The first chunk sits where it was prefilled: its stored K/V stay in the layers after the full ones.
         assert all(mx.array_equal(k[:, :, :50], p[:, :, :50]).item() for k, p in zip(composed.keys[2:], parts[0].keys[2:]))
+    # Full layers over the whole model run every token: before, this counted the sinks alone.
+    everything = compose(model, parts, 0.2, full_layers=len(model.layers), windows=windows)
+    assert (everything.recomputed, everything.reused, everything.recomputed_at) == (144, 0, set(range(6, 150)))
     with pytest.raises(BadInput, match="unknown recompute selection"):
         compose(model, parts, 0.2, select="random")
 

@@ -64,8 +64,9 @@ def test_a_server_composes_stored_chunks_and_reports_what_it_reused(tmp_path):
         status, _, first = request(server, "POST", "/v1/chat/completions", body)
         assert status == 200, first
         details = first["usage"]["prompt_tokens_details"]
-        assert details["recomputed_tokens"] > 0 and details["reused_tokens"] > 0
-        assert details["cached_tokens"] == 0  # both documents were prefilled by this request (was: the reused count)
+        # Both documents were prefilled by this request: nothing came from the store (was: the
+        # reused count, then a lower bound where recomputed tokens fell in them).
+        assert details["recomputed_tokens"] > 0 and details["reused_tokens"] == details["cached_tokens"] == 0
         status, _, caches = request(server, "GET", "/v1/caches")
         names = [c["name"] for c in caches["data"] if c["name"].startswith("chunk-")]
         assert len(names) == 2  # stored once each, by content
@@ -73,8 +74,8 @@ def test_a_server_composes_stored_chunks_and_reports_what_it_reused(tmp_path):
         status, _, second = request(server, "POST", "/v1/chat/completions", again)
         assert status == 200, second
         details = second["usage"]["prompt_tokens_details"]
-        assert details["recomputed_tokens"] == 0 and details["reused_tokens"] == first["usage"]["prompt_tokens_details"][
-            "reused_tokens"] + first["usage"]["prompt_tokens_details"]["recomputed_tokens"]
+        recomputed_before = first["usage"]["prompt_tokens_details"]["recomputed_tokens"]
+        assert details["recomputed_tokens"] == 0 and details["reused_tokens"] > recomputed_before
         assert details["cached_tokens"] == details["reused_tokens"]  # all restored from the store now
         status, _, missing = request(server, "POST", "/v1/completions", {"prompt": "Q", "documents": [{"name": "nope"}]})
         assert status == 404 and "nope" in missing["error"]["message"]

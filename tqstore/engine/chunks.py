@@ -125,14 +125,8 @@ def fresh_tokens(composed: Composed, chunks: Sequence[ChunkKV], stored_now: Sequ
     fresh, at = 0, chunks[0].start
     for chunk, new in zip(chunks, stored_now):
         n = len(chunk.tokens)
-        if new and not composed.recomputed:
-            fresh += n
-        elif new:
-            # compose() counts the recomputed tokens, not where they fell. Values are placed
-            # unrotated, so a kept token's last-layer values are its stored rows bit for bit; a
-            # recomputed token's are not (it saw the documents before it).
-            kept = composed.values[-1][:, :, at:at + n] == chunk.values[-1][:, :, chunk.start:]
-            fresh += int(mx.all(kept, axis=(0, 1, 3)).sum().item())
+        if new:
+            fresh += n - sum(1 for p in range(at, at + n) if p in composed.recomputed_at)
         at += n
     return fresh
 

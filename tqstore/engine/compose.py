@@ -90,6 +90,7 @@ class Composed:
     values: list[mx.array]
     reused: int  # chunk tokens whose stored K/V were kept in the later layers
     recomputed: int  # chunk tokens run through every layer in the composed context
+    recomputed_at: frozenset[int] = frozenset()  # their positions in `tokens`
 
 
 @dataclass(frozen=True, eq=False)  # compared by `describe()` (freqs is an array)
@@ -261,14 +262,16 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     if full_layers is None:
         full_layers = 0 if select == "attention" else FULL_LAYERS
     windows = list(windows) if windows is not None else [None] * n_layers
-    recomputed = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select, windows)
-    return Composed(tokens, keys, values, chunk_tokens - recomputed, recomputed)
+    chosen = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select, windows)
+    if full_layers >= n_layers:  # the full layers ran every token: nothing stored was kept
+        chosen = set(range(start, len(tokens)))
+    return Composed(tokens, keys, values, chunk_tokens - len(chosen), len(chosen), frozenset(chosen))
 
 
 def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],
                moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int],
-               question: Sequence[int] | None, select: str, windows: list[int | None]) -> int:
-    """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; how many."""
+               question: Sequence[int] | None, select: str, windows: list[int | None]) -> set[int]:
+    """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; their positions."""
     layers = model_layers(model)
     for layer in layers:
         _check_block(model, layer)
@@ -296,7 +299,7 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
     for i in range(full_layers, len(layers)):
         h, keys[i], values[i] = _selected_layer(layers[i], h, selected, keys[i], values[i], windows[i])
         mx.eval(h, keys[i], values[i])
-    return len(chosen)
+    return chosen
 
 
 def _check_block(model, layer) -> None:

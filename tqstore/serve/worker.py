@@ -226,8 +226,8 @@ class ModelWorker:
         stop = _stop_callback(job, scanner)
         started = Started(context.caches, len(context.tokens), "composed", context.seconds)
         # Restored from the store: reused tokens, less those of the documents this request
-        # prefilled and stored on the way (a lower bound where recomputed tokens fell in them).
-        cached = max(0, context.reused - sum(c.tokens for c in context.chunks if c.stored))
+        # prefilled and stored on the way.
+        cached = context.reused - context.fresh
         job.send(Accepted(len(prompt), cached, "composed"))
         result, _ = yield from self._generation(
             job, prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit), temp=s.temperature, top_p=s.top_p,
@@ -241,7 +241,7 @@ class ModelWorker:
         gen = Generation(scanner.final(result.text), "stop" if scanner.end is not None else
                          (result.finish_reason or "length"), len(prompt), len(result.tokens), cached,
                          "composed", context.seconds, result.prefill_seconds, result.generation_seconds,
-                         context.reused, context.recomputed, scanner.matched)
+                         cached, context.recomputed, scanner.matched)
         self.metrics.generated(gen, request.api)
         job.send(Finished(gen))
 
