@@ -49,7 +49,8 @@ def test_bad_document_requests_say_what_is_wrong(cli, model, tmp_path):
     for value in ("1.5", "nan", "-0.1"):
         bad = cli("ask", "--doc", "a", "Q", "--recompute", value)
         assert bad.code == 2 and f"--recompute='{value}' is out of range" in bad.err
-    fails(cli("ask", "--doc", "a", "Q", "extra"), "only the QUESTION")
+    extra = cli("ask", "--doc", "a", "Q", "extra")  # a usage error, exit 2 (was 1, as a BadInput)
+    assert extra.code == 2 and "only the QUESTION" in extra.err
     fails(cli("ask", "--doc", "missing", "Q"), "missing")
     cli("save", "plain", "--model", model, "--prompt", DOC)
     fails(cli("ask", "--doc", "plain", "Q"), "not a document chunk")

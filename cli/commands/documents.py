@@ -108,8 +108,8 @@ def _check_free(store, paths: list[str], names: list[str | None]) -> None:
 
 def ask_documents(ctx: Context, args: argparse.Namespace, options: dict) -> int:
     """`ask --doc ...`: QUESTION is the only positional argument."""
-    if args.question is not None:
-        raise BadInput("with --doc or --doc-file, pass only the QUESTION (the documents name the context)")
+    if args.question is not None:  # a usage error (exit 2), as the exit-code table gives for malformed arguments
+        args.usage("with --doc or --doc-file, pass only the QUESTION (the documents name the context)")
     from tqstore.engine.chunks import Document  # here: the engine's imports cost a second to `tqstore --version`
 
     documents = [Document(name=validate_name(n)) for n in args.doc]
