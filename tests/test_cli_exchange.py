@@ -106,3 +106,20 @@ def test_an_imported_mlx_lm_file_gets_a_quality_receipt(cli, model, tmp_path):
     assert raw["measured"] and raw["kl"] == 0 and raw["top1"] == 1 and raw["tokens"] == 32
     assert turbo["measured"] and 0 < turbo["kl"] < 1 and 0 <= turbo["top1"] <= 1 and turbo["tokens"] == 32
     assert "KL" in cli("--home", home, "info", "as-turbo4").out
+
+
+def test_an_mlx_lm_file_compressed_at_import_is_the_entry_a_save_stores(cli, model, tmp_path):
+    """Before: an import calibrated on the keys alone (no queries in the file), so its first
+    block differed from a save's of the same text: the import into a store holding that save
+    was refused as another save of the same first tokens (ConflictError), and elsewhere it
+    cost what a save would not. It now observes the queries a prefill does (a forward of at
+    most 256 tokens), so its blocks are the save's."""
+    doc = " ".join([DOC] * 12)  # past one block
+    cli("save", "raw", "--model", model, "--prompt", doc, "--scheme", "raw", "-q")
+    file = tmp_path / "doc.safetensors"
+    cli("export", "raw", str(file), "--mlx-lm", "-q")
+    cli("save", "saved", "--model", model, "--prompt", doc, "--scheme", "turbo4", "-q")
+    imported = cli("import", str(file), "imported", "--model", model, "--scheme", "turbo4", "--json")
+    assert imported.code == 0 and imported.json["blocks"] >= 2 and imported.json["new_blocks"] == 0
+    saved, again = (cli("info", n, "--json").json["quality"] for n in ("saved", "imported"))
+    assert again["kl"] == saved["kl"] and again["top1"] == saved["top1"]

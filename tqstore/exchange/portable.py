@@ -229,7 +229,7 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
 
         scheme = parse_scheme(scheme).name
         try:
-            snap = compress_snapshot(snap, loaded.model, scheme)
+            snap = compress_snapshot(snap, loaded.model, scheme, tokens=tokens)
         except NotNative as exc:  # a quantized file: only raw caches compress (it was an internal error)
             raise UnsupportedCache(f"{path}: {exc}; import it without --scheme to keep its own layout") from None
     else:

@@ -10,8 +10,10 @@ decoded, as the KVCache they restore into.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
+import mlx.core as mx
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 from turboquant.adapter.making import make_prompt_cache
@@ -21,7 +23,7 @@ from turboquant.cache.at_rest import CLASS as AT_REST_CLASS
 from turboquant.cache.at_rest import AtRestKVCache
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec.affine import AffineCodec
-from turboquant.codec.calibration import CalibrationConfig
+from turboquant.codec.calibration import CALIBRATION_TOKENS, CalibrationConfig
 from turboquant.codec.plan import LayerPlan, SidePlan, dtype_name, plan_layer
 from turboquant.codec.schemes import Format, parse_scheme
 from turboquant.records import LayerRecord, Layout, Snapshot
@@ -44,12 +46,18 @@ def native_snapshot(caches: list) -> Snapshot:
     return Snapshot(layers=[_from_native(c) for c in caches], codecs={})
 
 
-def compress_snapshot(snap: Snapshot, model, scheme: str, **cache_options) -> Snapshot:
+def compress_snapshot(snap: Snapshot, model, scheme: str, *, tokens: Sequence[int] | None = None,
+                      **cache_options) -> Snapshot:
     """An uncompressed snapshot compressed to `scheme`: restored into `make_prompt_cache(model,
     scheme)` caches as if prefilled, compressed, and snapshotted again.
 
-    An mlx-lm file holds no queries, so query-aware calibration sees the keys alone.
+    An mlx-lm file holds no queries. Given the context's `tokens`, the model runs over the first
+    CALIBRATION_TOKENS of them, the positions whose queries a prefill observes, so the keys'
+    calibration and the guard see what they see in a prefill (a forward of at most 256 tokens);
+    without, they see the keys alone (the guard then protects layers by position).
     """
+    if tokens is not None and len(tokens) > 1:
+        snap = _with_queries(snap, model, scheme, tokens, cache_options)
     try:
         caches = restore_as(snap, make_prompt_cache(model, scheme, **cache_options))
     except ValueError as e:
@@ -59,6 +67,21 @@ def compress_snapshot(snap: Snapshot, model, scheme: str, **cache_options) -> Sn
         if hasattr(cache, "compress"):
             cache.compress()
     return snapshot(caches)
+
+
+def _with_queries(snap: Snapshot, model, scheme: str, tokens: Sequence[int], cache_options: dict) -> Snapshot:
+    """`snap` whose raw layers carry the query power a prefill of `tokens` observes (as the
+    uncompressed records of a prefill's caches do)."""
+    probe = make_prompt_cache(model, scheme, **cache_options)
+    model(mx.array(list(tokens[:CALIBRATION_TOKENS]))[None], cache=probe)
+    layers = []
+    for record, cache in zip(snap.layers, probe):
+        observed = cache.to_record() if isinstance(cache, TurboQuantKVCache) else None
+        if record.layout is Layout.RAW and observed is not None and "query_power" in observed.calibration:
+            record = replace(record, calibration={**record.calibration, **observed.calibration},
+                             state={**record.state, "query_rows": observed.state["query_rows"]})
+        layers.append(record)
+    return replace(snap, layers=layers)
 
 
 def _to_native(i: int, r: LayerRecord, snap: Snapshot):
