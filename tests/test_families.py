@@ -208,3 +208,24 @@ def test_at_rest_can_be_forced_without_a_notice(models, monkeypatch):
         warnings.simplefilter("error")
         caches = make_prompt_cache(models["llama"], "turbo4", at_rest=True)
     assert all(isinstance(c, AtRestKVCache) for c in caches)
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "gemma2"])
+def test_a_context_copy_holds_an_at_rest_layer_s_rows_not_its_codes(models, kind):
+    """Before: the copy was restored from the layer's record, which is its codes, so a save's
+    quality probe compared the codes with themselves: every at-rest entry's receipt read KL 0."""
+    from turboquant import Context
+
+    model = models[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        context = Context.open(model, "turbo4")
+    model(prompt_tokens(300)[None], cache=context.caches)
+    copy = context.copy()
+    rest = [i for i, c in enumerate(context.caches) if isinstance(c, AtRestKVCache)]
+    assert rest
+    for i in rest:
+        held, copied = context.caches[i], copy[i]
+        assert copied.offset == held.offset == 300
+        assert mx.array_equal(copied.keys[:, :, :300], held.keys[:, :, :300]).item()
+        assert mx.array_equal(copied.values[:, :, :300], held.values[:, :, :300]).item()

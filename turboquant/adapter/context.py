@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Generator, Iterable
 from typing import Any
 
-from mlx_lm.models.cache import CacheList
+from mlx_lm.models.cache import CacheList, KVCache
 
 from turboquant.adapter.checkpoints import StateCheckpoints, chunk_ends
 from turboquant.adapter.making import make_prompt_cache, start_decoding, starting
 from turboquant.adapter.snapshots import held_tokens, restore, snapshot
 from turboquant.adapter.verdicts import VerdictBook
 from turboquant.adapter.windows import WINDOW_MODES, settle_all
+from turboquant.cache.at_rest import AtRestKVCache
 from turboquant.cache.compressed import TurboQuantKVCache
 from turboquant.codec.schemes import SchemeSpec
 from turboquant.codec.stages import run_all
@@ -108,8 +109,11 @@ class Context:
 
     def copy(self) -> list[Any]:
         """Caches holding what these hold now, sharing their arrays (later updates of either
-        leave the other as it was): a probe can run tokens through them and drop them."""
-        return restore(snapshot(self.caches))
+        leave the other as it was): a probe can run tokens through them and drop them. A layer
+        compressed at rest is copied as the rows it holds, not as its record: that record is
+        its codes, and a quality probe's reference copied so measured the codes against
+        themselves (KL 0 for every at-rest entry)."""
+        return [_rows_copy(c) if isinstance(c, AtRestKVCache) else restore(snapshot([c]))[0] for c in self.caches]
 
     def snapshot(self, tokens: int, *, compress: bool = True) -> Snapshot:
         """The context's first `tokens` tokens as plain records (compressed first unless told
@@ -119,6 +123,13 @@ class Context:
         boundaries, rows = (None, None) if self.checkpoints is None else (
             self.checkpoints.before(tokens), self.checkpoints.rows(tokens))
         return snapshot(self.caches, tokens=tokens, checkpoints=boundaries, rows=rows, windows=self.windows)
+
+
+def _rows_copy(cache: AtRestKVCache) -> KVCache:
+    copy = KVCache()
+    if cache.offset:
+        copy.update_and_fetch(cache.keys[:, :, :cache.offset], cache.values[:, :, :cache.offset])
+    return copy
 
 
 def _counts(caches: Iterable[Any]) -> bool:
