@@ -275,3 +275,14 @@ def test_a_list_entry_kept_whole_stays_readable(engine, tmp_path_factory):
     assert engine.save_tokens("branch2", loaded, document[:520], scheme="raw").reused_tokens == 2 * BLOCK_SIZE
     for name in ("whole", "members"):
         assert engine.ask(name, "Who pays?", max_tokens=2).cached_tokens == len(engine.store.get(name).tokens)
+
+
+def test_caches_that_cannot_drop_tokens_for_their_recurrent_states_say_so(engine):
+    """Before: every such refusal blamed "a full sliding window", also for hybrid models, whose
+    prompts the server then never stored for reasons its log misnamed."""
+    model = arch_configs.build("falcon_h1", vocab_size=VOCAB, **WINDOWS)
+    caches = make_prompt_cache(model, "raw")
+    tokens = _tokens(40, seed=1)
+    model(mx.array(tokens)[None], cache=caches)
+    with pytest.raises(BadInput, match=r"cannot drop their last 8 tokens \(recurrent states\)"):
+        engine.store_caches("x", SimpleNamespace(model=model), "raw", caches, tokens[:32], prefill_seconds=0.0)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Generator, Sequence
 
 import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 from turboquant import Context, StateCheckpoints, TurboQuantKVCache, held_tokens, snapshot
 
@@ -129,8 +130,10 @@ class Saver:
         rows = rows if windows == "token" else None
         # Windows stored by token are cut from their logged rows, not from the cache.
         cut = [c for i, c in enumerate(caches) if i not in (rows or {})]
-        if extra and not all(c.is_trimmable() for c in cut):
-            raise BadInput("these caches cannot drop their last tokens (a full sliding window): store them whole")
+        stuck = {_untrimmable_kind(c) for c in cut if not c.is_trimmable()}
+        if extra and stuck:
+            raise BadInput(f"these caches cannot drop their last {extra} tokens ({' and '.join(sorted(stuck))}): "
+                           "store them whole")
         for cache in cut:
             if extra:
                 cache.trim(extra)
@@ -149,3 +152,12 @@ class Saver:
             put()
             return None
         return writer.submit(tokens, put)
+
+
+def _untrimmable_kind(cache: Any) -> str:
+    """What keeps a cache from dropping tokens, for the user: a recurrent state holds no tokens
+    to drop; a window has dropped its oldest ones already."""
+    leaves = cache.caches if isinstance(cache, CacheList) else [cache]
+    if any(type(c) is ArraysCache for c in leaves):
+        return "recurrent states"
+    return "a full sliding window"
