@@ -286,3 +286,17 @@ def test_caches_that_cannot_drop_tokens_for_their_recurrent_states_say_so(engine
     model(mx.array(tokens)[None], cache=caches)
     with pytest.raises(BadInput, match=r"cannot drop their last 8 tokens \(recurrent states\)"):
         engine.store_caches("x", SimpleNamespace(model=model), "raw", caches, tokens[:32], prefill_seconds=0.0)
+
+
+def test_a_raw_entry_with_recurrent_states_is_refused_for_mlx_lm_with_the_bundle_as_the_way(
+        engine, tmp_path_factory, tmp_path):
+    """Before: "re-save it with --scheme raw" for an entry saved raw, a loop with no way out."""
+    from tqstore.errors import UnsupportedCache
+    from tqstore.exchange.portable import export_mlx_lm
+
+    folder = _folder("recurrent_gemma", tmp_path_factory)
+    loaded = engine.model(str(folder))
+    engine.save_tokens("doc", loaded, _tokens(300, seed=4), scheme="raw")
+    with pytest.raises(UnsupportedCache, match=r"recurrent state \(ArraysCache\).*tqstore export doc FILE\.tqb") as exc:
+        export_mlx_lm(engine.store, "doc", tmp_path / "doc.safetensors")
+    assert "re-save" not in str(exc.value) and not (tmp_path / "doc.safetensors").exists()

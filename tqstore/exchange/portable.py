@@ -193,7 +193,9 @@ def export_mlx_lm(store: Store, name: str, path: str | os.PathLike) -> ExportRes
     try:
         export_prompt_cache(path, snapshot, metadata)
     except UnsupportedCache as exc:
-        raise UnsupportedCache(f"entry {name} cannot be exported for mlx-lm ({exc}): {redo}") from None
+        # A raw entry fails for its layer kinds, which no re-save changes: a bundle keeps them.
+        advice = (f"export it as a bundle (tqstore export {name} FILE.tqb)" if manifest.scheme == "raw" else redo)
+        raise UnsupportedCache(f"entry {name} cannot be exported for mlx-lm ({exc}): {advice}") from None
     return ExportResult(name, str(path), "mlx-lm", len(manifest.tokens), os.path.getsize(path))
 
 

@@ -123,8 +123,15 @@ def _to_native(i: int, r: LayerRecord, snap: Snapshot):
             cache.values = tuple(r.arrays[f"values_{s}"] for s in ("w", "scales", "biases"))
         cache.offset = r.offset
         return cache
+    if r.layout in (Layout.STATE, Layout.LIST, Layout.FIELDS):
+        raise NotNative(f"layer {i} is a {_KINDS[r.layout]}, which this export does not write for mlx-lm (it writes "
+                        f"{', '.join(NATIVE_CLASSES)} layers); keep tqstore's own format")
     raise NotNative(f"layer {i} is {r.layout.value} (TurboQuant): mlx-lm has no cache class that reads it; "
                            "export a snapshot taken with scheme raw or affine8, or keep tqstore's own format")
+
+
+_KINDS = {Layout.STATE: "recurrent state (ArraysCache)", Layout.LIST: "cache list (CacheList)",
+          Layout.FIELDS: "model's own cache class"}
 
 
 def _from_native(cache) -> LayerRecord:
