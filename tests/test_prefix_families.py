@@ -300,3 +300,64 @@ def test_a_raw_entry_with_recurrent_states_is_refused_for_mlx_lm_with_the_bundle
     with pytest.raises(UnsupportedCache, match=r"recurrent state \(ArraysCache\).*tqstore export doc FILE\.tqb") as exc:
         export_mlx_lm(engine.store, "doc", tmp_path / "doc.safetensors")
     assert "re-save" not in str(exc.value) and not (tmp_path / "doc.safetensors").exists()
+
+
+@pytest.mark.parametrize("family", ["recurrent_gemma", "falcon_h1"])
+def test_a_prompt_answered_into_recurrent_states_stores_its_last_kept_block_end(engine, tmp_path_factory, family):
+    """What the server's autosave does after an answer: before, caches with recurrent states
+    could not drop the answer's tokens, so no prompt of such a model was ever stored (every
+    repeat recomputed it). Now the prompt is stored up to the last block end at which the
+    prefill kept the states, and restores as a prefill of those tokens does."""
+    folder = _folder(family, tmp_path_factory)
+    loaded = engine.model(str(folder))
+    prompt = _tokens(2 * BLOCK_SIZE + 90, seed=6)
+    starts = []
+    _, caches = engine.generate_with_caches(loaded, "raw", prompt, max_tokens=3, on_start=starts.append)
+    stored = prompt[:-1]
+    n = engine.storable_tokens(caches, len(stored), starts[0].checkpoints)
+    assert n == 2 * BLOCK_SIZE
+    # As the server's autosave passes them: already cut to that block end, while the caches'
+    # live states are past the answer (the entry must take the kept ones all the same).
+    engine.store_caches("auto", loaded, "raw", caches, stored[:n], prefill_seconds=1.0,
+                        checkpoints=starts[0].checkpoints)
+    assert list(engine.store.get("auto").tokens) == prompt[:2 * BLOCK_SIZE]
+    again = engine.start(loaded, "raw", prompt)
+    assert again.matched == 2 * BLOCK_SIZE
+    fresh = make_prompt_cache(loaded.model, "raw")
+    engine.prefill(loaded, fresh, prompt[:2 * BLOCK_SIZE], checkpoints=StateCheckpoints.for_caches(fresh, BLOCK_SIZE))
+    _assert_same_caches(fresh, again.caches)
+    step = mx.array([[5]])
+    assert mx.array_equal(loaded.model(step, cache=again.caches), loaded.model(step, cache=fresh))
+
+
+def test_the_server_stores_a_hybrid_model_s_prompts_and_answers_the_same_from_them(tmp_path_factory, tmp_path):
+    """Before: every autosave of a model with recurrent states was refused (its states hold the
+    answer), so a repeated prompt was always recomputed. Through the server's worker, the second
+    identical request now restores the prompt's first blocks and answers as the first did."""
+    from test_server_batch import Collect
+    from tqstore.serve.autosave import SavePolicy
+    from tqstore.serve.metrics import Metrics
+    from tqstore.serve.openai_schema import GenerationRequest, Sampling
+    from tqstore.serve.worker import ModelWorker
+
+    folder = _folder("falcon_h1", tmp_path_factory)
+    engine = Engine.open(tmp_path / "home")
+    worker = ModelWorker(engine, str(folder), scheme="raw", policy=SavePolicy(min_tokens=256), metrics=Metrics())
+    prompt = " ".join(f"w{i % 37}" for i in range(300))
+    request = GenerationRequest(chat=False, model=None, sampling=Sampling(8, 0.0, 1.0, None, ()), stream=True,
+                                include_usage=False, prompt=prompt)
+    worker.start()
+    try:
+        answers = []
+        for _ in range(2):
+            sink = Collect()
+            worker.generate(request, sink)
+            assert sink.done.wait(120)
+            answers.append(sink.events[-1].value)
+            worker.writer.wait_for(engine.model(str(folder)).tokenizer.encode(prompt))
+    finally:
+        worker.stop()
+    first, second = answers
+    assert first.prompt_tokens > 2 * BLOCK_SIZE and first.cached_tokens == 0
+    assert second.cached_tokens == first.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+    assert second.text == first.text

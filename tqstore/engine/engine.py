@@ -136,6 +136,11 @@ class Engine:
         return self.saver.store_caches(name, loaded, scheme, caches, tokens, prefill_seconds=prefill_seconds, ttl=ttl,
                                        metadata=metadata, checkpoints=checkpoints, writer=writer, windows=windows)
 
+    def storable_tokens(self, caches: list[Any], tokens: int, checkpoints: StateCheckpoints | None = None,
+                        windows: str | None = None) -> int:
+        """How many of the first `tokens` tokens `store_caches` would store (`Saver.storable_tokens`)."""
+        return self.saver.storable_tokens(caches, tokens, checkpoints, windows)
+
     # -- answering (generation.py) --------------------------------------------------------
 
     def ask(self, name: str, question: str, *, model: str | None = None, max_tokens: int = 256,

@@ -106,6 +106,14 @@ class Saver:
         return SaveResult(name, len(tokens), started.matched, seconds, recorded, scheme, result.new_blocks,
                           result.reused_blocks, result.bytes_written, result.evicted, result.warnings)
 
+    def storable_tokens(self, caches: list[Any], tokens: int, checkpoints: StateCheckpoints | None = None,
+                        windows: str | None = None) -> int:
+        """How many of the first `tokens` tokens `store_caches` stores from `caches`: all of them,
+        or, where recurrent states hold tokens after them (an answer), the last block end at
+        which the prefill kept every state (0: nothing can be stored)."""
+        held = held_tokens(caches) or tokens
+        return _storable(caches, tokens, held, checkpoints, window_mode(windows or self.models.windows))[0]
+
     def store_caches(self, name: str, loaded: LoadedModel, scheme: str, caches: list[Any], tokens: Sequence[int],
                      *, prefill_seconds: float, ttl: float | None = None,
                      metadata: dict[str, str] | None = None, checkpoints: StateCheckpoints | None = None,
@@ -122,21 +130,20 @@ class Saver:
         windows = window_mode(windows or self.models.windows)
         # Recurrent layers count no tokens: the attention layers say what the caches hold.
         held = held_tokens(caches) or len(tokens)
-        extra = held - len(tokens)
-        if extra < 0:
+        if held < len(tokens):
             raise BadInput(f"the caches hold {held} tokens, fewer than the {len(tokens)} to store")
-        boundaries, rows = (None, None) if checkpoints is None else (checkpoints.before(len(tokens)),
-                                                                     checkpoints.rows(len(tokens)))
+        n, why, kept = _storable(caches, len(tokens), held, checkpoints, windows)
+        if not n:
+            raise BadInput(why)
+        if kept:  # recurrent states past an answer: those the prefill kept at a block end
+            caches, tokens = checkpoints.caches_at(caches, n), tokens[:n]
+        extra = held - n
+        boundaries, rows = (None, None) if checkpoints is None else (checkpoints.before(n), checkpoints.rows(n))
         rows = rows if windows == "token" else None
         # Windows stored by token are cut from their logged rows, not from the cache.
-        cut = [c for i, c in enumerate(caches) if i not in (rows or {})]
-        stuck = {_untrimmable_kind(c) for c in cut if not c.is_trimmable()}
-        if extra and stuck:
-            raise BadInput(f"these caches cannot drop their last {extra} tokens ({' and '.join(sorted(stuck))}): "
-                           "store them whole")
-        for cache in cut:
+        for cache in (c for i, c in enumerate(caches) if i not in (rows or {})):
             if extra:
-                cache.trim(extra)
+                _trim(cache, extra)
             if isinstance(cache, TurboQuantKVCache):
                 cache.compress()
         snap = snapshot(caches, tokens=len(tokens), checkpoints=boundaries, rows=rows, windows=windows)
@@ -154,10 +161,35 @@ class Saver:
         return writer.submit(tokens, put)
 
 
-def _untrimmable_kind(cache: Any) -> str:
-    """What keeps a cache from dropping tokens, for the user: a recurrent state holds no tokens
-    to drop; a window has dropped its oldest ones already."""
-    leaves = cache.caches if isinstance(cache, CacheList) else [cache]
-    if any(type(c) is ArraysCache for c in leaves):
-        return "recurrent states"
-    return "a full sliding window"
+def _storable(caches: list[Any], tokens: int, held: int, checkpoints: StateCheckpoints | None,
+              windows: str) -> tuple[int, str, bool]:
+    """How many of the first `tokens` tokens can be stored from caches holding `held`: all of
+    them when every layer can drop the rest; where only recurrent states cannot (an answer was
+    decoded into them), the last block end at which the prefill kept every state, which the
+    stored entry must then take from the checkpoints (True); else 0, and why."""
+    if held == tokens:
+        return tokens, "", False
+    rows = checkpoints.rows(tokens) if checkpoints is not None and windows == "token" else None
+    # Windows stored by token are cut from their logged rows, not from the cache.
+    stuck = [c for i, c in enumerate(caches) if i not in (rows or {}) for c in _leaves(c) if not c.is_trimmable()]
+    if not stuck:
+        return tokens, "", False
+    if all(type(c) is ArraysCache for c in stuck) and checkpoints is not None:
+        end = checkpoints.last_end(caches, tokens)
+        if end:
+            return end, "", True
+    kinds = sorted({"recurrent states" if type(c) is ArraysCache else "a full sliding window" for c in stuck})
+    return (0, f"these caches cannot drop their last {held - tokens} tokens ({' and '.join(kinds)}): store them "
+               "whole", False)
+
+
+def _leaves(cache: Any) -> list[Any]:
+    return [c for m in cache.caches for c in _leaves(m)] if type(cache) is CacheList else [cache]
+
+
+def _trim(cache: Any, n: int) -> None:
+    """Drop `n` tokens from every member that holds tokens (a recurrent state holds none: it is
+    the one kept at the new end, `StateCheckpoints.caches_at`)."""
+    for leaf in _leaves(cache):
+        if type(leaf) is not ArraysCache:
+            leaf.trim(n)

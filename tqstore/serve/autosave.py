@@ -55,6 +55,10 @@ def autosave(engine: Engine, policy: SavePolicy, metrics: Metrics, writer: Backg
     if len(prompt) < max(policy.min_tokens, 2):
         metrics.saved("short")
         return
+    # A model with recurrent states keeps the prompt up to the last block end its prefill kept
+    # them at (the states hold the answer now); 0 leaves the refusal to store_caches below.
+    storable = engine.storable_tokens(caches, len(stored), checkpoints) or len(stored)
+    stored = stored[:storable]
     if result.cached_tokens >= len(stored):
         metrics.saved("covered")
         return

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, CacheList
 
 from turboquant.adapter.snapshots import fields_class, held_tokens
 from turboquant.adapter.windows import WindowRows, leaves, member, window_layers
@@ -24,6 +24,7 @@ from turboquant.records import (
     Layout,
     Path,
     Snapshot,
+    child_path,
     field_boundaries,
     field_plan,
     fields_at,
@@ -135,6 +136,33 @@ class StateCheckpoints:
     def rows(self, tokens: int):
         """The window layers' rows of tokens [0, tokens) (`WindowRows.rows`), or None."""
         return self.windows.rows(tokens) if self.windows is not None else None
+
+    def last_end(self, caches: list[Any], tokens: int) -> int:
+        """The last block end at or before `tokens` at which every recurrent layer's state was
+        kept (0: none); a model's own cache classes (`FIELD_PLANS`) are not covered: 0."""
+        paths = recurrent_layers(caches)
+        if not paths or field_layers(caches):
+            return 0
+        end = tokens // self.block * self.block
+        while end > 0 and not all(end in self.layers.get(p, {}) for p in paths):
+            end -= self.block
+        return end
+
+    def caches_at(self, caches: list[Any], end: int) -> list[Any]:
+        """`caches` whose recurrent layers hold the state kept at `end` (`last_end`), for a
+        snapshot of the first `end` tokens after the caches went on (an answer decoded into
+        them): new ArraysCache objects, CacheLists rebuilt around them, every other layer the
+        same object."""
+        def at(path: Path, cache: Any) -> Any:
+            if type(cache) is CacheList:
+                return CacheList(*(at(child_path(path, j), m) for j, m in enumerate(cache.caches)))
+            if type(cache) is ArraysCache:
+                kept = ArraysCache(len(cache.cache))
+                kept.cache = list(self.layers[path][end])
+                return kept
+            return cache
+
+        return [at(i, c) for i, c in enumerate(caches)]
 
     def follow(self, caches: list[Any]) -> None:
         """Log what generation adds, one decode step at a time: the window rows of the tokens
