@@ -113,7 +113,8 @@ def test_an_mlx_lm_file_compressed_at_import_is_the_entry_a_save_stores(cli, mod
     block differed from a save's of the same text: the import into a store holding that save
     was refused as another save of the same first tokens (ConflictError), and elsewhere it
     cost what a save would not. It now observes the queries a prefill does (a forward of at
-    most 256 tokens), so its blocks are the save's."""
+    most 256 tokens): on this model its blocks are the save's (a real model's can differ by
+    rounding, docs/quality.md)."""
     doc = " ".join([DOC] * 12)  # past one block
     cli("save", "raw", "--model", model, "--prompt", doc, "--scheme", "raw", "-q")
     file = tmp_path / "doc.safetensors"
