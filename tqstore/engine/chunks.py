@@ -112,11 +112,11 @@ class ComposedContext:
     caches: list
     tokens: list[int]
     chunks: list[ChunkInfo]
-    reused: int  # chunk tokens whose K/V were kept as restored (`Composed.reused`)
+    reused: int  # chunk tokens whose K/V, stored before this request, were kept
     recomputed: int
     seconds: float
     estimated_bytes: int  # the peak memory the composition was estimated to need
-    fresh: int = 0  # of `reused`, the tokens of chunks this request stored: prefilled now, not reused
+    fresh: int = 0  # chunk tokens whose K/V this request's own prefill computed, kept as computed
 
 
 def fresh_tokens(composed: Composed, chunks: Sequence[ChunkKV], stored_now: Sequence[bool]) -> int:
@@ -302,7 +302,7 @@ class DocumentChunks:
         fresh = fresh_tokens(composed, [found[key][1] for key in order], [info.stored for info in infos])
         del found  # the chunks' K/V are in `composed` now
         fill_caches(caches, composed)
-        return ComposedContext(caches, composed.tokens, infos, composed.reused, composed.recomputed,
+        return ComposedContext(caches, composed.tokens, infos, composed.reused - fresh, composed.recomputed,
                                time.perf_counter() - t0, estimate, fresh)
 
     def _chunk_source(self, loaded: LoadedModel, scheme: str, prefix: list[int], kind: str,
@@ -350,7 +350,7 @@ class DocumentChunks:
         if recompute >= 1.0:
             reused, recomputed, prefilled = 0, 0, len(context.tokens) + len(question_tokens)
         else:
-            reused, recomputed = context.reused - context.fresh, context.recomputed
+            reused, recomputed = context.reused, context.recomputed
             prefilled = len(question_tokens) + context.fresh
         return DocumentsAnswer(answer, context.chunks, reused, recomputed, prefilled, context.seconds,
                                context.estimated_bytes)

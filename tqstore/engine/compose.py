@@ -89,8 +89,12 @@ class Composed:
     keys: list[mx.array]
     values: list[mx.array]
     reused: int  # chunk tokens whose stored K/V were kept in the later layers
-    recomputed: int  # chunk tokens run through every layer in the composed context
-    recomputed_at: frozenset[int] = frozenset()  # their positions in `tokens`
+    recomputed_at: frozenset[int]  # positions in `tokens` of the chunk tokens run through every layer
+
+    @property
+    def recomputed(self) -> int:
+        """How many chunk tokens were run through every layer in the composed context."""
+        return len(self.recomputed_at)
 
 
 @dataclass(frozen=True, eq=False)  # compared by `describe()` (freqs is an array)
@@ -252,7 +256,7 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     want = int(round(budget * chunk_tokens))
     if want <= 0 or not moved:
         mx.eval(keys, values)
-        return Composed(tokens, keys, values, chunk_tokens, 0)
+        return Composed(tokens, keys, values, chunk_tokens, frozenset())
     first = [p for at, n in moved for p in range(at, at + min(sink_tokens, n))]
     if moved and tail_tokens:
         at, n = moved[-1]
@@ -265,7 +269,7 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     chosen = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select, windows)
     if full_layers >= n_layers:  # the full layers ran every token: nothing stored was kept
         chosen = set(range(start, len(tokens)))
-    return Composed(tokens, keys, values, chunk_tokens - len(chosen), len(chosen), frozenset(chosen))
+    return Composed(tokens, keys, values, chunk_tokens - len(chosen), frozenset(chosen))
 
 
 def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],

@@ -225,9 +225,8 @@ class ModelWorker:
 
         stop = _stop_callback(job, scanner)
         started = Started(context.caches, len(context.tokens), "composed", context.seconds)
-        # Restored from the store: reused tokens, less those of the documents this request
-        # prefilled and stored on the way.
-        cached = context.reused - context.fresh
+        # Restored from the store (the documents this request prefilled and stored are not).
+        cached = context.reused
         job.send(Accepted(len(prompt), cached, "composed"))
         result, _ = yield from self._generation(
             job, prompt, max_tokens=min(s.max_tokens, self.max_tokens_limit), temp=s.temperature, top_p=s.top_p,
