@@ -113,7 +113,9 @@ class Context:
         compressed at rest is copied as the rows it holds, not as its record: that record is
         its codes, and a quality probe's reference copied so measured the codes against
         themselves (KL 0 for every at-rest entry)."""
-        return [_rows_copy(c) if isinstance(c, AtRestKVCache) else restore(snapshot([c]))[0] for c in self.caches]
+        tokens = self.tokens  # a recurrent state alone counts none: it takes the context's, as in one snapshot
+        return [_rows_copy(c) if isinstance(c, AtRestKVCache) else restore(snapshot([c], tokens=tokens))[0]
+                for c in self.caches]
 
     def snapshot(self, tokens: int, *, compress: bool = True) -> Snapshot:
         """The context's first `tokens` tokens as plain records (compressed first unless told
