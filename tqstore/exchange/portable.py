@@ -91,15 +91,10 @@ def export_bundle(store: Store, name: str, path: str | os.PathLike) -> ExportRes
     """
     tiers = store.tiers
     manifest = store.get(name)
-    portable = manifest.replace(pinned=False, remote_etag=None)
     # An import would refuse it: better said here, where the entry can still be saved again.
-    if portable.expired(time.time()):
-        if manifest.pinned:
-            raise NotFound(f"entry {name} is pinned, so it stays here, but its TTL ran out at "
-                           f"{time.ctime(manifest.expires)} and a bundle does not carry the pin: it would arrive "
-                           "expired; nothing was exported: save it again without --ttl to export it")
-        raise NotFound(f"entry {name} expired at {time.ctime(manifest.expires)}: nothing was exported; save it again "
-                       "(tqstore gc removes expired entries)")
+    if manifest.lapsed(time.time()):
+        raise NotFound(f"{manifest.lapse_reason('a bundle')}: nothing was exported; save it again"
+                       + (" without --ttl to export it" if manifest.pinned else " (tqstore gc removes expired entries)"))
     objects = {}
     for ref in manifest.objects:
         payload = tiers.lmdb.get_object(ref.key)  # CorruptBlock if its segments are damaged
@@ -108,7 +103,7 @@ def export_bundle(store: Store, name: str, path: str | os.PathLike) -> ExportRes
                            "(tqstore verify lists the damage); save or pull the entry again")
         check_digest(payload, ref, f"the stored object {ref.key.hex()[:12]} of {name}")
         objects[ref.key] = payload
-    write_bundle(path, portable.to_bytes(), objects)
+    write_bundle(path, manifest.replace(pinned=False, remote_etag=None).to_bytes(), objects)
     return ExportResult(name, str(path), "bundle", len(manifest.tokens), os.path.getsize(path))
 
 

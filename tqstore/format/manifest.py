@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -106,6 +107,19 @@ class Manifest:
     def expired(self, now: float) -> bool:
         """Whether the entry's TTL has run out at `now` (a pinned entry never expires)."""
         return not self.pinned and self.expires is not None and self.expires <= now
+
+    def lapsed(self, now: float) -> bool:
+        """Whether the entry is expired at `now` once its pin is left out, as a bucket and a bundle
+        hold it (a pin is local bookkeeping)."""
+        return self.expires is not None and self.expires <= now
+
+    def lapse_reason(self, holder: str) -> str:
+        """Why a lapsed entry (`lapsed`) cannot go to `holder` ("the bucket", "a bundle")."""
+        when = time.ctime(self.expires)
+        if self.pinned:
+            return (f"entry {self.name} is pinned, so it stays here, but its TTL ran out at {when} and {holder} "
+                    "does not carry the pin: it would arrive expired")
+        return f"entry {self.name} expired at {when}"
 
     def same_content(self, other: Manifest) -> bool:
         """Same entry: name, identities, tokens, object keys and calibration (payload digests,

@@ -106,14 +106,14 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     now = time.time()
     if name is not None:
         manifests = [tiers.require_manifest(name)]
-        if _lapsed(manifests[0], now):  # as `--all` leaves it out: no machine would use it
-            raise NotFound(f"{_lapsed_why(manifests[0])}: nothing was pushed; save it again (tqstore gc removes "
+        if manifests[0].lapsed(now):  # as `--all` leaves it out: no machine would use it
+            raise NotFound(f"{manifests[0].lapse_reason('the bucket')}: nothing was pushed; save it again (tqstore gc removes "
                            "expired entries)")
     else:
         entries, _ = tiers.local_manifests()  # unreadable ones are left out; `tqstore verify` names them
-        manifests = sorted((m for m, _ in entries if not _lapsed(m, now)), key=lambda m: m.name)
+        manifests = sorted((m for m, _ in entries if not m.lapsed(now)), key=lambda m: m.name)
         # Expired ones are gc's to remove; a pinned one past its TTL lives on here, so say why it stays.
-        warnings += [f"{_lapsed_why(m)}: not pushed" for m, _ in entries if m.pinned and _lapsed(m, now)]
+        warnings += [f"{m.lapse_reason('the bucket')}: not pushed" for m, _ in entries if m.pinned and m.lapsed(now)]
     tally = _Tally(sum(len({r.key for r in m.objects}) for m in manifests), progress)
     _check_key(s3, [m.name for m in manifests])
     up_to_date: list[str] = []
@@ -136,18 +136,6 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     return TransferStats(tuple(pushed), tally.total, tally.transferred, tally.skipped, tally.bytes,
                          time.perf_counter() - start, tuple(up_to_date), warnings=tuple(warnings),
                          conflicts=tuple(conflicts))
-
-
-def _lapsed(manifest: Manifest, now: float) -> bool:
-    """Whether the bucket's copy of `manifest` would be expired: the bucket does not keep pins."""
-    return manifest.replace(pinned=False).expired(now)
-
-
-def _lapsed_why(manifest: Manifest) -> str:
-    if manifest.pinned:
-        return (f"entry {manifest.name} is pinned, so it stays here, but its TTL ran out at "
-                f"{time.ctime(manifest.expires)} and the bucket does not keep pins: it would arrive expired")
-    return f"entry {manifest.name} expired at {time.ctime(manifest.expires)}"
 
 
 def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, packs: dict[str, tuple[int, float]],
