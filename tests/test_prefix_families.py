@@ -361,3 +361,14 @@ def test_the_server_stores_a_hybrid_model_s_prompts_and_answers_the_same_from_th
     assert first.prompt_tokens > 2 * BLOCK_SIZE and first.cached_tokens == 0
     assert second.cached_tokens == first.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
     assert second.text == first.text
+
+
+def test_an_at_rest_entry_s_receipt_measures_its_compression(engine, tmp_path_factory):
+    """What the user reads in `tqstore info`: before, every at-rest entry (gemma2, the MLA
+    families) showed KL 0 and top-1 1.0, its reference being the entry itself."""
+    from tqstore.engine.receipts import Receipt
+
+    loaded = engine.model(str(_folder("gemma2", tmp_path_factory)))
+    engine.save_tokens("doc", loaded, _tokens(300, seed=8), scheme="turbo5v4")
+    receipt = Receipt.from_metadata(engine.store.get("doc").metadata)
+    assert receipt is not None and receipt.kl > 0
