@@ -4,6 +4,7 @@ Qwen's <tool_call> format, an API key), talked to with the real `anthropic` SDK 
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import http.client
 import json
@@ -14,7 +15,12 @@ import pytest
 from model_folder import write_model_folder
 from server_process import ServerProcess, parse_prometheus, request
 from tqstore.engine.engine import Engine
+from tqstore.serve import anthropic_schema
 from tqstore.serve.anthropic_schema import ToolFormat
+from tqstore.serve.http import _message_stream
+from tqstore.serve.jobs import Accepted, Finished
+from tqstore.serve.openai_schema import Generation
+from tqstore.serve.streams import JobEvents
 
 KEY = "test-key-anthropic"
 SYSTEM = ("You answer questions about contracts. The contract says the seller pays for delays. Clause seven covers "
@@ -128,6 +134,27 @@ def test_tools_and_tool_blocks_reach_the_chat_template(client):
     assert m.content and m.usage.input_tokens + m.usage.cache_read_input_tokens == history
 
 
+def test_a_tool_call_history_is_one_prompt_through_both_routes(server, client):
+    """OpenAI clients send a call's arguments as a JSON string; the template must see the object,
+    as the Anthropic route gives it (a string would be rendered encoded twice)."""
+    openai_history = [CALL_HISTORY[0],
+                      {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                          {"id": "toolu_1", "type": "function",
+                           "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+                      {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny, 21 C"}]
+    tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                               "parameters": WEATHER["input_schema"]}}]
+    status, _, answer = request(server, "POST", "/v1/chat/completions",
+                                {"messages": openai_history, "tools": tools, "max_tokens": 1})
+    assert status == 200
+    anthropic_count = client.messages.count_tokens(model="x", messages=CALL_HISTORY, tools=[WEATHER]).input_tokens
+    assert answer["usage"]["prompt_tokens"] == anthropic_count
+    broken = [*openai_history[:1], {**openai_history[1], "tool_calls": [
+        {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]}]
+    status, _, answer = request(server, "POST", "/v1/chat/completions", {"messages": broken, "max_tokens": 1})
+    assert status == 400 and "arguments is not JSON" in answer["error"]["message"]
+
+
 def test_tool_calls_are_parsed_out_of_the_answer(tmp_path, model_dir):
     tokenizer = Engine.open(tmp_path / "home").model(str(model_dir)).tokenizer
     fmt = ToolFormat.of(tokenizer)
@@ -138,6 +165,52 @@ def test_tool_calls_are_parsed_out_of_the_answer(tmp_path, model_dir):
     assert calls[0]["type"] == "tool_use" and calls[0]["name"] == "get_weather"
     assert calls[0]["input"] == {"city": "Oslo"}
     assert calls[0]["id"].startswith("toolu_")
+
+
+def test_a_call_whose_json_is_no_call_is_dropped(tmp_path, model_dir):
+    fmt = ToolFormat.of(Engine.open(tmp_path / "home").model(str(model_dir)).tokenizer)
+    tools = ({"type": "function", "function": WEATHER},)
+    for bad in ('42', '"get_weather"', 'null', '["get_weather", {"city": "Oslo"}]', '{"name": 5}', '{"arguments": {}}'):
+        assert fmt.split(f"I will call it. <tool_call>\n{bad}\n</tool_call>", tools) == ("I will call it. ", []), bad
+
+
+def _generation(text: str, stop_sequence: str | None = None) -> Generation:
+    return Generation(text=text, finish_reason="stop", prompt_tokens=9, completion_tokens=5, cached_tokens=0,
+                      tier="none", restore_seconds=0.0, prefill_seconds=0.0, generation_seconds=0.0,
+                      stop_sequence=stop_sequence)
+
+
+def _streamed(gen: Generation, fmt: ToolFormat) -> list[dict]:
+    """The real stream function's events for a job that finishes with `gen` at once."""
+    async def run():
+        async def receive():  # a client that stays
+            await asyncio.Event().wait()
+        events = JobEvents(receive, texts=True)
+        events.sink(Finished(gen))
+        stream = _message_stream(events, "msg_1", "m", Accepted(prompt_tokens=9), fmt, ({"type": "function",
+                                                                                        "function": WEATHER},))
+        return [json.loads(chunk.decode().split("data: ", 1)[1]) async for chunk in stream]
+    return asyncio.run(run())
+
+
+def test_a_stream_whose_call_is_no_call_ends_with_message_stop(tmp_path, model_dir):
+    fmt = ToolFormat.of(Engine.open(tmp_path / "home").model(str(model_dir)).tokenizer)
+    events = _streamed(_generation("I will call it. <tool_call>\n42\n</tool_call>"), fmt)
+    assert [e["type"] for e in events][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == "I will call it. "
+    assert events[-2]["delta"]["stop_reason"] == "end_turn"
+
+
+def test_a_tool_use_stop_names_no_stop_sequence(tmp_path, model_dir):
+    fmt = ToolFormat.of(Engine.open(tmp_path / "home").model(str(model_dir)).tokenizer)
+    gen = _generation('a<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> ', "STOP")
+    tools = ({"type": "function", "function": WEATHER},)
+    whole = anthropic_schema.message_response("msg_1", "m", gen, fmt, tools)
+    assert whole["stop_reason"] == "tool_use" and whole["stop_sequence"] is None
+    delta = _streamed(gen, fmt)[-2]["delta"]
+    assert delta == {"stop_reason": "tool_use", "stop_sequence": None}
+    plain = anthropic_schema.message_response("msg_1", "m", _generation("a ", "STOP"), fmt, tools)
+    assert plain["stop_reason"] == "stop_sequence" and plain["stop_sequence"] == "STOP"
 
 
 def test_errors_come_in_anthropics_shape_and_both_key_headers_work(server, client):

@@ -179,15 +179,27 @@ class ToolFormat:
                 log.info("a tool call did not parse (%s: %s); dropped", type(e).__name__, e)
                 continue
             for call in parsed if isinstance(parsed, list) else [parsed]:
-                arguments = call.get("arguments", {})
-                if isinstance(arguments, str):
-                    try:
-                        arguments = json.loads(arguments)
-                    except ValueError:
-                        arguments = {"arguments": arguments}
-                blocks.append({"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call.get("name", ""),
-                               "input": arguments if isinstance(arguments, dict) else {"value": arguments}})
+                block = _tool_use(call)
+                if block is None:
+                    log.info("a tool call parsed to %r, not a call with a name; dropped", call)
+                    continue
+                blocks.append(block)
         return head, blocks
+
+
+def _tool_use(call: Any) -> dict[str, Any] | None:
+    """The tool_use block of one parsed call, or None where the model wrote JSON that is no call
+    (a bare string, number or list parses as JSON too)."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        return None
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            arguments = {"arguments": arguments}
+    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": call["name"],
+            "input": arguments if isinstance(arguments, dict) else {"value": arguments}}
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -207,6 +219,12 @@ def stop_reason(gen: Generation, tool_calls: bool) -> str:
     return "max_tokens" if gen.finish_reason == "length" else "end_turn"
 
 
+def stop_sequence(gen: Generation, tool_calls: bool) -> str | None:
+    """The stop sequence that ended the answer, only where it is the stop reason (Anthropic's
+    rule: a tool_use stop names none, even if the model then wrote a stop sequence)."""
+    return gen.stop_sequence if stop_reason(gen, tool_calls) == "stop_sequence" else None
+
+
 def message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
@@ -222,7 +240,7 @@ def message_response(msg_id: str, model: str, gen: Generation, fmt: ToolFormat |
     """The whole (non-streamed) response."""
     text, calls = fmt.split(gen.text, tools) if fmt is not None and tools else (gen.text, [])
     content = ([{"type": "text", "text": text}] if text or not calls else []) + calls
-    return {**message(msg_id, model, content, stop_reason(gen, bool(calls)), gen.stop_sequence, usage(gen)),
+    return {**message(msg_id, model, content, stop_reason(gen, bool(calls)), stop_sequence(gen, bool(calls)), usage(gen)),
             "tqstore": _store(gen)}
 
 

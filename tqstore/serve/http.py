@@ -126,7 +126,9 @@ class Guard:
                     log.error("%s %s failed after its response started", method, scope["path"], exc_info=True)
                 return
             error = _routing_error(e, scope, endpoint) or api_error(e)
-            if error.status >= 500:
+            if error.code == "shutting_down":  # every request a stop finds queued: expected, not a fault
+                log.info("%s %s answered 503: the server is shutting down", method, scope["path"])
+            elif error.status >= 500:
                 log.error("%s %s failed", method, scope["path"],
                           exc_info=not isinstance(e, (ApiError, TqstoreError)))
             await error_response(error, scope["path"].startswith(ANTHROPIC_PATHS))(scope, receive, counted)
@@ -375,6 +377,10 @@ async def _stream(events: JobEvents, ids: ResponseIds, include_usage: bool):
                 yield sse(event.error.body())
                 break
         yield DONE
+    except Exception as e:  # a fault of ours after the 200: the client still reads an error, not a cut stream
+        log.error("a completion's stream failed", exc_info=True)
+        yield sse(api_error(e).body())
+        yield DONE
     finally:  # also when the client left and Starlette cancelled the stream
         events.close()
 
@@ -449,13 +455,16 @@ async def _message_stream(events: JobEvents, msg_id: str, model_id: str, first: 
                     yield anthropic.event("content_block_stop", index=index)
                 yield anthropic.event("message_delta",
                                       delta={"stop_reason": anthropic.stop_reason(gen, bool(calls)),
-                                             "stop_sequence": gen.stop_sequence},
+                                             "stop_sequence": anthropic.stop_sequence(gen, bool(calls))},
                                       usage={"output_tokens": gen.completion_tokens}, tqstore=store_details(gen))
                 yield anthropic.event("message_stop")
                 break
             elif isinstance(event, Failed):
                 yield anthropic.event("error", error=anthropic.error_body(event.error)["error"])
                 break
+    except Exception as e:  # a fault of ours after message_start: an error event, not a cut stream
+        log.error("a message's stream failed", exc_info=True)
+        yield anthropic.event("error", error=anthropic.error_body(api_error(e))["error"])
     finally:
         events.close()
 

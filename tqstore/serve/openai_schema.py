@@ -10,6 +10,7 @@ expect.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -164,6 +165,28 @@ class _Message(BaseModel):
         if isinstance(content, list) and not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise PydanticCustomError("text_only", "only text parts are supported")
         return content
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arguments_as_objects(cls, message: Any) -> Any:
+        """A tool call's `arguments` as the object its JSON string holds: chat templates render
+        them with `tojson` (a string would come out encoded twice), and the Anthropic route
+        passes objects, so both routes give the model the same prompt (mlx-lm's server does the same)."""
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not isinstance(calls, list):
+            return message
+        parsed = []
+        for i, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str) and function["arguments"]:
+                try:
+                    arguments = json.loads(function["arguments"])
+                except ValueError:
+                    raise PydanticCustomError("tool_arguments", "tool_calls[{i}].function.arguments is not JSON",
+                                              {"i": i}) from None
+                call = {**call, "function": {**function, "arguments": arguments}}
+            parsed.append(call)
+        return {**message, "tool_calls": parsed}
 
     @model_validator(mode="after")
     def _has_content(self) -> _Message:
