@@ -425,6 +425,70 @@ def test_compact_is_refused_while_another_process_has_it_open(tier, tmp_path):
     assert tier.get_object(key(1)) == b"data"
 
 
+OPEN_ON_CUE = """
+    import sys
+    from tqstore.store.tiers.lmdb import LmdbTier
+    print("ready", flush=True)
+    sys.stdin.readline()
+    tier = LmdbTier.open(sys.argv[1], segment_size=4096, map_size=1 << 20)
+    kept = [bytes.fromhex(k) for k in sys.argv[3:]]
+    print(sum(tier.get_object(k) is not None for k in kept), flush=True)
+    tier.put_object(bytes.fromhex(sys.argv[2]), b"written beside a compaction")
+    tier.close()
+"""
+
+
+def _compact_with_an_opener_at(tier, monkeypatch, target: str, attribute: str, calls_before: int = 0):
+    """Compact while a child process opens the store, writes and exits at the moment `target`'s
+    `attribute` is called (its call number calls_before + 1); the child's view of the store and
+    what the store holds after both are checked."""
+    import tqstore.store.tiers.lmdb_env as lmdb_env
+    kept = [key(i) for i in range(27, 30)]
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(OPEN_ON_CUE), str(tier.path), key("child").hex(),
+                              *(k.hex() for k in kept)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    owner = lmdb_env if target == "module" else lmdb_env.LmdbEnv
+    real, calls = getattr(owner, attribute), []
+
+    def cue(*args):
+        calls.append(1)
+        if len(calls) == calls_before + 1:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            try:  # the child opens, writes and exits in milliseconds unless the compaction holds it off
+                child.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        return real(*args)
+
+    monkeypatch.setattr(owner, attribute, cue)
+    tier.compact()
+    monkeypatch.undo()
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 0 and out.split() == ["3"]  # the child saw every kept object
+    assert all(tier.get_object(k) == payload(i, 200_000) for i, k in zip(range(27, 30), kept))
+    assert tier.get_object(key("child")) == b"written beside a compaction"
+    assert tier.verify() == []
+
+
+@pytest.mark.parametrize("extra_commit", [False, True])
+def test_a_process_opening_the_store_while_compaction_replaces_its_file_waits(tier, monkeypatch, extra_commit):
+    """Opened between the replace of data.mdb and the compacting process's reopen, LMDB read the
+    copy with the old file's transaction id from lock.mdb: at an even id it saw the copy's empty
+    meta page, and its first commit emptied the store (both parities are run)."""
+    tier.put_objects({key(i): payload(i, 200_000) for i in range(30)})
+    tier.delete_objects([key(i) for i in range(27)])
+    if extra_commit:
+        tier.put_manifest("flip", b"{}")
+    _compact_with_an_opener_at(tier, monkeypatch, "module", "fsync_dir")
+
+
+def test_a_write_committed_by_another_process_during_the_copy_is_kept(tier, monkeypatch):
+    tier.put_objects({key(i): payload(i, 200_000) for i in range(30)})
+    tier.delete_objects([key(i) for i in range(27)])
+    _compact_with_an_opener_at(tier, monkeypatch, "class", "_refuse_if_shared", calls_before=1)
+
+
 # --- process rules ----------------------------------------------------------------------------------
 
 

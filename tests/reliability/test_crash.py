@@ -23,6 +23,7 @@ import pytest
 from harness import check_home, open_store, s3_settings, spawn
 from model_folder import write_model_folder
 from tqstore.format.manifest import Manifest
+from tqstore.store.tiers.lmdb_env import OPEN_LOCK
 
 # Seconds after "ready" within which the kill lands: about two iterations of each operation, so
 # kills fall into every phase (object writes, manifest, eviction, compaction, HTTP requests).
@@ -112,7 +113,7 @@ def crash_trials(op: str, n: int, tmp_path: Path, ledger, scenario: str, rng: ra
         ledger.count(scenario, "lmdb verify passed")
         if op in ("push", "pull"):
             check_bucket(s3, tmp_path, ledger, scenario)
-        leftovers = [p.name for p in (home / "lmdb").iterdir() if p.name not in ("data.mdb", "lock.mdb")]
+        leftovers = [p.name for p in (home / "lmdb").iterdir() if p.name not in ("data.mdb", "lock.mdb", OPEN_LOCK)]
         assert leftovers == [], f"files left in the LMDB folder after a kill {delay:.2f}s into {op}: {leftovers}"
 
 

@@ -38,7 +38,7 @@ from tqstore.errors import CorruptBlock, FormatVersionTooNew, TqstoreError
 from tqstore.madvise import WILLNEED, advise
 from tqstore.names import validate_name
 from tqstore.store.tiers.base import ManifestInfo, ObjectInfo, PutCounts, check_key
-from tqstore.store.tiers.lmdb_env import LmdbEnv, check_data_file, lmdb_failure
+from tqstore.store.tiers.lmdb_env import LmdbEnv, check_data_file, hold_open_lock, lmdb_failure, release_open_lock
 from tqstore.store.tiers.lmdb_records import (
     DamagedRecord, find_damaged, fix, key_label, quarantine_record, schema_number, used_time,
 )
@@ -562,7 +562,15 @@ def reset_newer_schema(path: str | os.PathLike[str]) -> str | None:
     folder = Path(path)
     if not (folder / "data.mdb").exists():
         return None
-    check_data_file(folder)
+    gate = hold_open_lock(folder)  # not while another process compacts it
+    try:
+        check_data_file(folder)
+        return _reset_newer_schema(folder)
+    finally:
+        release_open_lock(gate)
+
+
+def _reset_newer_schema(folder: Path) -> str | None:
     try:
         env = lmdb.open(str(folder), max_dbs=len(DB_NAMES) + 2, max_readers=8)
     except lmdb.Error as exc:

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import secrets
 import shutil
 import struct
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -35,6 +37,8 @@ from tqstore.store.tiers.lmdb_records import schema_number
 from tqstore.store.tiers.writer import ResizeGate, WriterThread
 
 T = TypeVar("T")
+
+log = logging.getLogger("tqstore.store")
 
 DEFAULT_MIN_FREE_DISK = Config.min_free_disk_bytes
 
@@ -69,7 +73,12 @@ class LmdbEnv:
         self._pid = os.getpid()
         self._closed = False
         self._gate = ResizeGate()
-        self._env, self.dbs = self._open(map_size)
+        self._open_fd = hold_open_lock(path)
+        try:
+            self._env, self.dbs = self._open(map_size)
+        except BaseException:
+            release_open_lock(self._open_fd)
+            raise
         # Never closed while the environment is open: closing any descriptor of lock.mdb drops
         # every fcntl lock this process holds on it, LMDB's own liveness locks included.
         self._lock_fd = os.open(path / "lock.mdb", os.O_RDWR)
@@ -171,9 +180,12 @@ class LmdbEnv:
         """Rewrite data.mdb without free pages; returns its size before and after.
 
         Copies compactly to a temp file in the same folder, then atomically replaces data.mdb and
-        reopens. Refused (ConflictError) if another process has the environment open, checked
-        before and after the copy; a process opening it in the last instant before the replace
-        would keep writing to the old file, so stop other tqstore processes first.
+        reopens. Refused (ConflictError) if another process has the environment open. Processes
+        that open it meanwhile wait for the compaction to end (`hold_open_lock`): one that
+        committed during the copy would lose its writes with the old file, and one that opened
+        between the replace and the reopen would read the new file with the old file's
+        transaction id from lock.mdb (LMDB then sees the copy's empty meta page, and its first
+        commit empties the store).
         """
         self.check_usable()
         return self._writer.run(self._compact)
@@ -188,6 +200,7 @@ class LmdbEnv:
         with self._gate.exclusive():
             self._env.close()
             os.close(self._lock_fd)
+            release_open_lock(self._open_fd)
 
     # --- internals -----------------------------------------------------------------------------
 
@@ -259,37 +272,59 @@ class LmdbEnv:
         data = self.path / "data.mdb"
         with self._gate.exclusive():
             self._refuse_if_shared()
-            self._remove_stale_copies()
-            before = data.stat().st_size
-            with self._env.begin() as txn:  # the compact copy holds the pages in use, no free ones
-                used = _pages(self._env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
-            # The copy needs room for the pages in use, nothing more: it replaces the file and so
-            # frees space, which a full disk needs most (the min_free_disk margin does not apply).
-            needed = (used + _META_PAGES) * self._env.stat()["psize"]
-            free = shutil.disk_usage(self.path).free
-            if free < needed:
-                raise DiskFull(f"compacting the LMDB store at {self.path} needs {format_size(needed)} free for its copy "
-                               f"of the data in use, and only {format_size(free)} is free: the store works without "
-                               "it; free space on that disk and run `tqstore gc --compact` again")
-            tmp = self.path / f".data.mdb.{secrets.token_hex(6)}.compact"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with self._alone():
+                return self._compact_alone(data)
+
+    @contextmanager
+    def _alone(self) -> Iterator[None]:
+        """The open lock held exclusively: no other process opens the environment until it ends."""
+        if self._open_fd is None:
+            raise ConflictError(f"cannot lock the LMDB store at {self.path} for its compaction (read-only folder?)")
+        try:
+            fcntl.flock(self._open_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fcntl.flock(self._open_fd, fcntl.LOCK_SH)  # a failed conversion drops the shared lock (Linux)
+            raise ConflictError(
+                f"another process has the LMDB store at {self.path} open; compaction needs it alone: "
+                "stop the other tqstore processes (e.g. `tqstore serve`) and run it again"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(self._open_fd, fcntl.LOCK_SH)
+
+    def _compact_alone(self, data: Path) -> tuple[int, int]:
+        self._remove_stale_copies()
+        before = data.stat().st_size
+        with self._env.begin() as txn:  # the compact copy holds the pages in use, no free ones
+            used = _pages(self._env.stat()) + sum(_pages(txn.stat(db)) for db in self.dbs.values())
+        # The copy needs room for the pages in use, nothing more: it replaces the file and so
+        # frees space, which a full disk needs most (the min_free_disk margin does not apply).
+        needed = (used + _META_PAGES) * self._env.stat()["psize"]
+        free = shutil.disk_usage(self.path).free
+        if free < needed:
+            raise DiskFull(f"compacting the LMDB store at {self.path} needs {format_size(needed)} free for its copy "
+                           f"of the data in use, and only {format_size(free)} is free: the store works without "
+                           "it; free space on that disk and run `tqstore gc --compact` again")
+        tmp = self.path / f".data.mdb.{secrets.token_hex(6)}.compact"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
             try:
-                try:
-                    self._env.copyfd(fd, compact=True)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                self._refuse_if_shared()  # opened during the copy: its writes would be lost
-                map_size = self._env.info()["map_size"]
-                os.replace(tmp, data)
-                fsync_dir(self.path)
-            except lmdb.Error as exc:
-                raise lmdb_failure(self.path, exc, before) from exc
+                self._env.copyfd(fd, compact=True)
+                os.fsync(fd)
             finally:
-                tmp.unlink(missing_ok=True)
-            self._env.close()
-            self._env, self.dbs = self._open(map_size)
-            return before, data.stat().st_size
+                os.close(fd)
+            self._refuse_if_shared()  # opened during the copy: its writes would be lost
+            map_size = self._env.info()["map_size"]
+            os.replace(tmp, data)
+            fsync_dir(self.path)
+        except lmdb.Error as exc:
+            raise lmdb_failure(self.path, exc, before) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._env.close()
+        self._env, self.dbs = self._open(map_size)
+        return before, data.stat().st_size
 
     def _remove_stale_copies(self) -> None:
         """Delete the copies of compactions killed before they replaced data.mdb (each as large as
@@ -435,6 +470,40 @@ def _full_disk_message(path: Path, message: str, needed: int) -> bool:
 
 def _pages(stat: dict[str, int]) -> int:
     return stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]
+
+
+OPEN_LOCK = "open.lock"
+
+
+def hold_open_lock(path: Path) -> int | None:
+    """A descriptor holding the shared side of `path`/open.lock, which every process holds for as
+    long as it has the environment open and a compaction holds exclusively; waits (with a
+    warning) while another process compacts. None where the file can be neither created nor
+    opened (a read-only folder): LMDB's own open then reports why."""
+    fd = None
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            fd = os.open(path / OPEN_LOCK, flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+            break
+        except OSError:
+            continue
+    if fd is None:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process to finish compacting the LMDB store at %s", path)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def release_open_lock(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # releases the flock
 
 
 def lock_holder(fd: int) -> int | None:
