@@ -100,9 +100,9 @@ class Saver:
             # for these very bytes (a second save of one document showed "not measured").
             metadata = {**(metadata or {}), **started.receipt.metadata()}
         result = self.store.put(name, snap, tokens, model=loaded.identity,
-                                codec=self.models.codec_identity(loaded, scheme, windows), model_ref=str(loaded.path),
+                                codec=self.models.codec_identity(loaded, scheme, windows), model_ref=loaded.entry_ref,
                                 adapter_path=loaded.adapter_path, prefill_seconds=recorded, pin=pin, ttl=ttl,
-                                metadata=metadata)
+                                metadata=loaded.entry_metadata(metadata))
         return SaveResult(name, len(tokens), started.matched, seconds, recorded, scheme, result.new_blocks,
                           result.reused_blocks, result.bytes_written, result.evicted, result.warnings)
 
@@ -151,9 +151,9 @@ class Saver:
         codec = self.models.codec_identity(loaded, scheme, windows)
 
         def put() -> PutResult:
-            return self.store.put(name, snap, tokens, model=loaded.identity, codec=codec, model_ref=str(loaded.path),
+            return self.store.put(name, snap, tokens, model=loaded.identity, codec=codec, model_ref=loaded.entry_ref,
                                   adapter_path=loaded.adapter_path, prefill_seconds=prefill_seconds, ttl=ttl,
-                                  metadata=metadata)
+                                  metadata=loaded.entry_metadata(metadata))
 
         if writer is None:
             put()

@@ -108,8 +108,10 @@ class ModelIdentity(_Digestible):
         cache_dir: str | os.PathLike,
         adapter_path: str | os.PathLike | None = None,
         kv_dtype: str | None = None,
+        source: str | None = None,
     ) -> "ModelIdentity":
         """Identity of a model folder (config.json, model*.safetensors, tokenizer files).
+        `source` names the model in messages (a repo id); default the folder's name.
 
         Each weight file's sha256 is computed once and cached in `cache_dir` under its real
         path with its device, inode, size, mtime and ctime (model_files.DigestCache), so only a
@@ -135,7 +137,7 @@ class ModelIdentity(_Digestible):
             chat_template=chat_template_digest(model_dir),
             adapter=adapter,
             kv_dtype=kv_dtype or config_dtype(config) or weights_dtype(weights),
-            source=model_dir.resolve().name,
+            source=source or model_dir.resolve().name,
         )
 
     @classmethod

@@ -1,7 +1,9 @@
 """Loading models for the engine, and the local registry from model identity to folder.
 
 An entry records the model it was made with (a path or a repo id, and its identity digest).
-On another machine the path may not exist: the registry maps identity digests to the folders
+A model named by a Hugging Face repo id is recorded by that id, not by the snapshot folder the
+hub cache resolved it to: the id is what finds the model in another machine's hub cache.
+On another machine a path may not exist: the registry maps identity digests to the folders
 this machine has loaded, so a pulled entry finds its model, or says to pass --model.
 """
 
@@ -20,6 +22,7 @@ from tqstore.models.light import load_light as light_model, remember as remember
 from tqstore.models.prompting import PromptFormat, prompt_format
 
 REGISTRY_FILE = "models.json"
+REVISION_KEY = "tqstore.model_revision"  # entry metadata: the hub commit of a model named by repo id
 COMPUTE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -34,6 +37,19 @@ class LoadedModel:
     path: Path
     adapter_path: str | None
     prompt: PromptFormat
+    repo: str | None = None  # the Hugging Face repo id the model was resolved from, if any
+    revision: str | None = None  # the hub commit of that repo's snapshot, where known
+
+    @property
+    def entry_ref(self) -> str:
+        """What an entry records as its model: the repo id, else the folder."""
+        return self.repo or str(self.path)
+
+    def entry_metadata(self, metadata: dict[str, str] | None = None) -> dict[str, str] | None:
+        """`metadata` with the hub revision the model came from, where there is one."""
+        if self.revision is None:
+            return metadata
+        return {REVISION_KEY: self.revision, **(metadata or {})}
 
 
 def compute_dtype(choice: str = "auto") -> mx.Dtype | None:
@@ -70,6 +86,23 @@ def resolve_model_path(ref: str) -> Path:
                        "`tqstore model install qwen2.5-coder-0.5b`") from None
 
 
+def hub_repo(ref: str, path: Path) -> tuple[str, str | None] | None:
+    """(repo id, commit) of a model the hub cache holds, None for any other folder: `ref` itself
+    where it is a repo id (no folder of that name here), or the repo of a hub cache's snapshot
+    folder (`.../models--owner--name/snapshots/<commit>`, which is also where the registry finds
+    a repo's model again; the hub refuses "--" inside ids, so the name splits one way)."""
+    path = path.resolve()
+    commit = path.name if path.parent.name == "snapshots" else None
+    if not Path(ref).expanduser().exists():
+        return ref, commit
+    cached = path.parent.parent.name
+    if commit is not None and cached.startswith("models--"):
+        owner_name = cached[len("models--"):].split("--")
+        if len(owner_name) == 2 and all(owner_name):
+            return "/".join(owner_name), commit
+    return None
+
+
 def load_model(ref: str, *, cache_dir: Path, adapter_path: str | None = None, dtype: str = "auto",
                light: bool = False) -> LoadedModel:
     """Load a model with mlx-lm (optionally with a LoRA adapter) and compute its identity.
@@ -94,8 +127,10 @@ def load_model(ref: str, *, cache_dir: Path, adapter_path: str | None = None, dt
     if target is not None:
         model.set_dtype(target)
     kv_dtype = str(target or _parameter_dtype(model)).rsplit(".", 1)[-1]
-    identity = ModelIdentity.from_path(path, cache_dir, adapter_path=adapter_path, kv_dtype=kv_dtype)
-    return LoadedModel(model, tokenizer, identity, ref, path.resolve(), adapter_path, prompt_format(tokenizer))
+    repo, revision = hub_repo(ref, path) or (None, None)
+    identity = ModelIdentity.from_path(path, cache_dir, adapter_path=adapter_path, kv_dtype=kv_dtype, source=repo)
+    return LoadedModel(model, tokenizer, identity, ref, path.resolve(), adapter_path, prompt_format(tokenizer),
+                       repo=repo, revision=revision)
 
 
 def _parameter_dtype(model) -> mx.Dtype:
