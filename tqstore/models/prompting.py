@@ -5,6 +5,10 @@ A context is stored as the tokens of the chat template rendered up to the end of
 template's turn suffix) encoded on their own: re-tokenizing the whole text would let tokens
 merge across the boundary, and the stored prefix would no longer match.
 
+Text encoded on its own is still encoded as text that follows other text (`_continuation`):
+sentencepiece tokenizers (Llama-2, Mistral) put a space ('▁') before the start of what
+they encode, and a question carrying that space has a token the conversation does not.
+
 Where the user's text ends inside the rendered template is found with a marker that must occur
 exactly once in the rendering (`_locate`); user text can hold any string, this marker included,
 so when it does, a random marker is used instead: a document is never cut by its own text.
@@ -22,6 +26,9 @@ SENTINEL = "\u2063TQSTORE-SPLIT\u2063"
 QUESTION_SEPARATOR = "\n\n"
 DOCUMENT_SEPARATOR = "\n\n"
 PLAIN_QUESTION = "\n\nQuestion: {question}\nAnswer:"
+# What `_continuation` encodes before a text: a letter, which tokenizers keep apart from the
+# newlines and template text that continuations start with.
+CONTINUATION_PROBE = "a"
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,8 @@ class PromptFormat:
     def question_tokens(self, tokenizer, question: str) -> list[int]:
         """Tokens to append to a stored context for one question (ends where the answer starts)."""
         if not self.chat:
-            return _encode(tokenizer, PLAIN_QUESTION.format(question=question), first=False)
-        return _encode(tokenizer, QUESTION_SEPARATOR + question + self.suffix, first=False)
+            return _continuation(tokenizer, PLAIN_QUESTION.format(question=question))
+        return _continuation(tokenizer, QUESTION_SEPARATOR + question + self.suffix)
 
     def document_tokens(self, tokenizer, text: str) -> list[int]:
         """Tokens of one document of a composed prompt, encoded on its own so that it tokenizes
@@ -58,9 +65,8 @@ class PromptFormat:
     def turn_tokens(self, tokenizer, next_question: str) -> list[int]:
         """Tokens that close an answer and frame the next question up to its answer (chat turns)."""
         if not self.chat:
-            return _encode(tokenizer, PLAIN_QUESTION.format(question=next_question), first=False)
-        text = _render_turns(tokenizer, next_question)
-        return _encode(tokenizer, text, first=False)
+            return _continuation(tokenizer, PLAIN_QUESTION.format(question=next_question))
+        return _continuation(tokenizer, _render_turns(tokenizer, next_question))
 
 
 def prompt_format(tokenizer) -> PromptFormat:
@@ -113,6 +119,24 @@ def _encode(tokenizer, text: str, first: bool) -> list[int]:
     bos = getattr(tokenizer, "bos_token", None)
     special = first and (bos is None or not text.startswith(bos))
     return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+def _continuation(tokenizer, text: str) -> list[int]:
+    """Tokens of `text` where it follows other text. A tokenizer that puts a space before what
+    it encodes (sentencepiece's dummy prefix: a Metaspace pre-tokenizer, or a Prepend normalizer)
+    begins `text` alone with a '▁' that the whole conversation does not have; after a probe
+    whose own tokens come out unchanged, it does not. Only such leading pieces, which decode to
+    nothing but a space, are ever dropped: any other tokenizer keeps `text`'s tokens as they were
+    (a question's tokens must not change under entries already stored with them)."""
+    alone = _encode(tokenizer, text, first=False)
+    head = list(tokenizer.encode(CONTINUATION_PROBE, add_special_tokens=False))
+    both = list(tokenizer.encode(CONTINUATION_PROBE + text, add_special_tokens=False))
+    rest = both[len(head):]
+    dropped = len(alone) - len(rest)
+    if (not head or both[:len(head)] != head or dropped <= 0 or alone[dropped:] != rest
+            or tokenizer.decode(alone[:dropped]).strip(" ")):
+        return alone
+    return rest
 
 
 def _check_unicode(text: str) -> None:
