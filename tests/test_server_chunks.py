@@ -178,3 +178,38 @@ def test_a_request_that_arrives_mid_cycle_waits_for_one_short_step_not_the_cycle
         stop.set()
         worker.stop()
     assert max(waits) <= 1, waits
+
+
+def test_a_request_whose_client_leaves_mid_prefill_stores_what_its_chunks_computed(tmp_path):
+    """An agent that times out mid-prefill and asks again pays only the rest (the autosave
+    refused caches holding fewer tokens than the prompt, and counted it "unsupported")."""
+    model = write_model_folder(tmp_path / "tiny-llama", kind="llama", num_hidden_layers=2, hidden_size=128,
+                               num_attention_heads=4, head_dim=64, intermediate_size=256)
+    engine = Engine.open(tmp_path / "home")
+    prompt = " ".join(f"w{i % 97}" for i in range(700))
+    request = GenerationRequest(chat=False, model=None, stream=True, include_usage=False, prompt=prompt,
+                                sampling=Sampling(max_tokens=2, temperature=0.0, top_p=1.0, seed=None, stop=()))
+    worker = ModelWorker(engine, str(model), scheme="raw", policy=SavePolicy(min_tokens=32))
+    events = []
+    job = worker.generate(request, events.append)
+
+    def size(position: int) -> int:  # chunks of 64 tokens; the client leaves once 256 are prefilled
+        if position >= 256:
+            job.cancel()
+        return 64
+
+    worker._sizer.size, worker._sizer.pick = size, lambda: 16
+    worker.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not engine.store.ls() and time.monotonic() < deadline:  # the autosave after the cancel
+            time.sleep(0.05)
+    finally:
+        worker.stop()
+    assert job.cancelled.is_set() and not any(isinstance(e, (Finished, Failed)) for e in events)
+    (entry,) = engine.store.ls()
+    assert 256 <= entry.tokens < 700
+    again = Engine.open(tmp_path / "home")
+    loaded = again.model(str(model))
+    tokens = loaded.tokenizer.encode(prompt)
+    assert again.generate(loaded, "raw", tokens, max_tokens=1).cached_tokens == entry.tokens

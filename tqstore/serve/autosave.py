@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from turboquant import StateCheckpoints
+from turboquant import StateCheckpoints, held_tokens
 
 from tqstore.engine.background import BackgroundWriter
 from tqstore.engine.engine import Engine
@@ -50,9 +50,12 @@ def autosave(engine: Engine, policy: SavePolicy, metrics: Metrics, writer: Backg
     policy says so; errors are logged, never sent: the response is already complete.
     `prefix_seconds`: what the restored prefix cost to compute (its entry's record)."""
     stored = prompt[:-1]
+    held = held_tokens(caches)
+    if 0 < held < len(stored):  # a prefill cut short (its client left): what its chunks computed
+        stored = stored[:held]
     if not policy.enabled:
         return
-    if len(prompt) < max(policy.min_tokens, 2):
+    if len(stored) + 1 < max(policy.min_tokens, 2):
         metrics.saved("short")
         return
     # A model with recurrent states keeps the prompt up to the last block end its prefill kept
