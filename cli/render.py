@@ -64,7 +64,7 @@ def _when(timestamp: float) -> str:
 
 
 def _model(e) -> str:
-    return e.model_source or e.model_ref  # the source is the folder's name: short enough for a table
+    return e.model_source or e.model_ref  # the source is the folder's name or the repo id: short enough for a table
 
 
 # --- save and ask ----------------------------------------------------------------------------------

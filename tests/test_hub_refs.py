@@ -82,6 +82,45 @@ def test_an_entry_saved_by_repo_id_records_the_id_and_is_asked_on_another_machin
     assert COMMIT[:8] not in line
 
 
+def test_an_mlx_lm_prompt_cache_imported_by_repo_id_records_the_id(cli, folders, use_hub, tmp_path):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    tiny, _ = folders
+    use_hub(hub_cache(tmp_path / "hub", tiny))
+    lm, tokenizer = load(str(tiny))
+    tokens = tokenizer.apply_chat_template([{"role": "user", "content": DOC}], add_generation_prompt=False,
+                                           continue_final_message=True)  # as mlx_lm.cache_prompt frames it
+    caches = make_prompt_cache(lm)
+    mx.eval(lm(mx.array(tokens)[None], cache=caches))
+    file = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(file), caches)
+    imported = cli("import", str(file), "doc", "--model", REPO, "--prompt", DOC, "-q")
+    assert imported.code == 0, imported.err
+    info = cli("info", "doc", "--json").json
+    assert info["model_ref"] == REPO and info["metadata"]["tqstore.model_revision"] == COMMIT
+
+
+def test_an_entry_recorded_by_another_machines_snapshot_folder_finds_the_repo_here(cli, folders, use_hub, tmp_path):
+    """Entries saved before repo ids were recorded hold the saving machine's snapshot folder."""
+    from tqstore.engine.engine import Engine
+
+    tiny, _ = folders
+    use_hub(hub_cache(tmp_path / "hub", tiny))
+    cli("save", "doc", "--model", REPO, "--prompt", DOC, "-q")
+    store = Engine.open(cli.home).store
+    old_ref = f"/Users/someone/.cache/huggingface/hub/models--tiny-org--Tiny-4bit/snapshots/{COMMIT}"
+    store.tiers.lmdb.put_manifest("doc", store.get("doc").replace(model_ref=old_ref).to_bytes())
+    bundle = tmp_path / "doc.tqb"
+    cli("export", "doc", str(bundle), "-q")
+    home_b = str(tmp_path / "home-b")
+    cli("--home", home_b, "import", str(bundle), "doc", "-q")
+    assert cli("--home", home_b, "info", "doc", "--json").json["model_ref"] == old_ref
+    asked = cli("--home", home_b, "ask", "doc", "Who pays?", "--max-tokens", "2", "--json")
+    assert asked.code == 0, asked.err
+
+
 def test_only_what_the_hub_cache_holds_is_recorded_by_repo_id(folders, tmp_path, monkeypatch):
     tiny, _ = folders
     snapshot = hub_cache(tmp_path / "hub", tiny) / "models--tiny-org--Tiny-4bit" / "snapshots" / COMMIT

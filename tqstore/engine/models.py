@@ -15,7 +15,7 @@ from turboquant import WINDOW_MODES, codec_snapshot, parse_scheme
 from tqstore.errors import BadInput, IdentityMismatch, NotFound, TqstoreError
 from tqstore.format.manifest import Manifest
 from tqstore.models.identity import CodecIdentity
-from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model
+from tqstore.models.loading import LoadedModel, ModelRegistry, check_identity, load_model, snapshot_repo
 from tqstore.models.verdicts import FileVerdicts
 from tqstore.store.store import Store
 
@@ -74,6 +74,8 @@ class LoadedModels:
                 known = self.registry.find(expected.hexdigest)
                 if known is not None and Path(known["path"]).exists():
                     ref, adapter = known["path"], known.get("adapter")
+                elif snapshot_repo(ref) is not None:  # recorded by another machine's hub cache folder
+                    ref = snapshot_repo(ref)
                 elif ref.count("/") != 1 or ref.startswith("/"):
                     raise NotFound(f"model {expected.source or ref!r} of entry {name!r} not found here: "
                                    "pass --model")

@@ -237,8 +237,8 @@ def import_mlx_lm(engine: Engine, path: str | os.PathLike, name: str, *, model: 
     # An mlx-lm cache file holds its sliding windows as rings: the entry keeps them whole.
     codec = engine.codec_identity(loaded, scheme, "whole")
     result = engine.store.put(name, snap, tokens, model=loaded.identity, codec=codec,
-                              model_ref=str(loaded.path), adapter_path=loaded.adapter_path, prefill_seconds=0.0,
-                              metadata=metadata)
+                              model_ref=loaded.entry_ref, adapter_path=loaded.adapter_path, prefill_seconds=0.0,
+                              metadata=loaded.entry_metadata(metadata))
     return ImportResult(name, str(path), "mlx-lm", len(tokens), scheme, len(result.manifest.blocks),
                         result.new_blocks, result.evicted, result.warnings)
 

@@ -95,11 +95,19 @@ def hub_repo(ref: str, path: Path) -> tuple[str, str | None] | None:
     commit = path.name if path.parent.name == "snapshots" else None
     if not Path(ref).expanduser().exists():
         return ref, commit
+    repo = snapshot_repo(path)
+    return (repo, commit) if repo is not None else None
+
+
+def snapshot_repo(path: str | Path) -> str | None:
+    """The repo id of a hub cache's snapshot folder path (`.../models--owner--name/snapshots/<commit>`),
+    whether or not it exists here; None for any other path."""
+    path = Path(path)
     cached = path.parent.parent.name
-    if commit is not None and cached.startswith("models--"):
+    if path.parent.name == "snapshots" and cached.startswith("models--"):
         owner_name = cached[len("models--"):].split("--")
         if len(owner_name) == 2 and all(owner_name):
-            return "/".join(owner_name), commit
+            return "/".join(owner_name)
     return None
 
 
