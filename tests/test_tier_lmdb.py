@@ -489,6 +489,16 @@ def test_a_write_committed_by_another_process_during_the_copy_is_kept(tier, monk
     _compact_with_an_opener_at(tier, monkeypatch, "class", "_refuse_if_shared", calls_before=1)
 
 
+def test_a_read_only_or_forbidden_folder_is_named_with_what_to_do(tmp_path):
+    # What LMDB raises opening a home on a read-only mount or without permission (as root, the
+    # test cannot make either happen for real).
+    from tqstore.store.tiers.lmdb_env import lmdb_failure
+    read_only = lmdb_failure(tmp_path, lmdb.Error(f"{tmp_path}: {os.strerror(30)}"))
+    assert "read-only file system" in str(read_only) and "writable --home" in str(read_only)
+    denied = lmdb_failure(tmp_path, lmdb.Error(f"{tmp_path}: {os.strerror(13)}"))
+    assert "permission denied" in str(denied) and "another --home" in str(denied)
+
+
 # --- process rules ----------------------------------------------------------------------------------
 
 

@@ -540,4 +540,10 @@ def lmdb_failure(path: Path, exc: lmdb.Error, needed: int = 0) -> TqstoreError:
         )
     if "already open" in str(exc):
         return TqstoreError(f"the LMDB store at {path} is already open in this process under another path")
+    if os.strerror(errno.EROFS) in str(exc):  # LMDB writes its lock file even to read
+        return TqstoreError(f"the LMDB store at {path} is on a read-only file system, and tqstore writes its lock "
+                            "files even to read it: use a writable --home (a copy of this one, say)")
+    if os.strerror(errno.EACCES) in str(exc):
+        return TqstoreError(f"the LMDB store at {path} cannot be opened: permission denied ({exc}); check the "
+                            "folder's permissions, or use another --home")
     return TqstoreError(f"the LMDB store at {path} failed: {exc}")
