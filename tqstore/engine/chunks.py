@@ -25,8 +25,8 @@ import mlx.core as mx
 
 from turboquant import WINDOW_CLASSES, is_window_record, make_prompt_cache, restore, settle
 
-from tqstore.engine.compose import (ChunkKV, Composed, check_composable, compose, decoded_kv, rope_description,
-                                    window_sizes)
+from tqstore.engine.compose import (ChunkKV, Composed, check_composable, check_recompute, compose, decoded_kv,
+                                    rope_description, window_sizes)
 from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.engine.generation import Answerer, AskResult
@@ -272,6 +272,7 @@ class DocumentChunks:
         t0 = time.perf_counter()
         caches = make_prompt_cache(loaded.model, scheme, verdicts=self.models.verdicts(loaded))
         check_composable(loaded.model, caches)
+        check_recompute(loaded.model, recompute)  # before any document is stored
         prefix = prefix_tokens(loaded, system)
         # A document given many times is restored once: its decoded K/V serve every place it sits
         # (100 copies of one chunk were 100 restores held at once, issue 27).

@@ -35,7 +35,7 @@ against the composed cache, and their K/V replace the stored ones in every layer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
@@ -48,9 +48,6 @@ from tqstore.errors import BadInput
 # if any, is a constant (`RopeShift`). DynamicNTKScalingRoPE is refused (`_rope_shift`).
 SHIFTABLE_ROPES = {"RoPE": "default", "Llama3RoPE": "llama3", "YarnRoPE": "yarn", "SuScaledRoPE": "longrope",
                    "ProportionalRoPE": "proportional"}
-# Families whose blocks put norms around attention and the MLP both (gemma3's "sandwich") and
-# scale the embeddings by sqrt(hidden) in bfloat16: the recompute runs them as the model does.
-SANDWICH_FAMILIES = ("gemma3_text",)
 # Layers run over every token before the selected ones, for the deviation selection (layer 0's K/V
 # depend on the token and its position only, so they are exact already; layer 1's deviation is
 # the first that says something). The attention selection needs none: measured in docs/rag.md,
@@ -142,23 +139,43 @@ def rope_description(model) -> str:
     return "; ".join([first] + [f"layers {','.join(map(str, at))}: {text}" for text, at in others.items()])
 
 
+# Families whose stored keys are not a RoPE rotation of something position-free, so that
+# rotating them by D is not the key at p + D (tests/test_compose_families.py finds them: layer 0's
+# moved keys against a prefill's). Multi-head latent attention (deepseek_v3, minicpm3, ...: an
+# attention with `qk_rope_head_dim`) rotates only part of each key, elsewhere than where the
+# shift rotates, or keeps a latent; these by name:
+UNMOVABLE_KEYS = {"afm7": "its keys are normalised after RoPE (k_norm), which a rotation does not commute with"}
+
+
 def check_composable(model, caches: Sequence[Any]) -> None:
     """BadInput unless every layer is an attention layer with a shiftable RoPE, over the whole
     context or a sliding window: recurrent state is not position-free, and attention chunks
     (llama4) start at fixed positions, so their chunks cannot be moved."""
+    name, layers = family(model), len(model_layers(model))
+    if 0 < layers < len(caches):
+        raise BadInput(f"this {name} model keeps {len(caches)} caches for its {layers} layers (layers run more than "
+                       "once): stored chunks cannot be composed for it; save whole prompts instead")
+    attention = getattr(model_layers(model)[0], "self_attn", None) if layers else None
+    why = UNMOVABLE_KEYS.get(model_type(model) or "")
+    if why is None and hasattr(attention, "qk_rope_head_dim"):
+        why = "its attention is multi-head latent attention, whose keys RoPE rotates only in part"
+    if why is not None:
+        raise BadInput(f"stored chunks of this {name} model cannot be moved to another position: {why}; save whole "
+                       "prompts instead")
     for i, cache in enumerate(caches):
         kind = type(cache).__name__
         # By class name: mlx-lm is imported only by the engine and the integration modules.
         bases = {c.__name__ for c in type(cache).__mro__}
         if "ArraysCache" in bases:
-            raise BadInput(f"this model has recurrent layers (layer {i}: {kind}): their state is not position-free, "
-                           "so stored chunks cannot be composed; save whole prompts instead")
+            raise BadInput(f"this {name} model has recurrent layers (layer {i}: {kind}): their state is not "
+                           "position-free, so stored chunks cannot be composed; save whole prompts instead")
         if kind == "RotatingKVCache" and getattr(cache, "keep", 0):
-            raise BadInput(f"layer {i} is a sliding window that keeps its first {cache.keep} tokens: a composed "
-                           "prompt would keep a chunk's first tokens there, not the prompt's; save whole prompts instead")
+            raise BadInput(f"layer {i} of this {name} model is a sliding window that keeps its first {cache.keep} "
+                           "tokens: a composed prompt would keep a chunk's first tokens there, not the prompt's; save "
+                           "whole prompts instead")
         if kind != "RotatingKVCache" and not bases & {"KVCache", "TurboQuantKVCache"}:
-            raise BadInput(f"layer {i} uses a {kind} (attention chunks or a special cache): stored chunks cannot be "
-                           "moved to another position in it; save whole prompts instead")
+            raise BadInput(f"layer {i} of this {name} model uses a {kind} (attention chunks or a special cache): "
+                           "stored chunks cannot be moved to another position in it; save whole prompts instead")
     rope_description(model)
 
 
@@ -173,16 +190,16 @@ def rope_shift(model, layer: int = 0) -> RopeShift:
     attention = getattr(layers[layer], "self_attn", None) if layers else None
     rope = getattr(attention, "rope", None)
     if rope is None:
-        raise BadInput("cannot find the model's RoPE (layers[i].self_attn.rope): composing stored chunks needs a "
-                       "llama-style attention layer")
+        raise BadInput(f"cannot find the RoPE of this {family(model)} model (layers[i].self_attn.rope): composing "
+                       "stored chunks needs an attention layer with its own RoPE; save whole prompts instead")
     name = type(rope).__name__
     if name == "DynamicNTKScalingRoPE":
-        raise BadInput("this model uses dynamic NTK RoPE scaling, whose base grows with the sequence length: a "
-                       "stored key's rotation depends on how long its prompt was, so it cannot be moved to another "
-                       "position; save whole prompts instead")
+        raise BadInput(f"this {family(model)} model uses dynamic NTK RoPE scaling, whose base grows with the "
+                       "sequence length: a stored key's rotation depends on how long its prompt was, so it cannot be "
+                       "moved to another position; save whole prompts instead")
     if name not in SHIFTABLE_ROPES:
-        raise BadInput(f"this model's RoPE ({name}) is not a rotation linear in the position: stored chunks cannot "
-                       "be composed for it")
+        raise BadInput(f"this {family(model)} model's RoPE ({name}) is not a rotation linear in the position: "
+                       "stored chunks cannot be composed for it; save whole prompts instead")
     kind = SHIFTABLE_ROPES[name]
     if name == "RoPE":
         return RopeShift(kind, rope.dims, rope.traditional, rope.base, rope.scale, None)
@@ -192,9 +209,15 @@ def rope_shift(model, layer: int = 0) -> RopeShift:
                      float(getattr(rope, "mscale", 1.0)))
 
 
-def model_layers(model):
+def model_layers(model) -> list:
+    """The model's decoder layers (a list; plamo keeps it inside a module of its own)."""
     inner = getattr(model, "model", model)
-    return getattr(inner, "layers", None) or getattr(model, "layers", None) or []
+    for layers in (getattr(inner, "layers", None), getattr(model, "layers", None)):
+        if layers is not None and not isinstance(layers, (list, tuple)):
+            layers = getattr(layers, "layers", None)
+        if isinstance(layers, (list, tuple)) and layers:
+            return list(layers)
+    return []
 
 
 def decoded_kv(cache) -> tuple[mx.array, mx.array]:
@@ -266,21 +289,20 @@ def compose(model, chunks: Sequence[ChunkKV], budget: float, *, full_layers: int
     if full_layers is None:
         full_layers = 0 if select == "attention" else FULL_LAYERS
     windows = list(windows) if windows is not None else [None] * n_layers
-    chosen = _recompute(model, tokens, keys, values, moved, want, full_layers, first, question, select, windows)
+    chosen = _recompute(model, _block(model, budget), tokens, keys, values, moved, want, full_layers, first,
+                        question, select, windows)
     if full_layers >= n_layers:  # the full layers ran every token: nothing stored was kept
         chosen = set(range(start, len(tokens)))
     return Composed(tokens, keys, values, chunk_tokens - len(chosen), frozenset(chosen))
 
 
-def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.array],
+def _recompute(model, block: Block, prompt: list[int], keys: list[mx.array], values: list[mx.array],
                moved: list[tuple[int, int]], want: int, full_layers: int, first: list[int],
                question: Sequence[int] | None, select: str, windows: list[int | None]) -> set[int]:
     """Recompute `want` tokens of the moved chunks in place in `keys`/`values`; their positions."""
     layers = model_layers(model)
-    for layer in layers:
-        _check_block(model, layer)
     full_layers = min(full_layers, len(layers))
-    hidden = _embed(model, prompt)
+    hidden = _embed(model, block, prompt)
     for i in range(full_layers):
         hidden, keys[i], values[i] = _full_layer(layers[i], hidden, windows[i])
     positions = [p for at, n in moved for p in range(at, at + n)]
@@ -292,7 +314,7 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
             exact_k, exact_v = _projected_kv(layers[full_layers], hidden)
             score = _deviation(exact_k, keys[full_layers], exact_v, values[full_layers], candidates)
         if select in ("attention", "product"):
-            read = _pilot_attention(model, layers, question, keys, values, full_layers, windows)[candidates]
+            read = _pilot_attention(model, block, layers, question, keys, values, full_layers, windows)[candidates]
             score = read if score is None else score * read
         for i in mx.argsort(-score).tolist():
             if len(chosen) >= want:
@@ -301,46 +323,111 @@ def _recompute(model, prompt: list[int], keys: list[mx.array], values: list[mx.a
     selected = mx.array(sorted(chosen))
     h = hidden[:, selected]
     for i in range(full_layers, len(layers)):
-        h, keys[i], values[i] = _selected_layer(layers[i], h, selected, keys[i], values[i], windows[i])
+        h, keys[i], values[i] = _selected_layer(layers[i], block, h, selected, keys[i], values[i], windows[i])
         mx.eval(h, keys[i], values[i])
     return chosen
 
 
-def _check_block(model, layer) -> None:
-    attention = getattr(layer, "self_attn", None)
-    needed = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
-    if (attention is None or not all(hasattr(attention, a) for a in needed)
-            or not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp"))
-            or (_sandwich(layer) and _model_type(model) not in SANDWICH_FAMILIES)):
-        raise BadInput(f"recompute needs llama-style or gemma3 transformer blocks, not {type(layer).__module__}: "
-                       "compose with recompute 0 (plain concatenation) or 1 (full prefill)")
+def _llama_rest(layer, h: mx.array, attended: mx.array) -> mx.array:
+    h = h + attended
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def _model_type(model) -> str | None:
+def _sandwich_rest(layer, h: mx.array, attended: mx.array) -> mx.array:
+    """gemma3: norms around the attention's and the MLP's outputs both."""
+    h = h + layer.post_attention_layernorm(attended)
+    return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+
+
+def _glm4_rest(layer, h: mx.array, attended: mx.array) -> mx.array:
+    """glm4: a norm after the attention and after the MLP, besides the usual ones before them."""
+    h = h + layer.post_self_attn_layernorm(attended)
+    return h + layer.post_mlp_layernorm(layer.mlp(layer.post_attention_layernorm(h)))
+
+
+def _granite_rest(layer, h: mx.array, attended: mx.array) -> mx.array:
+    """granite: both branches scaled by the residual multiplier before they are added."""
+    h = h + attended * layer.residual_multiplier
+    return h + layer.mlp(layer.post_attention_layernorm(h)) * layer.residual_multiplier
+
+
+@dataclass(frozen=True)
+class Block:
+    """A family's decoder block as the recompute runs it, beside the model's own modules (norms,
+    projections, RoPE, MLP): the block after its attention, and what the embeddings are
+    multiplied by from the model's args (None: nothing)."""
+
+    rest: Callable[[Any, mx.array, mx.array], mx.array]
+    embed_scale: Callable[[Any], Any] | None = None
+
+
+LLAMA_BLOCK = Block(_llama_rest)
+# The families (mlx-lm's model_type) whose block the recompute reproduces, each checked against
+# mlx-lm's own prefill of the composed prompt, every layer (tests/test_compose_families.py). Any
+# other family composes at recompute 0 or 1 only (`check_recompute`): a block with another
+# attention (sinks, gates, norms over all heads, position-dependent query scales), another
+# residual, layers run several times, or embeddings under another module would give wrong K/V
+# without an error. Left out for those reasons: laguna (an output gate), olmoe (q/k norms over
+# all heads), mimo_v2_flash (attention sinks), ministral3 (query scale by position),
+# nanbeige and iquestloopcoder (layers looped), and the multimodal wrappers.
+RECOMPUTE_FAMILIES: dict[str, Block] = {
+    **dict.fromkeys(("llama", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "dots1", "ernie4_5", "ernie4_5_moe",
+                     "glm4_moe", "solar_open", "helium", "internlm3", "mellum", "mimo", "nemotron", "seed_oss",
+                     "starcoder2"), LLAMA_BLOCK),
+    # Embeddings times sqrt(hidden): in the embeddings' dtype (gemma), rounded to bfloat16 first (gemma3).
+    "gemma": Block(_llama_rest, lambda args: args.hidden_size ** 0.5),
+    "gemma3_text": Block(_sandwich_rest, lambda args: mx.array(args.hidden_size ** 0.5, mx.bfloat16)),
+    "granite": Block(_granite_rest, lambda args: args.embedding_multiplier),
+    "glm4": Block(_glm4_rest),
+}
+
+
+def model_type(model) -> str | None:
+    """The model's family as mlx-lm names it (its config's model_type)."""
     return getattr(getattr(model, "args", None), "model_type", None)
 
 
-def _sandwich(layer) -> bool:
-    """Whether the block normalises the attention's and the MLP's outputs too (gemma3)."""
-    return hasattr(layer, "pre_feedforward_layernorm") or hasattr(layer, "post_feedforward_layernorm")
+def family(model) -> str:
+    """The model's family for a message: its model_type, else its mlx-lm module's name."""
+    return model_type(model) or type(model).__module__.rsplit(".", 1)[-1]
 
 
-def _embed(model, tokens: Sequence[int]) -> mx.array:
-    """The hidden states the first layer takes (gemma3 scales the embeddings by sqrt(hidden),
-    rounded to bfloat16, as its model code does)."""
+def recomputes_in_context(model) -> bool:
+    """Whether a share of the documents' tokens strictly between 0 and 1 can be recomputed in
+    context for this model (its family's block is one the recompute reproduces)."""
+    return model_type(model) in RECOMPUTE_FAMILIES
+
+
+def check_recompute(model, recompute: float) -> None:
+    """BadInput for a recompute strictly between 0 and 1 on a family whose block the recompute
+    does not reproduce (0, plain concatenation, and 1, a full prefill, work for any)."""
+    if 0.0 < recompute < 1.0 and not recomputes_in_context(model):
+        raise _not_reproduced(model, recompute)
+
+
+def _not_reproduced(model, recompute: float) -> BadInput:
+    share = f"{recompute:g}" if f"{recompute:g}" not in ("0", "1") else repr(recompute)
+    return BadInput(f"recompute {share} runs part of the documents through the model in context, which "
+                    f"tqstore does for {', '.join(sorted(RECOMPUTE_FAMILIES))} models only, not "
+                    f"{family(model)}: pass --recompute 0 (plain concatenation) "
+                    "or --recompute 1 (a full prefill of the composed prompt)")
+
+
+def _block(model, budget: float) -> Block:
+    """The model's block (BadInput for a family the recompute does not reproduce)."""
+    block = RECOMPUTE_FAMILIES.get(model_type(model))
+    if block is None:
+        raise _not_reproduced(model, budget)
+    return block
+
+
+def _embed(model, block: Block, tokens: Sequence[int]) -> mx.array:
+    """The hidden states the first layer takes, as the family's model code computes them."""
     h = getattr(model, "model", model).embed_tokens(mx.array(list(tokens))[None])
-    if _model_type(model) in SANDWICH_FAMILIES:
-        h = h * mx.array(model.args.hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+    if block.embed_scale is not None:
+        scale = block.embed_scale(model.args)
+        h = h * (scale.astype(h.dtype) if isinstance(scale, mx.array) else scale)
     return h
-
-
-def _block_rest(layer, h: mx.array, attended: mx.array) -> mx.array:
-    """The block after its attention: residual and MLP, as the block's family arranges them."""
-    if _sandwich(layer):
-        h = h + layer.post_attention_layernorm(attended)
-        return h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
-    h = h + attended
-    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 def _visible(queries: mx.array, keys: int, window: int | None, first: int = 0) -> mx.array:
@@ -430,14 +517,14 @@ def _deviation(exact_k: mx.array, keys: mx.array, exact_v: mx.array, values: mx.
     return relative(exact_k, keys) + relative(exact_v, values)
 
 
-def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array], values: list[mx.array],
-                     from_layer: int, windows: list[int | None]) -> mx.array:
+def _pilot_attention(model, block: Block, layers, question: Sequence[int], keys: list[mx.array],
+                     values: list[mx.array], from_layer: int, windows: list[int | None]) -> mx.array:
     """Attention mass each context position gets from the question's tokens, summed over heads,
     queries and the layers from `from_layer` on, in a pass of the question over the composed
     cache (what the answer will read)."""
     n = keys[0].shape[2]
     positions = mx.arange(n, n + len(question))
-    h = _embed(model, question)
+    h = _embed(model, block, question)
     mass = mx.zeros((n,), dtype=mx.float32)
     for i, layer in enumerate(layers):
         attention = layer.self_attn
@@ -462,7 +549,7 @@ def _pilot_attention(model, layers, question: Sequence[int], keys: list[mx.array
             outs.append((probs.astype(all_v.dtype) @ all_v[:, :, None]).reshape(B, hq, rows.shape[2], -1))
             mx.eval(outs[-1], mass)
         out = mx.concatenate(outs, axis=2)
-        h = _block_rest(layer, h, attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)))
+        h = block.rest(layer, h, attention.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1)))
         mx.eval(h, mass)
     return mass
 
@@ -482,7 +569,7 @@ def _query_groups(positions: list[int], step: int, window: int | None) -> list[t
     return groups
 
 
-def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, values: mx.array,
+def _selected_layer(layer, block: Block, h: mx.array, selected: mx.array, keys: mx.array, values: mx.array,
                     window: int | None) -> tuple[mx.array, mx.array, mx.array]:
     """One block for the selected tokens only, attending to the composed K/V (their own rows
     replaced by the recomputed ones first; in a window layer, to the last `window` of them)."""
@@ -501,5 +588,5 @@ def _selected_layer(layer, h: mx.array, selected: mx.array, keys: mx.array, valu
                                                          scale=attention.scale, mask=mask))
         mx.eval(outs[-1])
     out = mx.concatenate(outs, axis=2)
-    return _block_rest(layer, h, attention.o_proj(out.transpose(0, 2, 1, 3).reshape(1, selected.shape[0], -1))), \
+    return block.rest(layer, h, attention.o_proj(out.transpose(0, 2, 1, 3).reshape(1, selected.shape[0], -1))), \
         keys, values

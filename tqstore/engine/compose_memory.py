@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from tqstore.engine.compose import model_layers, query_step
 from tqstore.engine.defaults import PREFILL_CHUNK
 from tqstore.errors import OverMemoryBudget
@@ -41,22 +44,46 @@ class ModelShape:
 
     @classmethod
     def of(cls, model) -> "ModelShape":
-        """The shape of a llama-style mlx-lm model (the only kind chunks compose for)."""
+        """The shape of an mlx-lm model, from its first layer's attention and its args (a
+        wrapper's text config too), under the names mlx-lm's families give them (`n_heads`,
+        `num_heads`, `num_attention_heads`, ...)."""
         layers = model_layers(model)
-        attention = layers[0].self_attn
-        args = getattr(model, "args", None)
-        hidden = getattr(args, "hidden_size", None) or layers[0].input_layernorm.weight.shape[0]
-        head_dim = getattr(args, "head_dim", None) or hidden // attention.n_heads
-        return cls(layers=len(layers), heads=attention.n_heads, kv_heads=attention.n_kv_heads,
-                   head_dim=head_dim, hidden=hidden,
-                   intermediate=getattr(args, "intermediate_size", None) or 4 * hidden,
-                   vocab=getattr(args, "vocab_size", None) or 0,
-                   dtype_bytes=layers[0].input_layernorm.weight.dtype.size)
+        first = layers[0] if layers else None
+        attention = getattr(first, "self_attn", None) or getattr(first, "attention", None)
+        args = getattr(model, "args", None) or getattr(model, "config", None)
+        text = getattr(args, "text_config", None)
+        sources = [attention, args, text]
+        hidden = (_first(sources[1:], "hidden_size", "d_model", "n_embd", "dim", "model_dim", "hidden_dim")
+                  or _first(sources[:1], "hidden_size") or 0)
+        heads = _first(sources, "n_heads", "num_heads", "num_attention_heads", "n_head") or 1
+        kv_heads = _first(sources, "n_kv_heads", "num_key_value_heads", "num_kv_heads", "multi_query_group_num")
+        return cls(layers=len(layers), heads=heads, kv_heads=kv_heads or heads,
+                   head_dim=_first(sources, "head_dim") or hidden // heads, hidden=hidden,
+                   intermediate=_first(sources[1:], "intermediate_size", "ffn_hidden_size", "ffn_dim") or 4 * hidden,
+                   vocab=_first(sources[1:], "vocab_size") or 0, dtype_bytes=_float_bytes(first) if layers else F32)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in every layer, decoded."""
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def _first(sources, *names: str) -> int | None:
+    """The first positive whole number under one of `names` in `sources` (objects or dicts)."""
+    for source in sources:
+        for name in names:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _float_bytes(layer) -> int:
+    """The element size of the layer's floating-point parameters (a quantized layer's scales)."""
+    for _, value in tree_flatten(layer.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return value.dtype.size
+    return F32
 
 
 def composition_bytes(shape: ModelShape, prefix: int, chunks: Sequence[int], distinct: Sequence[int], *,
