@@ -24,7 +24,8 @@ from server_process import ServerProcess, request
 from test_cli import DOC, clean_env, cli, fails  # noqa: F401 (fixtures)
 from turboquant import make_prompt_cache
 from tqstore.engine.chunks import Document
-from tqstore.engine.compose import RECOMPUTE_FAMILIES, ChunkKV, check_composable, compose, window_sizes
+from tqstore.engine.compose import ChunkKV, check_composable, compose, window_sizes
+from tqstore.engine.compose_blocks import RECOMPUTE_FAMILIES
 from tqstore.engine.compose_memory import ModelShape
 from tqstore.engine.engine import Engine
 from tqstore.errors import BadInput

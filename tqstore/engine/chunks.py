@@ -25,8 +25,9 @@ import mlx.core as mx
 
 from turboquant import WINDOW_CLASSES, is_window_record, make_prompt_cache, restore, settle
 
-from tqstore.engine.compose import (ChunkKV, Composed, check_composable, check_recompute, compose, decoded_kv,
+from tqstore.engine.compose import (ChunkKV, Composed, check_composable, compose, decoded_kv,
                                     rope_description, window_sizes)
+from tqstore.engine.compose_blocks import check_recompute
 from tqstore.engine.compose_memory import ModelShape, check_budget, composition_bytes
 from tqstore.engine.defaults import DEFAULT_RECOMPUTE
 from tqstore.engine.generation import Answerer, AskResult
