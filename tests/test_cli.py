@@ -586,15 +586,15 @@ def test_os_errors_and_bugs_are_one_line(cli, monkeypatch):
     from tqstore.store.store import Store
 
     def raising(exc):
-        def ls(self, remote=False):
+        def listing(self, remote=False):
             raise exc
-        return ls
+        return listing
 
-    monkeypatch.setattr(Store, "ls", raising(OSError(errno.ENOSPC, "No space left on device", "/data/x")))
+    monkeypatch.setattr(Store, "listing", raising(OSError(errno.ENOSPC, "No space left on device", "/data/x")))
     fails(cli("ls"), "disk full writing /data/x")
-    monkeypatch.setattr(Store, "ls", raising(PermissionError(errno.EACCES, "Permission denied", "/data/y")))
+    monkeypatch.setattr(Store, "listing", raising(PermissionError(errno.EACCES, "Permission denied", "/data/y")))
     fails(cli("ls"), "permission denied: /data/y")
-    monkeypatch.setattr(Store, "ls", raising(RuntimeError("boom")))
+    monkeypatch.setattr(Store, "listing", raising(RuntimeError("boom")))
     fails(cli("ls"), "internal error: RuntimeError: boom (run with -v")
 
 

@@ -73,12 +73,29 @@ def test_remote_listing_info_and_removal(bucket, tq, model):
     assert info["name"] == "doc" and info["location"] == "s3" and info["scheme"] == "turbo5v4"
     code, removed = tq("b", "rm", "doc", "--remote")
     assert code == 0 and removed == {"removed": "doc", "location": "s3"}
-    assert tq("b", "ls", "--remote")[1] == {"entries": []}
+    assert tq("b", "ls", "--remote")[1] == {"entries": [], "unreadable": []}
     code, gone = tq("b", "pull", "doc")
     assert code == 1 and "tqstore ls --remote" in gone["error"]["message"]
     code, gc = tq("b", "gc", "--remote")
     assert code == 0 and gc["remote_orphans"] == 0  # younger than the grace period: left to pushes in flight
     assert tq("a", "stats")[1]["tiers"]["s3"]["entries"] is not None
+
+
+def test_the_bucket_is_counted_and_listed_as_it_is(bucket, tq, model):
+    """A fresh process's stats counted the bucket as empty (what it had not listed yet), and an
+    unreadable bucket manifest was left out of ls --remote without a word, and info --remote
+    called it absent."""
+    for name in ("doc", "other"):
+        tq("a", "save", name, "--model", model, "--prompt", DOC + name)
+        tq("a", "push", name)
+    _, stats = tq("b", "stats")
+    assert stats["tiers"]["s3"]["entries"] == 2 and stats["tiers"]["s3"]["bytes"] > 0
+    bucket.client.put_object(Bucket=bucket.bucket, Key="kv/manifests/other.json", Body=b"{damaged")
+    _, listed = tq("b", "ls", "--remote")
+    assert [e["name"] for e in listed["entries"]] == ["doc"] and listed["unreadable"] == ["other"]
+    code, info = tq("b", "info", "other", "--remote")
+    assert code == 1 and "cannot be read" in info["error"]["message"] and "verify other --remote" in \
+        info["error"]["message"]
 
 
 def test_selftest_checks_the_bucket(bucket, tq, monkeypatch):

@@ -61,9 +61,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
 
 
 def ls(ctx: Context, args: argparse.Namespace) -> int:
-    entries = ctx.store().ls(remote=args.remote)
-    # A damaged manifest was left out without a word while `stats` counted it.
-    unreadable = [] if args.remote else ctx.store().unreadable()
+    # A damaged manifest (or, in the bucket, one sealed with another key) is named, not left out without a word.
+    entries, unreadable = ctx.store().listing(remote=args.remote)
 
     def human() -> None:
         if entries:
@@ -72,11 +71,12 @@ def ls(ctx: Context, args: argparse.Namespace) -> int:
             where = "the bucket" if args.remote else f"the store at {ctx.home}"
             ctx.out.note(f"no entries in {where}: `tqstore save NAME --model M --file F` makes one")
         if unreadable:
+            fix = ("`tqstore verify --remote` says why; push them again from a machine that has them, or "
+                   "`tqstore rm NAME --remote`" if args.remote else "`tqstore verify` says why, `tqstore repair` drops them")
             ctx.out.note(f"{len(unreadable)} more {'entry' if len(unreadable) == 1 else 'entries'} cannot be read "
-                         f"({', '.join(unreadable)}): `tqstore verify` says why, `tqstore repair` drops them")
+                         f"({', '.join(unreadable)}): {fix}")
 
-    doc = {"entries": [render.entry_doc(e) for e in entries]}
-    ctx.out.emit(doc if args.remote else doc | {"unreadable": unreadable}, human)
+    ctx.out.emit({"entries": [render.entry_doc(e) for e in entries], "unreadable": unreadable}, human)
     return 0
 
 

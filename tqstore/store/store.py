@@ -28,7 +28,7 @@ from turboquant.records import Snapshot
 
 from tqstore.config import Config, load_config, resolve_home
 from tqstore.units import format_size
-from tqstore.errors import ConfigError, DiskFull, InvalidName, NotFound
+from tqstore.errors import ConfigError, DiskFull, InvalidName, NotFound, RemoteError
 from tqstore.store.restore import RestoreStats, restore_entry
 from tqstore.models.identity import CodecIdentity, ModelIdentity
 from tqstore.store.lookup import Match, lookup
@@ -247,22 +247,32 @@ class Store:
 
     def ls(self, remote: bool = False) -> list[EntryInfo]:
         """Local entries (remote=False) or the bucket's (remote=True, by listing it), by name."""
-        if remote:
-            return [EntryInfo.of(m, "s3", modified) for m, modified in self._remote_manifests()]
-        entries, _ = self._tiers.local_manifests()
-        return sorted((EntryInfo.of(m, "local", used) for m, used in entries), key=lambda e: e.name)
+        return self.listing(remote)[0]
 
-    def unreadable(self) -> list[str]:
-        """Local entries whose manifest cannot be read (left out of `ls`; `verify` names the
-        problem, `repair` drops them), by name or damaged key."""
-        return sorted(self._tiers.local_manifests()[1])
+    def unreadable(self, remote: bool = False) -> list[str]:
+        """Entries whose manifest cannot be read (left out of `ls`; `verify` names the problem,
+        locally `repair` drops them), by name or damaged key."""
+        return self.listing(remote)[1]
+
+    def listing(self, remote: bool = False) -> tuple[list[EntryInfo], list[str]]:
+        """`ls` and `unreadable` from one reading of the manifests, locally or in the bucket."""
+        if remote:
+            found, unreadable = self._remote_manifests()
+            return [EntryInfo.of(m, "s3", modified) for m, modified in found], sorted(unreadable)
+        entries, unreadable = self._tiers.local_manifests()
+        return (sorted((EntryInfo.of(m, "local", used) for m, used in entries), key=lambda e: e.name),
+                sorted(unreadable))
 
     def info(self, name: str, remote: bool = False) -> EntryInfo:
         """`ls`'s record of one entry, locally or in the bucket; NotFound if there is none."""
         if remote:
-            found = self._remote_manifests([validate_name(name)])
+            found, unreadable = self._remote_manifests([validate_name(name)])
+            s3 = self._tiers.require_s3()
+            if unreadable:
+                raise RemoteError(f"the manifest of {name} in s3://{s3.bucket}/{s3.prefix} cannot be read (damaged, "
+                                  f"sealed with another key or by a newer tqstore): `tqstore verify {name} --remote` "
+                                  "says why")
             if not found:
-                s3 = self._tiers.require_s3()
                 raise NotFound(f"no entry {name} in s3://{s3.bucket}/{s3.prefix}: `tqstore ls --remote` lists them")
             return EntryInfo.of(found[0][0], "s3", found[0][1])
         manifest = self.get(name)
@@ -329,6 +339,7 @@ class Store:
                  "lmdb": TierStats(lmdb.payload_bytes, lmdb.object_count, lmdb.manifest_count,
                                    t.config.lmdb_budget_bytes, hits["lmdb"])}
         if t.remote is not None:
+            t.remote.manifests()  # the bucket as listed (once, then at most every max_age seconds)
             entries, objects, nbytes = t.remote.counts()
             tiers["s3"] = TierStats(nbytes, objects, entries, None, hits["s3"])
         return StoreStats(tiers, misses, *evicted, memory.evictions, lmdb,
@@ -355,10 +366,10 @@ class Store:
                     break
         self._tiers.refresh_pins()
 
-    def _remote_manifests(self, names: list[str] | None = None) -> list[tuple[Manifest, float]]:
-        """The bucket's manifests (all, by listing, or `names`) with their last-modified times;
-        unreadable ones are left out. Feeds the remote index."""
-        found, _ = self._tiers.remote_manifests(names)
+    def _remote_manifests(self, names: list[str] | None = None) -> tuple[list[tuple[Manifest, float]], list[str]]:
+        """The bucket's readable manifests (all, by listing, or `names`) with their last-modified
+        times, and the names of those that cannot be read. Feeds the remote index."""
+        found, unreadable = self._tiers.remote_manifests(names)
         for remote in found:
             self._tiers.remote.note_manifest(remote.manifest, remote.etag)
-        return [(remote.manifest, remote.modified) for remote in found]
+        return [(remote.manifest, remote.modified) for remote in found], unreadable
