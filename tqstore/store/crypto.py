@@ -48,6 +48,7 @@ import json
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -171,7 +172,7 @@ class ObjectCipher:
             seen = self.versions.highest(name) if self.versions is not None else 0
             address = where.encode()
             version, bound = MANIFEST_VERSION, ""  # the address is inside, so a move is named, not a bad tag
-            data = _COUNTER.pack(seen + 1) + _ADDRESS_LENGTH.pack(len(address)) + address + bytes(data)
+            data = _COUNTER.pack(next_version(seen)) + _ADDRESS_LENGTH.pack(len(address)) + address + bytes(data)
         header = _HEADER.pack(MAGIC, version, self.key_id)
         nonce = os.urandom(_NONCE)
         return header + nonce + AESGCM(self.key).encrypt(nonce, bytes(data), _aad(header, kind, bound))
@@ -264,6 +265,16 @@ def cipher_from_config(config: Config) -> ObjectCipher | None:
     except (OSError, UnicodeError) as exc:
         raise ConfigError(f"cannot read the S3 encryption key file {path} (s3.key_file): {exc}") from None
     return ObjectCipher(parse_key(text, str(path)), str(path), versions)
+
+
+def next_version(seen: int) -> int:
+    """The version a manifest is sealed with: after the highest this machine has seen, and no
+    lower than the time in milliseconds. A counter alone restarted at 1 on a machine that never
+    saw the entry, so a new entry under a name another machine had removed (`rm --remote`, or
+    expiry and `gc --remote`) was refused as a rollback on every machine that saw the old one;
+    the clock carries the order across machines (a clock behind by more than the time between
+    the two entries still gives that refusal, never a replay taken for new)."""
+    return max(seen + 1, time.time_ns() // 1_000_000)
 
 
 def _manifest_fields(plain: bytes, where: str) -> tuple[int, str, bytes]:
