@@ -34,15 +34,17 @@ def s3_store(home, s3, endpoint=None, **settings):
 def count_puts(store) -> Counter:
     """Counts uploads of the store's S3 client by folder ("objects", "packs", "maps",
     "manifests"; a multipart upload counts once), by bucket key, and their bytes by folder
-    ("bytes packs", ...)."""
+    ("bytes packs", ...). Lock objects are not counted: every push writes one (bucket_locks.py)."""
     seen: Counter = Counter()
 
     def on_put(params, **_):
-        seen[params["Key"].split("/")[1]] += 1
-        seen[params["Key"]] += 1
+        if params["Key"].split("/")[1] != "locks":
+            seen[params["Key"].split("/")[1]] += 1
+            seen[params["Key"]] += 1
 
     def on_body(params, **_):
-        seen["bytes " + params["Key"].split("/")[1]] += len(params["Body"])
+        if params["Key"].split("/")[1] != "locks":
+            seen["bytes " + params["Key"].split("/")[1]] += len(params["Body"])
 
     events = store._tiers.s3.client.meta.events
     for operation in ("PutObject", "CreateMultipartUpload"):

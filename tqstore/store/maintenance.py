@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tqstore.units import format_size
 from tqstore.errors import ConflictError, CorruptBlock, DiskFull, FormatError, NotFound, TqstoreError
+from tqstore.store.bucket_locks import LockHolder, gc_lock
 from tqstore.store.crypto import EncryptionKeyError
 from tqstore.store.object_checks import BAD_CONTENT, Want, codec_problem, decode, quarantine_lmdb, wants_for
 from tqstore.format.manifest import Manifest
@@ -161,10 +162,25 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
     """Drop expired entries, unreferenced objects and quarantine records; the
     same in the bucket with `remote` (objects younger than `remote_grace` seconds stay: a push
     elsewhere may not have written its manifest yet); then compact LMDB if asked."""
-    # The bucket's manifests are read first: an unreachable bucket then stops gc before the
-    # local part, rather than after it with only the error reported.
-    listing = tiers.remote_manifests() if remote else None
-    notes = []
+    notes: list[str] = []
+    if remote:
+        # The bucket's lock first, then its manifests: an unreachable bucket stops gc before the
+        # local part, and a push that finished before the lock is in the listing (bucket_locks.py).
+        with gc_lock(tiers.require_s3()) as (lock, pushes):
+            listing = tiers.remote_manifests()
+            stats = _gc_local(tiers, notes)
+            stats = _gc_remote(tiers, stats, remote_grace, notes, listing, lock, pushes)
+    else:
+        stats = _gc_local(tiers, notes)
+    if compact:
+        try:
+            stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
+        except (DiskFull, ConflictError) as exc:  # the store works without it: what gc removed is room again
+            notes.append(f"compaction skipped: {exc}")
+    return dataclasses.replace(stats, notes=tuple(notes))
+
+
+def _gc_local(tiers: TierSet, notes: list[str]) -> GcStats:
     with tiers.lock.exclusive():
         entries, unreadable = tiers.local_manifests()
         now = time.time()
@@ -178,24 +194,18 @@ def gc(tiers: TierSet, *, remote: bool, compact: bool, remote_grace: float) -> G
             refs = {key for m, _ in entries if m.name not in expired for key in _keys(m)}
             orphans, orphan_bytes = _delete(tiers, [k for k in tiers.lmdb.iter_object_keys() if k not in refs])
         cleared = tiers.lmdb.clear_quarantine()
-    stats = GcStats(tuple(expired), orphans, orphan_bytes, cleared)
-    if listing is not None:
-        stats = _gc_remote(tiers, stats, remote_grace, notes, listing)
-    if compact:
-        try:
-            stats = dataclasses.replace(stats, compact=tiers.lmdb.compact())
-        except (DiskFull, ConflictError) as exc:  # the store works without it: what gc removed is room again
-            notes.append(f"compaction skipped: {exc}")
-    return dataclasses.replace(stats, notes=tuple(notes))
+    return GcStats(tuple(expired), orphans, orphan_bytes, cleared)
 
 
 def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str],
-               listing: tuple[list[RemoteManifest], list[str]]) -> GcStats:
+               listing: tuple[list[RemoteManifest], list[str]], lock: LockHolder, pushes: int) -> GcStats:
     """Bucket gc: expired manifests; loose objects no live manifest lists; packs none of whose
     members a live manifest's map uses (a pack with one member in use stays whole: see
-    docs/format.md); maps of no manifest. Everything younger than `grace` stays. What is deleted
-    is forgotten by this process's remote index (RemoteIndex.collected). `listing`: the bucket's
-    manifests as `TierSet.remote_manifests` read them."""
+    docs/format.md); maps of no manifest. Everything younger than `grace` stays, and no object
+    goes while `pushes` (live push locks seen under this gc's `lock`) is not 0: those pushes may
+    reuse objects of entries expired or removed since their listing. What is deleted is forgotten
+    by this process's remote index (RemoteIndex.collected). `listing`: the bucket's manifests as
+    `TierSet.remote_manifests` read them after the lock was taken."""
     s3 = tiers.require_s3()
     live: list[Manifest] = []
     expired = []
@@ -211,6 +221,11 @@ def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str],
     orphans, nbytes = [], 0
     if unreadable:
         notes.append(_unreadable_note(unreadable, f"s3://{s3.bucket}/{s3.prefix}"))
+        return dataclasses.replace(stats, remote_expired=tuple(expired))
+    if pushes:
+        notes.append(f"{pushes} push{'es' if pushes > 1 else ''} to s3://{s3.bucket}/{s3.prefix} in flight (bucket "
+                     "locks), which may reuse objects no manifest lists yet, so no object was removed: run gc "
+                     "--remote again when they end")
         return dataclasses.replace(stats, remote_expired=tuple(expired))
     used, unmapped = _packs_in_use(s3, live)
     if unmapped:
@@ -230,6 +245,7 @@ def _gc_remote(tiers: TierSet, stats: GcStats, grace: float, notes: list[str],
             nbytes += info.size
     packs: list[tuple[str, int]] = []
     maps: list[tuple[str, int]] = []
+    lock.check()  # still held: no push decided meanwhile
     try:
         s3.delete_objects(orphans)
         packs = [] if unmapped else [(p, size) for p, (size, modified) in s3.list_packs().items()

@@ -14,6 +14,8 @@ lists now (their entry removed), are planned again and confirmed the same way. T
 map, then the manifest last with a conditional write: created with If-None-Match, or replaced
 with If-Match when the bucket still holds the version this entry was last pushed as or pulled
 from. Any other manifest under that name is a ConflictError, unless it describes the same entry.
+All of it under the bucket's push lock (bucket_locks.py), taken before anything is listed: a
+remote gc on another machine deletes nothing meanwhile.
 
 Pull publishes the bucket's entry locally by the path put and import take (publish.py): the
 objects LMDB lacks are downloaded (ranged GETs of their packs, or whole layout-1 objects) and
@@ -40,6 +42,7 @@ from tqstore.errors import ConflictError, CorruptBlock, FormatError, NotFound, T
 from tqstore.format.manifest import Manifest
 from tqstore.format.objects import parse as parse_object
 from tqstore.store.bucket import fetch_objects
+from tqstore.store.bucket_locks import LockHolder, push_lock
 from tqstore.store.packs import (PACK_BYTES, Location, Member, PackPlan, manifest_address, map_bytes, parse_map,
                                  parse_trailer, plan_packs, trailer_length)
 from tqstore.store.publish import Batch, publish
@@ -117,31 +120,35 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
     tally = _Tally(sum(len({r.key for r in m.objects}) for m in manifests), progress)
     _check_key(s3, [m.name for m in manifests])
     up_to_date: list[str] = []
-    # What the bucket holds (the first use LISTs and reads its manifests): the objects they list.
-    listed = {r.key for m, _ in tiers.remote.manifests() for r in m.objects}
-    packs = s3.list_packs()
     pushed: list[str] = []
     conflicts: list[str] = []
-    for manifest in manifests:
-        try:
-            if not _push_one(tiers, s3, manifest, tally, packs, listed, warnings):
-                up_to_date.append(manifest.name)
-            pushed.append(manifest.name)
-        except ConflictError as exc:
-            if name is not None:
-                raise
-            # One entry another machine pushed differently must not keep the others local.
-            conflicts.append(manifest.name)
-            warnings.append(str(exc))
+    # The bucket's push lock before anything is decided: no remote gc deletes an object between
+    # this push's listing and its manifest (bucket_locks.py).
+    with push_lock(s3) as lock:
+        # What the bucket holds (the first use LISTs and reads its manifests): the objects they list.
+        listed = {r.key for m, _ in tiers.remote.manifests() for r in m.objects}
+        packs = s3.list_packs()
+        for manifest in manifests:
+            try:
+                if not _push_one(tiers, s3, manifest, tally, packs, listed, warnings, lock):
+                    up_to_date.append(manifest.name)
+                pushed.append(manifest.name)
+            except ConflictError as exc:
+                if name is not None:
+                    raise
+                # One entry another machine pushed differently must not keep the others local.
+                conflicts.append(manifest.name)
+                warnings.append(str(exc))
     return TransferStats(tuple(pushed), tally.total, tally.transferred, tally.skipped, tally.bytes,
                          time.perf_counter() - start, tuple(up_to_date), warnings=tuple(warnings),
                          conflicts=tuple(conflicts))
 
 
 def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, packs: dict[str, tuple[int, float]],
-              listed: set[bytes], warnings: list[str]) -> bool:
+              listed: set[bytes], warnings: list[str], lock: LockHolder) -> bool:
     """Push one entry: its objects, its map, then its manifest; False when the bucket already
-    held it identically. ConflictError when the bucket holds a different entry of that name."""
+    held it identically. ConflictError when the bucket holds a different entry of that name.
+    `lock`: the push's bucket lock, checked before the manifest is written."""
     located = _upload(tiers, s3, manifest, tally, packs, listed, warnings)
     digests = {key: found[:2] for key, found in located.items()}
     remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
@@ -149,6 +156,7 @@ def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, pac
     if not tiers.remote.map_known(remote, where):  # a push of what the bucket holds sends nothing
         s3.put_map(manifest_address(remote), map_bytes(remote, where))
         tiers.remote.note_map(remote, where)
+    lock.check()
     manifest = _intend(tiers, manifest, remote)
     etag, written = _publish_manifest(s3, manifest, remote)
     # Unless replaced meanwhile; bookkeeping, not use: the entry's place in eviction stays.
