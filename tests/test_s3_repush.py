@@ -96,3 +96,26 @@ def test_the_etag_a_push_expects_is_the_one_the_server_gives(s3, size):
     assert head["ETag"].strip('"') == tier.upload_etag(body)
     assert tier.pack_head(name) == (size, tier.upload_etag(body)) and tier.pack_head("ab" * 32) is None
     assert ("-" in head["ETag"]) == (size > tier.part_size)
+
+
+def test_a_long_lived_store_pushes_again_after_another_machine_collected_its_entry(s3, tmp_path):
+    """A server or notebook (one Store) pushed an entry; another machine removed it from the
+    bucket and collected the bucket; the long-lived Store's next push must write the map again
+    (it remembered writing it), or its manifest names a map that is gone."""
+    snap, tokens = make_snapshot(600, layouts=PLAIN), token_ids(600)
+    a = s3_store(tmp_path / "a", s3)
+    put(a, "p", snap, tokens)
+    a.push("p")
+    c = s3_store(tmp_path / "c", s3)
+    c.rm("p", remote=True)
+    assert c.gc(remote=True, remote_grace=0).remote_maps == 1 and not bucket_keys(s3, "kv/")
+    stats = a.push("p")
+    assert stats.up_to_date == () and stats.transferred == len(a.get("p").objects)
+    d = s3_store(tmp_path / "d", s3)
+    d.pull("p")
+    assert_same_snapshot(d.load("p")[0], snap)
+    assert d.verify(remote=True) == []
+    puts = count_puts(a)
+    assert a.push("p").up_to_date == ("p",) and sum(puts.values()) == 0  # the map read back, not sent again
+    for store in (a, c, d):
+        store.close()

@@ -72,6 +72,7 @@ class LockHolder:
         self._written = 0.0  # time.time() of the last successful write (wall clock: counts a sleep)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.taken = float("inf")  # time.monotonic() once the lock is held (no gc lock listed beside it)
         self.write()
 
     def write(self) -> None:
@@ -150,6 +151,7 @@ def push_lock(s3: S3Tier) -> Iterator[LockHolder]:
             holder.release()
             raise
         if not gcs:
+            holder.taken = time.monotonic()  # what is read from now on no gc deletes until release
             break
         holder.release()
         if time.monotonic() >= deadline:

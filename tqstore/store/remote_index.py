@@ -3,10 +3,11 @@
 Filled from the manifests read from the bucket (a manifest is written after its objects, so its
 objects are there) and from the objects this process pushed or found there. Where an object
 lives (a pack's byte range, or loose) comes from the map of a manifest that lists it (packs.py),
-read once per manifest when first needed and kept: maps never change, but a remote gc of this
-process may delete them (and packs, layout-1 objects) and tells the index what it deleted
-(`collected`), so a later push of this process writes them again instead of trusting what it
-remembered (a push skips a map the index holds). A refresh LISTs the manifests and GETs the ones
+read once per manifest when first needed and kept: maps never change, but a remote gc may
+delete them (and packs, layout-1 objects). One of this process tells the index what it deleted
+(`collected`); one on another machine cannot, so a push skips writing a map only when the index
+read or wrote it under that push's bucket lock (`map_known(..., since=)`), and otherwise reads
+it from the bucket first. A refresh LISTs the manifests and GETs the ones
 that changed, at most once per `max_age` seconds. The index only decides where a restore looks
 first: a stale entry costs a miss (the restore verifies every object), never wrong data, so LIST
 is never trusted for correctness.
@@ -42,6 +43,7 @@ class RemoteIndex:
         self._pushed: set[bytes] = set()
         self._placed: dict[bytes, Located] = {}  # objects this process pushed, and where
         self._maps: dict[str, dict[bytes, Location] | None] = {}  # manifest address -> its map (None: layout 1)
+        self._confirmed: dict[str, float] = {}  # manifest address -> time.monotonic() its map was read or written
         self._gone: set[bytes] = set()  # found missing or damaged in the bucket
         self._keys: set[bytes] = set()
         self._refreshed = float("-inf")
@@ -166,15 +168,20 @@ class RemoteIndex:
                     out[ref.key] = (ref.sha256, ref.size, Location(None) if where is None else where[ref.key])
         return out
 
-    def map_known(self, manifest: Manifest, where: Mapping[bytes, Location]) -> bool:
-        """Whether the bucket is known to hold `manifest`'s map placing its objects at `where`."""
+    def map_known(self, manifest: Manifest, where: Mapping[bytes, Location], since: float) -> bool:
+        """Whether the bucket is known to hold `manifest`'s map placing its objects at `where`,
+        as read or written at `since` (time.monotonic()) or later. What an earlier push of this
+        process wrote may have been deleted since by another machine's remote gc (after its
+        entry was removed): a push trusts only what it has seen under its own bucket lock."""
+        address = manifest_address(manifest)
         with self._lock:
-            return self._maps.get(manifest_address(manifest)) == dict(where)
+            return self._maps.get(address) == dict(where) and self._confirmed.get(address, float("-inf")) >= since
 
     def note_map(self, manifest: Manifest, where: Mapping[bytes, Location]) -> None:
-        """Record the map just written for `manifest`."""
+        """Record the map just written (or read and found placing the objects at `where`) for `manifest`."""
         with self._lock:
             self._maps[manifest_address(manifest)] = dict(where)
+            self._confirmed[manifest_address(manifest)] = time.monotonic()
 
     def _map(self, manifest: Manifest) -> dict[bytes, Location] | None | bool:
         """The locations of `manifest`'s objects: its map, None for a layout-1 manifest (no map),
@@ -184,12 +191,15 @@ class RemoteIndex:
             if address in self._maps:
                 return self._maps[address]
         try:
+            read = time.monotonic()
             data = self.s3.get_map(address)
             where = None if data is None else parse_map(data, manifest)
         except (TqstoreError, FormatError):
             return False
         with self._lock:
             self._maps[address] = where
+            if where is not None:
+                self._confirmed[address] = read
         return where
 
     def forget(self, name: str) -> None:
@@ -208,6 +218,7 @@ class RemoteIndex:
         with self._lock:
             for address in maps:
                 self._maps.pop(address, None)
+                self._confirmed.pop(address, None)
             lost = {key for key, (_, _, loc) in self._placed.items()
                     if (loc.pack in packs if loc.pack is not None else key in objects)}
             for key in lost:

@@ -153,7 +153,7 @@ def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, pac
     digests = {key: found[:2] for key, found in located.items()}
     remote = manifest.with_digests(digests).replace(pinned=False, remote_etag=None)
     where = {key: found[2] for key, found in located.items()}
-    if not tiers.remote.map_known(remote, where):  # a push of what the bucket holds sends nothing
+    if not _map_there(tiers, s3, remote, where, lock.taken):  # a push of what the bucket holds sends nothing
         s3.put_map(manifest_address(remote), map_bytes(remote, where))
         tiers.remote.note_map(remote, where)
     lock.check()
@@ -166,6 +166,24 @@ def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, pac
     tiers.remote.note_manifest(remote, etag)
     listed.update(located)
     return written
+
+
+def _map_there(tiers: TierSet, s3: S3Tier, remote: Manifest, where: Mapping[bytes, Location], since: float) -> bool:
+    """Whether the bucket holds `remote`'s map placing its objects at `where`: seen by the remote
+    index under this push's lock (taken at `since`), else read now. Not trusted from what this
+    process wrote or read before: a remote gc on another machine may have deleted it since (its
+    entry removed), and the manifest written next would then name a map that is not there."""
+    if tiers.remote.map_known(remote, where, since):
+        return True
+    if tiers.remote.map_known(remote, where, float("-inf")):  # known from before the lock: confirm it
+        try:
+            data = s3.get_map(manifest_address(remote))
+            if data is not None and parse_map(data, remote) == dict(where):
+                tiers.remote.note_map(remote, where)
+                return True
+        except (CorruptBlock, FormatError):
+            pass  # damaged: written again
+    return False
 
 
 def _check_key(s3: S3Tier, names: list[str]) -> None:
