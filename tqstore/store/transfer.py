@@ -419,11 +419,24 @@ def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[st
     except FormatError:
         existing = None
     if existing is not None and existing.same_content(remote):
-        return etag, False
+        if _unchanged(existing, remote):
+            return etag, False
+        # The same entry with another expiry or metadata (re-saved with or without --ttl), or
+        # expired in the bucket: brought to this push's, if nobody replaced it since it was read.
+        return _write(s3, local.name, remote.to_bytes(), etag), True
     if _ours(local.remote_etag, etag, data):  # the bucket still holds our ancestor
         return _write(s3, local.name, remote.to_bytes(), etag), True
     raise ConflictError(f"the bucket already holds a different entry {local.name} (pushed from another machine or "
                         f"another save): pull it (it replaces the local entry), or push under another name")
+
+
+def _unchanged(existing: Manifest, remote: Manifest) -> bool:
+    """Whether the bucket's manifest `existing`, the same entry as the one this push would write
+    (`same_content`), may stay as it is: not expired, and with the expiry and metadata this
+    push's copy has (which same_content leaves out: they are not what the entry holds, but the
+    bucket's copy must not expire before or after the local one)."""
+    return (not existing.expired(time.time()) and existing.expires == remote.expires
+            and existing.metadata == remote.metadata)
 
 
 def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
