@@ -158,7 +158,7 @@ def _push_one(tiers: TierSet, s3: S3Tier, manifest: Manifest, tally: _Tally, pac
         tiers.remote.note_map(remote, where)
     lock.check()
     manifest = _intend(tiers, manifest, remote)
-    etag, written = _publish_manifest(s3, manifest, remote)
+    etag, written = _publish_manifest(s3, manifest, remote, where)
     # Unless replaced meanwhile; bookkeeping, not use: the entry's place in eviction stays.
     tiers.lmdb.replace_manifest(manifest.name, manifest.to_bytes(), manifest.replace(remote_etag=etag).to_bytes(),
                                 mark_used=False)
@@ -400,8 +400,10 @@ def _write(s3: S3Tier, name: str, data: bytes, etag: str | None) -> str:
         raise
 
 
-def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[str, bool]:
-    """Write the bucket's manifest; returns (its etag, whether it was written)."""
+def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest,
+                      where: Mapping[bytes, Location]) -> tuple[str, bool]:
+    """Write the bucket's manifest `remote`, whose objects lie at `where` (its map is written);
+    returns (its etag, whether it was written)."""
     from tqstore.store.crypto import UnboundManifest  # here: `cryptography` loads only with a bucket
 
     try:
@@ -419,10 +421,11 @@ def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[st
     except FormatError:
         existing = None
     if existing is not None and existing.same_content(remote):
-        if _unchanged(existing, remote):
+        if _unchanged(s3, existing, remote, where):
             return etag, False
-        # The same entry with another expiry or metadata (re-saved with or without --ttl), or
-        # expired in the bucket: brought to this push's, if nobody replaced it since it was read.
+        # The same entry with another expiry or metadata (re-saved with or without --ttl),
+        # expired in the bucket, or naming copies of its objects the bucket lost: brought to
+        # this push's, if nobody replaced it since it was read.
         return _write(s3, local.name, remote.to_bytes(), etag), True
     if _ours(local.remote_etag, etag, data):  # the bucket still holds our ancestor
         return _write(s3, local.name, remote.to_bytes(), etag), True
@@ -430,13 +433,27 @@ def _publish_manifest(s3: S3Tier, local: Manifest, remote: Manifest) -> tuple[st
                         f"another save): pull it (it replaces the local entry), or push under another name")
 
 
-def _unchanged(existing: Manifest, remote: Manifest) -> bool:
+def _unchanged(s3: S3Tier, existing: Manifest, remote: Manifest, where: Mapping[bytes, Location]) -> bool:
     """Whether the bucket's manifest `existing`, the same entry as the one this push would write
-    (`same_content`), may stay as it is: not expired, and with the expiry and metadata this
-    push's copy has (which same_content leaves out: they are not what the entry holds, but the
-    bucket's copy must not expire before or after the local one)."""
-    return (not existing.expired(time.time()) and existing.expires == remote.expires
-            and existing.metadata == remote.metadata)
+    (`same_content`), may stay as it is: not expired, with the expiry and metadata this push's
+    copy has (which same_content leaves out: they are not what the entry holds, but the bucket's
+    copy must not expire before or after the local one), and naming the very copies of its
+    objects this push found or sent (same digests), placed by its map where they lie now
+    (`where`, confirmed under this push's lock). Otherwise the bucket's manifest may name a copy
+    the bucket lost (a pack of another save's block 0, say) while this push sent its own: kept,
+    the entry could not be pulled, and pushing it again did not heal it."""
+    if existing.expired(time.time()) or existing.expires != remote.expires or existing.metadata != remote.metadata:
+        return False
+    if [(r.key, r.sha256, r.size) for r in existing.objects] != [(r.key, r.sha256, r.size) for r in remote.objects]:
+        return False
+    if manifest_address(existing) == manifest_address(remote):
+        return True  # its map is the one this push wrote or confirmed
+    try:  # another machine's manifest of the same entry (created elsewhere): one GET of its map
+        data = s3.get_map(manifest_address(existing))
+        placed = {r.key: Location(None) for r in existing.objects} if data is None else parse_map(data, existing)
+    except (CorruptBlock, FormatError):
+        return False
+    return placed == dict(where)
 
 
 def pull(tiers: TierSet, name: str, progress: Progress | None) -> TransferStats:
