@@ -45,6 +45,7 @@ class RemoteIndex:
         self._maps: dict[str, dict[bytes, Location] | None] = {}  # manifest address -> its map (None: layout 1)
         self._confirmed: dict[str, float] = {}  # manifest address -> time.monotonic() its map was read or written
         self._gone: set[bytes] = set()  # found missing or damaged in the bucket
+        self._sealed: set[str] = set()  # manifests the last refresh could not open for the key (none, or another)
         self._keys: set[bytes] = set()
         self._refreshed = float("-inf")
         self._busy = False  # a refresh is running
@@ -81,7 +82,7 @@ class RemoteIndex:
             listed = self.s3.list_manifests()
             with self._lock:
                 known = dict(self._manifests)
-            fresh, key_errors = {}, []
+            fresh, key_errors, sealed = {}, [], set()
             for info in listed:
                 old = known.get(info.name)
                 if old is not None and old[:2] == (info.last_used, info.size):
@@ -96,10 +97,13 @@ class RemoteIndex:
                     continue  # a damaged or newer manifest matches nothing; `gc --remote` reports it
                 except EncryptionKeyError as exc:  # one entry under another key must not hide the rest
                     key_errors.append(exc)
+                    sealed.add(info.name)
                     continue
                 if manifest.name != info.name:
                     continue  # copied under another name: not to be trusted
                 fresh[info.name] = (info.last_used, info.size, manifest, got[1])
+            with self._lock:
+                self._sealed = sealed
             if key_errors and not fresh:
                 raise key_errors[0]  # nothing opens: this machine's key is the fault
         except TqstoreError as exc:
@@ -109,6 +113,12 @@ class RemoteIndex:
         with self._lock:
             self._manifests = fresh
             self._rebuild()
+
+    def sealed(self) -> list[str]:
+        """The bucket's manifests the last refresh could not open with this machine's key (or
+        without one: encrypted ones), by name."""
+        with self._lock:
+            return sorted(self._sealed)
 
     def has(self, key: bytes) -> bool:
         """Whether the bucket is believed to hold object `key`."""

@@ -118,7 +118,7 @@ def push(tiers: TierSet, name: str | None, progress: Progress | None) -> Transfe
         # Expired ones are gc's to remove; a pinned one past its TTL lives on here, so say why it stays.
         warnings += [f"{m.lapse_reason('the bucket')}: not pushed" for m, _ in entries if m.pinned and m.lapsed(now)]
     tally = _Tally(sum(len({r.key for r in m.objects}) for m in manifests), progress)
-    _check_key(s3, [m.name for m in manifests])
+    _check_key(tiers, s3, [m.name for m in manifests])
     up_to_date: list[str] = []
     pushed: list[str] = []
     conflicts: list[str] = []
@@ -186,15 +186,26 @@ def _map_there(tiers: TierSet, s3: S3Tier, remote: Manifest, where: Mapping[byte
     return False
 
 
-def _check_key(s3: S3Tier, names: list[str]) -> None:
+def _check_key(tiers: TierSet, s3: S3Tier, names: list[str]) -> None:
     """EncryptionKeyError, before anything is written, when this machine's key (or its lack of
     one) cannot open the bucket's manifests: those of the entries pushed, and one other as a probe
-    of the prefix. A push with another key or none went on to replace the entry's map and upload
-    packs (plaintext without a key) before its manifest check failed, and every machine with the
-    right key could no longer pull the entry; a new entry went up readable into an encrypted
-    prefix. One GET per entry and one more: the manifest write reads it again (compare-and-swap)."""
-    from tqstore.store.crypto import EncryptionKeyError  # here: `cryptography` loads only with a bucket
+    of the prefix; without a key, any encrypted manifest of the prefix (as the remote index, which
+    reads them all, found them just now). A push with another key or none went on to replace the
+    entry's map and upload packs (plaintext without a key) before its manifest check failed, and
+    every machine with the right key could no longer pull the entry; a new entry went up readable
+    into an encrypted prefix, also when the one manifest probed was a plaintext one pushed before
+    encryption was turned on. One GET per entry and one more: the manifest write reads it again
+    (compare-and-swap)."""
+    from tqstore.store.crypto import KEY_ENV, EncryptionKeyError  # here: `cryptography` loads only with a bucket
 
+    if s3.cipher is None:
+        tiers.remote.refresh()
+        sealed = tiers.remote.sealed()
+        if sealed:
+            raise EncryptionKeyError(f"s3://{s3.bucket}/{s3.prefix} holds encrypted entries ({', '.join(sealed[:3])}"
+                                     f"{', ...' if len(sealed) > 3 else ''}) and this machine has no key: set "
+                                     f"{KEY_ENV} or s3.key_file to the bucket's key; nothing was pushed (it would "
+                                     "have gone up in clear)")
     wanted = set(names)
     probe = next((info.name for info in s3.list_manifests() if info.name not in wanted), None)
     for name in [*names, *([probe] if probe is not None else [])]:
