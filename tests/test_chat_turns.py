@@ -101,3 +101,18 @@ def test_a_concurrent_chat_on_the_same_entry_never_stores_into_the_same_turn(cli
     assert info(cli, "c.turn-2")["metadata"]["chat.parent"] == "c"
     assert info(cli, "c.turn-3")["metadata"]["chat.parent"] == "c.turn-1"
     assert info(cli, "c.turn-1")["tokens"] < info(cli, "c.turn-3")["tokens"]
+
+
+def test_a_question_to_a_turn_asks_it_as_the_next_turn_does_and_turns_have_no_receipt(cli, model, tmp_path):
+    """`ask NAME.turn-1` put the question inside the turn's answer (no user turn opened), so its
+    tokens were not the next chat turn's; turns also copied their parent's quality receipt."""
+    from tqstore.engine.engine import Engine
+
+    cli("save", "doc", "--model", model, "--prompt", "A document about apples and pears. " * 12, "-q")
+    assert info(cli, "doc")["quality"]["measured"]
+    cli("chat", "doc", "--max-tokens", "3", "--json", stdin="first question\n")
+    assert info(cli, "doc.turn-1")["quality"] == {"measured": False}
+    engine = Engine.open(cli.home)
+    asked = engine.ask("doc.turn-1", "second question", max_tokens=4)
+    turned = engine.answerer.chat_turn("doc.turn-1", "second question", "doc.turn-2", max_tokens=4)
+    assert asked.prompt_tokens == turned.prompt_tokens and asked.tokens == turned.tokens

@@ -17,6 +17,7 @@ from turboquant import restore
 from tqstore.engine.decoding import stream_tokens
 from tqstore.engine.models import LoadedModels
 from tqstore.engine.prefill import PrefillRow, Prefiller, Started, finish
+from tqstore.engine.receipts import KEYS as RECEIPT_KEYS
 from tqstore.engine.saving import Saver
 from tqstore.errors import BadInput
 from tqstore.models.loading import LoadedModel
@@ -94,7 +95,7 @@ class Answerer:
         start = time.perf_counter()
         loaded = self.models.model_for(name, model)
         model_seconds = time.perf_counter() - start
-        prompt = list(manifest.tokens) + loaded.prompt.question_tokens(loaded.tokenizer, question)
+        prompt = list(manifest.tokens) + _follow(manifest, loaded, question)
         scheme, windows = self.models.entry_scheme(manifest, loaded)
         result = self.generate(loaded, scheme, prompt, max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed,
                                on_text=on_text, recorded=manifest.prefill_seconds, windows=windows)
@@ -213,14 +214,7 @@ class Answerer:
         shares `name`'s blocks (the next turn continues from `child`)."""
         manifest = self.store.get(name)
         loaded = self.models.model_for(name, model)
-        tokens = list(manifest.tokens)
-        if manifest.metadata.get(CHAT_PARENT):
-            follow = loaded.prompt.turn_tokens(loaded.tokenizer, question)
-            if follow and tokens and follow[0] == tokens[-1]:
-                follow = follow[1:]  # the answer already ended with the turn's closing token
-        else:
-            follow = loaded.prompt.question_tokens(loaded.tokenizer, question)
-        prompt = tokens + follow
+        prompt = list(manifest.tokens) + _follow(manifest, loaded, question)
         starts: list[Started] = []
         scheme, windows = self.models.entry_scheme(manifest, loaded)
         result, caches = self.generate_with_caches(loaded, scheme, prompt, recorded=manifest.prefill_seconds,
@@ -228,7 +222,7 @@ class Answerer:
                                                    **options)
         self.saver.store_caches(child, loaded, scheme, caches, prompt + result.tokens,
                                 prefill_seconds=manifest.prefill_seconds,
-                                metadata={**manifest.metadata, CHAT_PARENT: name},
+                                metadata={**_inherited(manifest.metadata), CHAT_PARENT: name},
                                 checkpoints=starts[0].checkpoints, windows=windows)
         return result
 
@@ -238,3 +232,21 @@ class Answerer:
         loaded = self.models.model_for(name, model)
         snap, _ = self.store.load(name)
         return restore(snap), list(manifest.tokens), loaded
+
+
+def _follow(manifest, loaded: LoadedModel, question: str) -> list[int]:
+    """The tokens after entry `manifest`'s that ask `question`: a new user turn after a chat
+    turn's answer (the answer's turn closed first), else the question after the document."""
+    if not manifest.metadata.get(CHAT_PARENT):
+        return loaded.prompt.question_tokens(loaded.tokenizer, question)
+    follow = loaded.prompt.turn_tokens(loaded.tokenizer, question)
+    tokens = manifest.tokens
+    if follow and tokens and follow[0] == tokens[-1]:
+        return follow[1:]  # the answer already ended with the turn's closing token
+    return follow
+
+
+def _inherited(metadata) -> dict[str, str]:
+    """What a chat turn keeps of its parent's metadata: not its quality receipt, measured on
+    the parent's tokens (a turn's own is not measured)."""
+    return {k: v for k, v in metadata.items() if k not in RECEIPT_KEYS}
