@@ -244,3 +244,15 @@ def test_light_load_matches_mlx_lm_on_the_real_model(tmp_path):
     ids = tokenizer.encode(" ".join(TEXTS))
     check_detokenizer(tokenizer, fast, ids)
     assert isinstance(fast.detokenizer, BPEDetokenizer)
+
+
+@pytest.mark.parametrize("extra", [{"added_tokens.json": {"<|extra|>": 512}},
+                                   {"special_tokens_map.json": {"additional_special_tokens": ["<|extra|>"]}}])
+def test_a_record_is_not_used_once_a_tokenizer_file_beside_it_changes(tmp_path, extra):
+    """added_tokens.json and special_tokens_map.json change transformers' token ids, but were not
+    in the record's key: the light load kept the old tokenizer after either was added."""
+    path = write_model_folder(tmp_path / "llama", "llama")
+    both(path, tmp_path)
+    for name, content in extra.items():
+        (path / name).write_text(json.dumps(content))
+    assert light.load_light(path, tmp_path / "cache") is None  # mlx-lm loads it again

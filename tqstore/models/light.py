@@ -81,12 +81,18 @@ def remember(path: Path, cache_dir: Path, tokenizer: Any) -> None:
     write_cache_file(target, json.dumps(saved).encode())  # skipped on a full disk: the next load records it
 
 
+# Every file of a model folder transformers reads to build its tokenizer: a record is keyed on
+# them all (added_tokens.json and special_tokens_map.json change token ids too).
+_TOKENIZER_FILES = ("tokenizer*", "*chat_template*", "added_tokens.json", "special_tokens_map.json", "vocab.*",
+                    "merges.txt", "*.model", "generation_config.json")
+
+
 def _record_path(path: Path, cache_dir: Path) -> Path | None:
     files = [path / "tokenizer.json", path / "tokenizer_config.json"]
     if not all(f.is_file() for f in files):
         return None
     digest = hashlib.sha256()
-    for f in sorted(path.glob("tokenizer*")) + sorted(path.glob("*chat_template*")) + [path / "config.json"]:
+    for f in [p for pattern in _TOKENIZER_FILES for p in sorted(path.glob(pattern))] + [path / "config.json"]:
         if f.is_file():
             digest.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
     try:
