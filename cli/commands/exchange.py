@@ -29,6 +29,8 @@ def register(sub, common: argparse.ArgumentParser) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--model", "-m", metavar="M", help="the model an mlx-lm file was made with")
     p.add_argument("--scheme", metavar="S", help="compress an mlx-lm file's raw caches to this scheme")
+    p.add_argument("--adapter-path", metavar="P", help="the LoRA adapter an mlx-lm file was made with "
+                                                       "(mlx_lm.cache_prompt --adapter-path)")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--prompt", metavar="TEXT", help="the text an mlx-lm file was made from (mlx-lm files do not "
                                                        "record token ids; files tqstore exported do)")
@@ -70,7 +72,7 @@ def import_(ctx: Context, args: argparse.Namespace) -> int:
             arguments.read_text(args.prompt_file) if args.prompt_file else None)
         scheme = arguments.scheme_name(args.scheme)
         result = portable.import_mlx_lm(ctx.engine(), args.file, name, model=args.model, scheme=scheme, text=text,
-                                        system=args.system)
+                                        system=args.system, adapter_path=args.adapter_path)
     else:
         raise BadInput(f"{args.file} is neither a tqstore bundle nor an mlx-lm prompt-cache file "
                        f"({portable.MLX_LM_SUFFIX})")

@@ -117,8 +117,12 @@ def load_model(ref: str, *, cache_dir: Path, adapter_path: str | None = None, dt
     `light`: without transformers where the folder allows it (models/light.py), and record
     its tokenizer for the next light load when it goes through mlx-lm."""
     path = resolve_model_path(ref)
-    if adapter_path is not None and not Path(adapter_path).exists():
-        raise NotFound(f"adapter {adapter_path} not found")
+    if adapter_path is not None:
+        if not Path(adapter_path).expanduser().exists():
+            raise NotFound(f"adapter {adapter_path} not found")
+        # Absolute, as the model's path is: entries and models.json record it for later commands,
+        # which may run in another directory.
+        adapter_path = str(Path(adapter_path).expanduser().resolve())
     found = light_model(path, cache_dir) if light and adapter_path is None else None
     try:
         if found is not None:
