@@ -56,3 +56,19 @@ def write_model_folder(path: Path, kind: str = "qwen2", seed: int = 0, chat: boo
     model = model if model is not None else build_model(kind, seed=seed, **overrides)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return path
+
+
+def write_mlx_lm_cache(path: Path, model_dir: Path | str, text: str, adapter_path: str | None = None,
+                       metadata: dict[str, str] | None = None) -> list[int]:
+    """What `mlx_lm.cache_prompt` writes for `text` (the user turn left open, prefilled into
+    plain caches, `save_prompt_cache`) at `path`; returns the token ids."""
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
+
+    lm, tokenizer = load(str(model_dir), adapter_path=adapter_path)
+    tokens = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=False,
+                                           continue_final_message=True)
+    caches = make_prompt_cache(lm)
+    mx.eval(lm(mx.array(tokens)[None], cache=caches))
+    save_prompt_cache(str(path), caches, metadata or {})
+    return tokens

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from model_folder import write_model_folder
+from model_folder import write_mlx_lm_cache, write_model_folder
 from test_cli import DOC, cli, clean_env  # noqa: F401 - fixtures
 
 
@@ -50,19 +50,10 @@ def test_an_entry_saved_with_a_relative_adapter_path_is_asked_from_anywhere(cli,
 def test_an_mlx_lm_file_made_with_an_adapter_is_imported_with_it(cli, model_and_adapter, tmp_path):
     """import had no --adapter-path: a cache made with an adapter could only be stored as the
     base model's, whose later prompts then reused it."""
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
-
     model, work = model_and_adapter
     adapter = str(work / "adapters")
-    lm, tokenizer = load(str(model), adapter_path=adapter)
-    tokens = tokenizer.apply_chat_template([{"role": "user", "content": DOC}], add_generation_prompt=False,
-                                           continue_final_message=True)  # as mlx_lm.cache_prompt frames it
-    caches = make_prompt_cache(lm)
-    mx.eval(lm(mx.array(tokens)[None], cache=caches))
     file = tmp_path / "lora.safetensors"
-    save_prompt_cache(str(file), caches)
+    tokens = write_mlx_lm_cache(file, model, DOC, adapter_path=adapter)
     imported = cli("import", str(file), "doc", "--model", str(model), "--adapter-path", adapter, "--prompt", DOC)
     assert imported.code == 0, imported.err
     base = cli("save", "longer", "--model", str(model), "--prompt", DOC + " And more.", "--json")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from model_folder import write_model_folder
+from model_folder import write_mlx_lm_cache, write_model_folder
 from tqstore_cli import main as cli_main
 from tqstore_cli.commands.chat import newest_turn, turn_name
 
@@ -354,18 +354,8 @@ def test_export_mlx_lm_refuses_turbo_and_round_trips_raw(cli, model, tmp_path):
 
 
 def test_import_a_prompt_cache_file_made_by_mlx_lm(cli, model, other_model, tmp_path):
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
-
-    # What `mlx_lm.cache_prompt` does: the user turn left open, prefilled into plain caches.
-    lm, tokenizer = load(model)
-    tokens = tokenizer.apply_chat_template([{"role": "user", "content": DOC}], add_generation_prompt=False,
-                                           continue_final_message=True)
-    caches = make_prompt_cache(lm)
-    mx.eval(lm(mx.array(tokens)[None], cache=caches))
     file = tmp_path / "cache.safetensors"
-    save_prompt_cache(str(file), caches, {"model": model})
+    tokens = write_mlx_lm_cache(file, model, DOC, metadata={"model": model})
 
     fails(cli("import", str(file), "doc"), "needs the model")
     fails(cli("import", str(file), "doc", "--model", model), "pass the text it was made from")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from model_folder import write_model_folder
+from model_folder import write_mlx_lm_cache, write_model_folder
 from tqstore.models.loading import hub_repo
 from test_cli import DOC, cli, clean_env, fails  # noqa: F401 - fixtures
 
@@ -83,19 +83,10 @@ def test_an_entry_saved_by_repo_id_records_the_id_and_is_asked_on_another_machin
 
 
 def test_an_mlx_lm_prompt_cache_imported_by_repo_id_records_the_id(cli, folders, use_hub, tmp_path):
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
-
     tiny, _ = folders
     use_hub(hub_cache(tmp_path / "hub", tiny))
-    lm, tokenizer = load(str(tiny))
-    tokens = tokenizer.apply_chat_template([{"role": "user", "content": DOC}], add_generation_prompt=False,
-                                           continue_final_message=True)  # as mlx_lm.cache_prompt frames it
-    caches = make_prompt_cache(lm)
-    mx.eval(lm(mx.array(tokens)[None], cache=caches))
     file = tmp_path / "cache.safetensors"
-    save_prompt_cache(str(file), caches)
+    write_mlx_lm_cache(file, tiny, DOC)
     imported = cli("import", str(file), "doc", "--model", REPO, "--prompt", DOC, "-q")
     assert imported.code == 0, imported.err
     info = cli("info", "doc", "--json").json
