@@ -51,14 +51,13 @@ REFRESH = 60.0  # seconds between a holder's rewrites of its lock
 PUSH_WAIT = 120.0  # seconds a push waits for a live gc lock to go before it gives up
 GC_WAIT = 10.0  # seconds a gc that found live push locks waits before it lists them once more
 POLL = 1.0  # seconds between a waiting push's LISTs of the locks
-FOLDER = "locks/"
 
 
 @dataclass(frozen=True)
 class Lock:
-    """A lock object as listed: its bucket key, kind ("push" or "gc") and Last-Modified."""
+    """A lock object as listed: its name, kind ("push" or "gc") and Last-Modified."""
 
-    key: str
+    name: str
     kind: str
     modified: float
 
@@ -68,7 +67,7 @@ class LockHolder:
 
     def __init__(self, s3: S3Tier, kind: str) -> None:
         self.s3, self.kind = s3, kind
-        self.key = f"{s3.prefix}{FOLDER}{kind}-{os.urandom(12).hex()}"
+        self.name = f"{kind}-{os.urandom(12).hex()}"
         self._written = 0.0  # time.time() of the last successful write (wall clock: counts a sleep)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -78,7 +77,7 @@ class LockHolder:
     def write(self) -> None:
         body = json.dumps({"kind": self.kind, "time": time.time(), "machine": _machine(), "pid": os.getpid()}).encode()
         started = time.time()
-        self.s3._call("put_object", Key=self.key, Body=body, ContentType="application/json")
+        self.s3.put_lock(self.name, body)
         self._written = started
 
     def start(self) -> None:
@@ -95,15 +94,15 @@ class LockHolder:
         """RemoteError when the lock may have been taken for stale (not rewritten for close to
         STALE seconds): what this holder decided may no longer hold."""
         if time.time() - self._written > STALE - REFRESH / 2:
-            raise RemoteError(f"this {self.kind}'s lock in the bucket (s3://{self.s3.bucket}/{self.key}) could not be "
-                              f"rewritten for {time.time() - self._written:.0f} s, so another machine may have taken "
-                              "it for a killed process's: nothing more was written; run it again")
+            where = f"s3://{self.s3.bucket}/{self.s3.lock_name(self.name)}"
+            raise RemoteError(f"this {self.kind}'s lock in the bucket ({where}) could not be rewritten for "
+                              f"{time.time() - self._written:.0f} s, so another machine may have taken it for a "
+                              "killed process's: nothing more was written; run it again")
 
     def _dead(self, lock: Lock) -> bool:
         """Whether `lock` was written by a process of this machine that no longer runs (killed)."""
         try:
-            response = self.s3._call("get_object", Key=lock.key)
-            body = json.loads(response["Body"].read())
+            body = json.loads(self.s3.get_lock(lock.name))
             pid = body["pid"]
             if body["machine"] != _machine() or not isinstance(pid, int) or pid == os.getpid():
                 return False
@@ -119,23 +118,20 @@ class LockHolder:
         if self._thread is not None:
             self._thread.join()
         with suppress(TqstoreError):  # left behind, it goes stale
-            self.s3._call("delete_object", Key=self.key)
+            self.s3.delete_lock(self.name)
 
     def others(self) -> list[Lock]:
         """The other live locks of the prefix; stale ones are deleted on the way."""
-        locks = []
-        for item in self.s3._list(FOLDER):
-            name = item["Key"][len(self.s3.prefix) + len(FOLDER):]
-            kind = name.partition("-")[0]
-            if kind in ("push", "gc"):
-                locks.append(Lock(item["Key"], kind, item["LastModified"].timestamp()))
-        mine = next((lock.modified for lock in locks if lock.key == self.key), None)
+        locks = [Lock(name, name.partition("-")[0], modified) for name, modified in self.s3.list_locks().items()
+                 if name.partition("-")[0] in ("push", "gc")]
+        mine = next((lock.modified for lock in locks if lock.name == self.name), None)
         now = max((lock.modified for lock in locks), default=0.0) if mine is None else mine
-        stale = [lock for lock in locks if lock.key != self.key and (now - lock.modified >= STALE or self._dead(lock))]
+        stale = [lock for lock in locks
+                 if lock.name != self.name and (now - lock.modified >= STALE or self._dead(lock))]
         for lock in stale:
             with suppress(TqstoreError):
-                self.s3._call("delete_object", Key=lock.key)
-        return [lock for lock in locks if lock.key != self.key and lock not in stale]
+                self.s3.delete_lock(lock.name)
+        return [lock for lock in locks if lock.name != self.name and lock not in stale]
 
 
 @contextmanager
@@ -155,8 +151,8 @@ def push_lock(s3: S3Tier) -> Iterator[LockHolder]:
             break
         holder.release()
         if time.monotonic() >= deadline:
-            raise ConflictError(f"a gc --remote holds s3://{s3.bucket}/{gcs[0].key} (another machine collecting the "
-                                f"bucket) after {PUSH_WAIT:.0f} s of waiting: push again when it ends (the lock of a "
+            raise ConflictError(f"a gc --remote holds s3://{s3.bucket}/{s3.lock_name(gcs[0].name)} (another machine "
+                                f"collecting the bucket) after {PUSH_WAIT:.0f} s of waiting: push again when it ends (the lock of a "
                                 f"killed gc is ignored {STALE / 60:.0f} minutes after its last rewrite)")
         time.sleep(POLL)
     holder.start()

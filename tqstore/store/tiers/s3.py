@@ -415,6 +415,28 @@ class S3Tier:
             if len(hex_name) == 64 and set(hex_name) <= _HEX:
                 yield item, hex_name
 
+    # --- locks (bucket_locks.py) ---------------------------------------------------------------
+
+    def lock_name(self, name: str) -> str:
+        """The bucket key of lock object `name`."""
+        return f"{self.prefix}locks/{name}"
+
+    def put_lock(self, name: str, body: bytes) -> None:
+        """Write lock object `name`: plain JSON, never sealed (it holds no data)."""
+        self._call("put_object", Key=self.lock_name(name), Body=body, ContentType="application/json")
+
+    def get_lock(self, name: str) -> bytes:
+        """The body of lock object `name` (RemoteError, or NotFound's like, if it is gone)."""
+        return self._call("get_object", Key=self.lock_name(name))["Body"].read()
+
+    def delete_lock(self, name: str) -> None:
+        self._call("delete_object", Key=self.lock_name(name))
+
+    def list_locks(self) -> dict[str, float]:
+        """{lock name: last modified, the server's time} of every lock object (LIST)."""
+        start = len(self.lock_name(""))
+        return {item["Key"][start:]: item["LastModified"].timestamp() for item in self._list("locks/")}
+
     # --- manifests -----------------------------------------------------------------------------
 
     def get_manifest(self, name: str) -> tuple[bytes, str] | None:
