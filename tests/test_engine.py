@@ -140,6 +140,23 @@ def test_empty_document_is_refused(engine, model_dir):
         engine.save("doc", "  \n", model=str(model_dir))
 
 
+def test_no_tokens_and_bad_sampling_options_are_bad_input(engine, model_dir):
+    """Before: an entry of 0 tokens was stored (a tokenizer that encodes everything to nothing),
+    and asking it, or an empty prompt, failed inside MLX's gather; max_tokens=-1 generated without
+    end and a NaN temperature always gave the last token id."""
+    loaded = engine.model(str(model_dir))
+    with pytest.raises(BadInput, match="no tokens"):
+        engine.save_tokens("empty", loaded, [])
+    with pytest.raises(BadInput, match="no tokens"):
+        engine.generate(loaded, "raw", [], max_tokens=2)
+    assert engine.store.ls() == []
+    engine.save("doc", DOCUMENT, model=str(model_dir), scheme="raw")
+    for bad, match in (({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+                       ({"temp": float("nan")}, "temp"), ({"temp": -1.0}, "temp"), ({"top_p": 2.0}, "top_p")):
+        with pytest.raises(BadInput, match=match):
+            engine.ask("doc", "Who pays?", **bad)
+
+
 def test_an_unknown_scheme_is_bad_input(engine, model_dir):
     """Before: a plain ValueError from the codec, which callers catching TqstoreError missed."""
     with pytest.raises(BadInput, match="turbo9"):

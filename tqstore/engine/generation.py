@@ -133,6 +133,7 @@ class Answerer:
         """
         from mlx_lm.sample_utils import make_sampler
 
+        _check_request(prompt, max_tokens, temp, top_p)
         started, remainder, prefill, halted = yield from self.prompt_steps(loaded, scheme, prompt, seed=seed,
                                                                            stop=stop, on_start=on_start,
                                                                            started=started, windows=windows)
@@ -250,3 +251,19 @@ def _inherited(metadata) -> dict[str, str]:
     """What a chat turn keeps of its parent's metadata: not its quality receipt, measured on
     the parent's tokens (a turn's own is not measured)."""
     return {k: v for k, v in metadata.items() if k not in RECEIPT_KEYS}
+
+
+def _check_request(prompt: Sequence[int], max_tokens: int, temp: float, top_p: float) -> None:
+    """BadInput for what the command line and the server refuse before they get here: a
+    negative or fractional token cap generated without end, a NaN temperature always gave the
+    last token id, and an empty prompt (a model folder without its tokenizer files encodes
+    everything to nothing) failed inside MLX's gather."""
+    if not prompt:
+        raise BadInput("the prompt has no tokens: is the model's tokenizer complete (tokenizer.json, "
+                       "tokenizer_config.json)?")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise BadInput(f"max_tokens must be a whole number of at least 1, not {max_tokens!r}")
+    if not temp >= 0.0:
+        raise BadInput(f"temp must be 0 or more, not {temp!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise BadInput(f"top_p must be in (0, 1], not {top_p!r}")

@@ -74,6 +74,9 @@ class Saver:
         """`save_tokens`, yielding between prefill chunks (as `generation`); returns its result.
         `windows` ("token" or "whole", default the engine's) says how the entry keeps its
         sliding-window and chunked layers."""
+        if not tokens:  # an empty entry restores into nothing an answer can start from
+            raise BadInput("the document frames to no tokens for this model: is its tokenizer complete "
+                           "(tokenizer.json, tokenizer_config.json)?")
         scheme = scheme_name(scheme or self.store.config.default_scheme)
         windows = window_mode(windows or self.models.windows)
         started = self.prefiller.start(loaded, scheme, tokens, windows)
