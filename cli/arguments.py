@@ -51,8 +51,9 @@ def read_text(path: str) -> str:
         raise NotFound(f"no such file: {path}")
     if file.is_dir():
         raise BadInput(f"{path} is a folder: pass a text file")
-    try:
-        return file.read_text(encoding="utf-8")
+    try:  # newline="": the file's text as it is (CRLF kept), as stdin and --prompt give it
+        with open(file, encoding="utf-8", newline="") as f:
+            return f.read()
     except UnicodeDecodeError:
         raise BadInput(f"{path} is not UTF-8 text: convert it first (e.g. iconv -t UTF-8)") from None
 

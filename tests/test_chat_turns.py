@@ -116,3 +116,11 @@ def test_a_question_to_a_turn_asks_it_as_the_next_turn_does_and_turns_have_no_re
     asked = engine.ask("doc.turn-1", "second question", max_tokens=4)
     turned = engine.answerer.chat_turn("doc.turn-1", "second question", "doc.turn-2", max_tokens=4)
     assert asked.prompt_tokens == turned.prompt_tokens and asked.tokens == turned.tokens
+
+
+def test_chat_with_stdin_closed_says_so(cli, model, monkeypatch):
+    """`tqstore chat doc <&-` (a cron job) was an internal error: AttributeError on sys.stdin."""
+    cli("save", "doc", "--model", model, "--prompt", "A document about apples.", "-q")
+    monkeypatch.setattr(sys, "stdin", None)
+    code, out, err = cli("chat", "doc")
+    assert code == 1 and "stdin, which is closed" in err and "internal error" not in err

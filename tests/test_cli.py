@@ -353,6 +353,17 @@ def test_export_mlx_lm_refuses_turbo_and_round_trips_raw(cli, model, tmp_path):
     assert answer["cached_tokens"] == exported["tokens"]
 
 
+def test_a_file_is_saved_as_its_text_as_stdin_and_prompt_give_it(cli, model, tmp_path):
+    """--file read CRLF line ends as LF (Python's universal newlines) where stdin and --prompt
+    keep them: one file gave two entries that shared no block."""
+    text = "First line of the contract.\r\nSecond line: the seller pays.\r\n" * 3
+    file = tmp_path / "crlf.txt"
+    file.write_bytes(text.encode())
+    from_file = cli("save", "a", "--model", model, "--file", str(file), "--json").json
+    from_prompt = cli("save", "b", "--model", model, "--prompt", text, "--json").json
+    assert from_prompt["tokens"] == from_file["tokens"] and from_prompt["reused_tokens"] == from_file["tokens"]
+
+
 def test_import_a_prompt_cache_file_made_by_mlx_lm(cli, model, other_model, tmp_path):
     file = tmp_path / "cache.safetensors"
     tokens = write_mlx_lm_cache(file, model, DOC, metadata={"model": model})

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from tqstore.errors import NotFound, TqstoreError
+from tqstore.errors import BadInput, NotFound, TqstoreError
 from tqstore.names import MAX_NAME_LENGTH, validate_name
 
 from .. import render
@@ -202,6 +202,9 @@ def chat(ctx: Context, args: argparse.Namespace) -> int:
     engine = ctx.engine()
     store = engine.store
     store.get(name)  # NotFound before anything else
+    if sys.stdin is None:  # a daemon or cron job started without one
+        raise BadInput("no questions: chat reads them from stdin, which is closed; pipe them in, or use "
+                       "`tqstore ask NAME QUESTION`")
     base = conversation_base(store, name)
     names = [e.name for e in store.ls()]
     n = newest_turn(names, base)
