@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,13 @@ def test_chat_with_stdin_closed_says_so(cli, model, monkeypatch):
     monkeypatch.setattr(sys, "stdin", None)
     code, out, err = cli("chat", "doc")
     assert code == 1 and "stdin, which is closed" in err and "internal error" not in err
+
+
+def test_an_expired_entry_whose_blocks_a_turn_keeps_is_not_called_unused(cli, model):
+    """The note after asking an expired entry said its context was not used when a live chat
+    turn of it had just restored most of it."""
+    cli("save", "doc", "--model", model, "--prompt", "A document about apples and pears. " * 40, "--ttl", "1s", "-q")
+    cli("chat", "doc", "--max-tokens", "2", "--json", stdin="first question\n")
+    time.sleep(1.1)
+    code, out, err = cli("ask", "doc", "Who pays?", "--max-tokens", "1")
+    assert code == 0 and "came only from other entries sharing it" in err and "was not used" not in err

@@ -107,6 +107,8 @@ def ask(ctx: Context, args: argparse.Namespace) -> int:
         ctx.out.note(render.answer_line(result, ctx.out.verbose))
         manifest = engine.store.get(name)
         if manifest.expired(time.time()):  # else "no stored prefix" would read as a lost entry
-            ctx.out.note(f"entry {name} expired at {time.ctime(manifest.expires)}, so its stored context was not "
-                         "used: save it again (or pin it) to keep it")
+            # Its blocks may still come from a live entry sharing them (a chat turn of it, say).
+            used = "was not used" if result.cached_tokens == 0 else "came only from other entries sharing it"
+            ctx.out.note(f"entry {name} expired at {time.ctime(manifest.expires)}, so its stored context {used}: "
+                         "save it again (or pin it) to keep it")
     return 0
